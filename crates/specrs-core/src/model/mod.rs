@@ -1,0 +1,73 @@
+//! Target and draft models: the `CausalLm` trait and one file per architecture family.
+//!
+//! Invariant: `forward` scores EVERY new token (verification needs the logits of all k+1
+//! positions from one pass) and leaves the cache holding exactly the old positions plus the new
+//! ones; the caller rolls back with `KvCache::truncate`.
+
+pub mod attention;
+pub mod llama;
+pub mod parallel;
+pub mod qlinear;
+
+use candle_core::{Device, Tensor};
+
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use crate::kv_cache::KvCache;
+
+/// Shape facts every caller needs (cache sizing, context checks, vocabulary size).
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    pub architecture: String,
+    pub vocab_size: usize,
+    pub context_length: usize,
+    pub num_layers: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Which positions of a forward get logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitRows {
+    /// Every new position: verification.
+    All,
+    /// Only the last new position: prefill and plain decoding (skips the LM head elsewhere).
+    Last,
+}
+
+pub trait CausalLm: Send + Sync {
+    fn info(&self) -> &ModelInfo;
+
+    fn device(&self) -> &Device;
+
+    /// Bytes of weights held in memory.
+    fn weight_bytes(&self) -> usize;
+
+    /// A cache for one sequence with `capacity` positions allocated up front.
+    fn new_cache(&self, capacity: usize) -> Result<KvCache>;
+
+    /// Consumes `tokens` (new tokens only; their positions continue from `cache.len()`) and
+    /// returns logits `[num_rows, vocab_size]`, where `num_rows` is `tokens.len()` for
+    /// `LogitRows::All` and 1 for `LogitRows::Last`.
+    fn forward_rows(&self, tokens: &[u32], cache: &mut KvCache, rows: LogitRows) -> Result<Tensor>;
+
+    /// Logits `[tokens.len(), vocab_size]` for every new position.
+    fn forward(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor> {
+        self.forward_rows(tokens, cache, LogitRows::All)
+    }
+}
+
+/// Architectures `load` accepts, for error messages.
+pub const SUPPORTED_ARCHITECTURES: &str = "llama (SmolLM2, Llama 2/3, Mistral)";
+
+/// Opens a GGUF file and builds the model its `general.architecture` names.
+pub fn load(gguf: &mut GgufFile, device: &Device) -> Result<Box<dyn CausalLm>> {
+    let architecture = gguf.get_str("general.architecture")?.to_string();
+    match architecture.as_str() {
+        "llama" | "mistral" => Ok(Box::new(llama::Llama::load(gguf, &architecture, device)?)),
+        other => Err(Error::model_load(format!(
+            "{}: unsupported architecture '{other}'; specrs runs {SUPPORTED_ARCHITECTURES}",
+            gguf.path.display()
+        ))),
+    }
+}

@@ -1,0 +1,328 @@
+//! Linear layers over GGUF quantized weights, with specrs' own CPU kernels for Q4_1 and Q8_0.
+//!
+//! Why not candle's `QMatMul` for these: candle 0.11 has no x86 SIMD path for Q4_1 (scalar code,
+//! ~10x slower than llama.cpp), and verification wants each weight row read once for all n
+//! activation rows. Here every weight row (an output feature) is unpacked once per block and
+//! dotted with up to `ROW_GROUP` quantized activation rows while it sits in registers; threads
+//! split the output features.
+//!
+//! Invariant: output row i depends only on input row i, computed in the same order whatever n is
+//! (activations are quantized per row and block, exactly as llama.cpp's AVX2 path does: int8 with
+//! round-half-even, scales stored as f16), so batched and single-token forwards agree bitwise.
+//! Other quantization types fall back to candle's `QMatMul`.
+
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+use half::f16;
+
+use super::parallel::for_each_chunk_mut;
+use crate::error::Result;
+
+const BLOCK: usize = 32;
+/// Activation rows dotted with one unpacked weight block before moving on.
+const ROW_GROUP: usize = 4;
+/// Output features per parallel work item.
+const FEATURES_PER_TASK: usize = 64;
+
+/// Weight formats with a native kernel. Block layouts follow ggml.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// `{ d: f16, m: f16, qs: [u8; 16] }`: x = d * nibble + m; nibble j is element j (low) / j+16 (high).
+    Q4_1,
+    /// `{ d: f16, qs: [i8; 32] }`: x = d * q.
+    Q8_0,
+}
+
+impl Format {
+    fn block_bytes(self) -> usize {
+        match self {
+            Format::Q4_1 => 20,
+            Format::Q8_0 => 34,
+        }
+    }
+}
+
+/// One activation row quantized to int8 blocks: `scales[b]` = d (f16-rounded), `sums[b]` =
+/// d * sum(qs) (f16-rounded, the Q8_1 "s" used with Q4_1's offset).
+struct QuantizedRows {
+    qs: Vec<i8>,
+    scales: Vec<f32>,
+    sums: Vec<f32>,
+    num_blocks: usize,
+}
+
+fn quantize_rows(x: &[f32], num_rows: usize, in_features: usize) -> QuantizedRows {
+    let num_blocks = in_features / BLOCK;
+    let mut qs = vec![0i8; num_rows * in_features];
+    let mut scales = vec![0f32; num_rows * num_blocks];
+    let mut sums = vec![0f32; num_rows * num_blocks];
+    for (b, block) in x.chunks_exact(BLOCK).enumerate() {
+        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let inv_d = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in qs[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(block) {
+            *q = round_ties_even(v * inv_d) as i8;
+            sum += *q as i32;
+        }
+        scales[b] = f16::from_f32(d).to_f32();
+        sums[b] = f16::from_f32(d * sum as f32).to_f32();
+    }
+    QuantizedRows { qs, scales, sums, num_blocks }
+}
+
+/// Round half to even for |x| < 2^22 (the magic constant pushes the fraction out of the
+/// mantissa; the FPU's default rounding mode is ties-to-even), inlined unlike `f32::round_ties_even`.
+#[inline]
+fn round_ties_even(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
+    (x + MAGIC) - MAGIC
+}
+
+/// A weight matrix `[out_features, in_features]`.
+pub enum QLinear {
+    Native { format: Format, data: Vec<u8>, out_features: usize, in_features: usize },
+    Candle(QMatMul),
+}
+
+impl QLinear {
+    pub fn new(weight: Arc<QTensor>) -> Result<Self> {
+        let (out_features, in_features) = weight.shape().dims2()?;
+        let format = match weight.dtype() {
+            GgmlDType::Q4_1 => Some(Format::Q4_1),
+            GgmlDType::Q8_0 => Some(Format::Q8_0),
+            _ => None,
+        };
+        match format {
+            Some(format) if in_features % BLOCK == 0 && matches!(weight.device(), Device::Cpu) => {
+                Ok(QLinear::Native { format, data: weight.data()?.into_owned(), out_features, in_features })
+            }
+            _ => Ok(QLinear::Candle(QMatMul::from_arc(weight)?)),
+        }
+    }
+
+    /// `x`: `[..., in_features]` f32 -> `[..., out_features]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (format, data, out_features, in_features) = match self {
+            QLinear::Native { format, data, out_features, in_features } => (format, data, out_features, in_features),
+            QLinear::Candle(m) => return Ok(m.forward(x)?),
+        };
+        let mut out_dims = x.dims().to_vec();
+        let num_rows = x.elem_count() / in_features;
+        *out_dims.last_mut().expect("rank >= 1") = *out_features;
+        let input: Vec<f32> = x.flatten_all()?.to_vec1()?;
+        let rows = quantize_rows(&input, num_rows, *in_features);
+        let out = matmul(*format, data, *out_features, *in_features, &rows, num_rows);
+        Ok(Tensor::from_vec(out, out_dims, x.device())?)
+    }
+}
+
+/// `[num_rows, out_features]` = rows x weightᵀ.
+fn matmul(format: Format, data: &[u8], out_features: usize, in_features: usize, rows: &QuantizedRows, num_rows: usize) -> Vec<f32> {
+    let row_bytes = in_features / BLOCK * format.block_bytes();
+    // Feature-major scratch so each task writes one contiguous slice.
+    let mut by_feature = vec![0f32; out_features * num_rows];
+    for_each_chunk_mut(&mut by_feature, FEATURES_PER_TASK * num_rows, |task, chunk| {
+        for (f, out) in chunk.chunks_mut(num_rows).enumerate() {
+            let feature = task * FEATURES_PER_TASK + f;
+            let weight = &data[feature * row_bytes..(feature + 1) * row_bytes];
+            for group_start in (0..num_rows).step_by(ROW_GROUP) {
+                let group = (num_rows - group_start).min(ROW_GROUP);
+                dot_rows(format, weight, rows, group_start, &mut out[group_start..group_start + group]);
+            }
+        }
+    });
+    let mut out = vec![0f32; num_rows * out_features];
+    for (feature, values) in by_feature.chunks(num_rows).enumerate() {
+        for (row, &v) in values.iter().enumerate() {
+            out[row * out_features + feature] = v;
+        }
+    }
+    out
+}
+
+fn dot_rows(format: Format, weight: &[u8], rows: &QuantizedRows, first: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if avx2::available() {
+            // SAFETY: the CPU supports AVX2, FMA and F16C (checked above); shapes come from `matmul`.
+            unsafe { avx2::dot_rows(format, weight, rows, first, out) };
+            return;
+        }
+    }
+    scalar_dot_rows(format, weight, rows, first, out);
+}
+
+fn f16_at(bytes: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([bytes[at], bytes[at + 1]]).to_f32()
+}
+
+/// Reference kernel (and the path for CPUs without AVX2).
+fn scalar_dot_rows(format: Format, weight: &[u8], rows: &QuantizedRows, first: usize, out: &mut [f32]) {
+    let bb = format.block_bytes();
+    for (r, o) in out.iter_mut().enumerate() {
+        let row = first + r;
+        let mut total = 0f32;
+        for b in 0..rows.num_blocks {
+            let blk = &weight[b * bb..(b + 1) * bb];
+            let qa = &rows.qs[(row * rows.num_blocks + b) * BLOCK..][..BLOCK];
+            let (da, sa) = (rows.scales[row * rows.num_blocks + b], rows.sums[row * rows.num_blocks + b]);
+            match format {
+                Format::Q4_1 => {
+                    let (d, m) = (f16_at(blk, 0), f16_at(blk, 2));
+                    let mut acc = 0i32;
+                    for j in 0..16 {
+                        acc += (blk[4 + j] & 0x0F) as i32 * qa[j] as i32;
+                        acc += (blk[4 + j] >> 4) as i32 * qa[j + 16] as i32;
+                    }
+                    total += d * da * acc as f32 + m * sa;
+                }
+                Format::Q8_0 => {
+                    let d = f16_at(blk, 0);
+                    let acc: i32 = (0..BLOCK).map(|j| blk[2 + j] as i8 as i32 * qa[j] as i32).sum();
+                    total += d * da * acc as f32;
+                }
+            }
+        }
+        *o = total;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{Format, QuantizedRows, BLOCK, ROW_GROUP};
+
+    pub fn available() -> bool {
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(x: __m256) -> f32 {
+        let r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+        let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+        let r = _mm_add_ss(r, _mm_movehdup_ps(r));
+        _mm_cvtss_f32(r)
+    }
+
+    /// Sum of u8 x i8 products in 8 float lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn mul_sum_us8(ax: __m256i, sy: __m256i) -> __m256 {
+        let pairs = _mm256_maddubs_epi16(ax, sy);
+        _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), pairs))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn f16_to_f32(p: *const u8) -> f32 {
+        let bits = unsafe { (p as *const u16).read_unaligned() };
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
+    /// # Safety
+    /// Needs AVX2, FMA and F16C; `out.len() <= ROW_GROUP` rows starting at `first` must exist in
+    /// `rows`, and `weight` must hold `rows.num_blocks` blocks of `format`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_rows(format: Format, weight: &[u8], rows: &QuantizedRows, first: usize, out: &mut [f32]) {
+        let group = out.len();
+        debug_assert!(group <= ROW_GROUP && weight.len() == rows.num_blocks * format.block_bytes());
+        let bb = format.block_bytes();
+        let nb = rows.num_blocks;
+        let w = weight.as_ptr();
+        let qs = rows.qs.as_ptr();
+        let scales = rows.scales.as_ptr();
+        let sums = rows.sums.as_ptr();
+        let mut acc = [_mm256_setzero_ps(); ROW_GROUP];
+        let mut offsets = [0f32; ROW_GROUP];
+        let low_nibbles = _mm256_set1_epi8(0x0F);
+        for b in 0..nb {
+            unsafe {
+                let blk = w.add(b * bb);
+                let d = f16_to_f32(blk);
+                match format {
+                    Format::Q4_1 => {
+                        let m = f16_to_f32(blk.add(2));
+                        let packed = _mm_loadu_si128(blk.add(4) as *const __m128i);
+                        let both = _mm256_insertf128_si256::<1>(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4));
+                        let wx = _mm256_and_si256(both, low_nibbles);
+                        for r in 0..group {
+                            let at = (first + r) * nb + b;
+                            let qa = _mm256_loadu_si256(qs.add(at * BLOCK) as *const __m256i);
+                            let scale = _mm256_set1_ps(d * *scales.add(at));
+                            acc[r] = _mm256_fmadd_ps(scale, mul_sum_us8(wx, qa), acc[r]);
+                            offsets[r] += m * *sums.add(at);
+                        }
+                    }
+                    Format::Q8_0 => {
+                        let q = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                        let wx = _mm256_sign_epi8(q, q);
+                        for r in 0..group {
+                            let at = (first + r) * nb + b;
+                            let qa = _mm256_sign_epi8(_mm256_loadu_si256(qs.add(at * BLOCK) as *const __m256i), q);
+                            let scale = _mm256_set1_ps(d * *scales.add(at));
+                            acc[r] = _mm256_fmadd_ps(scale, mul_sum_us8(wx, qa), acc[r]);
+                        }
+                    }
+                }
+            }
+        }
+        for r in 0..group {
+            out[r] = hsum(acc[r]) + offsets[r];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(dtype: GgmlDType) {
+        let (out_f, in_f, n) = (70, 64, 6);
+        let w = Tensor::randn(0f32, 1.0, (out_f, in_f), &Device::Cpu).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (n, in_f), &Device::Cpu).unwrap();
+        let qw = Arc::new(QTensor::quantize(&w, dtype).unwrap());
+        let linear = QLinear::new(qw.clone()).unwrap();
+        assert!(matches!(linear, QLinear::Native { .. }));
+        let ours = linear.forward(&x).unwrap();
+        // Against the dequantized weights in f32: only the activation rounding differs.
+        let exact = x.matmul(&qw.dequantize(&Device::Cpu).unwrap().t().unwrap()).unwrap();
+        let err = (&ours - &exact).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(err < 0.05 * (in_f as f32).sqrt(), "{dtype:?}: max error {err}");
+        // Each row equals that row computed alone, bitwise.
+        for i in 0..n {
+            let single = linear.forward(&x.narrow(0, i, 1).unwrap()).unwrap();
+            let batched = ours.narrow(0, i, 1).unwrap();
+            assert_eq!(single.to_vec2::<f32>().unwrap(), batched.to_vec2::<f32>().unwrap());
+        }
+        // The SIMD kernel equals the scalar reference.
+        let (format, data) = match &linear { QLinear::Native { format, data, .. } => (*format, data.clone()), _ => unreachable!() };
+        let input: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+        let rows = quantize_rows(&input, n, in_f);
+        let row_bytes = in_f / BLOCK * format.block_bytes();
+        for feature in 0..out_f {
+            let wrow = &data[feature * row_bytes..(feature + 1) * row_bytes];
+            let mut simd = vec![0f32; n.min(ROW_GROUP)];
+            let mut scalar = simd.clone();
+            dot_rows(format, wrow, &rows, 0, &mut simd);
+            scalar_dot_rows(format, wrow, &rows, 0, &mut scalar);
+            for (a, b) in simd.iter().zip(&scalar) {
+                assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn q4_1_matches_dequantized_reference() {
+        check(GgmlDType::Q4_1);
+    }
+
+    #[test]
+    fn q8_0_matches_dequantized_reference() {
+        check(GgmlDType::Q8_0);
+    }
+}

@@ -1,0 +1,301 @@
+//! The tokenizer a GGUF file carries, rebuilt as a `tokenizers::Tokenizer`.
+//!
+//! - `tokenizer.ggml.model = "gpt2"`: byte-level BPE; the pre-tokenizer regexes are chosen by
+//!   `tokenizer.ggml.pre` exactly as llama.cpp chooses them. An unknown `pre` is an error: a wrong
+//!   split silently changes every token id.
+//! - `tokenizer.ggml.model = "llama"`: SentencePiece BPE. llama.cpp merges the adjacent pair whose
+//!   concatenation has the highest score; that is BPE whose merge ranks follow the scores of the
+//!   merged tokens, with byte fallback for characters outside the vocabulary.
+//!
+//! Invariant: control and user-defined tokens in the text are matched as single tokens (the chat
+//! template relies on it); decoding with `skip_special_tokens` drops control tokens.
+
+use candle_core::quantized::gguf_file::Value;
+use tokenizers::decoders::byte_fallback::ByteFallback;
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::decoders::strip::Strip;
+use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::normalizers::{Prepend, Replace, Sequence as NormalizerSequence};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::sequence::Sequence as PreTokenizerSequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
+
+use crate::chat_template::ChatTemplate;
+use crate::error::{Error, Result};
+use crate::gguf::{value_as_i64, GgufFile};
+
+// llama.cpp's token types (llama_token_type in gguf).
+const TOKEN_TYPE_NORMAL: i64 = 1;
+const TOKEN_TYPE_CONTROL: i64 = 3;
+const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+
+const GPT2_REGEX: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+const LLAMA3_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// `tokenizer.ggml.pre` values specrs understands -> (regexes applied in order, ignore_merges).
+fn pre_tokenizer_regexes(pre: &str) -> Option<(Vec<&'static str>, bool)> {
+    Some(match pre {
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" | "lfm2" => (vec![LLAMA3_REGEX], true),
+        "qwen2" | "deepseek-r1-qwen" | "stablelm2" | "megrez" | "hunyuan" => (vec![QWEN2_REGEX], false),
+        "gpt-2" | "gpt2" | "phi-2" | "mpt" | "olmo" | "jais" | "trillion" => (vec![GPT2_REGEX], false),
+        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" => {
+            (vec![r"\p{N}", GPT2_REGEX], false)
+        }
+        _ => return None,
+    })
+}
+
+const SUPPORTED_PRE: &str = "llama3, llama-bpe, qwen2, gpt-2, phi-2, smollm, starcoder (and their llama.cpp aliases)";
+
+/// Token strings that end a turn in common chat formats; llama.cpp stops on them too.
+const END_OF_TURN_TEXTS: [&str; 7] =
+    ["<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>"];
+
+pub struct TextTokenizer {
+    inner: Tokenizer,
+    bos_token_id: Option<u32>,
+    add_bos: bool,
+    /// Tokens that end generation.
+    eos_token_ids: Vec<u32>,
+    chat_template: Option<ChatTemplate>,
+    vocab_size: usize,
+}
+
+impl TextTokenizer {
+    pub fn from_gguf(gguf: &GgufFile) -> Result<Self> {
+        let path = gguf.path.display().to_string();
+        let model = gguf.get_str("tokenizer.ggml.model")?.to_string();
+        let tokens: Vec<String> = gguf
+            .get_array("tokenizer.ggml.tokens")?
+            .iter()
+            .map(|v| match v {
+                Value::String(s) => Ok(s.clone()),
+                _ => Err(Error::model_load(format!("{path}: tokenizer.ggml.tokens holds a non-string"))),
+            })
+            .collect::<Result<_>>()?;
+        let vocab_size = tokens.len();
+        let token_types: Vec<i64> = match gguf.metadata().get("tokenizer.ggml.token_type") {
+            Some(Value::Array(a)) => a.iter().map(|v| value_as_i64(v).unwrap_or(TOKEN_TYPE_NORMAL)).collect(),
+            _ => vec![TOKEN_TYPE_NORMAL; vocab_size],
+        };
+        if token_types.len() != vocab_size {
+            return Err(Error::model_load(format!(
+                "{path}: {} token types for {vocab_size} tokens; the GGUF is corrupt",
+                token_types.len()
+            )));
+        }
+        let special_id = |key: &str| -> Result<Option<u32>> {
+            match gguf.opt_usize(key)? {
+                Some(id) if id >= vocab_size => Err(Error::model_load(format!(
+                    "{path}: {key} = {id} is outside the vocabulary of {vocab_size} tokens"
+                ))),
+                other => Ok(other.map(|id| id as u32)),
+            }
+        };
+        let bos_token_id = special_id("tokenizer.ggml.bos_token_id")?;
+        let eos_token_id = special_id("tokenizer.ggml.eos_token_id")?;
+        let unk_token_id = special_id("tokenizer.ggml.unknown_token_id")?;
+
+        let (mut inner, default_add_bos) = match model.as_str() {
+            "gpt2" => (Self::byte_level_bpe(gguf, &tokens)?, false),
+            "llama" => (Self::sentencepiece_bpe(gguf, &tokens, &token_types, unk_token_id)?, true),
+            other => {
+                return Err(Error::model_load(format!(
+                    "{path}: tokenizer model '{other}' is not supported; specrs reads 'gpt2' (BPE) and \
+                     'llama' (SentencePiece) tokenizers"
+                )))
+            }
+        };
+        let add_bos = gguf.opt_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(default_add_bos);
+
+        // Control tokens are special (matched in text, skipped when decoding); user-defined ones
+        // are matched in text but decoded as text.
+        let added = |wanted: i64, special: bool| -> Vec<AddedToken> {
+            tokens
+                .iter()
+                .zip(&token_types)
+                .filter(|(_, &t)| t == wanted)
+                .map(|(s, _)| AddedToken::from(s.clone(), special))
+                .collect()
+        };
+        inner
+            .add_special_tokens(added(TOKEN_TYPE_CONTROL, true))
+            .map_err(|e| Error::Internal(format!("adding control tokens: {e}")))?;
+        inner.add_tokens(added(TOKEN_TYPE_USER_DEFINED, false))
+            .map_err(|e| Error::Internal(format!("adding user-defined tokens: {e}")))?;
+
+        let mut eos_token_ids: Vec<u32> = eos_token_id.into_iter().collect();
+        for key in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+            eos_token_ids.extend(special_id(key)?);
+        }
+        for (id, (text, &kind)) in tokens.iter().zip(&token_types).enumerate() {
+            if kind == TOKEN_TYPE_CONTROL && END_OF_TURN_TEXTS.contains(&text.as_str()) {
+                eos_token_ids.push(id as u32);
+            }
+        }
+        eos_token_ids.sort_unstable();
+        eos_token_ids.dedup();
+
+        let token_text = |id: Option<u32>| id.map(|i| tokens[i as usize].clone()).unwrap_or_default();
+        let chat_template = match gguf.opt_str("tokenizer.chat_template")? {
+            Some(source) => Some(ChatTemplate::new(source, token_text(bos_token_id), token_text(eos_token_id))?),
+            None => None,
+        };
+        Ok(Self { inner, bos_token_id, add_bos, eos_token_ids, chat_template, vocab_size })
+    }
+
+    fn byte_level_bpe(gguf: &GgufFile, tokens: &[String]) -> Result<Tokenizer> {
+        let path = gguf.path.display();
+        let pre = gguf.opt_str("tokenizer.ggml.pre")?.unwrap_or("gpt-2");
+        let (regexes, ignore_merges) = pre_tokenizer_regexes(pre).ok_or_else(|| {
+            Error::model_load(format!(
+                "{path}: unknown pre-tokenizer tokenizer.ggml.pre = '{pre}'; specrs refuses to guess how \
+                 to split text. Supported: {SUPPORTED_PRE}"
+            ))
+        })?;
+        let merges = gguf
+            .get_array("tokenizer.ggml.merges")?
+            .iter()
+            .map(|v| match v {
+                Value::String(m) => m
+                    .split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| Error::model_load(format!("{path}: malformed merge '{m}'"))),
+                _ => Err(Error::model_load(format!("{path}: tokenizer.ggml.merges holds a non-string"))),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .ignore_merges(ignore_merges)
+            .build()
+            .map_err(|e| Error::model_load(format!("{path}: cannot build the BPE tokenizer: {e}")))?;
+        let mut steps: Vec<PreTokenizerWrapper> = regexes
+            .into_iter()
+            .map(|re| {
+                Split::new(SplitPattern::Regex(re.to_string()), SplitDelimiterBehavior::Isolated, false)
+                    .map(PreTokenizerWrapper::Split)
+                    .map_err(|e| Error::Internal(format!("pre-tokenizer regex: {e}")))
+            })
+            .collect::<Result<_>>()?;
+        steps.push(PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, false)));
+        let mut tokenizer = Tokenizer::new(bpe);
+        tokenizer.with_pre_tokenizer(Some(PreTokenizerSequence::new(steps)));
+        tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
+        Ok(tokenizer)
+    }
+
+    fn sentencepiece_bpe(
+        gguf: &GgufFile,
+        tokens: &[String],
+        token_types: &[i64],
+        unk_token_id: Option<u32>,
+    ) -> Result<Tokenizer> {
+        let path = gguf.path.display();
+        let scores: Vec<f32> = match gguf.metadata().get("tokenizer.ggml.scores") {
+            Some(Value::Array(a)) => a.iter().map(|v| if let Value::F32(s) = v { *s } else { 0.0 }).collect(),
+            _ => vec![0.0; tokens.len()],
+        };
+        let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        // Every split of a mergeable token into two vocabulary tokens is a merge, ranked by the
+        // merged token's score (higher first), then by id for a deterministic order.
+        let mut ranked: Vec<(f32, u32, String, String)> = Vec::new();
+        for (id, token) in tokens.iter().enumerate() {
+            if !matches!(token_types[id], TOKEN_TYPE_NORMAL | TOKEN_TYPE_USER_DEFINED) {
+                continue;
+            }
+            for (cut, _) in token.char_indices().skip(1) {
+                let (left, right) = token.split_at(cut);
+                if vocab.contains_key(left) && vocab.contains_key(right) {
+                    ranked.push((scores[id], id as u32, left.to_string(), right.to_string()));
+                }
+            }
+        }
+        ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        let merges = ranked.into_iter().map(|(_, _, l, r)| (l, r)).collect();
+        let mut builder = BPE::builder().vocab_and_merges(vocab, merges).byte_fallback(true);
+        if let Some(unk) = unk_token_id {
+            builder = builder.unk_token(tokens[unk as usize].clone());
+        }
+        let bpe = builder
+            .build()
+            .map_err(|e| Error::model_load(format!("{path}: cannot build the SentencePiece tokenizer: {e}")))?;
+        let add_space_prefix = gguf.opt_bool("tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
+        let mut normalizers: Vec<NormalizerWrapper> = Vec::new();
+        if add_space_prefix {
+            normalizers.push(Prepend::new("▁".into()).into());
+        }
+        normalizers.push(
+            Replace::new(" ", "▁").map_err(|e| Error::Internal(format!("normalizer: {e}")))?.into(),
+        );
+        let mut decoders: Vec<DecoderWrapper> = vec![
+            DecoderWrapper::Replace(Replace::new("▁", " ").map_err(|e| Error::Internal(format!("decoder: {e}")))?),
+            ByteFallback::new().into(),
+            Fuse::new().into(),
+        ];
+        if add_space_prefix {
+            decoders.push(Strip::new(' ', 1, 0).into());
+        }
+        let mut tokenizer = Tokenizer::new(bpe);
+        tokenizer
+            .with_normalizer(Some(NormalizerSequence::new(normalizers)))
+            .map_err(|e| Error::Internal(format!("normalizer: {e}")))?;
+        tokenizer.with_decoder(Some(DecoderSequence::new(decoders)));
+        Ok(tokenizer)
+    }
+
+    /// Token ids of `text`; special tokens written in the text are recognized. With
+    /// `add_special_tokens`, the BOS token is prepended when the model asks for it and the text
+    /// does not already start with it.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode_fast(text, false)
+            .map_err(|e| Error::Internal(format!("tokenization failed: {e}")))?;
+        let mut ids = encoding.get_ids().to_vec();
+        if add_special_tokens && self.add_bos {
+            if let Some(bos) = self.bos_token_id {
+                if ids.first() != Some(&bos) {
+                    ids.insert(0, bos);
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= self.vocab_size) {
+            return Err(Error::config(format!(
+                "token id {bad} is outside the vocabulary (size {})",
+                self.vocab_size
+            )));
+        }
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| Error::Internal(format!("detokenization failed: {e}")))
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos_token_ids
+    }
+
+    pub fn bos_token_id(&self) -> Option<u32> {
+        self.bos_token_id
+    }
+
+    pub fn token_text(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat_template.as_ref()
+    }
+}

