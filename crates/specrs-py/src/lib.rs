@@ -1,1 +1,17 @@
+//! `specrs._specrs`: the thin PyO3 layer over specrs-core. Long calls release the GIL; every
+//! error goes through `errors::to_py`, and no panic crosses into Python.
 
+mod engine;
+mod errors;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _specrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<engine::PyEngine>()?;
+    m.add_class::<engine::PySamplingParams>()?;
+    m.add_class::<engine::PyStream>()?;
+    m.add_class::<engine::PyTokenizer>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -74,7 +74,7 @@ fn quantize_rows(x: &[f32], num_rows: usize, in_features: usize) -> QuantizedRow
 }
 
 /// Round half to even for |x| < 2^22 (the magic constant pushes the fraction out of the
-/// mantissa; the FPU's default rounding mode is ties-to-even), inlined unlike `f32::round_ties_even`.
+/// mantissa and IEEE addition rounds ties to even), inlined unlike `f32::round_ties_even`.
 #[inline]
 fn round_ties_even(x: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23

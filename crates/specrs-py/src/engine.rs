@@ -1,0 +1,273 @@
+//! Python classes: `Engine`, `SamplingParams`, `Stream`, `Tokenizer`.
+
+use std::sync::Arc;
+
+use numpy::{IntoPyArray, PyArray2};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use specrs_core::chat_template::ChatMessage;
+use specrs_core::engine::Generation;
+use specrs_core::metrics::RequestMetrics;
+use specrs_core::tokenizer::TextTokenizer;
+use specrs_core::{Engine, SamplingParams, Session};
+
+use crate::errors::{guard, run_detached, to_py};
+
+#[pyclass(name = "SamplingParams", module = "specrs._specrs", frozen)]
+pub struct PySamplingParams {
+    inner: SamplingParams,
+}
+
+#[pymethods]
+impl PySamplingParams {
+    #[new]
+    #[pyo3(signature = (max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, ignore_eos=false))]
+    fn new(
+        max_tokens: i64,
+        temperature: f32,
+        top_k: i64,
+        top_p: f32,
+        min_p: f32,
+        seed: Option<u64>,
+        ignore_eos: bool,
+    ) -> PyResult<Self> {
+        let count = |name: &str, v: i64, fix: &str| {
+            usize::try_from(v).map_err(|_| to_py(specrs_core::Error::config(format!("{name} must be >= 0 (got {v}); {fix}"))))
+        };
+        let inner = SamplingParams {
+            max_tokens: count("max_tokens", max_tokens, "pass a positive number of tokens")?,
+            temperature,
+            top_k: count("top_k", top_k, "use 0 to disable top-k")?,
+            top_p,
+            min_p,
+            seed,
+            ignore_eos,
+        };
+        inner.validate().map_err(to_py)?;
+        Ok(Self { inner })
+    }
+
+    #[getter]
+    fn max_tokens(&self) -> usize {
+        self.inner.max_tokens
+    }
+    #[getter]
+    fn temperature(&self) -> f32 {
+        self.inner.temperature
+    }
+    #[getter]
+    fn top_k(&self) -> usize {
+        self.inner.top_k
+    }
+    #[getter]
+    fn top_p(&self) -> f32 {
+        self.inner.top_p
+    }
+    #[getter]
+    fn min_p(&self) -> f32 {
+        self.inner.min_p
+    }
+    #[getter]
+    fn seed(&self) -> Option<u64> {
+        self.inner.seed
+    }
+    #[getter]
+    fn ignore_eos(&self) -> bool {
+        self.inner.ignore_eos
+    }
+
+    fn __repr__(&self) -> String {
+        let p = &self.inner;
+        format!(
+            "SamplingParams(max_tokens={}, temperature={}, top_k={}, top_p={}, min_p={}, seed={}, ignore_eos={})",
+            p.max_tokens,
+            p.temperature,
+            p.top_k,
+            p.top_p,
+            p.min_p,
+            p.seed.map_or("None".to_string(), |s| s.to_string()),
+            if p.ignore_eos { "True" } else { "False" }
+        )
+    }
+}
+
+#[pyclass(name = "Tokenizer", module = "specrs._specrs", frozen)]
+pub struct PyTokenizer {
+    inner: Arc<TextTokenizer>,
+}
+
+#[pymethods]
+impl PyTokenizer {
+    /// Token ids of `text`; special tokens written in the text are recognized.
+    #[pyo3(signature = (text, add_special_tokens=true))]
+    fn encode(&self, py: Python<'_>, text: &str, add_special_tokens: bool) -> PyResult<Vec<u32>> {
+        let tok = self.inner.clone();
+        let text = text.to_string();
+        run_detached(py, move || tok.encode(&text, add_special_tokens))
+    }
+
+    #[pyo3(signature = (ids, skip_special_tokens=true))]
+    fn decode(&self, ids: Vec<u32>, skip_special_tokens: bool) -> PyResult<String> {
+        guard(|| self.inner.decode(&ids, skip_special_tokens)).map_err(to_py)
+    }
+
+    #[getter]
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    #[getter]
+    fn eos_token_ids(&self) -> Vec<u32> {
+        self.inner.eos_token_ids().to_vec()
+    }
+    #[getter]
+    fn bos_token_id(&self) -> Option<u32> {
+        self.inner.bos_token_id()
+    }
+}
+
+fn metrics_dict<'py>(py: Python<'py>, m: &RequestMetrics) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("num_prompt_tokens", m.num_prompt_tokens)?;
+    d.set_item("num_generated_tokens", m.num_generated_tokens)?;
+    d.set_item("num_forward_passes", m.num_forward_passes)?;
+    d.set_item("ttft_s", m.ttft_s)?;
+    d.set_item("e2e_s", m.e2e_s)?;
+    d.set_item("itl_s_mean", m.itl_s_mean)?;
+    d.set_item("itl_s_p50", m.itl_s_p50)?;
+    d.set_item("itl_s_p99", m.itl_s_p99)?;
+    d.set_item("decode_tokens_per_s", m.decode_tokens_per_s)?;
+    d.set_item("prefill_tokens_per_s", m.prefill_tokens_per_s)?;
+    Ok(d)
+}
+
+fn generation_dict<'py>(py: Python<'py>, g: &Generation) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("text", &g.text)?;
+    d.set_item("token_ids", &g.token_ids)?;
+    d.set_item("prompt_token_ids", &g.prompt_token_ids)?;
+    d.set_item("finish_reason", g.finish_reason.map(|r| r.as_str()))?;
+    d.set_item("metrics", metrics_dict(py, &g.metrics)?)?;
+    Ok(d)
+}
+
+#[pyclass(name = "Engine", module = "specrs._specrs", frozen)]
+pub struct PyEngine {
+    inner: Arc<Engine>,
+}
+
+#[pymethods]
+impl PyEngine {
+    #[new]
+    #[pyo3(signature = (model_path, device="cpu"))]
+    fn new(py: Python<'_>, model_path: String, device: &str) -> PyResult<Self> {
+        let device = device.to_string();
+        let engine = run_detached(py, move || Engine::load(&model_path, &device))?;
+        Ok(Self { inner: Arc::new(engine) })
+    }
+
+    #[getter]
+    fn tokenizer(&self) -> PyTokenizer {
+        PyTokenizer { inner: self.inner.tokenizer().clone() }
+    }
+
+    /// Model facts: architecture, vocab_size, context_length, num_layers, weight_bytes.
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let model = self.inner.model();
+        let i = model.info();
+        let d = PyDict::new(py);
+        d.set_item("architecture", &i.architecture)?;
+        d.set_item("vocab_size", i.vocab_size)?;
+        d.set_item("context_length", i.context_length)?;
+        d.set_item("num_layers", i.num_layers)?;
+        d.set_item("weight_bytes", model.weight_bytes())?;
+        Ok(d)
+    }
+
+    /// Prompt text for a list of {"role", "content"} messages, from the model's chat template.
+    fn render_chat(&self, messages: Vec<(String, String)>) -> PyResult<String> {
+        let messages: Vec<ChatMessage> =
+            messages.into_iter().map(|(role, content)| ChatMessage { role, content }).collect();
+        guard(|| self.inner.render_chat(&messages)).map_err(to_py)
+    }
+
+    fn generate<'py>(&self, py: Python<'py>, prompt_ids: Vec<u32>, params: &PySamplingParams) -> PyResult<Bound<'py, PyDict>> {
+        let engine = self.inner.clone();
+        let params = params.inner.clone();
+        let generation = run_detached(py, move || engine.generate(prompt_ids, params))?;
+        generation_dict(py, &generation)
+    }
+
+    fn stream(&self, py: Python<'_>, prompt_ids: Vec<u32>, params: &PySamplingParams) -> PyResult<PyStream> {
+        let engine = self.inner.clone();
+        let params = params.inner.clone();
+        let session = run_detached(py, move || engine.start(prompt_ids, params))?;
+        Ok(PyStream { session: std::sync::Mutex::new(session) })
+    }
+
+    /// Teacher-forced logits `[len(ids), vocab_size]` from one forward pass.
+    fn logits<'py>(&self, py: Python<'py>, ids: Vec<u32>) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let engine = self.inner.clone();
+        let n = ids.len();
+        let flat = run_detached(py, move || engine.logits(&ids))?;
+        let vocab = if n == 0 { 0 } else { flat.len() / n };
+        let array = numpy::ndarray::Array2::from_shape_vec((n, vocab), flat)
+            .map_err(|e| to_py(specrs_core::Error::Internal(e.to_string())))?;
+        Ok(array.into_pyarray(py))
+    }
+
+    /// Median seconds of one forward over n new tokens on top of `context_ids`, for each n.
+    #[pyo3(signature = (context_ids, ns, repeats=5))]
+    fn forward_cost(&self, py: Python<'_>, context_ids: Vec<u32>, ns: Vec<usize>, repeats: usize) -> PyResult<Vec<(usize, f64)>> {
+        let engine = self.inner.clone();
+        run_detached(py, move || engine.forward_cost(&context_ids, &ns, repeats))
+    }
+}
+
+/// An iterator of text chunks; each `next` runs one decoding step with the GIL released.
+#[pyclass(name = "Stream", module = "specrs._specrs")]
+pub struct PyStream {
+    session: std::sync::Mutex<Session>,
+}
+
+#[pymethods]
+impl PyStream {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        let session = &self.session;
+        run_detached(py, move || {
+            let mut session = session.lock().map_err(|_| specrs_core::Error::Internal("stream lock poisoned".into()))?;
+            // Steps whose tokens complete no character yield no text; keep going until some
+            // text or the end.
+            while !session.is_finished() {
+                let step = session.step()?;
+                if !step.text.is_empty() {
+                    return Ok(Some(step.text));
+                }
+            }
+            Ok(None)
+        })
+    }
+
+    /// Stops generating; `result()` keeps what was produced so far.
+    fn cancel(&self) -> PyResult<()> {
+        self.session.lock().map(|mut s| s.abort()).map_err(|_| to_py(specrs_core::Error::Internal("stream lock poisoned".into())))
+    }
+
+    #[getter]
+    fn finished(&self) -> PyResult<bool> {
+        self.session.lock().map(|s| s.is_finished()).map_err(|_| to_py(specrs_core::Error::Internal("stream lock poisoned".into())))
+    }
+
+    /// The request so far: text, token ids, finish reason and metrics.
+    fn result<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let generation = self
+            .session
+            .lock()
+            .map(|s| s.result())
+            .map_err(|_| to_py(specrs_core::Error::Internal("stream lock poisoned".into())))?;
+        generation_dict(py, &generation)
+    }
+}

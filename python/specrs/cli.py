@@ -1,0 +1,72 @@
+"""`specrs` command line: `specrs generate --prompt TEXT [--model PATH] [--chat] ...`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .engine import Engine, SamplingParams
+from .errors import SpecrsError
+
+
+def _generate(args: argparse.Namespace) -> int:
+    engine = Engine(args.model, device=args.device)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+    )
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    stream = engine.stream(prompt, params)
+    for chunk in stream:
+        sys.stdout.write(chunk)
+        sys.stdout.flush()
+    result = stream.result
+    m = result.metrics
+    print()
+    print(
+        f"[specrs] TTFT {m['ttft_s'] * 1000:.1f} ms | ITL {m['itl_s_mean'] * 1000:.1f} ms "
+        f"(p50 {m['itl_s_p50'] * 1000:.1f}, p99 {m['itl_s_p99'] * 1000:.1f}) | "
+        f"{m['decode_tokens_per_s']:.1f} tok/s decode | {m['prefill_tokens_per_s']:.1f} tok/s prefill | "
+        f"{m['num_prompt_tokens']} prompt + {m['num_generated_tokens']} generated tokens "
+        f"({result.finish_reason})",
+        file=sys.stderr if args.quiet_stats_to_stderr else sys.stdout,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specrs", description="Speculative-decoding LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    gen.add_argument("--prompt", required=True, help="prompt text (a user message with --chat)")
+    gen.add_argument("--model", default=None, help="path of a .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--quiet-stats-to-stderr", action="store_true", help="print the metrics line on stderr")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecrsError as e:
+        print(f"specrs: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
