@@ -12,7 +12,9 @@ from .models import resolve_model
 SamplingParams = _specrs.SamplingParams
 Tokenizer = _specrs.Tokenizer
 
-Prompt = Union[str, Sequence[Mapping[str, str]]]
+# A string, chat messages ({"role", "content"} dicts rendered with the model's template), or
+# token ids used as they are.
+Prompt = Union[str, Sequence[Mapping[str, str]], Sequence[int]]
 
 
 @dataclass
@@ -84,11 +86,17 @@ class Engine:
         return self._inner.info()
 
     def prompt_token_ids(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt: a string as is, or chat messages rendered by the model's template."""
+        """Token ids of a prompt: a string encoded as is, chat messages rendered by the model's
+        template, or token ids passed through."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, Sequence) or not all(isinstance(m, Mapping) for m in prompt):
-            raise ConfigError("prompt must be a string or a list of {'role': ..., 'content': ...} dicts")
+        if isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if not isinstance(prompt, Sequence) or not prompt or not all(isinstance(m, Mapping) for m in prompt):
+            raise ConfigError(
+                "prompt must be a string, a non-empty list of {'role': ..., 'content': ...} dicts, "
+                "or a non-empty list of token ids"
+            )
         messages = []
         for m in prompt:
             if "role" not in m or "content" not in m:

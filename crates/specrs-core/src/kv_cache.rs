@@ -1,18 +1,20 @@
 //! Preallocated key/value cache with O(1) rollback.
 //!
-//! Invariant: positions `0..len()` of every layer hold the keys and values of the tokens the model
-//! has consumed, in order; `truncate(n)` only moves the length, so rejecting draft tokens costs
+//! Keys and values are stored as f16, token-major (`[capacity, num_kv_heads * head_dim]` per
+//! layer), like llama.cpp's default cache: half the memory of f32, and the same rounding as the
+//! reference implementation the golden tests compare against.
+//!
+//! Invariant: rows `0..len()` of every layer hold the keys and values of the tokens the model has
+//! consumed, in order; `truncate(n)` only moves the length, so rejecting draft tokens costs
 //! nothing. Storage grows (rarely, by doubling) only when a request outgrows what was reserved.
 
-use candle_core::{DType, Device, Tensor};
+use half::f16;
 
 use crate::error::{Error, Result};
 
-/// One layer's buffers, `[capacity, num_kv_heads * head_dim]` each (token-major, so appending
-/// n tokens is one contiguous copy and a token's row never moves).
 struct LayerKv {
-    k: Tensor,
-    v: Tensor,
+    k: Vec<f16>,
+    v: Vec<f16>,
 }
 
 pub struct KvCache {
@@ -20,32 +22,19 @@ pub struct KvCache {
     len: usize,
     capacity: usize,
     max_len: usize,
-    num_kv_heads: usize,
-    head_dim: usize,
-    dtype: DType,
-    device: Device,
+    /// Values per token per layer: num_kv_heads * head_dim.
+    row_len: usize,
 }
 
 impl KvCache {
     /// `capacity` positions are allocated now; the cache may grow up to `max_len` (the model's
     /// context length).
-    pub fn new(
-        num_layers: usize,
-        num_kv_heads: usize,
-        head_dim: usize,
-        capacity: usize,
-        max_len: usize,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Self> {
-        let capacity = capacity.clamp(1, max_len);
+    pub fn new(num_layers: usize, row_len: usize, capacity: usize, max_len: usize) -> Self {
+        let capacity = capacity.clamp(1, max_len.max(1));
         let layers = (0..num_layers)
-            .map(|_| {
-                let shape = (capacity, num_kv_heads * head_dim);
-                Ok(LayerKv { k: Tensor::zeros(shape, dtype, device)?, v: Tensor::zeros(shape, dtype, device)? })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Self { layers, len: 0, capacity, max_len, num_kv_heads, head_dim, dtype, device: device.clone() })
+            .map(|_| LayerKv { k: vec![f16::ZERO; capacity * row_len], v: vec![f16::ZERO; capacity * row_len] })
+            .collect();
+        Self { layers, len: 0, capacity, max_len, row_len }
     }
 
     /// Number of positions held.
@@ -67,7 +56,7 @@ impl KvCache {
 
     /// Bytes held by the buffers (all layers, keys and values).
     pub fn num_bytes(&self) -> usize {
-        2 * self.layers.len() * self.num_kv_heads * self.capacity * self.head_dim * self.dtype.size_in_bytes()
+        2 * self.layers.len() * self.capacity * self.row_len * std::mem::size_of::<f16>()
     }
 
     /// Keep the first `len` positions; O(1).
@@ -90,41 +79,38 @@ impl KvCache {
                 self.max_len
             )));
         }
-        if needed <= self.capacity {
-            return Ok(());
-        }
-        let new_capacity = needed.max(2 * self.capacity).min(self.max_len);
-        for layer in &mut self.layers {
-            for buf in [&mut layer.k, &mut layer.v] {
-                let shape = (new_capacity, self.num_kv_heads * self.head_dim);
-                let grown = Tensor::zeros(shape, self.dtype, &self.device)?;
-                if self.len > 0 {
-                    grown.slice_set(&buf.narrow(0, 0, self.len)?, 0, 0)?;
-                }
-                *buf = grown;
+        if needed > self.capacity {
+            self.capacity = needed.max(2 * self.capacity).min(self.max_len);
+            for layer in &mut self.layers {
+                layer.k.resize(self.capacity * self.row_len, f16::ZERO);
+                layer.v.resize(self.capacity * self.row_len, f16::ZERO);
             }
         }
-        self.capacity = new_capacity;
         Ok(())
     }
 
-    /// Writes this step's keys/values of `layer` after the held positions. `k`, `v`:
-    /// `[num_new, num_kv_heads * head_dim]`. The length itself moves only in `commit`, once
-    /// every layer has appended.
-    pub fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<()> {
-        let num_new = k.dim(0)?;
-        if self.len + num_new > self.capacity {
+    /// Writes this step's keys/values of `layer` (`[num_new, row_len]` f32, rounded to f16) after
+    /// the held positions. The length itself moves only in `commit`, once every layer has
+    /// appended.
+    pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<()> {
+        let num_new = k.len() / self.row_len;
+        if self.len + num_new > self.capacity || v.len() != k.len() {
             return Err(Error::Internal(format!("kv cache overflow: call reserve({num_new}) before the forward")));
         }
-        let buffers = &self.layers[layer];
-        buffers.k.slice_set(&k.contiguous()?, 0, self.len)?;
-        buffers.v.slice_set(&v.contiguous()?, 0, self.len)?;
+        let start = self.len * self.row_len;
+        let layer = &mut self.layers[layer];
+        for (dst, &src) in layer.k[start..start + k.len()].iter_mut().zip(k) {
+            *dst = f16::from_f32(src);
+        }
+        for (dst, &src) in layer.v[start..start + v.len()].iter_mut().zip(v) {
+            *dst = f16::from_f32(src);
+        }
         Ok(())
     }
 
-    /// The whole buffers of `layer` (`[capacity, num_kv_heads * head_dim]`); rows past the
-    /// held and appended positions are stale.
-    pub fn buffers(&self, layer: usize) -> (&Tensor, &Tensor) {
+    /// Keys and values of `layer`, `[capacity, row_len]`; rows past the held and appended
+    /// positions are stale.
+    pub fn layer(&self, layer: usize) -> (&[f16], &[f16]) {
         (&self.layers[layer].k, &self.layers[layer].v)
     }
 
@@ -139,36 +125,32 @@ impl KvCache {
 mod tests {
     use super::*;
 
-    fn filled(n: usize, value: f32) -> Tensor {
-        Tensor::full(value, (n, 8), &Device::Cpu).unwrap()
-    }
-
     fn first_column(cache: &KvCache, layer: usize) -> Vec<f32> {
-        let k = cache.buffers(layer).0.narrow(0, 0, cache.len()).unwrap();
-        k.to_vec2::<f32>().unwrap().iter().map(|row| row[0]).collect()
+        let (k, _) = cache.layer(layer);
+        (0..cache.len()).map(|row| k[row * cache.row_len].to_f32()).collect()
     }
 
     #[test]
     fn truncate_then_append_overwrites_the_rejected_positions() {
-        let mut cache = KvCache::new(1, 2, 4, 2, 16, DType::F32, &Device::Cpu).unwrap();
+        let mut cache = KvCache::new(1, 4, 2, 16);
         cache.reserve(3).unwrap();
-        cache.append(0, &filled(3, 1.0), &filled(3, 1.0)).unwrap();
+        cache.append(0, &[1.0; 12], &[1.0; 12]).unwrap();
         cache.commit(3);
         cache.truncate(1);
         assert_eq!(cache.len(), 1);
         cache.reserve(2).unwrap();
-        cache.append(0, &filled(2, 7.0), &filled(2, 7.0)).unwrap();
+        cache.append(0, &[7.0; 8], &[7.0; 8]).unwrap();
         cache.commit(2);
         assert_eq!(first_column(&cache, 0), vec![1.0, 7.0, 7.0]);
     }
 
     #[test]
     fn growth_keeps_contents_and_respects_the_context() {
-        let mut cache = KvCache::new(2, 2, 4, 1, 8, DType::F32, &Device::Cpu).unwrap();
+        let mut cache = KvCache::new(2, 4, 1, 8);
         for step in 0..8 {
             cache.reserve(1).unwrap();
             for layer in 0..2 {
-                cache.append(layer, &filled(1, step as f32), &filled(1, step as f32)).unwrap();
+                cache.append(layer, &[step as f32; 4], &[step as f32; 4]).unwrap();
             }
             cache.commit(1);
         }

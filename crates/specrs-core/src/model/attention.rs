@@ -1,4 +1,5 @@
-//! Rotary embeddings and causal grouped-query attention over the KV cache, on the CPU, row by row.
+//! Rotary embeddings and causal grouped-query attention over the f16 KV cache, on the CPU, row by
+//! row.
 //!
 //! Invariant: a query row's output depends only on that row and the cached keys/values at
 //! positions up to its own, summed in a fixed order. A token therefore gets bitwise the same
@@ -9,7 +10,15 @@
 //! activations to int8, so a tiny difference can flip a rounding step; on SmolLM2 that moved
 //! logits by up to ~1.0 and flipped greedy tokens between batched and single-token forwards (the
 //! same effect makes llama.cpp's batched verification diverge from its plain decoding).
+//!
+//! Precision and summation order follow llama.cpp's CPU path (no flash attention), so the two
+//! agree bit for bit where they can: keys/values are f16, the query is rounded to f16 for the q·k
+//! dot, the softmax is normalized in f32 (sum in f64), the probabilities are rounded to f16
+//! before weighting the values, and both dots sum in ggml's lane order (`ggml_dot`).
 
+use half::f16;
+
+use super::ggml_math::softmax_exps;
 use super::parallel::for_each_chunk_mut;
 
 #[derive(Debug, Clone, Copy)]
@@ -17,6 +26,25 @@ pub struct HeadShape {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+}
+
+/// Rotary tables `[max_len, head_dim / 2]` computed as ggml does (angle advanced by repeated
+/// multiplication in f32), optionally divided by per-dimension frequency factors.
+pub fn rope_tables(head_dim: usize, base: f32, max_len: usize, freq_factors: Option<&[f32]>) -> (Vec<f32>, Vec<f32>) {
+    let half = head_dim / 2;
+    let theta_scale = base.powf(-2.0 / head_dim as f32);
+    let mut cos = Vec::with_capacity(max_len * half);
+    let mut sin = Vec::with_capacity(max_len * half);
+    for pos in 0..max_len {
+        let mut theta = pos as f32;
+        for i in 0..half {
+            let angle = theta / freq_factors.map_or(1.0, |ff| ff[i]);
+            cos.push(angle.cos());
+            sin.push(angle.sin());
+            theta *= theta_scale;
+        }
+    }
+    (cos, sin)
 }
 
 /// Interleaved (GGUF llama) rotary embedding in place. `x`: `[n, heads * head_dim]` for tokens at
@@ -36,56 +64,162 @@ pub fn apply_rope(x: &mut [f32], heads: usize, head_dim: usize, first_pos: usize
     }
 }
 
-/// Dot product with eight fixed accumulator lanes (vectorizes, and the order never changes).
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
-        for l in 0..8 {
-            lanes[l] += a[c * 8 + l] * b[c * 8 + l];
-        }
-    }
-    let mut sum = lanes.iter().sum::<f32>();
-    for j in chunks * 8..a.len() {
-        sum += a[j] * b[j];
-    }
-    sum
+fn round_f16(x: f32) -> f32 {
+    f16::from_f32(x).to_f32()
 }
 
 /// `q`: `[n, heads * head_dim]` (rotated) for positions `past..past + n`; `k`, `v`: the layer's
-/// cache buffers `[>= past + n, kv_heads * head_dim]` holding those positions. Returns
+/// cache `[>= past + n, kv_heads * head_dim]` holding those positions. Returns
 /// `[n, heads * head_dim]`.
-pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], past: usize, shape: HeadShape) -> Vec<f32> {
+pub fn causal_attention(q: &[f32], k: &[f16], v: &[f16], past: usize, shape: HeadShape) -> Vec<f32> {
     let HeadShape { num_heads, num_kv_heads, head_dim } = shape;
     let group = num_heads / num_kv_heads;
     let kv_dim = num_kv_heads * head_dim;
     let scale = 1.0 / (head_dim as f32).sqrt();
+    let simd = simd_available();
     let mut out = vec![0f32; q.len()];
     // One work item per (token, head): `head_dim` outputs.
     for_each_chunk_mut(&mut out, head_dim, |item, out| {
         let (i, head) = (item / num_heads, item % num_heads);
         let kv_off = (head / group) * head_dim;
-        let q = &q[item * head_dim..(item + 1) * head_dim];
+        let query: Vec<f32> = q[item * head_dim..(item + 1) * head_dim].iter().map(|&x| round_f16(x)).collect();
         let visible = past + i + 1;
-        let scores: Vec<f32> = (0..visible)
-            .map(|j| dot(q, &k[j * kv_dim + kv_off..j * kv_dim + kv_off + head_dim]) * scale)
-            .collect();
-        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-        let mut total = 0f32;
-        for (j, &s) in scores.iter().enumerate() {
-            let w = (s - max).exp();
-            total += w;
-            let v = &v[j * kv_dim + kv_off..j * kv_dim + kv_off + head_dim];
-            for (o, &x) in out.iter_mut().zip(v) {
-                *o += w * x;
-            }
-        }
-        for o in out.iter_mut() {
-            *o /= total;
-        }
+        let rows = |cache: &'_ [f16]| -> Vec<f32> {
+            (0..visible).flat_map(|j| cache[j * kv_dim + kv_off..][..head_dim].iter().map(|x| x.to_f32())).collect()
+        };
+        let keys = rows(k); // [visible, head_dim]
+        let mut weights: Vec<f32> = keys.chunks(head_dim).map(|key| ggml_dot(simd, key, &query) * scale).collect();
+        let max = weights.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+        softmax_exps(&mut weights, max);
+        // llama.cpp pads the row to a multiple of 32 masked cells and sums it 8 at a time.
+        let total: f64 = weights.chunks(8).map(|c| hsum8(c) as f64).sum();
+        let inv = (1.0 / total) as f32;
+        let probs: Vec<f32> = weights.iter().map(|w| round_f16(w * inv)).collect();
+        weighted_sum(simd, &rows(v), &probs, out);
     });
     out
+}
+
+/// Number of products each of ggml's f16 dot kernels sums per step (4 accumulators x 8 lanes).
+const STEP: usize = 32;
+
+fn simd_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// ggml's horizontal sum of 8 floats (missing ones are masked cells, zero).
+fn hsum8(v: &[f32]) -> f32 {
+    let x = |i: usize| v.get(i).copied().unwrap_or(0.0);
+    let h: [f32; 4] = std::array::from_fn(|k| x(k + 4) + x(k));
+    (h[0] + h[2]) + (h[1] + h[3])
+}
+
+/// ggml's reduction of 32 fused-multiply-add lanes (`acc[c * 8 + lane]`): pairwise across the
+/// four accumulators, then the two halves, then two horizontal adds.
+fn reduce_lanes(acc: &[f32; STEP]) -> f32 {
+    let lane = |l: usize| (acc[l] + acc[16 + l]) + (acc[8 + l] + acc[24 + l]);
+    let t: [f32; 4] = std::array::from_fn(|k| lane(k) + lane(k + 4));
+    (t[0] + t[1]) + (t[2] + t[3])
+}
+
+/// Σ a[d] * b[d] summed the way ggml's `ggml_vec_dot_f16` does: fused multiply-adds into 32
+/// lanes per 32-element step, `reduce_lanes`, then the tail in f64.
+fn ggml_dot(simd: bool, a: &[f32], b: &[f32]) -> f32 {
+    let full = a.len() / STEP * STEP;
+    let mut acc = [0f32; STEP];
+    if simd {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 and FMA were detected.
+        unsafe {
+            simd::fma_lanes(&mut acc, &a[..full], &b[..full])
+        };
+    } else {
+        for (i, (x, y)) in a[..full].iter().zip(&b[..full]).enumerate() {
+            acc[i % STEP] = x.mul_add(*y, acc[i % STEP]);
+        }
+    }
+    let mut sum = reduce_lanes(&acc) as f64;
+    for (x, y) in a[full..].iter().zip(&b[full..]) {
+        sum += (x * y) as f64;
+    }
+    sum as f32
+}
+
+/// out[d] = Σ_j probs[j] * values[j][d], each output summed over j exactly like `ggml_dot`
+/// (llama.cpp stores V transposed, so its kernel dots each value dimension with the weights).
+/// llama.cpp pads the cache view to a multiple of 32 cells with zero weights, so every j goes
+/// through the lanes and there is no f64 tail.
+fn weighted_sum(simd: bool, values: &[f32], probs: &[f32], out: &mut [f32]) {
+    let head_dim = out.len();
+    let full = probs.len();
+    // lanes[(j % STEP) * head_dim + d] accumulates probs[j] * values[j][d] for full steps.
+    let mut lanes = vec![0f32; STEP * head_dim];
+    for (j, (&p, row)) in probs[..full].iter().zip(values.chunks(head_dim)).enumerate() {
+        let slot = &mut lanes[(j % STEP) * head_dim..][..head_dim];
+        if simd {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX2 and FMA were detected.
+            unsafe {
+                simd::axpy(slot, p, row)
+            };
+        } else {
+            for (s, &x) in slot.iter_mut().zip(row) {
+                *s = x.mul_add(p, *s);
+            }
+        }
+    }
+    for (d, o) in out.iter_mut().enumerate() {
+        let acc: [f32; STEP] = std::array::from_fn(|slot| lanes[slot * head_dim + d]);
+        *o = reduce_lanes(&acc);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    use super::STEP;
+
+    /// acc[i % 32] = a[i] * b[i] + acc[i % 32] for every i (a.len() is a multiple of 32).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn fma_lanes(acc: &mut [f32; STEP], a: &[f32], b: &[f32]) {
+        unsafe {
+            let mut lanes: [__m256; 4] = std::array::from_fn(|c| _mm256_loadu_ps(acc.as_ptr().add(c * 8)));
+            for i in (0..a.len()).step_by(STEP) {
+                for (c, lane) in lanes.iter_mut().enumerate() {
+                    let x = _mm256_loadu_ps(a.as_ptr().add(i + c * 8));
+                    let y = _mm256_loadu_ps(b.as_ptr().add(i + c * 8));
+                    *lane = _mm256_fmadd_ps(x, y, *lane);
+                }
+            }
+            for (c, lane) in lanes.iter().enumerate() {
+                _mm256_storeu_ps(acc.as_mut_ptr().add(c * 8), *lane);
+            }
+        }
+    }
+
+    /// out[d] = x[d] * p + out[d] (fused).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn axpy(out: &mut [f32], p: f32, x: &[f32]) {
+        let pv = _mm256_set1_ps(p);
+        let full = out.len() / 8 * 8;
+        unsafe {
+            for d in (0..full).step_by(8) {
+                let o = out.as_mut_ptr().add(d);
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(d)), pv, _mm256_loadu_ps(o)));
+            }
+        }
+        for d in full..out.len() {
+            out[d] = x[d].mul_add(p, out[d]);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -96,13 +230,17 @@ mod tests {
         (0..n).map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32 / 16777216.0) - 0.5).collect()
     }
 
+    fn to_f16(x: &[f32]) -> Vec<f16> {
+        x.iter().map(|&v| f16::from_f32(v)).collect()
+    }
+
     #[test]
     fn batched_rows_equal_single_rows_bitwise() {
         let shape = HeadShape { num_heads: 4, num_kv_heads: 2, head_dim: 8 };
         let (n, past) = (5, 3);
         let q = pseudo_random(n * 32, 1);
-        let k = pseudo_random((past + n) * 16, 2);
-        let v = pseudo_random((past + n) * 16, 3);
+        let k = to_f16(&pseudo_random((past + n) * 16, 2));
+        let v = to_f16(&pseudo_random((past + n) * 16, 3));
         let batched = causal_attention(&q, &k, &v, past, shape);
         for i in 0..n {
             let single = causal_attention(&q[i * 32..(i + 1) * 32], &k, &v, past + i, shape);
@@ -111,10 +249,20 @@ mod tests {
     }
 
     #[test]
-    fn one_visible_position_returns_its_value() {
-        let shape = HeadShape { num_heads: 2, num_kv_heads: 1, head_dim: 4 };
-        let out = causal_attention(&[1.0; 8], &[0.5; 4], &[1.0, 2.0, 3.0, 4.0], 0, shape);
-        assert_eq!(out, vec![1.0, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0, 4.0]);
+    fn matches_a_plain_softmax_attention() {
+        let shape = HeadShape { num_heads: 2, num_kv_heads: 1, head_dim: 8 };
+        let q = pseudo_random(16, 4);
+        let (k, v) = (to_f16(&pseudo_random(3 * 8, 5)), to_f16(&pseudo_random(3 * 8, 6)));
+        let out = causal_attention(&q, &k, &v, 2, shape);
+        for h in 0..2 {
+            let qh = &q[h * 8..(h + 1) * 8];
+            let s: Vec<f32> = (0..3).map(|j| (0..8).map(|d| qh[d] * k[j * 8 + d].to_f32()).sum::<f32>() / 8f32.sqrt()).collect();
+            let z: f32 = s.iter().map(|x| x.exp()).sum();
+            for d in 0..8 {
+                let want: f32 = (0..3).map(|j| s[j].exp() / z * v[j * 8 + d].to_f32()).sum();
+                assert!((out[h * 8 + d] - want).abs() < 2e-3, "{} vs {want}", out[h * 8 + d]);
+            }
+        }
     }
 
     #[test]
@@ -123,5 +271,8 @@ mod tests {
         let mut x = vec![1.0, 2.0];
         apply_rope(&mut x, 1, 2, 1, &cos, &sin);
         assert_eq!(x, vec![-2.0, 1.0]);
+        let (cos, sin) = rope_tables(4, 10_000.0, 3, None);
+        assert_eq!((cos[0], sin[0]), (1.0, 0.0));
+        assert!((cos[2] - 1f32.cos()).abs() < 1e-7 && (sin[3] - 0.01f32.sin()).abs() < 1e-7);
     }
 }

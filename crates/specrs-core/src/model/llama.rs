@@ -1,26 +1,30 @@
-//! Llama-architecture decoder (SmolLM2, Llama 2/3, Mistral) on GGUF weights.
+//! Llama-architecture decoder (SmolLM2, Llama 2/3, Mistral) on GGUF weights, on the CPU.
 //!
 //! Pre-norm blocks: RMSNorm -> grouped-query attention with interleaved RoPE (GGUF stores q/k
-//! permuted for it) -> residual -> RMSNorm -> SwiGLU MLP -> residual. Matmuls run on the quantized
-//! weights through candle's `QMatMul`.
+//! permuted for it) -> residual -> RMSNorm -> SwiGLU MLP -> residual.
 //!
 //! Invariant: a token's logits are bitwise the same however the sequence was split into forwards
 //! (prefill, single steps, a k+1-token verify pass): every step is row-independent (quantized
 //! matmuls quantize each activation row on its own; attention is computed row by row, see
 //! `attention.rs`). Greedy speculative decoding is therefore exactly plain greedy decoding.
 //!
-//! Performance notes: the LM head runs only on the rows that need logits (prefill needs one).
-//! Attention reads the cache in place, without expanding the KV heads. Tried and dropped:
-//! candle's matmul + softmax attention, with KV heads expanded or with query heads folded into
-//! rows; both changed logits by up to ~1 between batched and single-token forwards.
+//! Numerics follow llama.cpp's CPU path where it matters for agreement with it: int8 activation
+//! quantization (`qlinear.rs`), f16 KV cache and attention rounding (`attention.rs`), RMSNorm with
+//! an f64 sum of squares, RoPE angles advanced by repeated multiplication.
+//!
+//! Performance notes: the hidden state stays in plain `Vec<f32>` rows between the kernels (no
+//! per-op tensor allocation); the LM head runs only on the rows that need logits (prefill needs
+//! one). Tried and dropped: candle's matmul + softmax attention, with KV heads expanded or with
+//! query heads folded into rows; both changed logits by up to ~1 between batched and single-token
+//! forwards.
 
 use std::sync::Arc;
 
 use candle_core::quantized::QTensor;
-use candle_core::{DType, Device, Storage, Tensor};
-use candle_nn::ops::{rms_norm, silu};
+use candle_core::{Device, Tensor};
 
-use super::attention::{apply_rope, causal_attention, HeadShape};
+use super::ggml_math::swiglu;
+use super::attention::{apply_rope, causal_attention, rope_tables, HeadShape};
 use super::qlinear::QLinear;
 use super::{CausalLm, LogitRows, ModelInfo};
 use crate::error::{Error, Result};
@@ -28,12 +32,12 @@ use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
 
 struct Block {
-    attn_norm: Tensor,
+    attn_norm: Vec<f32>,
     wq: QLinear,
     wk: QLinear,
     wv: QLinear,
     wo: QLinear,
-    ffn_norm: Tensor,
+    ffn_norm: Vec<f32>,
     w_gate: QLinear,
     w_up: QLinear,
     w_down: QLinear,
@@ -41,11 +45,12 @@ struct Block {
 
 pub struct Llama {
     info: ModelInfo,
+    hidden: usize,
     num_heads: usize,
     rms_eps: f32,
     embed: Arc<QTensor>,
     blocks: Vec<Block>,
-    final_norm: Tensor,
+    final_norm: Vec<f32>,
     lm_head: QLinear,
     /// `[context_length, head_dim / 2]` rotary tables.
     cos: Vec<f32>,
@@ -54,8 +59,35 @@ pub struct Llama {
     weight_bytes: usize,
 }
 
+/// Reads tensors by name and counts the bytes loaded.
+struct WeightLoader<'a> {
+    gguf: &'a mut GgufFile,
+    device: &'a Device,
+    num_bytes: usize,
+}
+
+impl WeightLoader<'_> {
+    fn qtensor(&mut self, name: &str) -> Result<Arc<QTensor>> {
+        let t = self.gguf.tensor(name, self.device)?;
+        self.num_bytes += t.storage_size_in_bytes();
+        Ok(Arc::new(t))
+    }
+
+    fn linear(&mut self, name: &str) -> Result<QLinear> {
+        QLinear::new(self.qtensor(name)?)
+    }
+
+    /// Norm weights are small and used in f32.
+    fn vector(&mut self, name: &str) -> Result<Vec<f32>> {
+        Ok(self.qtensor(name)?.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?)
+    }
+}
+
 impl Llama {
     pub fn load(gguf: &mut GgufFile, arch: &str, device: &Device) -> Result<Self> {
+        if !matches!(device, Device::Cpu) {
+            return Err(Error::Device("the llama model runs on the CPU in this build".into()));
+        }
         let key = |k: &str| format!("{arch}.{k}");
         let num_layers = gguf.get_usize(&key("block_count"))?;
         let hidden = gguf.get_usize(&key("embedding_length"))?;
@@ -78,38 +110,6 @@ impl Llama {
                 "{path}: partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim}) are not supported"
             )));
         }
-
-        let mut w = WeightLoader { gguf: &mut *gguf, device, num_bytes: 0 };
-        let embed = w.qtensor("token_embd.weight")?;
-        let (vocab_size, embed_hidden) = embed.shape().dims2()?;
-        if embed_hidden != hidden {
-            return Err(Error::model_load(format!(
-                "{path}: token_embd has width {embed_hidden} but embedding_length is {hidden}; the file is corrupt"
-            )));
-        }
-        let lm_head = if w.gguf.has_tensor("output.weight") {
-            w.matmul("output.weight")?
-        } else {
-            QLinear::new(embed.clone())? // tied embeddings
-        };
-        let final_norm = w.vector("output_norm.weight")?;
-        let blocks = (0..num_layers)
-            .map(|i| {
-                let name = |part: &str| format!("blk.{i}.{part}.weight");
-                Ok(Block {
-                    attn_norm: w.vector(&name("attn_norm"))?,
-                    wq: w.matmul(&name("attn_q"))?,
-                    wk: w.matmul(&name("attn_k"))?,
-                    wv: w.matmul(&name("attn_v"))?,
-                    wo: w.matmul(&name("attn_output"))?,
-                    ffn_norm: w.vector(&name("ffn_norm"))?,
-                    w_gate: w.matmul(&name("ffn_gate"))?,
-                    w_up: w.matmul(&name("ffn_up"))?,
-                    w_down: w.matmul(&name("ffn_down"))?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let weight_bytes = w.num_bytes;
         for (name, want) in [
             ("blk.0.attn_q.weight", vec![hidden, hidden]),
             ("blk.0.attn_k.weight", vec![num_kv_heads * head_dim, hidden]),
@@ -121,13 +121,44 @@ impl Llama {
                 )));
             }
         }
-
         // Llama 3.1-style frequency scaling ships as a tensor of per-dimension divisors.
         let freq_factors = if gguf.has_tensor("rope_freqs.weight") {
             Some(gguf.tensor("rope_freqs.weight", &Device::Cpu)?.dequantize(&Device::Cpu)?.to_vec1::<f32>()?)
         } else {
             None
         };
+
+        let mut w = WeightLoader { gguf, device, num_bytes: 0 };
+        let embed = w.qtensor("token_embd.weight")?;
+        let (vocab_size, embed_hidden) = embed.shape().dims2()?;
+        if embed_hidden != hidden {
+            return Err(Error::model_load(format!(
+                "{path}: token_embd has width {embed_hidden} but embedding_length is {hidden}; the file is corrupt"
+            )));
+        }
+        let lm_head = if w.gguf.has_tensor("output.weight") {
+            w.linear("output.weight")?
+        } else {
+            QLinear::new(embed.clone())? // tied embeddings
+        };
+        let final_norm = w.vector("output_norm.weight")?;
+        let blocks = (0..num_layers)
+            .map(|i| {
+                let name = |part: &str| format!("blk.{i}.{part}.weight");
+                Ok(Block {
+                    attn_norm: w.vector(&name("attn_norm"))?,
+                    wq: w.linear(&name("attn_q"))?,
+                    wk: w.linear(&name("attn_k"))?,
+                    wv: w.linear(&name("attn_v"))?,
+                    wo: w.linear(&name("attn_output"))?,
+                    ffn_norm: w.vector(&name("ffn_norm"))?,
+                    w_gate: w.linear(&name("ffn_gate"))?,
+                    w_up: w.linear(&name("ffn_up"))?,
+                    w_down: w.linear(&name("ffn_down"))?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let weight_bytes = w.num_bytes;
         let (cos, sin) = rope_tables(head_dim, rope_theta, context_length, freq_factors.as_deref());
 
         Ok(Self {
@@ -139,6 +170,7 @@ impl Llama {
                 num_kv_heads,
                 head_dim,
             },
+            hidden,
             num_heads,
             rms_eps,
             embed,
@@ -153,41 +185,21 @@ impl Llama {
     }
 }
 
-/// Reads tensors by name and counts the bytes loaded.
-struct WeightLoader<'a> {
-    gguf: &'a mut GgufFile,
-    device: &'a Device,
-    num_bytes: usize,
+/// RMSNorm of each `weight.len()`-wide row, as ggml computes it (f64 sum of squares).
+fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks(weight.len()) {
+        let sum: f64 = row.iter().map(|&v| (v * v) as f64).sum();
+        let scale = 1.0 / ((sum / row.len() as f64) as f32 + eps).sqrt();
+        out.extend(row.iter().zip(weight).map(|(&v, &w)| (v * scale) * w));
+    }
+    out
 }
 
-impl WeightLoader<'_> {
-    fn qtensor(&mut self, name: &str) -> Result<Arc<QTensor>> {
-        let t = self.gguf.tensor(name, self.device)?;
-        self.num_bytes += t.storage_size_in_bytes();
-        Ok(Arc::new(t))
+fn add_assign(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
     }
-
-    fn matmul(&mut self, name: &str) -> Result<QLinear> {
-        QLinear::new(self.qtensor(name)?)
-    }
-
-    /// Norm weights are small and used in f32.
-    fn vector(&mut self, name: &str) -> Result<Tensor> {
-        Ok(self.qtensor(name)?.dequantize(self.device)?)
-    }
-}
-
-/// cos/sin tables `[max_len, head_dim / 2]` for interleaved RoPE.
-fn rope_tables(head_dim: usize, theta: f32, max_len: usize, freq_factors: Option<&[f32]>) -> (Vec<f32>, Vec<f32>) {
-    let half = head_dim / 2;
-    let inv_freq: Vec<f32> = (0..half)
-        .map(|i| {
-            let f = 1.0 / theta.powf(2.0 * i as f32 / head_dim as f32);
-            f / freq_factors.map_or(1.0, |ff| ff[i])
-        })
-        .collect();
-    let angles = (0..max_len).flat_map(|pos| inv_freq.iter().map(move |f| pos as f32 * f));
-    (angles.clone().map(f32::cos).collect(), angles.map(f32::sin).collect())
 }
 
 impl CausalLm for Llama {
@@ -205,7 +217,7 @@ impl CausalLm for Llama {
 
     fn new_cache(&self, capacity: usize) -> Result<KvCache> {
         let i = &self.info;
-        KvCache::new(i.num_layers, i.num_kv_heads, i.head_dim, capacity, i.context_length, DType::F32, &self.device)
+        Ok(KvCache::new(i.num_layers, i.num_kv_heads * i.head_dim, capacity, i.context_length))
     }
 
     fn forward_rows(&self, tokens: &[u32], cache: &mut KvCache, rows: LogitRows) -> Result<Tensor> {
@@ -216,48 +228,37 @@ impl CausalLm for Llama {
         let past = cache.len();
         cache.reserve(n)?;
         let (num_heads, num_kv_heads, head_dim) = (self.num_heads, self.info.num_kv_heads, self.info.head_dim);
+        let shape = HeadShape { num_heads, num_kv_heads, head_dim };
 
         let ids = Tensor::new(tokens, &self.device)?;
-        let mut x = self.embed.embedding(&ids)?.unsqueeze(0)?; // [1, n, hidden]
-        let shape = HeadShape { num_heads, num_kv_heads, head_dim };
-        let to_rows = |t: Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
-
+        let mut x: Vec<f32> = self.embed.embedding(&ids)?.flatten_all()?.to_vec1()?; // [n, hidden]
         for (layer, block) in self.blocks.iter().enumerate() {
-            let h = rms_norm(&x, &block.attn_norm, self.rms_eps)?;
-            let mut q = to_rows(block.wq.forward(&h)?)?; // [n, heads * hd]
-            let mut k = to_rows(block.wk.forward(&h)?)?; // [n, kv_heads * hd]
+            let h = rms_norm(&x, &block.attn_norm, self.rms_eps);
+            let mut q = block.wq.forward_rows(&h, n)?; // [n, heads * hd]
+            let mut k = block.wk.forward_rows(&h, n)?; // [n, kv_heads * hd]
+            let v = block.wv.forward_rows(&h, n)?;
             apply_rope(&mut q, num_heads, head_dim, past, &self.cos, &self.sin);
             apply_rope(&mut k, num_kv_heads, head_dim, past, &self.cos, &self.sin);
-            let kv_dim = num_kv_heads * head_dim;
-            let k = Tensor::from_vec(k, (n, kv_dim), &self.device)?;
-            let v = block.wv.forward(&h)?.reshape((n, kv_dim))?;
             cache.append(layer, &k, &v)?;
-            let (k_cache, v_cache) = cache.buffers(layer);
-            let attn = {
-                let (k_store, k_layout) = k_cache.storage_and_layout();
-                let (v_store, v_layout) = v_cache.storage_and_layout();
-                match (&*k_store, &*v_store) {
-                    (Storage::Cpu(k_cpu), Storage::Cpu(v_cpu)) => {
-                        let k_all = &k_cpu.as_slice::<f32>()?[k_layout.start_offset()..];
-                        let v_all = &v_cpu.as_slice::<f32>()?[v_layout.start_offset()..];
-                        causal_attention(&q, k_all, v_all, past, shape)
-                    }
-                    _ => return Err(Error::Device("attention is implemented for the CPU only".into())),
-                }
-            };
-            let attn = Tensor::from_vec(attn, (1, n, num_heads * head_dim), &self.device)?;
-            x = (x + block.wo.forward(&attn)?)?;
+            let (k_cache, v_cache) = cache.layer(layer);
+            let attn = causal_attention(&q, k_cache, v_cache, past, shape); // [n, heads * hd]
+            add_assign(&mut x, &block.wo.forward_rows(&attn, n)?);
 
-            let h = rms_norm(&x, &block.ffn_norm, self.rms_eps)?;
-            let mlp = (silu(&block.w_gate.forward(&h)?)? * block.w_up.forward(&h)?)?;
-            x = (x + block.w_down.forward(&mlp)?)?;
+            let h = rms_norm(&x, &block.ffn_norm, self.rms_eps);
+            let mut gate = block.w_gate.forward_rows(&h, n)?; // [n, ffn]
+            let up = block.w_up.forward_rows(&h, n)?;
+            swiglu(&mut gate, &up);
+            add_assign(&mut x, &block.w_down.forward_rows(&gate, n)?);
         }
         cache.commit(n);
 
-        if rows == LogitRows::Last {
-            x = x.narrow(1, n - 1, 1)?;
-        }
-        let x = rms_norm(&x, &self.final_norm, self.rms_eps)?;
-        Ok(self.lm_head.forward(&x)?.squeeze(0)?.to_dtype(DType::F32)?.contiguous()?) // [rows, vocab]
+        let (first_row, num_rows) = match rows {
+            LogitRows::All => (0, n),
+            LogitRows::Last => (n - 1, 1),
+        };
+        let last = &x[first_row * self.hidden..];
+        let normed = rms_norm(last, &self.final_norm, self.rms_eps);
+        let logits = self.lm_head.forward_rows(&normed, num_rows)?;
+        Ok(Tensor::from_vec(logits, (num_rows, self.lm_head.out_features()), &self.device)?) // [rows, vocab]
     }
 }

