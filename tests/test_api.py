@@ -78,6 +78,7 @@ def test_stream_cancel_keeps_what_was_generated(engine):
     assert list(stream) == []
     result = stream.result
     assert result.text.startswith(first) and 0 < len(result.token_ids) < 200
+    assert result.finish_reason == "abort"
 
 
 def test_generation_releases_the_gil(engine):

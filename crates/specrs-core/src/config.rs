@@ -55,10 +55,7 @@ impl SamplingParams {
             )));
         }
         if !(0.0..=1.0).contains(&self.min_p) {
-            return Err(Error::config(format!(
-                "min_p must be in [0, 1] (got {}); use 0 to disable it",
-                self.min_p
-            )));
+            return Err(Error::config(format!("min_p must be in [0, 1] (got {}); use 0 to disable it", self.min_p)));
         }
         Ok(())
     }

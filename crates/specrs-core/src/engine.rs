@@ -67,7 +67,9 @@ impl Engine {
     /// Prompt text for chat `messages` from the model's own template.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
         let template = self.tokenizer.chat_template().ok_or_else(|| {
-            Error::config("this model has no chat template (tokenizer.chat_template); pass the prompt as a plain string")
+            Error::config(
+                "this model has no chat template (tokenizer.chat_template); pass the prompt as a plain string",
+            )
         })?;
         template.render(messages, true)
     }
@@ -165,6 +167,8 @@ pub enum FinishReason {
     Stop,
     /// max_tokens was reached.
     Length,
+    /// The caller stopped the request (a cancelled stream).
+    Abort,
 }
 
 impl FinishReason {
@@ -172,6 +176,7 @@ impl FinishReason {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
         }
     }
 }
@@ -248,7 +253,7 @@ impl Session {
     /// Stops the request early (a cancelled stream); its result keeps what was generated.
     pub fn abort(&mut self) {
         if self.finish_reason.is_none() {
-            self.finish_reason = Some(FinishReason::Stop);
+            self.finish_reason = Some(FinishReason::Abort);
         }
     }
 

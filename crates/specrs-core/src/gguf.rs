@@ -31,12 +31,9 @@ impl GgufFile {
             )));
         }
         if path.is_dir() {
-            return Err(Error::model_load(format!(
-                "{shown} is a directory; pass the path of a .gguf file"
-            )));
+            return Err(Error::model_load(format!("{shown} is a directory; pass the path of a .gguf file")));
         }
-        let file = File::open(&path)
-            .map_err(|e| Error::model_load(format!("cannot open model file {shown}: {e}")))?;
+        let file = File::open(&path).map_err(|e| Error::model_load(format!("cannot open model file {shown}: {e}")))?;
         let file_size = file.metadata().map(|m| m.len()).unwrap_or(0);
         let mut reader = BufReader::new(file);
         let content = Content::read(&mut reader).map_err(|e| {
@@ -79,9 +76,9 @@ impl GgufFile {
                 self.path.display()
             )));
         }
-        self.content.tensor(&mut self.reader, name, device).map_err(|e| {
-            Error::model_load(format!("{}: cannot read tensor '{name}': {e}", self.path.display()))
-        })
+        self.content
+            .tensor(&mut self.reader, name, device)
+            .map_err(|e| Error::model_load(format!("{}: cannot read tensor '{name}': {e}", self.path.display())))
     }
 
     fn value(&self, key: &str) -> Result<&Value> {
@@ -143,11 +140,19 @@ impl GgufFile {
         self.optional(key, Self::get_bool)
     }
     pub fn opt_str(&self, key: &str) -> Result<Option<&str>> {
-        if self.content.metadata.contains_key(key) { self.get_str(key).map(Some) } else { Ok(None) }
+        if self.content.metadata.contains_key(key) {
+            self.get_str(key).map(Some)
+        } else {
+            Ok(None)
+        }
     }
 
     fn optional<T>(&self, key: &str, get: impl Fn(&Self, &str) -> Result<T>) -> Result<Option<T>> {
-        if self.content.metadata.contains_key(key) { get(self, key).map(Some) } else { Ok(None) }
+        if self.content.metadata.contains_key(key) {
+            get(self, key).map(Some)
+        } else {
+            Ok(None)
+        }
     }
 }
 

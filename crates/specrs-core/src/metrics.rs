@@ -47,7 +47,8 @@ impl RequestTimer {
     pub fn metrics(&self, num_prompt_tokens: usize, num_forward_passes: usize) -> RequestMetrics {
         let n = self.token_times.len();
         let secs = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64();
-        let mut m = RequestMetrics { num_prompt_tokens, num_generated_tokens: n, num_forward_passes, ..Default::default() };
+        let mut m =
+            RequestMetrics { num_prompt_tokens, num_generated_tokens: n, num_forward_passes, ..Default::default() };
         let (Some(&first), Some(&last)) = (self.token_times.first(), self.token_times.last()) else {
             return m;
         };

@@ -21,7 +21,9 @@ use tokenizers::normalizers::{Prepend, Replace, Sequence as NormalizerSequence};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::sequence::Sequence as PreTokenizerSequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-use tokenizers::{AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
+use tokenizers::{
+    AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer,
+};
 
 use crate::chat_template::ChatTemplate;
 use crate::error::{Error, Result};
@@ -125,7 +127,8 @@ impl TextTokenizer {
         inner
             .add_special_tokens(added(TOKEN_TYPE_CONTROL, true))
             .map_err(|e| Error::Internal(format!("adding control tokens: {e}")))?;
-        inner.add_tokens(added(TOKEN_TYPE_USER_DEFINED, false))
+        inner
+            .add_tokens(added(TOKEN_TYPE_USER_DEFINED, false))
             .map_err(|e| Error::Internal(format!("adding user-defined tokens: {e}")))?;
 
         let mut eos_token_ids: Vec<u32> = eos_token_id.into_iter().collect();
@@ -229,9 +232,7 @@ impl TextTokenizer {
         if add_space_prefix {
             normalizers.push(Prepend::new("▁".into()).into());
         }
-        normalizers.push(
-            Replace::new(" ", "▁").map_err(|e| Error::Internal(format!("normalizer: {e}")))?.into(),
-        );
+        normalizers.push(Replace::new(" ", "▁").map_err(|e| Error::Internal(format!("normalizer: {e}")))?.into());
         let mut decoders: Vec<DecoderWrapper> = vec![
             DecoderWrapper::Replace(Replace::new("▁", " ").map_err(|e| Error::Internal(format!("decoder: {e}")))?),
             ByteFallback::new().into(),
@@ -252,10 +253,8 @@ impl TextTokenizer {
     /// `add_special_tokens`, the BOS token is prepended when the model asks for it and the text
     /// does not already start with it.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let encoding = self
-            .inner
-            .encode_fast(text, false)
-            .map_err(|e| Error::Internal(format!("tokenization failed: {e}")))?;
+        let encoding =
+            self.inner.encode_fast(text, false).map_err(|e| Error::Internal(format!("tokenization failed: {e}")))?;
         let mut ids = encoding.get_ids().to_vec();
         if add_special_tokens && self.add_bos {
             if let Some(bos) = self.bos_token_id {
@@ -269,14 +268,9 @@ impl TextTokenizer {
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
         if let Some(bad) = ids.iter().find(|&&id| id as usize >= self.vocab_size) {
-            return Err(Error::config(format!(
-                "token id {bad} is outside the vocabulary (size {})",
-                self.vocab_size
-            )));
+            return Err(Error::config(format!("token id {bad} is outside the vocabulary (size {})", self.vocab_size)));
         }
-        self.inner
-            .decode(ids, skip_special_tokens)
-            .map_err(|e| Error::Internal(format!("detokenization failed: {e}")))
+        self.inner.decode(ids, skip_special_tokens).map_err(|e| Error::Internal(format!("detokenization failed: {e}")))
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -297,5 +291,120 @@ impl TextTokenizer {
 
     pub fn chat_template(&self) -> Option<&ChatTemplate> {
         self.chat_template.as_ref()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::gguf_file;
+
+    /// A tiny SentencePiece ("llama") vocabulary: control tokens, 256 byte tokens, and pieces.
+    fn spm_gguf(dir: &std::path::Path) -> std::path::PathBuf {
+        let pieces = [
+            ("▁", -1.0),
+            ("a", -2.0),
+            ("b", -2.5),
+            ("c", -3.0),
+            ("▁a", -1.5),
+            ("ab", -1.2),
+            ("▁ab", -0.5),
+            ("bc", -0.8),
+            ("abc", -0.9),
+            ("▁c", -1.1),
+        ];
+        let mut tokens: Vec<String> = vec!["<unk>".into(), "<s>".into(), "</s>".into()];
+        let mut types = vec![2i32, 3, 3];
+        let mut scores = vec![0f32; 3];
+        for b in 0..=255u8 {
+            tokens.push(format!("<0x{b:02X}>"));
+            types.push(6);
+            scores.push(0.0);
+        }
+        for (p, s) in pieces {
+            tokens.push(p.into());
+            types.push(1);
+            scores.push(s);
+        }
+        let path = dir.join("spm.gguf");
+        let strings = |v: &[String]| Value::Array(v.iter().map(|s| Value::String(s.clone())).collect());
+        let metadata = [
+            ("general.architecture", Value::String("llama".into())),
+            ("tokenizer.ggml.model", Value::String("llama".into())),
+            ("tokenizer.ggml.tokens", strings(&tokens)),
+            ("tokenizer.ggml.token_type", Value::Array(types.into_iter().map(Value::I32).collect())),
+            ("tokenizer.ggml.scores", Value::Array(scores.into_iter().map(Value::F32).collect())),
+            ("tokenizer.ggml.bos_token_id", Value::U32(1)),
+            ("tokenizer.ggml.eos_token_id", Value::U32(2)),
+            ("tokenizer.ggml.unknown_token_id", Value::U32(0)),
+        ];
+        let refs: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+        let mut file = std::fs::File::create(&path).unwrap();
+        gguf_file::write(&mut file, &refs, &[]).unwrap();
+        path
+    }
+
+    /// llama.cpp's SPM algorithm: repeatedly merge the adjacent pair whose concatenation is the
+    /// highest-scoring vocabulary piece (leftmost on ties); leftovers become byte tokens.
+    fn reference_spm(text: &str, vocab: &[String], scores: &[f32]) -> Vec<u32> {
+        let id = |s: &str| vocab.iter().position(|t| t == s);
+        let normalized = format!("▁{}", text.replace(' ', "▁"));
+        let mut symbols: Vec<String> = normalized.chars().map(|c| c.to_string()).collect();
+        loop {
+            let mut best: Option<(f32, usize)> = None;
+            for i in 0..symbols.len().saturating_sub(1) {
+                if let Some(t) = id(&format!("{}{}", symbols[i], symbols[i + 1])) {
+                    if best.is_none_or(|(s, _)| scores[t] > s) {
+                        best = Some((scores[t], i));
+                    }
+                }
+            }
+            let Some((_, i)) = best else { break };
+            let right = symbols.remove(i + 1);
+            symbols[i].push_str(&right);
+        }
+        symbols
+            .iter()
+            .flat_map(|s| match id(s) {
+                Some(t) => vec![t as u32],
+                None => s.bytes().map(|b| id(&format!("<0x{b:02X}>")).unwrap() as u32).collect(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn sentencepiece_matches_the_reference_algorithm() {
+        let dir = std::env::temp_dir().join(format!("specrs-spm-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let gguf = GgufFile::open(spm_gguf(&dir)).unwrap();
+        let tok = TextTokenizer::from_gguf(&gguf).unwrap();
+        let vocab: Vec<String> = (0..tok.vocab_size() as u32).map(|i| tok.token_text(i).unwrap()).collect();
+        let scores: Vec<f32> = match gguf.metadata().get("tokenizer.ggml.scores") {
+            Some(Value::Array(a)) => a.iter().map(|v| v.to_f32().unwrap()).collect(),
+            _ => unreachable!(),
+        };
+        let alphabet = ['a', 'b', 'c', ' ', 'x', 'é'];
+        let mut state = 12345u32;
+        for _ in 0..300 {
+            let len = 1 + (state % 9) as usize;
+            let text: String = (0..len)
+                .map(|_| {
+                    state = state.wrapping_mul(1_103_515_245).wrapping_add(12345);
+                    alphabet[(state >> 16) as usize % alphabet.len()]
+                })
+                .collect();
+            let ours = tok.encode(&text, true).unwrap();
+            let mut want = vec![1u32]; // BOS: SentencePiece models add it by default
+            want.extend(reference_spm(&text, &vocab, &scores));
+            assert_eq!(ours, want, "text {text:?}");
+            assert_eq!(tok.decode(&ours, true).unwrap(), text, "round trip of {text:?}");
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn unknown_pre_tokenizer_is_an_error_not_a_guess() {
+        assert!(pre_tokenizer_regexes("smollm").is_some());
+        assert!(pre_tokenizer_regexes("made-up-pre").is_none());
     }
 }

@@ -32,7 +32,8 @@ impl PySamplingParams {
         ignore_eos: bool,
     ) -> PyResult<Self> {
         let count = |name: &str, v: i64, fix: &str| {
-            usize::try_from(v).map_err(|_| to_py(specrs_core::Error::config(format!("{name} must be >= 0 (got {v}); {fix}"))))
+            usize::try_from(v)
+                .map_err(|_| to_py(specrs_core::Error::config(format!("{name} must be >= 0 (got {v}); {fix}"))))
         };
         let inner = SamplingParams {
             max_tokens: count("max_tokens", max_tokens, "pass a positive number of tokens")?,
@@ -190,7 +191,12 @@ impl PyEngine {
         guard(|| self.inner.render_chat(&messages)).map_err(to_py)
     }
 
-    fn generate<'py>(&self, py: Python<'py>, prompt_ids: Vec<u32>, params: &PySamplingParams) -> PyResult<Bound<'py, PyDict>> {
+    fn generate<'py>(
+        &self,
+        py: Python<'py>,
+        prompt_ids: Vec<u32>,
+        params: &PySamplingParams,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let engine = self.inner.clone();
         let params = params.inner.clone();
         let generation = run_detached(py, move || engine.generate(prompt_ids, params))?;
@@ -217,7 +223,13 @@ impl PyEngine {
 
     /// Median seconds of one forward over n new tokens on top of `context_ids`, for each n.
     #[pyo3(signature = (context_ids, ns, repeats=5))]
-    fn forward_cost(&self, py: Python<'_>, context_ids: Vec<u32>, ns: Vec<usize>, repeats: usize) -> PyResult<Vec<(usize, f64)>> {
+    fn forward_cost(
+        &self,
+        py: Python<'_>,
+        context_ids: Vec<u32>,
+        ns: Vec<usize>,
+        repeats: usize,
+    ) -> PyResult<Vec<(usize, f64)>> {
         let engine = self.inner.clone();
         run_detached(py, move || engine.forward_cost(&context_ids, &ns, repeats))
     }
@@ -238,7 +250,8 @@ impl PyStream {
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<String>> {
         let session = &self.session;
         run_detached(py, move || {
-            let mut session = session.lock().map_err(|_| specrs_core::Error::Internal("stream lock poisoned".into()))?;
+            let mut session =
+                session.lock().map_err(|_| specrs_core::Error::Internal("stream lock poisoned".into()))?;
             // Steps whose tokens complete no character yield no text; keep going until some
             // text or the end.
             while !session.is_finished() {
@@ -253,12 +266,18 @@ impl PyStream {
 
     /// Stops generating; `result()` keeps what was produced so far.
     fn cancel(&self) -> PyResult<()> {
-        self.session.lock().map(|mut s| s.abort()).map_err(|_| to_py(specrs_core::Error::Internal("stream lock poisoned".into())))
+        self.session
+            .lock()
+            .map(|mut s| s.abort())
+            .map_err(|_| to_py(specrs_core::Error::Internal("stream lock poisoned".into())))
     }
 
     #[getter]
     fn finished(&self) -> PyResult<bool> {
-        self.session.lock().map(|s| s.is_finished()).map_err(|_| to_py(specrs_core::Error::Internal("stream lock poisoned".into())))
+        self.session
+            .lock()
+            .map(|s| s.is_finished())
+            .map_err(|_| to_py(specrs_core::Error::Internal("stream lock poisoned".into())))
     }
 
     /// The request so far: text, token ids, finish reason and metrics.

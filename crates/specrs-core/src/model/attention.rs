@@ -232,7 +232,9 @@ mod tests {
     use super::*;
 
     fn pseudo_random(n: usize, seed: u32) -> Vec<f32> {
-        (0..n).map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32 / 16777216.0) - 0.5).collect()
+        (0..n)
+            .map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32 / 16777216.0) - 0.5)
+            .collect()
     }
 
     fn to_f16(x: &[f32]) -> Vec<f16> {
@@ -261,7 +263,8 @@ mod tests {
         let out = causal_attention(&q, &k, &v, 2, shape);
         for h in 0..2 {
             let qh = &q[h * 8..(h + 1) * 8];
-            let s: Vec<f32> = (0..3).map(|j| (0..8).map(|d| qh[d] * k[j * 8 + d].to_f32()).sum::<f32>() / 8f32.sqrt()).collect();
+            let s: Vec<f32> =
+                (0..3).map(|j| (0..8).map(|d| qh[d] * k[j * 8 + d].to_f32()).sum::<f32>() / 8f32.sqrt()).collect();
             let z: f32 = s.iter().map(|x| x.exp()).sum();
             for d in 0..8 {
                 let want: f32 = (0..3).map(|j| s[j].exp() / z * v[j * 8 + d].to_f32()).sum();

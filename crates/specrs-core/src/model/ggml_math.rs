@@ -28,7 +28,13 @@ pub fn expf(x: f32) -> f32 {
     let n = z - SHIFT;
     let b = (-n).mul_add(c(LN2_LO), (-n).mul_add(c(LN2_HI), x));
     if n.abs() > 126.0 || x.is_nan() {
-        return if x.is_nan() { x } else if n > 0.0 { f32::INFINITY } else { 0.0 };
+        return if x.is_nan() {
+            x
+        } else if n > 0.0 {
+            f32::INFINITY
+        } else {
+            0.0
+        };
     }
     let k = f32::from_bits((z.to_bits() << 23).wrapping_add(1f32.to_bits()));
     let u = b * b;

@@ -23,8 +23,8 @@ use std::sync::Arc;
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 
-use super::ggml_math::swiglu;
 use super::attention::{apply_rope, causal_attention, rope_tables, HeadShape};
+use super::ggml_math::swiglu;
 use super::qlinear::QLinear;
 use super::{CausalLm, LogitRows, ModelInfo};
 use crate::error::{Error, Result};
@@ -259,6 +259,7 @@ impl CausalLm for Llama {
         let last = &x[first_row * self.hidden..];
         let normed = rms_norm(last, &self.final_norm, self.rms_eps);
         let logits = self.lm_head.forward_rows(&normed, num_rows)?;
-        Ok(Tensor::from_vec(logits, (num_rows, self.lm_head.out_features()), &self.device)?) // [rows, vocab]
+        Ok(Tensor::from_vec(logits, (num_rows, self.lm_head.out_features()), &self.device)?)
+        // [rows, vocab]
     }
 }

@@ -129,7 +129,14 @@ impl QLinear {
 }
 
 /// `[num_rows, out_features]` = rows x weightᵀ.
-fn matmul(format: Format, data: &[u8], out_features: usize, in_features: usize, rows: &QuantizedRows, num_rows: usize) -> Vec<f32> {
+fn matmul(
+    format: Format,
+    data: &[u8],
+    out_features: usize,
+    in_features: usize,
+    rows: &QuantizedRows,
+    num_rows: usize,
+) -> Vec<f32> {
     let row_bytes = in_features / BLOCK * format.block_bytes();
     // Feature-major scratch so each task writes one contiguous slice.
     let mut by_feature = vec![0f32; out_features * num_rows];
@@ -257,7 +264,8 @@ mod avx2 {
                     Format::Q4_1 => {
                         let m = f16_to_f32(blk.add(2));
                         let packed = _mm_loadu_si128(blk.add(4) as *const __m128i);
-                        let both = _mm256_insertf128_si256::<1>(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4));
+                        let both =
+                            _mm256_insertf128_si256::<1>(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4));
                         let wx = _mm256_and_si256(both, low_nibbles);
                         for r in 0..group {
                             let at = (first + r) * nb + b;
@@ -314,7 +322,10 @@ mod tests {
             assert_eq!(single.to_vec2::<f32>().unwrap(), batched.to_vec2::<f32>().unwrap());
         }
         // The SIMD kernel equals the scalar reference.
-        let (format, data) = match &linear { QLinear::Native { format, data, .. } => (*format, data.clone()), _ => unreachable!() };
+        let (format, data) = match &linear {
+            QLinear::Native { format, data, .. } => (*format, data.clone()),
+            _ => unreachable!(),
+        };
         let input: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
         let rows = quantize_rows(&input, n, in_f);
         let row_bytes = in_f / BLOCK * format.block_bytes();
