@@ -61,7 +61,8 @@ fn quantize_rows(x: &[f32], num_rows: usize, in_features: usize) -> QuantizedRow
     for (b, block) in x.chunks_exact(BLOCK).enumerate() {
         let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
-        let inv_d = if d != 0.0 { 1.0 / d } else { 0.0 };
+        // ggml divides 127 by the maximum rather than inverting d; the roundings differ.
+        let inv_d = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         let mut sum = 0i32;
         for (q, &v) in qs[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(block) {
             *q = round_ties_even(v * inv_d) as i8;
