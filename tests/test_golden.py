@@ -48,45 +48,47 @@ def _teacher_forced_agreement(engine):
     return agree / total, max_diff
 
 
-def _greedy_prefixes(engine):
-    """Number of leading generated tokens equal to llama.cpp's, per prompt."""
-    prefixes = []
-    for p in PROMPTS:
-        out = engine.generate(p["prompt_ids"], specrs.SamplingParams(max_tokens=GOLDEN["num_new_tokens"], ignore_eos=True))
-        same = 0
-        while same < len(out.token_ids) and out.token_ids[same] == p["greedy_ids"][same]:
-            same += 1
-        prefixes.append(same)
-    print(f"\nidentical leading tokens per prompt (of {GOLDEN['num_new_tokens']}): {prefixes}")
-    return prefixes
+def _common_prefix(a, b):
+    same = 0
+    while same < min(len(a), len(b)) and a[same] == b[same]:
+        same += 1
+    return same
 
 
-def test_teacher_forced_logits_track_llamacpp(engine):
-    """Regression guard at the level reached (97.2% top-1, max |diff| 1.34 on 2026-11-29)."""
+def _greedy(engine, prompt):
+    params = specrs.SamplingParams(max_tokens=GOLDEN["num_new_tokens"], ignore_eos=True)
+    return engine.generate(prompt["prompt_ids"], params).token_ids
+
+
+def test_teacher_forced_top1_agreement_with_llamacpp(engine):
     agreement, max_diff = _teacher_forced_agreement(engine)
-    assert agreement >= 0.96
-    assert max_diff < 2.0
-
-
-def test_greedy_continuations_track_llamacpp(engine):
-    """Regression guard at the level reached (2026-11-29: 13 of 14 prompts agree on the first
-    generated token, 12 on the first four, 4 on all 64)."""
-    prefixes = _greedy_prefixes(engine)
-    assert sum(p >= 1 for p in prefixes) >= len(prefixes) - 2
-    assert sum(p >= 4 for p in prefixes) >= 10
-
-
-# The foundation issue's bar. Not reached yet: specrs equals llama.cpp bit for bit on the first
-# ~11 positions of a sequence, then a still-unidentified difference in one attention step makes
-# the two drift (see the README's "Numerics" section). strict=True turns a fix into a failure
-# that asks for these marks to be removed.
-@pytest.mark.xfail(strict=True, reason="drift from llama.cpp after ~11 positions, not yet explained")
-def test_teacher_forced_top1_agreement_reaches_99_percent(engine):
-    agreement, _ = _teacher_forced_agreement(engine)
     assert agreement >= 0.99
+    # specrs reproduces llama.cpp's CPU arithmetic (README, "Numerics"); on this model the logits
+    # have been bitwise equal, so any visible gap means a kernel changed.
+    assert max_diff < 0.05
 
 
-@pytest.mark.xfail(strict=True, reason="drift from llama.cpp after ~11 positions, not yet explained")
-def test_greedy_continuations_identical_on_10_of_12(engine):
-    prefixes = _greedy_prefixes(engine)
-    assert sum(p == GOLDEN["num_new_tokens"] for p in prefixes) >= len(prefixes) * 10 / 12
+def test_greedy_continuations_match_llamacpp(engine):
+    """Against llama.cpp's batched arithmetic (prefill / verification kernels), which specrs uses
+    for every forward, one token or many."""
+    identical = 0
+    for p in PROMPTS:
+        ours = _greedy(engine, p)
+        identical += ours == p["greedy_ids_batched"]
+        if ours != p["greedy_ids_batched"]:
+            print(f"\n{p['name']}: first difference at token {_common_prefix(ours, p['greedy_ids_batched'])}")
+    print(f"\ngreedy continuations identical to llama.cpp (batched kernels): {identical}/{len(PROMPTS)}")
+    assert identical >= len(PROMPTS) * 10 / 12
+
+
+def test_llamacpp_token_by_token_decoding_drifts_from_its_own_batches(engine):
+    """llama.cpp decodes a single token with other kernels than a batch, so its plain greedy
+    output differs from its batched one. specrs has one arithmetic for both; it departs from
+    llama.cpp's token-by-token output exactly where llama.cpp departs from itself."""
+    agree_fully = 0
+    for p in PROMPTS:
+        ours = _greedy(engine, p)
+        llama_self = _common_prefix(p["greedy_ids"], p["greedy_ids_batched"])
+        assert _common_prefix(ours, p["greedy_ids"]) == llama_self, p["name"]
+        agree_fully += ours == p["greedy_ids"]
+    print(f"\nidentical to llama.cpp's token-by-token greedy output: {agree_fully}/{len(PROMPTS)}")

@@ -57,8 +57,10 @@ pub fn apply_rope(x: &mut [f32], heads: usize, head_dim: usize, first_pos: usize
         for head in row.chunks_mut(head_dim) {
             for (pair, (&c, &s)) in head.chunks_mut(2).zip(cos.iter().zip(sin)) {
                 let (x0, x1) = (pair[0], pair[1]);
-                pair[0] = x0 * c - x1 * s;
-                pair[1] = x0 * s + x1 * c;
+                // llama.cpp is compiled with floating-point contraction: GCC fuses these into
+                // fma(x0, c, -(x1 * s)) and fma(x0, s, x1 * c); match it exactly.
+                pair[0] = x0.mul_add(c, -(x1 * s));
+                pair[1] = x0.mul_add(s, x1 * c);
             }
         }
     }
@@ -97,8 +99,9 @@ pub fn causal_attention<'a>(q: &[f32], k: &'a [f16], v: &'a [f16], past: usize, 
     out
 }
 
-/// Number of products each of ggml's f16 dot kernels sums per step (4 accumulators x 8 lanes).
-const STEP: usize = 32;
+/// Lanes of llamafile's tinyBLAS kernel, which llama.cpp uses for both attention matmuls on
+/// AVX2: one 8-lane fused-multiply-add accumulator per output, then `hsum8`.
+const STEP: usize = 8;
 
 fn simd_available() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -118,16 +121,13 @@ fn hsum8(v: &[f32]) -> f32 {
     (h[0] + h[2]) + (h[1] + h[3])
 }
 
-/// ggml's reduction of 32 fused-multiply-add lanes (`acc[c * 8 + lane]`): pairwise across the
-/// four accumulators, then the two halves, then two horizontal adds.
+/// tinyBLAS's reduction of its 8 accumulator lanes.
 fn reduce_lanes(acc: &[f32; STEP]) -> f32 {
-    let lane = |l: usize| (acc[l] + acc[16 + l]) + (acc[8 + l] + acc[24 + l]);
-    let t: [f32; 4] = std::array::from_fn(|k| lane(k) + lane(k + 4));
-    (t[0] + t[1]) + (t[2] + t[3])
+    hsum8(acc)
 }
 
-/// Σ a[d] * b[d] summed the way ggml's `ggml_vec_dot_f16` does: fused multiply-adds into 32
-/// lanes per 32-element step, `reduce_lanes`, then the tail in f64.
+/// Σ a[d] * b[d] summed the way llama.cpp's attention does: fused multiply-adds into 8 lanes,
+/// `reduce_lanes`, then any tail (lengths not a multiple of 8) in f64.
 fn ggml_dot(simd: bool, a: &[f16], b: &[f32]) -> f32 {
     let full = a.len() / STEP * STEP;
     let mut acc = [0f32; STEP];
@@ -192,21 +192,15 @@ mod simd {
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
     }
 
-    /// acc[i % 32] = a[i] * b[i] + acc[i % 32] for every i (a.len() is a multiple of 32).
+    /// acc[i % 8] = a[i] * b[i] + acc[i % 8] for every i (a.len() is a multiple of 8).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn fma_lanes(acc: &mut [f32; STEP], a: &[f16], b: &[f32]) {
         unsafe {
-            let mut lanes: [__m256; 4] = std::array::from_fn(|c| _mm256_loadu_ps(acc.as_ptr().add(c * 8)));
+            let mut lane = _mm256_loadu_ps(acc.as_ptr());
             for i in (0..a.len()).step_by(STEP) {
-                for (c, lane) in lanes.iter_mut().enumerate() {
-                    let x = load8(a.as_ptr().add(i + c * 8));
-                    let y = _mm256_loadu_ps(b.as_ptr().add(i + c * 8));
-                    *lane = _mm256_fmadd_ps(x, y, *lane);
-                }
+                lane = _mm256_fmadd_ps(load8(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), lane);
             }
-            for (c, lane) in lanes.iter().enumerate() {
-                _mm256_storeu_ps(acc.as_mut_ptr().add(c * 8), *lane);
-            }
+            _mm256_storeu_ps(acc.as_mut_ptr(), lane);
         }
     }
 

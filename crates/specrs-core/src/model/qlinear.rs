@@ -273,7 +273,7 @@ mod avx2 {
                             let qa = _mm256_loadu_si256(qs.add(at * BLOCK) as *const __m256i);
                             let scale = _mm256_set1_ps(d * *scales.add(at));
                             acc[r] = _mm256_fmadd_ps(scale, mul_sum_us8(wx, qa), acc[r]);
-                            offsets[r] += m * *sums.add(at);
+                            offsets[r] = m.mul_add(*sums.add(at), offsets[r]); // fused, as GCC contracts ggml's loop
                         }
                     }
                     Format::Q8_0 => {
