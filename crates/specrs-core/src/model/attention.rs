@@ -87,7 +87,18 @@ pub fn causal_attention<'a>(q: &[f32], k: &'a [f16], v: &'a [f16], past: usize, 
         let query: Vec<f32> = q[item * head_dim..(item + 1) * head_dim].iter().map(|&x| round_f16(x)).collect();
         let visible = past + i + 1;
         let row = |cache: &'a [f16], j: usize| -> &'a [f16] { &cache[j * kv_dim + kv_off..][..head_dim] };
-        let mut weights: Vec<f32> = (0..visible).map(|j| ggml_dot(simd, row(k, j), &query) * scale).collect();
+        let mut weights = vec![0f32; visible];
+        if simd && head_dim % STEP == 0 {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: features detected; the cache holds `visible` rows of `kv_dim` values.
+            unsafe {
+                simd::scaled_dots(&query, &k[kv_off..], kv_dim, scale, &mut weights)
+            };
+        } else {
+            for (j, w) in weights.iter_mut().enumerate() {
+                *w = ggml_dot(simd, row(k, j), &query) * scale;
+            }
+        }
         let max = weights.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
         softmax_exps(&mut weights, max);
         // llama.cpp pads the row to a multiple of 32 masked cells and sums it 8 at a time.
@@ -190,6 +201,26 @@ mod simd {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load8(p: *const f16) -> __m256 {
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+
+    /// out[j] = ggml_dot(keys row j, query) * scale for every j, with the dot inlined: 8-lane
+    /// fused multiply-adds, then the same reduction as `hsum8`. `keys` starts at the head's
+    /// offset of row 0; rows are `stride` apart; `query.len()` is a multiple of 8.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn scaled_dots(query: &[f32], keys: &[f16], stride: usize, scale: f32, out: &mut [f32]) {
+        let head_dim = query.len();
+        for (j, o) in out.iter_mut().enumerate() {
+            unsafe {
+                let key = keys.as_ptr().add(j * stride);
+                let mut lane = _mm256_setzero_ps();
+                for d in (0..head_dim).step_by(STEP) {
+                    lane = _mm256_fmadd_ps(load8(key.add(d)), _mm256_loadu_ps(query.as_ptr().add(d)), lane);
+                }
+                let h = _mm_add_ps(_mm256_extractf128_ps(lane, 1), _mm256_castps256_ps128(lane));
+                let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+                *o = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h))) * scale;
+            }
+        }
     }
 
     /// acc[i % 8] = a[i] * b[i] + acc[i % 8] for every i (a.len() is a multiple of 8).

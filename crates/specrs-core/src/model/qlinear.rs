@@ -22,9 +22,9 @@ use crate::error::Result;
 
 const BLOCK: usize = 32;
 /// Activation rows dotted with one unpacked weight block before moving on.
-const ROW_GROUP: usize = 4;
+const ROW_GROUP: usize = 8;
 /// Output features per parallel work item.
-const FEATURES_PER_TASK: usize = 64;
+const FEATURES_PER_TASK: usize = 16;
 
 /// Weight formats with a native kernel. Block layouts follow ggml.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -246,50 +246,76 @@ mod avx2 {
     /// `rows`, and `weight` must hold `rows.num_blocks` blocks of `format`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_rows(format: Format, weight: &[u8], rows: &QuantizedRows, first: usize, out: &mut [f32]) {
-        let group = out.len();
-        debug_assert!(group <= ROW_GROUP && weight.len() == rows.num_blocks * format.block_bytes());
-        let bb = format.block_bytes();
-        let nb = rows.num_blocks;
+        debug_assert!(out.len() <= ROW_GROUP && weight.len() == rows.num_blocks * format.block_bytes());
+        // Monomorphized per group size and format so the accumulators live in registers.
+        unsafe {
+            match (format, out.len()) {
+                (Format::Q4_1, 1) => dot_group::<1, true>(weight, rows, first, out),
+                (Format::Q4_1, 2) => dot_group::<2, true>(weight, rows, first, out),
+                (Format::Q4_1, 3) => dot_group::<3, true>(weight, rows, first, out),
+                (Format::Q4_1, 4) => dot_group::<4, true>(weight, rows, first, out),
+                (Format::Q4_1, 5) => dot_group::<5, true>(weight, rows, first, out),
+                (Format::Q4_1, 6) => dot_group::<6, true>(weight, rows, first, out),
+                (Format::Q4_1, 7) => dot_group::<7, true>(weight, rows, first, out),
+                (Format::Q4_1, _) => dot_group::<8, true>(weight, rows, first, out),
+                (Format::Q8_0, 1) => dot_group::<1, false>(weight, rows, first, out),
+                (Format::Q8_0, 2) => dot_group::<2, false>(weight, rows, first, out),
+                (Format::Q8_0, 3) => dot_group::<3, false>(weight, rows, first, out),
+                (Format::Q8_0, 4) => dot_group::<4, false>(weight, rows, first, out),
+                (Format::Q8_0, 5) => dot_group::<5, false>(weight, rows, first, out),
+                (Format::Q8_0, 6) => dot_group::<6, false>(weight, rows, first, out),
+                (Format::Q8_0, 7) => dot_group::<7, false>(weight, rows, first, out),
+                (Format::Q8_0, _) => dot_group::<8, false>(weight, rows, first, out),
+            }
+        }
+    }
+
+    /// `G` activation rows against one weight row; `Q4_1` selects the format (else Q8_0).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_group<const G: usize, const Q4_1: bool>(
+        weight: &[u8],
+        rows: &QuantizedRows,
+        first: usize,
+        out: &mut [f32],
+    ) {
+        let (bb, nb) = (if Q4_1 { 20 } else { 34 }, rows.num_blocks);
         let w = weight.as_ptr();
         let qs = rows.qs.as_ptr();
         let scales = rows.scales.as_ptr();
         let sums = rows.sums.as_ptr();
-        let mut acc = [_mm256_setzero_ps(); ROW_GROUP];
-        let mut offsets = [0f32; ROW_GROUP];
+        let mut acc = [_mm256_setzero_ps(); G];
+        let mut offsets = [0f32; G];
         let low_nibbles = _mm256_set1_epi8(0x0F);
         for b in 0..nb {
             unsafe {
                 let blk = w.add(b * bb);
                 let d = f16_to_f32(blk);
-                match format {
-                    Format::Q4_1 => {
-                        let m = f16_to_f32(blk.add(2));
-                        let packed = _mm_loadu_si128(blk.add(4) as *const __m128i);
-                        let both =
-                            _mm256_insertf128_si256::<1>(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4));
-                        let wx = _mm256_and_si256(both, low_nibbles);
-                        for r in 0..group {
-                            let at = (first + r) * nb + b;
-                            let qa = _mm256_loadu_si256(qs.add(at * BLOCK) as *const __m256i);
-                            let scale = _mm256_set1_ps(d * *scales.add(at));
-                            acc[r] = _mm256_fmadd_ps(scale, mul_sum_us8(wx, qa), acc[r]);
-                            offsets[r] = m.mul_add(*sums.add(at), offsets[r]); // fused, as GCC contracts ggml's loop
-                        }
+                if Q4_1 {
+                    let m = f16_to_f32(blk.add(2));
+                    let packed = _mm_loadu_si128(blk.add(4) as *const __m128i);
+                    let both = _mm256_insertf128_si256::<1>(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4));
+                    let wx = _mm256_and_si256(both, low_nibbles);
+                    for r in 0..G {
+                        let at = (first + r) * nb + b;
+                        let qa = _mm256_loadu_si256(qs.add(at * BLOCK) as *const __m256i);
+                        let scale = _mm256_set1_ps(d * *scales.add(at));
+                        acc[r] = _mm256_fmadd_ps(scale, mul_sum_us8(wx, qa), acc[r]);
+                        offsets[r] = m.mul_add(*sums.add(at), offsets[r]); // fused, as GCC contracts ggml's loop
                     }
-                    Format::Q8_0 => {
-                        let q = _mm256_loadu_si256(blk.add(2) as *const __m256i);
-                        let wx = _mm256_sign_epi8(q, q);
-                        for r in 0..group {
-                            let at = (first + r) * nb + b;
-                            let qa = _mm256_sign_epi8(_mm256_loadu_si256(qs.add(at * BLOCK) as *const __m256i), q);
-                            let scale = _mm256_set1_ps(d * *scales.add(at));
-                            acc[r] = _mm256_fmadd_ps(scale, mul_sum_us8(wx, qa), acc[r]);
-                        }
+                } else {
+                    let q = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                    let wx = _mm256_sign_epi8(q, q);
+                    for r in 0..G {
+                        let at = (first + r) * nb + b;
+                        let qa = _mm256_sign_epi8(_mm256_loadu_si256(qs.add(at * BLOCK) as *const __m256i), q);
+                        let scale = _mm256_set1_ps(d * *scales.add(at));
+                        acc[r] = _mm256_fmadd_ps(scale, mul_sum_us8(wx, qa), acc[r]);
                     }
                 }
             }
         }
-        for r in 0..group {
+        for r in 0..G {
             out[r] = hsum(acc[r]) + offsets[r];
         }
     }
