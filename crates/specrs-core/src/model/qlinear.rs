@@ -25,6 +25,8 @@ const BLOCK: usize = 32;
 const ROW_GROUP: usize = 8;
 /// Output features per parallel work item.
 const FEATURES_PER_TASK: usize = 16;
+/// How far ahead of the block being read the kernel prefetches weight bytes.
+const PREFETCH_BYTES: usize = 512;
 
 /// Weight formats with a native kernel. Block layouts follow ggml.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -211,7 +213,7 @@ fn scalar_dot_rows(format: Format, weight: &[u8], rows: &QuantizedRows, first: u
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{Format, QuantizedRows, BLOCK, ROW_GROUP};
+    use super::{Format, QuantizedRows, BLOCK, PREFETCH_BYTES, ROW_GROUP};
 
     pub fn available() -> bool {
         is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
@@ -290,6 +292,9 @@ mod avx2 {
         for b in 0..nb {
             unsafe {
                 let blk = w.add(b * bb);
+                // Weights stream from memory once per token: ask for the bytes a few blocks ahead
+                // (the next weight row follows this one contiguously).
+                _mm_prefetch::<_MM_HINT_T0>(blk.add(PREFETCH_BYTES) as *const i8);
                 let d = f16_to_f32(blk);
                 if Q4_1 {
                     let m = f16_to_f32(blk.add(2));
