@@ -215,7 +215,7 @@ impl PyEngine {
         let engine = self.inner.clone();
         let n = ids.len();
         let flat = run_detached(py, move || engine.logits(&ids))?;
-        let vocab = if n == 0 { 0 } else { flat.len() / n };
+        let vocab = flat.len().checked_div(n).unwrap_or(0);
         let array = numpy::ndarray::Array2::from_shape_vec((n, vocab), flat)
             .map_err(|e| to_py(specrs_core::Error::Internal(e.to_string())))?;
         Ok(array.into_pyarray(py))

@@ -311,11 +311,11 @@ mod avx2 {
                 } else {
                     let q = _mm256_loadu_si256(blk.add(2) as *const __m256i);
                     let wx = _mm256_sign_epi8(q, q);
-                    for r in 0..G {
+                    for (r, acc) in acc.iter_mut().enumerate() {
                         let at = (first + r) * nb + b;
                         let qa = _mm256_sign_epi8(_mm256_loadu_si256(qs.add(at * BLOCK) as *const __m256i), q);
                         let scale = _mm256_set1_ps(d * *scales.add(at));
-                        acc[r] = _mm256_fmadd_ps(scale, mul_sum_us8(wx, qa), acc[r]);
+                        *acc = _mm256_fmadd_ps(scale, mul_sum_us8(wx, qa), *acc);
                     }
                 }
             }
