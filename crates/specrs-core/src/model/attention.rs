@@ -14,7 +14,7 @@
 //! Precision and summation order follow llama.cpp's CPU path (no flash attention), so the two
 //! agree bit for bit where they can: keys/values are f16, the query is rounded to f16 for the q·k
 //! dot, the softmax is normalized in f32 (sum in f64), the probabilities are rounded to f16
-//! before weighting the values, and both dots sum in ggml's lane order (`ggml_dot`).
+//! before weighting the values, and both products sum in tinyBLAS's lane order (`STEP`).
 
 use half::f16;
 
@@ -96,7 +96,7 @@ pub fn causal_attention<'a>(q: &[f32], k: &'a [f16], v: &'a [f16], past: usize, 
             };
         } else {
             for (j, w) in weights.iter_mut().enumerate() {
-                *w = ggml_dot(simd, row(k, j), &query) * scale;
+                *w = lane_dot(row(k, j), &query) * scale;
             }
         }
         let max = weights.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
@@ -132,37 +132,25 @@ fn hsum8(v: &[f32]) -> f32 {
     (h[0] + h[2]) + (h[1] + h[3])
 }
 
-/// tinyBLAS's reduction of its 8 accumulator lanes.
-fn reduce_lanes(acc: &[f32; STEP]) -> f32 {
-    hsum8(acc)
-}
-
 /// Σ a[d] * b[d] summed the way llama.cpp's attention does: fused multiply-adds into 8 lanes,
-/// `reduce_lanes`, then any tail (lengths not a multiple of 8) in f64.
-fn ggml_dot(simd: bool, a: &[f16], b: &[f32]) -> f32 {
+/// `hsum8`, then any tail (lengths not a multiple of 8) in f64. The scalar twin of
+/// `simd::scaled_dots`, used where that kernel cannot run.
+fn lane_dot(a: &[f16], b: &[f32]) -> f32 {
     let full = a.len() / STEP * STEP;
     let mut acc = [0f32; STEP];
-    if simd {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX2, FMA and F16C were detected.
-        unsafe {
-            simd::fma_lanes(&mut acc, &a[..full], &b[..full])
-        };
-    } else {
-        for (i, (x, y)) in a[..full].iter().zip(&b[..full]).enumerate() {
-            acc[i % STEP] = x.to_f32().mul_add(*y, acc[i % STEP]);
-        }
+    for (i, (x, y)) in a[..full].iter().zip(&b[..full]).enumerate() {
+        acc[i % STEP] = x.to_f32().mul_add(*y, acc[i % STEP]);
     }
-    let mut sum = reduce_lanes(&acc) as f64;
+    let mut sum = hsum8(&acc) as f64;
     for (x, y) in a[full..].iter().zip(&b[full..]) {
         sum += (x.to_f32() * y) as f64;
     }
     sum as f32
 }
 
-/// out[d] = Σ_j probs[j] * values[j][d], each output summed over j exactly like `ggml_dot`
+/// out[d] = Σ_j probs[j] * values[j][d], each output summed over j in 8 lanes like `lane_dot`
 /// (llama.cpp stores V transposed, so its kernel dots each value dimension with the weights).
-/// llama.cpp pads the cache view to a multiple of 32 cells with zero weights, so every j goes
+/// llama.cpp pads the cache view with zero-weight cells to a multiple of 8, so every j goes
 /// through the lanes and there is no f64 tail.
 fn weighted_sum<'a>(simd: bool, value: impl Fn(usize) -> &'a [f16], probs: &[f32], out: &mut [f32]) {
     let head_dim = out.len();
@@ -185,7 +173,7 @@ fn weighted_sum<'a>(simd: bool, value: impl Fn(usize) -> &'a [f16], probs: &[f32
     }
     for (d, o) in out.iter_mut().enumerate() {
         let acc: [f32; STEP] = std::array::from_fn(|slot| lanes[slot * head_dim + d]);
-        *o = reduce_lanes(&acc);
+        *o = hsum8(&acc);
     }
 }
 
@@ -203,7 +191,7 @@ mod simd {
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
     }
 
-    /// out[j] = ggml_dot(keys row j, query) * scale for every j, with the dot inlined: 8-lane
+    /// out[j] = lane_dot(keys row j, query) * scale for every j, with the dot inlined: 8-lane
     /// fused multiply-adds, then the same reduction as `hsum8`. `keys` starts at the head's
     /// offset of row 0; rows are `stride` apart; `query.len()` is a multiple of 8.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -220,18 +208,6 @@ mod simd {
                 let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
                 *o = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h))) * scale;
             }
-        }
-    }
-
-    /// acc[i % 8] = a[i] * b[i] + acc[i % 8] for every i (a.len() is a multiple of 8).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn fma_lanes(acc: &mut [f32; STEP], a: &[f16], b: &[f32]) {
-        unsafe {
-            let mut lane = _mm256_loadu_ps(acc.as_ptr());
-            for i in (0..a.len()).step_by(STEP) {
-                lane = _mm256_fmadd_ps(load8(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), lane);
-            }
-            _mm256_storeu_ps(acc.as_mut_ptr(), lane);
         }
     }
 

@@ -87,7 +87,7 @@ fn round_ties_even(x: f32) -> f32 {
 /// A weight matrix `[out_features, in_features]`.
 pub enum QLinear {
     Native { format: Format, data: Vec<u8>, out_features: usize, in_features: usize },
-    Candle(QMatMul),
+    Candle { matmul: QMatMul, out_features: usize },
 }
 
 impl QLinear {
@@ -102,17 +102,13 @@ impl QLinear {
             Some(format) if in_features % BLOCK == 0 && matches!(weight.device(), Device::Cpu) => {
                 Ok(QLinear::Native { format, data: weight.data()?.into_owned(), out_features, in_features })
             }
-            _ => Ok(QLinear::Candle(QMatMul::from_arc(weight)?)),
+            _ => Ok(QLinear::Candle { matmul: QMatMul::from_arc(weight)?, out_features }),
         }
     }
 
     pub fn out_features(&self) -> usize {
         match self {
-            QLinear::Native { out_features, .. } => *out_features,
-            QLinear::Candle(m) => match m {
-                QMatMul::QTensor(t) => t.shape().dims()[0],
-                QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.dims()[0],
-            },
+            QLinear::Native { out_features, .. } | QLinear::Candle { out_features, .. } => *out_features,
         }
     }
 
@@ -123,9 +119,9 @@ impl QLinear {
                 let rows = quantize_rows(x, num_rows, *in_features);
                 Ok(matmul(*format, data, *out_features, *in_features, &rows, num_rows))
             }
-            QLinear::Candle(m) => {
+            QLinear::Candle { matmul, .. } => {
                 let input = Tensor::from_slice(x, (num_rows, x.len() / num_rows.max(1)), &Device::Cpu)?;
-                Ok(m.forward(&input)?.flatten_all()?.to_vec1()?)
+                Ok(matmul.forward(&input)?.flatten_all()?.to_vec1()?)
             }
         }
     }
