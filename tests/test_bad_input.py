@@ -121,11 +121,6 @@ def test_default_model_missing_names_the_install_command(monkeypatch):
         specrs.Engine()
 
 
-def test_speculative_config_is_refused_until_supported(model_path):
-    with pytest.raises(ConfigError, match="speculative_config=None"):
-        specrs.Engine(model_path, speculative_config={"method": "ngram"})
-
-
 def test_every_error_is_a_specrs_error():
-    for cls in (ConfigError, ContextLengthError, DeviceError, ModelLoadError):
+    for cls in (ConfigError, ContextLengthError, DeviceError, ModelLoadError, specrs.ProposerError):
         assert issubclass(cls, SpecrsError)

@@ -1,8 +1,8 @@
 """specrs: speculative-decoding LLM inference with a Rust core."""
 
 from ._specrs import __version__
-from .engine import Engine, GenerationResult, SamplingParams, TextStream, Tokenizer
-from .errors import ConfigError, ContextLengthError, DeviceError, ModelLoadError, SpecrsError
+from .engine import Engine, GenerationResult, SamplingParams, TextStream, Tokenizer, expected_speedup
+from .errors import ConfigError, ContextLengthError, DeviceError, ModelLoadError, ProposerError, SpecrsError
 from .models import default_model_path
 
 __all__ = [
@@ -16,6 +16,8 @@ __all__ = [
     "ConfigError",
     "ContextLengthError",
     "DeviceError",
+    "ProposerError",
+    "expected_speedup",
     "default_model_path",
     "__version__",
 ]

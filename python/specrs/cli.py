@@ -1,16 +1,23 @@
-"""`specrs` command line: `specrs generate --prompt TEXT [--model PATH] [--chat] ...`."""
+"""`specrs` command line:
+
+    specrs generate --prompt TEXT [--model PATH] [--chat] [--speculative-config JSON] ...
+    specrs bench --prompts PROMPTS.jsonl [--config JSON ...] [--json OUT] ...   (see bench.py)
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from . import bench
 from .engine import Engine, SamplingParams
 from .errors import SpecrsError
 
 
 def _generate(args: argparse.Namespace) -> int:
-    engine = Engine(args.model, device=args.device)
+    # The JSON text goes to the engine as is, the way `vllm serve --speculative-config` takes it;
+    # the engine parses and validates it (a ConfigError names the bad key or value).
+    engine = Engine(args.model, device=args.device, speculative_config=args.speculative_config)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -26,6 +33,7 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     result = stream.result
     m = result.metrics
+    stats_file = sys.stderr if args.quiet_stats_to_stderr else sys.stdout
     print()
     print(
         f"[specrs] TTFT {m['ttft_s'] * 1000:.1f} ms | ITL {m['itl_s_mean'] * 1000:.1f} ms "
@@ -33,9 +41,24 @@ def _generate(args: argparse.Namespace) -> int:
         f"{m['decode_tokens_per_s']:.1f} tok/s decode | {m['prefill_tokens_per_s']:.1f} tok/s prefill | "
         f"{m['num_prompt_tokens']} prompt + {m['num_generated_tokens']} generated tokens "
         f"({result.finish_reason})",
-        file=sys.stderr if args.quiet_stats_to_stderr else sys.stdout,
+        file=stats_file,
     )
+    if args.speculative_config is not None:
+        print(acceptance_report(m), file=stats_file)
     return 0
+
+
+def acceptance_report(m: dict) -> str:
+    """One line on how the drafts fared, from a request's metrics."""
+    drafts = m["num_drafts"]
+    # vLLM's per-position rate: drafts whose i-th token was accepted, over all drafts.
+    per_pos = " ".join(f"{count / drafts:.0%}" if drafts else "-" for count in m["num_accepted_tokens_per_pos"])
+    return (
+        f"[specrs] speculative {m['spec_method']} k={m['num_speculative_tokens']} | "
+        f"{drafts} drafts, {m['num_draft_tokens']} draft tokens, {m['num_accepted_tokens']} accepted | "
+        f"acceptance rate {m['acceptance_rate']:.1%} | mean acceptance length {m['mean_acceptance_length']:.2f} | "
+        f"per position: {per_pos or '-'}"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,8 +75,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--device", default="cpu")
+    gen.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as `vllm serve --speculative-config` takes it, e.g. '
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; '
+        "also prints an acceptance report",
+    )
     gen.add_argument("--quiet-stats-to-stderr", action="store_true", help="print the metrics line on stderr")
     gen.set_defaults(func=_generate)
+
+    bench_parser = sub.add_parser(
+        "bench",
+        help="benchmark speculative configs against plain decoding on a JSONL of prompts",
+        description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(func=bench.run_from_args)
     return parser
 
 

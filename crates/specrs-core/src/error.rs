@@ -20,6 +20,10 @@ pub enum Error {
     /// A device was requested that this build or machine cannot provide.
     #[error("{0}")]
     Device(String),
+    /// A proposer failed or returned an invalid draft (a custom proposer raised, or drafted ids
+    /// outside the vocabulary, or probabilities of the wrong shape).
+    #[error("{0}")]
+    Proposer(String),
     /// A tensor operation failed inside candle: a bug in specrs, not a user error.
     #[error("internal tensor error: {0}")]
     Candle(#[from] candle_core::Error),

@@ -1,8 +1,8 @@
 //! specrs-core: a speculative-decoding inference engine on candle, with no Python in it.
 //!
 //! Module map: `gguf` (file access) -> `model` (CausalLm families) + `kv_cache` (O(1) rollback) ->
-//! `tokenizer` / `chat_template` / `detokenizer` (text) -> `sampler` -> `engine` (requests) and
-//! `metrics`. The Python bindings live in `specrs-py`.
+//! `tokenizer` / `chat_template` / `detokenizer` (text) -> `sampler` -> `proposer` (guesses) +
+//! `verify` (lossless acceptance) -> `engine` (requests, configured by `spec_config`) and `metrics`. The Python bindings live in `specrs-py`.
 
 pub mod chat_template;
 pub mod config;
@@ -13,9 +13,13 @@ pub mod gguf;
 pub mod kv_cache;
 pub mod metrics;
 pub mod model;
+pub mod proposer;
 pub mod sampler;
+pub mod spec_config;
 pub mod tokenizer;
+pub mod verify;
 
 pub use config::SamplingParams;
-pub use engine::{Engine, FinishReason, Generation, Session, StepOutput};
+pub use engine::{Engine, FinishReason, Generation, Session, Speculation, StepOutput};
 pub use error::{Error, Result};
+pub use spec_config::SpeculativeConfig;

@@ -105,8 +105,8 @@ fn greedy_generation_is_deterministic_and_stops() {
         .render_chat(&[specrs_core::chat_template::ChatMessage { role: "user".into(), content: "What is 2+2?".into() }])
         .unwrap();
     let ids = engine.tokenizer().encode(&prompt, true).unwrap();
-    let a = engine.generate(ids.clone(), SamplingParams::greedy(48)).unwrap();
-    let b = engine.generate(ids, SamplingParams::greedy(48)).unwrap();
+    let a = engine.generate(ids.clone(), SamplingParams::greedy(48), None).unwrap();
+    let b = engine.generate(ids, SamplingParams::greedy(48), None).unwrap();
     println!("{:?} {:?}\n{:#?}", a.text, a.finish_reason, a.metrics);
     assert_eq!(a.token_ids, b.token_ids);
     assert!(!a.text.trim().is_empty());

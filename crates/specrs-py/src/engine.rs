@@ -7,11 +7,13 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use specrs_core::chat_template::ChatMessage;
 use specrs_core::engine::Generation;
-use specrs_core::metrics::RequestMetrics;
+use specrs_core::metrics::{expected_speedup_refined, expected_speedup_textbook, RequestMetrics, SpecDecodeMetrics};
+use specrs_core::spec_config::Method;
 use specrs_core::tokenizer::TextTokenizer;
-use specrs_core::{Engine, SamplingParams, Session};
+use specrs_core::{Engine, SamplingParams, Session, Speculation, SpeculativeConfig};
 
 use crate::errors::{guard, run_detached, to_py};
+use crate::proposer::PyProposer;
 
 #[pyclass(name = "SamplingParams", module = "specrs._specrs", frozen)]
 pub struct PySamplingParams {
@@ -138,7 +140,25 @@ fn metrics_dict<'py>(py: Python<'py>, m: &RequestMetrics) -> PyResult<Bound<'py,
     d.set_item("itl_s_p99", m.itl_s_p99)?;
     d.set_item("decode_tokens_per_s", m.decode_tokens_per_s)?;
     d.set_item("prefill_tokens_per_s", m.prefill_tokens_per_s)?;
+    d.set_item("spec_method", m.spec_method.as_deref())?;
+    d.set_item("num_speculative_tokens", m.num_speculative_tokens)?;
+    spec_items(&d, &m.spec)?;
     Ok(d)
+}
+
+/// vLLM-named acceptance counters and the decode time split.
+fn spec_items(d: &Bound<'_, PyDict>, s: &SpecDecodeMetrics) -> PyResult<()> {
+    d.set_item("num_drafts", s.num_drafts)?;
+    d.set_item("num_draft_tokens", s.num_draft_tokens)?;
+    d.set_item("num_accepted_tokens", s.num_accepted_tokens)?;
+    d.set_item("num_accepted_tokens_per_pos", &s.num_accepted_tokens_per_pos)?;
+    d.set_item("mean_acceptance_length", s.mean_acceptance_length())?;
+    d.set_item("acceptance_rate", s.acceptance_rate())?;
+    d.set_item("num_decode_steps", s.num_decode_steps)?;
+    d.set_item("propose_s", s.propose_s)?;
+    d.set_item("forward_s", s.forward_s)?;
+    d.set_item("verify_s", s.verify_s)?;
+    Ok(())
 }
 
 fn generation_dict<'py>(py: Python<'py>, g: &Generation) -> PyResult<Bound<'py, PyDict>> {
@@ -149,6 +169,27 @@ fn generation_dict<'py>(py: Python<'py>, g: &Generation) -> PyResult<Bound<'py, 
     d.set_item("finish_reason", g.finish_reason.map(|r| r.as_str()))?;
     d.set_item("metrics", metrics_dict(py, &g.metrics)?)?;
     Ok(d)
+}
+
+/// Expected speedup over plain decoding: textbook (1 - a^(k+1)) / ((1 - a)(1 + c)), or the refined
+/// form with `verify_cost_ratio` v = t(k+1)/t(1) in place of 1.
+#[pyfunction]
+#[pyo3(signature = (acceptance_rate, num_speculative_tokens, draft_cost=0.0, verify_cost_ratio=None))]
+pub fn expected_speedup(
+    acceptance_rate: f64,
+    num_speculative_tokens: f64,
+    draft_cost: f64,
+    verify_cost_ratio: Option<f64>,
+) -> PyResult<f64> {
+    if !(0.0..=1.0).contains(&acceptance_rate) || num_speculative_tokens < 0.0 || draft_cost < 0.0 {
+        return Err(to_py(specrs_core::Error::config(
+            "expected_speedup needs 0 <= acceptance_rate <= 1, num_speculative_tokens >= 0 and draft_cost >= 0",
+        )));
+    }
+    Ok(match verify_cost_ratio {
+        None => expected_speedup_textbook(acceptance_rate, num_speculative_tokens, draft_cost),
+        Some(v) => expected_speedup_refined(acceptance_rate, num_speculative_tokens, draft_cost, v),
+    })
 }
 
 #[pyclass(name = "Engine", module = "specrs._specrs", frozen)]
@@ -191,23 +232,80 @@ impl PyEngine {
         guard(|| self.inner.render_chat(&messages)).map_err(to_py)
     }
 
+    /// The parsed config with every default filled in, as JSON (raises ConfigError when invalid).
+    #[staticmethod]
+    fn parse_speculative_config(config_json: &str) -> PyResult<String> {
+        guard(|| SpeculativeConfig::from_json(config_json)).map(|c| c.to_json()).map_err(to_py)
+    }
+
+    #[pyo3(signature = (prompt_ids, params, speculative_config=None, proposer=None))]
     fn generate<'py>(
         &self,
         py: Python<'py>,
         prompt_ids: Vec<u32>,
         params: &PySamplingParams,
+        speculative_config: Option<&str>,
+        proposer: Option<Py<PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
+        let speculation = self.speculation(py, speculative_config, proposer)?;
         let engine = self.inner.clone();
         let params = params.inner.clone();
-        let generation = run_detached(py, move || engine.generate(prompt_ids, params))?;
+        let generation = run_detached(py, move || engine.generate(prompt_ids, params, speculation))?;
         generation_dict(py, &generation)
     }
 
-    fn stream(&self, py: Python<'_>, prompt_ids: Vec<u32>, params: &PySamplingParams) -> PyResult<PyStream> {
+    #[pyo3(signature = (prompt_ids, params, speculative_config=None, proposer=None))]
+    fn stream(
+        &self,
+        py: Python<'_>,
+        prompt_ids: Vec<u32>,
+        params: &PySamplingParams,
+        speculative_config: Option<&str>,
+        proposer: Option<Py<PyAny>>,
+    ) -> PyResult<PyStream> {
+        let speculation = self.speculation(py, speculative_config, proposer)?;
         let engine = self.inner.clone();
         let params = params.inner.clone();
-        let session = run_detached(py, move || engine.start(prompt_ids, params))?;
+        let session = run_detached(py, move || engine.start(prompt_ids, params, speculation))?;
         Ok(PyStream { session: std::sync::Mutex::new(session) })
+    }
+
+    /// Sums over every finished request: vLLM's acceptance counters, TTFT/ITL/tokens/s, and the
+    /// expected-speedup model (which measures the verification cost curve on first use).
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let engine = self.inner.clone();
+        let (m, expected) = run_detached(py, move || {
+            let m = engine.metrics()?;
+            let expected = engine.expected_speedup(&m.spec)?;
+            Ok((m, expected))
+        })?;
+        let d = PyDict::new(py);
+        d.set_item("num_requests", m.num_requests)?;
+        d.set_item("num_prompt_tokens", m.num_prompt_tokens)?;
+        d.set_item("num_generated_tokens", m.num_generated_tokens)?;
+        spec_items(&d, &m.spec)?;
+        d.set_item("ttft_s_mean", m.ttft_s_mean())?;
+        d.set_item("itl_s_mean", m.itl_s_mean())?;
+        d.set_item("itl_s_p50", m.itl_s_percentile(0.50))?;
+        d.set_item("itl_s_p99", m.itl_s_percentile(0.99))?;
+        d.set_item("decode_tokens_per_s", m.decode_tokens_per_s())?;
+        d.set_item("expected_speedup_textbook", expected.map(|e| e.textbook))?;
+        d.set_item("expected_speedup_refined", expected.map(|e| e.refined))?;
+        d.set_item("draft_cost", expected.map(|e| e.draft_cost))?;
+        d.set_item("verify_cost_ratio", expected.map(|e| e.verify_cost_ratio))?;
+        Ok(d)
+    }
+
+    fn reset_metrics(&self) -> PyResult<()> {
+        guard(|| self.inner.reset_metrics()).map_err(to_py)
+    }
+
+    /// v(n) = t(n)/t(1) for n = 1..=max_n on a `context_len`-token cache (measured once, cached).
+    #[pyo3(signature = (max_n, context_len=512))]
+    fn verify_cost_ratios(&self, py: Python<'_>, max_n: usize, context_len: usize) -> PyResult<Vec<f64>> {
+        let engine = self.inner.clone();
+        let costs = run_detached(py, move || engine.verify_costs(max_n.max(1), context_len))?;
+        Ok(costs.iter().map(|t| t / costs[0]).collect())
     }
 
     /// Teacher-forced logits `[len(ids), vocab_size]` from one forward pass.
@@ -232,6 +330,45 @@ impl PyEngine {
     ) -> PyResult<Vec<(usize, f64)>> {
         let engine = self.inner.clone();
         run_detached(py, move || engine.forward_cost(&context_ids, &ns, repeats))
+    }
+}
+
+impl PyEngine {
+    /// The request's speculation from a config JSON (None = off) and an optional Python proposer.
+    fn speculation(
+        &self,
+        py: Python<'_>,
+        config_json: Option<&str>,
+        proposer: Option<Py<PyAny>>,
+    ) -> PyResult<Option<Speculation>> {
+        let Some(config_json) = config_json else {
+            if proposer.is_some() {
+                return Err(to_py(specrs_core::Error::config(
+                    "a proposer object needs speculation on: pass speculative_config={\"method\": \"custom\", ...}",
+                )));
+            }
+            return Ok(None);
+        };
+        let config = guard(|| SpeculativeConfig::from_json(config_json)).map_err(to_py)?;
+        let speculation =
+            match (&config.method, proposer) {
+                (Method::Custom, Some(object)) => Speculation {
+                    method: config.method_name(),
+                    num_speculative_tokens: config.num_speculative_tokens,
+                    proposer: Box::new(PyProposer::new(py, object).map_err(to_py)?),
+                },
+                (Method::Custom, None) => return Err(to_py(specrs_core::Error::config(
+                    "method 'custom' needs a proposer object: Engine(..., proposer=obj) or generate(..., proposer=obj)",
+                ))),
+                (_, Some(_)) => {
+                    return Err(to_py(specrs_core::Error::config(format!(
+                "a proposer object was given but the speculative_config method is '{}'; use \"method\": \"custom\"",
+                config.method_name()
+            ))))
+                }
+                (_, None) => guard(|| self.inner.speculation(&config)).map_err(to_py)?,
+            };
+        Ok(Some(speculation))
     }
 }
 

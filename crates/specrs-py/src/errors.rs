@@ -15,6 +15,7 @@ fn class_name(error: &Error) -> &'static str {
         Error::Config(_) => "ConfigError",
         Error::ContextLength(_) => "ContextLengthError",
         Error::Device(_) => "DeviceError",
+        Error::Proposer(_) => "ProposerError",
         Error::Candle(_) | Error::Internal(_) => "SpecrsError",
     }
 }

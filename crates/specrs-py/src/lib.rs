@@ -3,6 +3,7 @@
 
 mod engine;
 mod errors;
+mod proposer;
 
 use pyo3::prelude::*;
 
@@ -12,6 +13,7 @@ fn _specrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PySamplingParams>()?;
     m.add_class::<engine::PyStream>()?;
     m.add_class::<engine::PyTokenizer>()?;
+    m.add_function(wrap_pyfunction!(engine::expected_speedup, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

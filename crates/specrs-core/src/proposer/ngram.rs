@@ -1,0 +1,337 @@
+//! N-gram (prompt lookup) proposer: guesses that the text will continue the way it did the last time
+//! its current ending appeared.
+//!
+//! Rule: for n from `prompt_lookup_max` down to `prompt_lookup_min`, take the context's last n tokens
+//! and look for an earlier occurrence of them (one that ends before the context does; it may overlap
+//! the final n tokens). At the first (longest) n that has one, propose the up-to-`max_tokens` tokens
+//! that followed its MOST RECENT earlier occurrence, cut short by the end of the context if the
+//! occurrence is that close to it (always at least one token). No occurrence for any n: empty draft.
+//!
+//! vLLM (`vllm/v1/spec_decode/ngram_proposer.py`) picks the same n (the longest suffix of at most
+//! `prompt_lookup_max` tokens that occurs earlier) but continues from its EARLIEST occurrence. We
+//! deliberately differ: the most recent occurrence reflects what the model is doing now (the latest
+//! edit of a repeated code block, the current loop of a list), and it is what a per-n "latest
+//! position" index gives for free. (vLLM also caps the draft at `max_model_len - len`; here the
+//! caller bounds `max_tokens`.)
+//!
+//! Cost: the context only grows by appending between calls (the `Proposer` contract), so rather than
+//! rescanning it, each call indexes just the tokens appended since the previous call:
+//! O((max - min + 1) * new tokens) hash-map inserts, plus one lookup per n.
+//!
+//! Invariant: in the table for each n, `latest_end` maps the hash of every n-gram ending at some
+//! `end < indexed_end` to the largest such `end`, and `previous_end` chains each end to the next older
+//! end with the same hash. `indexed_end` is the length of the context last seen, so the context's own
+//! final n-gram is never in the index when it is looked up (it cannot match itself), and every
+//! indexed n-gram has at least one token after it to propose.
+
+use std::collections::hash_map::RandomState;
+use std::collections::HashMap;
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
+
+use super::{Draft, Proposer};
+use crate::error::Result;
+
+/// Chain terminator in `NgramTable::previous_end`. Positions are stored as u32 to halve the index's
+/// memory; no context comes near 4G tokens.
+const NO_END: u32 = u32::MAX;
+
+/// Prompt-lookup proposer for one request; see the module docs for the matching rule.
+pub struct NgramProposer {
+    /// One table per n in `prompt_lookup_min..=prompt_lookup_max`, in increasing n.
+    tables: Vec<NgramTable>,
+    /// Polynomial rolling-hash base (odd, random per proposer so no fixed input can force
+    /// many collisions; proposals never depend on it because every candidate is verified).
+    base: u64,
+    /// `base_pow[i] = base^i` for i up to the largest n.
+    base_pow: Vec<u64>,
+    /// `prefix_hash[i]` = hash of `context[..i]`; holds `len + 1` entries for the context last seen,
+    /// so the hash of any n-gram, including the final one, is two lookups away.
+    prefix_hash: Vec<u64>,
+    /// The n-grams ending at every position `< indexed_end` are in `tables`.
+    indexed_end: usize,
+}
+
+/// The index for one n-gram length.
+struct NgramTable {
+    n: usize,
+    /// n-gram hash -> end (exclusive) of its most recent indexed occurrence.
+    latest_end: HashMap<u64, u32, BuildHasherDefault<MixHasher>>,
+    /// `previous_end[end]` = the next older end whose n-gram has the same hash, or `NO_END`. Two
+    /// different n-grams can share a hash; walking this chain past them keeps lookups exact.
+    previous_end: Vec<u32>,
+}
+
+impl NgramProposer {
+    /// A proposer matching n-grams of `prompt_lookup_min..=prompt_lookup_max` tokens
+    /// (1 <= min <= max, validated by the config layer).
+    pub fn new(prompt_lookup_min: usize, prompt_lookup_max: usize) -> Self {
+        let base = RandomState::new().hash_one(0x6e67_7261_6d5f_7365_u64) | 1;
+        Self::with_hash_base(prompt_lookup_min, prompt_lookup_max, base)
+    }
+
+    /// `new` with a chosen hash base; tests use degenerate bases to force hash collisions.
+    fn with_hash_base(prompt_lookup_min: usize, prompt_lookup_max: usize, base: u64) -> Self {
+        debug_assert!(1 <= prompt_lookup_min && prompt_lookup_min <= prompt_lookup_max);
+        // A 0-gram would match everywhere; clamp rather than propose garbage if validation is skipped.
+        let min_n = prompt_lookup_min.max(1);
+        let tables = (min_n..=prompt_lookup_max)
+            .map(|n| NgramTable { n, latest_end: HashMap::default(), previous_end: Vec::new() })
+            .collect();
+        let mut base_pow = vec![1u64];
+        for _ in 0..prompt_lookup_max {
+            base_pow.push(base_pow[base_pow.len() - 1].wrapping_mul(base));
+        }
+        Self { tables, base, base_pow, prefix_hash: vec![0], indexed_end: 0 }
+    }
+
+    /// Brings the index up to date with `context`: hashes its new tokens and indexes the n-grams
+    /// ending at every position before its end.
+    fn index(&mut self, context: &[u32]) {
+        if context.len() + 1 < self.prefix_hash.len() {
+            // The context shrank, which the `Proposer` contract rules out. Rebuild rather than keep
+            // positions past its end; lookups verify tokens, so even a context rewritten in place
+            // yields only genuine earlier occurrences, never a panic.
+            self.reset();
+        }
+        debug_assert!(context.len() < NO_END as usize, "positions are stored as u32");
+        let hashed = self.prefix_hash.len() - 1;
+        for &token in &context[hashed..] {
+            let last = self.prefix_hash[self.prefix_hash.len() - 1];
+            self.prefix_hash.push(last.wrapping_mul(self.base).wrapping_add(u64::from(token)));
+        }
+        // Ends stop short of `context.len()`: the final n-gram is what we look up, and indexing it
+        // now would let it match itself. It gets indexed next call, once a token follows it.
+        for end in self.indexed_end..context.len() {
+            for table in &mut self.tables {
+                let previous = if end >= table.n {
+                    let hash = ngram_hash(&self.prefix_hash, &self.base_pow, end - table.n, end);
+                    table.latest_end.insert(hash, end as u32).unwrap_or(NO_END)
+                } else {
+                    NO_END
+                };
+                table.previous_end.push(previous);
+            }
+        }
+        self.indexed_end = context.len();
+    }
+
+    fn reset(&mut self) {
+        for table in &mut self.tables {
+            table.latest_end.clear();
+            table.previous_end.clear();
+        }
+        self.prefix_hash.truncate(1);
+        self.indexed_end = 0;
+    }
+
+    /// Where the continuation starts: the end of the most recent earlier occurrence of the longest
+    /// matching suffix. Requires `index(context)` first.
+    fn find_continuation(&self, context: &[u32]) -> Option<usize> {
+        let len = context.len();
+        for table in self.tables.iter().rev() {
+            let n = table.n;
+            // An earlier occurrence ends at some `end` with n <= end < len.
+            if n >= len {
+                continue;
+            }
+            let suffix = &context[len - n..];
+            let hash = ngram_hash(&self.prefix_hash, &self.base_pow, len - n, len);
+            let mut candidate = table.latest_end.get(&hash).copied().unwrap_or(NO_END);
+            while candidate != NO_END {
+                let end = candidate as usize;
+                if &context[end - n..end] == suffix {
+                    return Some(end);
+                }
+                candidate = table.previous_end[end];
+            }
+        }
+        None
+    }
+}
+
+impl Proposer for NgramProposer {
+    fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {
+        // Index even when no tokens are wanted, so the next call still only pays for its new tokens.
+        self.index(context);
+        if max_tokens == 0 {
+            return Ok(Draft::tokens(Vec::new()));
+        }
+        let token_ids = match self.find_continuation(context) {
+            Some(start) => context[start..context.len().min(start + max_tokens)].to_vec(),
+            None => Vec::new(),
+        };
+        Ok(Draft::tokens(token_ids))
+    }
+}
+
+/// Hash of `tokens[start..end]` from the prefix hashes of the tokens.
+fn ngram_hash(prefix_hash: &[u64], base_pow: &[u64], start: usize, end: usize) -> u64 {
+    prefix_hash[end].wrapping_sub(prefix_hash[start].wrapping_mul(base_pow[end - start]))
+}
+
+/// Hasher for keys that already are 64-bit hashes. The polynomial hash's low bits depend only on the
+/// tokens' low bits, and `HashMap` picks buckets by low bits, so we still mix (the splitmix64
+/// finalizer: two multiplies, far cheaper than the default `SipHash`).
+#[derive(Default)]
+struct MixHasher(u64);
+
+impl Hasher for MixHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        // Only reached for non-u64 keys, which this module never uses; kept correct anyway.
+        for &byte in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(byte)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u64(&mut self, value: u64) {
+        self.0 = value;
+    }
+
+    fn finish(&self) -> u64 {
+        let mut x = self.0;
+        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        x ^ (x >> 31)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The matching rule, written as directly as possible: rescan the whole context.
+    fn rescan_reference(context: &[u32], min_n: usize, max_n: usize, max_tokens: usize) -> Vec<u32> {
+        let len = context.len();
+        for n in (min_n..=max_n).rev() {
+            if n >= len {
+                continue;
+            }
+            let suffix = &context[len - n..];
+            for end in (n..len).rev() {
+                if &context[end - n..end] == suffix {
+                    return context[end..len.min(end + max_tokens)].to_vec();
+                }
+            }
+        }
+        Vec::new()
+    }
+
+    fn propose(proposer: &mut NgramProposer, context: &[u32], max_tokens: usize) -> Vec<u32> {
+        let draft = proposer.propose(context, max_tokens).unwrap();
+        assert!(draft.probs.is_none());
+        draft.token_ids
+    }
+
+    /// xorshift64*: deterministic, dependency-free randomness for the tests.
+    struct Rng(u64);
+
+    impl Rng {
+        fn below(&mut self, bound: u64) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32) % bound
+        }
+    }
+
+    /// Grows random contexts by random amounts (0 included: repeated calls on the same context) and
+    /// checks every proposal against the rescan, for proposers built by `make`.
+    fn check_against_rescan(make: impl Fn(usize, usize) -> NgramProposer) {
+        let configs = [(1, 1, 1), (1, 3, 4), (2, 4, 8), (3, 3, 5), (1, 6, 3), (4, 8, 10), (2, 2, 16)];
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        for &(min_n, max_n, max_tokens) in &configs {
+            for alphabet in [2u64, 3, 5, 20] {
+                for _ in 0..15 {
+                    let mut proposer = make(min_n, max_n);
+                    let mut context = Vec::new();
+                    while context.len() < 400 {
+                        for _ in 0..rng.below(8) {
+                            context.push(rng.below(alphabet) as u32);
+                        }
+                        let expected = rescan_reference(&context, min_n, max_n, max_tokens);
+                        assert_eq!(
+                            propose(&mut proposer, &context, max_tokens),
+                            expected,
+                            "min {min_n} max {max_n} k {max_tokens} context {context:?}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn incremental_matches_rescan_on_random_sequences() {
+        check_against_rescan(NgramProposer::new);
+    }
+
+    #[test]
+    fn hash_collisions_are_ruled_out_by_verification() {
+        // Base 0 hashes an n-gram to its last token, base 1 to its token sum: nearly every lookup
+        // meets colliding n-grams first, and must walk past them to the real occurrence.
+        check_against_rescan(|min_n, max_n| NgramProposer::with_hash_base(min_n, max_n, 0));
+        check_against_rescan(|min_n, max_n| NgramProposer::with_hash_base(min_n, max_n, 1));
+    }
+
+    #[test]
+    fn no_match_gives_empty_draft() {
+        let mut proposer = NgramProposer::new(1, 3);
+        assert!(propose(&mut proposer, &[], 4).is_empty());
+        assert!(propose(&mut proposer, &[7], 4).is_empty());
+        assert!(propose(&mut proposer, &[7, 8, 9, 10], 4).is_empty());
+        // Shorter than the smallest n.
+        assert!(propose(&mut NgramProposer::new(3, 4), &[5, 5], 4).is_empty());
+    }
+
+    #[test]
+    fn final_ngram_does_not_match_itself() {
+        // [1, 2] occurs once, at the very end: nothing earlier to continue from.
+        let mut proposer = NgramProposer::new(2, 2);
+        assert!(propose(&mut proposer, &[3, 4, 1, 2], 4).is_empty());
+        // Called again with the same context, the index must not have picked the final n-gram up.
+        assert!(propose(&mut proposer, &[3, 4, 1, 2], 4).is_empty());
+    }
+
+    #[test]
+    fn max_tokens_is_respected() {
+        let context = [1, 2, 3, 4, 5, 6, 1, 2];
+        assert_eq!(propose(&mut NgramProposer::new(2, 2), &context, 3), [3, 4, 5]);
+        assert_eq!(propose(&mut NgramProposer::new(2, 2), &context, 1), [3]);
+        assert!(propose(&mut NgramProposer::new(2, 2), &context, 0).is_empty());
+        // More than follows the match: cut at the end of the context.
+        assert_eq!(propose(&mut NgramProposer::new(2, 2), &context, 10), [3, 4, 5, 6, 1, 2]);
+    }
+
+    #[test]
+    fn longest_ngram_wins_over_shorter_more_recent_one() {
+        // [7, 8, 9] occurred once (followed by 1); [8, 9] more recently (followed by 2).
+        let context = [7, 8, 9, 1, 5, 8, 9, 2, 6, 7, 8, 9];
+        assert_eq!(propose(&mut NgramProposer::new(2, 3), &context, 2), [1, 5]);
+        assert_eq!(propose(&mut NgramProposer::new(2, 2), &context, 2), [2, 6]);
+    }
+
+    #[test]
+    fn most_recent_occurrence_wins() {
+        // vLLM would continue from the first [1, 2] and propose [3].
+        assert_eq!(propose(&mut NgramProposer::new(1, 2), &[1, 2, 3, 1, 2, 4, 1, 2], 1), [4]);
+    }
+
+    #[test]
+    fn overlapping_repeat_returns_what_is_available() {
+        // The most recent earlier [1, 2] (or [1, 2, 1, 2]) ends two tokens before the context does.
+        let context = [1, 2, 1, 2, 1, 2];
+        assert_eq!(propose(&mut NgramProposer::new(2, 2), &context, 5), [1, 2]);
+        assert_eq!(propose(&mut NgramProposer::new(4, 4), &context, 5), [1, 2]);
+        // A run of one token: [7, 7] last ended one token before the end.
+        assert_eq!(propose(&mut NgramProposer::new(2, 2), &[7, 7, 7], 4), [7]);
+    }
+
+    #[test]
+    fn shrunken_context_rebuilds_the_index() {
+        // Outside the contract, but must neither panic nor propose from stale positions.
+        let mut proposer = NgramProposer::new(1, 2);
+        assert_eq!(propose(&mut proposer, &[1, 2, 3, 4, 5, 1], 2), [2, 3]);
+        assert!(propose(&mut proposer, &[9, 8], 2).is_empty());
+        assert_eq!(propose(&mut proposer, &[9, 8, 9], 2), [8, 9]);
+    }
+}

@@ -1,0 +1,1092 @@
+//! SuffixDecoding (Oliaro et al., arXiv 2411.04975), the proposer behind `"method": "suffix"`: it
+//! guesses the continuation of the context's longest recent suffix by following the most frequent
+//! path in count tries over this request's tokens and over previous responses.
+//!
+//! Shape: every request owns a [`SuffixTree`] over its prompt and generated tokens (indexed
+//! incrementally, O(depth) per new token); the engine shares one [`SuffixCache`], a tree over the
+//! last `max_cached_requests` finished responses. Both trees are queried each step and the draft
+//! with the higher score wins. The matching and scoring rules follow Snowflake's arctic-inference
+//! (`csrc/suffix_decoding/suffix_tree.cc`, `arctic_inference/suffix_decoding/cache.py`), which
+//! vLLM's `vllm/v1/spec_decode/suffix_decoding.py` calls; see [`SuffixProposer`] for the rules.
+//!
+//! Invariant: every node's count is the number of occurrences of its token string (a substring of
+//! at most `max_depth` tokens) in the sequences the tree currently holds, and a node exists exactly
+//! when that count is positive. So a tree's nodes depend only on the multiset of sequences it holds,
+//! never on the order they came and went in, which is what bounds the cache's memory.
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::{Draft, Proposer};
+use crate::error::Result;
+
+/// The suffix-decoding settings of a speculative config (vLLM's `suffix_decoding_*` keys).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SuffixParams {
+    /// Longest substring the trees index; a match uses at most `max_tree_depth - 1` context tokens.
+    pub max_tree_depth: usize,
+    /// Finished responses kept in the global tree (FIFO); 0 disables the global tree.
+    pub max_cached_requests: usize,
+    /// A match of length m may propose at most `floor(max_spec_factor * m)` tokens.
+    pub max_spec_factor: f32,
+    /// Stop the draft once its cumulative estimated probability falls below this.
+    pub min_token_prob: f32,
+}
+
+impl Default for SuffixParams {
+    /// vLLM's defaults.
+    fn default() -> Self {
+        Self { max_tree_depth: 24, max_cached_requests: 10_000, max_spec_factor: 1.0, min_token_prob: 0.1 }
+    }
+}
+
+/// "No node": the end of a sibling list, a missing child, or a best child not yet known.
+const NONE: u32 = u32::MAX;
+/// The root (the empty string) is always node 0.
+const ROOT: u32 = 0;
+
+/// One trie node: the string it stands for is the tokens on the path from the root. Nodes live in
+/// an arena and link to each other by index, so the tree costs no allocation per node.
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    /// Occurrences of this node's string in the indexed sequences.
+    count: u32,
+    /// The last token of this node's string (the edge from its parent).
+    token: u32,
+    /// Children as a doubly linked list (unordered), so a child unlinks in O(1) when pruned.
+    first_child: u32,
+    next_sibling: u32,
+    prev_sibling: u32,
+    /// The child with the highest count (ties: smallest token), or NONE when there are no children
+    /// or when a decrement made it unknown; [`NodeArena::best_child`] recomputes it on demand.
+    best_child: u32,
+    /// Whether this node's child edges are in the tree's edge map (see `SuffixTree::edges`).
+    wide: bool,
+}
+
+impl Node {
+    fn new(token: u32) -> Self {
+        Self {
+            count: 0,
+            token,
+            first_child: NONE,
+            next_sibling: NONE,
+            prev_sibling: NONE,
+            best_child: NONE,
+            wide: false,
+        }
+    }
+}
+
+/// Does child `a` win the greedy step over child `b`? Higher count first, then the smaller token,
+/// so drafts are deterministic. (arctic keeps siblings sorted by count and takes the head; its
+/// order among equal counts depends on update history, so this tie rule is ours.)
+fn beats(a: &Node, b: &Node) -> bool {
+    a.count > b.count || (a.count == b.count && a.token < b.token)
+}
+
+/// How far one greedy walk may go.
+#[derive(Debug, Clone, Copy)]
+struct DraftLimits {
+    max_tokens: usize,
+    max_spec_factor: f32,
+    min_token_prob: f32,
+}
+
+impl DraftLimits {
+    /// Tokens a match of `match_len` may propose: `min(max_tokens, floor(match_len * factor))`.
+    /// arctic computes `match_len * max_spec_factor + max_spec_offset + 1e-6` (float, then double)
+    /// and truncates; vLLM leaves the offset at 0, so it is not a setting here.
+    fn for_match(&self, match_len: usize) -> usize {
+        let cap = (f64::from(match_len as f32 * self.max_spec_factor) + 1e-6) as usize;
+        cap.min(self.max_tokens)
+    }
+}
+
+/// The node arena plus the greedy walk, apart from the edge map so a tree can walk its nodes while
+/// reading its own match lists.
+#[derive(Debug)]
+struct NodeArena {
+    nodes: Vec<Node>,
+    /// Released slots, reused before the arena grows.
+    free: Vec<u32>,
+}
+
+impl NodeArena {
+    fn new() -> Self {
+        Self { nodes: vec![Node::new(0)], free: Vec::new() }
+    }
+
+    fn live(&self) -> usize {
+        self.nodes.len() - self.free.len()
+    }
+
+    /// A fresh node for `token`, linked first among `parent`'s children, with count 0.
+    fn alloc_child(&mut self, parent: u32, token: u32) -> u32 {
+        let id = match self.free.pop() {
+            Some(id) => {
+                self.nodes[id as usize] = Node::new(token);
+                id
+            }
+            None => {
+                let id = u32::try_from(self.nodes.len()).ok().filter(|&id| id != NONE).expect("suffix tree node ids");
+                self.nodes.push(Node::new(token));
+                id
+            }
+        };
+        let old_first = self.nodes[parent as usize].first_child;
+        if old_first == NONE {
+            // An only child is trivially the best one.
+            self.nodes[parent as usize].best_child = id;
+        } else {
+            self.nodes[old_first as usize].prev_sibling = id;
+        }
+        self.nodes[id as usize].next_sibling = old_first;
+        self.nodes[parent as usize].first_child = id;
+        id
+    }
+
+    /// Unlinks `child` (count 0) from `parent` and frees its slot.
+    fn release_child(&mut self, parent: u32, child: u32) {
+        let Node { next_sibling, prev_sibling, .. } = self.nodes[child as usize];
+        if prev_sibling == NONE {
+            self.nodes[parent as usize].first_child = next_sibling;
+        } else {
+            self.nodes[prev_sibling as usize].next_sibling = next_sibling;
+        }
+        if next_sibling != NONE {
+            self.nodes[next_sibling as usize].prev_sibling = prev_sibling;
+        }
+        self.free.push(child);
+    }
+
+    /// One more occurrence of `child`; a count only rises here, so the best child can only become
+    /// `child` itself.
+    fn increment(&mut self, parent: u32, child: u32) {
+        self.nodes[child as usize].count += 1;
+        let best = self.nodes[parent as usize].best_child;
+        if best != NONE && best != child && beats(&self.nodes[child as usize], &self.nodes[best as usize]) {
+            self.nodes[parent as usize].best_child = child;
+        }
+    }
+
+    /// One fewer occurrence of `child`; returns whether it reached 0 (the caller prunes it).
+    fn decrement(&mut self, parent: u32, child: u32) -> bool {
+        let node = &mut self.nodes[child as usize];
+        node.count -= 1;
+        let emptied = node.count == 0;
+        if self.nodes[parent as usize].best_child == child {
+            // Some sibling may now beat it; find out lazily, only if a draft ever asks.
+            self.nodes[parent as usize].best_child = NONE;
+        }
+        emptied
+    }
+
+    /// The greedy child of `id` (NONE at a leaf), rescanning the children if a decrement left it
+    /// unknown.
+    fn best_child(&mut self, id: u32) -> u32 {
+        let node = self.nodes[id as usize];
+        if node.best_child != NONE || node.first_child == NONE {
+            return node.best_child;
+        }
+        let mut best = node.first_child;
+        let mut child = self.nodes[best as usize].next_sibling;
+        while child != NONE {
+            if beats(&self.nodes[child as usize], &self.nodes[best as usize]) {
+                best = child;
+            }
+            child = self.nodes[child as usize].next_sibling;
+        }
+        self.nodes[id as usize].best_child = best;
+        best
+    }
+
+    /// The greedy path below `start` (arctic's `_speculate_path`): step to the best child while the
+    /// draft is shorter than `limit`, multiplying the running probability by count(child) /
+    /// count(node); stop before the token whose running probability falls below `min_token_prob`,
+    /// or at a leaf (which also ends every path at the tree's depth). Appends the tokens to `out`
+    /// and returns the draft's score, the sum of the running probabilities of its tokens.
+    fn greedy_path(&mut self, start: u32, limit: usize, min_token_prob: f32, out: &mut Vec<u32>) -> f32 {
+        let mut prob = 1.0f32;
+        let mut score = 0.0f32;
+        let mut node = start;
+        while out.len() < limit {
+            let child = self.best_child(node);
+            if child == NONE {
+                break;
+            }
+            let (child_node, parent_count) = (self.nodes[child as usize], self.nodes[node as usize].count);
+            prob *= child_node.count as f32 / parent_count as f32;
+            if prob < min_token_prob {
+                break;
+            }
+            out.push(child_node.token);
+            score += prob;
+            node = child;
+        }
+        score
+    }
+
+    /// arctic's `speculate`: `matches[m]` is the node of the context's last m tokens, for every
+    /// match length m in `1..matches.len()` (index 0, the root, is skipped). arctic tries every match
+    /// length, not only the longest, and keeps the draft with the highest score; ties go to the
+    /// longer match (`>=`). Leaves the winning tokens in `out` and returns its score (0 if none).
+    fn best_draft(&mut self, matches: &[u32], limits: DraftLimits, out: &mut Vec<u32>, scratch: &mut Vec<u32>) -> f32 {
+        out.clear();
+        let mut best_score = 0.0f32;
+        for (match_len, &node) in matches.iter().enumerate().skip(1) {
+            scratch.clear();
+            let score = self.greedy_path(node, limits.for_match(match_len), limits.min_token_prob, scratch);
+            if score >= best_score {
+                best_score = score;
+                std::mem::swap(out, scratch);
+            }
+        }
+        best_score
+    }
+}
+
+/// fmix64 over the packed (parent, token) edge key; the plain key would put every child of one
+/// token in the same bucket.
+#[derive(Default)]
+struct EdgeHasher(u64);
+
+impl Hasher for EdgeHasher {
+    fn finish(&self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 33;
+        x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        x ^= x >> 33;
+        x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        x ^ (x >> 33)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
+        }
+    }
+    fn write_u64(&mut self, key: u64) {
+        self.0 = key;
+    }
+}
+
+/// (parent << 32 | token) -> child, for the children of wide nodes.
+type EdgeMap = HashMap<u64, u32, BuildHasherDefault<EdgeHasher>>;
+
+fn edge_key(parent: u32, token: u32) -> u64 {
+    u64::from(parent) << 32 | u64::from(token)
+}
+
+/// A node whose child list grows past this many children becomes wide: its edges go into the edge
+/// map. Below it, scanning the list is cheaper than a hash probe, because most trie nodes (the
+/// deep ones) have 0 or 1 children and the parent was touched one token ago, so it is in cache,
+/// while a probe into a large map is a cache miss.
+const WIDE_FANOUT: usize = 8;
+
+/// A depth-bounded suffix tree (count trie of all substrings of length <= max_tree_depth) with
+/// per-node occurrence counts.
+///
+/// It holds any number of whole sequences ([`insert`](Self::insert) / [`remove`](Self::remove))
+/// plus one open sequence that grows by [`append`](Self::append) in O(max_depth) per token: the
+/// tree keeps the nodes of the open sequence's last 0..max_depth-1 tokens (its active suffixes),
+/// and a new token extends each of them by one edge. Memory: 28 bytes per node, plus an edge-map
+/// entry for each child of a wide node; a sequence of n tokens adds up to n * max_depth nodes
+/// (fewer where text repeats). arctic compresses
+/// single-child chains to reach O(n) nodes; this trie does not.
+#[derive(Debug)]
+pub struct SuffixTree {
+    max_depth: usize,
+    arena: NodeArena,
+    /// Child edges of wide nodes (the root and other high fan-out nodes); narrow nodes' children
+    /// are found by scanning their list.
+    edges: EdgeMap,
+    /// `open_suffixes[len]` = node of the open sequence's last `len` tokens, for len in
+    /// 0..=min(appended, max_depth - 1); these are exactly the nodes a new token extends.
+    open_suffixes: Vec<u32>,
+    /// Spare buffer for rebuilding a suffix list (keeps `append` allocation-free).
+    next_suffixes: Vec<u32>,
+    /// Tokens of all held sequences (the root's count, as u64).
+    num_tokens: u64,
+}
+
+impl SuffixTree {
+    pub fn new(max_depth: usize) -> Self {
+        Self {
+            max_depth,
+            arena: NodeArena::new(),
+            edges: EdgeMap::default(),
+            open_suffixes: vec![ROOT],
+            next_suffixes: Vec::with_capacity(max_depth + 1),
+            num_tokens: 0,
+        }
+    }
+
+    pub fn max_depth(&self) -> usize {
+        self.max_depth
+    }
+
+    /// Distinct non-empty substrings (of at most `max_depth` tokens) in the held sequences: the
+    /// nodes besides the root.
+    pub fn num_nodes(&self) -> usize {
+        self.arena.live() - 1
+    }
+
+    /// Occurrences of `pattern` in the held sequences (0 if longer than `max_depth`); the empty
+    /// pattern counts every token.
+    pub fn count(&self, pattern: &[u32]) -> u64 {
+        if pattern.is_empty() {
+            return self.num_tokens;
+        }
+        match self.find(pattern) {
+            Some(node) => u64::from(self.arena.nodes[node as usize].count),
+            None => 0,
+        }
+    }
+
+    /// Appends one token to the open sequence: O(max_depth) edge lookups, no rescan.
+    pub fn append(&mut self, token: u32) {
+        let mut suffixes = std::mem::take(&mut self.open_suffixes);
+        self.index_token(&mut suffixes, token);
+        self.open_suffixes = suffixes;
+    }
+
+    /// Appends tokens to the open sequence one at a time.
+    pub fn extend(&mut self, tokens: &[u32]) {
+        for &token in tokens {
+            self.append(token);
+        }
+    }
+
+    /// Adds a whole sequence, independent of the open one (its substrings do not join across).
+    pub fn insert(&mut self, sequence: &[u32]) {
+        let mut suffixes = Vec::with_capacity(self.max_depth + 1);
+        suffixes.push(ROOT);
+        for &token in sequence {
+            self.index_token(&mut suffixes, token);
+        }
+    }
+
+    /// Removes a sequence added by [`insert`](Self::insert): every substring occurrence is
+    /// decremented and nodes whose count reaches 0 are freed, leaving the tree exactly as if the
+    /// sequence had never been inserted.
+    ///
+    /// Panics if `sequence` is not currently held (the counts would go negative).
+    pub fn remove(&mut self, sequence: &[u32]) {
+        self.num_tokens -= sequence.len() as u64;
+        for start in 0..sequence.len() {
+            let end = sequence.len().min(start + self.max_depth);
+            let mut parent = ROOT;
+            for &token in &sequence[start..end] {
+                let child = self.child(parent, token).expect("SuffixTree::remove: sequence is not in the tree");
+                if self.arena.decrement(parent, child) {
+                    // Count 0 here means count 0 on the rest of this path too (a child never
+                    // outnumbers its parent), so the loop frees the whole dead chain.
+                    if self.arena.nodes[parent as usize].wide {
+                        self.edges.remove(&edge_key(parent, token));
+                    }
+                    self.arena.release_child(parent, child);
+                }
+                parent = child;
+            }
+        }
+    }
+
+    /// Extends every suffix in `suffixes` (the nodes of a sequence's last 0..max_depth-1 tokens)
+    /// by `token`, counting one more occurrence of each extended string, and leaves the new suffix
+    /// list in `suffixes`.
+    fn index_token(&mut self, suffixes: &mut Vec<u32>, token: u32) {
+        self.num_tokens += 1;
+        let mut next = std::mem::take(&mut self.next_suffixes);
+        next.clear();
+        next.push(ROOT);
+        if self.max_depth > 0 {
+            for &parent in suffixes.iter() {
+                let child = self.child_or_insert(parent, token);
+                self.arena.increment(parent, child);
+                // A string of max_depth tokens is indexed but never extended.
+                if next.len() < self.max_depth {
+                    next.push(child);
+                }
+            }
+        }
+        std::mem::swap(suffixes, &mut next);
+        self.next_suffixes = next;
+    }
+
+    fn child(&self, parent: u32, token: u32) -> Option<u32> {
+        let nodes = &self.arena.nodes;
+        if nodes[parent as usize].wide {
+            return self.edges.get(&edge_key(parent, token)).copied();
+        }
+        let mut child = nodes[parent as usize].first_child;
+        while child != NONE && nodes[child as usize].token != token {
+            child = nodes[child as usize].next_sibling;
+        }
+        (child != NONE).then_some(child)
+    }
+
+    /// The child of `parent` for `token`, created (count 0) if missing.
+    fn child_or_insert(&mut self, parent: u32, token: u32) -> u32 {
+        if self.arena.nodes[parent as usize].wide {
+            let arena = &mut self.arena;
+            return *self.edges.entry(edge_key(parent, token)).or_insert_with(|| arena.alloc_child(parent, token));
+        }
+        let mut fanout = 0;
+        let mut child = self.arena.nodes[parent as usize].first_child;
+        while child != NONE {
+            let node = &self.arena.nodes[child as usize];
+            if node.token == token {
+                return child;
+            }
+            fanout += 1;
+            child = node.next_sibling;
+        }
+        let child = self.arena.alloc_child(parent, token);
+        if fanout + 1 > WIDE_FANOUT {
+            // Stays wide until freed, so the map never flip-flops around the threshold.
+            self.arena.nodes[parent as usize].wide = true;
+            let mut sibling = child;
+            while sibling != NONE {
+                let node = &self.arena.nodes[sibling as usize];
+                self.edges.insert(edge_key(parent, node.token), sibling);
+                sibling = node.next_sibling;
+            }
+        }
+        child
+    }
+
+    fn find(&self, pattern: &[u32]) -> Option<u32> {
+        pattern.iter().try_fold(ROOT, |node, &token| self.child(node, token))
+    }
+
+    /// Like `index_token` for a read-only query: `matches` (nodes of the context's last
+    /// 0..=L tokens, L < max_depth) becomes the list for the context plus `token`. It stops at the
+    /// first string the tree lacks, since every longer suffix contains it.
+    fn advance_matches(&self, matches: &mut Vec<u32>, next: &mut Vec<u32>, token: u32) {
+        next.clear();
+        next.push(ROOT);
+        for &node in matches.iter() {
+            if next.len() >= self.max_depth {
+                break;
+            }
+            match self.child(node, token) {
+                Some(child) => next.push(child),
+                None => break,
+            }
+        }
+        std::mem::swap(matches, next);
+    }
+}
+
+/// The Engine-wide tree over previous responses, FIFO-bounded by max_cached_requests (0 = disabled).
+#[derive(Debug)]
+pub struct SuffixCache {
+    tree: SuffixTree,
+    /// The cached responses, oldest first; kept so eviction can remove exactly what was inserted.
+    responses: VecDeque<Vec<u32>>,
+    max_cached_requests: usize,
+    /// Bumped on every change to the tree, so proposers know their cached match nodes are stale.
+    generation: u64,
+}
+
+impl SuffixCache {
+    pub fn new(max_tree_depth: usize, max_cached_requests: usize) -> Self {
+        Self { tree: SuffixTree::new(max_tree_depth), responses: VecDeque::new(), max_cached_requests, generation: 0 }
+    }
+
+    /// Caches a finished response, first evicting the oldest ones so at most
+    /// `max_cached_requests` remain. Does nothing when the cache is disabled.
+    pub fn insert_response(&mut self, tokens: &[u32]) {
+        if self.max_cached_requests == 0 {
+            return;
+        }
+        while self.responses.len() >= self.max_cached_requests {
+            if let Some(oldest) = self.responses.pop_front() {
+                self.tree.remove(&oldest);
+            }
+        }
+        self.tree.insert(tokens);
+        self.responses.push_back(tokens.to_vec());
+        self.generation += 1;
+    }
+
+    pub fn num_cached_requests(&self) -> usize {
+        self.responses.len()
+    }
+
+    pub fn num_nodes(&self) -> usize {
+        self.tree.num_nodes()
+    }
+}
+
+/// This request's match nodes in the global tree, carried across steps so a step only extends
+/// them by its new tokens; valid while the cache's generation is unchanged.
+#[derive(Debug, Default)]
+struct GlobalMatches {
+    generation: Option<u64>,
+    /// Context length the nodes describe.
+    context_len: usize,
+    /// `nodes[len]` = node of the context's last `len` tokens, len in 0..=L (L < tree depth).
+    nodes: Vec<u32>,
+    spare: Vec<u32>,
+}
+
+/// One request's proposer: a per-request tree over prompt + generated tokens, plus the shared
+/// global cache.
+///
+/// Each [`propose`](Proposer::propose) follows arctic-inference (`suffix_tree.cc`
+/// `SuffixTree::speculate` / `_speculate_path`, `cache.py` `SuffixDecodingCache.speculate`) as
+/// vLLM calls it (`suffix_decoding.py`: pattern = the last `max_tree_depth` context tokens,
+/// `max_spec_offset` 0):
+/// 1. pattern = the last min(len, max_tree_depth) context tokens; match lengths m run over
+///    `1..pattern.len()` (so m <= max_tree_depth - 1), stopping at the first suffix a tree lacks.
+/// 2. For each m, walk the greedy path from the match node (see `NodeArena::greedy_path`) for at
+///    most min(max_tokens, floor(m * max_spec_factor)) tokens; the running probability is the
+///    product of count(child) / count(node), and the walk stops before it drops below
+///    `min_token_prob`. Score = sum of the running probabilities.
+/// 3. Per tree keep the best-scoring draft over all m (ties: longer match); then the per-request
+///    draft wins unless the global one scores strictly higher.
+///
+/// Differences from arctic: ties between equal-count children go to the smaller token (see
+/// `beats`); a response enters the global tree whole at [`finish`](Proposer::finish), where arctic
+/// streams it in while it is generated (so there a request also matches its own partial response
+/// in the global tree) and reserves its cache slot when the request starts.
+pub struct SuffixProposer {
+    params: SuffixParams,
+    global: Arc<Mutex<SuffixCache>>,
+    /// Per-request tree; its open sequence is `context[..indexed]`.
+    local: SuffixTree,
+    indexed: usize,
+    global_matches: GlobalMatches,
+    local_draft: Vec<u32>,
+    global_draft: Vec<u32>,
+    scratch: Vec<u32>,
+    finished: bool,
+}
+
+impl SuffixProposer {
+    /// `params` come validated from the speculative config; `global` is the engine's shared cache.
+    pub fn new(params: SuffixParams, global: Arc<Mutex<SuffixCache>>) -> Self {
+        let local = SuffixTree::new(params.max_tree_depth);
+        Self {
+            params,
+            global,
+            local,
+            indexed: 0,
+            global_matches: GlobalMatches::default(),
+            local_draft: Vec::new(),
+            global_draft: Vec::new(),
+            scratch: Vec::new(),
+            finished: false,
+        }
+    }
+
+    /// The shared cache. A panic while it was locked may have left the tree half-updated, so a
+    /// poisoned cache is emptied rather than trusted (drafts only cost speed).
+    fn lock_global(global: &Mutex<SuffixCache>) -> MutexGuard<'_, SuffixCache> {
+        match global.lock() {
+            Ok(guard) => guard,
+            Err(poisoned) => {
+                let mut guard = poisoned.into_inner();
+                // A new generation too, so no proposer keeps match nodes from the old tree.
+                let generation = guard.generation + 1;
+                *guard = SuffixCache::new(guard.tree.max_depth(), guard.max_cached_requests);
+                guard.generation = generation;
+                global.clear_poison();
+                guard
+            }
+        }
+    }
+
+    /// Best draft from the global tree into `self.global_draft`; returns its score.
+    fn speculate_global(&mut self, context: &[u32], pattern_len: usize, limits: DraftLimits) -> f32 {
+        let mut cache = Self::lock_global(&self.global);
+        let cache = &mut *cache;
+        self.global_draft.clear();
+        if cache.responses.is_empty() {
+            return 0.0;
+        }
+        let state = &mut self.global_matches;
+        let tree = &mut cache.tree;
+        // Only the last depth - 1 tokens decide the match nodes, so a stale or far-behind state is
+        // rebuilt from those; otherwise only the new tokens are fed.
+        let window = tree.max_depth.saturating_sub(1);
+        if state.generation != Some(cache.generation) || context.len() - state.context_len > window {
+            state.generation = Some(cache.generation);
+            state.nodes.clear();
+            state.nodes.push(ROOT);
+            state.context_len = context.len() - window.min(context.len());
+        }
+        for &token in &context[state.context_len..] {
+            tree.advance_matches(&mut state.nodes, &mut state.spare, token);
+        }
+        state.context_len = context.len();
+        let matches = &state.nodes[..pattern_len.min(state.nodes.len())];
+        tree.arena.best_draft(matches, limits, &mut self.global_draft, &mut self.scratch)
+    }
+}
+
+impl Proposer for SuffixProposer {
+    fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {
+        if context.len() < self.indexed {
+            // The context must only grow; if a caller breaks that, start this request's tree over.
+            self.local = SuffixTree::new(self.params.max_tree_depth);
+            self.indexed = 0;
+            self.global_matches = GlobalMatches::default();
+        }
+        self.local.extend(&context[self.indexed..]);
+        self.indexed = context.len();
+
+        let pattern_len = context.len().min(self.params.max_tree_depth);
+        if max_tokens == 0 || pattern_len < 2 {
+            return Ok(Draft::tokens(Vec::new()));
+        }
+        let limits = DraftLimits {
+            max_tokens,
+            max_spec_factor: self.params.max_spec_factor,
+            min_token_prob: self.params.min_token_prob,
+        };
+        // The local tree holds exactly the context, so its open suffixes are the match nodes for
+        // every m: no lookups.
+        let local = &mut self.local;
+        let local_matches = &local.open_suffixes[..pattern_len];
+        let local_score = local.arena.best_draft(local_matches, limits, &mut self.local_draft, &mut self.scratch);
+        let global_score =
+            if self.params.max_cached_requests > 0 { self.speculate_global(context, pattern_len, limits) } else { 0.0 };
+        let best = if local_score >= global_score { &self.local_draft } else { &self.global_draft };
+        Ok(Draft::tokens(best.clone()))
+    }
+
+    fn finish(&mut self, generated: &[u32]) {
+        if self.finished {
+            return;
+        }
+        self.finished = true;
+        if self.params.max_cached_requests > 0 {
+            Self::lock_global(&self.global).insert_response(generated);
+        }
+        // The request is over: free its tree now rather than when the proposer drops.
+        self.local = SuffixTree::new(self.params.max_tree_depth);
+        self.indexed = 0;
+        self.global_matches = GlobalMatches::default();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+
+    /// splitmix64: deterministic test data without a dependency.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+        fn tokens(&mut self, len: usize, alphabet: usize) -> Vec<u32> {
+            (0..len).map(|_| self.below(alphabet) as u32).collect()
+        }
+        /// `min_len + below(spread)` tokens.
+        fn sequence(&mut self, min_len: usize, spread: usize, alphabet: usize) -> Vec<u32> {
+            let len = min_len + self.below(spread);
+            self.tokens(len, alphabet)
+        }
+    }
+
+    /// Every (string, count) in the tree, read by walking it; also checks the links and cached
+    /// best children are consistent.
+    fn dump(tree: &SuffixTree) -> BTreeMap<Vec<u32>, u32> {
+        let mut out = BTreeMap::new();
+        let mut stack = vec![(ROOT, Vec::new())];
+        let mut mapped_edges = 0;
+        while let Some((id, path)) = stack.pop() {
+            let node = tree.arena.nodes[id as usize];
+            let mut child = node.first_child;
+            let mut prev = NONE;
+            let mut best: Option<u32> = None;
+            let mut children = 0;
+            while child != NONE {
+                let c = tree.arena.nodes[child as usize];
+                assert_eq!(c.prev_sibling, prev);
+                assert!(c.count > 0, "zero-count node left in the tree");
+                assert_eq!(tree.child(id, c.token), Some(child));
+                assert_eq!(tree.edges.get(&edge_key(id, c.token)).copied(), node.wide.then_some(child));
+                children += 1;
+                if best.is_none_or(|b| beats(&c, &tree.arena.nodes[b as usize])) {
+                    best = Some(child);
+                }
+                let mut child_path = path.clone();
+                child_path.push(c.token);
+                assert!(child_path.len() <= tree.max_depth);
+                out.insert(child_path.clone(), c.count);
+                stack.push((child, child_path));
+                prev = child;
+                child = c.next_sibling;
+            }
+            if node.best_child != NONE {
+                assert_eq!(Some(node.best_child), best, "stale best child");
+            }
+            if node.wide {
+                mapped_edges += children;
+            }
+        }
+        assert_eq!(out.len(), tree.num_nodes());
+        assert_eq!(tree.edges.len(), mapped_edges);
+        out
+    }
+
+    /// Every substring of at most `depth` tokens with its occurrence count, by scanning.
+    fn brute_force_counts(sequences: &[&[u32]], depth: usize) -> BTreeMap<Vec<u32>, u32> {
+        let mut out = BTreeMap::new();
+        for seq in sequences {
+            for start in 0..seq.len() {
+                for end in start + 1..=seq.len().min(start + depth) {
+                    *out.entry(seq[start..end].to_vec()).or_insert(0) += 1;
+                }
+            }
+        }
+        out
+    }
+
+    fn occurrences(sequences: &[&[u32]], pattern: &[u32]) -> u32 {
+        sequences.iter().map(|s| s.windows(pattern.len()).filter(|w| *w == pattern).count() as u32).sum()
+    }
+
+    /// The draft rules applied to raw sequences: counts by scanning, no tree.
+    fn reference_speculate(
+        sequences: &[&[u32]],
+        depth: usize,
+        pattern: &[u32],
+        max_tokens: usize,
+        params: &SuffixParams,
+    ) -> (Vec<u32>, f32) {
+        let mut best = (Vec::new(), 0.0f32);
+        for match_len in 1..pattern.len() {
+            let matched = &pattern[pattern.len() - match_len..];
+            if match_len > depth || occurrences(sequences, matched) == 0 {
+                break;
+            }
+            let cap = (f64::from(match_len as f32 * params.max_spec_factor) + 1e-6) as usize;
+            let limit = cap.min(max_tokens);
+            let mut current = matched.to_vec();
+            let (mut draft, mut prob, mut score) = (Vec::new(), 1.0f32, 0.0f32);
+            while draft.len() < limit && current.len() < depth {
+                let mut next_counts: BTreeMap<u32, u32> = BTreeMap::new();
+                for seq in sequences {
+                    for i in 0..seq.len().saturating_sub(current.len()) {
+                        if seq[i..i + current.len()] == current[..] {
+                            *next_counts.entry(seq[i + current.len()]).or_insert(0) += 1;
+                        }
+                    }
+                }
+                // Highest count, then smallest token (BTreeMap iterates tokens ascending).
+                let Some((token, count)) =
+                    next_counts.into_iter().fold(None, |acc: Option<(u32, u32)>, (t, c)| match acc {
+                        Some((_, best_count)) if best_count >= c => acc,
+                        _ => Some((t, c)),
+                    })
+                else {
+                    break;
+                };
+                prob *= count as f32 / occurrences(sequences, &current) as f32;
+                if prob < params.min_token_prob {
+                    break;
+                }
+                draft.push(token);
+                score += prob;
+                current.push(token);
+            }
+            if score >= best.1 {
+                best = (draft, score);
+            }
+        }
+        best
+    }
+
+    fn reference_propose(
+        context: &[u32],
+        responses: &[Vec<u32>],
+        params: &SuffixParams,
+        max_tokens: usize,
+    ) -> Vec<u32> {
+        let pattern = &context[context.len() - context.len().min(params.max_tree_depth)..];
+        if max_tokens == 0 || pattern.len() < 2 {
+            return Vec::new();
+        }
+        let local = reference_speculate(&[context], params.max_tree_depth, pattern, max_tokens, params);
+        let cached: Vec<&[u32]> = responses.iter().map(|r| r.as_slice()).collect();
+        let global = reference_speculate(&cached, params.max_tree_depth, pattern, max_tokens, params);
+        if local.1 >= global.1 {
+            local.0
+        } else {
+            global.0
+        }
+    }
+
+    fn cache(params: &SuffixParams) -> Arc<Mutex<SuffixCache>> {
+        Arc::new(Mutex::new(SuffixCache::new(params.max_tree_depth, params.max_cached_requests)))
+    }
+
+    fn params(
+        max_tree_depth: usize,
+        max_cached_requests: usize,
+        max_spec_factor: f32,
+        min_token_prob: f32,
+    ) -> SuffixParams {
+        SuffixParams { max_tree_depth, max_cached_requests, max_spec_factor, min_token_prob }
+    }
+
+    #[test]
+    fn tree_counts_equal_substring_counts() {
+        let mut rng = Rng(1);
+        for depth in [1, 2, 3, 5, 8] {
+            let mut tree = SuffixTree::new(depth);
+            let a = rng.tokens(60, 3);
+            // More than WIDE_FANOUT distinct tokens, so some nodes keep their edges in the map.
+            let b = rng.tokens(80, 20);
+            let open = rng.tokens(50, 3);
+            tree.insert(&a);
+            tree.extend(&open);
+            tree.insert(&b);
+            assert!(tree.arena.nodes[ROOT as usize].wide);
+            let expected = brute_force_counts(&[&a, &b, &open], depth);
+            assert_eq!(dump(&tree), expected);
+            assert_eq!(tree.num_nodes(), expected.len());
+            assert_eq!(tree.count(&[]), 190);
+            for (pattern, &count) in &expected {
+                assert_eq!(tree.count(pattern), u64::from(count));
+            }
+            assert_eq!(tree.count(&[99]), 0);
+        }
+    }
+
+    #[test]
+    fn incremental_append_equals_whole_insert() {
+        let mut rng = Rng(2);
+        for (len, alphabet, depth) in [(1, 2, 4), (200, 2, 6), (300, 5, 24), (100, 50, 3)] {
+            let seq = rng.tokens(len, alphabet);
+            let mut appended = SuffixTree::new(depth);
+            for &t in &seq {
+                appended.append(t);
+            }
+            let mut inserted = SuffixTree::new(depth);
+            inserted.insert(&seq);
+            assert_eq!(dump(&appended), dump(&inserted));
+            assert_eq!(dump(&appended), brute_force_counts(&[&seq], depth));
+        }
+    }
+
+    #[test]
+    fn remove_leaves_the_tree_of_the_rest() {
+        let mut rng = Rng(3);
+        let seqs: Vec<Vec<u32>> = (0..6).map(|i| rng.tokens(20 + 7 * i, [3, 12][i % 2])).collect();
+        let mut tree = SuffixTree::new(5);
+        for s in &seqs {
+            tree.insert(s);
+        }
+        for removed in [1, 4, 0] {
+            tree.remove(&seqs[removed]);
+        }
+        let rest: Vec<&[u32]> = [2, 3, 5].iter().map(|&i| seqs[i].as_slice()).collect();
+        assert_eq!(dump(&tree), brute_force_counts(&rest, 5));
+        for s in &rest {
+            tree.remove(s);
+        }
+        assert_eq!(tree.num_nodes(), 0);
+        assert_eq!(tree.count(&[]), 0);
+    }
+
+    #[test]
+    fn cache_memory_is_bounded_by_the_last_responses() {
+        let mut rng = Rng(4);
+        let limit = 4;
+        let responses: Vec<Vec<u32>> = (0..15).map(|i| rng.sequence(10, 40, [4, 12][i % 2])).collect();
+        let mut cache = SuffixCache::new(6, limit);
+        for (i, r) in responses.iter().enumerate() {
+            cache.insert_response(r);
+            assert_eq!(cache.num_cached_requests(), (i + 1).min(limit));
+        }
+        let mut fresh = SuffixCache::new(6, limit);
+        for r in &responses[responses.len() - limit..] {
+            fresh.insert_response(r);
+        }
+        assert_eq!(cache.num_nodes(), fresh.num_nodes());
+        assert_eq!(dump(&cache.tree), dump(&fresh.tree));
+        // Slots freed by eviction are reused, so the arena stays near its peak.
+        assert!(cache.tree.arena.nodes.len() <= 2 * fresh.tree.arena.nodes.len());
+    }
+
+    #[test]
+    fn zero_cached_requests_disables_the_cache() {
+        let mut cache = SuffixCache::new(24, 0);
+        cache.insert_response(&[1, 2, 3, 1, 2, 3]);
+        assert_eq!(cache.num_cached_requests(), 0);
+        assert_eq!(cache.num_nodes(), 0);
+
+        let p = params(24, 0, 1.0, 0.1);
+        let global = cache_with(&p, &[]);
+        let mut proposer = SuffixProposer::new(p, global.clone());
+        proposer.propose(&[5, 6, 7], 4).unwrap();
+        proposer.finish(&[6, 7]);
+        assert_eq!(global.lock().unwrap().num_nodes(), 0);
+    }
+
+    fn cache_with(p: &SuffixParams, responses: &[Vec<u32>]) -> Arc<Mutex<SuffixCache>> {
+        let global = cache(p);
+        for r in responses {
+            global.lock().unwrap().insert_response(r);
+        }
+        global
+    }
+
+    /// Grows a random context a few tokens at a time and checks every draft against the
+    /// reference; `finish_every` > 0 also finishes requests into the cache mid-run (evictions and
+    /// stale match nodes included).
+    fn check_against_reference(p: SuffixParams, seed: u64, alphabet: usize, responses: usize, finish_every: usize) {
+        let mut rng = Rng(seed);
+        let mut cached: Vec<Vec<u32>> = Vec::new();
+        let global = cache(&p);
+        for _ in 0..responses {
+            let r = rng.sequence(5, 60, alphabet);
+            global.lock().unwrap().insert_response(&r);
+            cached.push(r);
+        }
+        let limit = p.max_cached_requests;
+        let keep = |cached: &Vec<Vec<u32>>| cached[cached.len() - cached.len().min(limit)..].to_vec();
+        let mut proposer = SuffixProposer::new(p.clone(), global.clone());
+        let mut context = rng.sequence(1, 30, alphabet);
+        for step in 0..150 {
+            let max_tokens = [0, 1, 3, 8, 30][rng.below(5)];
+            let draft = proposer.propose(&context, max_tokens).unwrap();
+            assert!(draft.probs.is_none());
+            let expected = reference_propose(&context, &keep(&cached), &p, max_tokens);
+            assert_eq!(draft.token_ids, expected, "step {step}, params {p:?}, max_tokens {max_tokens}");
+            // Sometimes accept part of the draft, as verification would.
+            let accepted = if draft.token_ids.is_empty() { 0 } else { rng.below(draft.token_ids.len() + 1) };
+            context.extend_from_slice(&draft.token_ids[..accepted]);
+            let fresh = 1 + rng.below(3);
+            context.extend(rng.tokens(fresh, alphabet));
+            if finish_every > 0 && step % finish_every == finish_every - 1 {
+                let r = rng.sequence(5, 40, alphabet);
+                let mut other = SuffixProposer::new(p.clone(), global.clone());
+                other.finish(&r);
+                if limit > 0 {
+                    cached.push(r);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn proposals_equal_reference_local_only() {
+        for (i, p) in [
+            params(24, 0, 1.0, 0.1),
+            params(4, 0, 1.0, 0.1),
+            params(8, 0, 2.0, 0.0),
+            params(6, 0, 0.5, 0.3),
+            params(2, 0, 1.0, 0.1),
+            params(24, 0, 1.0, 1.0),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            check_against_reference(p.clone(), 10 + i as u64, 3, 0, 0);
+            check_against_reference(p.clone(), 20 + i as u64, 6, 0, 0);
+            check_against_reference(p, 60 + i as u64, 12, 0, 0);
+        }
+    }
+
+    #[test]
+    fn proposals_equal_reference_with_global_tree() {
+        for (i, p) in [
+            params(24, 10_000, 1.0, 0.1),
+            params(5, 3, 1.0, 0.1),
+            params(8, 2, 2.0, 0.05),
+            params(6, 5, 1.5, 0.0),
+            params(3, 1, 1.0, 0.2),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            check_against_reference(p.clone(), 30 + i as u64, 3, 6, 0);
+            check_against_reference(p.clone(), 40 + i as u64, 4, 6, 7);
+            check_against_reference(p.clone(), 50 + i as u64, 2, 2, 3);
+            check_against_reference(p, 70 + i as u64, 12, 8, 5);
+        }
+    }
+
+    #[test]
+    fn repeated_prompt_phrase_is_proposed() {
+        let phrase = [101, 102, 103, 104, 105, 106, 107, 108];
+        let mut prompt = vec![1, 2, 3];
+        prompt.extend_from_slice(&phrase);
+        prompt.extend_from_slice(&[9, 9, 4]);
+        prompt.extend_from_slice(&phrase[..3]);
+        let p = SuffixParams::default();
+        let mut proposer = SuffixProposer::new(p.clone(), cache(&p));
+        // Match of 3 tokens caps the draft at floor(1.0 * 3) = 3.
+        assert_eq!(proposer.propose(&prompt, 8).unwrap().token_ids, vec![104, 105, 106]);
+        prompt.extend_from_slice(&[104, 105]);
+        assert_eq!(proposer.propose(&prompt, 8).unwrap().token_ids, vec![106, 107, 108, 9, 9]);
+        assert_eq!(proposer.propose(&prompt, 2).unwrap().token_ids, vec![106, 107]);
+    }
+
+    #[test]
+    fn previous_response_is_proposed_through_the_global_cache() {
+        let p = SuffixParams::default();
+        let global = cache(&p);
+        let response = [50, 51, 52, 53, 54, 55, 56, 57, 58, 59];
+        let mut first = SuffixProposer::new(p.clone(), global.clone());
+        first.propose(&[7, 8], 4).unwrap();
+        first.finish(&response);
+        first.finish(&response);
+        assert_eq!(global.lock().unwrap().num_cached_requests(), 1, "finish caches once");
+
+        let mut second = SuffixProposer::new(p, global);
+        let mut context = vec![7, 7, 8, 50, 51, 52, 53];
+        assert_eq!(second.propose(&context, 16).unwrap().token_ids, vec![54, 55, 56, 57]);
+        context.extend_from_slice(&[54, 55, 56, 57]);
+        assert_eq!(second.propose(&context, 16).unwrap().token_ids, vec![58, 59]);
+    }
+
+    #[test]
+    fn greedy_step_takes_the_most_frequent_then_smallest_token() {
+        let p = params(24, 0, 4.0, 0.0);
+        let mut proposer = SuffixProposer::new(p.clone(), cache(&p));
+        // After 1: 3 twice, 2 twice, 4 once; the tie goes to 2. ("9 1" never continues.)
+        let context = [1, 3, 1, 2, 1, 4, 1, 3, 1, 2, 9, 1];
+        assert_eq!(proposer.propose(&context, 1).unwrap().token_ids, vec![2]);
+    }
+
+    #[test]
+    fn running_probability_stops_the_draft() {
+        // After "1 2": "3" in 2 of 3 occurrences (the last one has no continuation), then
+        // "1 2 3" -> 4 in 1 of 2 (tie with 5): running probability 2/3, then 1/3. ("8 1 2" never
+        // continues, so no longer match competes.)
+        let context = [1, 2, 3, 4, 0, 1, 2, 3, 5, 0, 8, 1, 2];
+        for (min_token_prob, expected) in [(0.5, vec![3]), (0.3, vec![3, 4]), (0.7, vec![])] {
+            let p = params(24, 0, 4.0, min_token_prob);
+            let mut proposer = SuffixProposer::new(p.clone(), cache(&p));
+            assert_eq!(proposer.propose(&context, 2).unwrap().token_ids, expected, "min {min_token_prob}");
+        }
+    }
+
+    #[test]
+    fn shrinking_context_restarts_the_request_tree() {
+        let p = SuffixParams::default();
+        let mut proposer = SuffixProposer::new(p.clone(), cache(&p));
+        proposer.propose(&[1, 2, 3, 1, 2, 3, 1, 2], 4).unwrap();
+        let context = [7, 8, 9, 7, 8];
+        assert_eq!(proposer.propose(&context, 4).unwrap().token_ids, reference_propose(&context, &[], &p, 4));
+    }
+}

@@ -1,0 +1,89 @@
+//! Custom proposers written in Python: any object with `propose(context_ids, max_tokens)`
+//! returning a list of token ids, or `(token_ids, draft_probs)` with `draft_probs` array-like
+//! `[len(token_ids), vocab_size]`, and optionally `observe(num_accepted)`.
+//!
+//! Invariant: the Python object only guesses. `Session` checks its draft's shape and values and
+//! the verifier decides what is emitted, so a buggy proposer can slow a request or fail it with a
+//! `ProposerError`, never change its output.
+
+use numpy::PyReadonlyArray2;
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+use specrs_core::error::{Error, Result};
+use specrs_core::proposer::{Draft, Proposer};
+
+pub struct PyProposer {
+    object: Py<PyAny>,
+    has_observe: bool,
+}
+
+impl PyProposer {
+    /// Wraps `object`; fails unless it has a callable `propose`.
+    pub fn new(py: Python<'_>, object: Py<PyAny>) -> Result<Self> {
+        let bound = object.bind(py);
+        let callable = |name: &str| bound.getattr(name).map(|m| m.is_callable()).unwrap_or(false);
+        if !callable("propose") {
+            return Err(Error::config(format!(
+                "a custom proposer needs a method propose(context_ids: list[int], max_tokens: int) -> list[int]; \
+                 {} has none",
+                bound.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "the object".into())
+            )));
+        }
+        let has_observe = callable("observe");
+        Ok(Self { object, has_observe })
+    }
+}
+
+fn raised(method: &str, error: PyErr) -> Error {
+    Error::Proposer(format!("the custom proposer's {method}() raised {error}"))
+}
+
+fn parse_draft(result: &Bound<'_, PyAny>) -> Result<Draft> {
+    let shape_error = || {
+        Error::Proposer(format!(
+            "the custom proposer's propose() must return a list of token ids or a (token_ids, draft_probs) \
+             tuple; it returned {}",
+            result.repr().map(|r| r.to_string()).unwrap_or_else(|_| "an unprintable object".into())
+        ))
+    };
+    let pair = result
+        .cast::<PyTuple>()
+        .ok()
+        .filter(|t| t.len() == 2 && t.get_item(0).is_ok_and(|x| !x.is_instance_of::<pyo3::types::PyInt>()));
+    let Some(pair) = pair else {
+        let token_ids: Vec<u32> = result.extract().map_err(|_| shape_error())?;
+        return Ok(Draft::tokens(token_ids));
+    };
+    let token_ids: Vec<u32> = pair.get_item(0).and_then(|x| x.extract()).map_err(|_| shape_error())?;
+    let py = result.py();
+    let probs = py
+        .import("numpy")
+        .and_then(|np| np.call_method1("ascontiguousarray", (pair.get_item(1)?, "float32")))
+        .map_err(|e| Error::Proposer(format!("the custom proposer's draft_probs are not array-like: {e}")))?;
+    let probs: PyReadonlyArray2<f32> = probs.extract().map_err(|_| {
+        Error::Proposer("the custom proposer's draft_probs must be 2-D: [len(token_ids), vocab_size]".into())
+    })?;
+    let probs = probs.as_slice().map_err(|e| Error::Internal(e.to_string()))?.to_vec();
+    Ok(Draft { token_ids, probs: Some(probs) })
+}
+
+impl Proposer for PyProposer {
+    fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {
+        Python::attach(|py| {
+            let result = self
+                .object
+                .call_method1(py, "propose", (context.to_vec(), max_tokens))
+                .map_err(|e| raised("propose", e))?;
+            parse_draft(result.bind(py))
+        })
+    }
+
+    fn observe(&mut self, num_accepted: usize) -> Result<()> {
+        if !self.has_observe {
+            return Ok(());
+        }
+        Python::attach(|py| {
+            self.object.call_method1(py, "observe", (num_accepted,)).map(|_| ()).map_err(|e| raised("observe", e))
+        })
+    }
+}

@@ -1,0 +1,314 @@
+"""Speculative decoding on the real default model: losslessness (greedy identity for every
+method and k, sampled distribution), custom proposers, configs, metrics."""
+
+import json
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import specrs
+from specrs import SamplingParams
+
+# A Spec-Bench-like mix (one prompt per category), written for these tests.
+PROMPTS = {
+    "summarization": "Summarize in two sentences: The city council met on Tuesday to discuss the new bike "
+    "lanes. The council approved the bike lanes on Main Street and Oak Avenue. Construction of the "
+    "bike lanes will start in May and the bike lanes should be finished by September.",
+    "rag": "Context: The Amazon river is about 6400 km long. The Amazon river flows through Peru, "
+    "Colombia and Brazil. The Amazon river carries more water than any other river.\n"
+    "Question: Which countries does the Amazon river flow through?",
+    "qa": "What is the capital of France, and what river runs through it?",
+    "translation": "Translate to French: The cat is sleeping on the red chair in the kitchen.",
+    "math_reasoning": "A shop sells pencils at 3 for 2 dollars. How much do 12 pencils cost? Explain.",
+    "coding": "Write a Python function that returns the sum of the squares of a list of numbers.",
+    "extraction": "List every number in this text: In 2020 we sold 150 cars, 45 trucks and 7 buses.",
+    "writing": "Write a short poem about the sea at night.",
+    "roleplay": "You are a pirate captain. Greet your new crew in three sentences.",
+    "reasoning": "If all bloops are razzies and all razzies are lazzies, are all bloops lazzies? Why?",
+    "stem": "Explain why the sky is blue in simple words.",
+    "humanities": "Who was Leonardo da Vinci? Answer briefly.",
+}
+MAX_TOKENS = 40
+KS = [1, 2, 4, 8]
+
+
+def chat(text):
+    return [{"role": "user", "content": text}]
+
+
+@pytest.fixture(scope="module")
+def baselines(engine):
+    """Plain greedy decoding of every prompt: prompt ids -> generated ids."""
+    out = {}
+    for name, text in PROMPTS.items():
+        r = engine.generate(chat(text), SamplingParams(max_tokens=MAX_TOKENS), speculative_config=False)
+        assert r.metrics["num_drafts"] == 0 and r.metrics["spec_method"] is None
+        out[name] = (r.prompt_token_ids, r.token_ids)
+    return out
+
+
+class NoisyOracle:
+    """Proposes the known greedy continuation with some tokens swapped for wrong ones, so every
+    acceptance length and rejection position gets exercised."""
+
+    def __init__(self, prompt_len, expected, vocab_size, seed):
+        self.prompt_len = prompt_len
+        self.expected = expected
+        self.vocab_size = vocab_size
+        self.rng = random.Random(seed)
+        self.accepted = []
+
+    def propose(self, context_ids, max_tokens):
+        start = len(context_ids) - self.prompt_len
+        draft = list(self.expected[start : start + max_tokens])
+        for i in range(len(draft)):
+            if self.rng.random() < 0.2:
+                draft[i] = self.rng.randrange(self.vocab_size)
+        return draft
+
+    def observe(self, num_accepted):
+        self.accepted.append(num_accepted)
+
+
+SPEC_CONFIGS = {
+    "ngram": lambda k: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    "suffix": lambda k: {"method": "suffix", "num_speculative_tokens": k, "suffix_decoding_min_token_prob": 0.0},
+    "custom": lambda k: {"method": "custom", "num_speculative_tokens": k},
+}
+
+
+@pytest.mark.parametrize("method", list(SPEC_CONFIGS))
+@pytest.mark.parametrize("k", KS)
+def test_greedy_identity(engine, baselines, method, k):
+    drafted = accepted = 0
+    for seed, (name, (prompt_ids, expected)) in enumerate(baselines.items()):
+        proposer = None
+        if method == "custom":
+            proposer = NoisyOracle(len(prompt_ids), expected, engine.tokenizer.vocab_size, seed)
+        r = engine.generate(
+            prompt_ids,
+            SamplingParams(max_tokens=MAX_TOKENS),
+            speculative_config=SPEC_CONFIGS[method](k),
+            proposer=proposer,
+        )
+        assert r.token_ids == expected, f"{method} k={k} diverged from plain greedy on {name!r}"
+        m = r.metrics
+        assert m["spec_method"] == method and m["num_speculative_tokens"] == k
+        assert len(m["num_accepted_tokens_per_pos"]) == k
+        assert sum(m["num_accepted_tokens_per_pos"]) == m["num_accepted_tokens"] <= m["num_draft_tokens"]
+        assert m["num_draft_tokens"] <= k * m["num_drafts"]
+        # Every step yields accepted + 1 tokens, so forwards = prefill + steps.
+        assert m["num_forward_passes"] == 1 + m["num_decode_steps"]
+        # Tokens after an end-of-sequence token inside a draft are accepted but not emitted.
+        emitted = m["num_decode_steps"] + m["num_accepted_tokens"]
+        assert emitted == len(r.token_ids) - 1 if r.finish_reason == "length" else emitted >= len(r.token_ids) - 1
+        if proposer is not None:
+            assert sum(proposer.accepted) == m["num_accepted_tokens"]
+        drafted += m["num_draft_tokens"]
+        accepted += m["num_accepted_tokens"]
+    # The proposers must actually speculate on this mix, or the identity above proves little.
+    assert drafted > 0 and accepted > 0, f"{method} k={k}: no draft token was ever accepted"
+
+
+class TargetGuess:
+    """A draft-model-like custom proposer built from the target's own logits (cached per
+    context, since the sampled contexts repeat across seeds). With `sharpen`, it samples the draft
+    token from a sharpened target distribution and returns those draft probabilities; without,
+    it drafts the target's argmax deterministically (one-hot q)."""
+
+    cache: dict = {}
+
+    def __init__(self, engine, seed, sharpen):
+        self.engine = engine
+        self.rng = np.random.default_rng(seed)
+        self.sharpen = sharpen
+        self.num_drafts = 0
+
+    def propose(self, context_ids, max_tokens):
+        key = tuple(context_ids)
+        if key not in self.cache:
+            self.cache[key] = self.engine.logits(context_ids)[-1].astype(np.float64)
+        logits = self.cache[key]
+        self.num_drafts += 1
+        if not self.sharpen:
+            return [int(logits.argmax())]
+        q = np.exp((logits - logits.max()) / 0.7)
+        q /= q.sum()
+        token = int(self.rng.choice(len(q), p=q))
+        return [token], q[None, :].astype(np.float32)
+
+
+def two_sample_chi_square(a: Counter, b: Counter):
+    cells = set(a) | set(b)
+    na, nb = sum(a.values()), sum(b.values())
+    statistic = 0.0
+    for c in cells:
+        total = a[c] + b[c]
+        ea, eb = total * na / (na + nb), total * nb / (na + nb)
+        statistic += (a[c] - ea) ** 2 / ea + (b[c] - eb) ** 2 / eb
+    return statistic, len(cells) - 1
+
+
+def chi_square_critical(df):
+    """Critical value at p = 0.001 (Wilson-Hilferty)."""
+    z = 3.0902
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_sampling_with_speculation_matches_plain_sampling(engine, with_probs):
+    """The 2nd and 3rd generated tokens (the first ones speculation decides) have the same joint
+    distribution with and without speculation, over many seeds."""
+    prompt = engine.tokenizer.encode("My favorite color is")
+    params = lambda seed: SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=seed)  # noqa: E731
+    config = {"method": "custom", "num_speculative_tokens": 1}
+    n = 400
+    plain, speculative = Counter(), Counter()
+    num_drafts = 0
+    for seed in range(n):
+        plain[tuple(engine.generate(prompt, params(seed), speculative_config=False).token_ids[1:])] += 1
+        proposer = TargetGuess(engine, seed, sharpen=with_probs)
+        r = engine.generate(prompt, params(10_000 + seed), speculative_config=config, proposer=proposer)
+        speculative[tuple(r.token_ids[1:])] += 1
+        num_drafts += r.metrics["num_drafts"]
+    assert num_drafts >= n  # speculation decided the second token of every request
+    # Merge rare cells so every expected count is large enough for the chi-square approximation.
+    rare = {c for c in set(plain) | set(speculative) if plain[c] + speculative[c] < 10}
+    merge = lambda h: Counter({(c if c not in rare else "rare"): v for c, v in h.items()})  # noqa: E731
+    plain, speculative = merge(plain), merge(speculative)
+    statistic, df = two_sample_chi_square(plain, speculative)
+    assert df >= 4, f"too few distinct outcomes to test: {plain}"
+    assert statistic < chi_square_critical(df), f"chi2 {statistic:.1f} (df {df}): {plain} vs {speculative}"
+
+
+def test_sampled_speculation_is_seeded(engine):
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    run = lambda seed: engine.generate(  # noqa: E731
+        chat(PROMPTS["summarization"]),
+        SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, seed=seed),
+        speculative_config=config,
+    ).token_ids
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+
+
+def test_engine_default_override_and_off(model_path):
+    engine = specrs.Engine(model_path, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    assert engine.speculative_config["prompt_lookup_min"] == 5  # vLLM's default filled in
+    text = chat(PROMPTS["rag"])
+    params = SamplingParams(max_tokens=24)
+    assert engine.generate(text, params).metrics["spec_method"] == "ngram"
+    assert engine.generate(text, params, speculative_config=False).metrics["spec_method"] is None
+    r = engine.generate(text, params, speculative_config={"method": "suffix"})
+    assert r.metrics["spec_method"] == "suffix" and r.metrics["num_speculative_tokens"] == 24
+
+
+def test_stream_with_speculation_yields_the_same_text(engine):
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    text = chat(PROMPTS["extraction"])
+    whole = engine.generate(text, SamplingParams(max_tokens=40), speculative_config=config)
+    stream = engine.stream(text, SamplingParams(max_tokens=40), speculative_config=config)
+    chunks = list(stream)
+    assert "".join(chunks) == whole.text
+    assert stream.result.token_ids == whole.token_ids
+    assert stream.result.metrics["num_drafts"] > 0
+
+
+def test_engine_metrics_sum_requests_and_report_expected_speedup(model_path):
+    engine = specrs.Engine(model_path, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    results = [engine.generate(chat(PROMPTS[n]), SamplingParams(max_tokens=24)) for n in ("rag", "extraction")]
+    m = engine.metrics()
+    assert m["num_requests"] == 2
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert m[key] == sum(r.metrics[key] for r in results)
+    assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
+    assert m["acceptance_rate"] == pytest.approx(m["num_accepted_tokens"] / m["num_draft_tokens"])
+    assert m["itl_s_p50"] <= m["itl_s_p99"] and m["decode_tokens_per_s"] > 0
+    assert m["expected_speedup_textbook"] > 0 and m["expected_speedup_refined"] > 0
+    # On a CPU, verifying k+1 tokens costs more than one step, so the refined prediction is lower.
+    assert m["verify_cost_ratio"] > 1 and m["expected_speedup_refined"] < m["expected_speedup_textbook"]
+    engine.reset_metrics()
+    assert engine.metrics()["num_requests"] == 0
+
+
+def test_expected_speedup_formulas():
+    assert specrs.expected_speedup(0.0, 4) == pytest.approx(1.0)
+    assert specrs.expected_speedup(0.5, 2, 0.25) == pytest.approx(1.75 / 1.25)
+    assert specrs.expected_speedup(0.5, 2, 0.0, verify_cost_ratio=1.4) == pytest.approx(1.75 / 1.4)
+    with pytest.raises(specrs.ConfigError):
+        specrs.expected_speedup(1.5, 2)
+
+
+def test_suffix_decoding_learns_from_previous_responses(model_path):
+    engine = specrs.Engine(model_path, speculative_config={"method": "suffix", "num_speculative_tokens": 8})
+    text = chat(PROMPTS["writing"])
+    first = engine.generate(text, SamplingParams(max_tokens=48))
+    second = engine.generate(text, SamplingParams(max_tokens=48))
+    assert second.token_ids == first.token_ids
+    # The global tree holds the first response, so the repeat is drafted almost entirely.
+    assert second.metrics["num_accepted_tokens"] > first.metrics["num_accepted_tokens"]
+    assert second.metrics["num_forward_passes"] < first.metrics["num_forward_passes"]
+
+
+class Raising:
+    def propose(self, context_ids, max_tokens):
+        raise RuntimeError("boom")
+
+
+class OutOfVocab:
+    def propose(self, context_ids, max_tokens):
+        return [10**9]
+
+
+class BadProbs:
+    def propose(self, context_ids, max_tokens):
+        return [1], np.ones((1, 3), dtype=np.float32)
+
+
+class TooMany:
+    def propose(self, context_ids, max_tokens):
+        return [1] * (max_tokens + 1)
+
+
+@pytest.mark.parametrize(
+    "proposer, message",
+    [
+        (Raising(), "raised RuntimeError: boom"),
+        (OutOfVocab(), "outside the vocabulary"),
+        (BadProbs(), "draft probabilities"),
+        (TooMany(), "at most"),
+    ],
+)
+def test_bad_custom_proposers_raise_proposer_error(engine, proposer, message):
+    with pytest.raises(specrs.ProposerError, match=message):
+        engine.generate("Hello", SamplingParams(max_tokens=8), proposer=proposer)
+
+
+def test_proposer_without_propose_is_a_config_error(engine):
+    with pytest.raises(specrs.ConfigError, match="propose"):
+        engine.generate("Hello", SamplingParams(max_tokens=4), proposer=object())
+
+
+@pytest.mark.parametrize(
+    "config, fix",
+    [
+        ({"method": "ngram", "num_spec_tokens": 4}, "did you mean 'num_speculative_tokens'"),
+        ({"method": "ngarm", "num_speculative_tokens": 4}, "did you mean 'ngram'"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be in 1..="),
+        ({"method": "ngram", "num_speculative_tokens": -1}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "must be <="),
+        ({"method": "custom", "num_speculative_tokens": 4}, "needs a proposer object"),
+        ("{not json", "not valid JSON"),
+        (["ngram"], "dict or a JSON string"),
+    ],
+)
+def test_bad_speculative_config_names_the_fix(engine, config, fix):
+    with pytest.raises(specrs.ConfigError, match=fix):
+        engine.generate("Hello", SamplingParams(max_tokens=4), speculative_config=config)
+
+
+def test_bad_engine_config_fails_at_construction(model_path):
+    with pytest.raises(specrs.ConfigError, match="did you mean 'suffix_decoding_max_tree_depth'"):
+        specrs.Engine(model_path, speculative_config=json.dumps({"method": "suffix", "suffix_decoding_max_depth": 3}))
