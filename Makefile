@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PROMPT ?= Explain speculative decoding in two sentences.
+PROMPT ?= Summarize in one paragraph: Speculative decoding makes a language model faster without changing its output. A cheap proposer guesses the next few tokens, and the model checks all of the guesses in one forward pass. The model keeps the guesses that match its own choices, so the output is exactly what the model would have written by itself.
+SPEC_CONFIG ?= {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 .PHONY: setup build test test-rust test-python run golden bench lint clean
 
@@ -28,8 +29,10 @@ test-python: build
 
 test: test-rust test-python
 
+# Speculative generation on the default model: text, latency, acceptance report, and the same
+# request without speculation for the measured speedup.
 run: build
-	$(BIN)/specrs generate --chat --prompt "$(PROMPT)" --max-tokens 128
+	$(BIN)/specrs generate --chat --prompt "$(PROMPT)" --max-tokens 128 --speculative-config '$(SPEC_CONFIG)'
 
 # Needs llama-cpp-python (see the script's header); rewrites tests/golden/smollm2.json.
 golden:
@@ -38,6 +41,7 @@ golden:
 # Needs llama-cpp-python in the same Python as specrs (see benches/README.md).
 bench:
 	$(PYTHON) benches/foundation.py --out bench-results/foundation.json
+	$(PYTHON) benches/spec_bench.py --prompts ../shared/data/spec_bench/question.jsonl --out bench-results/spec_bench.json
 
 lint:
 	cargo fmt --all -- --check

@@ -60,14 +60,21 @@ def select_prompts(path: str, num_per_category: int, mt_bench: str) -> list[dict
     return mt + rest
 
 
-def specrs_configs(ngram_windows: list[tuple[int, int]], suffix_extra: dict) -> list[dict]:
+def specrs_configs(ngram_windows: list[tuple[int, int]], suffix_extra: dict, fixed_ks: list[int]) -> list[dict]:
+    """Each method at each k with specrs' default adaptive draft length, plus vLLM's fixed draft
+    length (every draft verified whole) at `fixed_ks`."""
     configs = []
     for low, high in ngram_windows:
         for k in K_VALUES:
             configs.append({"method": "ngram", "num_speculative_tokens": k,
                             "prompt_lookup_min": low, "prompt_lookup_max": high})
+        for k in fixed_ks:
+            configs.append({"method": "ngram", "num_speculative_tokens": k,
+                            "prompt_lookup_min": low, "prompt_lookup_max": high, "adaptive_draft_length": False})
     for k in K_VALUES:
         configs.append({"method": "suffix", "num_speculative_tokens": k, **suffix_extra})
+    for k in fixed_ks:
+        configs.append({"method": "suffix", "num_speculative_tokens": k, **suffix_extra, "adaptive_draft_length": False})
     return configs
 
 
@@ -201,6 +208,8 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=0, help="only the first N selected prompts (smoke runs)")
     ap.add_argument("--ngram-window", default="2:4",
                     help="comma list of prompt_lookup_min:prompt_lookup_max; each gets k in {2,4,8}")
+    ap.add_argument("--fixed-k", default="4",
+                    help="comma list of k also run with a fixed draft length (vLLM's behaviour); '' for none")
     ap.add_argument("--suffix-extra", default="{}", metavar="JSON",
                     help="extra keys for every suffix config, e.g. '{\"suffix_decoding_max_cached_requests\": 0}'")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads (default: all CPUs)")
@@ -218,7 +227,8 @@ def main() -> int:
     suffix_extra = json.loads(args.suffix_extra)
     if not isinstance(suffix_extra, dict):
         raise SystemExit("--suffix-extra must be a JSON object")
-    configs = specrs_configs(windows, suffix_extra)
+    fixed_ks = [int(k) for k in args.fixed_k.split(",") if k.strip()]
+    configs = specrs_configs(windows, suffix_extra, fixed_ks)
     prompts = select_prompts(args.prompts, args.num_per_category, args.mt_bench)
     if args.limit:
         prompts = prompts[: args.limit]

@@ -74,5 +74,7 @@ def test_generate_with_speculative_config_prints_an_acceptance_report(capsys):
     rc = cli.main(["generate", "--chat", "--prompt", "Repeat: one two three, one two three.", "--max-tokens", "16",
                    "--speculative-config", NGRAM])
     assert rc == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert "ngram" in last and "k=3" in last and "acceptance rate" in last and "per position" in last
+    report, baseline = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert "ngram" in report and "k=3" in report and "acceptance rate" in report and "per position" in report
+    # Greedy speculation reproduces the no-speculation rerun exactly.
+    assert "speculative speedup" in baseline and "identical output" in baseline

@@ -72,6 +72,7 @@ class NoisyOracle:
         self.accepted.append(num_accepted)
 
 
+# Fixed draft length, so every draft position 1..k gets verified.
 SPEC_CONFIGS = {
     "ngram": lambda k: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
     "suffix": lambda k: {"method": "suffix", "num_speculative_tokens": k, "suffix_decoding_min_token_prob": 0.0},
@@ -80,9 +81,10 @@ SPEC_CONFIGS = {
 
 
 @pytest.mark.parametrize("method", list(SPEC_CONFIGS))
-@pytest.mark.parametrize("k", KS)
-def test_greedy_identity(engine, baselines, method, k):
+@pytest.mark.parametrize("k, adaptive", [(k, False) for k in KS] + [(8, True)])
+def test_greedy_identity(engine, baselines, method, k, adaptive):
     drafted = accepted = 0
+    accepted_per_pos = [0] * k
     for seed, (name, (prompt_ids, expected)) in enumerate(baselines.items()):
         proposer = None
         if method == "custom":
@@ -90,7 +92,7 @@ def test_greedy_identity(engine, baselines, method, k):
         r = engine.generate(
             prompt_ids,
             SamplingParams(max_tokens=MAX_TOKENS),
-            speculative_config=SPEC_CONFIGS[method](k),
+            speculative_config={**SPEC_CONFIGS[method](k), "adaptive_draft_length": adaptive},
             proposer=proposer,
         )
         assert r.token_ids == expected, f"{method} k={k} diverged from plain greedy on {name!r}"
@@ -108,8 +110,12 @@ def test_greedy_identity(engine, baselines, method, k):
             assert sum(proposer.accepted) == m["num_accepted_tokens"]
         drafted += m["num_draft_tokens"]
         accepted += m["num_accepted_tokens"]
+        accepted_per_pos = [a + b for a, b in zip(accepted_per_pos, m["num_accepted_tokens_per_pos"])]
     # The proposers must actually speculate on this mix, or the identity above proves little.
     assert drafted > 0 and accepted > 0, f"{method} k={k}: no draft token was ever accepted"
+    if method == "custom" and not adaptive:
+        # The oracle drafts whole continuations: even the last position gets verified and kept.
+        assert accepted_per_pos[-1] > 0, accepted_per_pos
 
 
 class TargetGuess:
@@ -250,6 +256,28 @@ def test_suffix_decoding_learns_from_previous_responses(model_path):
     # The global tree holds the first response, so the repeat is drafted almost entirely.
     assert second.metrics["num_accepted_tokens"] > first.metrics["num_accepted_tokens"]
     assert second.metrics["num_forward_passes"] < first.metrics["num_forward_passes"]
+
+
+class AlwaysWrong:
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, context_ids, max_tokens):
+        self.calls += 1
+        return [(context_ids[-1] + 1) % 1000] * max_tokens  # never what the model says
+
+
+def test_adaptive_draft_length_backs_off_when_drafts_fail(engine):
+    prompt = chat(PROMPTS["qa"])
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    config = {"method": "custom", "num_speculative_tokens": 4}
+    fixed = engine.generate(prompt, params, speculative_config={**config, "adaptive_draft_length": False}, proposer=AlwaysWrong())
+    adaptive = engine.generate(prompt, params, speculative_config=config, proposer=AlwaysWrong())
+    assert adaptive.token_ids == fixed.token_ids
+    # Fixed: every step drafts min(k, tokens left - 1), so the last steps never overshoot max_tokens.
+    assert fixed.metrics["num_draft_tokens"] == sum(min(4, 40 - generated - 1) for generated in range(1, 40))
+    # Only occasional one-token probes once the failures are measured.
+    assert adaptive.metrics["num_draft_tokens"] <= fixed.metrics["num_draft_tokens"] / 10, adaptive.metrics
 
 
 class Raising:

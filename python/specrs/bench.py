@@ -54,6 +54,7 @@ _LABEL_KEYS = {
     "suffix_decoding_max_cached_requests": "cache",
     "suffix_decoding_max_spec_factor": "factor",
     "suffix_decoding_min_token_prob": "min_prob",
+    "adaptive_draft_length": "adaptive",
 }
 
 

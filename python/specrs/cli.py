@@ -45,6 +45,18 @@ def _generate(args: argparse.Namespace) -> int:
     )
     if args.speculative_config is not None:
         print(acceptance_report(m), file=stats_file)
+        if not args.no_baseline:
+            # The same request without speculation, in this process, so the speedup is measured
+            # on this machine and this prompt rather than assumed.
+            base = engine.generate(prompt, params, speculative_config=False)
+            b = base.metrics
+            speedup = m["decode_tokens_per_s"] / b["decode_tokens_per_s"] if b["decode_tokens_per_s"] else 0.0
+            same = "identical output" if base.token_ids == result.token_ids else "different tokens (sampling)"
+            print(
+                f"[specrs] baseline without speculation: {b['decode_tokens_per_s']:.1f} tok/s decode, "
+                f"ITL {b['itl_s_mean'] * 1000:.1f} ms | speculative speedup {speedup:.2f}x | {same}",
+                file=stats_file,
+            )
     return 0
 
 
@@ -75,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--device", default="cpu")
+    gen.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="with --speculative-config: skip the no-speculation rerun that measures the speedup",
+    )
     gen.add_argument(
         "--speculative-config",
         default=None,

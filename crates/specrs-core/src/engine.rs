@@ -19,6 +19,7 @@ use candle_core::Device;
 use crate::chat_template::ChatMessage;
 use crate::config::SamplingParams;
 use crate::detokenizer::IncrementalDetokenizer;
+use crate::draft_length::DraftLengthPolicy;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
@@ -56,11 +57,13 @@ pub struct ExpectedSpeedup {
     pub verify_cost_ratio: f64,
 }
 
-/// One request's speculation: its proposer and k.
+/// One request's speculation: its proposer, k, and the draft-length policy (None = verify every
+/// draft whole).
 pub struct Speculation {
     pub method: &'static str,
     pub num_speculative_tokens: usize,
     pub proposer: Box<dyn Proposer>,
+    pub draft_length: Option<DraftLengthPolicy>,
 }
 
 pub struct Engine {
@@ -97,13 +100,27 @@ impl Engine {
         })
     }
 
-    /// The built-in proposer for `config`; a custom proposer comes from the caller instead.
-    pub fn speculation(&self, config: &SpeculativeConfig) -> Result<Speculation> {
-        let proposer: Box<dyn Proposer> = match &config.method {
-            Method::Ngram { prompt_lookup_min, prompt_lookup_max } => {
+    /// A request's speculation for `config`: the built-in proposer, or `custom` for method
+    /// "custom". The first adaptive config measures the verification cost curve (about a second,
+    /// once per engine).
+    pub fn speculation(&self, config: &SpeculativeConfig, custom: Option<Box<dyn Proposer>>) -> Result<Speculation> {
+        let proposer: Box<dyn Proposer> = match (&config.method, custom) {
+            (Method::Custom, Some(proposer)) => proposer,
+            (Method::Custom, None) => {
+                return Err(Error::config(
+                    "method 'custom' needs a proposer object; pass Engine(..., proposer=obj) or generate(..., proposer=obj)",
+                ))
+            }
+            (_, Some(_)) => {
+                return Err(Error::config(format!(
+                    "a proposer object was given but the speculative_config method is '{}'; use \"method\": \"custom\"",
+                    config.method_name()
+                )))
+            }
+            (Method::Ngram { prompt_lookup_min, prompt_lookup_max }, None) => {
                 Box::new(NgramProposer::new(*prompt_lookup_min, *prompt_lookup_max))
             }
-            Method::Suffix(params) => {
+            (Method::Suffix(params), None) => {
                 let global = lock(&self.suffix_caches)?
                     .entry(config.to_json())
                     .or_insert_with(|| {
@@ -112,16 +129,18 @@ impl Engine {
                     .clone();
                 Box::new(SuffixProposer::new(params.clone(), global))
             }
-            Method::Custom => {
-                return Err(Error::config(
-                    "method 'custom' needs a proposer object; pass Engine(..., proposer=obj) or generate(..., proposer=obj)",
-                ))
-            }
+        };
+        let draft_length = if config.adaptive_draft_length {
+            let costs = self.verify_costs(config.num_speculative_tokens + 1, 512)?;
+            Some(DraftLengthPolicy::new(costs.iter().map(|t| t / costs[0]).collect()))
+        } else {
+            None
         };
         Ok(Speculation {
             method: config.method_name(),
             num_speculative_tokens: config.num_speculative_tokens,
             proposer,
+            draft_length,
         })
     }
 
@@ -336,6 +355,46 @@ pub struct Generation {
     pub metrics: RequestMetrics,
 }
 
+/// Rejects a draft the verifier cannot use: more than `max_draft` tokens, ids outside the
+/// vocabulary, or probabilities that are not `[num_draft_tokens, vocab_size]` rows of
+/// distributions with q(x) > 0 for each drafted x.
+fn check_draft(draft: &Draft, max_draft: usize, vocab: usize, method: &str) -> Result<()> {
+    let n = draft.token_ids.len();
+    if n > max_draft {
+        return Err(Error::Proposer(format!(
+            "the {method} proposer returned {n} tokens but was asked for at most {max_draft}; return at most max_tokens"
+        )));
+    }
+    if let Some(bad) = draft.token_ids.iter().find(|&&t| t as usize >= vocab) {
+        return Err(Error::Proposer(format!(
+            "the {method} proposer returned token id {bad}, outside the vocabulary (size {vocab})"
+        )));
+    }
+    let Some(probs) = &draft.probs else { return Ok(()) };
+    if probs.len() != n * vocab {
+        return Err(Error::Proposer(format!(
+            "the {method} proposer's draft probabilities have {} values; expected [{n}, {vocab}] \
+             (one row per draft token, one column per vocabulary entry)",
+            probs.len()
+        )));
+    }
+    for (i, (row, &x)) in probs.chunks(vocab.max(1)).zip(&draft.token_ids).enumerate() {
+        if row.iter().any(|q| !q.is_finite() || *q < 0.0) || (row.iter().sum::<f32>() - 1.0).abs() > 1e-3 {
+            return Err(Error::Proposer(format!(
+                "the {method} proposer's draft probabilities in row {i} are not a distribution \
+                 (non-negative, finite, summing to 1)"
+            )));
+        }
+        if row[x as usize] <= 0.0 {
+            return Err(Error::Proposer(format!(
+                "the {method} proposer drafted token {x} at position {i} with draft probability 0; \
+                 a drafted token must have q > 0 under its own distribution"
+            )));
+        }
+    }
+    Ok(())
+}
+
 pub struct Session {
     model: Arc<dyn CausalLm>,
     tokenizer: Arc<TextTokenizer>,
@@ -399,6 +458,9 @@ impl Session {
         if num_draft_tokens > 0 {
             self.spec_metrics.observe_draft(num_draft_tokens, num_accepted);
             if let Some(speculation) = self.speculation.as_mut() {
+                if let Some(policy) = speculation.draft_length.as_mut() {
+                    policy.observe(num_draft_tokens, num_accepted);
+                }
                 speculation.proposer.observe(num_accepted)?;
             }
         }
@@ -427,9 +489,8 @@ impl Session {
         Ok(StepOutput { token_ids: new_ids, text })
     }
 
-    /// The proposer's draft for this step, checked: at most k tokens (fewer near max_tokens, so a
-    /// step never overshoots it), ids inside the vocabulary, probabilities shaped
-    /// `[num_draft_tokens, vocab_size]` with q(x) > 0 for each drafted x.
+    /// The proposer's draft for this step (at most k tokens, fewer near max_tokens so a step never
+    /// overshoots it), checked, then cut by the draft-length policy.
     fn propose(&mut self) -> Result<Draft> {
         let remaining = self.params.max_tokens - self.generated_ids().len();
         let Some(speculation) = self.speculation.as_mut() else { return Ok(Draft::default()) };
@@ -438,43 +499,18 @@ impl Session {
             return Ok(Draft::default());
         }
         let t0 = Instant::now();
-        let draft = speculation.proposer.propose(&self.all_ids, max_draft)?;
+        let mut draft = speculation.proposer.propose(&self.all_ids, max_draft)?;
         self.spec_metrics.propose_s += t0.elapsed().as_secs_f64();
-
-        let n = draft.token_ids.len();
         let vocab = self.model.info().vocab_size;
-        let method = speculation.method;
-        if n > max_draft {
-            return Err(Error::Proposer(format!(
-                "the {method} proposer returned {n} tokens but was asked for at most {max_draft}; return at most max_tokens"
-            )));
-        }
-        if let Some(bad) = draft.token_ids.iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::Proposer(format!(
-                "the {method} proposer returned token id {bad}, outside the vocabulary (size {vocab})"
-            )));
-        }
-        if let Some(probs) = &draft.probs {
-            if probs.len() != n * vocab {
-                return Err(Error::Proposer(format!(
-                    "the {method} proposer's draft probabilities have {} values; expected [{n}, {vocab}] \
-                     (one row per draft token, one column per vocabulary entry)",
-                    probs.len()
-                )));
+        check_draft(&draft, max_draft, vocab, speculation.method)?;
+        if let Some(policy) = speculation.draft_length.as_mut() {
+            let keep = policy.best_length(draft.token_ids.len());
+            if keep == 0 && !draft.token_ids.is_empty() {
+                policy.skipped();
             }
-            for (i, (row, &x)) in probs.chunks(vocab.max(1)).zip(&draft.token_ids).enumerate() {
-                if row.iter().any(|q| !q.is_finite() || *q < 0.0) || (row.iter().sum::<f32>() - 1.0).abs() > 1e-3 {
-                    return Err(Error::Proposer(format!(
-                        "the {method} proposer's draft probabilities in row {i} are not a distribution \
-                         (non-negative, finite, summing to 1)"
-                    )));
-                }
-                if row[x as usize] <= 0.0 {
-                    return Err(Error::Proposer(format!(
-                        "the {method} proposer drafted token {x} at position {i} with draft probability 0; \
-                         a drafted token must have q > 0 under its own distribution"
-                    )));
-                }
+            draft.token_ids.truncate(keep);
+            if let Some(probs) = draft.probs.as_mut() {
+                probs.truncate(keep * vocab);
             }
         }
         Ok(draft)

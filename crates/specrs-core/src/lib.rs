@@ -7,6 +7,7 @@
 pub mod chat_template;
 pub mod config;
 pub mod detokenizer;
+pub mod draft_length;
 pub mod engine;
 pub mod error;
 pub mod gguf;

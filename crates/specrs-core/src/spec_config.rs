@@ -14,7 +14,8 @@ use crate::proposer::suffix::SuffixParams;
 /// on any model specrs runs.
 pub const MAX_SPECULATIVE_TOKENS: usize = 64;
 
-const KEYS: [&str; 8] = [
+/// vLLM's keys, then specrs' own (`adaptive_draft_length`).
+const KEYS: [&str; 9] = [
     "method",
     "num_speculative_tokens",
     "prompt_lookup_min",
@@ -23,6 +24,7 @@ const KEYS: [&str; 8] = [
     "suffix_decoding_max_cached_requests",
     "suffix_decoding_max_spec_factor",
     "suffix_decoding_min_token_prob",
+    "adaptive_draft_length",
 ];
 
 const METHODS: [&str; 3] = ["ngram", "suffix", "custom"];
@@ -45,6 +47,9 @@ pub struct SpeculativeConfig {
     pub method: Method,
     /// Upper bound on draft tokens per step (k).
     pub num_speculative_tokens: usize,
+    /// Cut each draft to the length with the best expected tokens per verify cost (specrs'
+    /// `draft_length` module; default on). Off: every draft is verified whole, as in vLLM.
+    pub adaptive_draft_length: bool,
 }
 
 impl SpeculativeConfig {
@@ -177,7 +182,14 @@ impl SpeculativeConfig {
             }
             _ => (Method::Custom, required_k()?),
         };
-        Ok(Self { method, num_speculative_tokens })
+        let adaptive_draft_length = match map.get("adaptive_draft_length") {
+            None | Some(Value::Null) => true,
+            Some(Value::Bool(b)) => *b,
+            Some(other) => {
+                return Err(Error::config(format!("'adaptive_draft_length' must be true or false (got {other})")))
+            }
+        };
+        Ok(Self { method, num_speculative_tokens, adaptive_draft_length })
     }
 
     /// The config as vLLM-style JSON, every default spelled out.
@@ -185,6 +197,7 @@ impl SpeculativeConfig {
         let mut map = Map::new();
         map.insert("method".into(), self.method_name().into());
         map.insert("num_speculative_tokens".into(), self.num_speculative_tokens.into());
+        map.insert("adaptive_draft_length".into(), self.adaptive_draft_length.into());
         match &self.method {
             Method::Ngram { prompt_lookup_min, prompt_lookup_max } => {
                 map.insert("prompt_lookup_min".into(), (*prompt_lookup_min).into());
@@ -260,6 +273,9 @@ mod tests {
         assert_eq!(ngram.method, Method::Ngram { prompt_lookup_min: 4, prompt_lookup_max: 4 });
         let suffix = parse(r#"{"method": "suffix"}"#).unwrap();
         assert_eq!(suffix.num_speculative_tokens, 24);
+        assert!(suffix.adaptive_draft_length);
+        let fixed = parse(r#"{"method": "suffix", "adaptive_draft_length": false}"#).unwrap();
+        assert!(!fixed.adaptive_draft_length);
         assert_eq!(
             suffix.method,
             Method::Suffix(SuffixParams {
@@ -289,6 +305,7 @@ mod tests {
         assert!(error(r#"{"method": "suffix", "prompt_lookup_min": 2}"#).contains("applies to method 'ngram'"));
         assert!(error(r#"{"method": "suffix", "suffix_decoding_min_token_prob": 2}"#).contains("[0, 1]"));
         assert!(error(r#"{"num_speculative_tokens": 4}"#).contains("needs \"method\""));
+        assert!(error(r#"{"method": "suffix", "adaptive_draft_length": 1}"#).contains("true or false"));
         assert!(error("[1, 2]").contains("JSON object"));
         assert!(error("{method: ngram}").contains("not valid JSON"));
     }

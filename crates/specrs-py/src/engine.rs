@@ -8,7 +8,7 @@ use pyo3::types::PyDict;
 use specrs_core::chat_template::ChatMessage;
 use specrs_core::engine::Generation;
 use specrs_core::metrics::{expected_speedup_refined, expected_speedup_textbook, RequestMetrics, SpecDecodeMetrics};
-use specrs_core::spec_config::Method;
+use specrs_core::proposer::Proposer;
 use specrs_core::tokenizer::TextTokenizer;
 use specrs_core::{Engine, SamplingParams, Session, Speculation, SpeculativeConfig};
 
@@ -350,24 +350,12 @@ impl PyEngine {
             return Ok(None);
         };
         let config = guard(|| SpeculativeConfig::from_json(config_json)).map_err(to_py)?;
-        let speculation =
-            match (&config.method, proposer) {
-                (Method::Custom, Some(object)) => Speculation {
-                    method: config.method_name(),
-                    num_speculative_tokens: config.num_speculative_tokens,
-                    proposer: Box::new(PyProposer::new(py, object).map_err(to_py)?),
-                },
-                (Method::Custom, None) => return Err(to_py(specrs_core::Error::config(
-                    "method 'custom' needs a proposer object: Engine(..., proposer=obj) or generate(..., proposer=obj)",
-                ))),
-                (_, Some(_)) => {
-                    return Err(to_py(specrs_core::Error::config(format!(
-                "a proposer object was given but the speculative_config method is '{}'; use \"method\": \"custom\"",
-                config.method_name()
-            ))))
-                }
-                (_, None) => guard(|| self.inner.speculation(&config)).map_err(to_py)?,
-            };
+        let custom: Option<Box<dyn Proposer>> = match proposer {
+            Some(object) => Some(Box::new(PyProposer::new(py, object).map_err(to_py)?)),
+            None => None,
+        };
+        let engine = self.inner.clone();
+        let speculation = run_detached(py, move || engine.speculation(&config, custom))?;
         Ok(Some(speculation))
     }
 }
