@@ -2,7 +2,8 @@
 //!
 //! Module map: `gguf` (file access) -> `model` (CausalLm families) + `kv_cache` (O(1) rollback) ->
 //! `tokenizer` / `chat_template` / `detokenizer` (text) -> `sampler` -> `proposer` (guesses) +
-//! `verify` (lossless acceptance) -> `engine` (requests, configured by `spec_config`) and `metrics`. The Python bindings live in `specrs-py`.
+//! `verify` (lossless acceptance) + `draft_length` -> `engine` (requests, configured by
+//! `spec_config`) and `metrics`. The Python bindings live in `specrs-py`.
 
 pub mod chat_template;
 pub mod config;
