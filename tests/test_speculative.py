@@ -243,6 +243,10 @@ def test_expected_speedup_formulas():
     assert specrs.expected_speedup(0.0, 4) == pytest.approx(1.0)
     assert specrs.expected_speedup(0.5, 2, 0.25) == pytest.approx(1.75 / 1.25)
     assert specrs.expected_speedup(0.5, 2, 0.0, verify_cost_ratio=1.4) == pytest.approx(1.75 / 1.4)
+    # A measured curve [v(1), v(2), v(3)] is read at k + 1, interpolated for a fractional k.
+    curve = [1.0, 1.3, 1.4]
+    assert specrs.expected_speedup(0.5, 2, verify_cost_ratio=curve) == pytest.approx(1.75 / 1.4)
+    assert specrs.expected_speedup(0.0, 1.5, verify_cost_ratio=curve) == pytest.approx(1 / 1.35)
     with pytest.raises(specrs.ConfigError):
         specrs.expected_speedup(1.5, 2)
 

@@ -8,7 +8,10 @@ import numpy.typing as npt
 __version__: str
 
 def expected_speedup(
-    acceptance_rate: float, num_speculative_tokens: float, draft_cost: float = 0.0, verify_cost_ratio: float | None = None
+    acceptance_rate: float,
+    num_speculative_tokens: float,
+    draft_cost: float = 0.0,
+    verify_cost_ratio: float | list[float] | None = None,
 ) -> float: ...
 
 class SamplingParams:

@@ -376,13 +376,12 @@ def expected_speedups(agg: dict, baseline_itl_s: float, verify_cost_ratios: Sequ
     c = breakdown["propose_s"] / agg["num_drafts"] / baseline_itl_s if breakdown and baseline_itl_s > 0 else 0.0
     out = {"textbook": expected_speedup(a, k, draft_cost=c), "refined": None, "draft_cost": c,
            "mean_draft_length": k, "verify_cost_ratio": None}
-    # verify_cost_ratios[i] is v(i + 1), so v(k + 1) sits between indices floor(k) and floor(k) + 1.
-    low, frac = int(k), k - int(k)
-    if verify_cost_ratios is not None and len(verify_cost_ratios) > low:
-        high = min(low + 1, len(verify_cost_ratios) - 1)
-        v = verify_cost_ratios[low] * (1 - frac) + verify_cost_ratios[high] * frac
-        out["verify_cost_ratio"] = v
-        out["refined"] = expected_speedup(a, k, draft_cost=c, verify_cost_ratio=v)
+    if verify_cost_ratios:
+        # v(k + 1) is read off the curve [v(1), v(2), ...] in Rust, as in Engine.metrics().
+        curve = list(verify_cost_ratios)
+        out["refined"] = expected_speedup(a, k, draft_cost=c, verify_cost_ratio=curve)
+        # With a = 0 every step yields one token, so the prediction is exactly 1 / v(k + 1).
+        out["verify_cost_ratio"] = 1.0 / expected_speedup(0.0, k, verify_cost_ratio=curve)
     return out
 
 

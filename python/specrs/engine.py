@@ -42,11 +42,13 @@ def expected_speedup(
     acceptance_rate: float,
     num_speculative_tokens: float,
     draft_cost: float = 0.0,
-    verify_cost_ratio: float | None = None,
+    verify_cost_ratio: float | Sequence[float] | None = None,
 ) -> float:
     """Expected speedup over plain decoding for per-token acceptance a, k draft tokens per step
     and draft cost c (relative to one target step): the textbook (1 - a^(k+1)) / ((1 - a)(1 + c)),
-    or, given the measured verify cost ratio v = t(k+1)/t(1), (1 - a^(k+1)) / ((1 - a)(v + c))."""
+    or, given the measured verify cost ratio v = t(k+1)/t(1), (1 - a^(k+1)) / ((1 - a)(v + c)).
+    `verify_cost_ratio` may also be the whole curve [v(1), v(2), ...]
+    (`Engine.verify_cost_ratios`); v(k+1) is read off it, interpolated for a fractional k."""
     return _specrs.expected_speedup(acceptance_rate, num_speculative_tokens, draft_cost, verify_cost_ratio)
 
 

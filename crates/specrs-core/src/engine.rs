@@ -24,7 +24,8 @@ use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
 use crate::metrics::{
-    expected_speedup_refined, expected_speedup_textbook, EngineMetrics, RequestMetrics, RequestTimer, SpecDecodeMetrics,
+    expected_speedup_refined, expected_speedup_textbook, verify_cost_at, EngineMetrics, RequestMetrics, RequestTimer,
+    SpecDecodeMetrics,
 };
 use crate::model::{self, CausalLm, LogitRows};
 use crate::proposer::ngram::NgramProposer;
@@ -164,10 +165,8 @@ impl Engine {
         let k = spec.mean_draft_length();
         let costs = self.verify_costs(k.ceil() as usize + 1, 512)?; // [t(1), ..., t(ceil(k) + 1)]
         let t1 = costs[0];
-        // Linear interpolation of t at k + 1 (k is fractional when drafts vary in length).
-        let (lo, frac) = (k.floor() as usize, k - k.floor());
-        let t = costs[lo] * (1.0 - frac) + costs[(lo + 1).min(costs.len() - 1)] * frac;
-        let verify_cost_ratio = t / t1;
+        let ratios: Vec<f64> = costs.iter().map(|t| t / t1).collect();
+        let verify_cost_ratio = verify_cost_at(&ratios, k);
         let draft_cost = spec.propose_s / spec.num_drafts as f64 / t1;
         let a = spec.acceptance_rate();
         Ok(Some(ExpectedSpeedup {

@@ -115,6 +115,14 @@ pub fn expected_speedup_refined(a: f64, k: f64, c: f64, v: f64) -> f64 {
     expected_tokens_per_step(a, k) / (v + c)
 }
 
+/// v(k+1) from the curve `[v(1), v(2), ...]`, interpolated linearly for a fractional k (the mean
+/// draft length) and clamped to the curve's last point.
+pub fn verify_cost_at(verify_cost_ratios: &[f64], k: f64) -> f64 {
+    let last = verify_cost_ratios.len().saturating_sub(1);
+    let (low, frac) = ((k.floor() as usize).min(last), k - k.floor());
+    verify_cost_ratios[low] * (1.0 - frac) + verify_cost_ratios[(low + 1).min(last)] * frac
+}
+
 /// (1 - a^(k+1)) / (1 - a): tokens per step when each draft token passes independently with
 /// probability a.
 fn expected_tokens_per_step(a: f64, k: f64) -> f64 {
@@ -292,5 +300,9 @@ mod tests {
         // a = 0.5, k = 2: 1 + 0.5 + 0.25 tokens per step.
         assert!((expected_speedup_textbook(0.5, 2.0, 0.25) - 1.75 / 1.25).abs() < 1e-12);
         assert!((expected_speedup_refined(0.5, 2.0, 0.0, 1.4) - 1.75 / 1.4).abs() < 1e-12);
+        let curve = [1.0, 1.4, 1.6, 2.0];
+        assert_eq!(verify_cost_at(&curve, 1.0), 1.4);
+        assert!((verify_cost_at(&curve, 1.5) - 1.5).abs() < 1e-12);
+        assert_eq!(verify_cost_at(&curve, 7.0), 2.0);
     }
 }

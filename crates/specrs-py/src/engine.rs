@@ -7,7 +7,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use specrs_core::chat_template::ChatMessage;
 use specrs_core::engine::Generation;
-use specrs_core::metrics::{expected_speedup_refined, expected_speedup_textbook, RequestMetrics, SpecDecodeMetrics};
+use specrs_core::metrics::{
+    expected_speedup_refined, expected_speedup_textbook, verify_cost_at, RequestMetrics, SpecDecodeMetrics,
+};
 use specrs_core::proposer::Proposer;
 use specrs_core::tokenizer::TextTokenizer;
 use specrs_core::{Engine, SamplingParams, Session, Speculation, SpeculativeConfig};
@@ -172,24 +174,38 @@ fn generation_dict<'py>(py: Python<'py>, g: &Generation) -> PyResult<Bound<'py, 
 }
 
 /// Expected speedup over plain decoding: textbook (1 - a^(k+1)) / ((1 - a)(1 + c)), or the refined
-/// form with `verify_cost_ratio` v = t(k+1)/t(1) in place of 1.
+/// form with the verify cost v = t(k+1)/t(1) in place of 1. `verify_cost_ratio` is v itself or the
+/// measured curve `[v(1), v(2), ...]`, read at k + 1 (interpolated for a fractional k).
 #[pyfunction]
 #[pyo3(signature = (acceptance_rate, num_speculative_tokens, draft_cost=0.0, verify_cost_ratio=None))]
 pub fn expected_speedup(
     acceptance_rate: f64,
     num_speculative_tokens: f64,
     draft_cost: f64,
-    verify_cost_ratio: Option<f64>,
+    verify_cost_ratio: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<f64> {
+    let bad = |msg: &str| to_py(specrs_core::Error::config(msg.to_string()));
     if !(0.0..=1.0).contains(&acceptance_rate) || num_speculative_tokens < 0.0 || draft_cost < 0.0 {
-        return Err(to_py(specrs_core::Error::config(
+        return Err(bad(
             "expected_speedup needs 0 <= acceptance_rate <= 1, num_speculative_tokens >= 0 and draft_cost >= 0",
-        )));
+        ));
     }
-    Ok(match verify_cost_ratio {
-        None => expected_speedup_textbook(acceptance_rate, num_speculative_tokens, draft_cost),
-        Some(v) => expected_speedup_refined(acceptance_rate, num_speculative_tokens, draft_cost, v),
-    })
+    let Some(verify) = verify_cost_ratio else {
+        return Ok(expected_speedup_textbook(acceptance_rate, num_speculative_tokens, draft_cost));
+    };
+    let v = match verify.extract::<f64>() {
+        Ok(v) => v,
+        Err(_) => {
+            let curve: Vec<f64> = verify
+                .extract()
+                .map_err(|_| bad("verify_cost_ratio must be a number or a list of numbers [v(1), v(2), ...]"))?;
+            if curve.is_empty() {
+                return Err(bad("verify_cost_ratio is an empty list; pass the measured curve [v(1), v(2), ...]"));
+            }
+            verify_cost_at(&curve, num_speculative_tokens)
+        }
+    };
+    Ok(expected_speedup_refined(acceptance_rate, num_speculative_tokens, draft_cost, v))
 }
 
 #[pyclass(name = "Engine", module = "specrs._specrs", frozen)]
