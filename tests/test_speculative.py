@@ -318,6 +318,14 @@ def test_bad_custom_proposers_raise_proposer_error(engine, proposer, message):
         engine.generate("Hello", SamplingParams(max_tokens=8), proposer=proposer)
 
 
+def test_proposer_with_a_builtin_method_is_refused_not_ignored(engine):
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(specrs.ConfigError, match="use \"method\": \"custom\""):
+        engine.generate("Hello", SamplingParams(max_tokens=4), speculative_config=ngram, proposer=TooMany())
+    with pytest.raises(specrs.ConfigError, match="speculative_config=False"):
+        engine.generate("Hello", SamplingParams(max_tokens=4), speculative_config=False, proposer=TooMany())
+
+
 def test_proposer_without_propose_is_a_config_error(engine):
     with pytest.raises(specrs.ConfigError, match="propose"):
         engine.generate("Hello", SamplingParams(max_tokens=4), proposer=object())

@@ -154,23 +154,20 @@ class Engine:
 
     def _speculation(self, speculative_config, proposer) -> tuple[str | None, Any]:
         """(config JSON or None, proposer object or None) for one request: None means the
-        engine's default, False turns speculation off."""
+        engine's default, False turns speculation off. A proposer passed to the call goes to the
+        engine as is, so a non-custom config with it is refused there rather than ignored."""
         if speculative_config is False:
+            if proposer is not None:
+                raise ConfigError("a proposer needs speculation on; drop speculative_config=False")
             return None, None
-        if speculative_config is None:
-            config = self.speculative_config
-            proposer = proposer if proposer is not None else self.proposer
-            if config is None and proposer is not None:
-                config = {"method": "custom", "num_speculative_tokens": DEFAULT_CUSTOM_SPECULATIVE_TOKENS}
-        else:
-            config = speculative_config
+        config = self.speculative_config if speculative_config is None else speculative_config
+        if config is None and (proposer is not None or self.proposer is not None):
+            config = {"method": "custom", "num_speculative_tokens": DEFAULT_CUSTOM_SPECULATIVE_TOKENS}
         if config is None:
             return None, None
         config_json = _config_json(config)
-        if json.loads(config_json)["method"] == "custom":
-            proposer = proposer if proposer is not None else self.proposer
-        else:
-            proposer = None
+        if proposer is None and json.loads(config_json)["method"] == "custom":
+            proposer = self.proposer
         return config_json, proposer
 
     def generate(
