@@ -2,7 +2,7 @@
 
 import struct
 
-STRING, UINT32 = 8, 4
+STRING, UINT32, ARRAY = 8, 4, 9
 
 
 def _string(s: str) -> bytes:
@@ -11,13 +11,15 @@ def _string(s: str) -> bytes:
 
 
 def write_metadata_only(path, metadata: dict) -> None:
-    """A GGUF file with the given metadata (str or int values) and no tensors."""
+    """A GGUF file with the given metadata (str, int or list-of-str values) and no tensors."""
     out = bytearray(b"GGUF")
     out += struct.pack("<IQQ", 3, 0, len(metadata))
     for key, value in metadata.items():
         out += _string(key)
         if isinstance(value, str):
             out += struct.pack("<I", STRING) + _string(value)
+        elif isinstance(value, list):
+            out += struct.pack("<IIQ", ARRAY, STRING, len(value)) + b"".join(_string(v) for v in value)
         else:
             out += struct.pack("<I", UINT32) + struct.pack("<I", value)
     with open(path, "wb") as f:

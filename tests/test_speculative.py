@@ -157,6 +157,17 @@ def two_sample_chi_square(a: Counter, b: Counter):
     return statistic, len(cells) - 1
 
 
+def assert_same_distribution(plain: Counter, speculative: Counter):
+    """Two-sample chi-square at p = 0.001, rare cells merged so every expected count is large
+    enough for the approximation."""
+    rare = {c for c in set(plain) | set(speculative) if plain[c] + speculative[c] < 10}
+    merge = lambda h: Counter({(c if c not in rare else "rare"): v for c, v in h.items()})  # noqa: E731
+    plain, speculative = merge(plain), merge(speculative)
+    statistic, df = two_sample_chi_square(plain, speculative)
+    assert df >= 4, f"too few distinct outcomes to test: {plain}"
+    assert statistic < chi_square_critical(df), f"chi2 {statistic:.1f} (df {df}): {plain} vs {speculative}"
+
+
 def chi_square_critical(df):
     """Critical value at p = 0.001 (Wilson-Hilferty)."""
     z = 3.0902
@@ -180,13 +191,7 @@ def test_sampling_with_speculation_matches_plain_sampling(engine, with_probs):
         speculative[tuple(r.token_ids[1:])] += 1
         num_drafts += r.metrics["num_drafts"]
     assert num_drafts >= n  # speculation decided the second token of every request
-    # Merge rare cells so every expected count is large enough for the chi-square approximation.
-    rare = {c for c in set(plain) | set(speculative) if plain[c] + speculative[c] < 10}
-    merge = lambda h: Counter({(c if c not in rare else "rare"): v for c, v in h.items()})  # noqa: E731
-    plain, speculative = merge(plain), merge(speculative)
-    statistic, df = two_sample_chi_square(plain, speculative)
-    assert df >= 4, f"too few distinct outcomes to test: {plain}"
-    assert statistic < chi_square_critical(df), f"chi2 {statistic:.1f} (df {df}): {plain} vs {speculative}"
+    assert_same_distribution(plain, speculative)
 
 
 def test_sampled_speculation_is_seeded(engine):

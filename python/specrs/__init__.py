@@ -1,8 +1,16 @@
 """specrs: speculative-decoding LLM inference with a Rust core."""
 
 from ._specrs import __version__
-from .engine import Engine, GenerationResult, SamplingParams, TextStream, Tokenizer, expected_speedup
-from .errors import ConfigError, ContextLengthError, DeviceError, ModelLoadError, ProposerError, SpecrsError
+from .engine import Engine, GenerationResult, SamplingParams, TextStream, Tokenizer, expected_speedup, requantize
+from .errors import (
+    ConfigError,
+    ContextLengthError,
+    DeviceError,
+    ModelLoadError,
+    ProposerError,
+    SpecrsError,
+    TokenizerMismatchError,
+)
 from .models import default_model_path
 
 __all__ = [
@@ -17,7 +25,9 @@ __all__ = [
     "ContextLengthError",
     "DeviceError",
     "ProposerError",
+    "TokenizerMismatchError",
     "expected_speedup",
+    "requantize",
     "default_model_path",
     "__version__",
 ]

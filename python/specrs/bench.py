@@ -55,6 +55,10 @@ _LABEL_KEYS = {
     "suffix_decoding_max_spec_factor": "factor",
     "suffix_decoding_min_token_prob": "min_prob",
     "adaptive_draft_length": "adaptive",
+    "num_speculative_tokens_schedule": "schedule",
+    "draft_confidence_threshold": "threshold",
+    "mask_token_id": "mask",
+    "exit_layer": "exit",
 }
 
 
@@ -174,6 +178,7 @@ def config_label(config: dict | None) -> str:
         parts.append(f"k={config['num_speculative_tokens']}")
     for key, value in config.items():
         if key not in ("method", "num_speculative_tokens"):
+            value = os.path.basename(value) if key == "model" else value  # a path: its file name
             parts.append(f"{_LABEL_KEYS.get(key, key)}={value}")
     return " ".join(parts)
 

@@ -2,15 +2,17 @@
 
     specrs generate --prompt TEXT [--model PATH] [--chat] [--speculative-config JSON] ...
     specrs bench --prompts PROMPTS.jsonl [--config JSON ...] [--json OUT] ...   (see bench.py)
+    specrs requantize SRC.gguf DST.gguf [--type q4_0]   (e.g. a draft_model from the target)
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 
 from . import bench
-from .engine import Engine, SamplingParams
+from .engine import Engine, SamplingParams, requantize
 from .errors import SpecrsError
 
 
@@ -57,6 +59,13 @@ def _generate(args: argparse.Namespace) -> int:
                 f"ITL {b['itl_s_mean'] * 1000:.1f} ms | speculative speedup {speedup:.2f}x | {same}",
                 file=stats_file,
             )
+    return 0
+
+
+def _requantize(args: argparse.Namespace) -> int:
+    report = requantize(args.src, args.dst, args.type)
+    changed = Counter(f"{src} -> {dst}" for _, src, dst in report)
+    print(f"wrote {args.dst}: " + ", ".join(f"{n} x {change}" for change, n in sorted(changed.items())))
     return 0
 
 
@@ -111,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=bench.run_from_args)
+
+    quant = sub.add_parser("requantize", help="write a GGUF model requantized to another weight type")
+    quant.add_argument("src", help="source .gguf file")
+    quant.add_argument("dst", help="output .gguf file")
+    quant.add_argument("--type", default="q4_0",
+                       help="q2_k, q3_k, q4_0, q4_1, q4_k, q5_k, q6_k or q8_0 (K-quants fall back to q4_0 "
+                            "for weights whose rows are not a multiple of 256 wide)")
+    quant.set_defaults(func=_requantize)
     return parser
 
 

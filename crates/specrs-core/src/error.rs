@@ -11,6 +11,10 @@ pub enum Error {
     /// cannot run.
     #[error("{0}")]
     ModelLoad(String),
+    /// A draft model's tokenizer differs from the target's (the message names the first
+    /// differing token id and both strings).
+    #[error("{0}")]
+    TokenizerMismatch(String),
     /// A user-supplied setting (sampling parameter, device, config key) is invalid.
     #[error("{0}")]
     Config(String),

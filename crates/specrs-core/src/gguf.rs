@@ -60,6 +60,10 @@ impl GgufFile {
         &self.content.metadata
     }
 
+    pub fn tensor_names(&self) -> Vec<String> {
+        self.content.tensor_infos.keys().cloned().collect()
+    }
+
     pub fn has_tensor(&self, name: &str) -> bool {
         self.content.tensor_infos.contains_key(name)
     }

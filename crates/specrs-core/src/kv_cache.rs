@@ -8,9 +8,39 @@
 //! consumed, in order; `truncate(n)` only moves the length, so rejecting draft tokens costs
 //! nothing. Storage grows (rarely, by doubling) only when a request outgrows what was reserved.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
 use half::f16;
 
 use crate::error::{Error, Result};
+
+/// Live and peak bytes held by a group of caches (all target caches, or all draft caches), for
+/// `Engine::memory`.
+#[derive(Debug, Default)]
+pub struct KvBytes {
+    live: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+impl KvBytes {
+    fn add(&self, num_bytes: usize) {
+        let now = self.live.fetch_add(num_bytes, Ordering::Relaxed) + num_bytes;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+
+    fn sub(&self, num_bytes: usize) {
+        self.live.fetch_sub(num_bytes, Ordering::Relaxed);
+    }
+
+    pub fn live(&self) -> usize {
+        self.live.load(Ordering::Relaxed)
+    }
+
+    pub fn peak(&self) -> usize {
+        self.peak.load(Ordering::Relaxed)
+    }
+}
 
 struct LayerKv {
     k: Vec<f16>,
@@ -24,6 +54,7 @@ pub struct KvCache {
     max_len: usize,
     /// Values per token per layer: num_kv_heads * head_dim.
     row_len: usize,
+    accounting: Option<Arc<KvBytes>>,
 }
 
 impl KvCache {
@@ -34,7 +65,14 @@ impl KvCache {
         let layers = (0..num_layers)
             .map(|_| LayerKv { k: vec![f16::ZERO; capacity * row_len], v: vec![f16::ZERO; capacity * row_len] })
             .collect();
-        Self { layers, len: 0, capacity, max_len, row_len }
+        Self { layers, len: 0, capacity, max_len, row_len, accounting: None }
+    }
+
+    /// Counts this cache's bytes (now and as it grows, until it is dropped) in `counter`.
+    pub fn tracked_by(mut self, counter: Arc<KvBytes>) -> Self {
+        counter.add(self.num_bytes());
+        self.accounting = Some(counter);
+        self
     }
 
     /// Number of positions held.
@@ -69,6 +107,19 @@ impl KvCache {
         self.len = 0;
     }
 
+    /// Frees the buffers (a finished request's cache); the cache is empty and can grow again.
+    pub fn release(&mut self) {
+        if let Some(counter) = &self.accounting {
+            counter.sub(self.num_bytes());
+        }
+        for layer in &mut self.layers {
+            layer.k = Vec::new();
+            layer.v = Vec::new();
+        }
+        self.len = 0;
+        self.capacity = 0;
+    }
+
     /// Make room for `num_new` more positions, reallocating (amortized) if needed.
     pub fn reserve(&mut self, num_new: usize) -> Result<()> {
         let needed = self.len + num_new;
@@ -80,7 +131,11 @@ impl KvCache {
             )));
         }
         if needed > self.capacity {
+            let old_bytes = self.num_bytes();
             self.capacity = needed.max(2 * self.capacity).min(self.max_len);
+            if let Some(counter) = &self.accounting {
+                counter.add(self.num_bytes() - old_bytes);
+            }
             for layer in &mut self.layers {
                 layer.k.resize(self.capacity * self.row_len, f16::ZERO);
                 layer.v.resize(self.capacity * self.row_len, f16::ZERO);
@@ -121,6 +176,14 @@ impl KvCache {
     }
 }
 
+impl Drop for KvCache {
+    fn drop(&mut self) {
+        if let Some(counter) = &self.accounting {
+            counter.sub(self.num_bytes());
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -158,5 +221,21 @@ mod tests {
         let err = cache.reserve(1).unwrap_err();
         assert!(matches!(err, Error::ContextLength(_)), "{err}");
         assert_eq!(first_column(&cache, 1), (0..8).map(|x| x as f32).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn accounting_follows_growth_and_drop() {
+        let counter = Arc::new(KvBytes::default());
+        let mut cache = KvCache::new(2, 4, 2, 16).tracked_by(counter.clone());
+        assert_eq!(counter.live(), cache.num_bytes());
+        cache.reserve(5).unwrap();
+        assert_eq!(counter.live(), cache.num_bytes());
+        let grown = cache.num_bytes();
+        cache.release();
+        assert_eq!(counter.live(), 0);
+        cache.reserve(1).unwrap();
+        assert_eq!(counter.live(), cache.num_bytes());
+        drop(cache);
+        assert_eq!((counter.live(), counter.peak()), (0, grown));
     }
 }

@@ -3,7 +3,8 @@
 //! Module map: `gguf` (file access) -> `model` (CausalLm families) + `kv_cache` (O(1) rollback) ->
 //! `tokenizer` / `chat_template` / `detokenizer` (text) -> `sampler` -> `proposer` (guesses) +
 //! `verify` (lossless acceptance) + `draft_length` -> `engine` (requests, configured by
-//! `spec_config`) and `metrics`. The Python bindings live in `specrs-py`.
+//! `spec_config`) and `metrics`; `quantize` writes requantized GGUF copies (the `quantized_self`
+//! draft). The Python bindings live in `specrs-py`.
 
 pub mod chat_template;
 pub mod config;
@@ -16,6 +17,7 @@ pub mod kv_cache;
 pub mod metrics;
 pub mod model;
 pub mod proposer;
+pub mod quantize;
 pub mod sampler;
 pub mod spec_config;
 pub mod tokenizer;

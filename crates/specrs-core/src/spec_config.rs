@@ -9,13 +9,14 @@ use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
 use crate::proposer::suffix::SuffixParams;
+use crate::quantize::{parse_quant_type, quant_type_name};
 
 /// The most tokens one step may guess; a verify forward over more rows costs more than it can win
 /// on any model specrs runs.
 pub const MAX_SPECULATIVE_TOKENS: usize = 64;
 
-/// vLLM's keys, then specrs' own (`adaptive_draft_length`).
-const KEYS: [&str; 9] = [
+/// vLLM's keys, then specrs' own.
+const KEYS: [&str; 16] = [
     "method",
     "num_speculative_tokens",
     "prompt_lookup_min",
@@ -24,13 +25,32 @@ const KEYS: [&str; 9] = [
     "suffix_decoding_max_cached_requests",
     "suffix_decoding_max_spec_factor",
     "suffix_decoding_min_token_prob",
+    "model",
+    "max_model_len",
+    "quantization",
+    "mask_token_id",
+    "exit_layer",
     "adaptive_draft_length",
+    "draft_confidence_threshold",
+    "num_speculative_tokens_schedule",
 ];
 
-const METHODS: [&str; 3] = ["ngram", "suffix", "custom"];
+const METHODS: [&str; 7] = ["ngram", "suffix", "custom", "draft_model", "layer_skip", "quantized_self", "pard"];
 
-/// vLLM methods that need draft weights; they arrive with the draft-model family.
-const LATER_METHODS: [&str; 7] = ["draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "pard"];
+/// vLLM methods that need trained heads or weights specrs cannot load yet.
+const LATER_METHODS: [&str; 5] = ["eagle", "eagle3", "mtp", "medusa", "mlp_speculator"];
+
+/// Which keys belong to which methods (a key outside this table applies to every method).
+const METHOD_KEYS: [(&str, &[&str]); 5] = [
+    ("model", &["draft_model", "pard"]),
+    ("max_model_len", &["draft_model", "quantized_self", "pard"]),
+    ("quantization", &["quantized_self"]),
+    ("mask_token_id", &["pard"]),
+    ("exit_layer", &["layer_skip"]),
+];
+
+/// The draft weight type `quantized_self` builds when the config names none.
+pub const DEFAULT_SELF_QUANTIZATION: &str = "q4_0";
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Method {
@@ -40,6 +60,31 @@ pub enum Method {
     Suffix(SuffixParams),
     /// A proposer object supplied by the caller (Python `propose(context_ids, max_tokens)`).
     Custom,
+    /// A separate draft model (GGUF) sharing the target's tokenizer.
+    DraftModel(DraftModelParams),
+    /// The target's first `exit_layer` layers + final norm + LM head.
+    LayerSkip { exit_layer: usize },
+    /// The target requantized to `quantization` (e.g. "q4_0"), built once and cached on disk.
+    QuantizedSelf { quantization: String, max_model_len: Option<usize> },
+    /// A PARD draft: k tokens from one forward over k-1 appended mask tokens.
+    Pard { draft: DraftModelParams, mask_token_id: u32 },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftModelParams {
+    /// Path of the draft's GGUF file.
+    pub model: String,
+    /// Bounds the draft's KV cache; requests longer than this get no drafts past it.
+    pub max_model_len: Option<usize>,
+}
+
+/// How k moves during a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Schedule {
+    /// k stays num_speculative_tokens.
+    Constant,
+    /// transformers' heuristic: +2 after a fully accepted draft, -1 otherwise, in 1..=k.
+    Heuristic,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -47,18 +92,18 @@ pub struct SpeculativeConfig {
     pub method: Method,
     /// Upper bound on draft tokens per step (k).
     pub num_speculative_tokens: usize,
-    /// Cut each draft to the length with the best expected tokens per verify cost (specrs'
+    /// Pick each draft's length for the best expected tokens per unit of cost (specrs'
     /// `draft_length` module; default on). Off: every draft is verified whole, as in vLLM.
     pub adaptive_draft_length: bool,
+    /// Drafts with probabilities stop after a token whose draft probability is below this
+    /// (transformers' `assistant_confidence_threshold`; 0 = off).
+    pub draft_confidence_threshold: f32,
+    pub schedule: Schedule,
 }
 
 impl SpeculativeConfig {
     pub fn method_name(&self) -> &'static str {
-        match self.method {
-            Method::Ngram { .. } => "ngram",
-            Method::Suffix(_) => "suffix",
-            Method::Custom => "custom",
-        }
+        method_name(&self.method)
     }
 
     /// Parses the JSON text of a vLLM-style speculative config.
@@ -92,11 +137,16 @@ impl SpeculativeConfig {
                 return Err(Error::config(format!("\"method\" must be a string such as \"ngram\" (got {other})")))
             }
         };
-        let method = if method == "[ngram]" { "ngram" } else { method };
+        let method = match method {
+            "[ngram]" => "ngram",
+            "draft" => "draft_model",
+            m => m,
+        };
         if LATER_METHODS.contains(&method) {
             return Err(Error::config(format!(
-                "method '{method}' needs draft weights, which this build does not load yet; \
-                 use 'ngram', 'suffix' or 'custom'"
+                "method '{method}' needs trained draft heads, which this build cannot load yet; \
+                 use one of {}",
+                METHODS.join(", ")
             )));
         }
         if !METHODS.contains(&method) {
@@ -116,6 +166,28 @@ impl SpeculativeConfig {
         };
         only_for("prompt_lookup_", "ngram")?;
         only_for("suffix_decoding_", "suffix")?;
+        for (key, owners) in METHOD_KEYS {
+            if map.contains_key(key) && !owners.contains(&method) {
+                return Err(Error::config(format!(
+                    "'{key}' applies to method {} only, not '{method}'; remove it",
+                    owners.join(" / ")
+                )));
+            }
+        }
+        let max_model_len = optional_count(map, "max_model_len")?;
+        if max_model_len == Some(0) {
+            return Err(Error::config("max_model_len must be >= 1 (got 0); leave it out to use the draft's context"));
+        }
+        let draft_params = || -> Result<DraftModelParams> {
+            match map.get("model") {
+                Some(Value::String(model)) if !model.is_empty() => {
+                    Ok(DraftModelParams { model: model.clone(), max_model_len })
+                }
+                _ => Err(Error::config(format!(
+                    "method '{method}' needs \"model\": the path of the draft's .gguf file (it must share the target's tokenizer)"
+                ))),
+            }
+        };
 
         let num_speculative_tokens = optional_count(map, "num_speculative_tokens")?;
         if num_speculative_tokens == Some(0) || num_speculative_tokens > Some(MAX_SPECULATIVE_TOKENS) {
@@ -180,6 +252,37 @@ impl SpeculativeConfig {
                 // vLLM: suffix decoding sizes its drafts itself; k defaults to the tree depth as a cap.
                 (Method::Suffix(params), num_speculative_tokens.unwrap_or(max_tree_depth.min(MAX_SPECULATIVE_TOKENS)))
             }
+            "draft_model" => (Method::DraftModel(draft_params()?), required_k()?),
+            "pard" => {
+                let mask_token_id = optional_count(map, "mask_token_id")?.ok_or_else(|| {
+                    Error::config(
+                        "method 'pard' needs \"mask_token_id\": the mask token the PARD draft was trained with",
+                    )
+                })?;
+                let mask_token_id = u32::try_from(mask_token_id)
+                    .map_err(|_| Error::config(format!("mask_token_id {mask_token_id} is not a token id")))?;
+                (Method::Pard { draft: draft_params()?, mask_token_id }, required_k()?)
+            }
+            "layer_skip" => {
+                let exit_layer = optional_count(map, "exit_layer")?.ok_or_else(|| {
+                    Error::config(
+                        "method 'layer_skip' needs \"exit_layer\": how many of the target's layers draft, e.g. 8",
+                    )
+                })?;
+                (Method::LayerSkip { exit_layer }, required_k()?)
+            }
+            "quantized_self" => {
+                let quantization = match map.get("quantization") {
+                    None | Some(Value::Null) => DEFAULT_SELF_QUANTIZATION.to_string(),
+                    Some(Value::String(q)) => quant_type_name(parse_quant_type(q)?),
+                    Some(other) => {
+                        return Err(Error::config(format!(
+                            "'quantization' must be a string such as \"q4_0\" (got {other})"
+                        )))
+                    }
+                };
+                (Method::QuantizedSelf { quantization, max_model_len }, required_k()?)
+            }
             _ => (Method::Custom, required_k()?),
         };
         let adaptive_draft_length = match map.get("adaptive_draft_length") {
@@ -189,7 +292,41 @@ impl SpeculativeConfig {
                 return Err(Error::config(format!("'adaptive_draft_length' must be true or false (got {other})")))
             }
         };
-        Ok(Self { method, num_speculative_tokens, adaptive_draft_length })
+        let draft_confidence_threshold = optional_number(map, "draft_confidence_threshold")?.unwrap_or(0.0);
+        if !(0.0..=1.0).contains(&draft_confidence_threshold) {
+            return Err(Error::config(format!(
+                "draft_confidence_threshold must be in [0, 1] (got {draft_confidence_threshold}); 0 turns it off, try 0.4"
+            )));
+        }
+        if draft_confidence_threshold > 0.0 && matches!(method, Method::Ngram { .. } | Method::Suffix(_)) {
+            return Err(Error::config(format!(
+                "draft_confidence_threshold needs drafts with probabilities, and '{}' drafts have none; \
+                 remove it{}",
+                method_name(&method),
+                if matches!(method, Method::Suffix(_)) {
+                    " (suffix_decoding_min_token_prob plays its part)"
+                } else {
+                    ""
+                }
+            )));
+        }
+        let schedule = match map.get("num_speculative_tokens_schedule") {
+            None | Some(Value::Null) => Schedule::Constant,
+            Some(Value::String(s)) if s == "constant" => Schedule::Constant,
+            Some(Value::String(s)) if s == "heuristic" => Schedule::Heuristic,
+            Some(other) => {
+                return Err(Error::config(format!(
+                    "'num_speculative_tokens_schedule' must be \"constant\" or \"heuristic\" (got {other})"
+                )))
+            }
+        };
+        Ok(Self {
+            method,
+            num_speculative_tokens,
+            adaptive_draft_length,
+            draft_confidence_threshold: draft_confidence_threshold as f32,
+            schedule,
+        })
     }
 
     /// The config as vLLM-style JSON, every default spelled out.
@@ -198,6 +335,18 @@ impl SpeculativeConfig {
         map.insert("method".into(), self.method_name().into());
         map.insert("num_speculative_tokens".into(), self.num_speculative_tokens.into());
         map.insert("adaptive_draft_length".into(), self.adaptive_draft_length.into());
+        if self.draft_confidence_threshold > 0.0 {
+            map.insert("draft_confidence_threshold".into(), f64::from(self.draft_confidence_threshold).into());
+        }
+        if self.schedule == Schedule::Heuristic {
+            map.insert("num_speculative_tokens_schedule".into(), "heuristic".into());
+        }
+        let draft = |d: &DraftModelParams, map: &mut Map<String, Value>| {
+            map.insert("model".into(), d.model.clone().into());
+            if let Some(len) = d.max_model_len {
+                map.insert("max_model_len".into(), len.into());
+            }
+        };
         match &self.method {
             Method::Ngram { prompt_lookup_min, prompt_lookup_max } => {
                 map.insert("prompt_lookup_min".into(), (*prompt_lookup_min).into());
@@ -210,8 +359,34 @@ impl SpeculativeConfig {
                 map.insert("suffix_decoding_min_token_prob".into(), f64::from(p.min_token_prob).into());
             }
             Method::Custom => {}
+            Method::DraftModel(d) => draft(d, &mut map),
+            Method::Pard { draft: d, mask_token_id } => {
+                draft(d, &mut map);
+                map.insert("mask_token_id".into(), (*mask_token_id).into());
+            }
+            Method::LayerSkip { exit_layer } => {
+                map.insert("exit_layer".into(), (*exit_layer).into());
+            }
+            Method::QuantizedSelf { quantization, max_model_len } => {
+                map.insert("quantization".into(), quantization.clone().into());
+                if let Some(len) = max_model_len {
+                    map.insert("max_model_len".into(), (*len).into());
+                }
+            }
         }
         Value::Object(map).to_string()
+    }
+}
+
+fn method_name(method: &Method) -> &'static str {
+    match method {
+        Method::Ngram { .. } => "ngram",
+        Method::Suffix(_) => "suffix",
+        Method::Custom => "custom",
+        Method::DraftModel(_) => "draft_model",
+        Method::LayerSkip { .. } => "layer_skip",
+        Method::QuantizedSelf { .. } => "quantized_self",
+        Method::Pard { .. } => "pard",
     }
 }
 
@@ -287,13 +462,46 @@ mod tests {
         );
         assert_eq!(SpeculativeConfig::from_json(&suffix.to_json()).unwrap(), suffix);
         assert_eq!(SpeculativeConfig::from_json(&ngram.to_json()).unwrap(), ngram);
+        for text in [
+            r#"{"method": "draft", "model": "d.gguf", "max_model_len": 512, "num_speculative_tokens": 4}"#,
+            r#"{"method": "pard", "model": "d.gguf", "mask_token_id": 7, "num_speculative_tokens": 4}"#,
+            r#"{"method": "layer_skip", "exit_layer": 8, "num_speculative_tokens": 2, "draft_confidence_threshold": 0.5}"#,
+            r#"{"method": "quantized_self", "quantization": "Q2_K", "num_speculative_tokens": 4, "num_speculative_tokens_schedule": "heuristic"}"#,
+        ] {
+            let config = parse(text).unwrap();
+            assert_eq!(SpeculativeConfig::from_json(&config.to_json()).unwrap(), config, "{text}");
+        }
+        let q = parse(r#"{"method": "quantized_self", "num_speculative_tokens": 4}"#).unwrap();
+        assert_eq!(q.method, Method::QuantizedSelf { quantization: "q4_0".into(), max_model_len: None });
+        assert_eq!(q.schedule, Schedule::Constant);
+        assert_eq!(q.draft_confidence_threshold, 0.0);
     }
 
     #[test]
     fn bad_input_names_the_fix() {
         assert!(error(r#"{"method": "ngram", "num_spec_tokens": 4}"#).contains("'num_speculative_tokens'"));
         assert!(error(r#"{"method": "ngarm", "num_speculative_tokens": 4}"#).contains("'ngram'"));
-        assert!(error(r#"{"method": "eagle", "num_speculative_tokens": 4}"#).contains("draft weights"));
+        assert!(error(r#"{"method": "eagle", "num_speculative_tokens": 4}"#).contains("draft heads"));
+        assert!(error(r#"{"method": "draft", "num_speculative_tokens": 4}"#).contains("needs \"model\""));
+        assert!(
+            error(r#"{"method": "pard", "model": "d.gguf", "num_speculative_tokens": 4}"#).contains("mask_token_id")
+        );
+        assert!(error(r#"{"method": "layer_skip", "num_speculative_tokens": 4}"#).contains("exit_layer"));
+        assert!(
+            error(r#"{"method": "ngram", "num_speculative_tokens": 4, "exit_layer": 2}"#).contains("layer_skip only")
+        );
+        assert!(error(r#"{"method": "quantized_self", "num_speculative_tokens": 4, "quantization": "q1"}"#)
+            .contains("q4_0"));
+        assert!(error(r#"{"method": "ngram", "num_speculative_tokens": 4, "draft_confidence_threshold": 0.4}"#)
+            .contains("no"));
+        assert!(error(
+            r#"{"method": "layer_skip", "exit_layer": 2, "num_speculative_tokens": 4, "draft_confidence_threshold": 2}"#
+        )
+        .contains("[0, 1]"));
+        assert!(error(
+            r#"{"method": "custom", "num_speculative_tokens": 4, "num_speculative_tokens_schedule": "fast"}"#
+        )
+        .contains("heuristic"));
         assert!(error(r#"{"method": "ngram", "num_speculative_tokens": 0}"#).contains("num_speculative_tokens"));
         assert!(error(r#"{"method": "ngram", "num_speculative_tokens": -2}"#).contains("num_speculative_tokens"));
         assert!(error(r#"{"method": "ngram", "num_speculative_tokens": 2.5}"#).contains("whole number"));

@@ -292,6 +292,28 @@ impl TextTokenizer {
     pub fn chat_template(&self) -> Option<&ChatTemplate> {
         self.chat_template.as_ref()
     }
+
+    /// A draft model may propose for this (target) tokenizer only if its vocabulary is the same
+    /// or a prefix of it (a target with extra padded entries). `draft_path` names the draft file in
+    /// the error.
+    pub fn check_draft_compatible(&self, draft: &TextTokenizer, draft_path: &str) -> Result<()> {
+        for id in 0..draft.vocab_size as u32 {
+            let (target_text, draft_text) = (self.token_text(id), draft.token_text(id));
+            if target_text != draft_text {
+                let shown = |t: Option<String>| t.map_or_else(|| "<none>".to_string(), |t| format!("{t:?}"));
+                return Err(Error::TokenizerMismatch(format!(
+                    "the draft model {draft_path} does not share the target's tokenizer: token id {id} is {} \
+                     in the draft but {} in the target (draft vocabulary {}, target {}); use a draft from \
+                     the target's model family, or a model-free method such as 'ngram' or 'suffix'",
+                    shown(draft_text),
+                    shown(target_text),
+                    draft.vocab_size,
+                    self.vocab_size
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

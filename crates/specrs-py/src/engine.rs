@@ -208,6 +208,23 @@ pub fn expected_speedup(
     Ok(expected_speedup_refined(acceptance_rate, num_speculative_tokens, draft_cost, v))
 }
 
+/// Writes the GGUF model `src` requantized to `quantization` ("q4_0", "q2_k", ...) at `dst`;
+/// returns `(tensor, from_type, to_type)` for every tensor.
+#[pyfunction]
+pub fn requantize(
+    py: Python<'_>,
+    src: String,
+    dst: String,
+    quantization: String,
+) -> PyResult<Vec<(String, String, String)>> {
+    let report = run_detached(py, move || {
+        let dtype = specrs_core::quantize::parse_quant_type(&quantization)?;
+        specrs_core::quantize::requantize_gguf(std::path::Path::new(&src), std::path::Path::new(&dst), dtype)
+    })?;
+    let name = specrs_core::quantize::quant_type_name;
+    Ok(report.into_iter().map(|t| (t.name, name(t.from), name(t.to))).collect())
+}
+
 #[pyclass(name = "Engine", module = "specrs._specrs", frozen)]
 pub struct PyEngine {
     inner: Arc<Engine>,
@@ -312,6 +329,20 @@ impl PyEngine {
         Ok(d)
     }
 
+    /// Bytes of target and draft weights, and of the target and draft KV caches of requests in
+    /// flight (with the peak since load).
+    fn memory<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let m = guard(|| self.inner.memory()).map_err(to_py)?;
+        let d = PyDict::new(py);
+        d.set_item("target_weight_bytes", m.target_weight_bytes)?;
+        d.set_item("draft_weight_bytes", m.draft_weight_bytes)?;
+        d.set_item("target_kv_bytes", m.target_kv_bytes)?;
+        d.set_item("draft_kv_bytes", m.draft_kv_bytes)?;
+        d.set_item("peak_target_kv_bytes", m.peak_target_kv_bytes)?;
+        d.set_item("peak_draft_kv_bytes", m.peak_draft_kv_bytes)?;
+        Ok(d)
+    }
+
     fn reset_metrics(&self) -> PyResult<()> {
         guard(|| self.inner.reset_metrics()).map_err(to_py)
     }
@@ -410,6 +441,14 @@ impl PyStream {
         self.session
             .lock()
             .map(|mut s| s.abort())
+            .map_err(|_| to_py(specrs_core::Error::Internal("stream lock poisoned".into())))
+    }
+
+    /// `(target_kv_positions, draft_kv_positions or None)`: what each cache holds now.
+    fn kv_lens(&self) -> PyResult<(usize, Option<usize>)> {
+        self.session
+            .lock()
+            .map(|s| s.kv_lens())
             .map_err(|_| to_py(specrs_core::Error::Internal("stream lock poisoned".into())))
     }
 

@@ -12,6 +12,7 @@ use specrs_core::Error;
 fn class_name(error: &Error) -> &'static str {
     match error {
         Error::ModelLoad(_) => "ModelLoadError",
+        Error::TokenizerMismatch(_) => "TokenizerMismatchError",
         Error::Config(_) => "ConfigError",
         Error::ContextLength(_) => "ContextLengthError",
         Error::Device(_) => "DeviceError",

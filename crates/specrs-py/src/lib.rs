@@ -14,6 +14,7 @@ fn _specrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyStream>()?;
     m.add_class::<engine::PyTokenizer>()?;
     m.add_function(wrap_pyfunction!(engine::expected_speedup, m)?)?;
+    m.add_function(wrap_pyfunction!(engine::requantize, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

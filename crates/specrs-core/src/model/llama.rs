@@ -221,6 +221,35 @@ impl CausalLm for Llama {
     }
 
     fn forward_rows(&self, tokens: &[u32], cache: &mut KvCache, rows: LogitRows) -> Result<Tensor> {
+        self.forward_layers(tokens, cache, self.blocks.len(), rows)
+    }
+
+    fn forward_early_exit(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        num_layers: usize,
+        rows: LogitRows,
+    ) -> Result<Tensor> {
+        if num_layers == 0 || num_layers > self.blocks.len() {
+            return Err(Error::config(format!(
+                "exit_layer must be in 1..={} for this model (got {num_layers})",
+                self.blocks.len()
+            )));
+        }
+        self.forward_layers(tokens, cache, num_layers, rows)
+    }
+}
+
+impl Llama {
+    /// The first `num_layers` blocks, then the final norm and the LM head.
+    fn forward_layers(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        num_layers: usize,
+        rows: LogitRows,
+    ) -> Result<Tensor> {
         let n = tokens.len();
         if n == 0 {
             return Err(Error::Internal("forward called with no tokens".into()));
@@ -232,7 +261,7 @@ impl CausalLm for Llama {
 
         let ids = Tensor::new(tokens, &self.device)?;
         let mut x: Vec<f32> = self.embed.embedding(&ids)?.flatten_all()?.to_vec1()?; // [n, hidden]
-        for (layer, block) in self.blocks.iter().enumerate() {
+        for (layer, block) in self.blocks[..num_layers].iter().enumerate() {
             let h = rms_norm(&x, &block.attn_norm, self.rms_eps);
             let mut q = block.wq.forward_rows(&h, n)?; // [n, heads * hd]
             let mut k = block.wk.forward_rows(&h, n)?; // [n, kv_heads * hd]

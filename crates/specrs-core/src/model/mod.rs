@@ -52,6 +52,24 @@ pub trait CausalLm: Send + Sync {
     /// `LogitRows::All` and 1 for `LogitRows::Last`.
     fn forward_rows(&self, tokens: &[u32], cache: &mut KvCache, rows: LogitRows) -> Result<Tensor>;
 
+    /// Early exit (the layer-skip draft): only the first `num_layers` blocks, then the final norm
+    /// and the LM head. Keys and values are written to layers `0..num_layers` only; the positions
+    /// still count in `cache.len()`, so the caller truncates them away before a full forward.
+    /// Because every block is row-independent, those layers' entries equal what a full forward
+    /// writes for the same tokens.
+    fn forward_early_exit(
+        &self,
+        _tokens: &[u32],
+        _cache: &mut KvCache,
+        _num_layers: usize,
+        _rows: LogitRows,
+    ) -> Result<Tensor> {
+        Err(Error::config(format!(
+            "the {} model does not support early exit; use another speculative method than 'layer_skip'",
+            self.info().architecture
+        )))
+    }
+
     /// Logits `[tokens.len(), vocab_size]` for every new position.
     fn forward(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor> {
         self.forward_rows(tokens, cache, LogitRows::All)

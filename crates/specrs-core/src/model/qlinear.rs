@@ -1,4 +1,4 @@
-//! Linear layers over GGUF quantized weights, with specrs' own CPU kernels for Q4_1 and Q8_0.
+//! Linear layers over GGUF quantized weights, with specrs' own CPU kernels for Q4_0, Q4_1 and Q8_0.
 //!
 //! Why not candle's `QMatMul` for these: candle 0.11 has no x86 SIMD path for Q4_1 (scalar code,
 //! ~10x slower than llama.cpp), and verification wants each weight row read once for all n
@@ -31,6 +31,10 @@ const PREFETCH_BYTES: usize = 512;
 /// Weight formats with a native kernel. Block layouts follow ggml.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
+    /// `{ d: f16, qs: [u8; 16] }`: x = d * (nibble - 8); nibble j is element j (low) / j+16 (high).
+    /// Computed as Q4_1 with m = -8d (through the activation block sums), so unlike Q4_1 and Q8_0
+    /// it does not match llama.cpp bitwise; it serves drafts, which need no bitwise agreement.
+    Q4_0,
     /// `{ d: f16, m: f16, qs: [u8; 16] }`: x = d * nibble + m; nibble j is element j (low) / j+16 (high).
     Q4_1,
     /// `{ d: f16, qs: [i8; 32] }`: x = d * q.
@@ -40,6 +44,7 @@ pub enum Format {
 impl Format {
     fn block_bytes(self) -> usize {
         match self {
+            Format::Q4_0 => 18,
             Format::Q4_1 => 20,
             Format::Q8_0 => 34,
         }
@@ -94,6 +99,7 @@ impl QLinear {
     pub fn new(weight: Arc<QTensor>) -> Result<Self> {
         let (out_features, in_features) = weight.shape().dims2()?;
         let format = match weight.dtype() {
+            GgmlDType::Q4_0 => Some(Format::Q4_0),
             GgmlDType::Q4_1 => Some(Format::Q4_1),
             GgmlDType::Q8_0 => Some(Format::Q8_0),
             _ => None,
@@ -194,6 +200,15 @@ fn scalar_dot_rows(format: Format, weight: &[u8], rows: &QuantizedRows, first: u
                     }
                     total += d * da * acc as f32 + m * sa;
                 }
+                Format::Q4_0 => {
+                    let d = f16_at(blk, 0);
+                    let mut acc = 0i32;
+                    for j in 0..16 {
+                        acc += (blk[2 + j] & 0x0F) as i32 * qa[j] as i32;
+                        acc += (blk[2 + j] >> 4) as i32 * qa[j + 16] as i32;
+                    }
+                    total += d * da * acc as f32 - 8.0 * d * sa;
+                }
                 Format::Q8_0 => {
                     let d = f16_at(blk, 0);
                     let acc: i32 = (0..BLOCK).map(|j| blk[2 + j] as i8 as i32 * qa[j] as i32).sum();
@@ -247,37 +262,50 @@ mod avx2 {
         debug_assert!(out.len() <= ROW_GROUP && weight.len() == rows.num_blocks * format.block_bytes());
         // Monomorphized per group size and format so the accumulators live in registers.
         unsafe {
-            match (format, out.len()) {
-                (Format::Q4_1, 1) => dot_group::<1, true>(weight, rows, first, out),
-                (Format::Q4_1, 2) => dot_group::<2, true>(weight, rows, first, out),
-                (Format::Q4_1, 3) => dot_group::<3, true>(weight, rows, first, out),
-                (Format::Q4_1, 4) => dot_group::<4, true>(weight, rows, first, out),
-                (Format::Q4_1, 5) => dot_group::<5, true>(weight, rows, first, out),
-                (Format::Q4_1, 6) => dot_group::<6, true>(weight, rows, first, out),
-                (Format::Q4_1, 7) => dot_group::<7, true>(weight, rows, first, out),
-                (Format::Q4_1, _) => dot_group::<8, true>(weight, rows, first, out),
-                (Format::Q8_0, 1) => dot_group::<1, false>(weight, rows, first, out),
-                (Format::Q8_0, 2) => dot_group::<2, false>(weight, rows, first, out),
-                (Format::Q8_0, 3) => dot_group::<3, false>(weight, rows, first, out),
-                (Format::Q8_0, 4) => dot_group::<4, false>(weight, rows, first, out),
-                (Format::Q8_0, 5) => dot_group::<5, false>(weight, rows, first, out),
-                (Format::Q8_0, 6) => dot_group::<6, false>(weight, rows, first, out),
-                (Format::Q8_0, 7) => dot_group::<7, false>(weight, rows, first, out),
-                (Format::Q8_0, _) => dot_group::<8, false>(weight, rows, first, out),
+            match format {
+                Format::Q4_0 => dot_group_sized::<Q4_0>(weight, rows, first, out),
+                Format::Q4_1 => dot_group_sized::<Q4_1>(weight, rows, first, out),
+                Format::Q8_0 => dot_group_sized::<Q8_0>(weight, rows, first, out),
             }
         }
     }
 
-    /// `G` activation rows against one weight row; `Q4_1` selects the format (else Q8_0).
+    const Q4_0: u8 = 0;
+    const Q4_1: u8 = 1;
+    const Q8_0: u8 = 2;
+
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_group<const G: usize, const Q4_1: bool>(
+    unsafe fn dot_group_sized<const F: u8>(weight: &[u8], rows: &QuantizedRows, first: usize, out: &mut [f32]) {
+        unsafe {
+            match out.len() {
+                1 => dot_group::<1, F>(weight, rows, first, out),
+                2 => dot_group::<2, F>(weight, rows, first, out),
+                3 => dot_group::<3, F>(weight, rows, first, out),
+                4 => dot_group::<4, F>(weight, rows, first, out),
+                5 => dot_group::<5, F>(weight, rows, first, out),
+                6 => dot_group::<6, F>(weight, rows, first, out),
+                7 => dot_group::<7, F>(weight, rows, first, out),
+                _ => dot_group::<8, F>(weight, rows, first, out),
+            }
+        }
+    }
+
+    /// `G` activation rows against one weight row of format `F`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_group<const G: usize, const F: u8>(
         weight: &[u8],
         rows: &QuantizedRows,
         first: usize,
         out: &mut [f32],
     ) {
-        let (bb, nb) = (if Q4_1 { 20 } else { 34 }, rows.num_blocks);
+        let bb = match F {
+            Q4_0 => 18,
+            Q4_1 => 20,
+            _ => 34,
+        };
+        let nb = rows.num_blocks;
         let w = weight.as_ptr();
         let qs = rows.qs.as_ptr();
         let scales = rows.scales.as_ptr();
@@ -292,9 +320,11 @@ mod avx2 {
                 // (the next weight row follows this one contiguously).
                 _mm_prefetch::<_MM_HINT_T0>(blk.add(PREFETCH_BYTES) as *const i8);
                 let d = f16_to_f32(blk);
-                if Q4_1 {
-                    let m = f16_to_f32(blk.add(2));
-                    let packed = _mm_loadu_si128(blk.add(4) as *const __m128i);
+                if F == Q4_1 || F == Q4_0 {
+                    // Q4_0 is Q4_1 with m = -8d: unsigned nibbles, the offset through the
+                    // activation block sums (cheaper than sign-extending the nibbles).
+                    let (m, nibbles_at) = if F == Q4_1 { (f16_to_f32(blk.add(2)), 4) } else { (-8.0 * d, 2) };
+                    let packed = _mm_loadu_si128(blk.add(nibbles_at) as *const __m128i);
                     let both = _mm256_insertf128_si256::<1>(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4));
                     let wx = _mm256_and_si256(both, low_nibbles);
                     for r in 0..G {
@@ -372,6 +402,11 @@ mod tests {
     #[test]
     fn q4_1_matches_dequantized_reference() {
         check(GgmlDType::Q4_1);
+    }
+
+    #[test]
+    fn q4_0_matches_dequantized_reference() {
+        check(GgmlDType::Q4_0);
     }
 
     #[test]

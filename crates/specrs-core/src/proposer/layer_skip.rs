@@ -1,0 +1,83 @@
+//! Self-speculative drafts from the target's own first N layers (`"method": "layer_skip"`, as in
+//! LayerSkip and Draft & Verify): embed -> blocks 0..N -> final norm -> LM head.
+//!
+//! No extra weights and no extra KV cache: the draft reads and writes the target's cache for
+//! layers 0..N. Every block is row-independent, so the keys and values the draft writes for a
+//! token in those layers are exactly what the target's verify forward writes for it; the context
+//! needs no draft prefill at all.
+//!
+//! Invariant: `propose_with_target_cache` returns the target cache at the length it found it (the
+//! draft tokens' positions are dropped; the verify forward rewrites them in every layer).
+//! Acceptance depends on how well the early layers already predict the next token: models trained
+//! with early-exit loss (LayerSkip checkpoints) do well, others (SmolLM2) poorly.
+
+use std::sync::Arc;
+
+use crate::config::SamplingParams;
+use crate::error::{Error, Result};
+use crate::kv_cache::KvCache;
+use crate::model::{CausalLm, LogitRows};
+use crate::proposer::draft_model::{DraftBuilder, DraftSampler};
+use crate::proposer::{Draft, Proposer};
+
+pub struct LayerSkipProposer {
+    target: Arc<dyn CausalLm>,
+    exit_layer: usize,
+    confidence_threshold: f32,
+    sampler: Option<DraftSampler>,
+}
+
+impl LayerSkipProposer {
+    pub fn new(target: Arc<dyn CausalLm>, exit_layer: usize, confidence_threshold: f32) -> Result<Self> {
+        let num_layers = target.info().num_layers;
+        if exit_layer == 0 || exit_layer >= num_layers {
+            return Err(Error::config(format!(
+                "exit_layer must be in 1..{num_layers} for this {num_layers}-layer model (got {exit_layer}); \
+                 try {}",
+                (num_layers / 4).max(1)
+            )));
+        }
+        Ok(Self { target, exit_layer, confidence_threshold, sampler: None })
+    }
+}
+
+impl Proposer for LayerSkipProposer {
+    fn begin(&mut self, _prompt: &[u32], params: &SamplingParams) -> Result<()> {
+        let vocab = self.target.info().vocab_size;
+        self.sampler = Some(DraftSampler::new(params, vocab, vocab, self.confidence_threshold));
+        Ok(())
+    }
+
+    fn propose(&mut self, _context: &[u32], _max_tokens: usize) -> Result<Draft> {
+        Err(Error::Internal("layer_skip drafts run on the target's cache; call propose_with_target_cache".into()))
+    }
+
+    fn propose_with_target_cache(
+        &mut self,
+        context: &[u32],
+        max_tokens: usize,
+        target_cache: &mut KvCache,
+    ) -> Result<Draft> {
+        let sampler =
+            self.sampler.as_mut().ok_or_else(|| Error::Internal("draft proposer used before begin()".into()))?;
+        let start = target_cache.len();
+        if max_tokens == 0 || start >= context.len() {
+            return Ok(Draft::default());
+        }
+        let mut draft = DraftBuilder::default();
+        let mut input = context[start..].to_vec();
+        let result = (|| -> Result<()> {
+            loop {
+                let logits = self.target.forward_early_exit(&input, target_cache, self.exit_layer, LogitRows::Last)?;
+                let go_on = draft.push(sampler.draw(&logits.flatten_all()?.to_vec1::<f32>()?)); // [draft_vocab]
+                if !go_on || draft.len() >= max_tokens {
+                    return Ok(());
+                }
+                input = vec![draft.last()];
+            }
+        })();
+        target_cache.truncate(start);
+        result?;
+        Ok(draft.build())
+    }
+}

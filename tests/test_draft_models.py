@@ -1,0 +1,277 @@
+"""Model-based drafts on the real default model: draft_model (a requantized copy of SmolLM2
+written to its own GGUF file and loaded as a separate model), layer_skip, quantized_self and PARD.
+Greedy identity for every method and k, the sampled distribution with draft probabilities,
+tokenizer compatibility, cache rollback, memory, and the dynamic draft length settings."""
+
+from collections import Counter
+
+import pytest
+from gguf_writer import write_metadata_only
+from test_speculative import PROMPTS, assert_same_distribution, chat
+
+import specrs
+from specrs import SamplingParams
+
+MAX_TOKENS = 24
+KS = [1, 4, 8]
+# Any id works mechanically; a PARD-trained draft defines its own mask token.
+MASK_TOKEN_ID = 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def isolated_cache(tmp_path_factory):
+    """quantized_self writes its requantized copy under SPECRS_CACHE_DIR."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECRS_CACHE_DIR", str(tmp_path_factory.mktemp("specrs-cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def draft_path(tmp_path_factory, model_path):
+    """The target requantized to Q8_0: a separate file and model with the same tokenizer."""
+    path = tmp_path_factory.mktemp("draft") / "smollm2-q8_0.gguf"
+    report = specrs.requantize(model_path, str(path), "q8_0")
+    assert {to for name, _, to in report if name.endswith("_q.weight")} == {"q8_0"}
+    assert {to for name, _, to in report if "norm" in name} == {"f32"}
+    return str(path)
+
+
+CONFIGS = {
+    "draft_model": lambda k, draft: {"method": "draft_model", "model": draft},
+    "draft_alias": lambda k, draft: {"method": "draft", "model": draft},
+    "layer_skip": lambda k, draft: {"method": "layer_skip", "exit_layer": 8},
+    "quantized_self": lambda k, draft: {"method": "quantized_self", "quantization": "q4_0"},
+    "pard": lambda k, draft: {"method": "pard", "model": draft, "mask_token_id": MASK_TOKEN_ID},
+}
+
+
+def config(method, k, draft, **extra):
+    # Fixed length by default, so every draft position 1..k gets verified.
+    return {**CONFIGS[method](k, draft), "num_speculative_tokens": k, "adaptive_draft_length": False, **extra}
+
+
+@pytest.fixture(scope="module")
+def baselines(engine):
+    out = {}
+    for name, text in PROMPTS.items():
+        r = engine.generate(chat(text), SamplingParams(max_tokens=MAX_TOKENS), speculative_config=False)
+        out[name] = r.token_ids
+    return out
+
+
+def check_identity(engine, baselines, spec):
+    num_drafts = num_accepted = 0
+    for name, text in PROMPTS.items():
+        r = engine.generate(chat(text), SamplingParams(max_tokens=MAX_TOKENS), speculative_config=spec)
+        assert r.token_ids == baselines[name], f"{spec} diverged on {name}"
+        num_drafts += r.metrics["num_drafts"]
+        num_accepted += r.metrics["num_accepted_tokens"]
+    assert num_drafts > 0
+    return num_accepted
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("method", ["draft_model", "layer_skip", "quantized_self", "pard"])
+def test_greedy_identity(engine, baselines, draft_path, method, k):
+    num_accepted = check_identity(engine, baselines, config(method, k, draft_path))
+    if method in ("draft_model", "quantized_self"):
+        assert num_accepted > 0, "a requantized copy of the target agrees with it on some tokens"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"exit_layer": 4},
+        {"exit_layer": 12},
+        {"adaptive_draft_length": True},
+        {"num_speculative_tokens_schedule": "heuristic"},
+        {"draft_confidence_threshold": 0.4},
+    ],
+)
+def test_greedy_identity_with_other_settings(engine, baselines, draft_path, extra):
+    method = "layer_skip" if "exit_layer" in extra else "draft_model"
+    check_identity(engine, baselines, config(method, 4, draft_path, **extra))
+
+
+def test_draft_of_the_target_itself_accepts_everything(engine, model_path):
+    """The target as its own draft: every greedy draft token must pass, so any slip in the draft
+    cache (a missed rollback, an off-by-one position) shows up as a rejection."""
+    r = engine.generate(
+        chat(PROMPTS["writing"]), SamplingParams(max_tokens=32), speculative_config=config("draft_alias", 3, model_path)
+    )
+    assert r.metrics["num_draft_tokens"] > 0
+    assert r.metrics["num_accepted_tokens"] == r.metrics["num_draft_tokens"]
+
+
+@pytest.mark.parametrize("method", ["draft_model", "layer_skip", "pard"])
+def test_sampling_with_draft_probabilities_matches_plain_sampling(engine, draft_path, method):
+    """Tokens 2 and 3 (both decided by one k=2 draft) have the same joint distribution with and
+    without speculation. layer_skip's q is far from p, so recovery from max(0, p - q) carries the
+    test; the requantized draft's q is close to p, so acceptance does."""
+    prompt = engine.tokenizer.encode("My favorite color is")
+    params = lambda seed: SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=seed)  # noqa: E731
+    spec = config(method, 2, draft_path)
+    n = 400
+    plain, speculative = Counter(), Counter()
+    num_drafts = 0
+    for seed in range(n):
+        plain[tuple(engine.generate(prompt, params(seed), speculative_config=False).token_ids[1:])] += 1
+        r = engine.generate(prompt, params(10_000 + seed), speculative_config=spec)
+        speculative[tuple(r.token_ids[1:])] += 1
+        num_drafts += r.metrics["num_drafts"]
+    assert num_drafts >= n
+    assert_same_distribution(plain, speculative)
+
+
+def test_sampled_draft_model_is_seeded(engine, draft_path):
+    spec = config("draft_model", 4, draft_path)
+    run = lambda seed: engine.generate(  # noqa: E731
+        chat(PROMPTS["writing"]), SamplingParams(max_tokens=24, temperature=0.8, seed=seed), speculative_config=spec
+    ).token_ids
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+def test_rollback_keeps_draft_and_target_caches_on_the_kept_prefix(engine, draft_path):
+    """After every step that rejected part of its draft, both caches hold exactly the prompt plus
+    every token but the newest: the accepted prefix."""
+    spec = config("quantized_self", 4, draft_path)  # ~50% acceptance: plenty of partial rejections
+    stream = engine.stream(chat(PROMPTS["stem"]), SamplingParams(max_tokens=48), speculative_config=spec)
+    inner = stream._inner
+    checked = 0
+    while not inner.finished:
+        before = inner.result()["metrics"]
+        if next(inner, None) is None:
+            break
+        after = inner.result()["metrics"]
+        drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
+        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        if inner.finished or not 0 < drafted or accepted == drafted:
+            continue
+        r = inner.result()
+        target_len, draft_len = inner.kv_lens()
+        assert target_len == len(r["prompt_token_ids"]) + len(r["token_ids"]) - 1
+        assert draft_len == target_len
+        checked += 1
+    assert checked >= 3
+
+
+def test_memory_reports_weights_and_kv(model_path, draft_path):
+    e = specrs.Engine(model_path)
+    assert e.memory()["draft_weight_bytes"] == 0
+    spec = {"method": "draft_model", "model": draft_path, "num_speculative_tokens": 4, "max_model_len": 256}
+    stream = e.stream(chat(PROMPTS["qa"]), SamplingParams(max_tokens=16), speculative_config=spec)
+    next(stream)
+    live = e.memory()
+    assert live["target_weight_bytes"] == e.info()["weight_bytes"]
+    assert live["draft_weight_bytes"] > live["target_weight_bytes"]  # Q8_0 is larger than Q4_1
+    assert live["target_kv_bytes"] > 0 and live["draft_kv_bytes"] > 0
+    list(stream)
+    done = e.memory()
+    assert done["target_kv_bytes"] == 0 and done["draft_kv_bytes"] == 0
+    assert done["peak_draft_kv_bytes"] == live["draft_kv_bytes"]
+
+
+def test_draft_max_model_len_bounds_the_draft_cache(engine, draft_path):
+    """Past the draft's max_model_len the request continues without drafts, output unchanged."""
+    prompt = chat(PROMPTS["summarization"])
+    plain = engine.generate(prompt, SamplingParams(max_tokens=24), speculative_config=False)
+    limit = len(plain.prompt_token_ids) + 8
+    spec = config("draft_model", 4, draft_path, max_model_len=limit)
+    r = engine.generate(prompt, SamplingParams(max_tokens=24), speculative_config=spec)
+    assert r.token_ids == plain.token_ids
+    assert 0 < r.metrics["num_draft_tokens"] <= 8
+
+
+def test_heuristic_schedule_shrinks_k_when_drafts_fail(engine, draft_path):
+    """layer_skip at exit 4 is almost never right: the heuristic schedule walks k down to 1."""
+    fixed = engine.generate(
+        chat(PROMPTS["writing"]), SamplingParams(max_tokens=24), speculative_config=config("layer_skip", 8, None, exit_layer=4)
+    )
+    heuristic = engine.generate(
+        chat(PROMPTS["writing"]),
+        SamplingParams(max_tokens=24),
+        speculative_config=config("layer_skip", 8, None, exit_layer=4, num_speculative_tokens_schedule="heuristic"),
+    )
+    assert heuristic.token_ids == fixed.token_ids
+    # Drafts near max_tokens are capped at the tokens left, hence > 6 rather than 8.
+    assert fixed.metrics["num_draft_tokens"] > 6 * fixed.metrics["num_drafts"]
+    # k walks 8, 7, ..., 1 and stays at 1: 36 tokens for the first 8 drafts, then 1 per draft.
+    assert heuristic.metrics["num_draft_tokens"] <= 36 + (heuristic.metrics["num_drafts"] - 8)
+
+
+def test_confidence_threshold_stops_drafts_early(engine, draft_path):
+    run = lambda threshold: engine.generate(  # noqa: E731
+        chat(PROMPTS["writing"]),
+        SamplingParams(max_tokens=24),
+        speculative_config=config("layer_skip", 8, None, draft_confidence_threshold=threshold),
+    ).metrics
+    off, strict = run(0.0), run(0.99)
+    assert off["num_draft_tokens"] > 6 * off["num_drafts"]
+    assert strict["num_draft_tokens"] < 2 * strict["num_drafts"]
+
+
+def tiny_tokenizer_gguf(path, tokens):
+    write_metadata_only(
+        path,
+        {
+            "general.architecture": "llama",
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.merges": [],
+        },
+    )
+    return str(path)
+
+
+def first_target_tokens(engine, n):
+    """SmolLM2's first tokens are special tokens, whose text is their vocabulary string."""
+    tokens = [engine.tokenizer.decode([i], False) for i in range(n)]
+    assert all(t.startswith("<") for t in tokens), tokens
+    return tokens
+
+
+def test_mismatched_draft_tokenizer_names_the_first_differing_token(engine, tmp_path):
+    path = tiny_tokenizer_gguf(tmp_path / "tiny.gguf", first_target_tokens(engine, 2) + ["zzz-not-in-target"])
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 4}
+    with pytest.raises(specrs.TokenizerMismatchError, match=r"token id 2 is \"zzz-not-in-target\" in the draft"):
+        engine.generate("Hi", SamplingParams(max_tokens=4), speculative_config=spec)
+    assert issubclass(specrs.TokenizerMismatchError, specrs.ModelLoadError)
+
+
+def test_draft_vocabulary_that_is_a_prefix_of_the_targets_passes_the_check(engine, tmp_path):
+    """A draft with the target's first tokens is compatible: the load gets past the tokenizer
+    check and fails only because this file has no weights."""
+    path = tiny_tokenizer_gguf(tmp_path / "prefix.gguf", first_target_tokens(engine, 3))
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 4}
+    with pytest.raises(specrs.ModelLoadError) as info:
+        engine.generate("Hi", SamplingParams(max_tokens=4), speculative_config=spec)
+    assert not isinstance(info.value, specrs.TokenizerMismatchError), info.value
+
+
+@pytest.mark.parametrize(
+    "spec, fix",
+    [
+        ({"method": "draft_model", "num_speculative_tokens": 4}, 'needs "model"'),
+        ({"method": "draft_model", "model": "/nonexistent/draft.gguf", "num_speculative_tokens": 4}, "not found"),
+        ({"method": "layer_skip", "exit_layer": 30, "num_speculative_tokens": 4}, "exit_layer must be in 1..30"),
+        ({"method": "pard", "model": "MODEL", "mask_token_id": 10**6, "num_speculative_tokens": 4}, "mask_token_id"),
+        ({"method": "quantized_self", "quantization": "q9_9", "num_speculative_tokens": 4}, "q4_0"),
+        ({"method": "layer_skip", "exit_layer": 4, "num_speculative_tokens": 4, "model": "x.gguf"}, "draft_model / pard only"),
+    ],
+)
+def test_bad_draft_configs_name_the_fix(engine, model_path, spec, fix):
+    spec = {k: (model_path if v == "MODEL" else v) for k, v in spec.items()}
+    with pytest.raises(specrs.SpecrsError, match=fix):
+        engine.generate("Hi", SamplingParams(max_tokens=4), speculative_config=spec)
+
+
+def test_requantize_cli_writes_a_loadable_model(model_path, tmp_path, capsys):
+    from specrs.cli import main
+
+    dst = tmp_path / "q4_0.gguf"
+    assert main(["requantize", model_path, str(dst), "--type", "q4_0"]) == 0
+    assert "-> q4_0" in capsys.readouterr().out
+    draft = specrs.Engine(str(dst))
+    assert draft.info()["weight_bytes"] < specrs.Engine(model_path).info()["weight_bytes"]
+    assert main(["requantize", model_path, str(tmp_path / "x.gguf"), "--type", "q1"]) == 2
