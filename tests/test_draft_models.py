@@ -59,14 +59,14 @@ def baselines(engine):
     return out
 
 
-def check_identity(engine, baselines, spec):
+def check_identity(engine, baselines, spec, require_drafts=True):
     num_drafts = num_accepted = 0
     for name, text in PROMPTS.items():
         r = engine.generate(chat(text), SamplingParams(max_tokens=MAX_TOKENS), speculative_config=spec)
         assert r.token_ids == baselines[name], f"{spec} diverged on {name}"
         num_drafts += r.metrics["num_drafts"]
         num_accepted += r.metrics["num_accepted_tokens"]
-    assert num_drafts > 0
+    assert num_drafts > 0 or not require_drafts
     return num_accepted
 
 
@@ -90,7 +90,8 @@ def test_greedy_identity(engine, baselines, draft_path, method, k):
 )
 def test_greedy_identity_with_other_settings(engine, baselines, draft_path, extra):
     method = "layer_skip" if "exit_layer" in extra else "draft_model"
-    check_identity(engine, baselines, config(method, 4, draft_path, **extra))
+    # The adaptive length may rightly never draft: a Q8_0 copy costs more than the target.
+    check_identity(engine, baselines, config(method, 4, draft_path, **extra), require_drafts="adaptive_draft_length" not in extra)
 
 
 def test_draft_of_the_target_itself_accepts_everything(engine, model_path):
@@ -159,7 +160,8 @@ def test_rollback_keeps_draft_and_target_caches_on_the_kept_prefix(engine, draft
 def test_memory_reports_weights_and_kv(model_path, draft_path):
     e = specrs.Engine(model_path)
     assert e.memory()["draft_weight_bytes"] == 0
-    spec = {"method": "draft_model", "model": draft_path, "num_speculative_tokens": 4, "max_model_len": 256}
+    spec = {"method": "draft_model", "model": draft_path, "num_speculative_tokens": 4, "max_model_len": 256,
+            "adaptive_draft_length": False}
     stream = e.stream(chat(PROMPTS["qa"]), SamplingParams(max_tokens=16), speculative_config=spec)
     next(stream)
     live = e.memory()

@@ -1,6 +1,6 @@
 //! Cost-aware draft length: before each draft, the length that maximizes expected tokens per unit
 //! of cost, from this request's measured acceptance, the engine's measured verification cost
-//! curve and the proposer's measured drafting time.
+//! curve and the draft's measured cost per token.
 //!
 //! Why: on a CPU, verifying n tokens costs v(n) = t(n)/t(1) > 1 single-token steps (about 1.4 at
 //! n = 2 and 2.4 at n = 5 for SmolLM2 on 2 cores), so a long draft that is mostly rejected is
@@ -9,8 +9,10 @@
 //! (1 - a^(m+1)) / (1 - a) tokens for a cost of v(m+1); the best m may be 0 (stop speculating).
 //!
 //! Drafting itself costs time for model-based proposers (a draft model forward per token): the
-//! measured draft cost per token, c (in units of t(1)), adds m * c to the cost of an m-token draft.
-//! The length is the proposer's `max_tokens`, so a draft that would not pay is never computed.
+//! draft cost per token, c (in units of t(1)), adds m * c to the cost of an m-token draft. The
+//! length is the proposer's `max_tokens`, so a draft that would not pay is never computed. Both
+//! cost figures are measured once per engine (not per request), so the chosen lengths, and with
+//! them a seeded request's sampled tokens, do not depend on timing noise.
 //!
 //! The estimate forgets old evidence (each draft or skipped draft discounts it), so a request
 //! whose text turns repetitive later gets drafts again after a run of rejections.
@@ -26,10 +28,8 @@ pub struct DraftLengthPolicy {
     accepted: f64,
     /// Discounted count of drafts that ended in a rejection (each one failed trial).
     rejections: f64,
-    /// t(1) in seconds: the unit of the cost ratios.
-    single_step_s: f64,
-    /// Measured drafting time per draft token over t(1); None until the first draft.
-    draft_cost: Option<f64>,
+    /// c: drafting time per draft token over t(1), measured once per engine and config.
+    draft_cost: f64,
 }
 
 /// Beta prior pseudo-counts on the per-token acceptance: a = 0.5 until the request has data.
@@ -39,33 +39,15 @@ const PRIOR_REJECTED: f64 = 1.0;
 const DISCOUNT: f64 = 0.9;
 
 impl DraftLengthPolicy {
-    /// `verify_costs_s`: `[t(1), t(2), ..., t(k+1)]`, seconds of one forward over n tokens.
-    pub fn new(verify_costs_s: &[f64]) -> Self {
-        let single_step_s = verify_costs_s[0];
+    /// `verify_costs_s`: `[t(1), t(2), ..., t(k+1)]`, seconds of one forward over n tokens;
+    /// `draft_cost`: c, drafting time per draft token over t(1) (0 for model-free proposers).
+    pub fn new(verify_costs_s: &[f64], draft_cost: f64) -> Self {
         Self {
-            verify_cost_ratios: verify_costs_s.iter().map(|t| t / single_step_s).collect(),
+            verify_cost_ratios: verify_costs_s.iter().map(|t| t / verify_costs_s[0]).collect(),
             accepted: 0.0,
             rejections: 0.0,
-            single_step_s,
-            draft_cost: None,
+            draft_cost,
         }
-    }
-
-    /// Records the time a proposer took for an `num_tokens`-token draft.
-    pub fn observe_draft_time(&mut self, seconds: f64, num_tokens: usize) {
-        if num_tokens == 0 {
-            return;
-        }
-        let cost = seconds / num_tokens as f64 / self.single_step_s;
-        self.draft_cost = Some(match self.draft_cost {
-            None => cost,
-            Some(old) => DISCOUNT * old + (1.0 - DISCOUNT) * cost,
-        });
-    }
-
-    /// c: drafting time per draft token over t(1) (0 before any draft).
-    pub fn draft_cost(&self) -> f64 {
-        self.draft_cost.unwrap_or(0.0)
     }
 
     /// Records one verified draft.
@@ -98,7 +80,7 @@ impl DraftLengthPolicy {
     /// plus verification): how long a draft to ask the proposer for.
     pub fn best_length(&self, max_len: usize) -> usize {
         let a = self.acceptance();
-        let c = self.draft_cost();
+        let c = self.draft_cost;
         let max_len = max_len.min(self.verify_cost_ratios.len().saturating_sub(1));
         let mut best = (0, 1.0); // no draft: one token for one step
         let mut expected_tokens = 1.0;
@@ -147,8 +129,8 @@ mod tests {
 
     #[test]
     fn flat_cost_drafts_everything_steep_cost_drafts_little() {
-        let mut flat = DraftLengthPolicy::new(&[1.0; 9]);
-        let mut steep = DraftLengthPolicy::new(&[1.0, 1.4, 1.6, 2.0, 2.4, 2.9, 3.1, 3.8, 4.4]);
+        let mut flat = DraftLengthPolicy::new(&[1.0; 9], 0.0);
+        let mut steep = DraftLengthPolicy::new(&[1.0, 1.4, 1.6, 2.0, 2.4, 2.9, 3.1, 3.8, 4.4], 0.0);
         for _ in 0..50 {
             flat.observe(4, 3); // a = 0.75
             steep.observe(4, 3);
@@ -161,7 +143,7 @@ mod tests {
 
     #[test]
     fn low_acceptance_stops_speculating() {
-        let mut policy = DraftLengthPolicy::new(&[1.0, 1.4, 1.6, 2.0, 2.4]);
+        let mut policy = DraftLengthPolicy::new(&[1.0, 1.4, 1.6, 2.0, 2.4], 0.0);
         assert!(policy.best_length(4) >= 1, "the prior should let a new request try drafts");
         for _ in 0..20 {
             policy.observe(4, 0);
@@ -178,19 +160,18 @@ mod tests {
 
     #[test]
     fn draft_cost_shortens_drafts() {
-        let mut policy = DraftLengthPolicy::new(&[1.0; 9]);
+        let mut free = DraftLengthPolicy::new(&[1.0; 9], 0.0);
+        let mut costly = DraftLengthPolicy::new(&[1.0; 9], 0.3);
+        let mut as_costly_as_the_target = DraftLengthPolicy::new(&[1.0; 9], 1.0);
         for _ in 0..50 {
-            policy.observe(4, 3); // a = 0.75
+            for policy in [&mut free, &mut costly, &mut as_costly_as_the_target] {
+                policy.observe(4, 3); // a ~ 0.74
+            }
         }
-        assert_eq!(policy.best_length(8), 8);
-        // a ~ 0.74, c = 0.3 per token: m = 2 gives 2.28 / 1.6 = 1.43, m = 3 2.69 / 1.9 = 1.41,
-        // m = 8 3.6 / 3.4 = 1.06.
-        policy.observe_draft_time(0.3 * 4.0, 4);
-        assert!((policy.draft_cost() - 0.3).abs() < 1e-12);
-        assert_eq!(policy.best_length(8), 2);
-        // A draft as costly as a target step never pays.
-        policy.observe_draft_time(1e6, 1);
-        assert_eq!(policy.best_length(8), 0);
+        assert_eq!(free.best_length(8), 8);
+        // c = 0.3: m = 2 gives 2.28 / 1.6 = 1.43, m = 3 2.69 / 1.9 = 1.41, m = 8 3.6 / 3.4 = 1.06.
+        assert_eq!(costly.best_length(8), 2);
+        assert_eq!(as_costly_as_the_target.best_length(8), 0);
     }
 
     #[test]

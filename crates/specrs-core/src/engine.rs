@@ -113,6 +113,8 @@ pub struct Engine {
     verify_costs: Mutex<Option<(usize, Vec<f64>)>>,
     /// Draft models by file path, loaded once and shared by every request.
     drafts: Mutex<HashMap<PathBuf, Arc<dyn CausalLm>>>,
+    /// Measured draft cost per token (over t(1)) by speculative config JSON.
+    draft_costs: Mutex<HashMap<String, f64>>,
     target_kv: Arc<KvBytes>,
     draft_kv: Arc<KvBytes>,
 }
@@ -140,6 +142,7 @@ impl Engine {
             suffix_caches: Mutex::default(),
             verify_costs: Mutex::default(),
             drafts: Mutex::default(),
+            draft_costs: Mutex::default(),
             target_kv: Arc::default(),
             draft_kv: Arc::default(),
         })
@@ -192,9 +195,67 @@ impl Engine {
     }
 
     /// A request's speculation for `config`: the built-in proposer, or `custom` for method
-    /// "custom". The first adaptive config measures the verification cost curve (about a second,
-    /// once per engine).
+    /// "custom". The first adaptive config measures the verification cost curve (a few seconds,
+    /// once per engine), and each model-based adaptive config its draft cost (once per config).
     pub fn speculation(&self, config: &SpeculativeConfig, custom: Option<Box<dyn Proposer>>) -> Result<Speculation> {
+        let proposer = self.proposer(config, custom)?;
+        let draft_length = if config.adaptive_draft_length {
+            let costs = self.verify_costs(config.num_speculative_tokens + 1, 512)?;
+            Some(DraftLengthPolicy::new(&costs, self.draft_cost(config, costs[0])?))
+        } else {
+            None
+        };
+        Ok(Speculation {
+            method: config.method_name(),
+            num_speculative_tokens: config.num_speculative_tokens,
+            proposer,
+            draft_length,
+            schedule: (config.schedule == Schedule::Heuristic)
+                .then(|| HeuristicSchedule::new(config.num_speculative_tokens)),
+            draft_confidence_threshold: config.draft_confidence_threshold,
+        })
+    }
+
+    /// c: drafting time per draft token over one target step `single_step_s`, for model-based
+    /// drafts (0 for model-free ones, whose microseconds do not matter). Measured once per config
+    /// on a 128-token context and cached, like the verify cost curve, so a seeded request picks
+    /// the same draft lengths (and so the same sampled tokens) every time it runs on this engine.
+    fn draft_cost(&self, config: &SpeculativeConfig, single_step_s: f64) -> Result<f64> {
+        if matches!(config.method, Method::Ngram { .. } | Method::Suffix(_) | Method::Custom) {
+            return Ok(0.0);
+        }
+        let key = config.to_json();
+        if let Some(&cost) = lock(&self.draft_costs)?.get(&key) {
+            return Ok(cost);
+        }
+        let k = config.num_speculative_tokens;
+        let vocab = self.model.info().vocab_size as u64;
+        let context: Vec<u32> = (0..128u64).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
+        let mut proposer = self.proposer(config, None)?;
+        proposer.begin(&context, &SamplingParams { max_tokens: k + 1, ..SamplingParams::default() })?;
+        let mut target_cache = self.model.new_cache(context.len() + k)?;
+        if matches!(config.method, Method::LayerSkip { .. }) {
+            // Only the layer-skip draft reads the target's cache.
+            self.model.forward_rows(&context[..context.len() - 1], &mut target_cache, LogitRows::Last)?;
+        }
+        let mut times = Vec::new();
+        for round in 0..4 {
+            let t0 = Instant::now();
+            let draft = proposer.propose_with_target_cache(&context, k, &mut target_cache)?;
+            if round > 0 {
+                // The first round is a warm-up (cold weight pages).
+                times.push(t0.elapsed().as_secs_f64() / draft.token_ids.len().max(1) as f64);
+            }
+            proposer.observe(0)?;
+        }
+        times.sort_by(f64::total_cmp);
+        let cost = times[times.len() / 2] / single_step_s;
+        lock(&self.draft_costs)?.insert(key, cost);
+        Ok(cost)
+    }
+
+    /// The proposer `config` names (or `custom` for method "custom").
+    fn proposer(&self, config: &SpeculativeConfig, custom: Option<Box<dyn Proposer>>) -> Result<Box<dyn Proposer>> {
         let target_vocab = self.model.info().vocab_size;
         let threshold = config.draft_confidence_threshold;
         let proposer: Box<dyn Proposer> = match (&config.method, custom) {
@@ -248,20 +309,7 @@ impl Engine {
                 self.draft_kv.clone(),
             )?),
         };
-        let draft_length = if config.adaptive_draft_length {
-            Some(DraftLengthPolicy::new(&self.verify_costs(config.num_speculative_tokens + 1, 512)?))
-        } else {
-            None
-        };
-        Ok(Speculation {
-            method: config.method_name(),
-            num_speculative_tokens: config.num_speculative_tokens,
-            proposer,
-            draft_length,
-            schedule: (config.schedule == Schedule::Heuristic)
-                .then(|| HeuristicSchedule::new(config.num_speculative_tokens)),
-            draft_confidence_threshold: config.draft_confidence_threshold,
-        })
+        Ok(proposer)
     }
 
     /// Sums over every finished request since the engine loaded (or since `reset_metrics`).
@@ -309,7 +357,7 @@ impl Engine {
         // Any tokens do: the cost of a forward does not depend on which tokens it reads.
         let context: Vec<u32> = (0..context_len.max(max_n) as u64).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
         let ns: Vec<usize> = (1..=max_n).collect();
-        let costs: Vec<f64> = self.forward_cost(&context, &ns, 3)?.into_iter().map(|(_, t)| t).collect();
+        let costs: Vec<f64> = self.forward_cost(&context, &ns, 5)?.into_iter().map(|(_, t)| t).collect();
         *cached = Some((context_len, costs.clone()));
         Ok(costs)
     }
@@ -417,6 +465,12 @@ impl Engine {
         let probe: Vec<u32> = context_ids.iter().rev().take(max_n).copied().collect();
         if probe.len() < max_n {
             return Err(Error::config(format!("forward_cost needs at least {max_n} context tokens")));
+        }
+        // One untimed round first: the first forwards after loading touch cold weight pages, which
+        // would inflate t(1) and deflate every ratio t(n)/t(1).
+        for &n in ns {
+            cache.truncate(context_ids.len());
+            self.model.forward(&probe[..n], &mut cache)?;
         }
         let mut times = vec![Vec::with_capacity(repeats); ns.len()];
         for _ in 0..repeats.max(1) {
@@ -638,8 +692,7 @@ impl Session {
         }
         let t0 = Instant::now();
         let mut draft = speculation.proposer.propose_with_target_cache(&self.all_ids, max_draft, &mut self.cache)?;
-        let propose_s = t0.elapsed().as_secs_f64();
-        self.spec_metrics.propose_s += propose_s;
+        self.spec_metrics.propose_s += t0.elapsed().as_secs_f64();
         let vocab = self.model.info().vocab_size;
         check_draft(&draft, max_draft, vocab, speculation.method)?;
         if self.cache.len() != self.all_ids.len() - 1 {
@@ -647,9 +700,6 @@ impl Session {
                 "the {} proposer changed the target cache length; it must leave it as it found it",
                 speculation.method
             )));
-        }
-        if let Some(policy) = speculation.draft_length.as_mut() {
-            policy.observe_draft_time(propose_s, draft.token_ids.len());
         }
         if let Some(probs) = draft.probs.as_ref().filter(|_| speculation.draft_confidence_threshold > 0.0) {
             let threshold = speculation.draft_confidence_threshold;
