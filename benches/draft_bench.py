@@ -22,7 +22,6 @@ loaded as a separate model (no smaller model with SmolLM2's tokenizer ships on P
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile

@@ -5,6 +5,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 import specrs
 from specrs import SamplingParams
 
@@ -61,6 +63,27 @@ def test_stream_yields_the_same_text_as_generate(engine):
     result = stream.result
     assert "".join(chunks) == result.text == engine.generate(CHAT, params).text
     assert result.metrics["num_generated_tokens"] == len(result.token_ids)
+
+
+def test_chunked_prefill_gives_the_same_output(engine):
+    """A prompt fed 7 tokens per step yields no token until its last chunk, then exactly what a
+    whole-prompt prefill yields, with and without speculation."""
+    prompt = [{"role": "user", "content": "Repeat this list: red, green, blue, cyan, magenta, yellow, black."}]
+    num_prompt = len(engine.prompt_token_ids(prompt))
+    params = SamplingParams(max_tokens=32)
+    for spec in (False, {"method": "ngram", "num_speculative_tokens": 3}):
+        stream = engine.stream(prompt, params, speculative_config=spec, prefill_chunk=7)
+        steps = []
+        while (out := stream.step()) is not None:
+            steps.append(out)
+        num_chunks = -(-num_prompt // 7)  # the last chunk also yields the first token
+        assert all(ids == [] for _, ids in steps[: num_chunks - 1]) and len(steps[num_chunks - 1][1]) == 1
+        result = stream.result
+        assert result.token_ids == engine.generate(prompt, params, speculative_config=spec).token_ids
+        assert "".join(text for text, _ in steps) == result.text
+        assert result.metrics["num_forward_passes"] == num_chunks + result.metrics.get("num_decode_steps", 0)
+    with pytest.raises(specrs.ConfigError, match="prefill chunk"):
+        engine.stream(prompt, params, prefill_chunk=0)
 
 
 def test_stream_is_utf8_safe_on_multibyte_text(engine):

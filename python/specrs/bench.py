@@ -72,7 +72,9 @@ def load_prompts(
     num_per_category: int | None = None,
     groups: dict[str, Sequence[str]] | None = None,
 ) -> list[dict]:
-    """First turns of a Spec-Bench-shaped JSONL, in file order within each category.
+    """Prompts of a JSONL file, in file order within each category: Spec-Bench's shape
+    (`question_id`, `category`, `turns`: the first turn is the prompt) or simply `{"prompt": ...}`
+    per line (category "all" unless given).
 
     `groups` maps a reported category name to the file categories it collects (the anchor harness
     reports the eight MT-bench categories as one "mt_bench"); without it every file category is
@@ -84,9 +86,19 @@ def load_prompts(
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
-            if not row.get("turns") or "category" not in row:
-                raise ConfigError(f"{path}:{line_no}: each line needs 'category' and a non-empty 'turns' list")
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{line_no}: not valid JSON ({e})") from None
+            content = None
+            if isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
+                content = row["turns"][0]
+            elif isinstance(row, dict):
+                content = row.get("prompt")
+            if not isinstance(content, str) or not content:
+                raise ConfigError(f"{path}:{line_no}: each line needs a non-empty 'prompt' string or, as in "
+                                  "Spec-Bench, a non-empty 'turns' list")
+            row = dict(row, content=content, category=row.get("category", "all"))
             rows.append(row)
     if groups is None:
         groups = {}
@@ -105,7 +117,7 @@ def load_prompts(
                 "question_id": row.get("question_id"),
                 "category": name,
                 "orig_category": row["category"],
-                "content": row["turns"][0],
+                "content": row["content"],
             })
     return prompts
 

@@ -3,6 +3,8 @@
     specrs generate --prompt TEXT [--model PATH] [--chat] [--speculative-config JSON] ...
     specrs bench --prompts PROMPTS.jsonl [--config JSON ...] [--json OUT] ...   (see bench.py)
     specrs requantize SRC.gguf DST.gguf [--type q4_0]   (e.g. a draft_model from the target)
+    specrs serve [MODEL] [--speculative-config JSON] [--host 127.0.0.1] [--port 8000]   (OpenAI API)
+    specrs advise PROMPTS.jsonl [--model PATH] [--json]   (which speculation pays on these prompts)
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import argparse
 import sys
 from collections import Counter
 
-from . import bench
+from . import advise, bench, serve
 from .engine import Engine, SamplingParams, requantize
 from .errors import SpecrsError
 
@@ -66,6 +68,13 @@ def _requantize(args: argparse.Namespace) -> int:
     report = requantize(args.src, args.dst, args.type)
     changed = Counter(f"{src} -> {dst}" for _, src, dst in report)
     print(f"wrote {args.dst}: " + ", ".join(f"{n} x {change}" for change, n in sorted(changed.items())))
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    serve.serve(args.model, speculative_config=args.speculative_config, host=args.host, port=args.port,
+          device=args.device, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
+          prefill_chunk=args.prefill_chunk or None, log_level=args.log_level)
     return 0
 
 
@@ -128,6 +137,30 @@ def build_parser() -> argparse.ArgumentParser:
                        help="q2_k, q3_k, q4_0, q4_1, q4_k, q5_k, q6_k or q8_0 (K-quants fall back to q4_0 "
                             "for weights whose rows are not a multiple of 256 wide)")
     quant.set_defaults(func=_requantize)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs `pip install 'specrs[serve]'`)",
+                         description=serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    srv.add_argument("model", nargs="?", default=None, help="path of a .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
+    srv.add_argument("--speculative-config", default=None, metavar="JSON",
+                     help="every request's default speculation, as `vllm serve --speculative-config` takes it; "
+                          'a request may override it with "speculative"')
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--device", default="cpu")
+    srv.add_argument("--served-model-name", default=None, help="the name clients pass as `model` "
+                     "(default: MODEL as given, or the default model's file name)")
+    srv.add_argument("--max-num-seqs", type=int, default=16,
+                     help="requests generated at once, taking turns step by step; the rest wait in a queue")
+    srv.add_argument("--prefill-chunk", type=int, default=serve.DEFAULT_PREFILL_CHUNK,
+                     help="prompt tokens fed per step, so a long prompt does not stall the other streams "
+                          "(0: whole prompts)")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.set_defaults(func=_serve)
+
+    adv = sub.add_parser("advise", help="measure which speculation pays on your own prompts and recommend one",
+                         description=advise.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    advise.add_arguments(adv)
+    adv.set_defaults(func=advise.run_from_args)
     return parser
 
 

@@ -89,8 +89,17 @@ class TextStream:
             raise StopIteration
         return chunk
 
+    def step(self) -> tuple[str, list[int]] | None:
+        """Runs one decoding step: (text, new token ids), or None once the request has finished.
+        The text may be "" when the new tokens complete no character yet."""
+        return self._inner.step()
+
     def cancel(self) -> None:
         self._inner.cancel()
+
+    @property
+    def finished(self) -> bool:
+        return self._inner.finished
 
     def kv_lens(self) -> tuple[int, int | None]:
         """Positions held now by the target's KV cache and by the draft's (None without one)."""
@@ -199,12 +208,15 @@ class Engine:
         *,
         speculative_config: SpecConfig | None | bool = None,
         proposer: Any = None,
+        prefill_chunk: int | None = None,
     ) -> TextStream:
-        """Like `generate`, yielding text after each step (a step may emit several tokens)."""
+        """Like `generate`, yielding text after each step (a step may emit several tokens).
+        `prefill_chunk`: feed a long prompt at most this many tokens per step (same output; lets
+        a caller interleaving requests, like `specrs serve`, keep the others' streams moving)."""
         params = params or SamplingParams()
         ids = self.prompt_token_ids(prompt)
         config_json, proposer = self._speculation(speculative_config, proposer)
-        return TextStream(self._inner.stream(ids, params, config_json, proposer))
+        return TextStream(self._inner.stream(ids, params, config_json, proposer, prefill_chunk))
 
     def metrics(self) -> dict:
         """Sums over every finished request: vLLM's acceptance counters (num_drafts,

@@ -429,6 +429,7 @@ impl Engine {
             speculation,
             spec_metrics: SpecDecodeMetrics::default(),
             engine_metrics: self.metrics.clone(),
+            prefill_chunk: None,
         })
     }
 
@@ -590,9 +591,22 @@ pub struct Session {
     speculation: Option<Speculation>,
     spec_metrics: SpecDecodeMetrics,
     engine_metrics: Arc<Mutex<EngineMetrics>>,
+    /// At most this many prompt tokens per step (None: the whole prompt in the first step).
+    prefill_chunk: Option<usize>,
 }
 
 impl Session {
+    /// Chunked prefill: a step feeds at most `tokens` prompt tokens, so a server interleaving
+    /// requests stalls the others for one chunk rather than a whole long prompt. Rows are
+    /// computed independently, so the logits and the output do not change.
+    pub fn set_prefill_chunk(&mut self, tokens: Option<usize>) -> Result<()> {
+        if tokens == Some(0) {
+            return Err(Error::config("the prefill chunk must be at least 1 token (or None for no chunking)"));
+        }
+        self.prefill_chunk = tokens;
+        Ok(())
+    }
+
     pub fn is_finished(&self) -> bool {
         self.finish_reason.is_some()
     }
@@ -607,7 +621,16 @@ impl Session {
         if self.is_finished() {
             return Ok(StepOutput { token_ids: Vec::new(), text: String::new() });
         }
-        let is_prefill = self.cache.is_empty();
+        let is_prefill = self.cache.len() < self.prompt_len;
+        if let Some(chunk) =
+            self.prefill_chunk.filter(|&chunk| self.prompt_len.saturating_sub(self.cache.len()) > chunk)
+        {
+            // A prompt chunk alone yields no token; its logits are not needed.
+            let start = self.cache.len();
+            self.model.forward_rows(&self.all_ids[start..start + chunk], &mut self.cache, LogitRows::Last)?;
+            self.num_forward_passes += 1;
+            return Ok(StepOutput { token_ids: Vec::new(), text: String::new() });
+        }
         let draft = if is_prefill { Draft::default() } else { self.propose()? };
         let num_draft_tokens = draft.token_ids.len();
 

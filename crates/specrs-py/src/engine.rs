@@ -287,7 +287,7 @@ impl PyEngine {
         generation_dict(py, &generation)
     }
 
-    #[pyo3(signature = (prompt_ids, params, speculative_config=None, proposer=None))]
+    #[pyo3(signature = (prompt_ids, params, speculative_config=None, proposer=None, prefill_chunk=None))]
     fn stream(
         &self,
         py: Python<'_>,
@@ -295,11 +295,16 @@ impl PyEngine {
         params: &PySamplingParams,
         speculative_config: Option<&str>,
         proposer: Option<Py<PyAny>>,
+        prefill_chunk: Option<usize>,
     ) -> PyResult<PyStream> {
         let speculation = self.speculation(py, speculative_config, proposer)?;
         let engine = self.inner.clone();
         let params = params.inner.clone();
-        let session = run_detached(py, move || engine.start(prompt_ids, params, speculation))?;
+        let session = run_detached(py, move || {
+            let mut session = engine.start(prompt_ids, params, speculation)?;
+            session.set_prefill_chunk(prefill_chunk)?;
+            Ok(session)
+        })?;
         Ok(PyStream { session: std::sync::Mutex::new(session) })
     }
 
@@ -433,6 +438,22 @@ impl PyStream {
                 }
             }
             Ok(None)
+        })
+    }
+
+    /// One decoding step with the GIL released: `(text, new token ids)`, or None once the request
+    /// has finished. Unlike iteration, a step whose tokens complete no character returns "" (a
+    /// server interleaving requests needs each step to come back).
+    fn step(&self, py: Python<'_>) -> PyResult<Option<(String, Vec<u32>)>> {
+        let session = &self.session;
+        run_detached(py, move || {
+            let mut session =
+                session.lock().map_err(|_| specrs_core::Error::Internal("stream lock poisoned".into()))?;
+            if session.is_finished() {
+                return Ok(None);
+            }
+            let step = session.step()?;
+            Ok(Some((step.text, step.token_ids)))
         })
     }
 

@@ -1,0 +1,85 @@
+"""`specrs serve`: an OpenAI-compatible HTTP server over one Engine.
+
+    specrs serve [MODEL] [--speculative-config JSON] [--host 127.0.0.1] [--port 8000]
+
+Routes: POST /v1/completions and /v1/chat/completions (streaming SSE or not), GET /v1/models,
+/health (with the queue depth) and /metrics (Prometheus). A request may carry `"speculative"`:
+false, or a config object like --speculative-config's (without "method": the server's default with
+those keys changed); its `usage` reports that request's acceptance.
+
+Needs the `serve` extra: `pip install 'specrs[serve]'` (starlette, uvicorn, prometheus-client).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ..errors import ConfigError
+
+SERVE_INSTALL = "pip install 'specrs[serve]'"
+# Prompt tokens per step while other requests are generating. On the 2-core CI machine a 64-token
+# chunk prefills as fast as a whole 769-token prompt did and stalls the other streams for 0.3 s
+# instead of 3.7 s (benches/README.md).
+DEFAULT_PREFILL_CHUNK = 64
+
+
+def _require_server_packages() -> None:
+    missing = []
+    for module in ("starlette", "uvicorn", "prometheus_client"):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        raise ConfigError(f"specrs serve needs {', '.join(missing)}: run `{SERVE_INSTALL}`")
+
+
+def _check_settings(max_num_seqs: int, prefill_chunk: int | None) -> None:
+    if max_num_seqs < 1:
+        raise ConfigError(f"max_num_seqs must be at least 1 (got {max_num_seqs})")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ConfigError(f"prefill_chunk must be at least 1 token, or None for whole prompts (got {prefill_chunk})")
+
+
+def served_name(model: str | None, model_path: str) -> str:
+    """The name clients pass as `model`: the model argument as given (as vLLM does), or the default
+    model's file name without its extension."""
+    return model if model is not None else os.path.splitext(os.path.basename(model_path))[0]
+
+
+def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 16,
+              prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
+    """The Starlette app serving `engine` (run it with any ASGI server); `engine.speculative_config`
+    and `engine.proposer` are every request's default."""
+    _require_server_packages()
+    from .app import build_app as build
+
+    _check_settings(max_num_seqs, prefill_chunk)
+    return build(engine, served_model_name or served_name(None, engine.model_path), max_num_seqs, prefill_chunk)
+
+
+def serve(model: str | None = None, *, speculative_config=None, host: str = "127.0.0.1", port: int = 8000,
+          device: str = "cpu", served_model_name: str | None = None, max_num_seqs: int = 16,
+          prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, log_level: str = "info") -> None:
+    """Loads the model, warms it up with the default speculation (so a bad draft fails now, not at
+    the first request) and serves until interrupted."""
+    _require_server_packages()
+    import uvicorn
+
+    from ..engine import Engine, SamplingParams
+
+    _check_settings(max_num_seqs, prefill_chunk)
+    engine = Engine(model, device=device, speculative_config=speculative_config)
+    # One short request through the default speculation loads its draft weights and measures its
+    # costs before the first client arrives.
+    engine.generate(engine.tokenizer.encode("Hello"), SamplingParams(max_tokens=4, temperature=0.0))
+    name = served_model_name or served_name(model, engine.model_path)
+    app = build_app(engine, name, max_num_seqs, prefill_chunk)
+    spec = engine.speculative_config["method"] if engine.speculative_config else "off"
+    print(f"specrs serve: `{name}` on http://{host}:{port}/v1 (speculation: {spec}, up to {max_num_seqs} "
+          "requests taking turns)", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+__all__ = ["build_app", "serve", "served_name"]

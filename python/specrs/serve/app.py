@@ -1,0 +1,157 @@
+"""The HTTP routes of `specrs serve` (Starlette on uvicorn), OpenAI's API shape.
+
+Invariants: a request's HTTP status is decided before any body is sent (the handler waits until the
+scheduler admits it, so a setting only the engine can check still gets a 400); every error body is
+OpenAI's; a client that goes away, while queued, waiting or mid-stream, cancels its generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import AsyncIterator
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..engine import Engine
+from .metrics import ServerMetrics
+from .protocol import (APIError, GenerationRequest, ServerSpeculation, chunk_body, parse_json_body, parse_request,
+                       response_body, usage)
+from .scheduler import Failed, Finished, Job, Scheduler, Text
+
+# How often a handler waiting on the scheduler checks that its client is still there.
+DISCONNECT_POLL_S = 0.25
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def _sse(body: dict | str) -> str:
+    return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
+
+
+def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill_chunk: int | None) -> Starlette:
+    """The server for `engine`; its `speculative_config` (and `proposer`) are every request's default."""
+    speculation = ServerSpeculation(engine.speculative_config, has_proposer=engine.proposer is not None)
+    metrics = ServerMetrics(served_model_name)
+    scheduler = Scheduler(engine, metrics, max_num_seqs, prefill_chunk)
+    metrics.report_queue(lambda: scheduler.num_running, lambda: scheduler.num_waiting)
+    context_length = engine.info()["context_length"]
+
+    async def cancel_on_disconnect(job: Job, http_request: Request) -> None:
+        """Cancels `job` once its client goes away; the scheduler then ends it with an abort."""
+        while not await http_request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+        scheduler.cancel(job)
+
+    async def generate(http_request: Request, kind: str) -> Response:
+        try:
+            body = parse_json_body(await http_request.body())
+            request = parse_request(kind, body, engine, served_model_name, speculation)
+        except APIError as e:
+            return error_response(e)
+        job = Job(request, asyncio.get_running_loop())
+        scheduler.submit(job)
+        # Until the response starts (a stream's body watches for disconnects itself).
+        watcher = asyncio.create_task(cancel_on_disconnect(job, http_request))
+        try:
+            event = await job.events.get()
+            if isinstance(event, Failed):
+                return error_response(event.error)
+            if isinstance(event, Finished):  # cancelled while queued: nobody is listening
+                return Response(status_code=499)
+            if request.stream:
+                return StreamingResponse(stream_events(job, request), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            texts = []
+            while True:
+                event = await job.events.get()
+                if isinstance(event, Text):
+                    texts.append(event.text)
+                elif isinstance(event, Finished):
+                    return JSONResponse(response_body(request, "".join(texts), event.finish_reason,
+                                                      usage(len(request.prompt_ids), event.num_completion_tokens,
+                                                            event.metrics)))
+                else:
+                    return error_response(event.error)
+        except asyncio.CancelledError:
+            scheduler.cancel(job)
+            raise
+        finally:
+            watcher.cancel()
+
+    async def stream_events(job: Job, request: GenerationRequest) -> AsyncIterator[str]:
+        ended = False
+        try:
+            if request.kind == "chat":  # OpenAI's first chat chunk carries the role
+                yield _sse(chunk_body(request, "", first=True))
+            while True:
+                event = await job.events.get()
+                if isinstance(event, Text):
+                    yield _sse(chunk_body(request, event.text))
+                elif isinstance(event, Finished):
+                    ended = True
+                    usage_ = usage(len(request.prompt_ids), event.num_completion_tokens, event.metrics)
+                    yield _sse(chunk_body(request, None if request.kind == "chat" else "", event.finish_reason,
+                                          usage_))
+                    if request.include_usage:
+                        yield _sse(chunk_body(request, None, usage_=usage_, no_choices=True))
+                    yield _sse("[DONE]")
+                    return
+                else:
+                    ended = True
+                    yield _sse(event.error.body())
+                    return
+        finally:
+            if not ended:  # the client went away mid-stream
+                scheduler.cancel(job)
+
+    async def completions(http_request: Request) -> Response:
+        return await generate(http_request, "completion")
+
+    async def chat_completions(http_request: Request) -> Response:
+        return await generate(http_request, "chat")
+
+    async def models(_: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "specrs",
+            "root": engine.model_path, "max_model_len": context_length,
+        }]})
+
+    async def health(_: Request) -> Response:
+        return JSONResponse({"status": "ok", "num_requests_running": scheduler.num_running,
+                             "num_requests_waiting": scheduler.num_waiting})
+
+    async def prometheus(_: Request) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def http_error(_: Request, exc: HTTPException) -> Response:
+        code = "not_found" if exc.status_code == 404 else None
+        return error_response(APIError(exc.status_code, f"{exc.detail}: see /v1/models, /v1/completions, "
+                                       "/v1/chat/completions, /health and /metrics", code=code))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette):
+        scheduler.start()
+        yield
+        scheduler.stop()
+
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", prometheus, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: http_error},
+        lifespan=lifespan,
+    )

@@ -1,0 +1,88 @@
+"""Prometheus metrics of `specrs serve`: vLLM's series under the `specrs:` prefix.
+
+Spec-decode counters (`specrs:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`,
+`..._num_accepted_tokens_total`, `..._num_accepted_tokens_per_pos_total{position}`) carry a
+`method` label beside vLLM's `model_name`, since each request may pick its own method. Latencies are
+seen from the client: TTFT counts from arrival (queue time included); ITL is the gap between
+consecutive steps that produced tokens (a speculative step delivers several tokens at once).
+
+Invariant: counters advance when a request ends (finished, stopped or aborted), so a cancelled
+request's partial work shows up too.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 240.0, 480.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r, labels = self.registry, ["model_name"]
+        self.num_running = Gauge("specrs:num_requests_running", "Requests being generated (taking turns step by "
+                                 "step).", labels, registry=r).labels(model_name)
+        self.num_waiting = Gauge("specrs:num_requests_waiting", "Requests queued for a generation slot (queue "
+                                 "depth).", labels, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("specrs:prompt_tokens", "Prompt tokens of ended requests.", labels, registry=r)
+        self.generation_tokens = Counter("specrs:generation_tokens", "Generated tokens of ended requests.",
+                                         labels, registry=r)
+        self.request_success = Counter("specrs:request_success", "Ended requests by finish reason (abort: the "
+                                       "client disconnected).", labels + ["finished_reason"], registry=r)
+        spec = labels + ["method"]
+        self.num_drafts = Counter("specrs:spec_decode_num_drafts", "Drafts verified.", spec, registry=r)
+        self.num_draft_tokens = Counter("specrs:spec_decode_num_draft_tokens", "Draft tokens verified.", spec,
+                                        registry=r)
+        self.num_accepted_tokens = Counter("specrs:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec,
+                                           registry=r)
+        self.num_accepted_per_pos = Counter("specrs:spec_decode_num_accepted_tokens_per_pos",
+                                            "Drafts whose token at `position` (0-based) was accepted.",
+                                            spec + ["position"], registry=r)
+        self.ttft = Histogram("specrs:time_to_first_token_seconds", "Arrival to first token, queue time included.",
+                              labels, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("specrs:inter_token_latency_seconds", "Gap between consecutive token-producing steps.",
+                             labels, buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("specrs:e2e_request_latency_seconds", "Arrival to the end of the request.",
+                             labels, buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self.queue_time = Histogram("specrs:request_queue_time_seconds", "Arrival to admission.",
+                                    labels, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+
+    def report_queue(self, num_running: Callable[[], int], num_waiting: Callable[[], int]) -> None:
+        """The gauges read the scheduler's queue whenever /metrics is scraped."""
+        self.num_running.set_function(num_running)
+        self.num_waiting.set_function(num_waiting)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def request_admitted(self, queue_s: float) -> None:
+        self.queue_time.observe(queue_s)
+
+    def first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    def next_tokens(self, gap_s: float) -> None:
+        self.itl.observe(gap_s)
+
+    def request_finished(self, job, finish_reason: str, metrics: dict | None) -> None:
+        """`job` is a scheduler Job; `metrics` the engine's for it (None: it never started)."""
+        name = self.model_name
+        self.e2e.observe(time.perf_counter() - job.arrival_s)
+        self.request_success.labels(name, finish_reason).inc()
+        self.prompt_tokens.labels(name).inc(len(job.request.prompt_ids))
+        self.generation_tokens.labels(name).inc(job.num_completion_tokens)
+        if not metrics or not metrics.get("spec_method"):
+            return
+        method = metrics["spec_method"]
+        self.num_drafts.labels(name, method).inc(metrics["num_drafts"])
+        self.num_draft_tokens.labels(name, method).inc(metrics["num_draft_tokens"])
+        self.num_accepted_tokens.labels(name, method).inc(metrics["num_accepted_tokens"])
+        for position, count in enumerate(metrics["num_accepted_tokens_per_pos"]):
+            self.num_accepted_per_pos.labels(name, method, str(position)).inc(count)

@@ -1,0 +1,334 @@
+"""OpenAI request parsing and response bodies for `specrs serve`.
+
+Invariant: every way a request can be wrong ends here as an `APIError` with the HTTP status and
+OpenAI's error body (`{"error": {"message", "type", "param", "code"}}`); the message names what to
+change. Validation reuses the engine's own (`SamplingParams`, the speculative-config parser), so the
+server and the Python API accept and refuse the same things.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine import Engine, SamplingParams, _config_json
+from ..errors import ConfigError, ContextLengthError, SpecrsError
+
+# Methods whose config names weights to load: a request may use them only as the server was
+# started with them, since loading (or requantizing) a model per request would stall every other
+# request and let a client read any file on the server.
+WEIGHT_LOADING_METHODS = {"draft_model": "model", "pard": "model", "quantized_self": "quantization"}
+
+# OpenAI fields specrs accepts at their default value only: a request that relies on another value
+# gets a 400 naming the field rather than a silently different answer.
+UNSUPPORTED_UNLESS_DEFAULT = {
+    "n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
+    "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None, "tool_choice": None,
+    "response_format": None, "repetition_penalty": 1,
+}
+IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
+                 "stream_options", "speculative", "ignore_eos"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
+
+# OpenAI's defaults: completions stop after 16 tokens; chat runs to the end of the context.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+class APIError(Exception):
+    """A request the server refuses: HTTP status plus OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "internal_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def api_error_from(error: Exception, param: str | None = None) -> APIError:
+    """The HTTP answer for an engine exception: bad settings are the client's (400), anything else
+    is the server's (500)."""
+    if isinstance(error, ContextLengthError):
+        return APIError(400, str(error), param="messages" if param is None else param, code="context_length_exceeded")
+    if isinstance(error, ConfigError):
+        return APIError(400, str(error), param=param)
+    if isinstance(error, SpecrsError):
+        return APIError(500, f"{type(error).__name__}: {error}")
+    return APIError(500, f"internal error: {type(error).__name__}: {error}")
+
+
+def parse_json_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, not {type(body).__name__}")
+    return body
+
+
+@dataclass
+class GenerationRequest:
+    """One validated completion or chat request, ready for the scheduler."""
+
+    kind: str  # "completion" or "chat"
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    speculative_config: str | None  # JSON for the engine; None = no speculation
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with only the usage
+    stop: list[str] = field(default_factory=list)
+    request_id: str = ""
+    created: int = 0
+
+
+@dataclass
+class ServerSpeculation:
+    """The server's startup speculation, the default of every request."""
+
+    config: dict | None  # parsed with every default filled in; None = off
+    has_proposer: bool = False  # the engine holds a custom Python proposer
+
+    def for_request(self, value: Any) -> str | None:
+        """The engine config JSON for a request's `speculative` field: absent, null or true = the
+        server's default, false = off, an object = that config (without "method": the default's,
+        with these keys changed)."""
+        if value is None:
+            return None if self.config is None else json.dumps(self.config)
+        if value is False:
+            return None
+        if value is True:
+            if self.config is None:
+                raise APIError(400, "this server has no default speculative config; pass an object such as "
+                               '{"method": "ngram", "num_speculative_tokens": 4}', param="speculative")
+            return json.dumps(self.config)
+        if not isinstance(value, dict):
+            raise APIError(400, 'speculative must be false, null or an object such as {"method": "suffix", '
+                           f'"num_speculative_tokens": 6}} (got {type(value).__name__})', param="speculative")
+        if "method" not in value:
+            if self.config is None:
+                raise APIError(400, "speculative has no 'method' and this server has no default speculative "
+                               "config to change; add a method, e.g. \"method\": \"ngram\"", param="speculative")
+            value = {**self.config, **value}
+        try:
+            config = json.loads(_config_json(value))
+        except ConfigError as e:
+            raise APIError(400, f"speculative: {e}", param="speculative") from None
+        method = config["method"]
+        if method == "custom" and not self.has_proposer:
+            raise APIError(400, "speculative method 'custom' needs a Python proposer object, which cannot be sent "
+                           "over HTTP; serve it with specrs.serve.build_app(Engine(proposer=...))", param="speculative")
+        weights_key = WEIGHT_LOADING_METHODS.get(method)
+        if weights_key is not None:
+            started = self.config or {}
+            if started.get("method") != method or started.get(weights_key) != config.get(weights_key):
+                raise APIError(
+                    400, f"speculative method {method!r} with {weights_key}={config.get(weights_key)!r} loads weights, "
+                    "which this server does only at startup; start it with --speculative-config naming them, "
+                    "or use a method without weights (ngram, suffix, layer_skip)", param="speculative")
+        return json.dumps(config)
+
+
+def _number(body: dict, key: str, default, kind=float):
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise APIError(400, f"{key} must be {'an integer' if kind is int else 'a number'} (got {value!r})", param=key)
+    return kind(value)
+
+
+def _check_fields(body: dict, allowed: set[str]) -> None:
+    for key, default in UNSUPPORTED_UNLESS_DEFAULT.items():
+        value = body.get(key)
+        if value is not None and value != default and not (key == "logprobs" and value is False):
+            raise APIError(400, f"{key}={value!r} is not supported by specrs serve; leave it out "
+                           f"(or send its default, {default!r})", param=key)
+    unknown = sorted(set(body) - allowed - set(UNSUPPORTED_UNLESS_DEFAULT) - IGNORED_FIELDS)
+    if unknown:
+        raise APIError(400, f"unknown request field(s) {unknown}; this endpoint takes: {', '.join(sorted(allowed))}",
+                       param=unknown[0])
+
+
+def _stop_strings(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
+        raise APIError(400, "stop must be a non-empty string or a list of at most 4 non-empty strings", param="stop")
+    return stops
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages must be a non-empty list of {\"role\": ..., \"content\": ...} objects",
+                       param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise APIError(400, f"messages[{i}] needs a string 'role' and a 'content'", param="messages")
+        content = m["content"]
+        if isinstance(content, list):  # content parts: only text parts have a meaning here
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise APIError(400, f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                               "are supported", param="messages")
+            content = "".join(p["text"] for p in content)
+        elif not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _completion_prompt(engine: Engine, body: dict) -> list[int]:
+    prompt = body.get("prompt")
+    # OpenAI also takes a batch (a list of prompts); specrs serves one prompt per request.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return engine.prompt_token_ids(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise APIError(400, "prompt must be a non-empty string or a non-empty list of token ids (one prompt per "
+                   "request; send a batch as separate requests)", param="prompt")
+
+
+def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
+                  speculation: ServerSpeculation) -> GenerationRequest:
+    """Validates a /v1/completions (kind "completion") or /v1/chat/completions ("chat") body."""
+    _check_fields(body, CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS)
+    model = body.get("model")
+    if model is not None and model != served_model_name:
+        raise APIError(404, f"the model `{model}` does not exist; this server serves `{served_model_name}` "
+                       "(see /v1/models)", param="model", code="model_not_found")
+
+    try:
+        prompt_ids = engine.prompt_token_ids(_messages(body)) if kind == "chat" else _completion_prompt(engine, body)
+    except ConfigError as e:
+        raise APIError(400, str(e), param="messages" if kind == "chat" else "prompt") from None
+    context = engine.info()["context_length"]
+    max_key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
+    default_max = DEFAULT_COMPLETION_MAX_TOKENS if kind == "completion" else max(context - len(prompt_ids), 0)
+    max_tokens = _number(body, max_key, default_max, int)
+    if max_tokens < 1:
+        raise APIError(400, f"{max_key} must be at least 1 (got {max_tokens})", param=max_key)
+    if len(prompt_ids) + max_tokens > context:
+        raise APIError(400, f"this model's maximum context length is {context} tokens, but {len(prompt_ids) + max_tokens} "
+                       f"were requested ({len(prompt_ids)} in the prompt, {max_tokens} in {max_key}); shorten the "
+                       f"prompt or lower {max_key}", param=max_key, code="context_length_exceeded")
+    seed = _number(body, "seed", None, int)
+    if seed is not None and seed < 0:
+        raise APIError(400, f"seed must be >= 0 (got {seed})", param="seed")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise APIError(400, "ignore_eos must be true or false", param="ignore_eos")
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            # OpenAI's default temperature is 1: a request without one samples.
+            temperature=_number(body, "temperature", 1.0),
+            top_k=_number(body, "top_k", 0, int) if body.get("top_k") != -1 else 0,  # vLLM's -1 = off
+            top_p=_number(body, "top_p", 1.0),
+            min_p=_number(body, "min_p", 0.0),
+            seed=seed,
+            ignore_eos=ignore_eos,
+        )
+    except ConfigError as e:
+        raise APIError(400, str(e)) from None
+
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(400, "stream must be true or false", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise APIError(400, 'stream_options takes {"include_usage": true|false}', param="stream_options")
+    if options and not stream:
+        raise APIError(400, "stream_options needs \"stream\": true", param="stream_options")
+
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    return GenerationRequest(
+        kind=kind,
+        model=served_model_name,
+        prompt_ids=prompt_ids,
+        params=params,
+        speculative_config=speculation.for_request(body.get("speculative")),
+        stream=stream,
+        include_usage=bool(options.get("include_usage")),
+        stop=_stop_strings(body),
+        request_id=f"{prefix}-{uuid.uuid4().hex}",
+        created=int(time.time()),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Response bodies
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, metrics: dict | None) -> dict:
+    """OpenAI's token counts plus this request's acceptance (`speculative`, null without it)."""
+    out = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+           "total_tokens": num_prompt_tokens + num_completion_tokens, "speculative": None}
+    if metrics and metrics.get("spec_method"):
+        drafts = metrics["num_drafts"]
+        per_pos = metrics["num_accepted_tokens_per_pos"]
+        out["speculative"] = {
+            "method": metrics["spec_method"],
+            "num_speculative_tokens": metrics["num_speculative_tokens"],
+            "num_drafts": drafts,
+            "num_draft_tokens": metrics["num_draft_tokens"],
+            "num_accepted_tokens": metrics["num_accepted_tokens"],
+            "num_accepted_tokens_per_pos": list(per_pos),
+            "acceptance_rate": metrics["acceptance_rate"],
+            "acceptance_rate_per_pos": [c / drafts if drafts else 0.0 for c in per_pos],
+            "mean_acceptance_length": metrics["mean_acceptance_length"],
+        }
+    return out
+
+
+def _choice(request: GenerationRequest, text: str | None, finish_reason: str | None, delta: bool,
+            first: bool = False) -> dict:
+    if request.kind == "completion":
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    if not delta:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish_reason}
+    content = {} if text is None else {"content": text}
+    return {"index": 0, "delta": ({"role": "assistant"} if first else {}) | content, "logprobs": None,
+            "finish_reason": finish_reason}
+
+
+def response_body(request: GenerationRequest, text: str, finish_reason: str | None, usage_: dict) -> dict:
+    """The whole (non-streamed) response."""
+    return {
+        "id": request.request_id,
+        "object": "chat.completion" if request.kind == "chat" else "text_completion",
+        "created": request.created,
+        "model": request.model,
+        "choices": [_choice(request, text, finish_reason, delta=False)],
+        "usage": usage_,
+    }
+
+
+def chunk_body(request: GenerationRequest, text: str | None, finish_reason: str | None = None,
+               usage_: dict | None = None, first: bool = False, no_choices: bool = False) -> dict:
+    """One streamed chunk; `no_choices` makes stream_options.include_usage's last chunk."""
+    body = {
+        "id": request.request_id,
+        "object": "chat.completion.chunk" if request.kind == "chat" else "text_completion",
+        "created": request.created,
+        "model": request.model,
+        "choices": [] if no_choices else [_choice(request, text, finish_reason, delta=True, first=first)],
+    }
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body

@@ -1,0 +1,346 @@
+"""`specrs serve` against the official `openai` client: a live server process on the real model.
+
+The server starts with suffix decoding as its default and at most 4 requests generating at once,
+so 16 parallel requests also exercise the queue. Every greedy answer is checked against the same
+request run in this process without the server.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+import specrs
+
+openai = pytest.importorskip("openai")
+
+SERVER_SPEC = {"method": "suffix", "num_speculative_tokens": 4}
+MAX_NUM_SEQS = 4
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+PROMPTS = [
+    "Repeat this sentence twice: the quick brown fox jumps over the lazy dog.",
+    "List the days of the week.",
+    "Write a haiku about autumn leaves.",
+    "What is 12 times 12? Answer with a sentence.",
+    "Translate to French: good morning, my friend.",
+    "Name three primary colors.",
+    "Explain in one sentence what a compiler does.",
+    "Count from one to ten in words.",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    # The log goes to a file: a pipe nobody reads could fill up and block the server.
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specrs.cli", "serve", "--port", str(port), "--max-num-seqs", str(MAX_NUM_SEQS),
+         "--speculative-config", json.dumps(SERVER_SPEC), "--log-level", "warning"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"specrs serve did not start:\n{log_path.read_text()}")
+        time.sleep(0.2)
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+    # No request may end in an unhandled exception (uvicorn logs those as errors).
+    assert "Traceback" not in log_path.read_text(), log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model_name(client) -> str:
+    return client.models.list().data[0].id
+
+
+def _local(engine, prompt: str, kind: str, max_tokens: int) -> str:
+    messages = [{"role": "user", "content": prompt}] if kind == "chat" else prompt
+    return engine.generate(messages, specrs.SamplingParams(max_tokens=max_tokens)).text
+
+
+def _ask(client, model_name, kind: str, prompt: str, max_tokens: int, stream: bool, speculative=None, **extra):
+    """(text, finish_reason, usage) from the server; `speculative` goes in extra_body when given."""
+    body = {} if speculative is None else {"speculative": speculative}
+    kwargs = dict(model=model_name, max_tokens=max_tokens, temperature=0, stream=stream, extra_body=body, **extra)
+    if kind == "chat":
+        out = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kwargs)
+    else:
+        out = client.completions.create(prompt=prompt, **kwargs)
+    if not stream:
+        choice = out.choices[0]
+        return (choice.message.content if kind == "chat" else choice.text), choice.finish_reason, out.usage
+    texts, finish_reason, usage = [], None, None
+    for chunk in out:
+        if chunk.choices:
+            piece = chunk.choices[0].delta.content if kind == "chat" else chunk.choices[0].text
+            texts.append(piece or "")
+            finish_reason = chunk.choices[0].finish_reason or finish_reason
+        usage = chunk.usage or usage
+    return "".join(texts), finish_reason, usage
+
+
+def _metric(base: str, name: str, **labels) -> float:
+    """Sum of a Prometheus series' samples whose labels include `labels`."""
+    total = 0.0
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        m = re.match(r"^([\w:]+)(?:\{(.*)\})? ([-+\deE.naif]+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+def test_models_and_health(server, client, model_name):
+    assert model_name == "SmolLM2-135M-Instruct.Q4_1"
+    health = httpx.get(f"{server}/health").json()
+    assert health["status"] == "ok" and health["num_requests_waiting"] == 0
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("speculative", [None, NGRAM, False, {"num_speculative_tokens": 2}],
+                         ids=["server-default", "ngram", "off", "default-k2"])
+def test_greedy_answers_match_the_engine(engine, client, model_name, kind, stream, speculative):
+    prompt = PROMPTS[0]
+    text, finish_reason, usage = _ask(client, model_name, kind, prompt, 40, stream, speculative)
+    assert text == _local(engine, prompt, kind, 40)
+    assert finish_reason in ("stop", "length")
+    assert usage.completion_tokens > 0 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    spec = usage.model_extra["speculative"]
+    if speculative is False:
+        assert spec is None
+        return
+    requested = SERVER_SPEC if speculative is None else {**SERVER_SPEC, **speculative}
+    method, k = requested["method"], requested["num_speculative_tokens"]
+    assert spec["method"] == method and spec["num_speculative_tokens"] == k
+    assert len(spec["acceptance_rate_per_pos"]) == k
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_tokens"] / max(spec["num_drafts"], 1))
+    assert 0 <= spec["acceptance_rate"] <= 1
+
+
+def test_long_prompt_prefilled_in_chunks_matches_the_engine(engine, client, model_name):
+    """The server feeds prompts 64 tokens per step; a 300-token prompt gives the same answer."""
+    prompt = "Summarize the following notes in one sentence. " + " ".join(
+        f"Note {i}: the shipment of item {i} arrived on day {i % 7}." for i in range(20))
+    assert len(engine.prompt_token_ids([{"role": "user", "content": prompt}])) > 4 * 64
+    for stream in (False, True):
+        assert _ask(client, model_name, "chat", prompt, 24, stream)[0] == _local(engine, prompt, "chat", 24)
+
+
+def test_repetitive_prompt_reports_acceptance(client, model_name):
+    """The sentence to repeat is in the prompt, so ngram drafts and most drafts are accepted."""
+    text, _, usage = _ask(client, model_name, "chat", PROMPTS[0], 48, False, NGRAM)
+    spec = usage.model_extra["speculative"]
+    assert spec["num_drafts"] > 0 and spec["acceptance_rate"] > 0.5, spec
+    assert spec["acceptance_rate_per_pos"][0] >= spec["acceptance_rate_per_pos"][-1]
+
+
+def test_include_usage_chunk(client, model_name):
+    chunks = list(client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=8, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_stop_strings(engine, client, model_name):
+    full = _local(engine, PROMPTS[7], "chat", 40)
+    stop = full.split()[2]  # a word from the middle of the answer
+    expected = full[: full.index(stop)]
+    for stream in (False, True):
+        text, finish_reason, _ = _ask(client, model_name, "chat", PROMPTS[7], 40, stream, stop=[stop])
+        assert (text, finish_reason) == (expected, "stop")
+
+
+@pytest.mark.parametrize("speculative", [False, NGRAM], ids=["off", "ngram"])
+def test_seeded_sampling_is_reproducible(client, model_name, speculative):
+    """Same seed, same drafts, same tokens. (Not with suffix decoding: each answer joins its
+    cache, so a repeated request gets other drafts, which consume the random stream differently.)"""
+    def sample(seed):
+        return client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=24,
+                                         temperature=0.9, seed=seed,
+                                         extra_body={"speculative": speculative}).choices[0].text
+    assert sample(7) == sample(7) != sample(8)
+
+
+def test_parallel_streams_match_serving_alone(engine, server, client, model_name):
+    """16 streaming greedy requests at once (4 generate, the rest queue): each answer is exactly
+    the answer it gets alone, and the server answers health checks and metrics meanwhile."""
+    jobs = [(PROMPTS[i % len(PROMPTS)], [None, NGRAM, False, {"num_speculative_tokens": 2}][i % 4]) for i in range(16)]
+    max_tokens = 40
+    results: dict[int, str] = {}
+    errors = []
+
+    def run(i, prompt, speculative):
+        try:
+            results[i] = _ask(client, model_name, "chat", prompt, max_tokens, True, speculative)[0]
+        except Exception as e:  # reported below; a thread's exception would be lost
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run, args=(i, *job)) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    seen_waiting, health_s = 0, []
+    while any(t.is_alive() for t in threads):
+        t0 = time.perf_counter()
+        health = httpx.get(f"{server}/health", timeout=10).json()
+        health_s.append(time.perf_counter() - t0)
+        seen_waiting = max(seen_waiting, health["num_requests_waiting"])
+        assert health["num_requests_running"] <= MAX_NUM_SEQS
+        assert _metric(server, "specrs:num_requests_running") <= MAX_NUM_SEQS
+        time.sleep(0.1)
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert seen_waiting > 0, "16 requests with --max-num-seqs 4 should queue"
+    assert max(health_s) < 2.0, f"health took up to {max(health_s):.2f} s during generation"
+    for i, (prompt, speculative) in enumerate(jobs):
+        alone = _ask(client, model_name, "chat", prompt, max_tokens, True, speculative)[0]
+        assert results[i] == alone, f"request {i} differs when served in parallel"
+        assert alone == _local(engine, prompt, "chat", max_tokens)
+
+
+def _wait_idle(server: str, timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while _metric(server, "specrs:num_requests_running") or _metric(server, "specrs:num_requests_waiting"):
+        assert time.time() < deadline, "the server kept generating after its client went away"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_cancels_generation(server, client, model_name, stream):
+    _wait_idle(server)
+    aborted = _metric(server, "specrs:request_success_total", finished_reason="abort")
+    generated = _metric(server, "specrs:generation_tokens_total")
+    body = {"model": model_name, "prompt": "Tell me a very long story.", "max_tokens": 2000, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+    if stream:
+        with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            for _ in range(5):
+                next(lines)
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server}/v1/completions", json=body, timeout=2)
+    _wait_idle(server)
+    assert _metric(server, "specrs:request_success_total", finished_reason="abort") == aborted + 1
+    assert _metric(server, "specrs:generation_tokens_total") - generated < 2000
+    assert _ask(client, model_name, "completion", "Hello", 4, False)[1] == "length"  # still serving
+
+
+def _error(server: str, path: str, body, status: int) -> dict:
+    raw = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    response = httpx.post(f"{server}{path}", content=raw, headers={"Content-Type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    return error
+
+
+def test_bad_requests(server, client, model_name):
+    chat = "/v1/chat/completions"
+    messages = [{"role": "user", "content": "hi"}]
+    assert "not valid JSON" in _error(server, chat, b"{not json", 400)["message"]
+    error = _error(server, chat, {"model": model_name, "messages": messages,
+                                  "speculative": {"method": "ngram", "num_speculative_tokns": 4}}, 400)
+    assert "num_speculative_tokns" in error["message"] and error["param"] == "speculative"
+    assert "method" in _error(server, chat, {"messages": messages, "speculative": {"method": "medusa2"}}, 400)["message"]
+    error = _error(server, "/v1/completions", {"model": model_name, "prompt": "word " * 9000, "max_tokens": 10}, 400)
+    assert error["code"] == "context_length_exceeded" and "8192" in error["message"]
+    assert _error(server, chat, {"messages": messages, "max_tokens": -5}, 400)["param"] == "max_tokens"
+    assert _error(server, chat, {"model": "gpt-5", "messages": messages}, 404)["code"] == "model_not_found"
+    assert _error(server, chat, {"messages": messages, "n": 2}, 400)["param"] == "n"
+    assert "frobnicate" in _error(server, chat, {"messages": messages, "frobnicate": 1}, 400)["message"]
+    assert _error(server, chat, {"messages": messages, "temperature": -1}, 400)["message"]
+    assert _error(server, chat, {"messages": []}, 400)["param"] == "messages"
+    error = _error(server, chat, {"messages": messages, "speculative": {"method": "draft_model", "model": "/etc/passwd", "num_speculative_tokens": 2}}, 400)
+    assert "only at startup" in error["message"]
+    error = _error(server, chat, {"messages": messages, "speculative": {"method": "layer_skip", "exit_layer": 99, "num_speculative_tokens": 2}}, 400)
+    assert "exit_layer" in error["message"]
+    assert httpx.get(f"{server}/v1/nothing-here").status_code == 404
+    assert httpx.get(f"{server}/v1/nothing-here").json()["error"]["code"] == "not_found"
+    # The official client raises its own error classes for these statuses.
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-5", messages=messages, max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model_name, messages=messages, max_tokens=4,
+                                       extra_body={"speculative": {"method": "ngram", "bogus": 1}})
+    assert _ask(client, model_name, "chat", "hi", 4, False)[1] in ("stop", "length")  # still serving
+
+
+def test_metrics_exposition(server, client, model_name):
+    _ask(client, model_name, "chat", PROMPTS[0], 32, False, NGRAM)
+    text = httpx.get(f"{server}/metrics").text
+    for series in ("specrs:spec_decode_num_drafts_total", "specrs:spec_decode_num_draft_tokens_total",
+                   "specrs:spec_decode_num_accepted_tokens_total", "specrs:spec_decode_num_accepted_tokens_per_pos_total",
+                   "specrs:time_to_first_token_seconds_bucket", "specrs:inter_token_latency_seconds_bucket",
+                   "specrs:e2e_request_latency_seconds_count", "specrs:num_requests_waiting"):
+        assert series in text, series
+    assert _metric(server, "specrs:spec_decode_num_drafts_total", method="ngram") > 0
+    accepted = _metric(server, "specrs:spec_decode_num_accepted_tokens_total", method="ngram")
+    per_pos = [_metric(server, "specrs:spec_decode_num_accepted_tokens_per_pos_total", method="ngram", position=str(i))
+               for i in range(4)]
+    assert accepted == sum(per_pos) > 0 and per_pos == sorted(per_pos, reverse=True)
+
+
+def test_build_app_serves_a_custom_python_proposer(engine):
+    """An Engine holding a Python proposer, served in process: requests use it by default."""
+    from starlette.testclient import TestClient
+
+    from specrs.serve import build_app
+
+    class RepeatLast:
+        def __init__(self):
+            self.calls = 0
+
+        def propose(self, context_ids, max_tokens):
+            self.calls += 1
+            return [context_ids[-1]] * max_tokens
+
+    proposer = RepeatLast()
+    custom = specrs.Engine(proposer=proposer)
+    with TestClient(build_app(custom, "custom-model", max_num_seqs=2)) as http:
+        body = {"model": "custom-model", "prompt": "One, two, three,", "max_tokens": 16, "temperature": 0}
+        out = http.post("/v1/completions", json=body).json()
+        assert out["choices"][0]["text"] == engine.generate("One, two, three,", specrs.SamplingParams(max_tokens=16)).text
+        assert out["usage"]["speculative"]["method"] == "custom" and proposer.calls > 0
+        off = http.post("/v1/completions", json={**body, "speculative": False}).json()
+        assert off["choices"][0]["text"] == out["choices"][0]["text"] and off["usage"]["speculative"] is None
