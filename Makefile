@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PROMPT ?= Summarize in one paragraph: Speculative decoding makes a language model faster without changing its output. A cheap proposer guesses the next few tokens, and the model checks all of the guesses in one forward pass. The model keeps the guesses that match its own choices, so the output is exactly what the model would have written by itself.
 SPEC_CONFIG ?= {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
-.PHONY: setup build test test-rust test-python run serve golden bench lint clean
+.PHONY: setup build test test-rust test-python run serve golden bench lint clean wheel-cuda test-cuda-build
 
 # The `serve` extra (starlette, uvicorn, prometheus-client) and the test tools; keep in step with
 # pyproject.toml's optional dependencies.
@@ -50,6 +50,24 @@ golden:
 # OpenAI-compatible server on http://127.0.0.1:8000/v1, speculating with SPEC_CONFIG by default.
 serve: build
 	$(BIN)/specrs serve --speculative-config '$(SPEC_CONFIG)'
+
+# CUDA builds on this CPU machine: nvcc and the runtime libraries come from PyPI, pinned to CUDA
+# 13.0 (scripts/cuda-env.sh). A cold build spends ~20 min compiling candle's kernels; the target
+# directory lives outside the clone so later builds are warm.
+CUDA_TARGET_DIR ?= $(HOME)/.cache/specrs-target-cuda
+
+# --auditwheel skip: the CUDA libraries are the GPU machine's (its driver and toolkit), never
+# bundled into the wheel.
+wheel-cuda: setup
+	eval "$$(scripts/cuda-env.sh)" && CARGO_TARGET_DIR=$(CUDA_TARGET_DIR) \
+		$(BIN)/maturin build --release --features cuda --auditwheel skip --out dist-cuda
+
+# Compiles the cuda feature and runs what needs no GPU: our kernels through NVRTC, and the CPU
+# references they must match.
+test-cuda-build: setup
+	eval "$$(scripts/cuda-env.sh)" && CARGO_TARGET_DIR=$(CUDA_TARGET_DIR) \
+		LD_LIBRARY_PATH="$$SPECRS_CUDA_LIBS:$$SPECRS_CUDA_STUB_RUN" \
+		cargo test --release -p specrs-core --features cuda --lib batch::
 
 # Needs llama-cpp-python in the same Python as specrs (see benches/README.md).
 bench:

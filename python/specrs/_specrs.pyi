@@ -87,3 +87,16 @@ class Engine:
     def verify_cost_ratios(self, max_n: int, context_len: int = 512) -> list[float]: ...
     def logits(self, ids: list[int]) -> npt.NDArray[np.float32]: ...
     def forward_cost(self, context_ids: list[int], ns: list[int], repeats: int = 5) -> list[tuple[int, float]]: ...
+
+def batch_accept(
+    target_logits: npt.NDArray[np.float32],
+    draft_token_ids: npt.NDArray[np.uint32],
+    num_draft_tokens: list[int],
+    temperatures: list[float],
+    uniforms: npt.NDArray[np.float32],
+    draft_probs: npt.NDArray[np.float32] | None = None,
+    device: str = "cpu",
+) -> tuple[list[int], list[int]]: ...
+def batch_ngram(
+    histories: npt.NDArray[np.uint32], lengths: list[int], min_n: int, max_n: int, k: int, device: str = "cpu"
+) -> tuple[list[int], list[int]]: ...

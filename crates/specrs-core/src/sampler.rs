@@ -72,6 +72,25 @@ pub fn probabilities(logits: &[f32], params: &SamplingParams) -> Vec<f32> {
     weights
 }
 
+/// The index where the running sum of `weights` (`[vocab_size]`, not necessarily normalized)
+/// first passes `uniform * total`: inverse-CDF sampling with the uniform draw `uniform` in [0, 1).
+pub fn draw_with(weights: &[f32], uniform: f32) -> u32 {
+    let total: f32 = weights.iter().sum();
+    let target = uniform * total;
+    let mut cumulative = 0.0f32;
+    let mut last_nonzero = 0usize;
+    for (i, &p) in weights.iter().enumerate() {
+        if p > 0.0 {
+            cumulative += p;
+            last_nonzero = i;
+            if cumulative > target {
+                return i as u32;
+            }
+        }
+    }
+    last_nonzero as u32 // rounding left the target just past the end
+}
+
 /// A request's random source: seeded for reproducibility.
 pub struct Sampler {
     rng: ChaCha8Rng,
@@ -90,20 +109,7 @@ impl Sampler {
 
     /// Draws an index from `probs` (`[vocab_size]`, summing to ~1).
     pub fn draw(&mut self, probs: &[f32]) -> u32 {
-        let total: f32 = probs.iter().sum();
-        let target = self.uniform() * total;
-        let mut cumulative = 0.0f32;
-        let mut last_nonzero = 0usize;
-        for (i, &p) in probs.iter().enumerate() {
-            if p > 0.0 {
-                cumulative += p;
-                last_nonzero = i;
-                if cumulative > target {
-                    return i as u32;
-                }
-            }
-        }
-        last_nonzero as u32 // rounding left the target just past the end
+        draw_with(probs, self.uniform())
     }
 
     /// Next token from one row of logits `[vocab_size]`.

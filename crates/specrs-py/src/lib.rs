@@ -1,6 +1,7 @@
 //! `specrs._specrs`: the thin PyO3 layer over specrs-core. Long calls release the GIL; every
 //! error goes through `errors::to_py`, and no panic crosses into Python.
 
+mod batch;
 mod engine;
 mod errors;
 mod proposer;
@@ -15,6 +16,8 @@ fn _specrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyTokenizer>()?;
     m.add_function(wrap_pyfunction!(engine::expected_speedup, m)?)?;
     m.add_function(wrap_pyfunction!(engine::requantize, m)?)?;
+    m.add_function(wrap_pyfunction!(batch::batch_accept, m)?)?;
+    m.add_function(wrap_pyfunction!(batch::batch_ngram, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

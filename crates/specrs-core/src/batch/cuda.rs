@@ -1,0 +1,195 @@
+//! The batched kernels on a CUDA device (`--features cuda`): `cuda/accept.cu` and `cuda/ngram.cu`,
+//! compiled with NVRTC for the device's architecture on first use and launched on candle's stream,
+//! so they order correctly after the forward pass that produced the logits.
+//!
+//! Invariant: same inputs, same outputs as the CPU references `accept::accept` and
+//! `ngram::ngram_lookup`. The n-gram lookup and greedy acceptance are exact; a sampled draw sums
+//! floats in another order, so a uniform lying within rounding of a CDF boundary can pick the
+//! neighbouring token (the device check counts such cases).
+
+use std::sync::OnceLock;
+
+use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{Device, Storage, Tensor};
+
+use super::accept::{AcceptInput, AcceptOutput};
+use super::ngram::NgramInput;
+use crate::error::{Error, Result};
+
+const ACCEPT_SOURCE: &str = include_str!("../../../../cuda/accept.cu");
+const NGRAM_SOURCE: &str = include_str!("../../../../cuda/ngram.cu");
+/// Threads per block; the kernels' `BLOCK`.
+const BLOCK: u32 = 256;
+
+fn device_error(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::Device(format!("{what}: {e}"))
+}
+
+/// PTX of `source` for this device's architecture, compiled once per process (every GPU of one
+/// machine is assumed to share an architecture).
+fn ptx(device: &CudaDevice, name: &str, source: &str, cache: &'static OnceLock<String>) -> Result<&'static str> {
+    if let Some(ptx) = cache.get() {
+        return Ok(ptx);
+    }
+    let context = device.cuda_stream().context().clone();
+    let attribute = |a| context.attribute(a).map_err(|e| device_error("reading the compute capability", e));
+    let major = attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor = attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    let compiled = compile(name, source, &format!("compute_{major}{minor}"))?;
+    Ok(cache.get_or_init(|| compiled))
+}
+
+fn compile(name: &str, source: &str, arch: &str) -> Result<String> {
+    let options = CompileOptions {
+        options: vec![format!("--gpu-architecture={arch}")],
+        name: Some(name.to_string()),
+        ..Default::default()
+    };
+    let ptx = compile_ptx_with_opts(source, options).map_err(|e| device_error(&format!("NVRTC on {name}"), e))?;
+    Ok(ptx.to_src())
+}
+
+fn open(ordinal: usize) -> Result<Device> {
+    Device::new_cuda(ordinal).map_err(|e| device_error(&format!("opening CUDA device {ordinal}"), e))
+}
+
+fn cuda_device(device: &Device) -> Result<&CudaDevice> {
+    match device {
+        Device::Cuda(d) => Ok(d),
+        other => Err(Error::Device(format!("the CUDA kernels need a CUDA device, got {other:?}"))),
+    }
+}
+
+/// `accept::accept` on the device. `target_logits` is the `[batch, k + 1, vocab]` f32 tensor on a
+/// CUDA device (as the verify forward leaves it); the rest of `input` comes from the host, and
+/// `input.target_logits` is ignored. Only the per-sequence counts and tokens come back.
+pub fn accept_on_device(target_logits: &Tensor, input: &AcceptInput) -> Result<AcceptOutput> {
+    let (b, k, v) = (input.batch, input.max_draft_tokens, input.vocab_size);
+    if target_logits.dims() != [b, k + 1, v] {
+        return Err(Error::Internal(format!(
+            "target_logits is {:?}, expected [{b}, {}, {v}]",
+            target_logits.dims(),
+            k + 1
+        )));
+    }
+    let logits = target_logits.to_dtype(candle_core::DType::F32)?.contiguous()?;
+    let device = cuda_device(logits.device())?;
+    let zeros = vec![0f32; b * (k + 1) * v];
+    AcceptInput { target_logits: &zeros, ..*input }.check()?;
+
+    static PTX: OnceLock<String> = OnceLock::new();
+    let func = device.get_or_load_custom_func(
+        "accept_kernel",
+        "specrs_accept",
+        ptx(device, "accept.cu", ACCEPT_SOURCE, &PTX)?,
+    )?;
+    let stream = device.cuda_stream();
+    let copy = |what: &str, e| device_error(&format!("copying {what} to the device"), e);
+    let draft_ids = stream.clone_htod(input.draft_token_ids).map_err(|e| copy("draft tokens", e))?;
+    let num_draft = stream.clone_htod(input.num_draft_tokens).map_err(|e| copy("draft lengths", e))?;
+    // Without draft probabilities the kernel never reads them; it still needs a valid pointer.
+    let probs = stream.clone_htod(input.draft_probs.unwrap_or(&[0.0])).map_err(|e| copy("draft probabilities", e))?;
+    let temperatures = stream.clone_htod(input.temperatures).map_err(|e| copy("temperatures", e))?;
+    let uniforms = stream.clone_htod(input.uniforms).map_err(|e| copy("uniforms", e))?;
+    let mut num_accepted = stream.alloc_zeros::<u32>(b).map_err(|e| copy("outputs", e))?;
+    let mut next_tokens = stream.alloc_zeros::<u32>(b).map_err(|e| copy("outputs", e))?;
+    let (k32, v32, has_probs) = (k as u32, v as u32, u32::from(input.draft_probs.is_some()));
+
+    let (storage, layout) = logits.storage_and_layout();
+    let Storage::Cuda(cuda_storage) = &*storage else {
+        return Err(Error::Device("target_logits is not stored on a CUDA device".into()));
+    };
+    let logits_view = cuda_storage.as_cuda_slice::<f32>()?.slice(layout.start_offset()..);
+    let mut launch = func.builder();
+    launch
+        .arg(&logits_view)
+        .arg(&draft_ids)
+        .arg(&num_draft)
+        .arg(&probs)
+        .arg(&temperatures)
+        .arg(&uniforms)
+        .arg(&k32)
+        .arg(&v32)
+        .arg(&has_probs)
+        .arg(&mut num_accepted)
+        .arg(&mut next_tokens);
+    let config = LaunchConfig { grid_dim: (b as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the argument list matches accept_kernel's signature, every buffer has the size
+    // `check` verified, and the kernel writes only its two [batch] outputs.
+    unsafe { launch.launch(config) }.map_err(|e| device_error("launching accept_kernel", e))?;
+    let back = |e| device_error("copying the results back", e);
+    Ok(AcceptOutput {
+        num_accepted_tokens: stream.clone_dtoh(&num_accepted).map_err(back)?,
+        next_token_ids: stream.clone_dtoh(&next_tokens).map_err(back)?,
+    })
+}
+
+/// `ngram::ngram_lookup` on `device` (inputs from the host): the drafts `[batch, k]` and their lengths.
+pub fn ngram_lookup_on_device(device: &Device, input: &NgramInput) -> Result<(Vec<u32>, Vec<u32>)> {
+    input.check()?;
+    let (batch, k) = (input.lengths.len(), input.k);
+    let device = cuda_device(device)?;
+    static PTX: OnceLock<String> = OnceLock::new();
+    let func =
+        device.get_or_load_custom_func("ngram_kernel", "specrs_ngram", ptx(device, "ngram.cu", NGRAM_SOURCE, &PTX)?)?;
+    let stream = device.cuda_stream();
+    let copy = |e| device_error("copying n-gram inputs to the device", e);
+    let histories = stream.clone_htod(input.histories).map_err(copy)?;
+    let lengths = stream.clone_htod(input.lengths).map_err(copy)?;
+    let mut drafts = stream.alloc_zeros::<u32>(batch * k.max(1)).map_err(copy)?;
+    let mut draft_lengths = stream.alloc_zeros::<u32>(batch).map_err(copy)?;
+    let scalars = [input.max_len, input.min_n, input.max_n, k].map(|x| x as u32);
+    let mut launch = func.builder();
+    launch.arg(&histories).arg(&lengths);
+    for scalar in &scalars {
+        launch.arg(scalar);
+    }
+    launch.arg(&mut drafts).arg(&mut draft_lengths);
+    let config = LaunchConfig { grid_dim: (batch as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match ngram_kernel's signature and the buffer sizes were checked.
+    unsafe { launch.launch(config) }.map_err(|e| device_error("launching ngram_kernel", e))?;
+    let back = |e| device_error("copying the drafts back", e);
+    let mut drafts = stream.clone_dtoh(&drafts).map_err(back)?;
+    drafts.truncate(batch * k);
+    Ok((drafts, stream.clone_dtoh(&draft_lengths).map_err(back)?))
+}
+
+/// `accept_on_device` with the logits copied from the host to GPU `ordinal` first (for the device
+/// check, which compares the kernel with the CPU reference on the same host inputs).
+pub fn accept_from_host(ordinal: usize, input: &AcceptInput) -> Result<AcceptOutput> {
+    let device = open(ordinal)?;
+    let shape = (input.batch, input.max_draft_tokens + 1, input.vocab_size);
+    let logits = Tensor::from_slice(input.target_logits, shape, &device)?;
+    accept_on_device(&logits, input)
+}
+
+/// `ngram_lookup_on_device` on GPU `ordinal`.
+pub fn ngram_lookup_from_host(ordinal: usize, input: &NgramInput) -> Result<(Vec<u32>, Vec<u32>)> {
+    ngram_lookup_on_device(&open(ordinal)?, input)
+}
+
+/// PTX for both kernels, for an architecture such as "compute_90", without a device: what CI runs
+/// to keep the kernel sources compiling under NVRTC on machines with no GPU.
+pub fn compile_for(arch: &str) -> Result<Vec<(String, String)>> {
+    [("accept.cu", ACCEPT_SOURCE), ("ngram.cu", NGRAM_SOURCE)]
+        .into_iter()
+        .map(|(name, source)| Ok((name.to_string(), compile(name, source, arch)?)))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs without a GPU: NVRTC only needs its library.
+    #[test]
+    fn kernels_compile_with_nvrtc() {
+        for (name, ptx) in compile_for("compute_90").unwrap() {
+            let entry = if name == "accept.cu" { "accept_kernel" } else { "ngram_kernel" };
+            assert!(ptx.contains(&format!(".entry {entry}")), "{name}: no {entry} in its PTX");
+        }
+    }
+}

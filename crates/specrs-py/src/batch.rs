@@ -1,0 +1,110 @@
+//! Python access to the batched kernels (`specrs_core::batch`): the CPU references, and with a
+//! CUDA build the device kernels, so the device check can compare the two on the same inputs.
+
+use numpy::{PyReadonlyArray2, PyReadonlyArray3, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use specrs_core::batch::accept::{accept, AcceptInput};
+use specrs_core::batch::ngram::{ngram_lookup, NgramInput};
+use specrs_core::Error;
+
+use crate::errors::{run_detached, to_py};
+
+/// "cpu" or "cuda[:N]"; None for the CPU.
+fn cuda_ordinal(device: &str) -> PyResult<Option<usize>> {
+    match device {
+        "cpu" => Ok(None),
+        "cuda" => Ok(Some(0)),
+        d => d
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse().ok())
+            .map(Some)
+            .ok_or_else(|| to_py(Error::config(format!("unknown device '{d}'; use 'cpu' or 'cuda[:N]'")))),
+    }
+}
+
+/// Batched acceptance: `(num_accepted_tokens, next_token_ids)`, one per sequence.
+/// `target_logits` `[batch, k + 1, vocab]` f32, `draft_token_ids` `[batch, k]` u32,
+/// `num_draft_tokens` `[batch]`, `temperatures` `[batch]` (0 = greedy), `uniforms` `[batch, k + 1]`,
+/// `draft_probs` `[batch, k, vocab]` or None.
+#[pyfunction]
+#[pyo3(signature = (target_logits, draft_token_ids, num_draft_tokens, temperatures, uniforms, draft_probs=None, device="cpu"))]
+#[allow(clippy::too_many_arguments)]
+pub fn batch_accept(
+    py: Python<'_>,
+    target_logits: PyReadonlyArray3<f32>,
+    draft_token_ids: PyReadonlyArray2<u32>,
+    num_draft_tokens: Vec<u32>,
+    temperatures: Vec<f32>,
+    uniforms: PyReadonlyArray2<f32>,
+    draft_probs: Option<PyReadonlyArray3<f32>>,
+    device: &str,
+) -> PyResult<(Vec<u32>, Vec<u32>)> {
+    let shape = target_logits.shape();
+    let (batch, k, vocab) = (shape[0], shape[1].saturating_sub(1), shape[2]);
+    let logits = target_logits.as_slice()?.to_vec();
+    let drafts = draft_token_ids.as_slice()?.to_vec();
+    let uniforms = uniforms.as_slice()?.to_vec();
+    let probs = draft_probs.map(|p| p.as_slice().map(<[f32]>::to_vec)).transpose()?;
+    let ordinal = cuda_ordinal(device)?;
+    run_detached(py, move || {
+        let input = AcceptInput {
+            batch,
+            max_draft_tokens: k,
+            vocab_size: vocab,
+            target_logits: &logits,
+            draft_token_ids: &drafts,
+            num_draft_tokens: &num_draft_tokens,
+            draft_probs: probs.as_deref(),
+            temperatures: &temperatures,
+            uniforms: &uniforms,
+        };
+        let out = match ordinal {
+            None => accept(&input)?,
+            Some(ordinal) => on_cuda_accept(ordinal, &input)?,
+        };
+        Ok((out.num_accepted_tokens, out.next_token_ids))
+    })
+}
+
+/// Batched n-gram lookup: `(drafts [batch * k], draft_lengths [batch])` for histories
+/// `[batch, max_len]` with `lengths` `[batch]`.
+#[pyfunction]
+#[pyo3(signature = (histories, lengths, min_n, max_n, k, device="cpu"))]
+pub fn batch_ngram(
+    py: Python<'_>,
+    histories: PyReadonlyArray2<u32>,
+    lengths: Vec<u32>,
+    min_n: usize,
+    max_n: usize,
+    k: usize,
+    device: &str,
+) -> PyResult<(Vec<u32>, Vec<u32>)> {
+    let max_len = histories.shape()[1];
+    let histories = histories.as_slice()?.to_vec();
+    let ordinal = cuda_ordinal(device)?;
+    run_detached(py, move || {
+        let input = NgramInput { histories: &histories, max_len, lengths: &lengths, min_n, max_n, k };
+        match ordinal {
+            None => ngram_lookup(&input),
+            Some(ordinal) => on_cuda_ngram(ordinal, &input),
+        }
+    })
+}
+
+#[cfg(feature = "cuda")]
+use specrs_core::batch::cuda::{accept_from_host as on_cuda_accept, ngram_lookup_from_host as on_cuda_ngram};
+
+#[cfg(not(feature = "cuda"))]
+fn no_cuda<T>() -> specrs_core::Result<T> {
+    Err(Error::Device("the CUDA kernels need a CUDA build of specrs (make wheel-cuda); use device='cpu'".into()))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn on_cuda_accept(_: usize, _: &AcceptInput) -> specrs_core::Result<specrs_core::batch::accept::AcceptOutput> {
+    no_cuda()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn on_cuda_ngram(_: usize, _: &NgramInput) -> specrs_core::Result<(Vec<u32>, Vec<u32>)> {
+    no_cuda()
+}

@@ -1,0 +1,81 @@
+"""The batched kernels through Python: the CPU references (always), and the CUDA kernels against
+them on random inputs when this is a CUDA build on a machine with a GPU (skipped otherwise)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import specrs
+from specrs import _specrs
+
+
+def random_accept_inputs(batch: int, k: int, vocab: int, seed: int, with_probs: bool):
+    rng = np.random.default_rng(seed)
+    drafts = rng.integers(0, vocab, size=(batch, k), dtype=np.uint32)
+    logits = rng.normal(0, 2, size=(batch, k + 1, vocab)).astype(np.float32)
+    # Peak most rows on the drafted token so drafts are often accepted.
+    peaked = rng.random((batch, k)) < 0.7
+    for s, i in zip(*np.nonzero(peaked)):
+        logits[s, i, drafts[s, i]] += 6.0
+    num_draft = [int(n) for n in rng.integers(0, k + 1, size=batch)]
+    temperatures = [float(t) for t in rng.choice([0.0, 0.5, 1.0, 1.3], size=batch)]
+    uniforms = rng.random((batch, k + 1), dtype=np.float32)
+    probs = None
+    if with_probs:
+        probs = rng.random((batch, k, vocab)).astype(np.float32)
+        probs[np.arange(batch)[:, None], np.arange(k)[None, :], drafts] += 5.0
+        probs /= probs.sum(axis=2, keepdims=True)
+    return logits, drafts, num_draft, temperatures, uniforms, probs
+
+
+def test_cpu_acceptance_greedy_rows():
+    logits, drafts, num_draft, _, uniforms, _ = random_accept_inputs(64, 4, 50, seed=1, with_probs=False)
+    accepted, next_ids = _specrs.batch_accept(logits, drafts, num_draft, [0.0] * 64, uniforms)
+    for s in range(64):
+        argmax = logits[s].argmax(axis=1)
+        expected = next((i for i in range(num_draft[s]) if argmax[i] != drafts[s, i]), num_draft[s])
+        assert (accepted[s], next_ids[s]) == (expected, argmax[expected])
+    assert 0 < sum(a == n for a, n in zip(accepted, num_draft)) < 64
+
+
+def test_cpu_ngram_matches_the_rule():
+    histories = np.array([[1, 2, 3, 1, 2, 9, 9], [5, 6, 7, 8, 0, 0, 0]], dtype=np.uint32)
+    drafts, lengths = _specrs.batch_ngram(histories, [5, 4], 1, 3, 3)
+    # [1 2 3 1 2]: "1 2" occurred at 0..2, followed by "3 1 2"; [5 6 7 8] repeats nothing.
+    assert lengths == [3, 0] and drafts[:3] == [3, 1, 2]
+
+
+def test_bad_input_and_devices():
+    logits, drafts, num_draft, temps, uniforms, _ = random_accept_inputs(2, 2, 8, seed=0, with_probs=False)
+    with pytest.raises(specrs.SpecrsError, match="uniforms has 3 values, expected 6"):
+        _specrs.batch_accept(logits, drafts, num_draft, temps, uniforms[:1, :])
+    with pytest.raises(specrs.ConfigError, match="unknown device"):
+        _specrs.batch_ngram(np.zeros((1, 4), dtype=np.uint32), [4], 1, 2, 2, device="tpu")
+
+
+def _cuda_or_skip():
+    try:
+        _specrs.batch_ngram(np.zeros((1, 4), dtype=np.uint32), [4], 1, 2, 2, device="cuda")
+    except specrs.DeviceError as e:
+        pytest.skip(f"no CUDA here: {e}")
+
+
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_cuda_acceptance_equals_the_cpu_reference(with_probs):
+    _cuda_or_skip()
+    inputs = random_accept_inputs(512, 4, 32000, seed=3, with_probs=with_probs)
+    cpu = _specrs.batch_accept(*inputs[:5], draft_probs=inputs[5])
+    gpu = _specrs.batch_accept(*inputs[:5], draft_probs=inputs[5], device="cuda")
+    assert gpu[0] == cpu[0]
+    # A sampled draw sums floats in another order; only a uniform within rounding of a CDF
+    # boundary may pick the neighbouring token.
+    assert sum(a != b for a, b in zip(gpu[1], cpu[1])) <= 2
+
+
+def test_cuda_ngram_equals_the_cpu_reference():
+    _cuda_or_skip()
+    rng = np.random.default_rng(5)
+    histories = rng.integers(0, 4, size=(256, 2048), dtype=np.uint32)
+    lengths = [int(n) for n in rng.integers(1, 2049, size=256)]
+    assert _specrs.batch_ngram(histories, lengths, 2, 5, 8, device="cuda") == _specrs.batch_ngram(histories, lengths, 2, 5, 8)
