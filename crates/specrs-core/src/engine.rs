@@ -44,9 +44,14 @@ use crate::verify::verify;
 pub fn parse_device(device: &str) -> Result<Device> {
     match device {
         "cpu" => Ok(Device::Cpu),
-        d if d == "cuda" || d.starts_with("cuda:") => Err(Error::Device(format!(
-            "device '{d}' needs a CUDA build of specrs, and this one is CPU-only; use device='cpu'"
-        ))),
+        d if d == "cuda" || d.starts_with("cuda:") => Err(Error::Device(if cfg!(feature = "cuda") {
+            format!(
+                "device '{d}': this CUDA build runs the batched kernels on the GPU, but models still run on \
+                 the CPU only; use device='cpu'"
+            )
+        } else {
+            format!("device '{d}' needs a CUDA build of specrs, and this one is CPU-only; use device='cpu'")
+        })),
         other => Err(Error::config(format!("unknown device '{other}'; use 'cpu' or 'cuda[:N]'"))),
     }
 }
