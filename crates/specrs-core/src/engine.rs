@@ -412,7 +412,6 @@ impl Engine {
             )));
         }
         let cache = self.model.new_cache(needed)?.tracked_by(self.target_kv.clone());
-        // The draft's prefill counts in TTFT, as the target's does.
         let timer = RequestTimer::new();
         let mut speculation = speculation;
         if let Some(speculation) = speculation.as_mut() {

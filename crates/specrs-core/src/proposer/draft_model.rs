@@ -135,18 +135,15 @@ impl DraftCache {
         }
     }
 
-    /// Allocates the cache for a request that may reach `max_len` tokens and prefills it with the
-    /// prompt but its last token (which the first propose feeds, for its logits).
-    pub fn begin(&mut self, prompt: &[u32], max_len: usize) -> Result<()> {
+    /// Allocates the cache for a request that may reach `max_len` tokens. The prompt is not
+    /// prefilled here: the first propose feeds everything the draft has not seen (`catch_up`), so a
+    /// request whose draft length policy never drafts never pays for the draft's prefill.
+    pub fn begin(&mut self, max_len: usize) -> Result<()> {
         let i = self.model.info();
         let capacity = max_len.min(self.max_model_len);
         let cache = KvCache::new(i.num_layers, i.num_kv_heads * i.head_dim, capacity, self.max_model_len);
         self.cache = Some(cache.tracked_by(self.kv_bytes.clone()));
         self.cached_ids.clear();
-        let prefill = &prompt[..prompt.len().saturating_sub(1)];
-        if !prefill.is_empty() && self.fits(prompt.len()) {
-            self.forward(prefill, LogitRows::Last)?;
-        }
         Ok(())
     }
 
@@ -225,7 +222,7 @@ impl Proposer for DraftModelProposer {
     fn begin(&mut self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
         let vocab = self.cache.model.info().vocab_size;
         self.sampler = Some(DraftSampler::new(params, vocab, self.target_vocab, self.confidence_threshold));
-        self.cache.begin(prompt, prompt.len() + params.max_tokens)
+        self.cache.begin(prompt.len() + params.max_tokens)
     }
 
     fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {

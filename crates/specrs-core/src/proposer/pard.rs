@@ -60,7 +60,7 @@ impl Proposer for PardProposer {
         let vocab = self.cache.model.info().vocab_size;
         self.sampler = Some(DraftSampler::new(params, vocab, self.target_vocab, self.confidence_threshold));
         // Room for the mask tokens of a 64-token draft beyond the request's own length.
-        self.cache.begin(prompt, prompt.len() + params.max_tokens + crate::spec_config::MAX_SPECULATIVE_TOKENS)
+        self.cache.begin(prompt.len() + params.max_tokens + crate::spec_config::MAX_SPECULATIVE_TOKENS)
     }
 
     fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {
