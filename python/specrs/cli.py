@@ -73,8 +73,8 @@ def _requantize(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     serve.serve(args.model, speculative_config=args.speculative_config, host=args.host, port=args.port,
-          device=args.device, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
-          prefill_chunk=args.prefill_chunk or None, log_level=args.log_level)
+                device=args.device, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
+                prefill_chunk=args.prefill_chunk or None, log_level=args.log_level)
     return 0
 
 

@@ -87,6 +87,11 @@ impl SpecDecodeMetrics {
         ratio(self.num_accepted_tokens, self.num_draft_tokens)
     }
 
+    /// vLLM's per-position rate: drafts whose i-th token was accepted, over all drafts (0 without).
+    pub fn acceptance_rate_per_pos(&self) -> Vec<f64> {
+        self.num_accepted_tokens_per_pos.iter().map(|&count| ratio(count, self.num_drafts)).collect()
+    }
+
     /// Mean guessed tokens per draft.
     pub fn mean_draft_length(&self) -> f64 {
         ratio(self.num_draft_tokens, self.num_drafts)
@@ -285,6 +290,7 @@ mod tests {
         assert_eq!(m.num_accepted_tokens_per_pos, vec![2, 2, 1]);
         assert_eq!(m.mean_acceptance_length(), 1.0 + 5.0 / 3.0);
         assert_eq!(m.acceptance_rate(), 5.0 / 11.0);
+        assert_eq!(m.acceptance_rate_per_pos(), vec![2.0 / 3.0, 2.0 / 3.0, 1.0 / 3.0]);
         let mut sum = SpecDecodeMetrics::default();
         sum.add(&m);
         sum.add(&m);

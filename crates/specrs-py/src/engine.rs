@@ -156,6 +156,7 @@ fn spec_items(d: &Bound<'_, PyDict>, s: &SpecDecodeMetrics) -> PyResult<()> {
     d.set_item("num_accepted_tokens_per_pos", &s.num_accepted_tokens_per_pos)?;
     d.set_item("mean_acceptance_length", s.mean_acceptance_length())?;
     d.set_item("acceptance_rate", s.acceptance_rate())?;
+    d.set_item("acceptance_rate_per_pos", s.acceptance_rate_per_pos())?;
     d.set_item("num_decode_steps", s.num_decode_steps)?;
     d.set_item("propose_s", s.propose_s)?;
     d.set_item("forward_s", s.forward_s)?;

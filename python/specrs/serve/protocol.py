@@ -279,19 +279,9 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, metrics: dict | No
     out = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
            "total_tokens": num_prompt_tokens + num_completion_tokens, "speculative": None}
     if metrics and metrics.get("spec_method"):
-        drafts = metrics["num_drafts"]
-        per_pos = metrics["num_accepted_tokens_per_pos"]
-        out["speculative"] = {
-            "method": metrics["spec_method"],
-            "num_speculative_tokens": metrics["num_speculative_tokens"],
-            "num_drafts": drafts,
-            "num_draft_tokens": metrics["num_draft_tokens"],
-            "num_accepted_tokens": metrics["num_accepted_tokens"],
-            "num_accepted_tokens_per_pos": list(per_pos),
-            "acceptance_rate": metrics["acceptance_rate"],
-            "acceptance_rate_per_pos": [c / drafts if drafts else 0.0 for c in per_pos],
-            "mean_acceptance_length": metrics["mean_acceptance_length"],
-        }
+        out["speculative"] = {"method": metrics["spec_method"]} | {key: metrics[key] for key in (
+            "num_speculative_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+            "num_accepted_tokens_per_pos", "acceptance_rate", "acceptance_rate_per_pos", "mean_acceptance_length")}
     return out
 
 

@@ -3,8 +3,9 @@
 Until continuous batching exists, requests share the engine by taking turns: each running request
 (at most `max_num_seqs`) gets one decoding step per round, in arrival order, so a long request
 cannot hold the others back and every stream advances. A long prompt is fed `prefill_chunk` tokens
-per step, so it stalls the others' streams for one chunk at a time, not for its whole prefill. Each step runs in Rust with the GIL
-released, which keeps the HTTP event loop (health, metrics, new requests) responsive meanwhile.
+per step, so it stalls the others' streams for one chunk at a time, not for its whole prefill.
+Each step runs in Rust with the GIL released, which keeps the HTTP event loop (health, metrics,
+new requests) responsive meanwhile.
 
 Invariants: a request's session is touched only by this thread, so its output is exactly what it
 would be alone (each has its own KV cache and seeded sampler); every admitted request ends with one
@@ -170,10 +171,13 @@ class Scheduler:
             rest = job.stops.flush()
             if rest:
                 job.send(Text(rest))
-            self._end(job, job.stream.result.finish_reason or "stop")
+            self._end(job)
 
-    def _end(self, job: Job, finish_reason: str) -> None:
+    def _end(self, job: Job, finish_reason: str | None = None) -> None:
+        """Ends a running job; `finish_reason` overrides the engine's (a stop string, an abort)."""
         self._running.remove(job)
-        metrics = job.stream.result.metrics
+        result = job.stream.result
+        finish_reason = finish_reason or result.finish_reason or "stop"
+        metrics = result.metrics
         self.metrics.request_finished(job, finish_reason, metrics)
         job.send(Finished(finish_reason, job.num_completion_tokens, metrics))

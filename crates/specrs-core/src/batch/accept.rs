@@ -42,10 +42,15 @@ pub struct AcceptOutput {
 impl AcceptInput<'_> {
     /// Every shape is checked once here, so the reference and the kernel can index freely.
     pub fn check(&self) -> Result<()> {
+        self.check_with_logits(self.target_logits.len())
+    }
+
+    /// `check` for target logits that live elsewhere (a device tensor) and hold `num_logits` values.
+    pub fn check_with_logits(&self, num_logits: usize) -> Result<()> {
         let (b, k, v) = (self.batch, self.max_draft_tokens, self.vocab_size);
         let mut wrong = Vec::new();
         for (name, got, want) in [
-            ("target_logits", self.target_logits.len(), b * (k + 1) * v),
+            ("target_logits", num_logits, b * (k + 1) * v),
             ("draft_token_ids", self.draft_token_ids.len(), b * k),
             ("num_draft_tokens", self.num_draft_tokens.len(), b),
             ("temperatures", self.temperatures.len(), b),

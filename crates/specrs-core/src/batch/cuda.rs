@@ -75,10 +75,9 @@ pub fn accept_on_device(target_logits: &Tensor, input: &AcceptInput) -> Result<A
             k + 1
         )));
     }
+    input.check_with_logits(target_logits.elem_count())?;
     let logits = target_logits.to_dtype(candle_core::DType::F32)?.contiguous()?;
     let device = cuda_device(logits.device())?;
-    let zeros = vec![0f32; b * (k + 1) * v];
-    AcceptInput { target_logits: &zeros, ..*input }.check()?;
 
     static PTX: OnceLock<String> = OnceLock::new();
     let func = device.get_or_load_custom_func(
