@@ -62,12 +62,12 @@ wheel-cuda: setup
 	eval "$$(scripts/cuda-env.sh)" && CARGO_TARGET_DIR=$(CUDA_TARGET_DIR) \
 		$(BIN)/maturin build --release --features cuda --auditwheel skip --out dist-cuda
 
-# Compiles the cuda feature and runs what needs no GPU: our kernels through NVRTC, and the CPU
-# references they must match.
+# Compiles the cuda feature and runs what needs no GPU: our kernels through NVRTC, the CPU
+# references they must match, and the candle-ops model and device cache on the CPU.
 test-cuda-build: setup
 	eval "$$(scripts/cuda-env.sh)" && CARGO_TARGET_DIR=$(CUDA_TARGET_DIR) \
 		LD_LIBRARY_PATH="$$SPECRS_CUDA_LIBS:$$SPECRS_CUDA_STUB_RUN" \
-		cargo test --release -p specrs-core --features cuda --lib batch::
+		cargo test --release -p specrs-core --features cuda --lib -- batch:: model:: kv_cache::
 
 # Needs llama-cpp-python in the same Python as specrs (see benches/README.md).
 bench:

@@ -3,30 +3,17 @@ them on random inputs when this is a CUDA build on a machine with a GPU (skipped
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import specrs
 from specrs import _specrs
 
-
-def random_accept_inputs(batch: int, k: int, vocab: int, seed: int, with_probs: bool):
-    rng = np.random.default_rng(seed)
-    drafts = rng.integers(0, vocab, size=(batch, k), dtype=np.uint32)
-    logits = rng.normal(0, 2, size=(batch, k + 1, vocab)).astype(np.float32)
-    # Peak most rows on the drafted token so drafts are often accepted.
-    peaked = rng.random((batch, k)) < 0.7
-    for s, i in zip(*np.nonzero(peaked)):
-        logits[s, i, drafts[s, i]] += 6.0
-    num_draft = [int(n) for n in rng.integers(0, k + 1, size=batch)]
-    temperatures = [float(t) for t in rng.choice([0.0, 0.5, 1.0, 1.3], size=batch)]
-    uniforms = rng.random((batch, k + 1), dtype=np.float32)
-    probs = None
-    if with_probs:
-        probs = rng.random((batch, k, vocab)).astype(np.float32)
-        probs[np.arange(batch)[:, None], np.arange(k)[None, :], drafts] += 5.0
-        probs /= probs.sum(axis=2, keepdims=True)
-    return logits, drafts, num_draft, temperatures, uniforms, probs
+sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+from gpu_check import random_accept_inputs  # noqa: E402  (the GPU check uses the same inputs)
 
 
 def test_cpu_acceptance_greedy_rows():

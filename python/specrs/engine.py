@@ -134,13 +134,42 @@ class Engine:
         speculative_config: SpecConfig | None = None,
         proposer: Any = None,
     ):
+        self._setup(speculative_config, proposer)
+        self.model_path = resolve_model(model)
+        self._inner = _specrs.Engine(self.model_path, device)
+        self.device = device
+
+    @classmethod
+    def random(
+        cls,
+        config: Mapping[str, Any] | str = "llama3-8b",
+        *,
+        seed: int = 0,
+        dtype: str = "bf16",
+        device: str = "cpu",
+        speculative_config: SpecConfig | None = None,
+        proposer: Any = None,
+    ) -> "Engine":
+        """A Llama with seeded random weights, for speed and numerics checks without a model
+        file. `config`: transformers' LlamaConfig fields as a dict (vocab_size, hidden_size,
+        intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+        max_position_embeddings, rope_theta, rms_norm_eps, tie_word_embeddings), or "llama3-8b".
+        `dtype`: "bf16", "f16" or "f32". The same seed gives the same weights on every device.
+        Its tokenizer is the numbered vocabulary "t0 t1 ...", with no EOS, so every request runs
+        to max_tokens; pass prompts as token ids."""
+        config_json = config if isinstance(config, str) else json.dumps(dict(config))
+        engine = cls.__new__(cls)
+        engine._setup(speculative_config, proposer)
+        engine.model_path = None
+        engine._inner = _specrs.Engine.random_llama(config_json, seed, dtype, device)
+        engine.device = device
+        return engine
+
+    def _setup(self, speculative_config: SpecConfig | None, proposer: Any) -> None:
         if proposer is not None and speculative_config is None:
             speculative_config = {"method": "custom", "num_speculative_tokens": DEFAULT_CUSTOM_SPECULATIVE_TOKENS}
         self.speculative_config = None if speculative_config is None else json.loads(_config_json(speculative_config))
         self.proposer = proposer
-        self.model_path = resolve_model(model)
-        self._inner = _specrs.Engine(self.model_path, device)
-        self.device = device
 
     @property
     def tokenizer(self) -> Tokenizer:

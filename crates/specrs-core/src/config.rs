@@ -38,6 +38,12 @@ impl SamplingParams {
         self.temperature == 0.0
     }
 
+    /// The distribution is softmax(logits / temperature) alone (or greedy): no top-k, top-p or
+    /// min-p filter.
+    pub fn is_temperature_only(&self) -> bool {
+        self.top_k == 0 && self.top_p >= 1.0 && self.min_p <= 0.0
+    }
+
     pub fn validate(&self) -> Result<()> {
         if self.max_tokens == 0 {
             return Err(Error::config("max_tokens must be >= 1 (got 0)"));

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use candle_core::Device;
+use candle_core::{DType, Device, Tensor};
 
 use crate::chat_template::ChatMessage;
 use crate::config::SamplingParams;
@@ -27,6 +27,8 @@ use crate::metrics::{
     expected_speedup_refined, expected_speedup_textbook, verify_cost_at, EngineMetrics, RequestMetrics, RequestTimer,
     SpecDecodeMetrics,
 };
+use crate::model::llama_candle::{CandleLlama, WeightFormat};
+use crate::model::llama_config::LlamaConfig;
 use crate::model::{self, CausalLm, LogitRows};
 use crate::proposer::draft_model::DraftModelProposer;
 use crate::proposer::layer_skip::LayerSkipProposer;
@@ -38,22 +40,33 @@ use crate::quantize::{parse_quant_type, requantize_gguf};
 use crate::sampler::Sampler;
 use crate::spec_config::{Method, Schedule, SpeculativeConfig};
 use crate::tokenizer::TextTokenizer;
-use crate::verify::verify;
+use crate::verify::{verify, Verification};
 
 /// Parses a device string: "cpu", "cuda" or "cuda:N".
 pub fn parse_device(device: &str) -> Result<Device> {
-    match device {
-        "cpu" => Ok(Device::Cpu),
-        d if d == "cuda" || d.starts_with("cuda:") => Err(Error::Device(if cfg!(feature = "cuda") {
-            format!(
-                "device '{d}': this CUDA build runs the batched kernels on the GPU, but models still run on \
-                 the CPU only; use device='cpu'"
-            )
-        } else {
-            format!("device '{d}' needs a CUDA build of specrs, and this one is CPU-only; use device='cpu'")
-        })),
-        other => Err(Error::config(format!("unknown device '{other}'; use 'cpu' or 'cuda[:N]'"))),
+    let ordinal = match device {
+        "cpu" => return Ok(Device::Cpu),
+        "cuda" => "0",
+        d => match d.strip_prefix("cuda:") {
+            Some(n) => n,
+            None => return Err(Error::config(format!("unknown device '{d}'; use 'cpu' or 'cuda[:N]'"))),
+        },
+    };
+    let ordinal: usize = ordinal
+        .parse()
+        .map_err(|_| Error::config(format!("bad device '{device}'; use 'cuda' or 'cuda:N' (N >= 0)")))?;
+    if !cfg!(feature = "cuda") {
+        return Err(Error::Device(format!(
+            "device '{device}' needs a CUDA build of specrs (`make wheel-cuda`), and this one is CPU-only; \
+             use device='cpu'"
+        )));
     }
+    Device::new_cuda(ordinal).map_err(|e| {
+        Error::Device(format!(
+            "cannot open CUDA device {ordinal} ({e}); check nvidia-smi, the driver (CUDA 13 or newer) \
+             and CUDA_VISIBLE_DEVICES, or use device='cpu'"
+        ))
+    })
 }
 
 /// The expected-speedup model evaluated on measured acceptance and costs.
@@ -106,8 +119,8 @@ pub fn cache_dir() -> PathBuf {
 }
 
 pub struct Engine {
-    /// The target's GGUF file.
-    path: PathBuf,
+    /// The target's GGUF file (None for a model built in memory).
+    path: Option<PathBuf>,
     model: Arc<dyn CausalLm>,
     tokenizer: Arc<TextTokenizer>,
     metrics: Arc<Mutex<EngineMetrics>>,
@@ -128,13 +141,36 @@ impl Engine {
     pub fn load(path: impl AsRef<Path>, device: &str) -> Result<Self> {
         let device = parse_device(device)?;
         let mut gguf = GgufFile::open(path)?;
-        let path = gguf.path.clone();
         let model: Arc<dyn CausalLm> = Arc::from(model::load(&mut gguf, &device)?);
         let tokenizer = TextTokenizer::from_gguf(&gguf)?;
+        Self::from_model(model, tokenizer, Some(gguf.path.clone()))
+    }
+
+    /// A Llama of `config`'s shape with seeded random weights in `dtype` (bf16, f16, f32 or a GGUF
+    /// quantization such as q8_0) on `device`, with the numbered tokenizer (`t0 t1 ...`): for
+    /// measuring speed and numerics without a model file.
+    pub fn random_llama(config: LlamaConfig, seed: u64, dtype: &str, device: &str) -> Result<Self> {
+        let format = match dtype {
+            "bf16" | "bfloat16" => WeightFormat::Dense(DType::BF16),
+            "f16" | "float16" => WeightFormat::Dense(DType::F16),
+            "f32" | "float32" => WeightFormat::Dense(DType::F32),
+            quantized => WeightFormat::Quantized(parse_quant_type(quantized).map_err(|_| {
+                Error::config(format!(
+                    "unknown dtype '{quantized}'; use 'bf16', 'f16', 'f32' or a GGUF quantization (q8_0, q4_k, ...)"
+                ))
+            })?),
+        };
+        let tokenizer = TextTokenizer::numbered(config.vocab_size)?;
+        let model = CandleLlama::random(config, seed, format, &parse_device(device)?)?;
+        Self::from_model(Arc::new(model), tokenizer, None)
+    }
+
+    /// An engine over a model already built; `path` is its GGUF file, if it has one.
+    pub fn from_model(model: Arc<dyn CausalLm>, tokenizer: TextTokenizer, path: Option<PathBuf>) -> Result<Self> {
         if tokenizer.vocab_size() > model.info().vocab_size {
+            let source = path.as_ref().map_or_else(|| "the model".to_string(), |p| p.display().to_string());
             return Err(Error::model_load(format!(
-                "{}: the tokenizer has {} tokens but the embedding only {} rows; the file is corrupt",
-                gguf.path.display(),
+                "{source}: the tokenizer has {} tokens but the embedding only {} rows; the file is corrupt",
                 tokenizer.vocab_size(),
                 model.info().vocab_size
             )));
@@ -174,14 +210,19 @@ impl Engine {
     /// a changed target gets a fresh copy.
     pub fn quantized_self_path(&self, quantization: &str) -> Result<PathBuf> {
         let dtype = parse_quant_type(quantization)?;
-        let meta = std::fs::metadata(&self.path)
-            .map_err(|e| Error::model_load(format!("cannot stat {}: {e}", self.path.display())))?;
+        let source = self.path.as_ref().ok_or_else(|| {
+            Error::config(
+                "quantized_self requantizes the target's GGUF file, and this model has none; use another method",
+            )
+        })?;
+        let meta = std::fs::metadata(source)
+            .map_err(|e| Error::model_load(format!("cannot stat {}: {e}", source.display())))?;
         let mtime = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
-        let stem = self.path.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
+        let stem = source.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
         let name = format!("{stem}.{}-{}.{quantization}.gguf", meta.len(), mtime.map_or(0, |d| d.as_secs()));
         let path = cache_dir().join("quantized_self").join(name);
         if !path.exists() {
-            requantize_gguf(&self.path, &path, dtype)?;
+            requantize_gguf(source, &path, dtype)?;
         }
         Ok(path)
     }
@@ -352,6 +393,8 @@ impl Engine {
     /// Verification cost curve in seconds, `[t(1), ..., t(max_n)]`: one forward over n new tokens
     /// on a `context_len`-token cache, measured once and cached.
     pub fn verify_costs(&self, max_n: usize, context_len: usize) -> Result<Vec<f64>> {
+        // A short-context model is measured on the longest context it holds.
+        let context_len = context_len.min(self.model.info().context_length.saturating_sub(max_n)).max(max_n);
         let mut cached = lock(&self.verify_costs)?;
         if let Some((len, costs)) = cached.as_ref() {
             if *len == context_len && costs.len() >= max_n {
@@ -645,13 +688,11 @@ impl Session {
         let rows = if num_draft_tokens == 0 { LogitRows::Last } else { LogitRows::All };
         let t0 = Instant::now();
         let logits = self.model.forward_rows(&input, &mut self.cache, rows)?; // [num_draft_tokens + 1, vocab]
-        let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
+                                                                              // A GPU forward returns before it runs; wait, so forward_s is the forward's own time.
+        logits.device().synchronize()?;
         let t1 = Instant::now();
         self.num_forward_passes += 1;
-
-        let vocab = self.model.info().vocab_size;
-        let verification =
-            verify(&logits, vocab, &draft.token_ids, draft.probs.as_deref(), &self.params, &mut self.sampler)?;
+        let verification = self.verify_step(&logits, &draft)?;
         let num_accepted = verification.num_accepted_tokens;
         // Keep [newest token, accepted drafts]; the rejected tail leaves the cache.
         self.cache.truncate(cache_len + num_unseen + num_accepted);
@@ -695,6 +736,45 @@ impl Session {
         }
         self.text.push_str(&text);
         Ok(StepOutput { token_ids: new_ids, text })
+    }
+
+    /// The target's verdict on `draft` from `logits` `[num_draft_tokens + 1, vocab]`. On a GPU,
+    /// requests whose distribution is softmax(logits / temperature) alone are decided by the
+    /// acceptance kernel where the logits are, so only the counts and one token cross to the
+    /// host; the rest (and the CPU) copy the logits and run `verify`. Both are exact; with one
+    /// seed they consume the random stream differently, so seeded samples differ between them.
+    fn verify_step(&mut self, logits: &Tensor, draft: &Draft) -> Result<Verification> {
+        #[cfg(feature = "cuda")]
+        if logits.device().is_cuda() && self.params.is_temperature_only() {
+            return self.verify_on_device(logits, draft);
+        }
+        let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
+        let vocab = self.model.info().vocab_size;
+        verify(&logits, vocab, &draft.token_ids, draft.probs.as_deref(), &self.params, &mut self.sampler)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn verify_on_device(&mut self, logits: &Tensor, draft: &Draft) -> Result<Verification> {
+        let n = draft.token_ids.len();
+        let vocab = self.model.info().vocab_size;
+        let uniforms: Vec<f32> =
+            if self.params.is_greedy() { vec![0.0; n + 1] } else { (0..=n).map(|_| self.sampler.uniform()).collect() };
+        let input = crate::batch::accept::AcceptInput {
+            batch: 1,
+            max_draft_tokens: n,
+            vocab_size: vocab,
+            target_logits: &[],
+            draft_token_ids: &draft.token_ids,
+            num_draft_tokens: &[n as u32],
+            draft_probs: draft.probs.as_deref(),
+            temperatures: &[self.params.temperature],
+            uniforms: &uniforms,
+        };
+        let out = crate::batch::cuda::accept_on_device(&logits.reshape((1, n + 1, vocab))?, &input)?;
+        let num_accepted_tokens = out.num_accepted_tokens[0] as usize;
+        let mut token_ids = draft.token_ids[..num_accepted_tokens].to_vec();
+        token_ids.push(out.next_token_ids[0]);
+        Ok(Verification { num_accepted_tokens, token_ids })
     }
 
     /// The proposer's draft for this step: at most k tokens (fewer near max_tokens so a step never

@@ -1,8 +1,12 @@
-//! Preallocated key/value cache with O(1) rollback.
+//! Preallocated key/value cache with O(1) rollback, on the host or on a candle device.
 //!
-//! Keys and values are stored as f16, token-major (`[capacity, num_kv_heads * head_dim]` per
-//! layer), like llama.cpp's default cache: half the memory of f32, and the same rounding as the
-//! reference implementation the golden tests compare against.
+//! - Host (the CPU model, `llama.rs`): f16, token-major (`[capacity, num_kv_heads * head_dim]`
+//!   per layer), like llama.cpp's default cache: half the memory of f32, and the same rounding as
+//!   the reference implementation the golden tests compare against.
+//! - Device (the candle-ops model, `llama_candle.rs`): one f32 tensor per layer for keys and one
+//!   for values, head-major (`[num_kv_heads, capacity, head_dim]`), so attention reads a narrowed
+//!   view of it with no copy. f32 because attention runs in f32; at the contexts speculation serves
+//!   the cache is a few percent of the weights' bytes.
 //!
 //! Invariant: rows `0..len()` of every layer hold the keys and values of the tokens the model has
 //! consumed, in order; `truncate(n)` only moves the length, so rejecting draft tokens costs
@@ -11,6 +15,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use candle_core::{DType, Device, Tensor};
 use half::f16;
 
 use crate::error::{Error, Result};
@@ -47,14 +52,37 @@ struct LayerKv {
     v: Vec<f16>,
 }
 
+/// Keys and values of one layer on a device, each `[num_kv_heads, capacity, head_dim]` f32.
+struct DeviceLayerKv {
+    k: Tensor,
+    v: Tensor,
+}
+
+enum Storage {
+    Host(Vec<LayerKv>),
+    Device { layers: Vec<DeviceLayerKv>, num_kv_heads: usize, head_dim: usize, device: Device },
+}
+
 pub struct KvCache {
-    layers: Vec<LayerKv>,
+    storage: Storage,
+    num_layers: usize,
     len: usize,
     capacity: usize,
     max_len: usize,
     /// Values per token per layer: num_kv_heads * head_dim.
     row_len: usize,
     accounting: Option<Arc<KvBytes>>,
+}
+
+fn device_layers(
+    num_layers: usize,
+    num_kv_heads: usize,
+    capacity: usize,
+    head_dim: usize,
+    device: &Device,
+) -> Result<Vec<DeviceLayerKv>> {
+    let zeros = || Tensor::zeros((num_kv_heads, capacity, head_dim), DType::F32, device);
+    (0..num_layers).map(|_| Ok(DeviceLayerKv { k: zeros()?, v: zeros()? })).collect()
 }
 
 impl KvCache {
@@ -65,7 +93,29 @@ impl KvCache {
         let layers = (0..num_layers)
             .map(|_| LayerKv { k: vec![f16::ZERO; capacity * row_len], v: vec![f16::ZERO; capacity * row_len] })
             .collect();
-        Self { layers, len: 0, capacity, max_len, row_len, accounting: None }
+        Self { storage: Storage::Host(layers), num_layers, len: 0, capacity, max_len, row_len, accounting: None }
+    }
+
+    /// A cache on `device` (any candle device, the CPU included) for the candle-ops model.
+    pub fn on_device(
+        num_layers: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        capacity: usize,
+        max_len: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        let capacity = capacity.clamp(1, max_len.max(1));
+        let layers = device_layers(num_layers, num_kv_heads, capacity, head_dim, device)?;
+        Ok(Self {
+            storage: Storage::Device { layers, num_kv_heads, head_dim, device: device.clone() },
+            num_layers,
+            len: 0,
+            capacity,
+            max_len,
+            row_len: num_kv_heads * head_dim,
+            accounting: None,
+        })
     }
 
     /// Counts this cache's bytes (now and as it grows, until it is dropped) in `counter`.
@@ -94,7 +144,11 @@ impl KvCache {
 
     /// Bytes held by the buffers (all layers, keys and values).
     pub fn num_bytes(&self) -> usize {
-        2 * self.layers.len() * self.capacity * self.row_len * std::mem::size_of::<f16>()
+        let elem_size = match self.storage {
+            Storage::Host(_) => std::mem::size_of::<f16>(),
+            Storage::Device { .. } => std::mem::size_of::<f32>(),
+        };
+        2 * self.num_layers * self.capacity * self.row_len * elem_size
     }
 
     /// Keep the first `len` positions; O(1).
@@ -112,9 +166,11 @@ impl KvCache {
         if let Some(counter) = &self.accounting {
             counter.sub(self.num_bytes());
         }
-        for layer in &mut self.layers {
-            layer.k = Vec::new();
-            layer.v = Vec::new();
+        match &mut self.storage {
+            Storage::Host(layers) => {
+                layers.iter_mut().for_each(|layer| *layer = LayerKv { k: Vec::new(), v: Vec::new() })
+            }
+            Storage::Device { layers, .. } => layers.clear(),
         }
         self.len = 0;
         self.capacity = 0;
@@ -132,13 +188,27 @@ impl KvCache {
         }
         if needed > self.capacity {
             let old_bytes = self.num_bytes();
+            let old_capacity = self.capacity;
             self.capacity = needed.max(2 * self.capacity).min(self.max_len);
             if let Some(counter) = &self.accounting {
                 counter.add(self.num_bytes() - old_bytes);
             }
-            for layer in &mut self.layers {
-                layer.k.resize(self.capacity * self.row_len, f16::ZERO);
-                layer.v.resize(self.capacity * self.row_len, f16::ZERO);
+            match &mut self.storage {
+                Storage::Host(layers) => {
+                    for layer in layers {
+                        layer.k.resize(self.capacity * self.row_len, f16::ZERO);
+                        layer.v.resize(self.capacity * self.row_len, f16::ZERO);
+                    }
+                }
+                Storage::Device { layers, num_kv_heads, head_dim, device } => {
+                    let mut grown = device_layers(self.num_layers, *num_kv_heads, self.capacity, *head_dim, device)?;
+                    // A released cache has no layers left to copy.
+                    for (new, old) in grown.iter_mut().zip(layers.iter()).filter(|_| old_capacity > 0) {
+                        new.k.slice_set(&old.k, 1, 0)?;
+                        new.v.slice_set(&old.v, 1, 0)?;
+                    }
+                    *layers = grown;
+                }
             }
         }
         Ok(())
@@ -152,8 +222,11 @@ impl KvCache {
         if self.len + num_new > self.capacity || v.len() != k.len() {
             return Err(Error::Internal(format!("kv cache overflow: call reserve({num_new}) before the forward")));
         }
+        let Storage::Host(layers) = &mut self.storage else {
+            return Err(Error::Internal("host append on a device cache".into()));
+        };
         let start = self.len * self.row_len;
-        let layer = &mut self.layers[layer];
+        let layer = &mut layers[layer];
         for (dst, &src) in layer.k[start..start + k.len()].iter_mut().zip(k) {
             *dst = f16::from_f32(src);
         }
@@ -165,8 +238,40 @@ impl KvCache {
 
     /// Keys and values of `layer`, `[capacity, row_len]`; rows past the held and appended
     /// positions are stale.
+    ///
+    /// Panics on a device cache: the host model never gets one (`CausalLm::new_cache` builds
+    /// the kind its model reads).
     pub fn layer(&self, layer: usize) -> (&[f16], &[f16]) {
-        (&self.layers[layer].k, &self.layers[layer].v)
+        match &self.storage {
+            Storage::Host(layers) => (&layers[layer].k, &layers[layer].v),
+            Storage::Device { .. } => panic!("host read of a device kv cache"),
+        }
+    }
+
+    /// Device twin of `append`: writes `k` and `v` (`[num_kv_heads, num_new, head_dim]`) of
+    /// `layer` after the held positions.
+    pub fn append_tensors(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+        let Storage::Device { layers, .. } = &mut self.storage else {
+            return Err(Error::Internal("device append on a host cache".into()));
+        };
+        let num_new = k.dim(1)?;
+        if self.len + num_new > self.capacity {
+            return Err(Error::Internal(format!("kv cache overflow: call reserve({num_new}) before the forward")));
+        }
+        let layer = &layers[layer];
+        layer.k.slice_set(&k.to_dtype(DType::F32)?.contiguous()?, 1, self.len)?;
+        layer.v.slice_set(&v.to_dtype(DType::F32)?.contiguous()?, 1, self.len)?;
+        Ok(())
+    }
+
+    /// Device twin of `layer`: views `[num_kv_heads, num_positions, head_dim]` of the first
+    /// `num_positions` keys and values of `layer` (held plus appended), without copying.
+    pub fn layer_tensors(&self, layer: usize, num_positions: usize) -> Result<(Tensor, Tensor)> {
+        let Storage::Device { layers, .. } = &self.storage else {
+            return Err(Error::Internal("device read of a host kv cache".into()));
+        };
+        let layer = &layers[layer];
+        Ok((layer.k.narrow(1, 0, num_positions)?, layer.v.narrow(1, 0, num_positions)?))
     }
 
     /// Counts `num_new` appended positions as held.
@@ -221,6 +326,34 @@ mod tests {
         let err = cache.reserve(1).unwrap_err();
         assert!(matches!(err, Error::ContextLength(_)), "{err}");
         assert_eq!(first_column(&cache, 1), (0..8).map(|x| x as f32).collect::<Vec<_>>());
+    }
+
+    /// The device layout: growth keeps the held positions, truncation drops the rejected ones,
+    /// and a released cache grows again from nothing.
+    #[test]
+    fn device_cache_grows_truncates_and_recovers_from_release() {
+        let device = Device::Cpu;
+        let mut cache = KvCache::on_device(2, 2, 3, 1, 16, &device).unwrap();
+        let rows = |values: &[f32]| Tensor::new(values, &device).unwrap().reshape((2, values.len() / 6, 3)).unwrap();
+        for (step, num_new) in [(1.0, 2), (2.0, 3)] {
+            cache.reserve(num_new).unwrap();
+            for layer in 0..2 {
+                let kv = rows(&vec![step; 6 * num_new]);
+                cache.append_tensors(layer, &kv, &kv).unwrap();
+            }
+            cache.commit(num_new);
+        }
+        cache.truncate(3);
+        let (k, _) = cache.layer_tensors(1, cache.len()).unwrap();
+        assert_eq!(k.dims(), [2, 3, 3]);
+        assert_eq!(
+            k.narrow(2, 0, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            [1., 1., 2., 1., 1., 2.]
+        );
+        cache.release();
+        cache.reserve(1).unwrap();
+        cache.append_tensors(0, &rows(&[5.0; 6]), &rows(&[5.0; 6])).unwrap();
+        assert!(cache.append_tensors(0, &rows(&[5.0; 12]), &rows(&[5.0; 12])).is_err(), "overflow");
     }
 
     #[test]

@@ -4,9 +4,10 @@
 //! `tokenizer` / `chat_template` / `detokenizer` (text) -> `sampler` -> `proposer` (guesses) +
 //! `verify` (lossless acceptance) + `draft_length` -> `engine` (requests, configured by
 //! `spec_config`) and `metrics`; `quantize` writes requantized GGUF copies (the `quantized_self`
-//! draft); `batch` holds the batched kernels (CPU references, and CUDA with the `cuda` feature).
+//! draft); `bandwidth` measures the memory roof decode steps are held against; `batch` holds the batched kernels (CPU references, and CUDA with the `cuda` feature).
 //! The Python bindings live in `specrs-py`.
 
+pub mod bandwidth;
 pub mod batch;
 pub mod chat_template;
 pub mod config;

@@ -17,10 +17,12 @@ use tokenizers::decoders::fuse::Fuse;
 use tokenizers::decoders::sequence::Sequence as DecoderSequence;
 use tokenizers::decoders::strip::Strip;
 use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::models::wordlevel::WordLevel;
 use tokenizers::normalizers::{Prepend, Replace, Sequence as NormalizerSequence};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::sequence::Sequence as PreTokenizerSequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::pre_tokenizers::whitespace::Whitespace;
 use tokenizers::{
     AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer,
 };
@@ -149,6 +151,28 @@ impl TextTokenizer {
             None => None,
         };
         Ok(Self { inner, bos_token_id, add_bos, eos_token_ids, chat_template, vocab_size })
+    }
+
+    /// For models without a tokenizer (seeded random weights): token i is the word `t{i}`, and
+    /// text is those words separated by spaces. No BOS, EOS or chat template, so generation
+    /// always runs to max_tokens.
+    pub fn numbered(vocab_size: usize) -> Result<Self> {
+        let vocab = (0..vocab_size as u32).map(|i| (format!("t{i}"), i)).collect();
+        let model = WordLevel::builder()
+            .vocab(vocab)
+            .unk_token("t0".into())
+            .build()
+            .map_err(|e| Error::Internal(format!("building the numbered vocabulary: {e}")))?;
+        let mut inner = Tokenizer::new(model);
+        inner.with_pre_tokenizer(Some(Whitespace {}));
+        Ok(Self {
+            inner,
+            bos_token_id: None,
+            add_bos: false,
+            eos_token_ids: Vec::new(),
+            chat_template: None,
+            vocab_size,
+        })
     }
 
     fn byte_level_bpe(gguf: &GgufFile, tokens: &[String]) -> Result<Tokenizer> {

@@ -112,3 +112,46 @@ fn greedy_generation_is_deterministic_and_stops() {
     assert!(!a.text.trim().is_empty());
     assert_eq!(a.metrics.num_generated_tokens, a.token_ids.len());
 }
+
+/// The candle-ops llama (what `device="cuda"` runs), loaded from the same GGUF on the CPU, agrees
+/// with the CPU model teacher-forced, and its greedy speculative output equals its own plain
+/// greedy output. Agreement is not total: the CPU model reproduces llama.cpp's rounding exactly
+/// (0.0 logit difference on the golden prompts), the candle one does not (f32 attention, candle's
+/// own kernels), and this Q4_1 135M model turns such rounding into logit differences up to ~1.5.
+/// Measured: 120/126 here, 872/896 (97.3%) on the golden prompts against llama.cpp; a layout or
+/// masking bug drops far below the 95% asserted.
+#[test]
+fn candle_llama_agrees_with_the_cpu_model() {
+    use specrs_core::gguf::GgufFile;
+    use specrs_core::model::llama_candle::CandleLlama;
+    use specrs_core::tokenizer::TextTokenizer;
+    use specrs_core::SpeculativeConfig;
+    use std::sync::Arc;
+
+    let cpu = engine();
+    let mut gguf = GgufFile::open(smollm2_path()).unwrap();
+    let model = CandleLlama::from_gguf(&mut gguf, "llama", &candle_core::Device::Cpu).unwrap();
+    let candle = Engine::from_model(Arc::new(model), TextTokenizer::from_gguf(&gguf).unwrap(), None).unwrap();
+    let ids = cpu.tokenizer().encode(&TEXT.repeat(3), false).unwrap();
+    let (a, b) = (cpu.logits(&ids).unwrap(), candle.logits(&ids).unwrap());
+    let vocab = cpu.model().info().vocab_size;
+    let rows_a: Vec<&[f32]> = a.chunks(vocab).collect();
+    let rows_b: Vec<&[f32]> = b.chunks(vocab).collect();
+    let agree = rows_a.iter().zip(&rows_b).filter(|(x, y)| argmax(x) == argmax(y)).count();
+    let worst = rows_a.iter().zip(&rows_b).map(|(x, y)| max_abs_diff(x, y)).fold(0.0, f32::max);
+    println!("candle vs CPU llama: top-1 agreement {agree}/{} positions, max |logit diff| {worst}", ids.len());
+    assert!(agree * 100 >= ids.len() * 95, "top-1 agreement {agree}/{}", ids.len());
+
+    let prompt = cpu.tokenizer().encode(&TEXT.repeat(2), false).unwrap();
+    let plain = candle.generate(prompt.clone(), SamplingParams::greedy(48), None).unwrap();
+    for k in [2, 4] {
+        let config = SpeculativeConfig::from_json(&format!(
+            r#"{{"method": "ngram", "num_speculative_tokens": {k}, "adaptive_draft_length": false}}"#
+        ))
+        .unwrap();
+        let speculation = candle.speculation(&config, None).unwrap();
+        let spec = candle.generate(prompt.clone(), SamplingParams::greedy(48), Some(speculation)).unwrap();
+        assert_eq!(spec.token_ids, plain.token_ids, "ngram k={k}");
+        assert!(spec.metrics.spec.num_drafts > 0, "ngram k={k} never drafted");
+    }
+}

@@ -10,6 +10,7 @@ use specrs_core::engine::Generation;
 use specrs_core::metrics::{
     expected_speedup_refined, expected_speedup_textbook, verify_cost_at, RequestMetrics, SpecDecodeMetrics,
 };
+use specrs_core::model::llama_config::LlamaConfig;
 use specrs_core::proposer::Proposer;
 use specrs_core::tokenizer::TextTokenizer;
 use specrs_core::{Engine, SamplingParams, Session, Speculation, SpeculativeConfig};
@@ -226,6 +227,16 @@ pub fn requantize(
     Ok(report.into_iter().map(|t| (t.name, name(t.from), name(t.to))).collect())
 }
 
+/// Device-to-device copy bandwidth in bytes per second (read plus write), median of `repeats`.
+#[pyfunction]
+#[pyo3(signature = (device="cpu", num_bytes=1 << 30, repeats=10))]
+pub fn copy_bandwidth(py: Python<'_>, device: &str, num_bytes: usize, repeats: usize) -> PyResult<f64> {
+    let device = device.to_string();
+    run_detached(py, move || {
+        specrs_core::bandwidth::copy_bandwidth(&specrs_core::engine::parse_device(&device)?, num_bytes, repeats)
+    })
+}
+
 #[pyclass(name = "Engine", module = "specrs._specrs", frozen)]
 pub struct PyEngine {
     inner: Arc<Engine>,
@@ -238,6 +249,23 @@ impl PyEngine {
     fn new(py: Python<'_>, model_path: String, device: &str) -> PyResult<Self> {
         let device = device.to_string();
         let engine = run_detached(py, move || Engine::load(&model_path, &device))?;
+        Ok(Self { inner: Arc::new(engine) })
+    }
+
+    /// A Llama with seeded random weights: `config_json` uses transformers' LlamaConfig names
+    /// ("llama3-8b" for Llama 3 8B's shape); dtype "bf16" | "f16" | "f32".
+    #[staticmethod]
+    #[pyo3(signature = (config_json, seed=0, dtype="bf16", device="cpu"))]
+    fn random_llama(py: Python<'_>, config_json: String, seed: u64, dtype: &str, device: &str) -> PyResult<Self> {
+        let (dtype, device) = (dtype.to_string(), device.to_string());
+        let engine = run_detached(py, move || {
+            let config = if config_json == "llama3-8b" {
+                LlamaConfig::llama3_8b()
+            } else {
+                LlamaConfig::from_json(&config_json)?
+            };
+            Engine::random_llama(config, seed, &dtype, &device)
+        })?;
         Ok(Self { inner: Arc::new(engine) })
     }
 
@@ -256,6 +284,7 @@ impl PyEngine {
         d.set_item("context_length", i.context_length)?;
         d.set_item("num_layers", i.num_layers)?;
         d.set_item("weight_bytes", model.weight_bytes())?;
+        d.set_item("device", format!("{:?}", model.device().location()))?;
         Ok(d)
     }
 

@@ -16,6 +16,7 @@ fn _specrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyTokenizer>()?;
     m.add_function(wrap_pyfunction!(engine::expected_speedup, m)?)?;
     m.add_function(wrap_pyfunction!(engine::requantize, m)?)?;
+    m.add_function(wrap_pyfunction!(engine::copy_bandwidth, m)?)?;
     m.add_function(wrap_pyfunction!(batch::batch_accept, m)?)?;
     m.add_function(wrap_pyfunction!(batch::batch_ngram, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -25,8 +25,9 @@ use candle_core::{Device, Tensor};
 
 use super::attention::{apply_rope, causal_attention, rope_tables, HeadShape};
 use super::ggml_math::swiglu;
+use super::llama_config::LlamaConfig;
 use super::qlinear::QLinear;
-use super::{CausalLm, LogitRows, ModelInfo};
+use super::{check_exit_layer, CausalLm, LogitRows, ModelInfo};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
@@ -86,63 +87,18 @@ impl WeightLoader<'_> {
 impl Llama {
     pub fn load(gguf: &mut GgufFile, arch: &str, device: &Device) -> Result<Self> {
         if !matches!(device, Device::Cpu) {
-            return Err(Error::Device("the llama model runs on the CPU in this build".into()));
+            return Err(Error::Device("llama.rs runs on the CPU; other devices load llama_candle.rs".into()));
         }
-        let key = |k: &str| format!("{arch}.{k}");
-        let num_layers = gguf.get_usize(&key("block_count"))?;
-        let hidden = gguf.get_usize(&key("embedding_length"))?;
-        let num_heads = gguf.get_usize(&key("attention.head_count"))?;
-        let num_kv_heads = gguf.opt_usize(&key("attention.head_count_kv"))?.unwrap_or(num_heads);
-        let rms_eps = gguf.get_f32(&key("attention.layer_norm_rms_epsilon"))?;
-        let rope_theta = gguf.opt_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0);
-        let context_length = gguf.get_usize(&key("context_length"))?;
-        let path = gguf.path.display().to_string();
-        if num_heads == 0 || hidden % num_heads != 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
-            return Err(Error::model_load(format!(
-                "{path}: inconsistent attention shape (embedding {hidden}, {num_heads} heads, \
-                 {num_kv_heads} kv heads); the GGUF metadata is corrupt"
-            )));
-        }
-        let head_dim = hidden / num_heads;
-        let rope_dim = gguf.opt_usize(&key("rope.dimension_count"))?.unwrap_or(head_dim);
-        if rope_dim != head_dim {
-            return Err(Error::model_load(format!(
-                "{path}: partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim}) are not supported"
-            )));
-        }
-        for (name, want) in [
-            ("blk.0.attn_q.weight", vec![hidden, hidden]),
-            ("blk.0.attn_k.weight", vec![num_kv_heads * head_dim, hidden]),
-        ] {
-            let got = gguf.tensor_dims(name).unwrap_or_default();
-            if got != want {
-                return Err(Error::model_load(format!(
-                    "{path}: tensor '{name}' has shape {got:?}, the metadata implies {want:?}; the file is corrupt"
-                )));
-            }
-        }
-        // Llama 3.1-style frequency scaling ships as a tensor of per-dimension divisors.
-        let freq_factors = if gguf.has_tensor("rope_freqs.weight") {
-            Some(gguf.tensor("rope_freqs.weight", &Device::Cpu)?.dequantize(&Device::Cpu)?.to_vec1::<f32>()?)
-        } else {
-            None
-        };
+        let config = LlamaConfig::from_gguf(gguf, arch)?;
+        let freq_factors = LlamaConfig::rope_freq_factors(gguf)?;
+        let (hidden, num_heads, head_dim) = (config.hidden_size, config.num_attention_heads, config.head_dim());
 
         let mut w = WeightLoader { gguf, device, num_bytes: 0 };
         let embed = w.qtensor("token_embd.weight")?;
-        let (vocab_size, embed_hidden) = embed.shape().dims2()?;
-        if embed_hidden != hidden {
-            return Err(Error::model_load(format!(
-                "{path}: token_embd has width {embed_hidden} but embedding_length is {hidden}; the file is corrupt"
-            )));
-        }
-        let lm_head = if w.gguf.has_tensor("output.weight") {
-            w.linear("output.weight")?
-        } else {
-            QLinear::new(embed.clone())? // tied embeddings
-        };
+        let lm_head =
+            if config.tie_word_embeddings { QLinear::new(embed.clone())? } else { w.linear("output.weight")? };
         let final_norm = w.vector("output_norm.weight")?;
-        let blocks = (0..num_layers)
+        let blocks = (0..config.num_hidden_layers)
             .map(|i| {
                 let name = |part: &str| format!("blk.{i}.{part}.weight");
                 Ok(Block {
@@ -159,20 +115,21 @@ impl Llama {
             })
             .collect::<Result<Vec<_>>>()?;
         let weight_bytes = w.num_bytes;
-        let (cos, sin) = rope_tables(head_dim, rope_theta, context_length, freq_factors.as_deref());
+        let (cos, sin) =
+            rope_tables(head_dim, config.rope_theta, config.max_position_embeddings, freq_factors.as_deref());
 
         Ok(Self {
             info: ModelInfo {
                 architecture: arch.to_string(),
-                vocab_size,
-                context_length,
-                num_layers,
-                num_kv_heads,
+                vocab_size: config.vocab_size,
+                context_length: config.max_position_embeddings,
+                num_layers: config.num_hidden_layers,
+                num_kv_heads: config.num_kv_heads(),
                 head_dim,
             },
             hidden,
             num_heads,
-            rms_eps,
+            rms_eps: config.rms_norm_eps,
             embed,
             blocks,
             final_norm,
@@ -231,12 +188,7 @@ impl CausalLm for Llama {
         num_layers: usize,
         rows: LogitRows,
     ) -> Result<Tensor> {
-        if num_layers == 0 || num_layers > self.blocks.len() {
-            return Err(Error::config(format!(
-                "exit_layer must be in 1..={} for this model (got {num_layers})",
-                self.blocks.len()
-            )));
-        }
+        check_exit_layer(num_layers, self.blocks.len())?;
         self.forward_layers(tokens, cache, num_layers, rows)
     }
 }

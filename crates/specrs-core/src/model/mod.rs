@@ -1,5 +1,9 @@
 //! Target and draft models: the `CausalLm` trait and one file per architecture family.
 //!
+//! Llama has two implementations: `llama.rs`, the CPU model with llama.cpp's numerics and bitwise
+//! row independence (hand-written AVX2 kernels), and `llama_candle.rs`, candle ops on any device
+//! (what `device="cuda"` runs). `load` picks by device.
+//!
 //! Invariant: `forward` scores EVERY new token (verification needs the logits of all k+1
 //! positions from one pass) and leaves the cache holding exactly the old positions plus the new
 //! ones; the caller rolls back with `KvCache::truncate`.
@@ -7,8 +11,11 @@
 pub mod attention;
 pub mod ggml_math;
 pub mod llama;
+pub mod llama_candle;
+pub mod llama_config;
 pub mod parallel;
 pub mod qlinear;
+pub mod random;
 
 use candle_core::{Device, Tensor};
 
@@ -76,6 +83,14 @@ pub trait CausalLm: Send + Sync {
     }
 }
 
+/// `forward_early_exit`'s bound: at least one block, at most all `num_blocks`.
+pub(crate) fn check_exit_layer(num_layers: usize, num_blocks: usize) -> Result<()> {
+    if num_layers == 0 || num_layers > num_blocks {
+        return Err(Error::config(format!("exit_layer must be in 1..={num_blocks} for this model (got {num_layers})")));
+    }
+    Ok(())
+}
+
 /// Architectures `load` accepts, for error messages.
 pub const SUPPORTED_ARCHITECTURES: &str = "llama (SmolLM2, Llama 2/3, Mistral)";
 
@@ -83,7 +98,8 @@ pub const SUPPORTED_ARCHITECTURES: &str = "llama (SmolLM2, Llama 2/3, Mistral)";
 pub fn load(gguf: &mut GgufFile, device: &Device) -> Result<Box<dyn CausalLm>> {
     let architecture = gguf.get_str("general.architecture")?.to_string();
     match architecture.as_str() {
-        "llama" | "mistral" => Ok(Box::new(llama::Llama::load(gguf, &architecture, device)?)),
+        "llama" | "mistral" if device.is_cpu() => Ok(Box::new(llama::Llama::load(gguf, &architecture, device)?)),
+        "llama" | "mistral" => Ok(Box::new(llama_candle::CandleLlama::from_gguf(gguf, &architecture, device)?)),
         other => Err(Error::model_load(format!(
             "{}: unsupported architecture '{other}'; specrs runs {SUPPORTED_ARCHITECTURES}",
             gguf.path.display()
