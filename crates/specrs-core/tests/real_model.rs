@@ -113,7 +113,7 @@ fn greedy_generation_is_deterministic_and_stops() {
     assert_eq!(a.metrics.num_generated_tokens, a.token_ids.len());
 }
 
-/// The candle-ops llama (what `device="cuda"` runs), loaded from the same GGUF on the CPU, agrees
+/// The shared candle-ops decoder (what `device="cuda"` runs), loaded from the same GGUF on the CPU, agrees
 /// with the CPU model teacher-forced, and its greedy speculative output equals its own plain
 /// greedy output. Agreement is not total: the CPU model reproduces llama.cpp's rounding exactly
 /// (0.0 logit difference on the golden prompts), the candle one does not (f32 attention, candle's
@@ -123,14 +123,16 @@ fn greedy_generation_is_deterministic_and_stops() {
 #[test]
 fn candle_llama_agrees_with_the_cpu_model() {
     use specrs_core::gguf::GgufFile;
-    use specrs_core::model::llama_candle::CandleLlama;
+    use specrs_core::model::decoder::Decoder;
+    use specrs_core::model::families;
     use specrs_core::tokenizer::TextTokenizer;
     use specrs_core::SpeculativeConfig;
     use std::sync::Arc;
 
     let cpu = engine();
     let mut gguf = GgufFile::open(smollm2_path()).unwrap();
-    let model = CandleLlama::from_gguf(&mut gguf, "llama", &candle_core::Device::Cpu).unwrap();
+    let config = families::from_gguf(&mut gguf, "llama").unwrap();
+    let model = Decoder::from_gguf(&mut gguf, config, &candle_core::Device::Cpu).unwrap();
     let candle = Engine::from_model(Arc::new(model), TextTokenizer::from_gguf(&gguf).unwrap(), None).unwrap();
     let ids = cpu.tokenizer().encode(&TEXT.repeat(3), false).unwrap();
     let (a, b) = (cpu.logits(&ids).unwrap(), candle.logits(&ids).unwrap());

@@ -87,7 +87,7 @@ impl WeightLoader<'_> {
 impl Llama {
     pub fn load(gguf: &mut GgufFile, arch: &str, device: &Device) -> Result<Self> {
         if !matches!(device, Device::Cpu) {
-            return Err(Error::Device("llama.rs runs on the CPU; other devices load llama_candle.rs".into()));
+            return Err(Error::Device("llama.rs runs on the CPU; other devices load decoder.rs".into()));
         }
         let config = LlamaConfig::from_gguf(gguf, arch)?;
         let freq_factors = LlamaConfig::rope_freq_factors(gguf)?;

@@ -1,6 +1,5 @@
-//! Llama hyperparameters, read from GGUF metadata or given with Hugging Face `config.json` names.
-//! Both llama implementations (`llama.rs` on the CPU, `llama_candle.rs` on any device) take them
-//! from here, so a file is checked the same way whichever runs it.
+//! Llama hyperparameters, read from GGUF metadata (the CPU llama, `llama.rs`) or given with
+//! Hugging Face `config.json` names (random-weight models, which `decoder.rs` builds).
 //!
 //! Invariant: a `LlamaConfig` that exists is self-consistent (heads divide the width, kv heads
 //! divide the heads), so model code never re-checks shapes it derives from it.

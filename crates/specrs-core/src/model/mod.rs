@@ -1,17 +1,19 @@
 //! Target and draft models: the `CausalLm` trait and one file per architecture family.
 //!
-//! Llama has two implementations: `llama.rs`, the CPU model with llama.cpp's numerics and bitwise
-//! row independence (hand-written AVX2 kernels), and `llama_candle.rs`, candle ops on any device
-//! (what `device="cuda"` runs). `load` picks by device.
+//! Two implementations: `llama.rs`, the CPU llama with llama.cpp's numerics and bitwise row
+//! independence (hand-written AVX2 kernels), and `decoder.rs`, one block with per-family flags
+//! (`families.rs`) in candle ops on any device: every other family, and everything on CUDA.
+//! `load` picks.
 //!
 //! Invariant: `forward` scores EVERY new token (verification needs the logits of all k+1
 //! positions from one pass) and leaves the cache holding exactly the old positions plus the new
 //! ones; the caller rolls back with `KvCache::truncate`.
 
 pub mod attention;
+pub mod decoder;
+pub mod families;
 pub mod ggml_math;
 pub mod llama;
-pub mod llama_candle;
 pub mod llama_config;
 pub mod parallel;
 pub mod qlinear;
@@ -92,17 +94,21 @@ pub(crate) fn check_exit_layer(num_layers: usize, num_blocks: usize) -> Result<(
 }
 
 /// Architectures `load` accepts, for error messages.
-pub const SUPPORTED_ARCHITECTURES: &str = "llama (SmolLM2, Llama 2/3, Mistral)";
+pub const SUPPORTED_ARCHITECTURES: &str =
+    "llama (SmolLM2, Llama 2/3, Mistral), qwen2 (Qwen2/2.5), qwen3, gemma3 and phi3 (GGUF general.architecture)";
 
 /// Opens a GGUF file and builds the model its `general.architecture` names.
 pub fn load(gguf: &mut GgufFile, device: &Device) -> Result<Box<dyn CausalLm>> {
     let architecture = gguf.get_str("general.architecture")?.to_string();
-    match architecture.as_str() {
-        "llama" | "mistral" if device.is_cpu() => Ok(Box::new(llama::Llama::load(gguf, &architecture, device)?)),
-        "llama" | "mistral" => Ok(Box::new(llama_candle::CandleLlama::from_gguf(gguf, &architecture, device)?)),
-        other => Err(Error::model_load(format!(
-            "{}: unsupported architecture '{other}'; specrs runs {SUPPORTED_ARCHITECTURES}",
+    if !families::GGUF_ARCHITECTURES.contains(&architecture.as_str()) {
+        return Err(Error::model_load(format!(
+            "{}: unsupported architecture '{architecture}'; specrs runs {SUPPORTED_ARCHITECTURES}",
             gguf.path.display()
-        ))),
+        )));
     }
+    if device.is_cpu() && matches!(architecture.as_str(), "llama" | "mistral") {
+        return Ok(Box::new(llama::Llama::load(gguf, &architecture, device)?));
+    }
+    let config = families::from_gguf(gguf, &architecture)?;
+    Ok(Box::new(decoder::Decoder::from_gguf(gguf, config, device)?))
 }

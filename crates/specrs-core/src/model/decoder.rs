@@ -1,0 +1,782 @@
+//! The shared decoder-only transformer, written with candle tensor ops so it runs on any candle
+//! device: every family but the CPU llama (`llama.rs`), and every family on CUDA. Llama, Mistral,
+//! Qwen2/2.5, Qwen3, Gemma 3 and Phi-3 are one block with flags (`DecoderConfig`); which GGUF
+//! keys set them is in `families.rs`. Weights are GGUF tensors (candle's quantized matmul,
+//! activations in f32) or dense bf16/f16/f32 tensors (seeded random weights; safetensors next).
+//!
+//! A block: RMSNorm -> q/k/v projections (+ bias: Qwen2) -> per-head q/k RMSNorm (Qwen3, Gemma 3)
+//! -> rotary embedding (interleaved for GGUF llama, whose q/k are permuted for it; half-split
+//! otherwise; optionally on the first `rope_dims` only: Phi-3) -> grouped-query attention (scaled,
+//! optionally soft-capped, optionally within a sliding window) -> output projection
+//! (-> RMSNorm: Gemma 3) -> residual -> RMSNorm -> SiLU- or GELU-gated MLP (-> RMSNorm: Gemma 3)
+//! -> residual.
+//!
+//! Invariant: `forward_rows` scores every new token against the cached keys plus its own
+//! predecessors (causal, windowed where the layer says so), and appends exactly the new positions
+//! to the cache. Unlike `llama.rs` it does not promise bitwise row independence: cuBLAS picks its
+//! kernels by shape, so a k+1-token verify can round differently from single steps, and greedy
+//! speculative output equals plain greedy output except at near-ties (the GPU check counts them).
+//! Attention runs in f32 over an f32 cache, which keeps those differences at the matmuls' rounding.
+
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::ops::{rms_norm, softmax_last_dim};
+use candle_nn::rotary_emb::{rope, rope_i};
+
+use super::attention::rope_tables;
+use super::llama_config::LlamaConfig;
+use super::random;
+use super::{check_exit_layer, CausalLm, LogitRows, ModelInfo};
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use crate::kv_cache::KvCache;
+
+/// Everything the shared block needs to know about a family, beyond the tensors themselves.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecoderConfig {
+    pub architecture: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub context_length: usize,
+    pub rms_eps: f32,
+    pub rope_theta: f32,
+    /// Base of the sliding-window layers' rotary embedding (Gemma 3: 10000).
+    pub rope_theta_local: f32,
+    /// Global layers' positions are divided by this (linear RoPE scaling; 1 = none).
+    pub rope_linear_factor: f32,
+    /// Rotated dimensions of each head (< head_dim: partial rotary, Phi-3.5/4).
+    pub rope_dims: usize,
+    /// Pairs (2i, 2i+1) instead of (i, i + rope_dims/2): GGUF llama, whose q/k were permuted.
+    pub rope_interleaved: bool,
+    /// Llama-3.1-style per-dimension frequency divisors (`[rope_dims / 2]`).
+    pub rope_freq_factors: Option<Vec<f32>>,
+    /// Multiplier of q·k (usually 1/sqrt(head_dim)).
+    pub attention_scale: f32,
+    pub attn_logit_softcap: Option<f32>,
+    pub final_logit_softcap: Option<f32>,
+    /// Keys a query sees in a sliding-window layer, itself included.
+    pub sliding_window: Option<usize>,
+    /// Per layer: whether it uses the sliding window.
+    pub sliding_layers: Vec<bool>,
+    /// Embeddings multiplied by this (Gemma: sqrt(hidden_size)).
+    pub embed_scale: Option<f32>,
+    /// GELU (tanh) gate instead of SiLU (Gemma).
+    pub gelu: bool,
+    pub tie_word_embeddings: bool,
+}
+
+impl DecoderConfig {
+    /// A plain Llama with transformers' layout (half-split RoPE).
+    pub fn from_llama(config: &LlamaConfig) -> Self {
+        let head_dim = config.head_dim();
+        Self {
+            architecture: "llama".into(),
+            vocab_size: config.vocab_size,
+            hidden_size: config.hidden_size,
+            intermediate_size: config.intermediate_size,
+            num_layers: config.num_hidden_layers,
+            num_heads: config.num_attention_heads,
+            num_kv_heads: config.num_kv_heads(),
+            head_dim,
+            context_length: config.max_position_embeddings,
+            rms_eps: config.rms_norm_eps,
+            rope_theta: config.rope_theta,
+            rope_theta_local: config.rope_theta,
+            rope_linear_factor: 1.0,
+            rope_dims: head_dim,
+            rope_interleaved: false,
+            rope_freq_factors: None,
+            attention_scale: 1.0 / (head_dim as f32).sqrt(),
+            attn_logit_softcap: None,
+            final_logit_softcap: None,
+            sliding_window: None,
+            sliding_layers: vec![false; config.num_hidden_layers],
+            embed_scale: None,
+            gelu: false,
+            tie_word_embeddings: config.tie_word_embeddings,
+        }
+    }
+}
+
+/// How `Decoder::random` stores its weights.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum WeightFormat {
+    Dense(DType),
+    Quantized(GgmlDType),
+}
+
+enum Weight {
+    Quantized(QMatMul),
+    /// `[out_features, in_features]`, in the activation dtype.
+    Dense(Tensor),
+}
+
+struct Linear {
+    weight: Weight,
+    /// `[out_features]`, in the activation dtype.
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    fn new(weight: Weight) -> Self {
+        Self { weight, bias: None }
+    }
+
+    /// `[n, in_features]` -> `[n, out_features]`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = match &self.weight {
+            Weight::Quantized(w) if x.dim(0)? > 1 && multi_row_rounds_differently(w) => {
+                let rows =
+                    (0..x.dim(0)?).map(|i| w.forward(&x.narrow(0, i, 1)?)).collect::<candle_core::Result<Vec<_>>>()?;
+                Tensor::cat(&rows, 0)?
+            }
+            Weight::Quantized(w) => w.forward(x)?,
+            Weight::Dense(w) => x.matmul(&w.t()?)?,
+        };
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}
+
+/// candle's CPU Q6_K matmul takes a compact GEMV for one row and repacked tiles for more, which
+/// round differently (measured: up to 6e-6 on Gemma 3's ffn_down); rows of such weights are
+/// computed one at a time so a verify pass matches single steps. Its other CPU types (Q4_0..Q8_0,
+/// Q4_K, measured) already compute each row the same way whatever the row count.
+fn multi_row_rounds_differently(w: &QMatMul) -> bool {
+    matches!(w, QMatMul::QTensor(t) if t.dtype() == GgmlDType::Q6K && t.device().is_cpu())
+}
+
+/// Projections of one input (q/k/v, or gate/up) computed by one matmul whose output is split:
+/// stored fused (Phi-3), or dense weights stacked at load. On a GPU a decode step is dozens of
+/// small launches per layer, and each one saved is time saved.
+enum Projections {
+    Separate(Vec<Linear>),
+    Fused { linear: Linear, widths: Vec<usize> },
+}
+
+impl Projections {
+    /// Stacks dense weights (and their biases); quantized ones stay separate.
+    fn new(linears: Vec<Linear>) -> Result<Self> {
+        let dense: Option<Vec<&Tensor>> = linears
+            .iter()
+            .map(|l| match &l.weight {
+                Weight::Dense(w) => Some(w),
+                Weight::Quantized(_) => None,
+            })
+            .collect();
+        let Some(weights) = dense else { return Ok(Projections::Separate(linears)) };
+        let widths = weights.iter().map(|w| w.dim(0)).collect::<candle_core::Result<Vec<_>>>()?;
+        let weight = Weight::Dense(Tensor::cat(&weights, 0)?);
+        let bias = if linears.iter().any(|l| l.bias.is_some()) {
+            let parts = linears
+                .iter()
+                .zip(&widths)
+                .map(|(l, &width)| match &l.bias {
+                    Some(b) => Ok(b.clone()),
+                    None => Ok(Tensor::zeros(width, weights[0].dtype(), weights[0].device())?),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Some(Tensor::cat(&parts, 0)?)
+        } else {
+            None
+        };
+        Ok(Projections::Fused { linear: Linear { weight, bias }, widths })
+    }
+
+    /// `[n, in_features]` -> one `[n, width]` tensor per projection.
+    fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        match self {
+            Projections::Separate(linears) => linears.iter().map(|l| l.forward(x)).collect(),
+            Projections::Fused { linear, widths } => {
+                let y = linear.forward(x)?;
+                let mut start = 0;
+                widths
+                    .iter()
+                    .map(|&width| {
+                        start += width;
+                        Ok(y.narrow(1, start - width, width)?)
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+struct Block {
+    attn_norm: Tensor,
+    /// q, k, v.
+    qkv: Projections,
+    /// `[head_dim]` f32, per-head RMSNorm of q and k before the rotation.
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
+    wo: Linear,
+    post_attn_norm: Option<Tensor>,
+    ffn_norm: Tensor,
+    /// gate, up.
+    gate_up: Projections,
+    w_down: Linear,
+    post_ffn_norm: Option<Tensor>,
+}
+
+/// `[context_length, rope_dims / 2]` f32 rotary tables.
+struct RopeTables {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+pub struct Decoder {
+    info: ModelInfo,
+    config: DecoderConfig,
+    /// Dtype of the hidden state between blocks: f32 for quantized weights, else the weights'.
+    dtype: DType,
+    /// `[vocab_size, hidden_size]` in `dtype`.
+    embed: Tensor,
+    blocks: Vec<Block>,
+    final_norm: Tensor,
+    lm_head: Linear,
+    global_rope: RopeTables,
+    /// For sliding-window layers when their base differs.
+    local_rope: Option<RopeTables>,
+    device: Device,
+    weight_bytes: usize,
+}
+
+/// Reads GGUF tensors by name onto the device and counts their bytes.
+struct GgufWeights<'a> {
+    gguf: &'a mut GgufFile,
+    device: &'a Device,
+    num_bytes: usize,
+}
+
+impl GgufWeights<'_> {
+    fn qtensor(&mut self, name: &str) -> Result<Arc<QTensor>> {
+        let t = self.gguf.tensor(name, self.device)?;
+        self.num_bytes += t.storage_size_in_bytes();
+        Ok(Arc::new(t))
+    }
+
+    /// `{name}.weight`, with `{name}.bias` when the file has one.
+    fn linear(&mut self, name: &str) -> Result<Linear> {
+        let weight = Weight::Quantized(QMatMul::from_arc(self.qtensor(&format!("{name}.weight"))?)?);
+        let bias_name = format!("{name}.bias");
+        let bias = if self.gguf.has_tensor(&bias_name) { Some(self.vector(&bias_name)?) } else { None };
+        Ok(Linear { weight, bias })
+    }
+
+    /// A small tensor used in f32 (norms, biases).
+    fn vector(&mut self, name: &str) -> Result<Tensor> {
+        Ok(self.qtensor(name)?.dequantize(self.device)?)
+    }
+
+    fn optional_vector(&mut self, name: &str) -> Result<Option<Tensor>> {
+        if self.gguf.has_tensor(name) {
+            Ok(Some(self.vector(name)?))
+        } else {
+            Ok(None)
+        }
+    }
+}
+
+impl Decoder {
+    /// A GGUF file of a family `families.rs` knows, on `device`.
+    pub fn from_gguf(gguf: &mut GgufFile, config: DecoderConfig, device: &Device) -> Result<Self> {
+        let mut w = GgufWeights { gguf, device, num_bytes: 0 };
+        let embed_q = w.qtensor("token_embd.weight")?;
+        // The lookup table is dequantized once (as candle's own quantized llama does): a gather
+        // from quantized blocks has no CUDA kernel.
+        let embed = embed_q.dequantize(device)?;
+        let lm_head = if config.tie_word_embeddings {
+            Linear::new(Weight::Quantized(QMatMul::from_arc(embed_q)?))
+        } else {
+            w.linear("output")?
+        };
+        let final_norm = w.vector("output_norm.weight")?;
+        let blocks = (0..config.num_layers)
+            .map(|i| {
+                let name = |part: &str| format!("blk.{i}.{part}");
+                // Phi-3 stores q/k/v as one tensor, and gate/up as one `ffn_up` twice as wide.
+                let qkv = if w.gguf.has_tensor(&name("attn_qkv.weight")) {
+                    let q_width = config.num_heads * config.head_dim;
+                    let kv_width = config.num_kv_heads * config.head_dim;
+                    Projections::Fused {
+                        linear: w.linear(&name("attn_qkv"))?,
+                        widths: vec![q_width, kv_width, kv_width],
+                    }
+                } else {
+                    Projections::new(vec![
+                        w.linear(&name("attn_q"))?,
+                        w.linear(&name("attn_k"))?,
+                        w.linear(&name("attn_v"))?,
+                    ])?
+                };
+                let gate_up = if w.gguf.has_tensor(&name("ffn_gate.weight")) {
+                    Projections::new(vec![w.linear(&name("ffn_gate"))?, w.linear(&name("ffn_up"))?])?
+                } else {
+                    let ffn = config.intermediate_size;
+                    Projections::Fused { linear: w.linear(&name("ffn_up"))?, widths: vec![ffn, ffn] }
+                };
+                Ok(Block {
+                    attn_norm: w.vector(&name("attn_norm.weight"))?,
+                    qkv,
+                    q_norm: w.optional_vector(&name("attn_q_norm.weight"))?,
+                    k_norm: w.optional_vector(&name("attn_k_norm.weight"))?,
+                    wo: w.linear(&name("attn_output"))?,
+                    post_attn_norm: w.optional_vector(&name("post_attention_norm.weight"))?,
+                    ffn_norm: w.vector(&name("ffn_norm.weight"))?,
+                    gate_up,
+                    w_down: w.linear(&name("ffn_down"))?,
+                    post_ffn_norm: w.optional_vector(&name("post_ffw_norm.weight"))?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let weight_bytes = w.num_bytes;
+        Self::assemble(config, DType::F32, embed, blocks, final_norm, lm_head, device, weight_bytes)
+    }
+
+    /// Seeded random weights for a Llama with transformers' layout: linear weights with standard
+    /// deviation 1/sqrt(fan_in), so activations stay O(1) at any depth; norms of ones; embedding
+    /// rows of unit RMS. Dense weights are bf16/f16/f32; quantized ones go through candle's
+    /// quantized matmul exactly as a GGUF file's do (embedding dense in f32). The same seed gives
+    /// the same model on every device.
+    pub fn random(config: &LlamaConfig, seed: u64, format: WeightFormat, device: &Device) -> Result<Self> {
+        let dtype = match format {
+            WeightFormat::Dense(dtype @ (DType::BF16 | DType::F16 | DType::F32)) => dtype,
+            WeightFormat::Dense(other) => {
+                return Err(Error::config(format!("dense random weights come in bf16, f16 or f32, not {other:?}")))
+            }
+            WeightFormat::Quantized(_) => DType::F32,
+        };
+        let mut stream = 0u64;
+        let mut num_bytes = 0usize;
+        let mut draw = |rows: usize, cols: usize, on: &Device| -> Result<Tensor> {
+            stream += 1;
+            random::uniform((rows, cols), 1.0 / (cols as f32).sqrt(), seed, stream, dtype, on)
+        };
+        let mut linear = |rows: usize, cols: usize| -> Result<Linear> {
+            let weight = match format {
+                WeightFormat::Dense(_) => {
+                    num_bytes += rows * cols * dtype.size_in_bytes();
+                    Weight::Dense(draw(rows, cols, device)?)
+                }
+                WeightFormat::Quantized(q) => {
+                    if !cols.is_multiple_of(q.block_size()) {
+                        return Err(Error::config(format!(
+                            "{q:?} packs rows in blocks of {} values, and this config has a {cols}-wide matrix; \
+                             pick sizes divisible by {0} or another dtype",
+                            q.block_size()
+                        )));
+                    }
+                    let w = QTensor::quantize_onto(&draw(rows, cols, &Device::Cpu)?, q, device)?;
+                    num_bytes += w.storage_size_in_bytes();
+                    Weight::Quantized(QMatMul::from_qtensor(w)?)
+                }
+            };
+            Ok(Linear::new(weight))
+        };
+        let (hidden, ffn, vocab) = (config.hidden_size, config.intermediate_size, config.vocab_size);
+        let kv_width = config.num_kv_heads() * config.head_dim();
+        let blocks = (0..config.num_hidden_layers)
+            .map(|_| {
+                Ok(Block {
+                    attn_norm: Tensor::ones(hidden, dtype, device)?,
+                    qkv: Projections::new(vec![
+                        linear(hidden, hidden)?,
+                        linear(kv_width, hidden)?,
+                        linear(kv_width, hidden)?,
+                    ])?,
+                    q_norm: None,
+                    k_norm: None,
+                    wo: linear(hidden, hidden)?,
+                    post_attn_norm: None,
+                    ffn_norm: Tensor::ones(hidden, dtype, device)?,
+                    gate_up: Projections::new(vec![linear(ffn, hidden)?, linear(ffn, hidden)?])?,
+                    w_down: linear(hidden, ffn)?,
+                    post_ffn_norm: None,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let lm_head = linear(vocab, hidden)?;
+        let embed = (draw(vocab, hidden, device)? * (hidden as f64).sqrt())?;
+        num_bytes += vocab * hidden * dtype.size_in_bytes();
+        let final_norm = Tensor::ones(hidden, dtype, device)?;
+        let config = DecoderConfig::from_llama(config);
+        Self::assemble(config, dtype, embed, blocks, final_norm, lm_head, device, num_bytes)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        config: DecoderConfig,
+        dtype: DType,
+        embed: Tensor,
+        blocks: Vec<Block>,
+        final_norm: Tensor,
+        lm_head: Linear,
+        device: &Device,
+        weight_bytes: usize,
+    ) -> Result<Self> {
+        let tables = |theta: f32, factor: f32| -> Result<RopeTables> {
+            let half = config.rope_dims / 2;
+            let factors = match (&config.rope_freq_factors, factor) {
+                (Some(f), _) => Some(f.iter().map(|x| x * factor).collect::<Vec<_>>()),
+                (None, f) if f != 1.0 => Some(vec![f; half]),
+                (None, _) => None,
+            };
+            let (cos, sin) = rope_tables(config.rope_dims, theta, config.context_length, factors.as_deref());
+            let table = |t: Vec<f32>| Tensor::from_vec(t, (config.context_length, half), device);
+            Ok(RopeTables { cos: table(cos)?, sin: table(sin)? })
+        };
+        let global_rope = tables(config.rope_theta, config.rope_linear_factor)?;
+        let local_rope = if config.sliding_layers.iter().any(|&s| s)
+            && (config.rope_theta_local != config.rope_theta || config.rope_linear_factor != 1.0)
+        {
+            Some(tables(config.rope_theta_local, 1.0)?)
+        } else {
+            None
+        };
+        Ok(Self {
+            info: ModelInfo {
+                architecture: config.architecture.clone(),
+                vocab_size: config.vocab_size,
+                context_length: config.context_length,
+                num_layers: config.num_layers,
+                num_kv_heads: config.num_kv_heads,
+                head_dim: config.head_dim,
+            },
+            dtype,
+            embed: embed.to_dtype(dtype)?,
+            blocks,
+            final_norm: final_norm.to_dtype(dtype)?,
+            lm_head,
+            global_rope,
+            local_rope,
+            device: device.clone(),
+            weight_bytes,
+            config,
+        })
+    }
+
+    /// `[n, heads * head_dim]` -> `[heads, n, head_dim]` f32, normed per head when the family
+    /// says so, then rotated for positions `past..past + n`.
+    fn heads(&self, x: &Tensor, num_heads: usize, norm: Option<&Tensor>, layer: usize, past: usize) -> Result<Tensor> {
+        let n = x.dim(0)?;
+        let head_dim = self.config.head_dim;
+        let heads = x.to_dtype(DType::F32)?.reshape((n, num_heads, head_dim))?.transpose(0, 1)?.contiguous()?;
+        let heads = match norm {
+            Some(weight) => rms_norm(&heads, weight, self.config.rms_eps)?,
+            None => heads,
+        };
+        let tables = match (&self.local_rope, self.config.sliding_layers[layer]) {
+            (Some(local), true) => local,
+            _ => &self.global_rope,
+        };
+        let cos = tables.cos.narrow(0, past, n)?;
+        let sin = tables.sin.narrow(0, past, n)?;
+        let rotate = |x: &Tensor| -> Result<Tensor> {
+            let x = x.contiguous()?.unsqueeze(0)?; // [1, heads, n, rope_dims]
+            let rotated = if self.config.rope_interleaved { rope_i(&x, &cos, &sin)? } else { rope(&x, &cos, &sin)? };
+            Ok(rotated.squeeze(0)?)
+        };
+        let dims = self.config.rope_dims;
+        if dims == head_dim {
+            return rotate(&heads);
+        }
+        let rotated = rotate(&heads.narrow(2, 0, dims)?)?;
+        Ok(Tensor::cat(&[rotated, heads.narrow(2, dims, head_dim - dims)?], 2)?)
+    }
+
+    fn forward_layers(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        num_layers: usize,
+        rows: LogitRows,
+    ) -> Result<Tensor> {
+        let n = tokens.len();
+        if n == 0 {
+            return Err(Error::Internal("forward called with no tokens".into()));
+        }
+        let past = cache.len();
+        cache.reserve(n)?;
+        let c = &self.config;
+        let eps = c.rms_eps;
+
+        let ids = Tensor::new(tokens, &self.device)?;
+        let mut x = self.embed.index_select(&ids, 0)?; // [n, hidden]
+        if let Some(scale) = c.embed_scale {
+            x = (x * scale as f64)?;
+        }
+        for (layer, block) in self.blocks[..num_layers].iter().enumerate() {
+            let h = rms_norm(&x, &block.attn_norm, eps)?;
+            let [q, k, v]: [Tensor; 3] = block.qkv.forward(&h)?.try_into().map_err(|_| shape_bug("qkv"))?;
+            let q = self.heads(&q, c.num_heads, block.q_norm.as_ref(), layer, past)?; // [heads, n, hd]
+            let k = self.heads(&k, c.num_kv_heads, block.k_norm.as_ref(), layer, past)?; // [kv_heads, n, hd]
+            let v = v.to_dtype(DType::F32)?.reshape((n, c.num_kv_heads, c.head_dim))?;
+            cache.append_tensors(layer, &k, &v.transpose(0, 1)?)?;
+            let window = c.sliding_window.filter(|_| c.sliding_layers[layer]);
+            let (k_all, v_all) = cache.layer_tensors(layer, past + n)?; // [kv_heads, past + n, hd]
+            let attn = attention(&q, &k_all, &v_all, past, c.attention_scale, c.attn_logit_softcap, window)?;
+            let mut out = block.wo.forward(&attn.to_dtype(self.dtype)?)?; // [n, hidden]
+            if let Some(norm) = &block.post_attn_norm {
+                out = rms_norm(&out, norm, eps)?;
+            }
+            x = (x + out)?;
+
+            let h = rms_norm(&x, &block.ffn_norm, eps)?;
+            let [gate, up]: [Tensor; 2] = block.gate_up.forward(&h)?.try_into().map_err(|_| shape_bug("gate_up"))?;
+            let gate = if c.gelu { gate.gelu()? } else { gate.silu()? };
+            let mut mlp = block.w_down.forward(&(gate * up)?)?; // [n, ffn] -> [n, hidden]
+            if let Some(norm) = &block.post_ffn_norm {
+                mlp = rms_norm(&mlp, norm, eps)?;
+            }
+            x = (x + mlp)?;
+        }
+        cache.commit(n);
+
+        let x = match rows {
+            LogitRows::All => x,
+            LogitRows::Last => x.narrow(0, n - 1, 1)?,
+        };
+        let normed = rms_norm(&x, &self.final_norm, eps)?;
+        let logits = self.lm_head.forward(&normed)?.to_dtype(DType::F32)?; // [rows, vocab]
+        match c.final_logit_softcap {
+            Some(cap) => Ok(softcap(&logits, cap)?),
+            None => Ok(logits),
+        }
+    }
+}
+
+fn shape_bug(what: &str) -> Error {
+    Error::Internal(format!("{what}: wrong number of projections"))
+}
+
+/// cap * tanh(x / cap).
+fn softcap(x: &Tensor, cap: f32) -> Result<Tensor> {
+    Ok(((x / cap as f64)?.tanh()? * cap as f64)?)
+}
+
+/// Causal grouped-query attention in f32. `q`: `[num_heads, n, head_dim]` for positions
+/// `past..past + n`; `k`, `v`: `[num_kv_heads, past + n, head_dim]`. Returns `[n, num_heads *
+/// head_dim]`. Query heads sharing a kv head are folded into its rows, so keys and values are
+/// read once per kv head and never repeated. With a `window`, the query at position p sees keys
+/// p - window + 1..=p; keys no query of this step sees are not read at all.
+fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    past: usize,
+    scale: f32,
+    logit_softcap: Option<f32>,
+    window: Option<usize>,
+) -> Result<Tensor> {
+    let (num_heads, n, head_dim) = q.dims3()?;
+    if n > 1 && q.device().is_cpu() {
+        // One query row at a time over exactly the keys it sees: the same matmul shapes as a
+        // single-token step, so on the CPU a verify pass rounds like the steps it replaces.
+        let rows = (0..n)
+            .map(|i| {
+                let visible = past + i + 1;
+                let row = q.narrow(1, i, 1)?;
+                attention(
+                    &row,
+                    &k.narrow(1, 0, visible)?,
+                    &v.narrow(1, 0, visible)?,
+                    past + i,
+                    scale,
+                    logit_softcap,
+                    window,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        return Ok(Tensor::cat(&rows, 0)?);
+    }
+    let num_kv_heads = k.dim(0)?;
+    let first_key = window.map_or(0, |w| (past + 1).saturating_sub(w));
+    let (k, v) = (k.narrow(1, first_key, past + n - first_key)?, v.narrow(1, first_key, past + n - first_key)?);
+    let total = k.dim(1)?;
+    let groups = num_heads / num_kv_heads;
+    let q = q.reshape((num_kv_heads, groups * n, head_dim))?;
+    let mut scores = (q.matmul(&k.t()?)? * scale as f64)?; // [kv_heads, groups * n, total]
+    if let Some(cap) = logit_softcap {
+        scores = softcap(&scores, cap)?;
+    }
+    if n > 1 {
+        // Row i (position past + i) sees key j (position first_key + j) when it is not in the
+        // future and, with a window, not too far in the past.
+        let mask: Vec<f32> = (0..n)
+            .flat_map(|i| {
+                (0..total).map(move |j| {
+                    let (query, key) = (past + i, first_key + j);
+                    let visible = key <= query && window.is_none_or(|w| query - key < w);
+                    if visible {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (n, total), q.device())?;
+        scores = scores.reshape((num_kv_heads, groups, n, total))?.broadcast_add(&mask)?.reshape((
+            num_kv_heads,
+            groups * n,
+            total,
+        ))?;
+    }
+    let out = softmax_last_dim(&scores)?.matmul(&v)?; // [kv_heads, groups * n, head_dim]
+    Ok(out.reshape((num_heads, n, head_dim))?.transpose(0, 1)?.reshape((n, num_heads * head_dim))?)
+}
+
+impl CausalLm for Decoder {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    fn new_cache(&self, capacity: usize) -> Result<KvCache> {
+        let i = &self.info;
+        KvCache::on_device(i.num_layers, i.num_kv_heads, i.head_dim, capacity, i.context_length, &self.device)
+    }
+
+    fn forward_rows(&self, tokens: &[u32], cache: &mut KvCache, rows: LogitRows) -> Result<Tensor> {
+        self.forward_layers(tokens, cache, self.blocks.len(), rows)
+    }
+
+    fn forward_early_exit(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        num_layers: usize,
+        rows: LogitRows,
+    ) -> Result<Tensor> {
+        check_exit_layer(num_layers, self.blocks.len())?;
+        self.forward_layers(tokens, cache, num_layers, rows)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> LlamaConfig {
+        LlamaConfig::from_json(
+            r#"{"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+                "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 64}"#,
+        )
+        .unwrap()
+    }
+
+    fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+    }
+
+    /// A prefill, single steps, and a multi-token step over a truncated cache give the logits of
+    /// one teacher-forced forward over the whole sequence.
+    fn check_cached_steps_match_one_forward(model: &Decoder) {
+        let tokens: Vec<u32> = (0..12u32).map(|i| (i * 37 + 5) % 97).collect();
+        let mut cache = model.new_cache(4).unwrap();
+        let whole = model.forward(&tokens, &mut cache).unwrap(); // [12, vocab]
+
+        let mut cache = model.new_cache(4).unwrap();
+        let prefill = model.forward(&tokens[..5], &mut cache).unwrap();
+        let step = model.forward(&tokens[5..6], &mut cache).unwrap();
+        // A rejected draft: three wrong tokens scored, then rolled back.
+        model.forward(&[1, 2, 3], &mut cache).unwrap();
+        cache.truncate(6);
+        let verify = model.forward(&tokens[6..], &mut cache).unwrap();
+        let pieces = Tensor::cat(&[prefill, step, verify], 0).unwrap();
+        let diff = max_abs_diff(&whole, &pieces);
+        assert!(diff < 1e-4, "max |logit difference| {diff}");
+        let last = model.forward_rows(&tokens[..3], &mut model.new_cache(3).unwrap(), LogitRows::Last).unwrap();
+        assert!(max_abs_diff(&last, &whole.narrow(0, 2, 1).unwrap()) < 1e-4);
+    }
+
+    #[test]
+    fn cached_steps_match_one_forward() {
+        check_cached_steps_match_one_forward(
+            &Decoder::random(&tiny(), 3, WeightFormat::Dense(DType::F32), &Device::Cpu).unwrap(),
+        );
+    }
+
+    /// The family flags keep the cache invariant: a Gemma-3-like model (sliding window of 4 on
+    /// two of three layers with their own RoPE base, soft-capping, GELU, embedding scale, partial
+    /// rotary) still scores split forwards like one.
+    #[test]
+    fn family_flags_keep_cached_steps_equal() {
+        let mut model = Decoder::random(&tiny(), 5, WeightFormat::Dense(DType::F32), &Device::Cpu).unwrap();
+        let c = &mut model.config;
+        c.sliding_window = Some(4);
+        c.sliding_layers = vec![true, false, true];
+        c.rope_theta_local = 100.0;
+        c.attn_logit_softcap = Some(5.0);
+        c.final_logit_softcap = Some(3.0);
+        c.gelu = true;
+        c.embed_scale = Some(2.0);
+        c.rope_dims = 4;
+        let rebuilt = Decoder::assemble(
+            model.config.clone(),
+            model.dtype,
+            model.embed.clone(),
+            std::mem::take(&mut model.blocks),
+            model.final_norm.clone(),
+            Linear::new(Weight::Dense(model.embed.clone())),
+            &Device::Cpu,
+            0,
+        )
+        .unwrap();
+        check_cached_steps_match_one_forward(&rebuilt);
+        // The cap holds, and the window changes what far-apart tokens see.
+        let tokens: Vec<u32> = (0..12).collect();
+        let logits = rebuilt.forward(&tokens, &mut rebuilt.new_cache(12).unwrap()).unwrap();
+        assert!(logits.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap() <= 3.0);
+    }
+
+    /// bf16 and q8_0 weights are the f32 model's rounded: the logits agree to their precision.
+    #[test]
+    fn rounded_weights_track_f32() {
+        let tokens: Vec<u32> = (0..8u32).collect();
+        let logits = |format| {
+            let model = Decoder::random(&tiny(), 11, format, &Device::Cpu).unwrap();
+            model.forward(&tokens, &mut model.new_cache(8).unwrap()).unwrap()
+        };
+        let f32_logits = logits(WeightFormat::Dense(DType::F32));
+        let scale = f32_logits.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        for format in [WeightFormat::Dense(DType::BF16), WeightFormat::Quantized(GgmlDType::Q8_0)] {
+            let diff = max_abs_diff(&f32_logits, &logits(format));
+            assert!(diff < 0.1 * scale, "{format:?}: max |difference| {diff} at logit scale {scale}");
+        }
+    }
+
+    /// A window of w: the query at position p attends to exactly keys p - w + 1..=p, in a
+    /// multi-row step and in a single-row one.
+    #[test]
+    fn sliding_window_sees_exactly_the_last_keys() {
+        let device = Device::Cpu;
+        // One head of dim 1; value j at key j, so the output is the mean of the visible keys'
+        // indices when all scores are equal (q = 0).
+        let (past, n, w) = (5, 3, 3);
+        let q = Tensor::zeros((1, n, 1), DType::F32, &device).unwrap();
+        let k = Tensor::zeros((1, past + n, 1), DType::F32, &device).unwrap();
+        let v = Tensor::arange(0f32, (past + n) as f32, &device).unwrap().reshape((1, past + n, 1)).unwrap();
+        let out = attention(&q, &k, &v, past, 1.0, None, Some(w)).unwrap().flatten_all().unwrap();
+        // Positions 5, 6, 7 see {3,4,5}, {4,5,6}, {5,6,7}.
+        assert_eq!(out.to_vec1::<f32>().unwrap(), [4.0, 5.0, 6.0]);
+        let single = attention(&q.narrow(1, 0, 1).unwrap(), &k, &v, past + n - 1, 1.0, None, Some(w)).unwrap();
+        assert_eq!(single.flatten_all().unwrap().to_vec1::<f32>().unwrap(), [6.0]);
+    }
+}

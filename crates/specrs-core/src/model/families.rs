@@ -1,0 +1,134 @@
+//! What each supported family is, as GGUF metadata read into the shared decoder's flags
+//! (`DecoderConfig`). The tensors tell the rest: q/k/v biases, q/k norms, the sandwich norms and
+//! fused projections are used when the file has them.
+//!
+//! Facts follow llama.cpp's graphs for the same files (`src/models/*.cpp`): GGUF llama/mistral
+//! q/k are permuted for interleaved RoPE, every other family rotates halves; Gemma 3 scales the
+//! embeddings by sqrt(hidden), uses a GELU(tanh) gate, q·k scale 1/sqrt(head_dim), a sliding
+//! window on every layer but each 6th (RoPE base 10000 there), and its converter already added 1 to
+//! every norm weight; Phi-3's sliding window is off in llama.cpp, so it is off here.
+//!
+//! Invariant: every config returned here passes `check`, so the decoder never meets a shape it
+//! cannot build.
+
+use super::decoder::DecoderConfig;
+use super::llama_config::LlamaConfig;
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+
+/// GGUF `general.architecture` values this module reads.
+pub const GGUF_ARCHITECTURES: [&str; 6] = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"];
+
+/// The decoder config of a GGUF file whose `general.architecture` is `arch`.
+pub fn from_gguf(gguf: &mut GgufFile, arch: &str) -> Result<DecoderConfig> {
+    let path = gguf.path.display().to_string();
+    let key = |k: &str| format!("{arch}.{k}");
+    let num_layers = gguf.get_usize(&key("block_count"))?;
+    let hidden_size = gguf.get_usize(&key("embedding_length"))?;
+    let num_heads = gguf.get_usize(&key("attention.head_count"))?;
+    let num_kv_heads = gguf.opt_usize(&key("attention.head_count_kv"))?.unwrap_or(num_heads);
+    if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+        return Err(Error::model_load(format!(
+            "{path}: {num_heads} attention heads cannot share {num_kv_heads} kv heads; the GGUF metadata is corrupt"
+        )));
+    }
+    let head_dim = gguf.opt_usize(&key("attention.key_length"))?.unwrap_or(hidden_size / num_heads);
+    let vocab_size = gguf.tensor_dims("token_embd.weight").and_then(|d| d.first().copied()).unwrap_or(0);
+    let rope_theta = gguf.opt_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0);
+    let mut config = DecoderConfig {
+        architecture: arch.to_string(),
+        vocab_size,
+        hidden_size,
+        intermediate_size: gguf.get_usize(&key("feed_forward_length"))?,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        context_length: gguf.get_usize(&key("context_length"))?,
+        rms_eps: gguf.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
+        rope_theta,
+        rope_theta_local: rope_theta,
+        rope_linear_factor: 1.0,
+        rope_dims: gguf.opt_usize(&key("rope.dimension_count"))?.unwrap_or(head_dim),
+        rope_interleaved: matches!(arch, "llama" | "mistral"),
+        rope_freq_factors: LlamaConfig::rope_freq_factors(gguf)?,
+        attention_scale: 1.0 / (head_dim as f32).sqrt(),
+        attn_logit_softcap: gguf.opt_f32(&key("attn_logit_softcapping"))?,
+        final_logit_softcap: gguf.opt_f32(&key("final_logit_softcapping"))?,
+        sliding_window: None,
+        sliding_layers: vec![false; num_layers],
+        embed_scale: None,
+        gelu: false,
+        tie_word_embeddings: !gguf.has_tensor("output.weight"),
+    };
+    match arch {
+        "llama" | "mistral" | "qwen2" | "qwen3" => {}
+        "gemma3" => {
+            config.embed_scale = Some((hidden_size as f32).sqrt());
+            config.gelu = true;
+            // Gemma 3 27B scales by the model width per head instead (llama.cpp's special case).
+            if num_layers == 62 {
+                config.attention_scale = 1.0 / ((hidden_size / num_heads) as f32).sqrt();
+            }
+            config.sliding_window = gguf.opt_usize(&key("attention.sliding_window"))?.filter(|&w| w > 0);
+            if config.sliding_window.is_some() {
+                let period = gguf.opt_usize(&key("attention.sliding_window_pattern"))?.unwrap_or(6);
+                config.sliding_layers = (0..num_layers).map(|i| period == 0 || i % period < period - 1).collect();
+                config.rope_theta_local = gguf.opt_f32(&key("rope.freq_base_swa"))?.unwrap_or(10_000.0);
+            }
+            if gguf.opt_str(&key("rope.scaling.type"))? == Some("linear") {
+                config.rope_linear_factor = gguf.opt_f32(&key("rope.scaling.factor"))?.unwrap_or(1.0);
+            }
+        }
+        "phi3" => {
+            if gguf.has_tensor("rope_factors_long.weight") {
+                return Err(Error::model_load(format!(
+                    "{path}: LongRoPE scaling (Phi-3 128k-context models) is not supported; use a 4k-context \
+                     Phi-3 model"
+                )));
+            }
+        }
+        other => {
+            return Err(Error::model_load(format!(
+                "{path}: unsupported architecture '{other}'; specrs runs {}",
+                super::SUPPORTED_ARCHITECTURES
+            )))
+        }
+    }
+    check(&config, &path, gguf)?;
+    Ok(config)
+}
+
+/// Shapes the metadata promises against the tensors the file holds.
+fn check(c: &DecoderConfig, path: &str, gguf: &GgufFile) -> Result<()> {
+    if c.vocab_size == 0
+        || c.num_layers == 0
+        || c.head_dim == 0
+        || c.rope_dims > c.head_dim
+        || !c.rope_dims.is_multiple_of(2)
+    {
+        return Err(Error::model_load(format!(
+            "{path}: inconsistent shape (vocab {}, {} layers, head dim {}, rope dims {}); the GGUF metadata is corrupt",
+            c.vocab_size, c.num_layers, c.head_dim, c.rope_dims
+        )));
+    }
+    let q_width = c.num_heads * c.head_dim;
+    let kv_width = c.num_kv_heads * c.head_dim;
+    let mut expected = vec![("token_embd.weight", vec![c.vocab_size, c.hidden_size])];
+    if gguf.has_tensor("blk.0.attn_qkv.weight") {
+        expected.push(("blk.0.attn_qkv.weight", vec![q_width + 2 * kv_width, c.hidden_size]));
+    } else {
+        expected.push(("blk.0.attn_q.weight", vec![q_width, c.hidden_size]));
+        expected.push(("blk.0.attn_k.weight", vec![kv_width, c.hidden_size]));
+    }
+    expected.push(("blk.0.attn_output.weight", vec![c.hidden_size, q_width]));
+    for (name, want) in expected {
+        let got = gguf.tensor_dims(name).unwrap_or_default();
+        if got != want {
+            return Err(Error::model_load(format!(
+                "{path}: tensor '{name}' has shape {got:?}, the metadata implies {want:?}; the file is corrupt"
+            )));
+        }
+    }
+    Ok(())
+}
