@@ -47,7 +47,8 @@ run: build
 
 # Needs llama-cpp-python (see the script's header); rewrites tests/golden/smollm2.json.
 golden:
-	$(PYTHON) scripts/make_golden.py
+	$(PYTHON) scripts/make_golden.py --model smollm2
+	$(PYTHON) scripts/make_golden.py --model gemma3
 
 # OpenAI-compatible server on http://127.0.0.1:8000/v1, speculating with SPEC_CONFIG by default.
 serve: build

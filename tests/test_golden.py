@@ -32,10 +32,11 @@ def test_detokenization_round_trips_the_prompts(engine):
         assert engine.tokenizer.decode(p["prompt_ids"], skip_special_tokens=False) == p["text"]
 
 
-def _teacher_forced_agreement(engine):
+def teacher_forced_agreement(engine, prompts=PROMPTS):
+    """(top-1 agreement, max |logit diff| on llama.cpp's top-5) over every teacher-forced position."""
     agree = total = 0
     max_diff = 0.0
-    for p in PROMPTS:
+    for p in prompts:
         ids = p["prompt_ids"] + p["greedy_ids"]
         logits = engine.logits(ids)
         start = len(p["prompt_ids"]) - 1
@@ -61,7 +62,7 @@ def _greedy(engine, prompt):
 
 
 def test_teacher_forced_top1_agreement_with_llamacpp(engine):
-    agreement, max_diff = _teacher_forced_agreement(engine)
+    agreement, max_diff = teacher_forced_agreement(engine)
     assert agreement >= 0.99
     # specrs reproduces llama.cpp's CPU arithmetic (README, "Numerics"); on this model the logits
     # have been bitwise equal, so any visible gap means a kernel changed.

@@ -267,9 +267,11 @@ class Engine:
         """v(n) = t(n)/t(1) for one forward over n new tokens on a context_len-token cache."""
         return self._inner.verify_cost_ratios(max_n, context_len)
 
-    def logits(self, token_ids: Sequence[int]):
-        """Teacher-forced logits, a numpy array [len(token_ids), vocab_size], from one forward."""
-        return self._inner.logits(list(token_ids))
+    def logits(self, token_ids: Sequence[int], steps: Sequence[int] | None = None):
+        """Teacher-forced logits, a numpy array [len(token_ids), vocab_size], from one forward, or
+        from one forward per entry of `steps` (token counts summing to len(token_ids)) over one
+        KV cache: a prefill followed by cached multi-token steps."""
+        return self._inner.logits(list(token_ids), None if steps is None else list(steps))
 
     def forward_cost(self, context_ids: Sequence[int], ns: Sequence[int], repeats: int = 5):
         """Median seconds of one forward over n new tokens on top of `context_ids`, per n."""

@@ -138,8 +138,15 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// A GGUF file, or a Hugging Face directory (config.json, *.safetensors, tokenizer.json).
     pub fn load(path: impl AsRef<Path>, device: &str) -> Result<Self> {
         let device = parse_device(device)?;
+        let path = path.as_ref();
+        if path.is_dir() {
+            let (config, mut weights) = model::hf_dir::open(path, &device)?;
+            let model = Decoder::from_hf(&mut weights, config)?;
+            return Self::from_model(Arc::new(model), TextTokenizer::from_hf_dir(path)?, None);
+        }
         let mut gguf = GgufFile::open(path)?;
         let model: Arc<dyn CausalLm> = Arc::from(model::load(&mut gguf, &device)?);
         let tokenizer = TextTokenizer::from_gguf(&gguf)?;
@@ -496,11 +503,26 @@ impl Engine {
 
     /// Teacher-forced logits `[ids.len(), vocab_size]` (row-major) from one forward over `ids`.
     pub fn logits(&self, ids: &[u32]) -> Result<Vec<f32>> {
-        if ids.is_empty() {
-            return Err(Error::config("logits() needs at least one token"));
+        self.logits_in_steps(ids, &[ids.len()])
+    }
+
+    /// `logits` computed as consecutive forwards of `steps[i]` tokens over one cache: a prefill
+    /// then cached multi-token steps, whose rows must equal one forward's.
+    pub fn logits_in_steps(&self, ids: &[u32], steps: &[usize]) -> Result<Vec<f32>> {
+        if ids.is_empty() || steps.iter().sum::<usize>() != ids.len() || steps.contains(&0) {
+            return Err(Error::config(format!(
+                "logits() needs at least one token, and steps of at least one token summing to {} (got {steps:?})",
+                ids.len()
+            )));
         }
         let mut cache = self.model.new_cache(ids.len())?;
-        Ok(self.model.forward(ids, &mut cache)?.flatten_all()?.to_vec1()?)
+        let mut rows = Vec::with_capacity(ids.len() * self.model.info().vocab_size);
+        let mut start = 0;
+        for &step in steps {
+            rows.extend(self.model.forward(&ids[start..start + step], &mut cache)?.flatten_all()?.to_vec1::<f32>()?);
+            start += step;
+        }
+        Ok(rows)
     }
 
     /// Verification cost curve: median seconds of one forward over `n` new tokens on top of a

@@ -153,6 +153,69 @@ impl TextTokenizer {
         Ok(Self { inner, bos_token_id, add_bos, eos_token_ids, chat_template, vocab_size })
     }
 
+    /// The tokenizer of a Hugging Face model directory: `tokenizer.json`, with BOS/EOS and the
+    /// chat template from `tokenizer_config.json` (or `chat_template.jinja`) and EOS ids from
+    /// `generation_config.json`.
+    pub fn from_hf_dir(dir: &std::path::Path) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        let inner = Tokenizer::from_file(&path).map_err(|e| {
+            Error::model_load(format!(
+                "cannot read {} ({e}); a Hugging Face model directory needs tokenizer.json",
+                path.display()
+            ))
+        })?;
+        let vocab_size = inner.get_vocab_size(true);
+        let config = crate::model::hf_dir::read_optional_json(&dir.join("tokenizer_config.json"))?.unwrap_or_default();
+        let generation =
+            crate::model::hf_dir::read_optional_json(&dir.join("generation_config.json"))?.unwrap_or_default();
+        // A special token is a string or {"content": string}.
+        let token_text = |key: &str| -> Option<String> {
+            let v = config.get(key)?;
+            v.as_str().or_else(|| v.get("content").and_then(|c| c.as_str())).map(str::to_string)
+        };
+        let ids = |v: Option<&serde_json::Value>| -> Vec<u32> {
+            match v {
+                Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+                Some(x) => x.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+                None => Vec::new(),
+            }
+        };
+        let bos_text = token_text("bos_token");
+        let eos_text = token_text("eos_token");
+        let bos_token_id = bos_text
+            .as_deref()
+            .and_then(|t| inner.token_to_id(t))
+            .or_else(|| ids(generation.get("bos_token_id")).first().copied());
+        let mut eos_token_ids = ids(generation.get("eos_token_id"));
+        eos_token_ids.extend(eos_text.as_deref().and_then(|t| inner.token_to_id(t)));
+        eos_token_ids.sort_unstable();
+        eos_token_ids.dedup();
+        // Whether BOS starts every prompt: the config says so, or tokenizer.json's post-processor
+        // adds it.
+        let add_bos = match config.get("add_bos_token").and_then(|v| v.as_bool()) {
+            Some(add) => add,
+            None => bos_token_id.is_some_and(|bos| {
+                inner.encode_fast("a", true).map(|e| e.get_ids().first() == Some(&bos)).unwrap_or(false)
+            }),
+        };
+        let template_file = dir.join("chat_template.jinja");
+        let source = match config.get("chat_template") {
+            Some(serde_json::Value::String(t)) => Some(t.clone()),
+            Some(serde_json::Value::Array(named)) => named
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .and_then(|t| t.get("template")?.as_str().map(str::to_string)),
+            _ => std::fs::read_to_string(&template_file).ok(),
+        };
+        let chat_template = match source {
+            Some(source) => {
+                Some(ChatTemplate::new(&source, bos_text.unwrap_or_default(), eos_text.unwrap_or_default())?)
+            }
+            None => None,
+        };
+        Ok(Self { inner, bos_token_id, add_bos, eos_token_ids, chat_template, vocab_size })
+    }
+
     /// For models without a tokenizer (seeded random weights): token i is the word `t{i}`, and
     /// text is those words separated by spaces. No BOS, EOS or chat template, so generation
     /// always runs to max_tokens.

@@ -390,11 +390,19 @@ impl PyEngine {
         Ok(costs.iter().map(|t| t / costs[0]).collect())
     }
 
-    /// Teacher-forced logits `[len(ids), vocab_size]` from one forward pass.
-    fn logits<'py>(&self, py: Python<'py>, ids: Vec<u32>) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    /// Teacher-forced logits `[len(ids), vocab_size]`: one forward pass, or one forward per entry
+    /// of `steps` (token counts summing to len(ids)) over one growing KV cache.
+    #[pyo3(signature = (ids, steps=None))]
+    fn logits<'py>(
+        &self,
+        py: Python<'py>,
+        ids: Vec<u32>,
+        steps: Option<Vec<usize>>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let engine = self.inner.clone();
         let n = ids.len();
-        let flat = run_detached(py, move || engine.logits(&ids))?;
+        let steps = steps.unwrap_or_else(|| vec![n]);
+        let flat = run_detached(py, move || engine.logits_in_steps(&ids, &steps))?;
         let vocab = flat.len().checked_div(n).unwrap_or(0);
         let array = numpy::ndarray::Array2::from_shape_vec((n, vocab), flat)
             .map_err(|e| to_py(specrs_core::Error::Internal(e.to_string())))?;

@@ -26,7 +26,9 @@ use candle_nn::ops::{rms_norm, softmax_last_dim};
 use candle_nn::rotary_emb::{rope, rope_i};
 
 use super::attention::rope_tables;
+use super::hf_dir::HfWeights;
 use super::llama_config::LlamaConfig;
+use super::qlinear::QLinear;
 use super::random;
 use super::{check_exit_layer, CausalLm, LogitRows, ModelInfo};
 use crate::error::{Error, Result};
@@ -113,6 +115,9 @@ pub enum WeightFormat {
 }
 
 enum Weight {
+    /// specrs' own CPU kernels (Q4_0, Q4_1, Q8_0): each weight block is read once for up to 8
+    /// rows, so a verify pass costs little more than one step, and rows never change each other.
+    Native(QLinear),
     Quantized(QMatMul),
     /// `[out_features, in_features]`, in the activation dtype.
     Dense(Tensor),
@@ -139,12 +144,29 @@ impl Linear {
             }
             Weight::Quantized(w) => w.forward(x)?,
             Weight::Dense(w) => x.matmul(&w.t()?)?,
+            Weight::Native(w) => {
+                let n = x.dim(0)?;
+                let rows = w.forward_rows(&x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, n)?;
+                Tensor::from_vec(rows, (n, w.out_features()), x.device())?
+            }
         };
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         })
     }
+}
+
+/// A quantized weight: specrs' native kernel where it has one for this type on the CPU, candle's
+/// quantized matmul otherwise (other types, and CUDA).
+fn quantized_weight(t: Arc<QTensor>) -> Result<Weight> {
+    if t.device().is_cpu() {
+        let native = QLinear::new(t.clone())?;
+        if native.is_native() {
+            return Ok(Weight::Native(native));
+        }
+    }
+    Ok(Weight::Quantized(QMatMul::from_arc(t)?))
 }
 
 /// candle's CPU Q6_K matmul takes a compact GEMV for one row and repacked tiles for more, which
@@ -170,7 +192,7 @@ impl Projections {
             .iter()
             .map(|l| match &l.weight {
                 Weight::Dense(w) => Some(w),
-                Weight::Quantized(_) => None,
+                Weight::Quantized(_) | Weight::Native(_) => None,
             })
             .collect();
         let Some(weights) = dense else { return Ok(Projections::Separate(linears)) };
@@ -266,7 +288,7 @@ impl GgufWeights<'_> {
 
     /// `{name}.weight`, with `{name}.bias` when the file has one.
     fn linear(&mut self, name: &str) -> Result<Linear> {
-        let weight = Weight::Quantized(QMatMul::from_arc(self.qtensor(&format!("{name}.weight"))?)?);
+        let weight = quantized_weight(self.qtensor(&format!("{name}.weight"))?)?;
         let bias_name = format!("{name}.bias");
         let bias = if self.gguf.has_tensor(&bias_name) { Some(self.vector(&bias_name)?) } else { None };
         Ok(Linear { weight, bias })
@@ -294,11 +316,8 @@ impl Decoder {
         // The lookup table is dequantized once (as candle's own quantized llama does): a gather
         // from quantized blocks has no CUDA kernel.
         let embed = embed_q.dequantize(device)?;
-        let lm_head = if config.tie_word_embeddings {
-            Linear::new(Weight::Quantized(QMatMul::from_arc(embed_q)?))
-        } else {
-            w.linear("output")?
-        };
+        let lm_head =
+            if config.tie_word_embeddings { Linear::new(quantized_weight(embed_q)?) } else { w.linear("output")? };
         let final_norm = w.vector("output_norm.weight")?;
         let blocks = (0..config.num_layers)
             .map(|i| {
@@ -342,6 +361,91 @@ impl Decoder {
         Self::assemble(config, DType::F32, embed, blocks, final_norm, lm_head, device, weight_bytes)
     }
 
+    /// A Hugging Face safetensors model (`hf_dir::open`), with transformers' tensor names.
+    pub fn from_hf(w: &mut HfWeights, config: DecoderConfig) -> Result<Self> {
+        let c = &config;
+        let gemma = c.architecture == "gemma3";
+        let (hidden, ffn, vocab) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+        let (q_width, kv_width) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        // Gemma's RMSNorm multiplies by (1 + weight); the stored weight is the offset.
+        let norm = |w: &mut HfWeights, name: &str, width: usize| -> Result<Tensor> {
+            let t = w.tensor(name, &[width])?;
+            Ok(if gemma { (t + 1.0)? } else { t })
+        };
+        let f32_norm = |w: &mut HfWeights, name: &str| -> Result<Option<Tensor>> {
+            if !w.has(name) {
+                return Ok(None);
+            }
+            Ok(Some(norm(w, name, c.head_dim)?.to_dtype(DType::F32)?))
+        };
+        let linear = |w: &mut HfWeights, name: &str, rows: usize, cols: usize| -> Result<Linear> {
+            Ok(Linear {
+                weight: Weight::Dense(w.tensor(&format!("{name}.weight"), &[rows, cols])?),
+                bias: w.optional(&format!("{name}.bias"), &[rows])?,
+            })
+        };
+        let embed = w.tensor("model.embed_tokens.weight", &[vocab, hidden])?;
+        let lm_head = if w.has("lm_head.weight") && !c.tie_word_embeddings {
+            linear(w, "lm_head", vocab, hidden)?
+        } else {
+            Linear::new(Weight::Dense(embed.clone()))
+        };
+        let final_norm = norm(w, "model.norm.weight", hidden)?;
+        let blocks = (0..c.num_layers)
+            .map(|i| {
+                let name = |part: &str| format!("model.layers.{i}.{part}");
+                let qkv = if w.has(&name("self_attn.qkv_proj.weight")) {
+                    Projections::Fused {
+                        linear: linear(w, &name("self_attn.qkv_proj"), q_width + 2 * kv_width, hidden)?,
+                        widths: vec![q_width, kv_width, kv_width],
+                    }
+                } else {
+                    Projections::new(vec![
+                        linear(w, &name("self_attn.q_proj"), q_width, hidden)?,
+                        linear(w, &name("self_attn.k_proj"), kv_width, hidden)?,
+                        linear(w, &name("self_attn.v_proj"), kv_width, hidden)?,
+                    ])?
+                };
+                let gate_up = if w.has(&name("mlp.gate_up_proj.weight")) {
+                    Projections::Fused {
+                        linear: linear(w, &name("mlp.gate_up_proj"), 2 * ffn, hidden)?,
+                        widths: vec![ffn, ffn],
+                    }
+                } else {
+                    Projections::new(vec![
+                        linear(w, &name("mlp.gate_proj"), ffn, hidden)?,
+                        linear(w, &name("mlp.up_proj"), ffn, hidden)?,
+                    ])?
+                };
+                // Gemma 3 has four norms: post_attention_layernorm follows attention there, and
+                // pre_feedforward_layernorm is what the others call post_attention_layernorm.
+                let (post_attn_norm, ffn_norm, post_ffn_norm) = if gemma {
+                    (
+                        Some(norm(w, &name("post_attention_layernorm.weight"), hidden)?),
+                        norm(w, &name("pre_feedforward_layernorm.weight"), hidden)?,
+                        Some(norm(w, &name("post_feedforward_layernorm.weight"), hidden)?),
+                    )
+                } else {
+                    (None, norm(w, &name("post_attention_layernorm.weight"), hidden)?, None)
+                };
+                Ok(Block {
+                    attn_norm: norm(w, &name("input_layernorm.weight"), hidden)?,
+                    qkv,
+                    q_norm: f32_norm(w, &name("self_attn.q_norm.weight"))?,
+                    k_norm: f32_norm(w, &name("self_attn.k_norm.weight"))?,
+                    wo: linear(w, &name("self_attn.o_proj"), hidden, q_width)?,
+                    post_attn_norm,
+                    ffn_norm,
+                    gate_up,
+                    w_down: linear(w, &name("mlp.down_proj"), hidden, ffn)?,
+                    post_ffn_norm,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (dtype, device, num_bytes) = (w.dtype, w.device.clone(), w.num_bytes);
+        Self::assemble(config, dtype, embed, blocks, final_norm, lm_head, &device, num_bytes)
+    }
+
     /// Seeded random weights for a Llama with transformers' layout: linear weights with standard
     /// deviation 1/sqrt(fan_in), so activations stay O(1) at any depth; norms of ones; embedding
     /// rows of unit RMS. Dense weights are bf16/f16/f32; quantized ones go through candle's
@@ -377,7 +481,7 @@ impl Decoder {
                     }
                     let w = QTensor::quantize_onto(&draw(rows, cols, &Device::Cpu)?, q, device)?;
                     num_bytes += w.storage_size_in_bytes();
-                    Weight::Quantized(QMatMul::from_qtensor(w)?)
+                    quantized_weight(Arc::new(w))?
                 }
             };
             Ok(Linear::new(weight))

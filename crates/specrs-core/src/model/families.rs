@@ -132,3 +132,121 @@ fn check(c: &DecoderConfig, path: &str, gguf: &GgufFile) -> Result<()> {
     }
     Ok(())
 }
+
+/// transformers `model_type` values `from_hf_config` reads.
+pub const HF_MODEL_TYPES: [&str; 6] = ["llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3"];
+
+/// The decoder config of a Hugging Face `config.json` (`source` names the file in errors).
+pub fn from_hf_config(config: &serde_json::Value, source: &str) -> Result<DecoderConfig> {
+    let model_type = config.get("model_type").and_then(|v| v.as_str()).unwrap_or("");
+    if !HF_MODEL_TYPES.contains(&model_type) {
+        return Err(Error::model_load(format!(
+            "{source}: unsupported model_type '{model_type}' (architectures {}); specrs reads safetensors \
+             models of types {}",
+            config.get("architectures").map_or("?".into(), |a| a.to_string()),
+            HF_MODEL_TYPES.join(", ")
+        )));
+    }
+    let int = |key: &str| -> Result<usize> {
+        config
+            .get(key)
+            .and_then(|v| v.as_u64())
+            .map(|v| v as usize)
+            .ok_or_else(|| Error::model_load(format!("{source}: '{key}' is missing or not a positive integer")))
+    };
+    let opt_int = |key: &str| config.get(key).and_then(|v| v.as_u64()).map(|v| v as usize);
+    let opt_f32 = |key: &str| config.get(key).and_then(|v| v.as_f64()).map(|v| v as f32);
+    let (hidden_size, num_heads, num_layers) =
+        (int("hidden_size")?, int("num_attention_heads")?, int("num_hidden_layers")?);
+    let num_kv_heads = opt_int("num_key_value_heads").unwrap_or(num_heads);
+    if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+        return Err(Error::model_load(format!(
+            "{source}: {num_heads} attention heads cannot share {num_kv_heads} kv heads"
+        )));
+    }
+    let head_dim = opt_int("head_dim").unwrap_or(hidden_size / num_heads);
+    // Newer transformers nest the RoPE settings under rope_parameters, per layer type where the
+    // types differ (Gemma 3: full_attention / sliding_attention).
+    let rope_all = config.get("rope_parameters").or_else(|| config.get("rope_scaling")).filter(|v| v.is_object());
+    let rope = rope_all.map(|r| r.get("full_attention").unwrap_or(r));
+    let rope_local = rope_all.and_then(|r| r.get("sliding_attention"));
+    let theta_of =
+        |r: Option<&serde_json::Value>| r.and_then(|r| r.get("rope_theta")).and_then(|v| v.as_f64()).map(|v| v as f32);
+    let rope_theta = opt_f32("rope_theta").or_else(|| theta_of(rope)).unwrap_or(10_000.0);
+    let rope_type = rope.and_then(|r| r.get("rope_type").or_else(|| r.get("type"))).and_then(|v| v.as_str());
+    let rope_dims = (opt_f32("partial_rotary_factor").unwrap_or(1.0) * head_dim as f32) as usize;
+    let mut c = DecoderConfig {
+        architecture: model_type.trim_end_matches("_text").to_string(),
+        vocab_size: int("vocab_size")?,
+        hidden_size,
+        intermediate_size: int("intermediate_size")?,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        context_length: int("max_position_embeddings")?,
+        rms_eps: opt_f32("rms_norm_eps").unwrap_or(1e-6),
+        rope_theta,
+        rope_theta_local: rope_theta,
+        rope_linear_factor: 1.0,
+        rope_dims,
+        rope_interleaved: false,
+        rope_freq_factors: None,
+        attention_scale: 1.0 / (head_dim as f32).sqrt(),
+        attn_logit_softcap: opt_f32("attn_logit_softcapping"),
+        final_logit_softcap: opt_f32("final_logit_softcapping"),
+        sliding_window: None,
+        sliding_layers: vec![false; num_layers],
+        embed_scale: None,
+        gelu: false,
+        tie_word_embeddings: config
+            .get("tie_word_embeddings")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(model_type == "gemma3_text"),
+    };
+    match rope_type {
+        None | Some("default") => {}
+        Some("linear") => {
+            c.rope_linear_factor = rope.and_then(|r| r.get("factor")).and_then(|v| v.as_f64()).unwrap_or(1.0) as f32
+        }
+        Some(other) => {
+            return Err(Error::model_load(format!(
+                "{source}: rope scaling '{other}' is not supported (only linear); use a model without it"
+            )))
+        }
+    }
+    if model_type == "mistral" {
+        if let Some(window) = opt_int("sliding_window") {
+            c.sliding_window = Some(window);
+            c.sliding_layers = vec![true; num_layers];
+        }
+    }
+    if model_type == "gemma3_text" {
+        c.embed_scale = Some((hidden_size as f32).sqrt());
+        c.gelu = true;
+        c.attention_scale = 1.0 / opt_f32("query_pre_attn_scalar").unwrap_or(head_dim as f32).sqrt();
+        c.rope_theta_local = opt_f32("rope_local_base_freq").or_else(|| theta_of(rope_local)).unwrap_or(10_000.0);
+        c.sliding_window = opt_int("sliding_window");
+        c.sliding_layers = match config.get("layer_types").and_then(|v| v.as_array()) {
+            Some(types) => types.iter().map(|t| t.as_str() == Some("sliding_attention")).collect(),
+            None => {
+                let period = opt_int("sliding_window_pattern").unwrap_or(6);
+                (0..num_layers).map(|i| period == 0 || i % period < period - 1).collect()
+            }
+        };
+        if c.sliding_layers.len() != num_layers {
+            return Err(Error::model_load(format!(
+                "{source}: layer_types has {} entries for {num_layers} layers",
+                c.sliding_layers.len()
+            )));
+        }
+    }
+    if c.vocab_size == 0 || num_layers == 0 || head_dim == 0 || c.rope_dims > head_dim || !c.rope_dims.is_multiple_of(2)
+    {
+        return Err(Error::model_load(format!(
+            "{source}: inconsistent shape (vocab {}, {num_layers} layers, head dim {head_dim}, rope dims {})",
+            c.vocab_size, c.rope_dims
+        )));
+    }
+    Ok(c)
+}

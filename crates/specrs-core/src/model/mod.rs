@@ -13,6 +13,7 @@ pub mod attention;
 pub mod decoder;
 pub mod families;
 pub mod ggml_math;
+pub mod hf_dir;
 pub mod llama;
 pub mod llama_config;
 pub mod parallel;

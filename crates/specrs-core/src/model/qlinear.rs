@@ -1,4 +1,5 @@
-//! Linear layers over GGUF quantized weights, with specrs' own CPU kernels for Q4_0, Q4_1 and Q8_0.
+//! Linear layers over GGUF quantized weights, with specrs' own CPU kernels for Q4_0, Q4_1, Q5_0
+//! and Q8_0.
 //!
 //! Why not candle's `QMatMul` for these: candle 0.11 has no x86 SIMD path for Q4_1 (scalar code,
 //! ~10x slower than llama.cpp), and verification wants each weight row read once for all n
@@ -37,6 +38,11 @@ pub enum Format {
     Q4_0,
     /// `{ d: f16, m: f16, qs: [u8; 16] }`: x = d * nibble + m; nibble j is element j (low) / j+16 (high).
     Q4_1,
+    /// `{ d: f16, qh: u32, qs: [u8; 16] }`: x = d * (q - 16), q = nibble | bit j of qh << 4 for
+    /// element j (nibbles as Q4_0). Computed like Q4_0 (offset -16d through the activation sums), so
+    /// it is not bitwise llama.cpp's either; it makes Gemma 3's Q5_0 layers SIMD (candle's are
+    /// scalar, ~1 GB/s).
+    Q5_0,
     /// `{ d: f16, qs: [i8; 32] }`: x = d * q.
     Q8_0,
 }
@@ -46,6 +52,7 @@ impl Format {
         match self {
             Format::Q4_0 => 18,
             Format::Q4_1 => 20,
+            Format::Q5_0 => 22,
             Format::Q8_0 => 34,
         }
     }
@@ -101,6 +108,7 @@ impl QLinear {
         let format = match weight.dtype() {
             GgmlDType::Q4_0 => Some(Format::Q4_0),
             GgmlDType::Q4_1 => Some(Format::Q4_1),
+            GgmlDType::Q5_0 => Some(Format::Q5_0),
             GgmlDType::Q8_0 => Some(Format::Q8_0),
             _ => None,
         };
@@ -110,6 +118,11 @@ impl QLinear {
             }
             _ => Ok(QLinear::Candle { matmul: QMatMul::from_arc(weight)?, out_features }),
         }
+    }
+
+    /// Whether specrs' own kernel runs it (else candle's `QMatMul`).
+    pub fn is_native(&self) -> bool {
+        matches!(self, QLinear::Native { .. })
     }
 
     pub fn out_features(&self) -> usize {
@@ -209,6 +222,17 @@ fn scalar_dot_rows(format: Format, weight: &[u8], rows: &QuantizedRows, first: u
                     }
                     total += d * da * acc as f32 - 8.0 * d * sa;
                 }
+                Format::Q5_0 => {
+                    let d = f16_at(blk, 0);
+                    let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                    let mut acc = 0i32;
+                    for j in 0..16 {
+                        let lo = (blk[6 + j] & 0x0F) as i32 | (((qh >> j) & 1) << 4) as i32;
+                        let hi = (blk[6 + j] >> 4) as i32 | (((qh >> (j + 16)) & 1) << 4) as i32;
+                        acc += lo * qa[j] as i32 + hi * qa[j + 16] as i32;
+                    }
+                    total += d * da * acc as f32 - 16.0 * d * sa;
+                }
                 Format::Q8_0 => {
                     let d = f16_at(blk, 0);
                     let acc: i32 = (0..BLOCK).map(|j| blk[2 + j] as i8 as i32 * qa[j] as i32).sum();
@@ -265,6 +289,7 @@ mod avx2 {
             match format {
                 Format::Q4_0 => dot_group_sized::<Q4_0>(weight, rows, first, out),
                 Format::Q4_1 => dot_group_sized::<Q4_1>(weight, rows, first, out),
+                Format::Q5_0 => dot_group_sized::<Q5_0>(weight, rows, first, out),
                 Format::Q8_0 => dot_group_sized::<Q8_0>(weight, rows, first, out),
             }
         }
@@ -273,6 +298,21 @@ mod avx2 {
     const Q4_0: u8 = 0;
     const Q4_1: u8 = 1;
     const Q8_0: u8 = 2;
+    const Q5_0: u8 = 3;
+
+    /// Byte i = 0xFF where bit i of the little-endian u32 at `p` is set (llama.cpp's
+    /// bytes_from_bits_32).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn bytes_from_bits_32(p: *const u8) -> __m256i {
+        let bits = unsafe { (p as *const u32).read_unaligned() } as i32;
+        let spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(bits),
+            _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0),
+        );
+        let all_but_one = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+        _mm256_cmpeq_epi8(_mm256_or_si256(spread, all_but_one), _mm256_set1_epi64x(-1))
+    }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -303,6 +343,7 @@ mod avx2 {
         let bb = match F {
             Q4_0 => 18,
             Q4_1 => 20,
+            Q5_0 => 22,
             _ => 34,
         };
         let nb = rows.num_blocks;
@@ -320,13 +361,21 @@ mod avx2 {
                 // (the next weight row follows this one contiguously).
                 _mm_prefetch::<_MM_HINT_T0>(blk.add(PREFETCH_BYTES) as *const i8);
                 let d = f16_to_f32(blk);
-                if F == Q4_1 || F == Q4_0 {
-                    // Q4_0 is Q4_1 with m = -8d: unsigned nibbles, the offset through the
-                    // activation block sums (cheaper than sign-extending the nibbles).
-                    let (m, nibbles_at) = if F == Q4_1 { (f16_to_f32(blk.add(2)), 4) } else { (-8.0 * d, 2) };
+                if F == Q4_1 || F == Q4_0 || F == Q5_0 {
+                    // Q4_0 is Q4_1 with m = -8d (Q5_0: m = -16d and a fifth bit): unsigned values,
+                    // the offset through the activation block sums (cheaper than sign-extending).
+                    let (m, nibbles_at) = match F {
+                        Q4_1 => (f16_to_f32(blk.add(2)), 4),
+                        Q5_0 => (-16.0 * d, 6),
+                        _ => (-8.0 * d, 2),
+                    };
                     let packed = _mm_loadu_si128(blk.add(nibbles_at) as *const __m128i);
                     let both = _mm256_insertf128_si256::<1>(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4));
-                    let wx = _mm256_and_si256(both, low_nibbles);
+                    let mut wx = _mm256_and_si256(both, low_nibbles);
+                    if F == Q5_0 {
+                        let fifth = _mm256_and_si256(bytes_from_bits_32(blk.add(2)), _mm256_set1_epi8(0x10));
+                        wx = _mm256_or_si256(wx, fifth);
+                    }
                     for r in 0..G {
                         let at = (first + r) * nb + b;
                         let qa = _mm256_loadu_si256(qs.add(at * BLOCK) as *const __m256i);
@@ -412,5 +461,10 @@ mod tests {
     #[test]
     fn q8_0_matches_dequantized_reference() {
         check(GgmlDType::Q8_0);
+    }
+
+    #[test]
+    fn q5_0_matches_dequantized_reference() {
+        check(GgmlDType::Q5_0);
     }
 }
