@@ -30,7 +30,7 @@ use super::hf_dir::HfWeights;
 use super::llama_config::LlamaConfig;
 use super::qlinear::QLinear;
 use super::random;
-use super::{check_exit_layer, CausalLm, LogitRows, ModelInfo};
+use super::{check_exit_layer, CausalLm, GgufWeights, LogitRows, ModelInfo};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
@@ -272,20 +272,7 @@ pub struct Decoder {
     weight_bytes: usize,
 }
 
-/// Reads GGUF tensors by name onto the device and counts their bytes.
-struct GgufWeights<'a> {
-    gguf: &'a mut GgufFile,
-    device: &'a Device,
-    num_bytes: usize,
-}
-
 impl GgufWeights<'_> {
-    fn qtensor(&mut self, name: &str) -> Result<Arc<QTensor>> {
-        let t = self.gguf.tensor(name, self.device)?;
-        self.num_bytes += t.storage_size_in_bytes();
-        Ok(Arc::new(t))
-    }
-
     /// `{name}.weight`, with `{name}.bias` when the file has one.
     fn linear(&mut self, name: &str) -> Result<Linear> {
         let weight = quantized_weight(self.qtensor(&format!("{name}.weight"))?)?;
@@ -311,7 +298,7 @@ impl GgufWeights<'_> {
 impl Decoder {
     /// A GGUF file of a family `families.rs` knows, on `device`.
     pub fn from_gguf(gguf: &mut GgufFile, config: DecoderConfig, device: &Device) -> Result<Self> {
-        let mut w = GgufWeights { gguf, device, num_bytes: 0 };
+        let mut w = GgufWeights::new(gguf, device);
         let embed_q = w.qtensor("token_embd.weight")?;
         // The lookup table is dequantized once (as candle's own quantized llama does): a gather
         // from quantized blocks has no CUDA kernel.

@@ -11,8 +11,9 @@
 //! Invariant: every config returned here passes `check`, so the decoder never meets a shape it
 //! cannot build.
 
+use candle_core::Device;
+
 use super::decoder::DecoderConfig;
-use super::llama_config::LlamaConfig;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 
@@ -51,7 +52,7 @@ pub fn from_gguf(gguf: &mut GgufFile, arch: &str) -> Result<DecoderConfig> {
         rope_linear_factor: 1.0,
         rope_dims: gguf.opt_usize(&key("rope.dimension_count"))?.unwrap_or(head_dim),
         rope_interleaved: matches!(arch, "llama" | "mistral"),
-        rope_freq_factors: LlamaConfig::rope_freq_factors(gguf)?,
+        rope_freq_factors: rope_freq_factors(gguf)?,
         attention_scale: 1.0 / (head_dim as f32).sqrt(),
         attn_logit_softcap: gguf.opt_f32(&key("attn_logit_softcapping"))?,
         final_logit_softcap: gguf.opt_f32(&key("final_logit_softcapping"))?,
@@ -97,6 +98,14 @@ pub fn from_gguf(gguf: &mut GgufFile, arch: &str) -> Result<DecoderConfig> {
     }
     check(&config, &path, gguf)?;
     Ok(config)
+}
+
+/// Llama 3.1-style frequency scaling, which GGUF ships as a tensor of per-dimension divisors.
+fn rope_freq_factors(gguf: &mut GgufFile) -> Result<Option<Vec<f32>>> {
+    if !gguf.has_tensor("rope_freqs.weight") {
+        return Ok(None);
+    }
+    Ok(Some(gguf.tensor("rope_freqs.weight", &Device::Cpu)?.dequantize(&Device::Cpu)?.to_vec1::<f32>()?))
 }
 
 /// Shapes the metadata promises against the tensors the file holds.

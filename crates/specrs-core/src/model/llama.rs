@@ -24,10 +24,10 @@ use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 
 use super::attention::{apply_rope, causal_attention, rope_tables, HeadShape};
+use super::decoder::DecoderConfig;
 use super::ggml_math::swiglu;
-use super::llama_config::LlamaConfig;
 use super::qlinear::QLinear;
-use super::{check_exit_layer, CausalLm, LogitRows, ModelInfo};
+use super::{check_exit_layer, CausalLm, GgufWeights, LogitRows, ModelInfo};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
@@ -60,83 +60,76 @@ pub struct Llama {
     weight_bytes: usize,
 }
 
-/// Reads tensors by name and counts the bytes loaded.
-struct WeightLoader<'a> {
-    gguf: &'a mut GgufFile,
-    device: &'a Device,
-    num_bytes: usize,
-}
-
-impl WeightLoader<'_> {
-    fn qtensor(&mut self, name: &str) -> Result<Arc<QTensor>> {
-        let t = self.gguf.tensor(name, self.device)?;
-        self.num_bytes += t.storage_size_in_bytes();
-        Ok(Arc::new(t))
-    }
-
-    fn linear(&mut self, name: &str) -> Result<QLinear> {
+impl GgufWeights<'_> {
+    fn qlinear(&mut self, name: &str) -> Result<QLinear> {
         QLinear::new(self.qtensor(name)?)
     }
 
     /// Norm weights are small and used in f32.
-    fn vector(&mut self, name: &str) -> Result<Vec<f32>> {
+    fn f32_vec(&mut self, name: &str) -> Result<Vec<f32>> {
         Ok(self.qtensor(name)?.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?)
     }
 }
 
 impl Llama {
-    pub fn load(gguf: &mut GgufFile, arch: &str, device: &Device) -> Result<Self> {
-        if !matches!(device, Device::Cpu) {
-            return Err(Error::Device("llama.rs runs on the CPU; other devices load decoder.rs".into()));
-        }
-        let config = LlamaConfig::from_gguf(gguf, arch)?;
-        let freq_factors = LlamaConfig::rope_freq_factors(gguf)?;
-        let (hidden, num_heads, head_dim) = (config.hidden_size, config.num_attention_heads, config.head_dim());
+    /// Whether this file fits this implementation: a GGUF llama (q/k permuted for interleaved
+    /// RoPE) with full rotary dims and heads exactly spanning the width. Anything else runs on
+    /// `decoder.rs`.
+    pub fn runs(config: &DecoderConfig) -> bool {
+        matches!(config.architecture.as_str(), "llama" | "mistral")
+            && config.rope_dims == config.head_dim
+            && config.num_heads * config.head_dim == config.hidden_size
+            && config.sliding_window.is_none()
+    }
 
-        let mut w = WeightLoader { gguf, device, num_bytes: 0 };
+    /// `config` comes from `families::from_gguf` and passed `runs`.
+    pub fn load(gguf: &mut GgufFile, config: DecoderConfig) -> Result<Self> {
+        let (hidden, num_heads, head_dim) = (config.hidden_size, config.num_heads, config.head_dim);
+        let device = Device::Cpu;
+        let mut w = GgufWeights::new(gguf, &device);
         let embed = w.qtensor("token_embd.weight")?;
         let lm_head =
-            if config.tie_word_embeddings { QLinear::new(embed.clone())? } else { w.linear("output.weight")? };
-        let final_norm = w.vector("output_norm.weight")?;
-        let blocks = (0..config.num_hidden_layers)
+            if config.tie_word_embeddings { QLinear::new(embed.clone())? } else { w.qlinear("output.weight")? };
+        let final_norm = w.f32_vec("output_norm.weight")?;
+        let blocks = (0..config.num_layers)
             .map(|i| {
                 let name = |part: &str| format!("blk.{i}.{part}.weight");
                 Ok(Block {
-                    attn_norm: w.vector(&name("attn_norm"))?,
-                    wq: w.linear(&name("attn_q"))?,
-                    wk: w.linear(&name("attn_k"))?,
-                    wv: w.linear(&name("attn_v"))?,
-                    wo: w.linear(&name("attn_output"))?,
-                    ffn_norm: w.vector(&name("ffn_norm"))?,
-                    w_gate: w.linear(&name("ffn_gate"))?,
-                    w_up: w.linear(&name("ffn_up"))?,
-                    w_down: w.linear(&name("ffn_down"))?,
+                    attn_norm: w.f32_vec(&name("attn_norm"))?,
+                    wq: w.qlinear(&name("attn_q"))?,
+                    wk: w.qlinear(&name("attn_k"))?,
+                    wv: w.qlinear(&name("attn_v"))?,
+                    wo: w.qlinear(&name("attn_output"))?,
+                    ffn_norm: w.f32_vec(&name("ffn_norm"))?,
+                    w_gate: w.qlinear(&name("ffn_gate"))?,
+                    w_up: w.qlinear(&name("ffn_up"))?,
+                    w_down: w.qlinear(&name("ffn_down"))?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
         let weight_bytes = w.num_bytes;
         let (cos, sin) =
-            rope_tables(head_dim, config.rope_theta, config.max_position_embeddings, freq_factors.as_deref());
+            rope_tables(head_dim, config.rope_theta, config.context_length, config.rope_freq_factors.as_deref());
 
         Ok(Self {
             info: ModelInfo {
-                architecture: arch.to_string(),
+                architecture: config.architecture.clone(),
                 vocab_size: config.vocab_size,
-                context_length: config.max_position_embeddings,
-                num_layers: config.num_hidden_layers,
-                num_kv_heads: config.num_kv_heads(),
+                context_length: config.context_length,
+                num_layers: config.num_layers,
+                num_kv_heads: config.num_kv_heads,
                 head_dim,
             },
             hidden,
             num_heads,
-            rms_eps: config.rms_norm_eps,
+            rms_eps: config.rms_eps,
             embed,
             blocks,
             final_norm,
             lm_head,
             cos,
             sin,
-            device: device.clone(),
+            device,
             weight_bytes,
         })
     }

@@ -1,14 +1,12 @@
-//! Llama hyperparameters, read from GGUF metadata (the CPU llama, `llama.rs`) or given with
-//! Hugging Face `config.json` names (random-weight models, which `decoder.rs` builds).
+//! Llama hyperparameters with Hugging Face `config.json` names: the shape of a random-weight
+//! model (`Engine.random`), which `decoder.rs` builds. GGUF metadata is read by `families.rs`.
 //!
 //! Invariant: a `LlamaConfig` that exists is self-consistent (heads divide the width, kv heads
 //! divide the heads), so model code never re-checks shapes it derives from it.
 
-use candle_core::Device;
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
-use crate::gguf::GgufFile;
 
 /// Field names and defaults follow transformers' `LlamaConfig`.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -62,62 +60,6 @@ impl LlamaConfig {
     pub fn from_json(text: &str) -> Result<Self> {
         let config: Self = serde_json::from_str(text).map_err(|e| Error::config(format!("llama config: {e}")))?;
         config.validated("llama config")
-    }
-
-    /// The `{arch}.*` metadata of a llama-family GGUF file.
-    pub fn from_gguf(gguf: &GgufFile, arch: &str) -> Result<Self> {
-        let key = |k: &str| format!("{arch}.{k}");
-        let path = gguf.path.display().to_string();
-        let num_hidden_layers = gguf.get_usize(&key("block_count"))?;
-        let hidden_size = gguf.get_usize(&key("embedding_length"))?;
-        let num_attention_heads = gguf.get_usize(&key("attention.head_count"))?;
-        let embed_dims = gguf.tensor_dims("token_embd.weight").unwrap_or_default();
-        let config = Self {
-            // `[vocab, hidden]`, rows first.
-            vocab_size: embed_dims.first().copied().unwrap_or(0),
-            hidden_size,
-            intermediate_size: gguf.get_usize(&key("feed_forward_length"))?,
-            num_hidden_layers,
-            num_attention_heads,
-            num_key_value_heads: gguf.opt_usize(&key("attention.head_count_kv"))?,
-            max_position_embeddings: gguf.get_usize(&key("context_length"))?,
-            rope_theta: gguf.opt_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0),
-            rms_norm_eps: gguf.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
-            tie_word_embeddings: !gguf.has_tensor("output.weight"),
-        }
-        .validated(&path)?;
-        let head_dim = config.head_dim();
-        let rope_dim = gguf.opt_usize(&key("rope.dimension_count"))?.unwrap_or(head_dim);
-        if rope_dim != head_dim {
-            return Err(Error::model_load(format!(
-                "{path}: partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim}) are not supported"
-            )));
-        }
-        if embed_dims != [config.vocab_size, hidden_size] {
-            return Err(Error::model_load(format!(
-                "{path}: token_embd has shape {embed_dims:?} but embedding_length is {hidden_size}; the file is corrupt"
-            )));
-        }
-        for (name, want) in [
-            ("blk.0.attn_q.weight", vec![hidden_size, hidden_size]),
-            ("blk.0.attn_k.weight", vec![config.num_kv_heads() * head_dim, hidden_size]),
-        ] {
-            let got = gguf.tensor_dims(name).unwrap_or_default();
-            if got != want {
-                return Err(Error::model_load(format!(
-                    "{path}: tensor '{name}' has shape {got:?}, the metadata implies {want:?}; the file is corrupt"
-                )));
-            }
-        }
-        Ok(config)
-    }
-
-    /// Llama 3.1-style frequency scaling, which GGUF ships as a tensor of per-dimension divisors.
-    pub fn rope_freq_factors(gguf: &mut GgufFile) -> Result<Option<Vec<f32>>> {
-        if !gguf.has_tensor("rope_freqs.weight") {
-            return Ok(None);
-        }
-        Ok(Some(gguf.tensor("rope_freqs.weight", &Device::Cpu)?.dequantize(&Device::Cpu)?.to_vec1::<f32>()?))
     }
 
     fn validated(self, source: &str) -> Result<Self> {

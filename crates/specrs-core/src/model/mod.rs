@@ -20,6 +20,9 @@ pub mod parallel;
 pub mod qlinear;
 pub mod random;
 
+use std::sync::Arc;
+
+use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 
 use crate::error::{Error, Result};
@@ -86,6 +89,26 @@ pub trait CausalLm: Send + Sync {
     }
 }
 
+/// Reads a GGUF file's tensors by name onto a device and counts the bytes loaded; each model
+/// file adds the typed readers it needs.
+pub(crate) struct GgufWeights<'a> {
+    pub gguf: &'a mut GgufFile,
+    pub device: &'a Device,
+    pub num_bytes: usize,
+}
+
+impl<'a> GgufWeights<'a> {
+    pub fn new(gguf: &'a mut GgufFile, device: &'a Device) -> Self {
+        Self { gguf, device, num_bytes: 0 }
+    }
+
+    pub fn qtensor(&mut self, name: &str) -> Result<Arc<QTensor>> {
+        let t = self.gguf.tensor(name, self.device)?;
+        self.num_bytes += t.storage_size_in_bytes();
+        Ok(Arc::new(t))
+    }
+}
+
 /// `forward_early_exit`'s bound: at least one block, at most all `num_blocks`.
 pub(crate) fn check_exit_layer(num_layers: usize, num_blocks: usize) -> Result<()> {
     if num_layers == 0 || num_layers > num_blocks {
@@ -107,9 +130,9 @@ pub fn load(gguf: &mut GgufFile, device: &Device) -> Result<Box<dyn CausalLm>> {
             gguf.path.display()
         )));
     }
-    if device.is_cpu() && matches!(architecture.as_str(), "llama" | "mistral") {
-        return Ok(Box::new(llama::Llama::load(gguf, &architecture, device)?));
-    }
     let config = families::from_gguf(gguf, &architecture)?;
+    if device.is_cpu() && llama::Llama::runs(&config) {
+        return Ok(Box::new(llama::Llama::load(gguf, config)?));
+    }
     Ok(Box::new(decoder::Decoder::from_gguf(gguf, config, device)?))
 }
