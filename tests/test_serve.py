@@ -164,8 +164,11 @@ def test_long_prompt_prefilled_in_chunks_matches_the_engine(engine, client, mode
 
 
 def test_repetitive_prompt_reports_acceptance(client, model_name):
-    """The sentence to repeat is in the prompt, so ngram drafts and most drafts are accepted."""
-    text, _, usage = _ask(client, model_name, "chat", PROMPTS[0], 48, False, NGRAM)
+    """The sentence to repeat is in the prompt, so ngram drafts and most drafts are accepted.
+    Every draft is verified whole: how often the adaptive length drafts depends on this machine's
+    measured verification cost, and this test is about what the server reports."""
+    config = {**NGRAM, "adaptive_draft_length": False}
+    text, _, usage = _ask(client, model_name, "chat", PROMPTS[0], 48, False, config)
     spec = usage.model_extra["speculative"]
     assert spec["num_drafts"] > 0 and spec["acceptance_rate"] > 0.5, spec
     assert spec["acceptance_rate_per_pos"][0] >= spec["acceptance_rate_per_pos"][-1]

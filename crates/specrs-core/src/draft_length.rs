@@ -15,7 +15,11 @@
 //! them a seeded request's sampled tokens, do not depend on timing noise.
 //!
 //! The estimate forgets old evidence (each draft or skipped draft discounts it), so a request
-//! whose text turns repetitive later gets drafts again after a run of rejections.
+//! whose text turns repetitive later gets drafts again after a run of rejections. Before a
+//! request's first verified draft the estimate is the prior alone, which knows nothing of this
+//! request's text: a proposer that costs nothing to run (c = 0: ngram, suffix) then tries its best
+//! positive length whatever the verification costs say, while a draft model, whose first draft
+//! would read the whole prompt, drafts only if the prior says it pays.
 //!
 //! Invariant: this only shortens drafts, so it changes speed, never output.
 
@@ -30,6 +34,8 @@ pub struct DraftLengthPolicy {
     rejections: f64,
     /// c: drafting time per draft token over t(1), measured once per engine and config.
     draft_cost: f64,
+    /// Whether a draft of this request has been verified yet.
+    observed: bool,
 }
 
 /// Beta prior pseudo-counts on the per-token acceptance: a = 0.5 until the request has data.
@@ -47,12 +53,14 @@ impl DraftLengthPolicy {
             accepted: 0.0,
             rejections: 0.0,
             draft_cost,
+            observed: false,
         }
     }
 
     /// Records one verified draft.
     pub fn observe(&mut self, num_draft_tokens: usize, num_accepted_tokens: usize) {
         self.forget();
+        self.observed = true;
         self.accepted += num_accepted_tokens as f64;
         if num_accepted_tokens < num_draft_tokens {
             self.rejections += 1.0;
@@ -83,6 +91,7 @@ impl DraftLengthPolicy {
         let c = self.draft_cost;
         let max_len = max_len.min(self.verify_cost_ratios.len().saturating_sub(1));
         let mut best = (0, 1.0); // no draft: one token for one step
+        let mut best_drafting = (0, 0.0);
         let mut expected_tokens = 1.0;
         let mut pass_all = 1.0;
         for m in 1..=max_len {
@@ -92,8 +101,15 @@ impl DraftLengthPolicy {
             if rate > best.1 {
                 best = (m, rate);
             }
+            if rate > best_drafting.1 {
+                best_drafting = (m, rate);
+            }
         }
-        best.0
+        if self.observed || self.draft_cost > 0.0 {
+            best.0
+        } else {
+            best_drafting.0
+        }
     }
 }
 
@@ -156,6 +172,17 @@ mod tests {
             policy.best_length(4) > 0
         });
         assert!(matches!(skips, Some(10..=40)), "{skips:?}");
+    }
+
+    #[test]
+    fn a_new_request_tries_a_free_draft_even_where_the_prior_says_it_would_not_pay() {
+        // a = 0.5: m = 1 gives 1.5 / 1.6, m = 2 1.75 / 1.9; neither beats plain decoding.
+        let mut policy = DraftLengthPolicy::new(&[1.0, 1.6, 1.9], 0.0);
+        assert_eq!(policy.best_length(2), 1);
+        policy.observe(1, 0);
+        assert_eq!(policy.best_length(2), 0);
+        // A draft model's first draft reads the prompt: the prior decides.
+        assert_eq!(DraftLengthPolicy::new(&[1.0, 1.6, 1.9], 0.01).best_length(2), 0);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Preallocated key/value cache with O(1) rollback, on the host or on a candle device.
 //!
-//! - Host (the CPU model, `llama.rs`): f16, token-major (`[capacity, num_kv_heads * head_dim]`
+//! - Host (the CPU decoder, `cpu_decoder.rs`): f16, token-major (`[capacity, num_kv_heads * head_dim]`
 //!   per layer), like llama.cpp's default cache: half the memory of f32, and the same rounding as
 //!   the reference implementation the golden tests compare against.
 //! - Device (the candle-ops decoder, `decoder.rs`): one f32 tensor per layer for keys and one

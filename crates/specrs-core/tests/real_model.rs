@@ -46,7 +46,7 @@ const TEXT: &str = "The quick brown fox jumps over the lazy dog. Speculative dec
     so the weights are read once for every token that the target model checks, and rejected tokens are rolled back.";
 
 /// Logit tolerance between differently batched forwards: zero. Every kernel is row-independent
-/// (see model/llama.rs), so a token's logits are bitwise the same however it was batched.
+/// (see model/cpu_decoder.rs), so a token's logits are bitwise the same however it was batched.
 const TOLERANCE: f32 = 0.0;
 
 #[test]

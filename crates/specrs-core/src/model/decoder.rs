@@ -1,8 +1,9 @@
 //! The shared decoder-only transformer, written with candle tensor ops so it runs on any candle
-//! device: every family but the CPU llama (`llama.rs`), and every family on CUDA. Llama, Mistral,
-//! Qwen2/2.5, Qwen3, Gemma 3 and Phi-3 are one block with flags (`DecoderConfig`); which GGUF
-//! keys set them is in `families.rs`. Weights are GGUF tensors (candle's quantized matmul,
-//! activations in f32) or dense bf16/f16/f32 tensors (seeded random weights; safetensors next).
+//! device: every family on CUDA, and on the CPU what `cpu_decoder.rs` does not run (GGUF qwen2,
+//! qwen3, phi3; HF safetensors directories; seeded random models). Llama, Mistral, Qwen2/2.5,
+//! Qwen3, Gemma 3 and Phi-3 are one block with flags (`DecoderConfig`); which GGUF keys set them
+//! is in `families.rs`. Weights are GGUF tensors (specrs' kernels on the CPU, candle's quantized
+//! matmul on CUDA) or dense bf16/f16/f32 tensors (safetensors, seeded random weights).
 //!
 //! A block: RMSNorm -> q/k/v projections (+ bias: Qwen2) -> per-head q/k RMSNorm (Qwen3, Gemma 3)
 //! -> rotary embedding (interleaved for GGUF llama, whose q/k are permuted for it; half-split
@@ -13,9 +14,12 @@
 //!
 //! Invariant: `forward_rows` scores every new token against the cached keys plus its own
 //! predecessors (causal, windowed where the layer says so), and appends exactly the new positions
-//! to the cache. Unlike `llama.rs` it does not promise bitwise row independence: cuBLAS picks its
-//! kernels by shape, so a k+1-token verify can round differently from single steps, and greedy
-//! speculative output equals plain greedy output except at near-ties (the GPU check counts them).
+//! to the cache. Unlike `cpu_decoder.rs` it does not promise bitwise row independence: cuBLAS (and
+//! candle's CPU gemm for dense weights) picks its kernels by shape, so a k+1-token verify can round
+//! differently from single steps, and greedy speculative output equals plain greedy output except
+//! at near-ties (the GPU check counts them). On the CPU with weights specrs' kernels run (Q4_0,
+//! Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) every matmul is row-independent and attention is computed one
+//! query row at a time, so there the two are equal.
 //! Attention runs in f32 over an f32 cache, which keeps those differences at the matmuls' rounding.
 
 use std::sync::Arc;
@@ -25,11 +29,11 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::ops::{rms_norm, softmax_last_dim};
 use candle_nn::rotary_emb::{rope, rope_i};
 
-use super::attention::rope_tables;
 use super::hf_dir::HfWeights;
 use super::llama_config::LlamaConfig;
 use super::qlinear::QLinear;
 use super::random;
+use super::rope::{Pairing, Rope};
 use super::{check_exit_layer, CausalLm, GgufWeights, LogitRows, ModelInfo};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
@@ -115,8 +119,9 @@ pub enum WeightFormat {
 }
 
 enum Weight {
-    /// specrs' own CPU kernels (Q4_0, Q4_1, Q8_0): each weight block is read once for up to 8
-    /// rows, so a verify pass costs little more than one step, and rows never change each other.
+    /// specrs' own CPU kernels (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K): each weight block is read
+    /// once for up to 8 rows, so a verify pass costs little more than one step, and rows never
+    /// change each other.
     Native(QLinear),
     Quantized(QMatMul),
     /// `[out_features, in_features]`, in the activation dtype.
@@ -137,11 +142,6 @@ impl Linear {
     /// `[n, in_features]` -> `[n, out_features]`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match &self.weight {
-            Weight::Quantized(w) if x.dim(0)? > 1 && multi_row_rounds_differently(w) => {
-                let rows =
-                    (0..x.dim(0)?).map(|i| w.forward(&x.narrow(0, i, 1)?)).collect::<candle_core::Result<Vec<_>>>()?;
-                Tensor::cat(&rows, 0)?
-            }
             Weight::Quantized(w) => w.forward(x)?,
             Weight::Dense(w) => x.matmul(&w.t()?)?,
             Weight::Native(w) => {
@@ -167,14 +167,6 @@ fn quantized_weight(t: Arc<QTensor>) -> Result<Weight> {
         }
     }
     Ok(Weight::Quantized(QMatMul::from_arc(t)?))
-}
-
-/// candle's CPU Q6_K matmul takes a compact GEMV for one row and repacked tiles for more, which
-/// round differently (measured: up to 6e-6 on Gemma 3's ffn_down); rows of such weights are
-/// computed one at a time so a verify pass matches single steps. Its other CPU types (Q4_0..Q8_0,
-/// Q4_K, measured) already compute each row the same way whatever the row count.
-fn multi_row_rounds_differently(w: &QMatMul) -> bool {
-    matches!(w, QMatMul::QTensor(t) if t.dtype() == GgmlDType::Q6K && t.device().is_cpu())
 }
 
 /// Projections of one input (q/k/v, or gate/up) computed by one matmul whose output is split:
@@ -521,7 +513,8 @@ impl Decoder {
                 (None, f) if f != 1.0 => Some(vec![f; half]),
                 (None, _) => None,
             };
-            let (cos, sin) = rope_tables(config.rope_dims, theta, config.context_length, factors.as_deref());
+            let (cos, sin) = Rope::new(config.rope_dims, theta, 1.0, factors.as_deref(), Pairing::Halves)
+                .tables(0, config.context_length);
             let table = |t: Vec<f32>| Tensor::from_vec(t, (config.context_length, half), device);
             Ok(RopeTables { cos: table(cos)?, sin: table(sin)? })
         };

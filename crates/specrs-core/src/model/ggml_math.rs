@@ -1,10 +1,16 @@
-//! ggml's vectorized exponential, reproduced in scalar form so specrs's softmax and SiLU round
-//! exactly like llama.cpp's AVX2 path (the reference our golden tests compare against).
+//! ggml's scalar arithmetic where its rounding differs from the textbook one, reproduced so
+//! specrs's CPU model rounds exactly like llama.cpp's AVX2 path (the reference our golden tests
+//! compare against): its vectorized exponential (softmax, SiLU), its f16 GELU table, and the
+//! horizontal sums that end its SIMD dot products.
 //!
-//! The algorithm is the classic one from Arm's optimized-routines: n = round(x / ln2) by the
+//! The exponential is the classic one from Arm's optimized-routines: n = round(x / ln2) by the
 //! 1.5 * 2^23 trick, a two-constant reduction b = x - n*ln2, a degree-5 polynomial, then scaling by
 //! 2^n through the exponent bits. Maximum error about 1.5 ulp. Every multiply-add is fused, as in
 //! the vector code, so call these from code compiled with FMA (see `softmax_exps`).
+
+use std::sync::OnceLock;
+
+use half::f16;
 
 const SHIFT: f32 = 12_582_912.0; // 1.5 * 2^23
 const LOG2_E: u32 = 0x3FB8_AA3B;
@@ -69,6 +75,61 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     }
     for (g, u) in gate.iter_mut().zip(up) {
         *g = silu(*g) * u;
+    }
+}
+
+/// `ggml_hsum_float_8` (the end of every 8-lane dot product) of lanes `lane(0..8)`.
+#[inline]
+pub fn hsum8_of(lane: impl Fn(usize) -> f32) -> f32 {
+    let h: [f32; 4] = std::array::from_fn(|k| lane(k + 4) + lane(k));
+    (h[0] + h[2]) + (h[1] + h[3])
+}
+
+/// `hsum8_of` a slice; missing lanes are zero.
+pub fn hsum8(v: &[f32]) -> f32 {
+    hsum8_of(|i| v.get(i).copied().unwrap_or(0.0))
+}
+
+/// `GGML_F32x8_REDUCE` of four 8-lane accumulators, lane l of accumulator a at `slot(8a + l)`
+/// (the end of `ggml_vec_dot_f16`): acc0 + acc2 and acc1 + acc3, their sum, the two 128-bit
+/// halves added, then two pairwise horizontal adds.
+#[inline]
+pub fn reduce_4x8_of(slot: impl Fn(usize) -> f32) -> f32 {
+    let v: [f32; 8] = std::array::from_fn(|l| (slot(l) + slot(16 + l)) + (slot(8 + l) + slot(24 + l)));
+    let t: [f32; 4] = std::array::from_fn(|k| v[k] + v[k + 4]);
+    (t[0] + t[1]) + (t[2] + t[3])
+}
+
+/// ggml's GELU (tanh approximation), evaluated once per f16 input and rounded to f16: llama.cpp's
+/// CPU backend looks GELU up in this table (`GGML_GELU_FP16`). GCC fuses `1 + a*x*x` into one
+/// multiply-add.
+fn gelu_table() -> &'static [f16] {
+    static TABLE: OnceLock<Vec<f16>> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+        const GELU_COEF_A: f32 = 0.044_715;
+        (0..=u16::MAX)
+            .map(|bits| {
+                let x = f16::from_bits(bits).to_f32();
+                let inner = (GELU_COEF_A * x).mul_add(x, 1.0);
+                f16::from_f32(0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * inner).tanh()))
+            })
+            .collect()
+    })
+}
+
+/// `gate[i] = gelu(gate[i]) * up[i]` as `ggml_vec_geglu_f32`: 0 at or below -10, the identity at
+/// or above 10, the f16 table in between.
+pub fn geglu(gate: &mut [f32], up: &[f32]) {
+    let table = gelu_table();
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = if *g <= -10.0 {
+            0.0
+        } else if *g >= 10.0 {
+            *g * u
+        } else {
+            table[f16::from_f32(*g).to_bits() as usize].to_f32() * u
+        };
     }
 }
 

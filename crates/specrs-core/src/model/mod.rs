@@ -1,24 +1,26 @@
 //! Target and draft models: the `CausalLm` trait and one file per architecture family.
 //!
-//! Two implementations: `llama.rs`, the CPU llama with llama.cpp's numerics and bitwise row
-//! independence (hand-written AVX2 kernels), and `decoder.rs`, one block with per-family flags
-//! (`families.rs`) in candle ops on any device: every other family, and everything on CUDA.
-//! `load` picks.
+//! Two implementations of one block with per-family flags (`families.rs`): `cpu_decoder.rs`, GGUF
+//! llama and Gemma 3 on the CPU with llama.cpp's numerics and bitwise row independence
+//! (hand-written AVX2 kernels), and `decoder.rs`, in candle ops on any device: every other family,
+//! and everything on CUDA. `load` picks.
 //!
 //! Invariant: `forward` scores EVERY new token (verification needs the logits of all k+1
 //! positions from one pass) and leaves the cache holding exactly the old positions plus the new
 //! ones; the caller rolls back with `KvCache::truncate`.
 
 pub mod attention;
+pub mod cpu_decoder;
 pub mod decoder;
 pub mod families;
 pub mod ggml_math;
 pub mod hf_dir;
-pub mod llama;
+pub mod kquants;
 pub mod llama_config;
 pub mod parallel;
 pub mod qlinear;
 pub mod random;
+pub mod rope;
 
 use std::sync::Arc;
 
@@ -131,8 +133,8 @@ pub fn load(gguf: &mut GgufFile, device: &Device) -> Result<Box<dyn CausalLm>> {
         )));
     }
     let config = families::from_gguf(gguf, &architecture)?;
-    if device.is_cpu() && llama::Llama::runs(&config) {
-        return Ok(Box::new(llama::Llama::load(gguf, config)?));
+    if device.is_cpu() && cpu_decoder::CpuDecoder::runs(&config, gguf) {
+        return Ok(Box::new(cpu_decoder::CpuDecoder::load(gguf, config)?));
     }
     Ok(Box::new(decoder::Decoder::from_gguf(gguf, config, device)?))
 }

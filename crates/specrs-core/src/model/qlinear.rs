@@ -1,16 +1,20 @@
-//! Linear layers over GGUF quantized weights, with specrs' own CPU kernels for Q4_0, Q4_1, Q5_0
-//! and Q8_0.
+//! Linear layers over GGUF quantized weights, with specrs' own CPU kernels for Q4_0, Q4_1, Q5_0,
+//! Q8_0 (32-value blocks, activations quantized to Q8_0 here) and Q4_K, Q6_K (256-value
+//! super-blocks, activations quantized to Q8_K, `kquants.rs`).
 //!
-//! Why not candle's `QMatMul` for these: candle 0.11 has no x86 SIMD path for Q4_1 (scalar code,
-//! ~10x slower than llama.cpp), and verification wants each weight row read once for all n
-//! activation rows. Here every weight row (an output feature) is unpacked once per block and
-//! dotted with up to `ROW_GROUP` quantized activation rows while it sits in registers; threads
-//! split the output features.
+//! Why not candle's `QMatMul` for these: candle 0.11 has no x86 SIMD path for Q4_1 or Q5_0
+//! (scalar code, ~10x slower than llama.cpp), its K-quant kernels round differently for one row
+//! and for several, and verification wants each weight row read once for all n activation rows.
+//! Here every weight row (an output feature) is unpacked once per block and dotted with up to
+//! `ROW_GROUP` quantized activation rows while it sits in registers; threads split the output
+//! features.
 //!
 //! Invariant: output row i depends only on input row i, computed in the same order whatever n is
 //! (activations are quantized per row and block, exactly as llama.cpp's AVX2 path does: int8 with
 //! round-half-even, scales stored as f16), so batched and single-token forwards agree bitwise.
-//! Other quantization types fall back to candle's `QMatMul`.
+//! Q4_1, Q5_0, Q8_0, Q4_K and Q6_K also sum in the order of llama.cpp's single-token kernels, so
+//! their outputs are bitwise llama.cpp's. Other quantization types fall back to candle's
+//! `QMatMul`.
 
 use std::sync::Arc;
 
@@ -18,14 +22,18 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use half::f16;
 
+use super::ggml_math::hsum8;
+use super::kquants::{self, Q8KRows, QK_K};
 use super::parallel::for_each_chunk_mut;
 use crate::error::Result;
 
 const BLOCK: usize = 32;
 /// Activation rows dotted with one unpacked weight block before moving on.
-const ROW_GROUP: usize = 8;
+pub(crate) const ROW_GROUP: usize = 8;
 /// Output features per parallel work item.
 const FEATURES_PER_TASK: usize = 16;
+/// Weight rows one kernel call dots with a single activation row (decoding).
+const FEATURES_PER_CALL: usize = 8;
 /// How far ahead of the block being read the kernel prefetches weight bytes.
 const PREFETCH_BYTES: usize = 512;
 
@@ -39,12 +47,13 @@ pub enum Format {
     /// `{ d: f16, m: f16, qs: [u8; 16] }`: x = d * nibble + m; nibble j is element j (low) / j+16 (high).
     Q4_1,
     /// `{ d: f16, qh: u32, qs: [u8; 16] }`: x = d * (q - 16), q = nibble | bit j of qh << 4 for
-    /// element j (nibbles as Q4_0). Computed like Q4_0 (offset -16d through the activation sums), so
-    /// it is not bitwise llama.cpp's either; it makes Gemma 3's Q5_0 layers SIMD (candle's are
-    /// scalar, ~1 GB/s).
+    /// element j (nibbles as Q4_0).
     Q5_0,
     /// `{ d: f16, qs: [i8; 32] }`: x = d * q.
     Q8_0,
+    /// 256-value super-blocks, `kquants.rs`.
+    Q4K,
+    Q6K,
 }
 
 impl Format {
@@ -54,8 +63,24 @@ impl Format {
             Format::Q4_1 => 20,
             Format::Q5_0 => 22,
             Format::Q8_0 => 34,
+            Format::Q4K => kquants::Q4K_BYTES,
+            Format::Q6K => kquants::Q6K_BYTES,
         }
     }
+
+    /// Values per block.
+    fn block_len(self) -> usize {
+        match self {
+            Format::Q4K | Format::Q6K => QK_K,
+            _ => BLOCK,
+        }
+    }
+}
+
+/// Activation rows quantized for one weight format.
+enum Activations {
+    Q8_0(QuantizedRows),
+    Q8K(Q8KRows),
 }
 
 /// One activation row quantized to int8 blocks: `scales[b]` = d (f16-rounded), `sums[b]` =
@@ -98,8 +123,17 @@ fn round_ties_even(x: f32) -> f32 {
 
 /// A weight matrix `[out_features, in_features]`.
 pub enum QLinear {
-    Native { format: Format, data: Vec<u8>, out_features: usize, in_features: usize },
-    Candle { matmul: QMatMul, out_features: usize },
+    /// The tensor's CPU bytes are read in place (a tied LM head shares the embedding's).
+    Native {
+        format: Format,
+        weight: Arc<QTensor>,
+        out_features: usize,
+        in_features: usize,
+    },
+    Candle {
+        matmul: QMatMul,
+        out_features: usize,
+    },
 }
 
 impl QLinear {
@@ -110,11 +144,13 @@ impl QLinear {
             GgmlDType::Q4_1 => Some(Format::Q4_1),
             GgmlDType::Q5_0 => Some(Format::Q5_0),
             GgmlDType::Q8_0 => Some(Format::Q8_0),
+            GgmlDType::Q4K => Some(Format::Q4K),
+            GgmlDType::Q6K => Some(Format::Q6K),
             _ => None,
         };
         match format {
-            Some(format) if in_features % BLOCK == 0 && matches!(weight.device(), Device::Cpu) => {
-                Ok(QLinear::Native { format, data: weight.data()?.into_owned(), out_features, in_features })
+            Some(format) if in_features % format.block_len() == 0 && matches!(weight.device(), Device::Cpu) => {
+                Ok(QLinear::Native { format, weight, out_features, in_features })
             }
             _ => Ok(QLinear::Candle { matmul: QMatMul::from_arc(weight)?, out_features }),
         }
@@ -134,9 +170,13 @@ impl QLinear {
     /// `x`: `[num_rows, in_features]` row-major -> `[num_rows, out_features]`.
     pub fn forward_rows(&self, x: &[f32], num_rows: usize) -> Result<Vec<f32>> {
         match self {
-            QLinear::Native { format, data, out_features, in_features } => {
-                let rows = quantize_rows(x, num_rows, *in_features);
-                Ok(matmul(*format, data, *out_features, *in_features, &rows, num_rows))
+            QLinear::Native { format, weight, out_features, in_features } => {
+                let data = weight.data()?;
+                let rows = match format {
+                    Format::Q4K | Format::Q6K => Activations::Q8K(kquants::quantize_q8k(x, *in_features)),
+                    _ => Activations::Q8_0(quantize_rows(x, num_rows, *in_features)),
+                };
+                Ok(matmul(*format, &data, *out_features, *in_features, &rows, num_rows))
             }
             QLinear::Candle { matmul, .. } => {
                 let input = Tensor::from_slice(x, (num_rows, x.len() / num_rows.max(1)), &Device::Cpu)?;
@@ -152,13 +192,27 @@ fn matmul(
     data: &[u8],
     out_features: usize,
     in_features: usize,
-    rows: &QuantizedRows,
+    rows: &Activations,
     num_rows: usize,
 ) -> Vec<f32> {
-    let row_bytes = in_features / BLOCK * format.block_bytes();
+    let row_bytes = in_features / format.block_len() * format.block_bytes();
     // Feature-major scratch so each task writes one contiguous slice.
     let mut by_feature = vec![0f32; out_features * num_rows];
     for_each_chunk_mut(&mut by_feature, FEATURES_PER_TASK * num_rows, |task, chunk| {
+        #[cfg(target_arch = "x86_64")]
+        if let (1, Activations::Q8_0(rows)) = (num_rows, rows) {
+            if avx2::available() {
+                // Decoding: several weight rows against the one activation row, for independent
+                // work per block (the kernel is bound by instruction latency, not bandwidth).
+                for (i, out) in chunk.chunks_mut(FEATURES_PER_CALL).enumerate() {
+                    let first = (task * FEATURES_PER_TASK + i * FEATURES_PER_CALL) * row_bytes;
+                    let weights = &data[first..first + out.len() * row_bytes];
+                    // SAFETY: features checked; `weights` holds `out.len()` rows of `row_bytes`.
+                    unsafe { avx2::dot_features(format, weights, row_bytes, rows, out) };
+                }
+                return;
+            }
+        }
         for (f, out) in chunk.chunks_mut(num_rows).enumerate() {
             let feature = task * FEATURES_PER_TASK + f;
             let weight = &data[feature * row_bytes..(feature + 1) * row_bytes];
@@ -168,6 +222,9 @@ fn matmul(
             }
         }
     });
+    if num_rows == 1 {
+        return by_feature;
+    }
     let mut out = vec![0f32; num_rows * out_features];
     for (feature, values) in by_feature.chunks(num_rows).enumerate() {
         for (row, &v) in values.iter().enumerate() {
@@ -177,25 +234,78 @@ fn matmul(
     out
 }
 
-fn dot_rows(format: Format, weight: &[u8], rows: &QuantizedRows, first: usize, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if avx2::available() {
-            // SAFETY: the CPU supports AVX2, FMA and F16C (checked above); shapes come from `matmul`.
-            unsafe { avx2::dot_rows(format, weight, rows, first, out) };
-            return;
+fn dot_rows(format: Format, weight: &[u8], rows: &Activations, first: usize, out: &mut [f32]) {
+    match rows {
+        Activations::Q8_0(rows) => {
+            #[cfg(target_arch = "x86_64")]
+            if avx2::available() {
+                // SAFETY: the CPU supports AVX2, FMA and F16C (checked above); shapes come from
+                // `matmul`.
+                unsafe { avx2::dot_rows(format, weight, rows, first, out) };
+                return;
+            }
+            scalar_dot_rows(format, weight, rows, first, out);
+        }
+        Activations::Q8K(rows) => {
+            #[cfg(target_arch = "x86_64")]
+            if kquants::avx2::available() {
+                // SAFETY: features checked; shapes come from `matmul`.
+                unsafe {
+                    match format {
+                        Format::Q4K => kquants::avx2::dot_q4k_rows(weight, rows, first, out),
+                        _ => kquants::avx2::dot_q6k_rows(weight, rows, first, out),
+                    }
+                }
+                return;
+            }
+            for (r, o) in out.iter_mut().enumerate() {
+                *o = match format {
+                    Format::Q4K => kquants::dot_q4k(weight, rows, first + r),
+                    _ => kquants::dot_q6k(weight, rows, first + r),
+                };
+            }
         }
     }
-    scalar_dot_rows(format, weight, rows, first, out);
 }
 
 fn f16_at(bytes: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([bytes[at], bytes[at + 1]]).to_f32()
 }
 
+/// The signed value of element `j` of a Q5_0 or Q8_0 block.
+fn signed_value(format: Format, blk: &[u8], j: usize) -> i32 {
+    match format {
+        Format::Q5_0 => {
+            let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+            let nibble = if j < 16 { blk[6 + j] & 0x0F } else { blk[6 + j - 16] >> 4 };
+            (nibble as i32 | (((qh >> j) & 1) << 4) as i32) - 16
+        }
+        _ => blk[2 + j] as i8 as i32,
+    }
+}
+
 /// Reference kernel (and the path for CPUs without AVX2).
 fn scalar_dot_rows(format: Format, weight: &[u8], rows: &QuantizedRows, first: usize, out: &mut [f32]) {
     let bb = format.block_bytes();
+    if matches!(format, Format::Q5_0 | Format::Q8_0) {
+        // llama.cpp's order: per block, 8 lanes of 4-product integer sums, each added to its own
+        // f32 accumulator with a fused multiply-add; one horizontal sum at the end.
+        for (r, o) in out.iter_mut().enumerate() {
+            let row = first + r;
+            let mut acc = [0f32; 8];
+            for b in 0..rows.num_blocks {
+                let blk = &weight[b * bb..(b + 1) * bb];
+                let qa = &rows.qs[(row * rows.num_blocks + b) * BLOCK..][..BLOCK];
+                let d = f16_at(blk, 0) * rows.scales[row * rows.num_blocks + b];
+                for (lane, acc) in acc.iter_mut().enumerate() {
+                    let sum: i32 = (4 * lane..4 * lane + 4).map(|j| signed_value(format, blk, j) * qa[j] as i32).sum();
+                    *acc = d.mul_add(sum as f32, *acc);
+                }
+            }
+            *o = hsum8(&acc);
+        }
+        return;
+    }
     for (r, o) in out.iter_mut().enumerate() {
         let row = first + r;
         let mut total = 0f32;
@@ -222,22 +332,7 @@ fn scalar_dot_rows(format: Format, weight: &[u8], rows: &QuantizedRows, first: u
                     }
                     total += d * da * acc as f32 - 8.0 * d * sa;
                 }
-                Format::Q5_0 => {
-                    let d = f16_at(blk, 0);
-                    let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
-                    let mut acc = 0i32;
-                    for j in 0..16 {
-                        let lo = (blk[6 + j] & 0x0F) as i32 | (((qh >> j) & 1) << 4) as i32;
-                        let hi = (blk[6 + j] >> 4) as i32 | (((qh >> (j + 16)) & 1) << 4) as i32;
-                        acc += lo * qa[j] as i32 + hi * qa[j + 16] as i32;
-                    }
-                    total += d * da * acc as f32 - 16.0 * d * sa;
-                }
-                Format::Q8_0 => {
-                    let d = f16_at(blk, 0);
-                    let acc: i32 = (0..BLOCK).map(|j| blk[2 + j] as i8 as i32 * qa[j] as i32).sum();
-                    total += d * da * acc as f32;
-                }
+                _ => unreachable!("Q5_0 and Q8_0 are summed in lanes above"),
             }
         }
         *o = total;
@@ -248,7 +343,7 @@ fn scalar_dot_rows(format: Format, weight: &[u8], rows: &QuantizedRows, first: u
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{Format, QuantizedRows, BLOCK, PREFETCH_BYTES, ROW_GROUP};
+    use super::{Format, QuantizedRows, BLOCK, FEATURES_PER_CALL, PREFETCH_BYTES, ROW_GROUP};
 
     pub fn available() -> bool {
         is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
@@ -280,7 +375,7 @@ mod avx2 {
 
     /// # Safety
     /// Needs AVX2, FMA and F16C; `out.len() <= ROW_GROUP` rows starting at `first` must exist in
-    /// `rows`, and `weight` must hold `rows.num_blocks` blocks of `format`.
+    /// `rows`, and `weight` must hold `rows.num_blocks` blocks of `format` (a 32-value format).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_rows(format: Format, weight: &[u8], rows: &QuantizedRows, first: usize, out: &mut [f32]) {
         debug_assert!(out.len() <= ROW_GROUP && weight.len() == rows.num_blocks * format.block_bytes());
@@ -291,6 +386,46 @@ mod avx2 {
                 Format::Q4_1 => dot_group_sized::<Q4_1>(weight, rows, first, out),
                 Format::Q5_0 => dot_group_sized::<Q5_0>(weight, rows, first, out),
                 Format::Q8_0 => dot_group_sized::<Q8_0>(weight, rows, first, out),
+                Format::Q4K | Format::Q6K => unreachable!("K-quants run in kquants.rs"),
+            }
+        }
+    }
+
+    /// `out[h]` = weight row h of `weights` (rows `row_bytes` apart) dotted with activation row
+    /// 0, each summed exactly as `dot_rows` sums it.
+    ///
+    /// # Safety
+    /// As `dot_rows`, with `out.len() <= FEATURES_PER_CALL` weight rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_features(
+        format: Format,
+        weights: &[u8],
+        row_bytes: usize,
+        rows: &QuantizedRows,
+        out: &mut [f32],
+    ) {
+        debug_assert!(out.len() <= FEATURES_PER_CALL && weights.len() == out.len() * row_bytes);
+        macro_rules! by_count {
+            ($f:ident) => {
+                match out.len() {
+                    1 => dot_group::<1, 1, $f>(weights, row_bytes, rows, 0, out),
+                    2 => dot_group::<1, 2, $f>(weights, row_bytes, rows, 0, out),
+                    3 => dot_group::<1, 3, $f>(weights, row_bytes, rows, 0, out),
+                    4 => dot_group::<1, 4, $f>(weights, row_bytes, rows, 0, out),
+                    5 => dot_group::<1, 5, $f>(weights, row_bytes, rows, 0, out),
+                    6 => dot_group::<1, 6, $f>(weights, row_bytes, rows, 0, out),
+                    7 => dot_group::<1, 7, $f>(weights, row_bytes, rows, 0, out),
+                    _ => dot_group::<1, 8, $f>(weights, row_bytes, rows, 0, out),
+                }
+            };
+        }
+        unsafe {
+            match format {
+                Format::Q4_0 => by_count!(Q4_0),
+                Format::Q4_1 => by_count!(Q4_1),
+                Format::Q5_0 => by_count!(Q5_0),
+                Format::Q8_0 => by_count!(Q8_0),
+                Format::Q4K | Format::Q6K => unreachable!("K-quants run in kquants.rs"),
             }
         }
     }
@@ -319,23 +454,25 @@ mod avx2 {
     unsafe fn dot_group_sized<const F: u8>(weight: &[u8], rows: &QuantizedRows, first: usize, out: &mut [f32]) {
         unsafe {
             match out.len() {
-                1 => dot_group::<1, F>(weight, rows, first, out),
-                2 => dot_group::<2, F>(weight, rows, first, out),
-                3 => dot_group::<3, F>(weight, rows, first, out),
-                4 => dot_group::<4, F>(weight, rows, first, out),
-                5 => dot_group::<5, F>(weight, rows, first, out),
-                6 => dot_group::<6, F>(weight, rows, first, out),
-                7 => dot_group::<7, F>(weight, rows, first, out),
-                _ => dot_group::<8, F>(weight, rows, first, out),
+                1 => dot_group::<1, 1, F>(weight, 0, rows, first, out),
+                2 => dot_group::<2, 1, F>(weight, 0, rows, first, out),
+                3 => dot_group::<3, 1, F>(weight, 0, rows, first, out),
+                4 => dot_group::<4, 1, F>(weight, 0, rows, first, out),
+                5 => dot_group::<5, 1, F>(weight, 0, rows, first, out),
+                6 => dot_group::<6, 1, F>(weight, 0, rows, first, out),
+                7 => dot_group::<7, 1, F>(weight, 0, rows, first, out),
+                _ => dot_group::<8, 1, F>(weight, 0, rows, first, out),
             }
         }
     }
 
-    /// `G` activation rows against one weight row of format `F`.
+    /// `G` activation rows against `H` weight rows of format `F` (`row_bytes` apart): `out[h * G +
+    /// r]`. Every (weight row, activation row) pair is summed in the same order whatever G and H.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_group<const G: usize, const F: u8>(
+    unsafe fn dot_group<const G: usize, const H: usize, const F: u8>(
         weight: &[u8],
+        row_bytes: usize,
         rows: &QuantizedRows,
         first: usize,
         out: &mut [f32],
@@ -351,52 +488,61 @@ mod avx2 {
         let qs = rows.qs.as_ptr();
         let scales = rows.scales.as_ptr();
         let sums = rows.sums.as_ptr();
-        let mut acc = [_mm256_setzero_ps(); G];
-        let mut offsets = [0f32; G];
+        let mut acc = [[_mm256_setzero_ps(); G]; H];
+        let mut offsets = [[0f32; G]; H];
         let low_nibbles = _mm256_set1_epi8(0x0F);
         for b in 0..nb {
-            unsafe {
-                let blk = w.add(b * bb);
-                // Weights stream from memory once per token: ask for the bytes a few blocks ahead
-                // (the next weight row follows this one contiguously).
-                _mm_prefetch::<_MM_HINT_T0>(blk.add(PREFETCH_BYTES) as *const i8);
-                let d = f16_to_f32(blk);
-                if F == Q4_1 || F == Q4_0 || F == Q5_0 {
-                    // Q4_0 is Q4_1 with m = -8d (Q5_0: m = -16d and a fifth bit): unsigned values,
-                    // the offset through the activation block sums (cheaper than sign-extending).
-                    let (m, nibbles_at) = match F {
-                        Q4_1 => (f16_to_f32(blk.add(2)), 4),
-                        Q5_0 => (-16.0 * d, 6),
-                        _ => (-8.0 * d, 2),
-                    };
-                    let packed = _mm_loadu_si128(blk.add(nibbles_at) as *const __m128i);
-                    let both = _mm256_insertf128_si256::<1>(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4));
-                    let mut wx = _mm256_and_si256(both, low_nibbles);
-                    if F == Q5_0 {
-                        let fifth = _mm256_and_si256(bytes_from_bits_32(blk.add(2)), _mm256_set1_epi8(0x10));
-                        wx = _mm256_or_si256(wx, fifth);
-                    }
-                    for r in 0..G {
-                        let at = (first + r) * nb + b;
-                        let qa = _mm256_loadu_si256(qs.add(at * BLOCK) as *const __m256i);
-                        let scale = _mm256_set1_ps(d * *scales.add(at));
-                        acc[r] = _mm256_fmadd_ps(scale, mul_sum_us8(wx, qa), acc[r]);
-                        offsets[r] = m.mul_add(*sums.add(at), offsets[r]); // fused, as GCC contracts ggml's loop
-                    }
-                } else {
-                    let q = _mm256_loadu_si256(blk.add(2) as *const __m256i);
-                    let wx = _mm256_sign_epi8(q, q);
-                    for (r, acc) in acc.iter_mut().enumerate() {
-                        let at = (first + r) * nb + b;
-                        let qa = _mm256_sign_epi8(_mm256_loadu_si256(qs.add(at * BLOCK) as *const __m256i), q);
-                        let scale = _mm256_set1_ps(d * *scales.add(at));
-                        *acc = _mm256_fmadd_ps(scale, mul_sum_us8(wx, qa), *acc);
+            for (h, (acc, offsets)) in acc.iter_mut().zip(offsets.iter_mut()).enumerate() {
+                unsafe {
+                    let blk = w.add(h * row_bytes + b * bb);
+                    // Weights stream from memory once per token: ask for the bytes a few blocks ahead
+                    // (the next weight row follows this one contiguously).
+                    _mm_prefetch::<_MM_HINT_T0>(blk.add(PREFETCH_BYTES) as *const i8);
+                    let d = f16_to_f32(blk);
+                    if F == Q4_1 || F == Q4_0 {
+                        // Q4_0 is Q4_1 with m = -8d: unsigned values, the offset through the
+                        // activation block sums (cheaper than sign-extending).
+                        let (m, nibbles_at) = if F == Q4_1 { (f16_to_f32(blk.add(2)), 4) } else { (-8.0 * d, 2) };
+                        let packed = _mm_loadu_si128(blk.add(nibbles_at) as *const __m128i);
+                        let both =
+                            _mm256_insertf128_si256::<1>(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4));
+                        let wx = _mm256_and_si256(both, low_nibbles);
+                        for r in 0..G {
+                            let at = (first + r) * nb + b;
+                            let qa = _mm256_loadu_si256(qs.add(at * BLOCK) as *const __m256i);
+                            let scale = _mm256_set1_ps(d * *scales.add(at));
+                            acc[r] = _mm256_fmadd_ps(scale, mul_sum_us8(wx, qa), acc[r]);
+                            offsets[r] = m.mul_add(*sums.add(at), offsets[r]); // fused, as GCC contracts ggml's loop
+                        }
+                    } else {
+                        // Signed values, as ggml_vec_dot_{q5_0,q8_0}_q8_0: |w| times the activations
+                        // carrying w's sign.
+                        let q = if F == Q5_0 {
+                            let packed = _mm_loadu_si128(blk.add(6) as *const __m128i);
+                            let both =
+                                _mm256_insertf128_si256::<1>(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4));
+                            // q - 16: the nibble, with the top nibble all ones where the fifth bit is 0.
+                            let minus_16 =
+                                _mm256_andnot_si256(bytes_from_bits_32(blk.add(2)), _mm256_set1_epi8(0xF0u8 as i8));
+                            _mm256_or_si256(_mm256_and_si256(both, low_nibbles), minus_16)
+                        } else {
+                            _mm256_loadu_si256(blk.add(2) as *const __m256i)
+                        };
+                        let wx = _mm256_sign_epi8(q, q);
+                        for (r, acc) in acc.iter_mut().enumerate() {
+                            let at = (first + r) * nb + b;
+                            let qa = _mm256_sign_epi8(_mm256_loadu_si256(qs.add(at * BLOCK) as *const __m256i), q);
+                            let scale = _mm256_set1_ps(d * *scales.add(at));
+                            *acc = _mm256_fmadd_ps(scale, mul_sum_us8(wx, qa), *acc);
+                        }
                     }
                 }
             }
         }
-        for r in 0..G {
-            out[r] = hsum(acc[r]) + offsets[r];
+        for h in 0..H {
+            for r in 0..G {
+                out[h * G + r] = hsum(acc[h][r]) + offsets[h][r];
+            }
         }
     }
 }
@@ -406,7 +552,8 @@ mod tests {
     use super::*;
 
     fn check(dtype: GgmlDType) {
-        let (out_f, in_f, n) = (70, 64, 6);
+        let in_f = if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) { 512 } else { 64 };
+        let (out_f, n) = (70, 6);
         let w = Tensor::randn(0f32, 1.0, (out_f, in_f), &Device::Cpu).unwrap();
         let x = Tensor::randn(0f32, 1.0, (n, in_f), &Device::Cpu).unwrap();
         let qw = Arc::new(QTensor::quantize(&w, dtype).unwrap());
@@ -428,11 +575,15 @@ mod tests {
             let batched = ours.narrow(0, i, 1).unwrap();
             assert_eq!(single.to_vec2::<f32>().unwrap(), batched.to_vec2::<f32>().unwrap());
         }
-        // The SIMD kernel equals the scalar reference.
+        // The SIMD kernel equals the scalar reference: bitwise where both follow ggml's order
+        // (K-quants are checked in kquants.rs).
         let (format, data) = match &linear {
-            QLinear::Native { format, data, .. } => (*format, data.clone()),
+            QLinear::Native { format, weight, .. } => (*format, weight.data().unwrap().into_owned()),
             _ => unreachable!(),
         };
+        if matches!(format, Format::Q4K | Format::Q6K) {
+            return;
+        }
         let input: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
         let rows = quantize_rows(&input, n, in_f);
         let row_bytes = in_f / BLOCK * format.block_bytes();
@@ -440,12 +591,26 @@ mod tests {
             let wrow = &data[feature * row_bytes..(feature + 1) * row_bytes];
             let mut simd = vec![0f32; n.min(ROW_GROUP)];
             let mut scalar = simd.clone();
-            dot_rows(format, wrow, &rows, 0, &mut simd);
+            dot_rows(format, wrow, &Activations::Q8_0(quantize_rows(&input, n, in_f)), 0, &mut simd);
             scalar_dot_rows(format, wrow, &rows, 0, &mut scalar);
             for (a, b) in simd.iter().zip(&scalar) {
-                assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
+                if matches!(format, Format::Q5_0 | Format::Q8_0) {
+                    assert_eq!(a, b, "{format:?}");
+                } else {
+                    assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
+                }
             }
         }
+    }
+
+    #[test]
+    fn q4k_matches_dequantized_reference() {
+        check(GgmlDType::Q4K);
+    }
+
+    #[test]
+    fn q6k_matches_dequantized_reference() {
+        check(GgmlDType::Q6K);
     }
 
     #[test]
