@@ -45,7 +45,9 @@ test: test-rust test-python
 run: build
 	$(BIN)/specrs generate --chat --prompt "$(PROMPT)" --max-tokens 128 --speculative-config '$(SPEC_CONFIG)'
 
-# Needs llama-cpp-python (see the script's header); rewrites tests/golden/smollm2.json.
+# Needs llama-cpp-python (see the script's header); rewrites tests/golden/{smollm2,gemma3}.json.
+# tests/golden/hf/ and tests/golden/gguf/ come from scripts/make_hf_golden.py and
+# scripts/make_gguf_golden.py (each names what it needs in its header).
 golden:
 	$(PYTHON) scripts/make_golden.py --model smollm2
 	$(PYTHON) scripts/make_golden.py --model gemma3

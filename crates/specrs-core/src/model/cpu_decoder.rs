@@ -1,28 +1,29 @@
-//! The CPU decoder: GGUF llama/mistral (SmolLM2, Llama 2/3) and Gemma 3, computed as llama.cpp's
-//! CPU backend computes them, with hand-written AVX2 kernels.
+//! The CPU decoder: GGUF models of every family `families.rs` reads (llama/mistral: SmolLM2,
+//! Llama 2/3; qwen2; qwen3; gemma3; phi3), computed as llama.cpp's CPU backend computes one token,
+//! with hand-written AVX2 kernels.
 //!
-//! A block: RMSNorm -> q/k/v projections -> (per-head q/k RMSNorm: Gemma) -> RoPE (interleaved
-//! pairs for GGUF llama, whose q/k were permuted for it; halves for Gemma, with a base of its own on
-//! the sliding-window layers) -> grouped-query attention over the f16 cache (windowed on Gemma's
-//! local layers) -> output projection (-> RMSNorm: Gemma) -> residual -> RMSNorm -> SiLU (llama)
-//! or GELU (Gemma) gated MLP (-> RMSNorm: Gemma) -> residual.
+//! A block: RMSNorm -> q/k/v projections (one fused matrix: Phi-3; + biases: Qwen2) -> (per-head
+//! q/k RMSNorm: Qwen3, Gemma) -> RoPE (interleaved pairs for GGUF llama, whose q/k were permuted
+//! for it; halves otherwise; on the first `rope_dims` only: partial rotary; a base of its own on
+//! Gemma's sliding-window layers) -> grouped-query attention over the f16 cache (windowed where
+//! the layer says so) -> output projection (-> RMSNorm: Gemma) -> residual -> RMSNorm -> SiLU or
+//! GELU (Gemma) gated MLP (gate and up fused: Phi-3) (-> RMSNorm: Gemma) -> residual.
 //!
 //! Invariant: a token's logits are bitwise the same however the sequence was split into forwards
 //! (prefill, single steps, a k+1-token verify pass): every step is row-independent (quantized
 //! matmuls quantize each activation row on its own; attention is computed row by row, see
 //! `attention.rs`). Greedy speculative decoding is therefore exactly plain greedy decoding.
 //!
-//! Numerics follow llama.cpp's AVX2 build op by op: int8 activation quantization and its dot
-//! orders (`qlinear.rs`, `kquants.rs`), f16 KV cache and attention rounding (`attention.rs`),
-//! RMSNorm with an f64 sum of squares, ggml's RoPE angles (`rope.rs`), its exponential and f16
-//! GELU table (`ggml_math.rs`). llama.cpp itself computes one token and a batch differently;
-//! which of its paths is reproduced is per family:
-//! - llama (SmolLM2 Q4_1): the two differ only in attention's summation order; the batched one
-//!   (prefill, verification) is reproduced, and the logits equal llama.cpp's bitwise;
-//! - Gemma 3 (Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0 weights): llama.cpp picks its matmul kernels by batch
-//!   size (tinyBLAS from 2 rows, repacked Q4_K GEMM per 4 rows, tiled K-quant matmuls from 8), so
-//!   its batched arithmetic depends on the batch; its single-token path is the one well-defined
-//!   reference, and it is reproduced: greedy output equals llama.cpp's token-by-token decoding.
+//! Numerics follow llama.cpp's AVX2 build op by op for a single token: int8 activation
+//! quantization and each weight type's dot order (`qlinear.rs`, `kquants.rs`), the f16 KV cache
+//! and `ggml_vec_dot_f16`'s attention order (`attention.rs`), RMSNorm with an f64 sum of squares,
+//! ggml's RoPE angles (`rope.rs`), its exponential and f16 GELU table (`ggml_math.rs`), and where
+//! its graphs scale (the query before q·k for Gemma and Phi-3, the scores for the others). For
+//! weight types with our kernels (Q4_0 aside) the logits equal llama.cpp's bit for bit when it
+//! evaluates one token at a time. Its batched path picks other kernels by batch size (tinyBLAS
+//! from 2 rows, repacked Q4_K GEMM per 4 rows, tiled K-quant matmuls from 8), so it depends on the
+//! batch and drifts from its own token-by-token decoding; single tokens are the one well-defined
+//! reference.
 //!
 //! Performance notes: the hidden state stays in plain `Vec<f32>` rows between the kernels (no
 //! per-op tensor allocation); the LM head runs only on the rows that need logits (prefill needs
@@ -35,7 +36,7 @@ use std::sync::Arc;
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 
-use super::attention::{Attention, DotOrder, HeadShape};
+use super::attention::{Attention, HeadShape};
 use super::decoder::DecoderConfig;
 use super::ggml_math::{geglu, swiglu};
 use super::qlinear::QLinear;
@@ -45,20 +46,66 @@ use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
 
+/// A quantized matrix and its bias, when the file has one.
+struct Linear {
+    weight: QLinear,
+    /// `[out_features]`
+    bias: Option<Vec<f32>>,
+}
+
+impl Linear {
+    /// `[n, in_features]` -> `[n, out_features]`; the bias is added as ggml adds it, after.
+    fn forward(&self, x: &[f32], n: usize) -> Result<Vec<f32>> {
+        let mut y = self.weight.forward_rows(x, n)?;
+        if let Some(bias) = &self.bias {
+            y.chunks_mut(bias.len()).for_each(|row| add_assign(row, bias));
+        }
+        Ok(y)
+    }
+}
+
+/// Projections of one input: separate matrices, or one fused matrix whose output rows are cut
+/// into `widths` (Phi-3's attn_qkv and double-width ffn_up).
+enum Projections {
+    Separate(Vec<Linear>),
+    Fused { linear: Linear, widths: Vec<usize> },
+}
+
+impl Projections {
+    /// `[n, in_features]` -> one `[n, width]` matrix per projection.
+    fn forward(&self, x: &[f32], n: usize) -> Result<Vec<Vec<f32>>> {
+        match self {
+            Projections::Separate(linears) => linears.iter().map(|l| l.forward(x, n)).collect(),
+            Projections::Fused { linear, widths } => {
+                let y = linear.forward(x, n)?;
+                let row_len: usize = widths.iter().sum();
+                let mut parts: Vec<Vec<f32>> = widths.iter().map(|w| Vec::with_capacity(n * w)).collect();
+                for row in y.chunks(row_len) {
+                    let mut start = 0;
+                    for (part, &width) in parts.iter_mut().zip(widths) {
+                        part.extend_from_slice(&row[start..start + width]);
+                        start += width;
+                    }
+                }
+                Ok(parts)
+            }
+        }
+    }
+}
+
 struct Block {
     attn_norm: Vec<f32>,
-    wq: QLinear,
-    wk: QLinear,
-    wv: QLinear,
-    /// `[head_dim]`, Gemma.
+    /// q, k, v.
+    qkv: Projections,
+    /// `[head_dim]`: Qwen3, Gemma.
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
-    wo: QLinear,
+    wo: Linear,
     post_attn_norm: Option<Vec<f32>>,
     ffn_norm: Vec<f32>,
-    w_gate: QLinear,
-    w_up: QLinear,
-    w_down: QLinear,
+    /// gate, up.
+    gate_up: Projections,
+    w_down: Linear,
     post_ffn_norm: Option<Vec<f32>>,
 }
 
@@ -70,22 +117,25 @@ pub struct CpuDecoder {
     final_norm: Vec<f32>,
     lm_head: QLinear,
     global_rope: Rope,
-    /// Sliding-window layers' rotation when its base differs (Gemma: 10000).
+    /// Sliding-window layers' rotation (Gemma: base 10000).
     local_rope: Option<Rope>,
-    /// Gemma multiplies q by the attention scale before q·k (llama.cpp's graph), llama scales q·k
-    /// inside the softmax; the two round differently unless the scale is a power of two.
+    /// Gemma and Phi-3 multiply q by the attention scale before q·k (llama.cpp's graphs), the
+    /// others scale q·k inside the softmax; the two round differently unless the scale is a power
+    /// of two.
     scale_query: bool,
-    order: DotOrder,
     device: Device,
     weight_bytes: usize,
 }
 
 impl GgufWeights<'_> {
-    fn qlinear(&mut self, name: &str) -> Result<QLinear> {
-        QLinear::new(self.qtensor(name)?)
+    /// `{name}.weight`, with `{name}.bias` when the file has one.
+    fn cpu_linear(&mut self, name: &str) -> Result<Linear> {
+        let weight = QLinear::new(self.qtensor(&format!("{name}.weight"))?)?;
+        let bias = self.optional_f32_vec(&format!("{name}.bias"))?;
+        Ok(Linear { weight, bias })
     }
 
-    /// Norm weights are small and used in f32.
+    /// Norm weights and biases are small and used in f32.
     fn f32_vec(&mut self, name: &str) -> Result<Vec<f32>> {
         Ok(self.qtensor(name)?.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?)
     }
@@ -100,19 +150,12 @@ impl GgufWeights<'_> {
 }
 
 impl CpuDecoder {
-    /// Whether this file fits this implementation: a GGUF llama/mistral without a sliding window
-    /// or a Gemma 3, neither with q/k/v biases, attention soft-capping or partial rotary. Anything
-    /// else runs on `decoder.rs`.
-    pub fn runs(config: &DecoderConfig, gguf: &GgufFile) -> bool {
-        let family = match config.architecture.as_str() {
-            "llama" | "mistral" => config.sliding_window.is_none(),
-            "gemma3" => true,
-            _ => false,
-        };
-        family
-            && config.rope_dims == config.head_dim
+    /// Whether this config fits this implementation: every GGUF family but one with attention
+    /// soft-capping (none of llama.cpp's graphs for these families has it). Anything else runs on
+    /// `decoder.rs`.
+    pub fn runs(config: &DecoderConfig) -> bool {
+        super::families::GGUF_ARCHITECTURES.contains(&config.architecture.as_str())
             && config.attn_logit_softcap.is_none()
-            && !gguf.has_tensor("blk.0.attn_q.bias")
     }
 
     /// `config` comes from `families::from_gguf` and passed `runs`.
@@ -120,26 +163,45 @@ impl CpuDecoder {
         let device = Device::Cpu;
         let mut w = GgufWeights::new(gguf, &device);
         let embed = w.qtensor("token_embd.weight")?;
-        let lm_head =
-            if config.tie_word_embeddings { QLinear::new(embed.clone())? } else { w.qlinear("output.weight")? };
+        let lm_head = if config.tie_word_embeddings {
+            QLinear::new(embed.clone())?
+        } else {
+            QLinear::new(w.qtensor("output.weight")?)?
+        };
         let final_norm = w.f32_vec("output_norm.weight")?;
+        let (q_width, kv_width, ffn) =
+            (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size);
         let blocks = (0..config.num_layers)
             .map(|i| {
-                let name = |part: &str| format!("blk.{i}.{part}.weight");
+                let name = |part: &str| format!("blk.{i}.{part}");
+                let qkv = if w.gguf.has_tensor(&name("attn_qkv.weight")) {
+                    Projections::Fused {
+                        linear: w.cpu_linear(&name("attn_qkv"))?,
+                        widths: vec![q_width, kv_width, kv_width],
+                    }
+                } else {
+                    Projections::Separate(vec![
+                        w.cpu_linear(&name("attn_q"))?,
+                        w.cpu_linear(&name("attn_k"))?,
+                        w.cpu_linear(&name("attn_v"))?,
+                    ])
+                };
+                let gate_up = if w.gguf.has_tensor(&name("ffn_gate.weight")) {
+                    Projections::Separate(vec![w.cpu_linear(&name("ffn_gate"))?, w.cpu_linear(&name("ffn_up"))?])
+                } else {
+                    Projections::Fused { linear: w.cpu_linear(&name("ffn_up"))?, widths: vec![ffn, ffn] }
+                };
                 Ok(Block {
-                    attn_norm: w.f32_vec(&name("attn_norm"))?,
-                    wq: w.qlinear(&name("attn_q"))?,
-                    wk: w.qlinear(&name("attn_k"))?,
-                    wv: w.qlinear(&name("attn_v"))?,
-                    q_norm: w.optional_f32_vec(&name("attn_q_norm"))?,
-                    k_norm: w.optional_f32_vec(&name("attn_k_norm"))?,
-                    wo: w.qlinear(&name("attn_output"))?,
-                    post_attn_norm: w.optional_f32_vec(&name("post_attention_norm"))?,
-                    ffn_norm: w.f32_vec(&name("ffn_norm"))?,
-                    w_gate: w.qlinear(&name("ffn_gate"))?,
-                    w_up: w.qlinear(&name("ffn_up"))?,
-                    w_down: w.qlinear(&name("ffn_down"))?,
-                    post_ffn_norm: w.optional_f32_vec(&name("post_ffw_norm"))?,
+                    attn_norm: w.f32_vec(&name("attn_norm.weight"))?,
+                    qkv,
+                    q_norm: w.optional_f32_vec(&name("attn_q_norm.weight"))?,
+                    k_norm: w.optional_f32_vec(&name("attn_k_norm.weight"))?,
+                    wo: w.cpu_linear(&name("attn_output"))?,
+                    post_attn_norm: w.optional_f32_vec(&name("post_attention_norm.weight"))?,
+                    ffn_norm: w.f32_vec(&name("ffn_norm.weight"))?,
+                    gate_up,
+                    w_down: w.cpu_linear(&name("ffn_down"))?,
+                    post_ffn_norm: w.optional_f32_vec(&name("post_ffw_norm.weight"))?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -149,7 +211,6 @@ impl CpuDecoder {
         let rope = |base: f32, freq_scale: f32| Rope::new(config.rope_dims, base, freq_scale, factors, pairing);
         let global_rope = rope(config.rope_theta, 1.0 / config.rope_linear_factor);
         let local_rope = config.sliding_layers.iter().any(|&s| s).then(|| rope(config.rope_theta_local, 1.0));
-        let gemma = config.architecture == "gemma3";
         Ok(Self {
             info: ModelInfo {
                 architecture: config.architecture.clone(),
@@ -165,8 +226,7 @@ impl CpuDecoder {
             lm_head,
             global_rope,
             local_rope,
-            scale_query: gemma,
-            order: if gemma { DotOrder::SingleToken } else { DotOrder::Batched },
+            scale_query: matches!(config.architecture.as_str(), "gemma3" | "phi3"),
             device,
             weight_bytes,
             config,
@@ -196,6 +256,10 @@ fn add_assign(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
         *a += b;
     }
+}
+
+fn shape_bug(what: &str) -> Error {
+    Error::Internal(format!("{what}: wrong number of projections"))
 }
 
 impl CausalLm for CpuDecoder {
@@ -265,9 +329,8 @@ impl CpuDecoder {
                 _ => (&self.global_rope, &global_angles),
             };
             let h = rms_norm(&x, &block.attn_norm, eps);
-            let q = block.wq.forward_rows(&h, n)?; // [n, heads * hd]
-            let k = block.wk.forward_rows(&h, n)?; // [n, kv_heads * hd]
-            let v = block.wv.forward_rows(&h, n)?;
+            // [n, heads * hd], [n, kv_heads * hd], [n, kv_heads * hd]
+            let [q, k, v]: [Vec<f32>; 3] = block.qkv.forward(&h, n)?.try_into().map_err(|_| shape_bug("qkv"))?;
             let mut q = norm_if(q, block.q_norm.as_ref(), eps);
             let mut k = norm_if(k, block.k_norm.as_ref(), eps);
             rope.apply(&mut q, c.num_heads, head_dim, cos, sin);
@@ -281,20 +344,20 @@ impl CpuDecoder {
             cache.append(layer, &k, &v)?;
             let (k_cache, v_cache) = cache.layer(layer);
             let window = c.sliding_window.filter(|_| sliding);
-            let attention = Attention { shape, scale: score_scale, window, order: self.order };
-            let attn = attention.forward(&q, k_cache, v_cache, past); // [n, heads * hd]
-            let out = norm_if(block.wo.forward_rows(&attn, n)?, block.post_attn_norm.as_ref(), eps);
+            let attn = Attention { shape, scale: score_scale, window }.forward(&q, k_cache, v_cache, past);
+            let out = norm_if(block.wo.forward(&attn, n)?, block.post_attn_norm.as_ref(), eps);
             add_assign(&mut x, &out);
 
             let h = rms_norm(&x, &block.ffn_norm, eps);
-            let mut gate = block.w_gate.forward_rows(&h, n)?; // [n, ffn]
-            let up = block.w_up.forward_rows(&h, n)?;
+            // [n, ffn] each
+            let [mut gate, up]: [Vec<f32>; 2] =
+                block.gate_up.forward(&h, n)?.try_into().map_err(|_| shape_bug("gate_up"))?;
             if c.gelu {
                 geglu(&mut gate, &up);
             } else {
                 swiglu(&mut gate, &up);
             }
-            let down = norm_if(block.w_down.forward_rows(&gate, n)?, block.post_ffn_norm.as_ref(), eps);
+            let down = norm_if(block.w_down.forward(&gate, n)?, block.post_ffn_norm.as_ref(), eps);
             add_assign(&mut x, &down);
         }
         cache.commit(n);

@@ -1,6 +1,6 @@
 //! The shared decoder-only transformer, written with candle tensor ops so it runs on any candle
-//! device: every family on CUDA, and on the CPU what `cpu_decoder.rs` does not run (GGUF qwen2,
-//! qwen3, phi3; HF safetensors directories; seeded random models). Llama, Mistral, Qwen2/2.5,
+//! device: every family on CUDA, and on the CPU what `cpu_decoder.rs` does not run (HF safetensors
+//! directories, seeded random models, GGUF with attention soft-capping). Llama, Mistral, Qwen2/2.5,
 //! Qwen3, Gemma 3 and Phi-3 are one block with flags (`DecoderConfig`); which GGUF keys set them
 //! is in `families.rs`. Weights are GGUF tensors (specrs' kernels on the CPU, candle's quantized
 //! matmul on CUDA) or dense bf16/f16/f32 tensors (safetensors, seeded random weights).

@@ -1,9 +1,9 @@
 //! Target and draft models: the `CausalLm` trait and one file per architecture family.
 //!
 //! Two implementations of one block with per-family flags (`families.rs`): `cpu_decoder.rs`, GGUF
-//! llama and Gemma 3 on the CPU with llama.cpp's numerics and bitwise row independence
-//! (hand-written AVX2 kernels), and `decoder.rs`, in candle ops on any device: every other family,
-//! and everything on CUDA. `load` picks.
+//! files on the CPU with llama.cpp's numerics and bitwise row independence (hand-written AVX2
+//! kernels), and `decoder.rs`, in candle ops on any device: HF safetensors directories, seeded
+//! random models, and everything on CUDA. `load` picks.
 //!
 //! Invariant: `forward` scores EVERY new token (verification needs the logits of all k+1
 //! positions from one pass) and leaves the cache holding exactly the old positions plus the new
@@ -133,7 +133,7 @@ pub fn load(gguf: &mut GgufFile, device: &Device) -> Result<Box<dyn CausalLm>> {
         )));
     }
     let config = families::from_gguf(gguf, &architecture)?;
-    if device.is_cpu() && cpu_decoder::CpuDecoder::runs(&config, gguf) {
+    if device.is_cpu() && cpu_decoder::CpuDecoder::runs(&config) {
         return Ok(Box::new(cpu_decoder::CpuDecoder::load(gguf, config)?));
     }
     Ok(Box::new(decoder::Decoder::from_gguf(gguf, config, device)?))
