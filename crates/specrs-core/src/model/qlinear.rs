@@ -225,10 +225,26 @@ fn matmul(
     if num_rows == 1 {
         return by_feature;
     }
-    let mut out = vec![0f32; num_rows * out_features];
-    for (feature, values) in by_feature.chunks(num_rows).enumerate() {
-        for (row, &v) in values.iter().enumerate() {
-            out[row * out_features + feature] = v;
+    transpose(&by_feature, out_features, num_rows)
+}
+
+/// `[rows, cols]` -> `[cols, rows]`, 8 x 8 at a time: a store per value at a stride of `rows`
+/// floats (a power of two, so every line lands in the same cache set) cost ~6% of prefill.
+fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    const TILE: usize = 8;
+    let mut out = vec![0f32; rows * cols];
+    for r0 in (0..rows).step_by(TILE) {
+        for c0 in (0..cols).step_by(TILE) {
+            let (r1, c1) = ((r0 + TILE).min(rows), (c0 + TILE).min(cols));
+            let mut tile = [[0f32; TILE]; TILE];
+            for r in r0..r1 {
+                tile[r - r0][..c1 - c0].copy_from_slice(&x[r * cols + c0..r * cols + c1]);
+            }
+            for c in c0..c1 {
+                for r in r0..r1 {
+                    out[c * rows + r] = tile[r - r0][c - c0];
+                }
+            }
         }
     }
     out
