@@ -148,6 +148,12 @@ def test_verification_cost_grows_sublinearly(engine):
     assert costs[5] < 4 * costs[1]
 
 
+@pytest.mark.parametrize("context_len, ns", [(0, [1]), (3, [5]), (8, [0, 1])])
+def test_forward_cost_rejects_bad_arguments(engine, context_len, ns):
+    with pytest.raises(specrs.ConfigError, match="forward_cost needs"):
+        engine.forward_cost([2] * context_len, ns)
+
+
 def test_cli_generate_prints_text_and_metrics():
     proc = subprocess.run(
         [sys.executable, "-m", "specrs.cli", "generate", "--chat", "--prompt", "Say hi.", "--max-tokens", "12"],

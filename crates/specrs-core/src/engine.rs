@@ -530,12 +530,16 @@ impl Engine {
     /// each repeat so slow drift of the machine affects them alike.
     pub fn forward_cost(&self, context_ids: &[u32], ns: &[usize], repeats: usize) -> Result<Vec<(usize, f64)>> {
         let max_n = ns.iter().copied().max().unwrap_or(1);
+        if ns.contains(&0) || context_ids.len() < max_n {
+            return Err(Error::config(format!(
+                "forward_cost needs token counts of at least 1 (got {ns:?}) and at least {max_n} context tokens \
+                 (got {})",
+                context_ids.len()
+            )));
+        }
         let mut cache: KvCache = self.model.new_cache(context_ids.len() + max_n)?;
         self.model.forward_rows(context_ids, &mut cache, LogitRows::Last)?;
         let probe: Vec<u32> = context_ids.iter().rev().take(max_n).copied().collect();
-        if probe.len() < max_n {
-            return Err(Error::config(format!("forward_cost needs at least {max_n} context tokens")));
-        }
         // One untimed round first: the first forwards after loading touch cold weight pages, which
         // would inflate t(1) and deflate every ratio t(n)/t(1).
         for &n in ns {
