@@ -131,21 +131,13 @@ impl GgufWeights<'_> {
     /// `{name}.weight`, with `{name}.bias` when the file has one.
     fn cpu_linear(&mut self, name: &str) -> Result<Linear> {
         let weight = QLinear::new(self.qtensor(&format!("{name}.weight"))?)?;
-        let bias = self.optional_f32_vec(&format!("{name}.bias"))?;
+        let bias = self.optional(&format!("{name}.bias"), Self::f32_vec)?;
         Ok(Linear { weight, bias })
     }
 
     /// Norm weights and biases are small and used in f32.
     fn f32_vec(&mut self, name: &str) -> Result<Vec<f32>> {
         Ok(self.qtensor(name)?.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?)
-    }
-
-    fn optional_f32_vec(&mut self, name: &str) -> Result<Option<Vec<f32>>> {
-        if self.gguf.has_tensor(name) {
-            Ok(Some(self.f32_vec(name)?))
-        } else {
-            Ok(None)
-        }
     }
 }
 
@@ -194,14 +186,14 @@ impl CpuDecoder {
                 Ok(Block {
                     attn_norm: w.f32_vec(&name("attn_norm.weight"))?,
                     qkv,
-                    q_norm: w.optional_f32_vec(&name("attn_q_norm.weight"))?,
-                    k_norm: w.optional_f32_vec(&name("attn_k_norm.weight"))?,
+                    q_norm: w.optional(&name("attn_q_norm.weight"), GgufWeights::f32_vec)?,
+                    k_norm: w.optional(&name("attn_k_norm.weight"), GgufWeights::f32_vec)?,
                     wo: w.cpu_linear(&name("attn_output"))?,
-                    post_attn_norm: w.optional_f32_vec(&name("post_attention_norm.weight"))?,
+                    post_attn_norm: w.optional(&name("post_attention_norm.weight"), GgufWeights::f32_vec)?,
                     ffn_norm: w.f32_vec(&name("ffn_norm.weight"))?,
                     gate_up,
                     w_down: w.cpu_linear(&name("ffn_down"))?,
-                    post_ffn_norm: w.optional_f32_vec(&name("post_ffw_norm.weight"))?,
+                    post_ffn_norm: w.optional(&name("post_ffw_norm.weight"), GgufWeights::f32_vec)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

@@ -268,22 +268,13 @@ impl GgufWeights<'_> {
     /// `{name}.weight`, with `{name}.bias` when the file has one.
     fn linear(&mut self, name: &str) -> Result<Linear> {
         let weight = quantized_weight(self.qtensor(&format!("{name}.weight"))?)?;
-        let bias_name = format!("{name}.bias");
-        let bias = if self.gguf.has_tensor(&bias_name) { Some(self.vector(&bias_name)?) } else { None };
+        let bias = self.optional(&format!("{name}.bias"), Self::vector)?;
         Ok(Linear { weight, bias })
     }
 
     /// A small tensor used in f32 (norms, biases).
     fn vector(&mut self, name: &str) -> Result<Tensor> {
         Ok(self.qtensor(name)?.dequantize(self.device)?)
-    }
-
-    fn optional_vector(&mut self, name: &str) -> Result<Option<Tensor>> {
-        if self.gguf.has_tensor(name) {
-            Ok(Some(self.vector(name)?))
-        } else {
-            Ok(None)
-        }
     }
 }
 
@@ -325,14 +316,14 @@ impl Decoder {
                 Ok(Block {
                     attn_norm: w.vector(&name("attn_norm.weight"))?,
                     qkv,
-                    q_norm: w.optional_vector(&name("attn_q_norm.weight"))?,
-                    k_norm: w.optional_vector(&name("attn_k_norm.weight"))?,
+                    q_norm: w.optional(&name("attn_q_norm.weight"), GgufWeights::vector)?,
+                    k_norm: w.optional(&name("attn_k_norm.weight"), GgufWeights::vector)?,
                     wo: w.linear(&name("attn_output"))?,
-                    post_attn_norm: w.optional_vector(&name("post_attention_norm.weight"))?,
+                    post_attn_norm: w.optional(&name("post_attention_norm.weight"), GgufWeights::vector)?,
                     ffn_norm: w.vector(&name("ffn_norm.weight"))?,
                     gate_up,
                     w_down: w.linear(&name("ffn_down"))?,
-                    post_ffn_norm: w.optional_vector(&name("post_ffw_norm.weight"))?,
+                    post_ffn_norm: w.optional(&name("post_ffw_norm.weight"), GgufWeights::vector)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

@@ -109,6 +109,15 @@ impl<'a> GgufWeights<'a> {
         self.num_bytes += t.storage_size_in_bytes();
         Ok(Arc::new(t))
     }
+
+    /// `read(self, name)` when the file has a tensor `name` (biases, the norms some families add).
+    pub fn optional<T>(&mut self, name: &str, read: fn(&mut Self, &str) -> Result<T>) -> Result<Option<T>> {
+        if self.gguf.has_tensor(name) {
+            read(self, name).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
 }
 
 /// `forward_early_exit`'s bound: at least one block, at most all `num_blocks`.
