@@ -34,7 +34,7 @@ use super::llama_config::LlamaConfig;
 use super::qlinear::QLinear;
 use super::random;
 use super::rope::{Pairing, Rope};
-use super::{check_exit_layer, CausalLm, GgufWeights, LogitRows, ModelInfo};
+use super::{check_exit_layer, check_token_ids, CausalLm, GgufWeights, LogitRows, ModelInfo};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
@@ -281,7 +281,7 @@ impl GgufWeights<'_> {
 impl Decoder {
     /// A GGUF file of a family `families.rs` knows, on `device`.
     pub fn from_gguf(gguf: &mut GgufFile, config: DecoderConfig, device: &Device) -> Result<Self> {
-        let mut w = GgufWeights::new(gguf, device);
+        let mut w = GgufWeights::new(gguf, &config, device)?;
         let embed_q = w.qtensor("token_embd.weight")?;
         // The lookup table is dequantized once (as candle's own quantized llama does): a gather
         // from quantized blocks has no CUDA kernel.
@@ -579,6 +579,7 @@ impl Decoder {
         if n == 0 {
             return Err(Error::Internal("forward called with no tokens".into()));
         }
+        check_token_ids(tokens, self.config.vocab_size)?;
         let past = cache.len();
         cache.reserve(n)?;
         let c = &self.config;
