@@ -173,6 +173,20 @@ def test_hf_wrong_shape_in_the_last_layer(tmp_path):
         specrs.Engine(str(model))
 
 
+@pytest.mark.parametrize("family, tensor", [
+    ("qwen2", "model.layers.1.self_attn.v_proj.bias"),
+    ("qwen3", "model.layers.1.self_attn.q_norm.weight"),
+    ("gemma3", "model.layers.1.self_attn.k_norm.weight"),
+])
+def test_hf_missing_bias_or_norm_is_named(tmp_path, family, tensor):
+    model = hf_copy(tmp_path, family)
+    tensors = read_safetensors(model / "model.safetensors")
+    del tensors[tensor]
+    write_safetensors(model / "model.safetensors", tensors)
+    with pytest.raises(specrs.ModelLoadError, match=rf"tensor '{tensor}' is missing from model\.safetensors"):
+        specrs.Engine(str(model))
+
+
 @pytest.mark.parametrize("key, value, match", [
     ("rms_norm_eps", -1e-6, r"'rms_norm_eps' is -0\.000001, but it must be a positive finite number"),
     ("max_position_embeddings", 0, r"'max_position_embeddings' is 0"),
