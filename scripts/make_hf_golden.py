@@ -85,17 +85,20 @@ def main() -> None:
     shutil.rmtree(OUT, ignore_errors=True)
     rng = np.random.default_rng(0)
     input_ids = [int(x) for x in rng.integers(3, VOCAB, size=SEQ)]
+    randomized: dict[str, list[str]] = {}
     for family, (config_cls, model_cls, extra, dtype) in FAMILIES.items():
         torch.manual_seed(0)
         config = getattr(transformers, config_cls)(**{**COMMON, **extra})
         config._attn_implementation = "eager"
         model = getattr(transformers, model_cls)(config).eval()
-        # Norm weights start at 1 (or 0 for Gemma's offset); randomize them so a missed offset or a
-        # swapped norm shows.
+        # transformers starts biases at 0 and norm weights at 1 (or 0 for Gemma's offset): every
+        # tensor it fills with one value gets random values from the seed, so a missed bias, a
+        # missed offset or a swapped norm changes the logits.
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if "norm" in name:
+                if bool((p == p.flatten()[0]).all()):
                     p.add_(torch.randn_like(p) * 0.3)
+                    randomized.setdefault(family, []).append(name)
         model = model.to(dtype)
         directory = OUT / family
         model.save_pretrained(directory, safe_serialization=True)
@@ -116,7 +119,8 @@ def main() -> None:
         }
         (directory / "golden.json").write_text(json.dumps(golden))
         size = sum(f.stat().st_size for f in directory.iterdir())
-        print(f"{family}: {size / 1e3:.0f} KB, logits scale {np.abs(logits).max():.2f}, greedy {generated}")
+        print(f"{family}: {size / 1e3:.0f} KB, logits scale {np.abs(logits).max():.2f}, greedy {generated}; "
+              f"randomized {len(randomized[family])} constant tensors, e.g. {randomized[family][:4]}")
 
 
 if __name__ == "__main__":

@@ -723,6 +723,12 @@ impl Engine {
                 ids.len()
             )));
         }
+        let vocab = self.model.info().vocab_size;
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::config(format!(
+                "logits(): token id {bad} is outside the vocabulary (size {vocab}); pass ids below {vocab}"
+            )));
+        }
         let mut cache = self.model.new_cache(ids.len())?;
         let mut rows = Vec::with_capacity(ids.len() * self.model.info().vocab_size);
         let mut start = 0;
@@ -743,6 +749,12 @@ impl Engine {
                 "forward_cost needs token counts of at least 1 (got {ns:?}) and at least {max_n} context tokens \
                  (got {})",
                 context_ids.len()
+            )));
+        }
+        let vocab = self.model.info().vocab_size;
+        if let Some(bad) = context_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::config(format!(
+                "forward_cost: context token id {bad} is outside the vocabulary (size {vocab}); pass ids below {vocab}"
             )));
         }
         let probe: Vec<u32> = context_ids.iter().rev().take(max_n).copied().collect();

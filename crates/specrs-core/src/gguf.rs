@@ -2,14 +2,16 @@
 //! file and the fix.
 //!
 //! Invariant: `GgufFile::open` only succeeds when the header parses and every tensor's data lies
-//! inside the file, so a truncated download fails at load time, not mid-generation.
+//! inside the file (sizes computed without overflow, rows made of whole quantization blocks), so a
+//! truncated download fails at load time, not mid-generation. Shapes against the model's config
+//! are checked by `model/gguf_layout.rs`.
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
-use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::gguf_file::{Content, TensorInfo, Value};
 use candle_core::quantized::QTensor;
 use candle_core::Device;
 
@@ -42,16 +44,8 @@ impl GgufFile {
             ))
         })?;
         for (name, info) in &content.tensor_infos {
-            let num_elems = info.shape.elem_count();
-            let block = info.ggml_dtype.block_size();
-            let num_bytes = (num_elems / block * info.ggml_dtype.type_size()) as u64;
-            let end = content.tensor_data_offset.saturating_add(info.offset).saturating_add(num_bytes);
-            if end > file_size {
-                return Err(Error::model_load(format!(
-                    "{shown} is truncated: tensor '{name}' ends at byte {end} but the file has \
-                     {file_size} bytes; the download is incomplete, fetch the file again"
-                )));
-            }
+            check_tensor_extent(info, content.tensor_data_offset, file_size)
+                .map_err(|why| Error::model_load(format!("{shown}: tensor '{name}' {why}")))?;
         }
         Ok(Self { path, content, reader })
     }
@@ -157,6 +151,37 @@ impl GgufFile {
         } else {
             Ok(None)
         }
+    }
+}
+
+/// Why tensor `info` cannot be read from a file of `file_size` bytes whose tensor data starts at
+/// `data_offset`, if it cannot: a row that does not split into whole quantization blocks, a size
+/// whose arithmetic overflows, or data that runs past the end of the file.
+fn check_tensor_extent(info: &TensorInfo, data_offset: u64, file_size: u64) -> std::result::Result<(), String> {
+    let dims = info.shape.dims(); // candle's order: GGUF's ne[0] (the row length) is last
+    let (block, dtype) = (info.ggml_dtype.block_size(), info.ggml_dtype);
+    let row = dims.last().copied().unwrap_or(1);
+    if !row.is_multiple_of(block) {
+        return Err(format!(
+            "has rows of {row} values, which do not split into {dtype:?} blocks of {block}; the file is corrupt, \
+             re-convert the model"
+        ));
+    }
+    let num_bytes = dims
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .and_then(|elems| (elems / block).checked_mul(dtype.type_size()))
+        .ok_or_else(|| {
+            format!("has shape {dims:?}, whose size overflows; the file is corrupt, re-convert the model")
+        })?;
+    let end = data_offset.checked_add(info.offset).and_then(|start| start.checked_add(num_bytes as u64));
+    match end {
+        Some(end) if end <= file_size => Ok(()),
+        _ => Err(format!(
+            "({dims:?} {dtype:?}, {num_bytes} bytes at offset {}) ends past the end of the file ({file_size} \
+             bytes); the file is truncated or corrupt (an incomplete download?): fetch it again",
+            data_offset.saturating_add(info.offset)
+        )),
     }
 }
 

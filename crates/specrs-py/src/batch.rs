@@ -58,6 +58,7 @@ pub fn batch_accept(
             temperatures: &temperatures,
             uniforms: &uniforms,
         };
+        check_accept(&input)?;
         let out = match ordinal {
             None => accept(&input)?,
             Some(ordinal) => on_cuda_accept(ordinal, &input)?,
@@ -84,11 +85,34 @@ pub fn batch_ngram(
     let ordinal = cuda_ordinal(device)?;
     run_detached(py, move || {
         let input = NgramInput { histories: &histories, max_len, lengths: &lengths, min_n, max_n, k };
+        input.check().map_err(caller_error)?;
         match ordinal {
             None => ngram_lookup(&input),
             Some(ordinal) => on_cuda_ngram(ordinal, &input),
         }
     })
+}
+
+/// The kernels' input contract reports a violation as an internal error (inside the engine it is
+/// a bug); here the arrays are the caller's, so it is a ConfigError naming what to change.
+fn caller_error(error: Error) -> Error {
+    match error {
+        Error::Internal(message) => Error::Config(message),
+        other => other,
+    }
+}
+
+/// Every array's shape, every draft token id against the vocabulary (`AcceptInput::check`), and
+/// the values the CPU reference and the kernel would silently compute garbage from.
+fn check_accept(input: &AcceptInput) -> specrs_core::Result<()> {
+    input.check().map_err(caller_error)?;
+    if let Some(t) = input.temperatures.iter().find(|t| !t.is_finite() || **t < 0.0) {
+        return Err(Error::config(format!("temperatures must be finite and >= 0 (0 = greedy); got {t}")));
+    }
+    if let Some(u) = input.uniforms.iter().find(|u| !(0.0..1.0).contains(*u)) {
+        return Err(Error::config(format!("uniforms must lie in [0, 1); got {u}")));
+    }
+    Ok(())
 }
 
 #[cfg(feature = "cuda")]

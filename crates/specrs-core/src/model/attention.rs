@@ -24,6 +24,7 @@ use half::f16;
 
 use super::ggml_math::{hsum8, hsum8_of, reduce_4x8_of, softmax_exps};
 use super::parallel::for_each_chunk_mut;
+use crate::error::{Error, Result};
 
 #[derive(Debug, Clone, Copy)]
 pub struct HeadShape {
@@ -51,11 +52,32 @@ fn round_f16(x: f32) -> f32 {
 impl Attention {
     /// `q`: `[n, heads * head_dim]` (rotated) for positions `past..past + n`; `k`, `v`: the
     /// layer's cache `[>= past + n, kv_heads * head_dim]` holding those positions. Returns
-    /// `[n, heads * head_dim]`.
-    pub fn forward<'a>(&self, q: &[f32], k: &'a [f16], v: &'a [f16], past: usize) -> Vec<f32> {
+    /// `[n, heads * head_dim]`. The lengths are checked here, before the SIMD kernels index
+    /// the cache unchecked.
+    pub fn forward<'a>(&self, q: &[f32], k: &'a [f16], v: &'a [f16], past: usize) -> Result<Vec<f32>> {
         let HeadShape { num_heads, num_kv_heads, head_dim } = self.shape;
-        let group = num_heads / num_kv_heads;
         let kv_dim = num_kv_heads * head_dim;
+        let q_width = num_heads * head_dim;
+        if q_width == 0
+            || num_kv_heads == 0
+            || !num_heads.is_multiple_of(num_kv_heads)
+            || !q.len().is_multiple_of(q_width)
+        {
+            return Err(Error::Internal(format!(
+                "attention: {} query values for {num_heads} heads of {head_dim} sharing {num_kv_heads} kv heads",
+                q.len()
+            )));
+        }
+        let n = q.len() / q_width;
+        if k.len() < (past + n) * kv_dim || v.len() < (past + n) * kv_dim {
+            return Err(Error::Internal(format!(
+                "attention: the cache holds {} keys and {} values, fewer than {} positions of {kv_dim}",
+                k.len(),
+                v.len(),
+                past + n
+            )));
+        }
+        let group = num_heads / num_kv_heads;
         let simd = simd_available();
         let mut out = vec![0f32; q.len()];
         // One work item per (token, head): `head_dim` outputs.
@@ -92,7 +114,7 @@ impl Attention {
             let probs: Vec<f32> = weights.iter().map(|w| round_f16(w * inv)).collect();
             weighted_sum(simd, |j| row(v, first + j), first, &probs, out);
         });
-        out
+        Ok(out)
     }
 }
 
@@ -179,6 +201,13 @@ mod simd {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn scaled_dots(query: &[f32], keys: &[f16], stride: usize, scale: f32, out: &mut [f32]) {
         let head_dim = query.len();
+        // The loads below are unchecked: every row read must lie inside `keys`.
+        assert!(
+            head_dim.is_multiple_of(32) && (out.is_empty() || keys.len() >= (out.len() - 1) * stride + head_dim),
+            "scaled_dots: {} keys for {} rows {stride} apart of {head_dim}",
+            keys.len(),
+            out.len()
+        );
         let q = query.as_ptr();
         for (j, o) in out.iter_mut().enumerate() {
             unsafe {
@@ -198,6 +227,7 @@ mod simd {
     /// out[d] = x[d] * p + out[d] (fused).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn axpy(out: &mut [f32], p: f32, x: &[f16]) {
+        assert!(x.len() >= out.len(), "axpy: {} values for {} outputs", x.len(), out.len());
         let pv = _mm256_set1_ps(p);
         let full = out.len() / 8 * 8;
         unsafe {
@@ -239,9 +269,9 @@ mod tests {
             let q = pseudo_random(n * q_width, 1);
             let k = to_f16(&pseudo_random((past + n) * kv_width, 2));
             let v = to_f16(&pseudo_random((past + n) * kv_width, 3));
-            let batched = attn.forward(&q, &k, &v, past);
+            let batched = attn.forward(&q, &k, &v, past).unwrap();
             for i in 0..n {
-                let single = attn.forward(&q[i * q_width..(i + 1) * q_width], &k, &v, past + i);
+                let single = attn.forward(&q[i * q_width..(i + 1) * q_width], &k, &v, past + i).unwrap();
                 assert_eq!(&batched[i * q_width..(i + 1) * q_width], &single[..], "head_dim {head_dim}");
             }
         }
@@ -255,7 +285,7 @@ mod tests {
             let past = 2;
             let q = pseudo_random(2 * head_dim, 4);
             let (k, v) = (to_f16(&pseudo_random(3 * head_dim, 5)), to_f16(&pseudo_random(3 * head_dim, 6)));
-            let out = attention(shape, window).forward(&q, &k, &v, past);
+            let out = attention(shape, window).forward(&q, &k, &v, past).unwrap();
             let first = window.map_or(0, |w| past + 1 - w);
             for h in 0..2 {
                 let qh = &q[h * head_dim..(h + 1) * head_dim];
@@ -273,6 +303,18 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A cache shorter than the positions the query needs, or a query that is not whole rows, is
+    /// an error before the kernels read the cache unchecked.
+    #[test]
+    fn short_cache_or_partial_query_is_an_error() {
+        let shape = HeadShape { num_heads: 2, num_kv_heads: 1, head_dim: 32 };
+        let attn = attention(shape, None);
+        let (q, cache) = (pseudo_random(2 * 64, 1), to_f16(&pseudo_random(3 * 32, 2)));
+        assert!(attn.forward(&q, &cache, &cache, 1).is_ok()); // positions 1, 2 of 3
+        assert!(attn.forward(&q, &cache, &cache, 2).unwrap_err().to_string().contains("fewer than 4 positions"));
+        assert!(attn.forward(&q[..100], &cache, &cache, 0).unwrap_err().to_string().contains("100 query values"));
     }
 
     /// The SIMD dot equals the scalar reference bitwise.

@@ -41,7 +41,7 @@ use super::decoder::DecoderConfig;
 use super::ggml_math::{geglu, swiglu};
 use super::qlinear::QLinear;
 use super::rope::{Pairing, Rope};
-use super::{check_exit_layer, CausalLm, GgufWeights, LogitRows, ModelInfo};
+use super::{check_exit_layer, check_token_ids, CausalLm, GgufWeights, LogitRows, ModelInfo};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
@@ -153,7 +153,7 @@ impl CpuDecoder {
     /// `config` comes from `families::from_gguf` and passed `runs`.
     pub fn load(gguf: &mut GgufFile, config: DecoderConfig) -> Result<Self> {
         let device = Device::Cpu;
-        let mut w = GgufWeights::new(gguf, &device);
+        let mut w = GgufWeights::new(gguf, &config, &device)?;
         let embed = w.qtensor("token_embd.weight")?;
         let lm_head = if config.tie_word_embeddings {
             QLinear::new(embed.clone())?
@@ -301,6 +301,7 @@ impl CpuDecoder {
         if n == 0 {
             return Err(Error::Internal("forward called with no tokens".into()));
         }
+        check_token_ids(tokens, self.config.vocab_size)?;
         let past = cache.len();
         cache.reserve(n)?;
         let c = &self.config;
@@ -336,7 +337,7 @@ impl CpuDecoder {
             cache.append(layer, &k, &v)?;
             let (k_cache, v_cache) = cache.layer(layer);
             let window = c.sliding_window.filter(|_| sliding);
-            let attn = Attention { shape, scale: score_scale, window }.forward(&q, k_cache, v_cache, past);
+            let attn = Attention { shape, scale: score_scale, window }.forward(&q, k_cache, v_cache, past)?;
             let out = norm_if(block.wo.forward(&attn, n)?, block.post_attn_norm.as_ref(), eps);
             add_assign(&mut x, &out);
 

@@ -34,7 +34,7 @@ use super::llama_config::LlamaConfig;
 use super::qlinear::QLinear;
 use super::random;
 use super::rope::{Pairing, Rope};
-use super::{check_exit_layer, CausalLm, GgufWeights, LogitRows, ModelInfo};
+use super::{check_exit_layer, check_token_ids, CausalLm, GgufWeights, LogitRows, ModelInfo};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
@@ -281,7 +281,7 @@ impl GgufWeights<'_> {
 impl Decoder {
     /// A GGUF file of a family `families.rs` knows, on `device`.
     pub fn from_gguf(gguf: &mut GgufFile, config: DecoderConfig, device: &Device) -> Result<Self> {
-        let mut w = GgufWeights::new(gguf, device);
+        let mut w = GgufWeights::new(gguf, &config, device)?;
         let embed_q = w.qtensor("token_embd.weight")?;
         // The lookup table is dequantized once (as candle's own quantized llama does): a gather
         // from quantized blocks has no CUDA kernel.
@@ -342,18 +342,23 @@ impl Decoder {
             let t = w.tensor(name, &[width])?;
             Ok(if gemma { (t + 1.0)? } else { t })
         };
+        // As in gguf_layout.rs: Qwen3 and Gemma 3 need their q/k norms, Qwen2 its q/k/v biases;
+        // without them the model would run as another one rather than fail.
+        let qk_norm_required = matches!(c.architecture.as_str(), "qwen3" | "gemma3");
+        let qkv_bias_required = c.architecture == "qwen2";
         let f32_norm = |w: &mut HfWeights, name: &str| -> Result<Option<Tensor>> {
-            if !w.has(name) {
+            if !w.has(name) && !qk_norm_required {
                 return Ok(None);
             }
             Ok(Some(norm(w, name, c.head_dim)?.to_dtype(DType::F32)?))
         };
-        let linear = |w: &mut HfWeights, name: &str, rows: usize, cols: usize| -> Result<Linear> {
-            Ok(Linear {
-                weight: Weight::Dense(w.tensor(&format!("{name}.weight"), &[rows, cols])?),
-                bias: w.optional(&format!("{name}.bias"), &[rows])?,
-            })
+        let linear_with = |w: &mut HfWeights, name: &str, rows: usize, cols: usize, bias_required: bool| {
+            let bias_name = format!("{name}.bias");
+            let bias =
+                if bias_required { Some(w.tensor(&bias_name, &[rows])?) } else { w.optional(&bias_name, &[rows])? };
+            Ok::<_, Error>(Linear { weight: Weight::Dense(w.tensor(&format!("{name}.weight"), &[rows, cols])?), bias })
         };
+        let linear = |w: &mut HfWeights, name: &str, rows: usize, cols: usize| linear_with(w, name, rows, cols, false);
         let embed = w.tensor("model.embed_tokens.weight", &[vocab, hidden])?;
         let lm_head = if w.has("lm_head.weight") && !c.tie_word_embeddings {
             linear(w, "lm_head", vocab, hidden)?
@@ -370,10 +375,11 @@ impl Decoder {
                         widths: vec![q_width, kv_width, kv_width],
                     }
                 } else {
+                    let bias = qkv_bias_required;
                     Projections::new(vec![
-                        linear(w, &name("self_attn.q_proj"), q_width, hidden)?,
-                        linear(w, &name("self_attn.k_proj"), kv_width, hidden)?,
-                        linear(w, &name("self_attn.v_proj"), kv_width, hidden)?,
+                        linear_with(w, &name("self_attn.q_proj"), q_width, hidden, bias)?,
+                        linear_with(w, &name("self_attn.k_proj"), kv_width, hidden, bias)?,
+                        linear_with(w, &name("self_attn.v_proj"), kv_width, hidden, bias)?,
                     ])?
                 };
                 let gate_up = if w.has(&name("mlp.gate_up_proj.weight")) {
@@ -579,6 +585,7 @@ impl Decoder {
         if n == 0 {
             return Err(Error::Internal("forward called with no tokens".into()));
         }
+        check_token_ids(tokens, self.config.vocab_size)?;
         let past = cache.len();
         cache.reserve(n)?;
         let c = &self.config;

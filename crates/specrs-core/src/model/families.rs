@@ -8,8 +8,12 @@
 //! window on every layer but each 6th (RoPE base 10000 there), and its converter already added 1 to
 //! every norm weight; Phi-3's sliding window is off in llama.cpp, so it is off here.
 //!
-//! Invariant: every config returned here passes `check`, so the decoder never meets a shape it
-//! cannot build.
+//! Invariant: every config returned here passes `validate`: every size is nonzero and within
+//! `MAX_SIZE`, heads divide, the rotated dimensions fit the head, every float is finite and
+//! positive where the arithmetic divides by it. An impossible value is a `ModelLoadError` naming
+//! the key (GGUF or config.json), the value and the fix, so no decoder meets a shape it cannot
+//! build. The tensors' shapes are checked against the config by `gguf_layout.rs` (GGUF) and
+//! `hf_dir.rs` (safetensors), for every layer.
 
 use candle_core::Device;
 
@@ -28,13 +32,15 @@ pub fn from_gguf(gguf: &mut GgufFile, arch: &str) -> Result<DecoderConfig> {
     let hidden_size = gguf.get_usize(&key("embedding_length"))?;
     let num_heads = gguf.get_usize(&key("attention.head_count"))?;
     let num_kv_heads = gguf.opt_usize(&key("attention.head_count_kv"))?.unwrap_or(num_heads);
-    if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
-        return Err(Error::model_load(format!(
-            "{path}: {num_heads} attention heads cannot share {num_kv_heads} kv heads; the GGUF metadata is corrupt"
-        )));
-    }
+    check_heads(num_heads, num_kv_heads, hidden_size, &Keys::Gguf { path: &path, arch })?;
     let head_dim = gguf.opt_usize(&key("attention.key_length"))?.unwrap_or(hidden_size / num_heads);
-    let vocab_size = gguf.tensor_dims("token_embd.weight").and_then(|d| d.first().copied()).unwrap_or(0);
+    let Some(embedding_dims) = gguf.tensor_dims("token_embd.weight") else {
+        return Err(Error::model_load(format!(
+            "{path} has no tensor 'token_embd.weight' (the token embeddings); the file is incomplete or not a \
+             language model, re-convert it with llama.cpp's convert_hf_to_gguf.py"
+        )));
+    };
+    let vocab_size = embedding_dims.first().copied().unwrap_or(0);
     let rope_theta = gguf.opt_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0);
     let mut config = DecoderConfig {
         architecture: arch.to_string(),
@@ -96,48 +102,203 @@ pub fn from_gguf(gguf: &mut GgufFile, arch: &str) -> Result<DecoderConfig> {
             )))
         }
     }
-    check(&config, &path, gguf)?;
+    validate(&config, &Keys::Gguf { path: &path, arch })?;
     Ok(config)
 }
 
-/// Llama 3.1-style frequency scaling, which GGUF ships as a tensor of per-dimension divisors.
+/// Llama 3.1-style frequency scaling, which GGUF ships as a tensor of per-dimension divisors
+/// (`[rope_dims / 2]`; `validate` checks its length).
 fn rope_freq_factors(gguf: &mut GgufFile) -> Result<Option<Vec<f32>>> {
     if !gguf.has_tensor("rope_freqs.weight") {
         return Ok(None);
     }
-    Ok(Some(gguf.tensor("rope_freqs.weight", &Device::Cpu)?.dequantize(&Device::Cpu)?.to_vec1::<f32>()?))
+    let factors = gguf.tensor("rope_freqs.weight", &Device::Cpu)?.dequantize(&Device::Cpu)?;
+    Ok(Some(factors.flatten_all()?.to_vec1::<f32>()?))
 }
 
-/// Shapes the metadata promises against the tensors the file holds.
-fn check(c: &DecoderConfig, path: &str, gguf: &GgufFile) -> Result<()> {
-    if c.vocab_size == 0
-        || c.num_layers == 0
-        || c.head_dim == 0
-        || c.rope_dims > c.head_dim
-        || !c.rope_dims.is_multiple_of(2)
-    {
-        return Err(Error::model_load(format!(
-            "{path}: inconsistent shape (vocab {}, {} layers, head dim {}, rope dims {}); the GGUF metadata is corrupt",
-            c.vocab_size, c.num_layers, c.head_dim, c.rope_dims
-        )));
-    }
-    let q_width = c.num_heads * c.head_dim;
-    let kv_width = c.num_kv_heads * c.head_dim;
-    let mut expected = vec![("token_embd.weight", vec![c.vocab_size, c.hidden_size])];
-    if gguf.has_tensor("blk.0.attn_qkv.weight") {
-        expected.push(("blk.0.attn_qkv.weight", vec![q_width + 2 * kv_width, c.hidden_size]));
-    } else {
-        expected.push(("blk.0.attn_q.weight", vec![q_width, c.hidden_size]));
-        expected.push(("blk.0.attn_k.weight", vec![kv_width, c.hidden_size]));
-    }
-    expected.push(("blk.0.attn_output.weight", vec![c.hidden_size, q_width]));
-    for (name, want) in expected {
-        let got = gguf.tensor_dims(name).unwrap_or_default();
-        if got != want {
-            return Err(Error::model_load(format!(
-                "{path}: tensor '{name}' has shape {got:?}, the metadata implies {want:?}; the file is corrupt"
-            )));
+/// The largest size (vocabulary, width, layer count, context length, ...) a config may give: far
+/// above any real model, low enough that products of two sizes cannot overflow and that a corrupt
+/// value fails here rather than as an allocation of terabytes.
+pub const MAX_SIZE: usize = 1 << 24;
+
+/// The quantities `validate` checks, named by where they come from.
+#[derive(Debug, Clone, Copy)]
+enum Field {
+    VocabSize,
+    NumLayers,
+    HiddenSize,
+    IntermediateSize,
+    NumHeads,
+    NumKvHeads,
+    HeadDim,
+    RopeDims,
+    ContextLength,
+    RmsEps,
+    RopeTheta,
+    RopeThetaLocal,
+    RopeScale,
+    RopeFreqs,
+    AttentionScale,
+    AttnSoftcap,
+    FinalSoftcap,
+    SlidingWindow,
+}
+
+/// The file a config came from, to name its keys in errors.
+enum Keys<'a> {
+    Gguf { path: &'a str, arch: &'a str },
+    Hf { path: &'a str },
+}
+
+impl Keys<'_> {
+    fn path(&self) -> &str {
+        match self {
+            Keys::Gguf { path, .. } | Keys::Hf { path } => path,
         }
+    }
+
+    /// The metadata key (GGUF) or config.json key (HF) that sets `field`.
+    fn key(&self, field: Field) -> String {
+        match self {
+            Keys::Gguf { arch, .. } => {
+                let key = match field {
+                    Field::VocabSize => return "the rows of tensor 'token_embd.weight'".into(),
+                    Field::RopeFreqs => return "the length of tensor 'rope_freqs.weight'".into(),
+                    Field::AttentionScale => "attention.key_length",
+                    Field::NumLayers => "block_count",
+                    Field::HiddenSize => "embedding_length",
+                    Field::IntermediateSize => "feed_forward_length",
+                    Field::NumHeads => "attention.head_count",
+                    Field::NumKvHeads => "attention.head_count_kv",
+                    Field::HeadDim => "attention.key_length",
+                    Field::RopeDims => "rope.dimension_count",
+                    Field::ContextLength => "context_length",
+                    Field::RmsEps => "attention.layer_norm_rms_epsilon",
+                    Field::RopeTheta => "rope.freq_base",
+                    Field::RopeThetaLocal => "rope.freq_base_swa",
+                    Field::RopeScale => "rope.scaling.factor",
+                    Field::AttnSoftcap => "attn_logit_softcapping",
+                    Field::FinalSoftcap => "final_logit_softcapping",
+                    Field::SlidingWindow => "attention.sliding_window",
+                };
+                format!("metadata '{arch}.{key}'")
+            }
+            Keys::Hf { .. } => {
+                let key = match field {
+                    Field::VocabSize => "vocab_size",
+                    Field::NumLayers => "num_hidden_layers",
+                    Field::HiddenSize => "hidden_size",
+                    Field::IntermediateSize => "intermediate_size",
+                    Field::NumHeads => "num_attention_heads",
+                    Field::NumKvHeads => "num_key_value_heads",
+                    Field::HeadDim => "head_dim",
+                    Field::RopeDims => "partial_rotary_factor",
+                    Field::ContextLength => "max_position_embeddings",
+                    Field::RmsEps => "rms_norm_eps",
+                    Field::RopeTheta => "rope_theta",
+                    Field::RopeThetaLocal => "rope_local_base_freq",
+                    Field::RopeScale => "rope_scaling.factor",
+                    Field::RopeFreqs => "rope_scaling",
+                    Field::AttentionScale => "query_pre_attn_scalar",
+                    Field::AttnSoftcap => "attn_logit_softcapping",
+                    Field::FinalSoftcap => "final_logit_softcapping",
+                    Field::SlidingWindow => "sliding_window",
+                };
+                format!("'{key}'")
+            }
+        }
+    }
+
+    /// "{path}: {key} is {value}, {why}; {fix}".
+    fn refuse(&self, field: Field, value: impl std::fmt::Display, why: &str) -> Error {
+        let fix = match self {
+            Keys::Gguf { .. } => "the GGUF metadata is corrupt; re-download the file or re-convert the model",
+            Keys::Hf { .. } => "fix config.json (or download the model's own config.json again)",
+        };
+        Error::model_load(format!("{}: {} is {value}, {why}; {fix}", self.path(), self.key(field)))
+    }
+}
+
+/// Head counts the config can divide by: both nonzero and within `MAX_SIZE`, the kv heads a
+/// divisor of the query heads. Checked before `hidden / heads` is computed.
+fn check_heads(num_heads: usize, num_kv_heads: usize, hidden_size: usize, keys: &Keys) -> Result<()> {
+    for (field, value) in [(Field::NumHeads, num_heads), (Field::NumKvHeads, num_kv_heads)] {
+        if value == 0 || value > MAX_SIZE {
+            return Err(keys.refuse(field, value, &format!("but a model needs 1..={MAX_SIZE} heads")));
+        }
+    }
+    if !num_heads.is_multiple_of(num_kv_heads) {
+        return Err(keys.refuse(
+            Field::NumKvHeads,
+            num_kv_heads,
+            &format!("which does not divide the {num_heads} query heads (grouped-query attention shares each kv head)"),
+        ));
+    }
+    if hidden_size > MAX_SIZE {
+        return Err(keys.refuse(Field::HiddenSize, hidden_size, &format!("above the limit of {MAX_SIZE}")));
+    }
+    Ok(())
+}
+
+/// Refuses every value the decoders cannot compute with (see the module invariant).
+fn validate(c: &DecoderConfig, keys: &Keys) -> Result<()> {
+    check_heads(c.num_heads, c.num_kv_heads, c.hidden_size, keys)?;
+    for (field, value) in [
+        (Field::VocabSize, c.vocab_size),
+        (Field::NumLayers, c.num_layers),
+        (Field::HiddenSize, c.hidden_size),
+        (Field::IntermediateSize, c.intermediate_size),
+        (Field::HeadDim, c.head_dim),
+        (Field::ContextLength, c.context_length),
+    ] {
+        if value == 0 || value > MAX_SIZE {
+            return Err(keys.refuse(field, value, &format!("but it must be in 1..={MAX_SIZE}")));
+        }
+    }
+    if c.rope_dims == 0 || c.rope_dims > c.head_dim || !c.rope_dims.is_multiple_of(2) {
+        return Err(keys.refuse(
+            Field::RopeDims,
+            format!("{} rotated dimensions", c.rope_dims),
+            &format!("but RoPE rotates an even number of dimensions from 2 to the head dimension {}", c.head_dim),
+        ));
+    }
+    if let Some(factors) = &c.rope_freq_factors {
+        if factors.len() != c.rope_dims / 2 || factors.iter().any(|f| !f.is_finite() || *f <= 0.0) {
+            return Err(keys.refuse(
+                Field::RopeFreqs,
+                factors.len(),
+                &format!("but RoPE needs {} positive finite frequency factors (one per rotated pair)", c.rope_dims / 2),
+            ));
+        }
+    }
+    let positive = [
+        (Field::RmsEps, Some(c.rms_eps)),
+        (Field::RopeTheta, Some(c.rope_theta)),
+        (Field::RopeThetaLocal, Some(c.rope_theta_local)),
+        (Field::RopeScale, Some(c.rope_linear_factor)),
+        (Field::AttentionScale, Some(c.attention_scale)),
+        (Field::AttnSoftcap, c.attn_logit_softcap),
+        (Field::FinalSoftcap, c.final_logit_softcap),
+    ];
+    for (field, value) in positive {
+        if let Some(v) = value.filter(|v| !v.is_finite() || *v <= 0.0) {
+            return Err(keys.refuse(field, v, "but it must be a positive finite number"));
+        }
+    }
+    if c.rms_eps >= 1.0 {
+        return Err(keys.refuse(Field::RmsEps, c.rms_eps, "but an RMSNorm epsilon is a small positive number (~1e-6)"));
+    }
+    if c.sliding_window == Some(0) {
+        return Err(keys.refuse(Field::SlidingWindow, 0, "but a window must hold at least the token itself"));
+    }
+    if c.sliding_layers.len() != c.num_layers {
+        return Err(Error::model_load(format!(
+            "{}: {} layers are marked sliding or full for {} layers; the layer types and {} disagree",
+            keys.path(),
+            c.sliding_layers.len(),
+            c.num_layers,
+            keys.key(Field::NumLayers)
+        )));
     }
     Ok(())
 }
@@ -168,11 +329,8 @@ pub fn from_hf_config(config: &serde_json::Value, source: &str) -> Result<Decode
     let (hidden_size, num_heads, num_layers) =
         (int("hidden_size")?, int("num_attention_heads")?, int("num_hidden_layers")?);
     let num_kv_heads = opt_int("num_key_value_heads").unwrap_or(num_heads);
-    if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
-        return Err(Error::model_load(format!(
-            "{source}: {num_heads} attention heads cannot share {num_kv_heads} kv heads"
-        )));
-    }
+    let keys = Keys::Hf { path: source };
+    check_heads(num_heads, num_kv_heads, hidden_size, &keys)?;
     let head_dim = opt_int("head_dim").unwrap_or(hidden_size / num_heads);
     // Newer transformers nest the RoPE settings under rope_parameters, per layer type where the
     // types differ (Gemma 3: full_attention / sliding_attention).
@@ -250,12 +408,46 @@ pub fn from_hf_config(config: &serde_json::Value, source: &str) -> Result<Decode
             )));
         }
     }
-    if c.vocab_size == 0 || num_layers == 0 || head_dim == 0 || c.rope_dims > head_dim || !c.rope_dims.is_multiple_of(2)
-    {
-        return Err(Error::model_load(format!(
-            "{source}: inconsistent shape (vocab {}, {num_layers} layers, head dim {head_dim}, rope dims {})",
-            c.vocab_size, c.rope_dims
-        )));
-    }
+    validate(&c, &keys)?;
     Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn config(model_type: &str, changes: serde_json::Value) -> serde_json::Value {
+        let mut c = json!({"model_type": model_type, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 128, "rms_norm_eps": 1e-6});
+        c.as_object_mut().unwrap().extend(changes.as_object().unwrap().clone());
+        c
+    }
+
+    #[test]
+    fn impossible_values_are_refused_naming_key_and_value() {
+        assert!(from_hf_config(&config("llama", json!({})), "config.json").is_ok());
+        for (model_type, change, message) in [
+            ("llama", json!({"rms_norm_eps": 0.0}), "'rms_norm_eps' is 0, but it must be a positive finite number"),
+            ("llama", json!({"rms_norm_eps": 2.0}), "'rms_norm_eps' is 2, but an RMSNorm epsilon"),
+            ("llama", json!({"partial_rotary_factor": 0.0}), "'partial_rotary_factor' is 0 rotated dimensions"),
+            ("llama", json!({"num_key_value_heads": 3}), "'num_key_value_heads' is 3, which does not divide the 4"),
+            ("llama", json!({"vocab_size": 0}), "'vocab_size' is 0, but it must be in 1..=16777216"),
+            ("llama", json!({"num_hidden_layers": 1u64 << 30}), "'num_hidden_layers' is 1073741824"),
+            ("llama", json!({"hidden_size": 1u64 << 40}), "'hidden_size' is 1099511627776, above the limit"),
+            ("llama", json!({"rope_theta": -1.0}), "'rope_theta' is -1"),
+            ("mistral", json!({"sliding_window": 0}), "'sliding_window' is 0, but a window must hold"),
+            ("gemma3_text", json!({"query_pre_attn_scalar": 0.0}), "'query_pre_attn_scalar' is inf"),
+            ("gemma3_text", json!({"attn_logit_softcapping": 0.0}), "'attn_logit_softcapping' is 0"),
+            ("gemma3_text", json!({"final_logit_softcapping": -30.0}), "'final_logit_softcapping' is -30"),
+        ] {
+            let err = from_hf_config(&config(model_type, change.clone()), "config.json").unwrap_err();
+            assert!(matches!(err, Error::ModelLoad(_)), "{change}: {err}");
+            let text = err.to_string();
+            assert!(text.starts_with("config.json: ") && text.contains(message), "{change}: {text}");
+            assert!(text.contains("fix config.json"), "{text}");
+        }
+    }
 }

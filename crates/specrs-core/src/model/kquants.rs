@@ -164,6 +164,23 @@ pub mod avx2 {
         is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
     }
 
+    /// What the kernels read without bounds checks: `num_blocks` weight blocks of `block_bytes`,
+    /// at most `ROW_GROUP` activation rows from `first`, each with its blocks' 16 sums.
+    fn check_shapes(weight: &[u8], block_bytes: usize, a: &Q8KRows, first: usize, num_rows: usize) {
+        let blocks = (first + num_rows) * a.num_blocks;
+        assert!(
+            num_rows <= super::super::qlinear::ROW_GROUP
+                && weight.len() >= a.num_blocks * block_bytes
+                && a.qs.len() >= blocks * QK_K
+                && a.d.len() >= blocks
+                && a.bsums.len() >= blocks * 16,
+            "K-quant dot: {} weight bytes, rows {first}..{} of {} blocks",
+            weight.len(),
+            first + num_rows,
+            a.num_blocks
+        );
+    }
+
     #[inline]
     #[target_feature(enable = "avx2")]
     fn hsum_i32(x: __m256i) -> i32 {
@@ -188,6 +205,7 @@ pub mod avx2 {
     /// AVX2 and FMA must be available; `weight` holds `a.num_blocks` blocks.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dot_q4k_rows(weight: &[u8], a: &Q8KRows, first: usize, out: &mut [f32]) {
+        check_shapes(weight, Q4K_BYTES, a, first, out.len());
         let mut acc = [0f32; super::super::qlinear::ROW_GROUP];
         let mut acc_min = acc;
         let low = _mm256_set1_epi8(0x0F);
@@ -231,6 +249,7 @@ pub mod avx2 {
     /// AVX2 and FMA must be available; `weight` holds `a.num_blocks` blocks.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dot_q6k_rows(weight: &[u8], a: &Q8KRows, first: usize, out: &mut [f32]) {
+        check_shapes(weight, Q6K_BYTES, a, first, out.len());
         let mut acc = [_mm256_setzero_ps(); super::super::qlinear::ROW_GROUP];
         let low = _mm256_set1_epi8(0x0F);
         let two_bits = _mm256_set1_epi8(3);

@@ -14,6 +14,7 @@ pub mod cpu_decoder;
 pub mod decoder;
 pub mod families;
 pub mod ggml_math;
+pub(crate) mod gguf_layout;
 pub mod hf_dir;
 pub mod kquants;
 pub mod llama_config;
@@ -30,6 +31,8 @@ use candle_core::{Device, Tensor};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
+use decoder::DecoderConfig;
+use gguf_layout::GgufLayout;
 
 /// Shape facts every caller needs (cache sizing, context checks, vocabulary size).
 #[derive(Debug, Clone)]
@@ -92,20 +95,36 @@ pub trait CausalLm: Send + Sync {
 }
 
 /// Reads a GGUF file's tensors by name onto a device and counts the bytes loaded; each model
-/// file adds the typed readers it needs.
+/// file adds the typed readers it needs. Built only after `GgufLayout::check` passed, so every
+/// tensor of every layer has the shape the config implies before the first one is read.
 pub(crate) struct GgufWeights<'a> {
     pub gguf: &'a mut GgufFile,
+    layout: GgufLayout,
     pub device: &'a Device,
     pub num_bytes: usize,
 }
 
 impl<'a> GgufWeights<'a> {
-    pub fn new(gguf: &'a mut GgufFile, device: &'a Device) -> Self {
-        Self { gguf, device, num_bytes: 0 }
+    /// Checks every tensor `config` implies (`gguf_layout.rs`), then reads on demand.
+    pub fn new(gguf: &'a mut GgufFile, config: &DecoderConfig, device: &'a Device) -> Result<Self> {
+        let layout = GgufLayout::check(gguf, config)?;
+        Ok(Self { gguf, layout, device, num_bytes: 0 })
     }
 
     pub fn qtensor(&mut self, name: &str) -> Result<Arc<QTensor>> {
+        let Some(want) = self.layout.shape(name) else {
+            return Err(Error::Internal(format!(
+                "a decoder read tensor '{name}', which gguf_layout.rs does not check"
+            )));
+        };
         let t = self.gguf.tensor(name, self.device)?;
+        if t.shape().dims() != want {
+            return Err(Error::model_load(format!(
+                "{}: tensor '{name}' was read with shape {:?}, expected {want:?}; the file is corrupt, fetch it again",
+                self.gguf.path.display(),
+                t.shape().dims()
+            )));
+        }
         self.num_bytes += t.storage_size_in_bytes();
         Ok(Arc::new(t))
     }
@@ -117,6 +136,18 @@ impl<'a> GgufWeights<'a> {
         } else {
             Ok(None)
         }
+    }
+}
+
+/// Refuses token ids outside the vocabulary before they index the embedding table (out of range
+/// on the CPU, undefined on a GPU). Every entry point checks its ids; this is the last guard, for
+/// ids that reach a model another way (a draft model with a smaller vocabulary than its target's).
+pub(crate) fn check_token_ids(tokens: &[u32], vocab_size: usize) -> Result<()> {
+    match tokens.iter().find(|&&t| t as usize >= vocab_size) {
+        None => Ok(()),
+        Some(bad) => Err(Error::config(format!(
+            "token id {bad} is outside the model's vocabulary (size {vocab_size}); pass ids below {vocab_size}"
+        ))),
     }
 }
 

@@ -14,6 +14,7 @@ pub fn for_each_chunk_mut<F>(out: &mut [f32], chunk_len: usize, f: F)
 where
     F: Fn(usize, &mut [f32]) + Sync,
 {
+    assert!(chunk_len > 0, "for_each_chunk_mut: chunks of 0 values");
     let total = out.len();
     let num_chunks = total.div_ceil(chunk_len);
     let base = SharedPtr(out.as_mut_ptr());

@@ -25,7 +25,7 @@ use half::f16;
 use super::ggml_math::hsum8;
 use super::kquants::{self, Q8KRows, QK_K};
 use super::parallel::for_each_chunk_mut;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 const BLOCK: usize = 32;
 /// Activation rows dotted with one unpacked weight block before moving on.
@@ -92,6 +92,14 @@ struct QuantizedRows {
     num_blocks: usize,
 }
 
+impl QuantizedRows {
+    /// Whether rows `0..num_rows` are all here (what the unchecked kernels read).
+    fn holds(&self, num_rows: usize) -> bool {
+        let blocks = num_rows * self.num_blocks;
+        self.qs.len() >= blocks * BLOCK && self.scales.len() >= blocks && self.sums.len() >= blocks
+    }
+}
+
 fn quantize_rows(x: &[f32], num_rows: usize, in_features: usize) -> QuantizedRows {
     let num_blocks = in_features / BLOCK;
     let mut qs = vec![0i8; num_rows * in_features];
@@ -150,6 +158,14 @@ impl QLinear {
         };
         match format {
             Some(format) if in_features % format.block_len() == 0 && matches!(weight.device(), Device::Cpu) => {
+                // The kernels index the weight bytes by these sizes without bounds checks.
+                let want = out_features * (in_features / format.block_len()) * format.block_bytes();
+                let have = weight.data()?.len();
+                if have != want {
+                    return Err(Error::Internal(format!(
+                        "a {format:?} weight [{out_features}, {in_features}] holds {have} bytes, expected {want}"
+                    )));
+                }
                 Ok(QLinear::Native { format, weight, out_features, in_features })
             }
             _ => Ok(QLinear::Candle { matmul: QMatMul::from_arc(weight)?, out_features }),
@@ -171,6 +187,12 @@ impl QLinear {
     pub fn forward_rows(&self, x: &[f32], num_rows: usize) -> Result<Vec<f32>> {
         match self {
             QLinear::Native { format, weight, out_features, in_features } => {
+                if x.len() != num_rows * in_features || num_rows == 0 {
+                    return Err(Error::Internal(format!(
+                        "a [{out_features}, {in_features}] matmul got {} input values for {num_rows} rows",
+                        x.len()
+                    )));
+                }
                 let data = weight.data()?;
                 let rows = match format {
                     Format::Q4K | Format::Q6K => Activations::Q8K(kquants::quantize_q8k(x, *in_features)),
@@ -394,7 +416,16 @@ mod avx2 {
     /// `rows`, and `weight` must hold `rows.num_blocks` blocks of `format` (a 32-value format).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_rows(format: Format, weight: &[u8], rows: &QuantizedRows, first: usize, out: &mut [f32]) {
-        debug_assert!(out.len() <= ROW_GROUP && weight.len() == rows.num_blocks * format.block_bytes());
+        // The kernel reads weight blocks and activation rows unchecked.
+        assert!(
+            out.len() <= ROW_GROUP
+                && weight.len() == rows.num_blocks * format.block_bytes()
+                && rows.holds(first + out.len()),
+            "dot_rows: {} weight bytes, rows {first}..{} of {} blocks",
+            weight.len(),
+            first + out.len(),
+            rows.num_blocks
+        );
         // Monomorphized per group size and format so the accumulators live in registers.
         unsafe {
             match format {
@@ -420,7 +451,16 @@ mod avx2 {
         rows: &QuantizedRows,
         out: &mut [f32],
     ) {
-        debug_assert!(out.len() <= FEATURES_PER_CALL && weights.len() == out.len() * row_bytes);
+        assert!(
+            out.len() <= FEATURES_PER_CALL
+                && weights.len() == out.len() * row_bytes
+                && row_bytes == rows.num_blocks * format.block_bytes()
+                && rows.holds(1),
+            "dot_features: {} weight bytes for {} rows of {row_bytes}, {} blocks",
+            weights.len(),
+            out.len(),
+            rows.num_blocks
+        );
         macro_rules! by_count {
             ($f:ident) => {
                 match out.len() {
@@ -513,7 +553,9 @@ mod avx2 {
                     let blk = w.add(h * row_bytes + b * bb);
                     // Weights stream from memory once per token: ask for the bytes a few blocks ahead
                     // (the next weight row follows this one contiguously).
-                    _mm_prefetch::<_MM_HINT_T0>(blk.add(PREFETCH_BYTES) as *const i8);
+                    // wrapping_add: near the end of the weights the address lies past the
+                    // allocation, where `add` would be undefined behaviour; a prefetch never faults.
+                    _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH_BYTES) as *const i8);
                     let d = f16_to_f32(blk);
                     if F == Q4_1 || F == Q4_0 {
                         // Q4_0 is Q4_1 with m = -8d: unsigned values, the offset through the
@@ -616,6 +658,18 @@ mod tests {
                     assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
                 }
             }
+        }
+    }
+
+    /// A wrong input length is an error before any kernel indexes the activations unchecked.
+    #[test]
+    fn wrong_input_length_is_an_error() {
+        let w = Tensor::randn(0f32, 1.0, (8, 64), &Device::Cpu).unwrap();
+        let linear = QLinear::new(Arc::new(QTensor::quantize(&w, GgmlDType::Q8_0).unwrap())).unwrap();
+        assert!(linear.forward_rows(&vec![0.5; 128], 2).is_ok());
+        for (len, rows) in [(127, 2), (129, 2), (64, 2), (0, 0)] {
+            let err = linear.forward_rows(&vec![0.5; len], rows).unwrap_err().to_string();
+            assert!(err.contains("input values"), "{len} values, {rows} rows: {err}");
         }
     }
 

@@ -139,9 +139,9 @@ impl DraftCache {
     /// prefilled here: the first propose feeds everything the draft has not seen (`catch_up`), so a
     /// request whose draft length policy never drafts never pays for the draft's prefill.
     pub fn begin(&mut self, max_len: usize) -> Result<()> {
-        let i = self.model.info();
-        let capacity = max_len.min(self.max_model_len);
-        let cache = KvCache::new(i.num_layers, i.num_kv_heads * i.head_dim, capacity, self.max_model_len);
+        // The model's own cache kind (host for cpu_decoder.rs, device for decoder.rs, which runs
+        // drafts on CUDA); `fits` keeps it within max_model_len.
+        let cache = self.model.new_cache(max_len.min(self.max_model_len))?;
         self.cache = Some(cache.tracked_by(self.kv_bytes.clone()));
         self.cached_ids.clear();
         Ok(())
@@ -163,10 +163,15 @@ impl DraftCache {
         keep
     }
 
-    /// One draft forward over `token_ids`: logits `[rows, draft_vocab]`, row-major.
+    /// One draft forward over `token_ids`: logits `[rows, draft_vocab]`, row-major. A draft whose
+    /// vocabulary is a prefix of the target's cannot read the target's extra tokens (ids past its
+    /// own embedding): it reads token 0 in their place, which can only make its guesses worse,
+    /// never the output, since every guess is verified. `cached_ids` keeps the real ids.
     pub fn forward(&mut self, token_ids: &[u32], rows: LogitRows) -> Result<Vec<f32>> {
         let cache = self.cache.as_mut().ok_or_else(|| Error::Internal("draft proposer used before begin()".into()))?;
-        let logits = self.model.forward_rows(token_ids, cache, rows)?;
+        let vocab = self.model.info().vocab_size;
+        let readable: Vec<u32> = token_ids.iter().map(|&t| if (t as usize) < vocab { t } else { 0 }).collect();
+        let logits = self.model.forward_rows(&readable, cache, rows)?;
         self.cached_ids.extend_from_slice(token_ids);
         Ok(logits.flatten_all()?.to_vec1()?)
     }
@@ -252,5 +257,38 @@ impl Proposer for DraftModelProposer {
 
     fn kv_len(&self) -> Option<usize> {
         Some(self.cache.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+    use crate::model::decoder::{Decoder, WeightFormat};
+    use crate::model::llama_config::LlamaConfig;
+
+    #[test]
+    fn a_draft_with_a_smaller_vocabulary_reads_the_targets_extra_tokens_as_token_0() {
+        let config = LlamaConfig::from_json(
+            r#"{"vocab_size": 32, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}"#,
+        )
+        .unwrap();
+        let draft: Arc<dyn CausalLm> =
+            Arc::new(Decoder::random(&config, 3, WeightFormat::Dense(candle_core::DType::F32), &Device::Cpu).unwrap());
+        let target_vocab = 40;
+        let mut proposer = DraftModelProposer::new(draft, None, target_vocab, 0.0, Arc::default());
+        proposer.begin(&[1, 2, 3], &SamplingParams { max_tokens: 8, ..SamplingParams::default() }).unwrap();
+        // Ids 35 and 39 exist only in the target's vocabulary: a draft, not an error.
+        let with_extra = proposer.propose(&[1, 35, 2, 39], 3).unwrap();
+        assert_eq!(with_extra.token_ids.len(), 3);
+        assert!(with_extra.token_ids.iter().all(|&t| t < 32));
+        proposer.observe(0).unwrap();
+        // The same draft as for a context holding token 0 in their place.
+        let mut reference =
+            DraftModelProposer::new(proposer.cache.model.clone(), None, target_vocab, 0.0, Arc::default());
+        reference.begin(&[1, 2, 3], &SamplingParams { max_tokens: 8, ..SamplingParams::default() }).unwrap();
+        assert_eq!(reference.propose(&[1, 0, 2, 0], 3).unwrap().token_ids, with_extra.token_ids);
     }
 }
