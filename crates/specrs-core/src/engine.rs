@@ -566,8 +566,37 @@ impl Engine {
     }
 }
 
+/// Locks one of the engine's shared states, recovering it when an earlier panic (caught at the
+/// FFI, so the process lives on) poisoned the lock: refusing every later request instead would let
+/// one bad request take the engine down. That is safe for each state this guards, because none
+/// is left inconsistent by a panic part way through its critical section:
+/// - `metrics`: sums of finished requests; at worst one request is counted in part (statistics
+///   only, never a request's output);
+/// - `suffix_caches`, `drafts`, `draft_costs`: maps whose entries are inserted whole, and
+///   `verify_costs`: replaced whole after its measurement (a panic while measuring leaves the old
+///   value; the measurement runs again on the next request);
+/// - the shared suffix trees behind `suffix_caches` are not locked here: `SuffixProposer` locks
+///   them itself and empties a poisoned one, since a tree can be left half-updated.
+///
+/// It still returns a `Result` so callers keep their `?` (it never fails).
 fn lock<T>(mutex: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>> {
-    mutex.lock().map_err(|_| Error::Internal("a lock was poisoned by an earlier panic".into()))
+    Ok(mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+}
+
+#[cfg(test)]
+mod lock_tests {
+    #[test]
+    fn a_poisoned_lock_is_recovered_with_its_value() {
+        let mutex = std::sync::Arc::new(std::sync::Mutex::new(7));
+        let poisoner = mutex.clone();
+        let _ = std::thread::spawn(move || {
+            let _guard = poisoner.lock().unwrap();
+            panic!("poison the lock");
+        })
+        .join();
+        assert!(mutex.is_poisoned());
+        assert_eq!(*super::lock(&mutex).unwrap(), 7);
+    }
 }
 
 /// Why a request stopped, with vLLM's names.
@@ -858,7 +887,9 @@ impl Session {
             speculation.proposer.finish(&self.all_ids[self.prompt_len..]);
         }
         let metrics = self.metrics();
-        if let Ok(mut engine) = self.engine_metrics.lock() {
+        // A poisoned lock is recovered rather than skipped (see `lock`): skipping would silently
+        // drop this request from the engine's sums.
+        if let Ok(mut engine) = lock(&self.engine_metrics) {
             engine.record(&metrics, &self.timer.itls_s());
         }
     }
