@@ -796,9 +796,11 @@ impl Engine {
 /// is left inconsistent by a panic part way through its critical section:
 /// - `metrics`: sums of finished requests; at worst one request is counted in part (statistics
 ///   only, never a request's output);
-/// - `suffix_caches`, `drafts`, `draft_costs`: maps whose entries are inserted whole, and
-///   `verify_costs`: replaced whole after its measurement (a panic while measuring leaves the old
-///   value; the measurement runs again on the next request);
+/// - `drafts`: a map whose entries are inserted whole; `pinned_suffix_config`: replaced whole;
+/// - `costs`: a curve is extended, and a draft cost inserted, only after its measurement finished
+///   (a panic while measuring leaves the figures it had; the measurement runs again later);
+/// - `suffix_caches`: a list whose entry is moved to the back by a remove and a push; a panic
+///   between the two drops that cache, which is then rebuilt empty (drafts only cost speed);
 /// - the shared suffix trees behind `suffix_caches` are not locked here: `SuffixProposer` locks
 ///   them itself and empties a poisoned one, since a tree can be left half-updated.
 ///
