@@ -430,6 +430,18 @@ def test_serve_flags_reach_the_server():
         build_app(None, "x", max_request_body_bytes=0)
 
 
+def test_serve_never_measures_costs_inside_a_request(monkeypatch):
+    """A request whose config needs a cost nobody measured would time forwards in the generation
+    thread, stalling every stream; `serve()` turns that off before it starts serving."""
+    import specrs.serve
+
+    calls = []
+    monkeypatch.setattr(specrs.Engine, "set_measure_on_demand", lambda self, on: calls.append(on))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append("serving"))
+    specrs.serve.serve(log_level="warning")
+    assert calls == [False, "serving"]
+
+
 def test_a_dead_generation_loop_makes_health_unhealthy(engine, caplog):
     """Should the scheduler's loop itself ever die (a bug outside any one request), /health says
     so with a 503 and the reason, the request in it fails, and new requests get a 503 at once."""

@@ -492,8 +492,12 @@ impl PyEngine {
 
     /// Whether a request may measure a cost figure nobody measured yet (default true); off, it
     /// gets the nearest figure (an extrapolated curve, a prior draft cost), marked in its metrics.
-    fn set_measure_on_demand(&self, on: bool) {
-        self.inner.set_measure_on_demand(on);
+    fn set_measure_on_demand(&self, on: bool) -> PyResult<()> {
+        guard(|| {
+            self.inner.set_measure_on_demand(on);
+            Ok(())
+        })
+        .map_err(to_py)
     }
 
     /// Teacher-forced logits `[len(ids), vocab_size]`: one forward pass, or one forward per entry

@@ -79,7 +79,8 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
           max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
           default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, log_level: str = "info") -> None:
     """Loads the model, warms it up with the default speculation (so a bad draft fails now, not at
-    the first request) and serves until interrupted."""
+    the first request), stops the engine measuring costs inside requests, and serves until
+    interrupted."""
     _require_server_packages()
     import uvicorn
 
@@ -90,6 +91,9 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
     # One short request through the default speculation loads its draft weights and measures its
     # costs before the first client arrives.
     engine.generate(engine.tokenizer.encode("Hello"), SamplingParams(max_tokens=4, temperature=0.0))
+    # From now on no request measures a cost figure (seconds of forwards in the generation
+    # thread, stalling every stream); one nobody measured yet gets the nearest known figure.
+    engine.set_measure_on_demand(False)
     name = served_model_name or served_name(model, engine.model_path)
     app = build_app(engine, name, max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens)
     spec = engine.speculative_config["method"] if engine.speculative_config else "off"
