@@ -74,7 +74,8 @@ def live():
         if not thread.is_alive():
             pytest.fail("the test server did not start")
         threading.Event().wait(0.05)
-    live = type("Live", (), {"base": f"http://127.0.0.1:{port}", "engine": engine, "app": app})()
+    live = type("Live", (), {"base": f"http://127.0.0.1:{port}", "port": port, "engine": engine, "app": app,
+                             "errors": errors})()
     yield live
     server.should_exit = True
     thread.join(timeout=30)
@@ -331,6 +332,19 @@ def test_oversized_bodies_are_413s(live):
     under = _chat_body("word " * (BODY_LIMIT // 8), 4)
     assert _error(_post(live.base, "/v1/chat/completions", under), 400)["code"] == "context_length_exceeded"
     assert httpx.get(f"{live.base}/health").status_code == 200
+
+
+def test_a_client_gone_mid_body_is_not_an_error(live):
+    """A client that closes its connection half way through sending its body is nobody's error:
+    no 500, nothing in the error log (reading the body raised out of the handler before)."""
+    errors_before = len(live.errors.records)
+    with socket.create_connection(("127.0.0.1", live.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"prompt\": \"Hel")
+    # A full request after it: by the time it is answered, the server has long read the EOF.
+    ok = _post(live.base, "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+    assert ok.status_code == 200
+    assert live.errors.records[errors_before:] == []
 
 
 def test_overflowing_numbers_are_400s(live):

@@ -19,7 +19,7 @@ from typing import AsyncIterator
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -82,6 +82,8 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
                                               default_max_tokens)
         except APIError as e:
             return error_response(e)
+        except ClientDisconnect:  # gone while sending its body: nobody to answer
+            return Response(status_code=499)
         job = Job(request, asyncio.get_running_loop())
         scheduler.submit(job)
         # Until the response starts (a stream's body watches for disconnects itself).
