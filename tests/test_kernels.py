@@ -1,5 +1,7 @@
 """The batched kernels through Python: the CPU references (always), and the CUDA kernels against
-them on random inputs when this is a CUDA build on a machine with a GPU (skipped otherwise)."""
+them on random inputs when this is a CUDA build on a machine with a GPU (skipped otherwise). On a
+machine with a GPU, a kernel that fails to compile or launch fails its test: only a device that
+cannot be opened skips."""
 
 from __future__ import annotations
 
@@ -42,8 +44,11 @@ def test_bad_input_and_devices():
 
 
 def _cuda_or_skip():
+    """Skips where no GPU can be used (a CPU-only build, or no device that opens). The probe is a
+    device copy, which runs none of our kernels, so a kernel that fails to compile or launch on a
+    present GPU raises in the test itself: a failure, not a skip."""
     try:
-        _specrs.batch_ngram(np.zeros((1, 4), dtype=np.uint32), [4], 1, 2, 2, device="cuda")
+        _specrs.copy_bandwidth("cuda", 1 << 20, 1)
     except specrs.DeviceError as e:
         pytest.skip(f"no CUDA here: {e}")
 
@@ -66,3 +71,25 @@ def test_cuda_ngram_equals_the_cpu_reference():
     histories = rng.integers(0, 4, size=(256, 2048), dtype=np.uint32)
     lengths = [int(n) for n in rng.integers(1, 2049, size=256)]
     assert _specrs.batch_ngram(histories, lengths, 2, 5, 8, device="cuda") == _specrs.batch_ngram(histories, lengths, 2, 5, 8)
+
+
+def test_a_kernel_that_fails_on_a_present_gpu_fails_its_test(monkeypatch):
+    """A GPU that opens (the probe succeeds) but an NVRTC compile failure in the kernel: the kernel
+    test must fail with the kernel's error, not skip."""
+    cpu_ngram = _specrs.batch_ngram
+
+    def ngram(*args, device="cpu"):
+        if device != "cpu":
+            raise specrs.DeviceError("NVRTC on ngram.cu: simulated compile failure")
+        return cpu_ngram(*args)
+
+    monkeypatch.setattr(_specrs, "copy_bandwidth", lambda device, num_bytes, repeats: 1e12)
+    monkeypatch.setattr(_specrs, "batch_ngram", ngram)
+    try:
+        test_cuda_ngram_equals_the_cpu_reference()
+    except pytest.skip.Exception as e:
+        pytest.fail(f"a kernel failure on a present GPU was skipped: {e}")
+    except specrs.DeviceError as e:
+        assert "simulated compile failure" in str(e)
+    else:
+        pytest.fail("the kernel's error did not reach the test")

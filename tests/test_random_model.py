@@ -157,10 +157,14 @@ def test_cuda_greedy_speculation_is_identical():
     assert spec.token_ids == plain
 
 
+SCRIPT = Path(__file__).parent.parent / "scripts" / "gpu_check.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import gpu_check  # noqa: E402
+
+
 def test_gpu_check_script_runs_its_cpu_parts(tmp_path):
-    script = Path(__file__).parent.parent / "scripts" / "gpu_check.py"
     run = subprocess.run(
-        [sys.executable, str(script), "--device", "cpu", "--tokens", "24", "--out", str(tmp_path)],
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--tokens", "24", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -168,9 +172,110 @@ def test_gpu_check_script_runs_its_cpu_parts(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["device"] == "cpu" and report["b"] == {"skipped": "no CUDA device"}
+    assert report["failures"] == [] and report["near_ties"] == []
     assert all(r["ok"] for fmt, r in report["a"].items() if fmt != "greedy_identity")
-    assert all(g["identical"] and g["num_drafts"] > 0 for g in report["a"]["greedy_identity"].values())
+    greedy = report["a"]["greedy_identity"]
+    assert list(greedy) == ["f32 k=2", "f32 k=4", "f32 k=8", "bf16 k=2", "bf16 k=4", "bf16 k=8", "q8_0 k=8", "q4_k k=8"]
+    assert all(g["identical"] and g["num_drafts"] > 0 and g["ok"] for g in greedy.values())
     rows = report["c"]["rows"]
     assert [(r["a"], r["k"]) for r in rows] == [(a, k) for a in (0.5, 0.7, 0.9) for k in (2, 4, 8)]
-    assert all(r["matches_baseline"] for r in rows)
-    assert run.stdout.rstrip().splitlines()[-1].startswith("checks:")
+    # Every replay matched, so each was timed over all its decode tokens.
+    assert all(r["matches_baseline"] and r["ok"] and r["timed_tokens"] == 23 for r in rows)
+    sampled = report["c"]["sampled"]
+    assert sampled["ok"] and sampled["num_drafts"] > 0 and sampled["temperature"] > 0
+    lines = run.stdout.rstrip().splitlines()
+    assert lines[-2].startswith("checks:") and lines[-1] == "gpu_check PASS on cpu: 0 failures, 0 near-ties"
+
+
+def test_gpu_check_fails_when_the_cuda_device_cannot_be_opened(tmp_path):
+    try:
+        specrs._specrs.copy_bandwidth("cuda", 1 << 20, 1)
+        pytest.skip("a CUDA device opens here; the GPU check itself runs the full script")
+    except specrs.DeviceError:
+        pass
+    run = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    # No silent CPU-against-CPU run: asked for a GPU it cannot open, the check fails.
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "FAIL: cannot open cuda" in run.stdout and "--device cpu" in run.stdout
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["failures"][0].startswith("cannot open cuda") and "a" not in report
+
+
+def test_gpu_check_records_kernel_failures_and_decides_on_them(monkeypatch):
+    """A kernel that fails to compile or launch, or that disagrees with its CPU reference, is a
+    failure of part (b) (simulated here: the device calls are replaced)."""
+    small_inputs = gpu_check.random_accept_inputs
+    monkeypatch.setattr(gpu_check, "random_accept_inputs", lambda b, k, v, seed, p: small_inputs(16, k, 64, seed, p))
+    cpu_accept, cpu_ngram = specrs._specrs.batch_accept, specrs._specrs.batch_ngram
+
+    def accept(*args, draft_probs=None, device="cpu"):
+        if device != "cpu":
+            raise specrs.DeviceError("launching accept_kernel: simulated launch failure")
+        return cpu_accept(*args, draft_probs=draft_probs)
+
+    def wrong_ngram(*args, device="cpu"):
+        drafts, lengths = cpu_ngram(*args)
+        return (drafts, [n + 1 for n in lengths]) if device != "cpu" else (drafts, lengths)
+
+    monkeypatch.setattr(specrs._specrs, "batch_accept", accept)
+    monkeypatch.setattr(specrs._specrs, "batch_ngram", wrong_ngram)
+    b = gpu_check.part_b(specrs, "cuda")
+    assert b["accept"] == b["accept_with_probs"] == {"ok": False, "error": "launching accept_kernel: simulated launch failure"}
+    assert b["ngram"] == {"ok": False}
+    failures = gpu_check.failures({"device": "cuda", "b": b})
+    assert failures == ["(b) accept kernel: launching accept_kernel: simulated launch failure",
+                        "(b) accept_with_probs kernel: launching accept_kernel: simulated launch failure",
+                        "(b) ngram kernel: drafts differ from the CPU reference"]
+
+
+def test_gpu_check_failures_cover_greedy_identity_and_replays():
+    report = {
+        "device": "cuda",
+        "a": {
+            "f32": {"ok": True, "rel_max_diff": 1e-5, "top1_agreement": 1.0},
+            "bf16": {"ok": False, "rel_max_diff": 0.2, "top1_agreement": 0.5},
+            "greedy_identity": {
+                "f32 k=2": {"identical": True, "num_drafts": 20, "ok": True},
+                "q8_0 k=8": {"identical": False, "num_drafts": 9, "diverged_at": 17, "logit_gap": 0.8,
+                             "relative_gap": 0.16, "near_tie": False, "ok": False},
+                "q4_k k=8": {"identical": False, "num_drafts": 9, "diverged_at": 5, "logit_gap": 0.001,
+                             "relative_gap": 2e-4, "near_tie": True, "ok": True},
+                "bf16 k=4": {"identical": True, "num_drafts": 0, "ok": False},
+            },
+        },
+        "c": {"error": "DeviceError: out of memory"},
+    }
+    assert gpu_check.failures(report) == [
+        "(c) raised DeviceError: out of memory",
+        "(a) bf16 logits cuda vs cpu: relative max difference 0.2 (tolerance 0.05), top-1 agreement 0.500 (floor 0.9)",
+        "(a) greedy identity q8_0 k=8: diverged from plain greedy at token 17 (logit gap 0.8 = 0.16 of the largest logit)",
+        "(a) greedy identity bf16 k=4: no draft was made",
+    ]
+    assert gpu_check.near_ties(report) == ["(a) q4_k k=8: near-tie at token 5 (logit gap 0.001 = 0.0002 of the largest logit)"]
+    rows = [{"a": 0.9, "k": 8, "ok": False, "num_drafts": 3, "matches_baseline": False, "diverged_at": 40,
+             "logit_gap": 1.5, "relative_gap": 0.3, "near_tie": False}]
+    assert gpu_check.failures({"device": "cuda", "c": {"rows": rows}}) == [
+        "(c) a=0.9 k=8: does not match the baseline (diverged at token 40, logit gap 1.5 = 0.3 of the largest logit)"]
+
+
+def test_gpu_check_times_a_replay_only_up_to_its_first_divergence():
+    engine = specrs.Engine.random(TINY, seed=4, dtype="f32")
+    params = specrs.SamplingParams(max_tokens=32, temperature=0.0)
+    plain = gpu_check.timed_run(engine, PROMPT, params)
+    assert plain["diverged_at"] is None and len(plain["tokens"]) == 32 and plain["timed_tokens"] == 31
+    # A recorded sequence that departs from what the target generates at token 12: timing stops there.
+    recorded = list(plain["tokens"])
+    recorded[12] = (recorded[12] + 1) % TINY["vocab_size"]
+    config = {"method": "custom", "num_speculative_tokens": 4, "adaptive_draft_length": False}
+    run = gpu_check.timed_run(engine, PROMPT, params, recorded, speculative_config=config,
+                              proposer=gpu_check.SyntheticProposer(recorded, len(PROMPT), 1.0, TINY["vocab_size"], 0))
+    assert run["diverged_at"] == 12 and run["tokens"][:12] == plain["tokens"][:12]
+    assert 0 < run["timed_tokens"] < 12 and run["metrics"]["num_drafts"] > 0
+    # Where the two differ, the target's logits are far from a tie, so this is a failure.
+    where = gpu_check.divergence(engine, PROMPT, plain["tokens"], recorded, gpu_check.NEAR_TIE["f32"])
+    assert where["diverged_at"] == 12 and where["logit_gap"] > 0 and where["near_tie"] is False
+    row = engine.logits(PROMPT + plain["tokens"][:12])[-1]
+    runner_up = int(np.argsort(row)[-2])
+    tie = gpu_check.divergence(engine, PROMPT, plain["tokens"], plain["tokens"][:12] + [runner_up], 1.0)
+    assert tie["near_tie"] is True and tie["logit_gap"] == pytest.approx(float(row.max() - row[runner_up]))

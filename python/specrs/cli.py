@@ -5,6 +5,7 @@
     specrs requantize SRC.gguf DST.gguf [--type q4_0]   (e.g. a draft_model from the target)
     specrs serve [MODEL] [--speculative-config JSON] [--host 127.0.0.1] [--port 8000]   (OpenAI API)
     specrs advise PROMPTS.jsonl [--model PATH] [--json]   (which speculation pays on these prompts)
+    specrs selftest [MODEL] [--speculative-config JSON ...] [--json]   (is speculation lossless here; see selftest.py)
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import argparse
 import sys
 from collections import Counter
 
-from . import advise, bench, serve
+from . import advise, bench, selftest, serve
 from .engine import Engine, SamplingParams, requantize
 from .errors import SpecrsError
 
@@ -168,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
                          description=advise.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     advise.add_arguments(adv)
     adv.set_defaults(func=advise.run_from_args)
+
+    check = sub.add_parser("selftest", help="check that speculative decoding is lossless on your model and config "
+                           "(greedy identity, sampling distribution, seeded determinism)",
+                           description=selftest.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    selftest.add_arguments(check)
+    check.set_defaults(func=selftest.run_from_args)
     return parser
 
 

@@ -768,14 +768,19 @@ impl Engine {
             cache.truncate(context_ids.len());
             self.model.forward(&probe[..n], &mut cache)?;
         }
-        self.model.device().synchronize()?;
         let mut times = vec![Vec::with_capacity(repeats); ns.len()];
+        let device = self.model.device();
         for _ in 0..repeats.max(1) {
             for (slot, &n) in ns.iter().enumerate() {
                 cache.truncate(context_ids.len());
+                // A GPU runs launched work after the launch returns: wait for what is still queued
+                // (the untimed round's forwards) so none of it is counted here, and for this
+                // forward's logits [n, vocab_size] before reading the clock, so t(n), and
+                // v(n) = t(n)/t(1), are device time.
+                device.synchronize()?;
                 let t0 = Instant::now();
-                self.model.forward(&probe[..n], &mut cache)?;
-                self.model.device().synchronize()?;
+                let logits = self.model.forward(&probe[..n], &mut cache)?;
+                logits.device().synchronize()?;
                 times[slot].push(t0.elapsed().as_secs_f64());
             }
         }

@@ -181,6 +181,8 @@ pub fn compile_for(arch: &str) -> Result<Vec<(String, String)>> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::accept::accept;
+    use super::super::ngram::ngram_lookup;
     use super::*;
 
     /// Runs without a GPU: NVRTC only needs its library.
@@ -190,5 +192,118 @@ mod tests {
             let entry = if name == "accept.cu" { "accept_kernel" } else { "ngram_kernel" };
             assert!(ptx.contains(&format!(".entry {entry}")), "{name}: no {entry} in its PTX");
         }
+    }
+
+    /// Whether GPU 0 opens. Only where it does not do the device tests below return early; on a
+    /// machine with a GPU, a kernel that fails to compile, load or launch fails them.
+    fn gpu_present() -> bool {
+        match open(0) {
+            Ok(_) => true,
+            Err(e) => {
+                eprintln!("no CUDA device here ({e}); the kernels were not run on a GPU");
+                false
+            }
+        }
+    }
+
+    /// A small deterministic generator in [0, 1).
+    struct Lcg(u64);
+    impl Lcg {
+        fn next(&mut self) -> f32 {
+            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (self.0 >> 40) as f32 / (1u64 << 24) as f32
+        }
+    }
+
+    /// Acceptance inputs where drafts are often accepted (two rows in three peak on the drafted
+    /// token), with greedy and sampled sequences: `(logits [b, k + 1, v], drafts [b, k], num_draft
+    /// [b], probs [b, k, v], temperatures [b], uniforms [b, k + 1])`.
+    #[allow(clippy::type_complexity)]
+    fn accept_inputs(b: usize, k: usize, v: usize) -> (Vec<f32>, Vec<u32>, Vec<u32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+        let mut rng = Lcg(11);
+        let (mut logits, mut drafts, mut probs) = (Vec::new(), Vec::new(), Vec::new());
+        for s in 0..b {
+            for i in 0..=k {
+                let token = (rng.next() * v as f32) as u32 % v as u32;
+                let peaked = i < k && (s + i) % 3 != 2;
+                logits.extend((0..v).map(|t| rng.next() * 4.0 + if peaked && t as u32 == token { 6.0 } else { 0.0 }));
+                if i < k {
+                    drafts.push(token);
+                    let mut q: Vec<f32> = (0..v).map(|_| rng.next()).collect();
+                    q[token as usize] += 5.0;
+                    let total: f32 = q.iter().sum();
+                    probs.extend(q.into_iter().map(|x| x / total));
+                }
+            }
+        }
+        let num_draft = (0..b).map(|s| (s % (k + 1)) as u32).collect();
+        let temperatures = (0..b).map(|s| [0.0, 0.5, 1.0, 1.3][s % 4]).collect();
+        let uniforms = (0..b * (k + 1)).map(|_| rng.next()).collect();
+        (logits, drafts, num_draft, probs, temperatures, uniforms)
+    }
+
+    #[test]
+    fn accept_kernel_equals_the_cpu_reference_on_a_gpu() {
+        if !gpu_present() {
+            return;
+        }
+        let (b, k, v) = (256, 4, 4096);
+        let (logits, drafts, num_draft, probs, temperatures, uniforms) = accept_inputs(b, k, v);
+        for with_probs in [false, true] {
+            let input = AcceptInput {
+                batch: b,
+                max_draft_tokens: k,
+                vocab_size: v,
+                target_logits: &logits,
+                draft_token_ids: &drafts,
+                num_draft_tokens: &num_draft,
+                draft_probs: with_probs.then_some(&probs[..]),
+                temperatures: &temperatures,
+                uniforms: &uniforms,
+            };
+            let cpu = accept(&input).unwrap();
+            let gpu = accept_from_host(0, &input)
+                .unwrap_or_else(|e| panic!("the acceptance kernel failed on a present GPU: {e}"));
+            assert_eq!(gpu.num_accepted_tokens, cpu.num_accepted_tokens, "with_probs={with_probs}");
+            // Greedy sequences are exact; a sampled draw sums floats in another order, so only a
+            // uniform within rounding of a CDF boundary may pick the neighbouring token.
+            let mut sampled_mismatches = 0;
+            for s in 0..b {
+                if gpu.next_token_ids[s] != cpu.next_token_ids[s] {
+                    assert!(
+                        temperatures[s] > 0.0,
+                        "greedy sequence {s}: {} vs {}",
+                        gpu.next_token_ids[s],
+                        cpu.next_token_ids[s]
+                    );
+                    sampled_mismatches += 1;
+                }
+            }
+            assert!(
+                sampled_mismatches <= 2,
+                "{sampled_mismatches} sampled next tokens differ (with_probs={with_probs})"
+            );
+            let all_accepted =
+                (0..b).filter(|&s| num_draft[s] > 0 && cpu.num_accepted_tokens[s] == num_draft[s]).count();
+            assert!(all_accepted > 0 && all_accepted < b, "the inputs must take both paths");
+        }
+    }
+
+    #[test]
+    fn ngram_kernel_equals_the_cpu_reference_on_a_gpu() {
+        if !gpu_present() {
+            return;
+        }
+        let (batch, max_len) = (128, 512);
+        let mut rng = Lcg(5);
+        // Four distinct tokens, so most histories repeat n-grams and drafts are found.
+        let histories: Vec<u32> = (0..batch * max_len).map(|_| (rng.next() * 4.0) as u32).collect();
+        let lengths: Vec<u32> = (0..batch).map(|_| 1 + (rng.next() * max_len as f32) as u32 % max_len as u32).collect();
+        let input = NgramInput { histories: &histories, max_len, lengths: &lengths, min_n: 2, max_n: 5, k: 8 };
+        let cpu = ngram_lookup(&input).unwrap();
+        let gpu = ngram_lookup_from_host(0, &input)
+            .unwrap_or_else(|e| panic!("the n-gram kernel failed on a present GPU: {e}"));
+        assert_eq!(gpu, cpu);
+        assert!(cpu.1.iter().any(|&n| n > 0), "no sequence found a draft");
     }
 }
