@@ -75,7 +75,8 @@ def _requantize(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     serve.serve(args.model, speculative_config=args.speculative_config, host=args.host, port=args.port,
                 device=args.device, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
-                prefill_chunk=args.prefill_chunk or None, log_level=args.log_level)
+                prefill_chunk=args.prefill_chunk or None, max_request_body_bytes=args.max_request_body_bytes,
+                default_max_tokens=args.default_max_tokens, log_level=args.log_level)
     return 0
 
 
@@ -155,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefill-chunk", type=int, default=serve.DEFAULT_PREFILL_CHUNK,
                      help="prompt tokens fed per step, so a long prompt does not stall the other streams "
                           "(0: whole prompts)")
+    srv.add_argument("--max-request-body-bytes", type=int, default=serve.DEFAULT_MAX_REQUEST_BODY_BYTES,
+                     help="request bodies over this many bytes get a 413 (default: 8 MiB)")
+    srv.add_argument("--default-max-tokens", type=int, default=serve.DEFAULT_CHAT_MAX_TOKENS,
+                     help="a chat request without max_tokens generates at most this many tokens, or up to the "
+                          "end of the context if that is fewer (each request's KV cache is sized for prompt + "
+                          "max_tokens)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(func=_serve)
 

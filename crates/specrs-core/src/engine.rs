@@ -807,8 +807,39 @@ impl Engine {
     }
 }
 
+/// Locks one of the engine's shared states, recovering it when an earlier panic (caught at the
+/// FFI, so the process lives on) poisoned the lock: refusing every later request instead would let
+/// one bad request take the engine down. That is safe for each state this guards, because none
+/// is left inconsistent by a panic part way through its critical section:
+/// - `metrics`: sums of finished requests; at worst one request is counted in part (statistics
+///   only, never a request's output);
+/// - `drafts`: a map whose entries are inserted whole; `pinned_suffix_config`: replaced whole;
+/// - `costs`: a curve is extended, and a draft cost inserted, only after its measurement finished
+///   (a panic while measuring leaves the figures it had; the measurement runs again later);
+/// - `suffix_caches`: a list whose entry is moved to the back by a remove and a push; a panic
+///   between the two drops that cache, which is then rebuilt empty (drafts only cost speed);
+/// - the shared suffix trees behind `suffix_caches` are not locked here: `SuffixProposer` locks
+///   them itself and empties a poisoned one, since a tree can be left half-updated.
+///
+/// It still returns a `Result` so callers keep their `?` (it never fails).
 fn lock<T>(mutex: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>> {
-    mutex.lock().map_err(|_| Error::Internal("a lock was poisoned by an earlier panic".into()))
+    Ok(mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+}
+
+#[cfg(test)]
+mod lock_tests {
+    #[test]
+    fn a_poisoned_lock_is_recovered_with_its_value() {
+        let mutex = std::sync::Arc::new(std::sync::Mutex::new(7));
+        let poisoner = mutex.clone();
+        let _ = std::thread::spawn(move || {
+            let _guard = poisoner.lock().unwrap();
+            panic!("poison the lock");
+        })
+        .join();
+        assert!(mutex.is_poisoned());
+        assert_eq!(*super::lock(&mutex).unwrap(), 7);
+    }
 }
 
 /// Why a request stopped, with vLLM's names.
@@ -1099,7 +1130,9 @@ impl Session {
             speculation.proposer.finish(&self.all_ids[self.prompt_len..]);
         }
         let metrics = self.metrics();
-        if let Ok(mut engine) = self.engine_metrics.lock() {
+        // A poisoned lock is recovered rather than skipped (see `lock`): skipping would silently
+        // drop this request from the engine's sums.
+        if let Ok(mut engine) = lock(&self.engine_metrics) {
             engine.record(&metrics, &self.timer.itls_s());
         }
     }

@@ -6,6 +6,8 @@
 //! between consecutive tokens (tokens accepted together arrive together, so their gap is 0).
 //! Acceptance follows vLLM: a draft is one step with at least one guessed token;
 //! mean_acceptance_length = 1 + accepted / drafts; acceptance_rate = accepted / draft tokens.
+//! Invariant: the engine-wide sums take fixed memory however long the engine serves (inter-token
+//! gaps go into a fixed-size histogram; means stay exact).
 
 use std::time::Instant;
 
@@ -143,17 +145,20 @@ fn expected_tokens_per_step(a: f64, k: f64) -> f64 {
     }
 }
 
-/// Engine-wide sums over finished requests.
+/// Engine-wide sums over finished requests, in memory that does not grow with the number of
+/// requests or tokens served: TTFT as a sum and a count, inter-token gaps in a `LatencyHistogram`.
 #[derive(Debug, Clone, Default)]
 pub struct EngineMetrics {
     pub num_requests: usize,
     pub num_prompt_tokens: usize,
     pub num_generated_tokens: usize,
     pub spec: SpecDecodeMetrics,
-    /// Time-to-first-token of every request.
-    pub ttfts_s: Vec<f64>,
+    /// Sum of the time-to-first-token of every request that produced a token.
+    pub ttft_s_sum: f64,
+    /// Requests counted in `ttft_s_sum`.
+    pub num_ttfts: usize,
     /// Every inter-token gap of every request.
-    pub itls_s: Vec<f64>,
+    pub itls: LatencyHistogram,
 }
 
 impl EngineMetrics {
@@ -163,41 +168,139 @@ impl EngineMetrics {
         self.num_generated_tokens += request.num_generated_tokens;
         self.spec.add(&request.spec);
         if request.num_generated_tokens > 0 {
-            self.ttfts_s.push(request.ttft_s);
+            self.ttft_s_sum += request.ttft_s;
+            self.num_ttfts += 1;
         }
-        self.itls_s.extend_from_slice(itls_s);
+        for &gap in itls_s {
+            self.itls.record(gap);
+        }
     }
 
     pub fn ttft_s_mean(&self) -> f64 {
-        mean(&self.ttfts_s)
+        if self.num_ttfts == 0 {
+            0.0
+        } else {
+            self.ttft_s_sum / self.num_ttfts as f64
+        }
     }
 
+    /// Exact (a running sum over a count).
     pub fn itl_s_mean(&self) -> f64 {
-        mean(&self.itls_s)
+        self.itls.mean()
     }
 
+    /// Within `LatencyHistogram`'s accuracy of the exact nearest-rank percentile.
     pub fn itl_s_percentile(&self, q: f64) -> f64 {
-        let mut sorted = self.itls_s.clone();
-        sorted.sort_by(f64::total_cmp);
-        percentile(&sorted, q)
+        self.itls.percentile(q)
     }
 
-    /// Decode tokens/s over all requests: gaps / time spent in gaps.
+    /// Decode tokens/s over all requests: gaps / time spent in gaps (exact).
     pub fn decode_tokens_per_s(&self) -> f64 {
-        let total: f64 = self.itls_s.iter().sum();
-        if total > 0.0 {
-            self.itls_s.len() as f64 / total
+        if self.itls.sum_s() > 0.0 {
+            self.itls.count() as f64 / self.itls.sum_s()
         } else {
             0.0
         }
     }
 }
 
-fn mean(values: &[f64]) -> f64 {
-    if values.is_empty() {
-        0.0
-    } else {
-        values.iter().sum::<f64>() / values.len() as f64
+/// Smallest gap a `LatencyHistogram` resolves (100 ns); smaller non-zero gaps land in its first bucket.
+const HISTOGRAM_MIN_S: f64 = 1e-7;
+/// Each bucket's upper edge over its lower edge: reporting a bucket's geometric middle is within
+/// sqrt(1.02) - 1 < 1% of any value in it.
+const HISTOGRAM_GROWTH: f64 = 1.02;
+/// Buckets from 100 ns up to 1e4 s (1.02^1280 x 1e-7 s = 1.0e4 s); larger gaps land in the last one.
+const HISTOGRAM_BUCKETS: usize = 1280;
+
+/// Durations in fixed memory (1280 counters, about 10 KB, however many are recorded).
+///
+/// Invariant: `count`, `sum_s`, `min_s` and `max_s` are exact, so the mean is exact; zero gaps
+/// (tokens accepted in the same step arrive together) are counted exactly; a non-zero duration
+/// falls in a log-spaced bucket 2% wide, so a percentile is the nearest-rank percentile to within
+/// 1% relative for durations between 100 ns and 10^4 s (clamped to the exact min and max, so a
+/// single repeated value comes back exactly).
+#[derive(Debug, Clone)]
+pub struct LatencyHistogram {
+    count: u64,
+    sum_s: f64,
+    min_s: f64,
+    max_s: f64,
+    num_zero: u64,
+    /// `[HISTOGRAM_BUCKETS]`: bucket i holds durations in [MIN x GROWTH^i, MIN x GROWTH^(i+1)).
+    buckets: Vec<u64>,
+}
+
+impl Default for LatencyHistogram {
+    fn default() -> Self {
+        Self {
+            count: 0,
+            sum_s: 0.0,
+            min_s: f64::INFINITY,
+            max_s: 0.0,
+            num_zero: 0,
+            buckets: vec![0; HISTOGRAM_BUCKETS],
+        }
+    }
+}
+
+impl LatencyHistogram {
+    /// Adds one duration; negative or non-finite ones (a clock gone wrong) count as 0.
+    pub fn record(&mut self, duration_s: f64) {
+        let d = if duration_s.is_finite() && duration_s > 0.0 { duration_s } else { 0.0 };
+        self.count += 1;
+        self.sum_s += d;
+        self.min_s = self.min_s.min(d);
+        self.max_s = self.max_s.max(d);
+        if d == 0.0 {
+            self.num_zero += 1;
+        } else {
+            self.buckets[Self::bucket(d)] += 1;
+        }
+    }
+
+    fn bucket(d: f64) -> usize {
+        let i = ((d / HISTOGRAM_MIN_S).ln() / HISTOGRAM_GROWTH.ln()).floor();
+        if i <= 0.0 {
+            0
+        } else {
+            (i as usize).min(HISTOGRAM_BUCKETS - 1)
+        }
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    pub fn sum_s(&self) -> f64 {
+        self.sum_s
+    }
+
+    pub fn mean(&self) -> f64 {
+        if self.count == 0 {
+            0.0
+        } else {
+            self.sum_s / self.count as f64
+        }
+    }
+
+    /// The nearest-rank `q` percentile (0 when empty), to the accuracy above.
+    pub fn percentile(&self, q: f64) -> f64 {
+        if self.count == 0 {
+            return 0.0;
+        }
+        let rank = ((q * self.count as f64).ceil() as u64).clamp(1, self.count);
+        if rank <= self.num_zero {
+            return 0.0;
+        }
+        let mut seen = self.num_zero;
+        for (i, &n) in self.buckets.iter().enumerate() {
+            seen += n;
+            if seen >= rank {
+                let middle = HISTOGRAM_MIN_S * HISTOGRAM_GROWTH.powf(i as f64 + 0.5);
+                return middle.clamp(self.min_s, self.max_s);
+            }
+        }
+        self.max_s
     }
 }
 
@@ -315,5 +418,49 @@ mod tests {
         assert_eq!(verify_cost_at(&curve, 1.0), 1.4);
         assert!((verify_cost_at(&curve, 1.5) - 1.5).abs() < 1e-12);
         assert_eq!(verify_cost_at(&curve, 7.0), 2.0);
+    }
+
+    #[test]
+    fn latency_histogram_percentiles_are_within_one_percent_in_fixed_memory() {
+        let mut h = LatencyHistogram::default();
+        // Gaps from 10 us to 2 s on a deterministic spread, plus zeros (tokens of one step).
+        let mut exact: Vec<f64> = (0..100_000u64)
+            .map(|i| if i % 7 == 0 { 0.0 } else { 1e-5 * (2e5f64).powf(((i * 7919) % 100_000) as f64 / 1e5) })
+            .collect();
+        for &gap in &exact {
+            h.record(gap);
+        }
+        assert_eq!(h.buckets.len(), HISTOGRAM_BUCKETS, "the memory does not grow with the samples");
+        exact.sort_by(f64::total_cmp);
+        let exact_mean = exact.iter().sum::<f64>() / exact.len() as f64;
+        assert!((h.mean() - exact_mean).abs() <= 1e-12 * exact_mean, "the mean is exact");
+        for q in [0.01, 0.1, 0.14, 0.5, 0.9, 0.99, 0.999, 1.0] {
+            let want = percentile(&exact, q);
+            let got = h.percentile(q);
+            if want == 0.0 {
+                assert_eq!(got, 0.0, "zeros are exact (q = {q})");
+            } else {
+                assert!((got - want).abs() <= 0.01 * want, "q = {q}: {got} vs exact {want}");
+            }
+        }
+        let mut one = LatencyHistogram::default();
+        for _ in 0..10 {
+            one.record(0.0123);
+        }
+        assert_eq!((one.percentile(0.5), one.percentile(0.99)), (0.0123, 0.0123), "clamped to min/max");
+        assert_eq!(LatencyHistogram::default().percentile(0.5), 0.0);
+    }
+
+    #[test]
+    fn engine_metrics_sum_requests_without_keeping_every_gap() {
+        let mut m = EngineMetrics::default();
+        let request = RequestMetrics { num_generated_tokens: 3, ttft_s: 0.5, ..Default::default() };
+        m.record(&request, &[0.01, 0.03]);
+        m.record(&request, &[0.02]);
+        assert_eq!((m.num_requests, m.itls.count()), (2, 3));
+        assert!((m.ttft_s_mean() - 0.5).abs() < 1e-12);
+        assert!((m.itl_s_mean() - 0.02).abs() < 1e-12);
+        assert!((m.decode_tokens_per_s() - 50.0).abs() < 1e-9);
+        assert!((m.itl_s_percentile(0.5) - 0.02).abs() <= 0.01 * 0.02);
     }
 }

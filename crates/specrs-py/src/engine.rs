@@ -1,10 +1,10 @@
 //! Python classes: `Engine`, `SamplingParams`, `Stream`, `Tokenizer`.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use numpy::{IntoPyArray, PyArray2};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyInt};
 use specrs_core::chat_template::ChatMessage;
 use specrs_core::engine::Generation;
 use specrs_core::metrics::{
@@ -15,8 +15,66 @@ use specrs_core::proposer::Proposer;
 use specrs_core::tokenizer::TextTokenizer;
 use specrs_core::{Engine, SamplingParams, Session, Speculation, SpeculativeConfig};
 
-use crate::errors::{guard, run_detached, to_py};
+use crate::errors::{catch_panic, guard, lock_recovering, panic_error, run_detached, to_py};
 use crate::proposer::PyProposer;
+use crate::testing::PyTestingPanickingProposer;
+
+/// A numeric argument as Python passed it (None: left out), checked against its range before it is
+/// converted: Python ints are unbounded, and PyO3's own conversion would raise `OverflowError`
+/// (a 500 in the server) instead of a `ConfigError` that names the field and its range.
+pub struct NumberArg<'py>(Option<Bound<'py, PyAny>>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for NumberArg<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        Ok(Self(Some(obj.to_owned())))
+    }
+}
+
+/// How an out-of-range Python int reads in a message (str() of a huge int itself fails).
+fn describe_int(value: &Bound<'_, PyAny>) -> String {
+    match value.str() {
+        Ok(text) if text.to_string().len() <= 40 => text.to_string(),
+        _ => {
+            let bits = value.call_method0("bit_length").and_then(|b| b.extract::<u64>()).unwrap_or(0);
+            let sign = if value.lt(0).unwrap_or(false) { "-" } else { "" };
+            format!("{sign}an integer of {bits} bits")
+        }
+    }
+}
+
+impl NumberArg<'_> {
+    /// An integer in `0..=max` (`default` when left out); ints outside it are a ConfigError,
+    /// other types PyO3's usual TypeError.
+    fn integer(&self, name: &str, default: u64, max: u64, fix: &str) -> PyResult<u64> {
+        let Some(value) = &self.0 else { return Ok(default) };
+        if value.is_instance_of::<PyInt>() && (value.lt(0)? || value.gt(max)?) {
+            return Err(to_py(specrs_core::Error::config(format!(
+                "{name} must be an integer in 0..={max} (got {}); {fix}",
+                describe_int(value)
+            ))));
+        }
+        value.extract::<u64>()
+    }
+
+    /// A number as f32 (`default` when left out); an int too large for a float is a ConfigError
+    /// (range checks of the value itself are `SamplingParams::validate`'s).
+    fn number(&self, name: &str, default: f32) -> PyResult<f32> {
+        let Some(value) = &self.0 else { return Ok(default) };
+        match value.extract::<f64>() {
+            Ok(v) => Ok(v as f32),
+            Err(_) if value.is_instance_of::<PyInt>() => Err(to_py(specrs_core::Error::config(format!(
+                "{name} must be a finite number (got {}, too large for a float)",
+                describe_int(value)
+            )))),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// The largest max_tokens and top_k accepted (i64::MAX, what the old `i64` arguments took).
+const MAX_COUNT_ARG: u64 = i64::MAX as u64;
 
 #[pyclass(name = "SamplingParams", module = "specrs._specrs", frozen)]
 pub struct PySamplingParams {
@@ -26,30 +84,40 @@ pub struct PySamplingParams {
 #[pymethods]
 impl PySamplingParams {
     #[new]
-    #[pyo3(signature = (max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, ignore_eos=false))]
+    #[pyo3(
+        signature = (max_tokens=NumberArg(None), temperature=NumberArg(None), top_k=NumberArg(None),
+                     top_p=NumberArg(None), min_p=NumberArg(None), seed=None, ignore_eos=false),
+        text_signature = "(max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, ignore_eos=False)"
+    )]
     fn new(
-        max_tokens: i64,
-        temperature: f32,
-        top_k: i64,
-        top_p: f32,
-        min_p: f32,
-        seed: Option<u64>,
+        max_tokens: NumberArg<'_>,
+        temperature: NumberArg<'_>,
+        top_k: NumberArg<'_>,
+        top_p: NumberArg<'_>,
+        min_p: NumberArg<'_>,
+        seed: Option<NumberArg<'_>>,
         ignore_eos: bool,
     ) -> PyResult<Self> {
-        let count = |name: &str, v: i64, fix: &str| {
-            usize::try_from(v)
-                .map_err(|_| to_py(specrs_core::Error::config(format!("{name} must be >= 0 (got {v}); {fix}"))))
+        let defaults = SamplingParams::default();
+        let seed = match seed {
+            Some(seed) => Some(seed.integer("seed", 0, u64::MAX, "pass a seed that fits in 64 bits")?),
+            None => None,
         };
         let inner = SamplingParams {
-            max_tokens: count("max_tokens", max_tokens, "pass a positive number of tokens")?,
-            temperature,
-            top_k: count("top_k", top_k, "use 0 to disable top-k")?,
-            top_p,
-            min_p,
+            max_tokens: max_tokens.integer(
+                "max_tokens",
+                defaults.max_tokens as u64,
+                MAX_COUNT_ARG,
+                "pass a positive number of tokens",
+            )? as usize,
+            temperature: temperature.number("temperature", defaults.temperature)?,
+            top_k: top_k.integer("top_k", 0, MAX_COUNT_ARG, "use 0 to disable top-k")? as usize,
+            top_p: top_p.number("top_p", defaults.top_p)?,
+            min_p: min_p.number("min_p", defaults.min_p)?,
             seed,
             ignore_eos,
         };
-        inner.validate().map_err(to_py)?;
+        guard(|| inner.validate()).map_err(to_py)?;
         Ok(Self { inner })
     }
 
@@ -113,21 +181,23 @@ impl PyTokenizer {
     }
 
     #[pyo3(signature = (ids, skip_special_tokens=true))]
-    fn decode(&self, ids: Vec<u32>, skip_special_tokens: bool) -> PyResult<String> {
-        guard(|| self.inner.decode(&ids, skip_special_tokens)).map_err(to_py)
+    fn decode(&self, py: Python<'_>, ids: &Bound<'_, PyAny>, skip_special_tokens: bool) -> PyResult<String> {
+        let ids = token_ids_arg(ids, "token id")?;
+        let tok = self.inner.clone();
+        run_detached(py, move || tok.decode(&ids, skip_special_tokens))
     }
 
     #[getter]
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
+    fn vocab_size(&self) -> PyResult<usize> {
+        guard(|| Ok(self.inner.vocab_size())).map_err(to_py)
     }
     #[getter]
-    fn eos_token_ids(&self) -> Vec<u32> {
-        self.inner.eos_token_ids().to_vec()
+    fn eos_token_ids(&self) -> PyResult<Vec<u32>> {
+        guard(|| Ok(self.inner.eos_token_ids().to_vec())).map_err(to_py)
     }
     #[getter]
-    fn bos_token_id(&self) -> Option<u32> {
-        self.inner.bos_token_id()
+    fn bos_token_id(&self) -> PyResult<Option<u32>> {
+        guard(|| Ok(self.inner.bos_token_id())).map_err(to_py)
     }
 }
 
@@ -195,7 +265,8 @@ pub fn expected_speedup(
         ));
     }
     let Some(verify) = verify_cost_ratio else {
-        return Ok(expected_speedup_textbook(acceptance_rate, num_speculative_tokens, draft_cost));
+        return guard(|| Ok(expected_speedup_textbook(acceptance_rate, num_speculative_tokens, draft_cost)))
+            .map_err(to_py);
     };
     let v = match verify.extract::<f64>() {
         Ok(v) => v,
@@ -206,10 +277,10 @@ pub fn expected_speedup(
             if curve.is_empty() {
                 return Err(bad("verify_cost_ratio is an empty list; pass the measured curve [v(1), v(2), ...]"));
             }
-            verify_cost_at(&curve, num_speculative_tokens)
+            guard(|| Ok(verify_cost_at(&curve, num_speculative_tokens))).map_err(to_py)?
         }
     };
-    Ok(expected_speedup_refined(acceptance_rate, num_speculative_tokens, draft_cost, v))
+    guard(|| Ok(expected_speedup_refined(acceptance_rate, num_speculative_tokens, draft_cost, v))).map_err(to_py)
 }
 
 /// Writes the GGUF model `src` requantized to `quantization` ("q4_0", "q2_k", ...) at `dst`;
@@ -272,29 +343,34 @@ impl PyEngine {
     }
 
     #[getter]
-    fn tokenizer(&self) -> PyTokenizer {
-        PyTokenizer { inner: self.inner.tokenizer().clone() }
+    fn tokenizer(&self) -> PyResult<PyTokenizer> {
+        guard(|| Ok(PyTokenizer { inner: self.inner.tokenizer().clone() })).map_err(to_py)
     }
 
     /// Model facts: architecture, vocab_size, context_length, num_layers, weight_bytes.
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let model = self.inner.model();
-        let i = model.info();
+        let (i, weight_bytes, device) = guard(|| {
+            let model = self.inner.model();
+            Ok((model.info().clone(), model.weight_bytes(), format!("{:?}", model.device().location())))
+        })
+        .map_err(to_py)?;
         let d = PyDict::new(py);
         d.set_item("architecture", &i.architecture)?;
         d.set_item("vocab_size", i.vocab_size)?;
         d.set_item("context_length", i.context_length)?;
         d.set_item("num_layers", i.num_layers)?;
-        d.set_item("weight_bytes", model.weight_bytes())?;
-        d.set_item("device", format!("{:?}", model.device().location()))?;
+        d.set_item("weight_bytes", weight_bytes)?;
+        d.set_item("device", device)?;
         Ok(d)
     }
 
-    /// Prompt text for a list of {"role", "content"} messages, from the model's chat template.
-    fn render_chat(&self, messages: Vec<(String, String)>) -> PyResult<String> {
+    /// Prompt text for a list of {"role", "content"} messages, from the model's chat template
+    /// (rendered with the GIL released: a long conversation must not hold up other threads).
+    fn render_chat(&self, py: Python<'_>, messages: Vec<(String, String)>) -> PyResult<String> {
         let messages: Vec<ChatMessage> =
             messages.into_iter().map(|(role, content)| ChatMessage { role, content }).collect();
-        guard(|| self.inner.render_chat(&messages)).map_err(to_py)
+        let engine = self.inner.clone();
+        run_detached(py, move || engine.render_chat(&messages))
     }
 
     /// The parsed config with every default filled in, as JSON (raises ConfigError when invalid).
@@ -307,11 +383,12 @@ impl PyEngine {
     fn generate<'py>(
         &self,
         py: Python<'py>,
-        prompt_ids: Vec<u32>,
+        prompt_ids: &Bound<'py, PyAny>,
         params: &PySamplingParams,
         speculative_config: Option<&str>,
         proposer: Option<Py<PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
+        let prompt_ids = token_ids_arg(prompt_ids, "prompt token id")?;
         let speculation = self.speculation(py, speculative_config, proposer)?;
         let engine = self.inner.clone();
         let params = params.inner.clone();
@@ -323,12 +400,13 @@ impl PyEngine {
     fn stream(
         &self,
         py: Python<'_>,
-        prompt_ids: Vec<u32>,
+        prompt_ids: &Bound<'_, PyAny>,
         params: &PySamplingParams,
         speculative_config: Option<&str>,
         proposer: Option<Py<PyAny>>,
         prefill_chunk: Option<usize>,
     ) -> PyResult<PyStream> {
+        let prompt_ids = token_ids_arg(prompt_ids, "prompt token id")?;
         let speculation = self.speculation(py, speculative_config, proposer)?;
         let engine = self.inner.clone();
         let params = params.inner.clone();
@@ -337,7 +415,7 @@ impl PyEngine {
             session.set_prefill_chunk(prefill_chunk)?;
             Ok(session)
         })?;
-        Ok(PyStream { session: std::sync::Mutex::new(session) })
+        Ok(PyStream { state: Mutex::new(StreamState { session, failure: None }) })
     }
 
     /// Sums over every finished request: vLLM's acceptance counters, TTFT/ITL/tokens/s, and the
@@ -370,7 +448,8 @@ impl PyEngine {
     /// Bytes of target and draft weights, and of the target and draft KV caches of requests in
     /// flight (with the peak since load).
     fn memory<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let m = guard(|| self.inner.memory()).map_err(to_py)?;
+        let engine = self.inner.clone();
+        let m = run_detached(py, move || engine.memory())?;
         let d = PyDict::new(py);
         d.set_item("target_weight_bytes", m.target_weight_bytes)?;
         d.set_item("draft_weight_bytes", m.draft_weight_bytes)?;
@@ -383,8 +462,9 @@ impl PyEngine {
         Ok(d)
     }
 
-    fn reset_metrics(&self) -> PyResult<()> {
-        guard(|| self.inner.reset_metrics()).map_err(to_py)
+    fn reset_metrics(&self, py: Python<'_>) -> PyResult<()> {
+        let engine = self.inner.clone();
+        run_detached(py, move || engine.reset_metrics())
     }
 
     /// v(n) = t(n)/t(1) for n = 1..=max_n on a `context_len`-token cache (measured once, cached).
@@ -412,8 +492,12 @@ impl PyEngine {
 
     /// Whether a request may measure a cost figure nobody measured yet (default true); off, it
     /// gets the nearest figure (an extrapolated curve, a prior draft cost), marked in its metrics.
-    fn set_measure_on_demand(&self, on: bool) {
-        self.inner.set_measure_on_demand(on);
+    fn set_measure_on_demand(&self, on: bool) -> PyResult<()> {
+        guard(|| {
+            self.inner.set_measure_on_demand(on);
+            Ok(())
+        })
+        .map_err(to_py)
     }
 
     /// Teacher-forced logits `[len(ids), vocab_size]`: one forward pass, or one forward per entry
@@ -467,7 +551,12 @@ impl PyEngine {
         };
         let config = guard(|| SpeculativeConfig::from_json(config_json)).map_err(to_py)?;
         let custom: Option<Box<dyn Proposer>> = match proposer {
-            Some(object) => Some(Box::new(PyProposer::new(py, object).map_err(to_py)?)),
+            // The test-only panicking proposer is a Rust proposer, so its panic is a real Rust
+            // panic inside `Session::step` (a Python proposer's exception is a ProposerError).
+            Some(object) => match object.bind(py).cast::<PyTestingPanickingProposer>() {
+                Ok(testing) => Some(Box::new(testing.get().proposer())),
+                Err(_) => Some(Box::new(PyProposer::new(py, object).map_err(to_py)?)),
+            },
             None => None,
         };
         let engine = self.inner.clone();
@@ -476,10 +565,70 @@ impl PyEngine {
     }
 }
 
+/// Token ids from a Python list; an int outside 0..2^32 is a ConfigError naming it (PyO3's own
+/// conversion would raise OverflowError). Ids past the vocabulary are the engine's to refuse.
+fn token_ids_arg(value: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
+    let error = match value.extract::<Vec<u32>>() {
+        Ok(ids) => return Ok(ids),
+        Err(error) => error,
+    };
+    if let Ok(items) = value.extract::<Vec<Bound<'_, PyAny>>>() {
+        for item in &items {
+            if item.is_instance_of::<PyInt>() && (item.lt(0)? || item.gt(u32::MAX)?) {
+                return Err(to_py(specrs_core::Error::config(format!(
+                    "{what} {} is outside the vocabulary (ids are integers from 0)",
+                    describe_int(item)
+                ))));
+            }
+        }
+    }
+    Err(error)
+}
+
+/// A stream's session, and why it ended early if a step failed.
+struct StreamState {
+    session: Session,
+    /// Set when a step raised or panicked. The session may then be half-updated (say, its cache
+    /// ahead of its tokens), so it takes no further step; its caches were freed by an abort.
+    failure: Option<String>,
+}
+
+impl StreamState {
+    /// One decoding step. A step that fails ends the stream for good: the error is returned
+    /// once, and every later step refuses with it.
+    fn step(&mut self) -> specrs_core::Result<specrs_core::StepOutput> {
+        if let Some(failure) = &self.failure {
+            return Err(specrs_core::Error::Internal(format!(
+                "this stream already ended with an error ({failure}); start a new request"
+            )));
+        }
+        let error = match catch_panic(|| self.session.step()) {
+            Ok(Ok(step)) => return Ok(step),
+            Ok(Err(error)) => error,
+            Err(message) => panic_error(&message),
+        };
+        self.failure = Some(error.to_string());
+        // Frees the caches and ends the session. A panic there (a proposer's finish hook) leaves
+        // the session unfinished, but `failure` already keeps it from stepping again.
+        let _ = catch_panic(|| self.session.abort());
+        Err(error)
+    }
+
+    fn is_finished(&self) -> bool {
+        self.failure.is_some() || self.session.is_finished()
+    }
+}
+
 /// An iterator of text chunks; each `next` runs one decoding step with the GIL released.
+///
+/// Invariant: every method takes the session lock with the GIL released (a step holds the lock
+/// while it runs, and a Python proposer needs the GIL during it, so taking the lock while holding
+/// the GIL could deadlock), and no panic in a step or hook reaches Python: a step that fails ends
+/// the stream with `finish_reason` "error", and `cancel`, `finished`, `result` and `kv_lens` keep
+/// working after it.
 #[pyclass(name = "Stream", module = "specrs._specrs")]
 pub struct PyStream {
-    session: std::sync::Mutex<Session>,
+    state: Mutex<StreamState>,
 }
 
 #[pymethods]
@@ -489,14 +638,13 @@ impl PyStream {
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<String>> {
-        let session = &self.session;
+        let state = &self.state;
         run_detached(py, move || {
-            let mut session =
-                session.lock().map_err(|_| specrs_core::Error::Internal("stream lock poisoned".into()))?;
+            let mut state = lock_recovering(state);
             // Steps whose tokens complete no character yield no text; keep going until some
-            // text or the end.
-            while !session.is_finished() {
-                let step = session.step()?;
+            // text or the end (a stream that failed raises again rather than ending quietly).
+            while state.failure.is_some() || !state.session.is_finished() {
+                let step = state.step()?;
                 if !step.text.is_empty() {
                     return Ok(Some(step.text));
                 }
@@ -507,51 +655,62 @@ impl PyStream {
 
     /// One decoding step with the GIL released: `(text, new token ids)`, or None once the request
     /// has finished. Unlike iteration, a step whose tokens complete no character returns "" (a
-    /// server interleaving requests needs each step to come back).
+    /// server interleaving requests needs each step to come back). After a step failed, every
+    /// later step raises.
     fn step(&self, py: Python<'_>) -> PyResult<Option<(String, Vec<u32>)>> {
-        let session = &self.session;
+        let state = &self.state;
         run_detached(py, move || {
-            let mut session =
-                session.lock().map_err(|_| specrs_core::Error::Internal("stream lock poisoned".into()))?;
-            if session.is_finished() {
+            let mut state = lock_recovering(state);
+            if state.failure.is_none() && state.session.is_finished() {
                 return Ok(None);
             }
-            let step = session.step()?;
+            let step = state.step()?;
             Ok(Some((step.text, step.token_ids)))
         })
     }
 
     /// Stops generating; `result()` keeps what was produced so far.
-    fn cancel(&self) -> PyResult<()> {
-        self.session
-            .lock()
-            .map(|mut s| s.abort())
-            .map_err(|_| to_py(specrs_core::Error::Internal("stream lock poisoned".into())))
+    fn cancel(&self, py: Python<'_>) -> PyResult<()> {
+        let state = &self.state;
+        run_detached(py, move || {
+            let mut state = lock_recovering(state);
+            if state.failure.is_some() {
+                return Ok(());
+            }
+            // A panic in the abort (a proposer's finish hook) fails the stream like a step's.
+            if let Err(message) = catch_panic(|| state.session.abort()) {
+                let error = panic_error(&message);
+                state.failure = Some(error.to_string());
+                return Err(error);
+            }
+            Ok(())
+        })
     }
 
     /// `(target_kv_positions, draft_kv_positions or None)`: what each cache holds now.
-    fn kv_lens(&self) -> PyResult<(usize, Option<usize>)> {
-        self.session
-            .lock()
-            .map(|s| s.kv_lens())
-            .map_err(|_| to_py(specrs_core::Error::Internal("stream lock poisoned".into())))
+    fn kv_lens(&self, py: Python<'_>) -> PyResult<(usize, Option<usize>)> {
+        let state = &self.state;
+        run_detached(py, move || Ok(lock_recovering(state).session.kv_lens()))
     }
 
     #[getter]
-    fn finished(&self) -> PyResult<bool> {
-        self.session
-            .lock()
-            .map(|s| s.is_finished())
-            .map_err(|_| to_py(specrs_core::Error::Internal("stream lock poisoned".into())))
+    fn finished(&self, py: Python<'_>) -> PyResult<bool> {
+        let state = &self.state;
+        run_detached(py, move || Ok(lock_recovering(state).is_finished()))
     }
 
-    /// The request so far: text, token ids, finish reason and metrics.
+    /// The request so far: text, token ids, finish reason ("error" after a failed step) and
+    /// metrics.
     fn result<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let generation = self
-            .session
-            .lock()
-            .map(|s| s.result())
-            .map_err(|_| to_py(specrs_core::Error::Internal("stream lock poisoned".into())))?;
-        generation_dict(py, &generation)
+        let state = &self.state;
+        let (generation, failed) = run_detached(py, move || {
+            let state = lock_recovering(state);
+            Ok((state.session.result(), state.failure.is_some()))
+        })?;
+        let d = generation_dict(py, &generation)?;
+        if failed {
+            d.set_item("finish_reason", "error")?;
+        }
+        Ok(d)
     }
 }

@@ -5,6 +5,7 @@ mod batch;
 mod engine;
 mod errors;
 mod proposer;
+mod testing;
 
 use pyo3::prelude::*;
 
@@ -19,6 +20,9 @@ fn _specrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(engine::copy_bandwidth, m)?)?;
     m.add_function(wrap_pyfunction!(batch::batch_accept, m)?)?;
     m.add_function(wrap_pyfunction!(batch::batch_ngram, m)?)?;
+    // Test-only (see testing.rs): a proposer that panics on purpose.
+    m.add_class::<testing::PyTestingPanickingProposer>()?;
+    m.add_function(wrap_pyfunction!(testing::testing_panicking_proposer, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -16,12 +16,16 @@ import os
 import sys
 
 from ..errors import ConfigError
+from .protocol import DEFAULT_CHAT_MAX_TOKENS
 
 SERVE_INSTALL = "pip install 'specrs[serve]'"
 # Prompt tokens per step while other requests are generating. On the 2-core CI machine a 64-token
 # chunk prefills as fast as a whole 769-token prompt did and stalls the other streams for 0.3 s
 # instead of 3.7 s (benches/README.md).
 DEFAULT_PREFILL_CHUNK = 64
+# Request bodies over this are refused with a 413 while they are read. 8 MiB holds a prompt far
+# longer than any context specrs serves (a 128k-token prompt is about 0.5-1 MB of text).
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 
 
 def _require_server_packages() -> None:
@@ -35,11 +39,16 @@ def _require_server_packages() -> None:
         raise ConfigError(f"specrs serve needs {', '.join(missing)}: run `{SERVE_INSTALL}`")
 
 
-def _check_settings(max_num_seqs: int, prefill_chunk: int | None) -> None:
+def _check_settings(max_num_seqs: int, prefill_chunk: int | None, max_request_body_bytes: int,
+                    default_max_tokens: int) -> None:
     if max_num_seqs < 1:
         raise ConfigError(f"max_num_seqs must be at least 1 (got {max_num_seqs})")
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ConfigError(f"prefill_chunk must be at least 1 token, or None for whole prompts (got {prefill_chunk})")
+    if max_request_body_bytes < 1:
+        raise ConfigError(f"max_request_body_bytes must be at least 1 (got {max_request_body_bytes})")
+    if default_max_tokens < 1:
+        raise ConfigError(f"default_max_tokens must be at least 1 token (got {default_max_tokens})")
 
 
 def served_name(model: str | None, model_path: str) -> str:
@@ -49,33 +58,44 @@ def served_name(model: str | None, model_path: str) -> str:
 
 
 def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 16,
-              prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
+              prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS):
     """The Starlette app serving `engine` (run it with any ASGI server); `engine.speculative_config`
-    and `engine.proposer` are every request's default."""
+    and `engine.proposer` are every request's default. `max_request_body_bytes`: larger bodies get
+    a 413; `default_max_tokens`: a chat request without max_tokens generates at most this many
+    (or up to the end of the context, whichever is smaller)."""
     _require_server_packages()
     from .app import build_app as build
 
-    _check_settings(max_num_seqs, prefill_chunk)
-    return build(engine, served_model_name or served_name(None, engine.model_path), max_num_seqs, prefill_chunk)
+    _check_settings(max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens)
+    return build(engine, served_model_name or served_name(None, engine.model_path), max_num_seqs, prefill_chunk,
+                 max_request_body_bytes, default_max_tokens)
 
 
 def serve(model: str | None = None, *, speculative_config=None, host: str = "127.0.0.1", port: int = 8000,
           device: str = "cpu", served_model_name: str | None = None, max_num_seqs: int = 16,
-          prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, log_level: str = "info") -> None:
+          prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+          max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+          default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, log_level: str = "info") -> None:
     """Loads the model, warms it up with the default speculation (so a bad draft fails now, not at
-    the first request) and serves until interrupted."""
+    the first request), stops the engine measuring costs inside requests, and serves until
+    interrupted."""
     _require_server_packages()
     import uvicorn
 
     from ..engine import Engine, SamplingParams
 
-    _check_settings(max_num_seqs, prefill_chunk)
+    _check_settings(max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens)
     engine = Engine(model, device=device, speculative_config=speculative_config)
     # One short request through the default speculation loads its draft weights and measures its
     # costs before the first client arrives.
     engine.generate(engine.tokenizer.encode("Hello"), SamplingParams(max_tokens=4, temperature=0.0))
+    # From now on no request measures a cost figure (seconds of forwards in the generation
+    # thread, stalling every stream); one nobody measured yet gets the nearest known figure.
+    engine.set_measure_on_demand(False)
     name = served_model_name or served_name(model, engine.model_path)
-    app = build_app(engine, name, max_num_seqs, prefill_chunk)
+    app = build_app(engine, name, max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens)
     spec = engine.speculative_config["method"] if engine.speculative_config else "off"
     print(f"specrs serve: `{name}` on http://{host}:{port}/v1 (speculation: {spec}, up to {max_num_seqs} "
           "requests taking turns)", file=sys.stderr, flush=True)

@@ -3,6 +3,9 @@
 Invariants: a request's HTTP status is decided before any body is sent (the handler waits until the
 scheduler admits it, so a setting only the engine can check still gets a 400); every error body is
 OpenAI's; a client that goes away, while queued, waiting or mid-stream, cancels its generation.
+Nothing a request sends runs unbounded on the event loop: its body is read up to
+`max_request_body_bytes` (413 past it), and parsing, tokenization and chat-template rendering run
+in a worker thread, so /health answers while a huge prompt is tokenized.
 """
 
 from __future__ import annotations
@@ -16,14 +19,14 @@ from typing import AsyncIterator
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..engine import Engine
 from .metrics import ServerMetrics
 from .protocol import (APIError, GenerationRequest, ServerSpeculation, chunk_body, parse_json_body, parse_request,
-                       response_body, usage)
+                       request_too_large, response_body, usage)
 from .scheduler import Failed, Finished, Job, Scheduler, Text
 
 # How often a handler waiting on the scheduler checks that its client is still there.
@@ -38,7 +41,26 @@ def _sse(body: dict | str) -> str:
     return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
 
 
-def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill_chunk: int | None) -> Starlette:
+async def read_body(http_request: Request, limit: int) -> bytes:
+    """The body, refused with a 413 once it is over `limit` bytes: a declared Content-Length over it
+    before anything is read, and a body without one (chunked) as soon as its bytes pass it."""
+    declared = http_request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise APIError(400, f"Content-Length must be a number of bytes (got {declared[:40]!r})")
+        if int(declared) > limit:
+            raise request_too_large(limit, f"{declared} bytes")
+    chunks, size = [], 0
+    async for chunk in http_request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise request_too_large(limit, f"over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill_chunk: int | None,
+              max_request_body_bytes: int, default_max_tokens: int) -> Starlette:
     """The server for `engine`; its `speculative_config` (and `proposer`) are every request's default."""
     speculation = ServerSpeculation(engine.speculative_config, has_proposer=engine.proposer is not None)
     metrics = ServerMetrics(served_model_name)
@@ -54,10 +76,14 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
 
     async def generate(http_request: Request, kind: str) -> Response:
         try:
-            body = parse_json_body(await http_request.body())
-            request = parse_request(kind, body, engine, served_model_name, speculation)
+            body = parse_json_body(await read_body(http_request, max_request_body_bytes))
+            # Tokenizing a long prompt (or rendering a long chat) takes a while: not on the event loop.
+            request = await asyncio.to_thread(parse_request, kind, body, engine, served_model_name, speculation,
+                                              default_max_tokens)
         except APIError as e:
             return error_response(e)
+        except ClientDisconnect:  # gone while sending its body: nobody to answer
+            return Response(status_code=499)
         job = Job(request, asyncio.get_running_loop())
         scheduler.submit(job)
         # Until the response starts (a stream's body watches for disconnects itself).
@@ -92,11 +118,15 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
         ended = False
         try:
             if request.kind == "chat":  # OpenAI's first chat chunk carries the role
-                yield _sse(chunk_body(request, "", first=True))
+                running = usage(len(request.prompt_ids), 0, None) if request.continuous_usage else None
+                yield _sse(chunk_body(request, "", usage_=running, first=True))
             while True:
                 event = await job.events.get()
                 if isinstance(event, Text):
-                    yield _sse(chunk_body(request, event.text))
+                    running = None
+                    if request.continuous_usage:  # vLLM's continuous_usage_stats: the counts so far
+                        running = usage(len(request.prompt_ids), event.num_completion_tokens, None)
+                    yield _sse(chunk_body(request, event.text, usage_=running))
                 elif isinstance(event, Finished):
                     ended = True
                     usage_ = usage(len(request.prompt_ids), event.num_completion_tokens, event.metrics)
@@ -106,9 +136,10 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
                         yield _sse(chunk_body(request, None, usage_=usage_, no_choices=True))
                     yield _sse("[DONE]")
                     return
-                else:
+                else:  # the status line went out with the first chunk: the error is an event, as in vLLM
                     ended = True
                     yield _sse(event.error.body())
+                    yield _sse("[DONE]")
                     return
         finally:
             if not ended:  # the client went away mid-stream
@@ -127,8 +158,11 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
         }]})
 
     async def health(_: Request) -> Response:
-        return JSONResponse({"status": "ok", "num_requests_running": scheduler.num_running,
-                             "num_requests_waiting": scheduler.num_waiting})
+        queue = {"num_requests_running": scheduler.num_running, "num_requests_waiting": scheduler.num_waiting}
+        if scheduler.failure is not None:  # the generation thread died: nothing will be served
+            return JSONResponse({"status": "unhealthy", "reason": f"the generation loop stopped: {scheduler.failure}",
+                                 **queue}, status_code=503)
+        return JSONResponse({"status": "ok", **queue})
 
     async def prometheus(_: Request) -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -138,13 +172,17 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
         return error_response(APIError(exc.status_code, f"{exc.detail}: see /v1/models, /v1/completions, "
                                        "/v1/chat/completions, /health and /metrics", code=code))
 
+    async def internal_error(_: Request, exc: Exception) -> Response:
+        """A bug in a handler: OpenAI's 500 body (uvicorn still logs the traceback)."""
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette):
         scheduler.start()
         yield
         scheduler.stop()
 
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -152,6 +190,8 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
             Route("/health", health, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),
         ],
-        exception_handlers={HTTPException: http_error},
+        exception_handlers={HTTPException: http_error, Exception: internal_error},
         lifespan=lifespan,
     )
+    app.state.scheduler = scheduler  # for tests and embedding code that inspects the queue
+    return app

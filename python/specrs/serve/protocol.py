@@ -9,6 +9,7 @@ server and the Python API accept and refuse the same things.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -35,8 +36,16 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p"
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
 
-# OpenAI's defaults: completions stop after 16 tokens; chat runs to the end of the context.
+# OpenAI's defaults: completions stop after 16 tokens; chat runs to the end of the context, which
+# specrs caps at `default_max_tokens` (the server's --default-max-tokens): each request's KV cache
+# is allocated for prompt + max_tokens up front, so an uncapped default would reserve the whole
+# context for every chat request that leaves max_tokens out.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+DEFAULT_CHAT_MAX_TOKENS = 2048
+
+# Integer ranges of the sampling fields (what the engine's SamplingParams takes).
+SEED_MAX = 2**64 - 1
+TOP_K_MAX = 2**63 - 1
 
 
 class APIError(Exception):
@@ -64,10 +73,18 @@ def api_error_from(error: Exception, param: str | None = None) -> APIError:
     return APIError(500, f"internal error: {type(error).__name__}: {error}")
 
 
+def request_too_large(limit: int, size: str) -> APIError:
+    return APIError(413, f"the request body is {size}, over this server's limit of {limit} bytes; send a smaller "
+                    "request (the limit is `specrs serve --max-request-body-bytes`)", code="request_too_large")
+
+
 def parse_json_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except RecursionError:
+        raise APIError(400, "the request body nests JSON arrays or objects too deeply; send a flat JSON "
+                       "object") from None
+    except ValueError as e:  # JSONDecodeError, bad UTF-8, integer literals over Python's digit limit
         raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(body).__name__}")
@@ -85,6 +102,7 @@ class GenerationRequest:
     speculative_config: str | None  # JSON for the engine; None = no speculation
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with only the usage
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     stop: list[str] = field(default_factory=list)
     request_id: str = ""
     created: int = 0
@@ -137,13 +155,36 @@ class ServerSpeculation:
         return json.dumps(config)
 
 
+def _shown(value) -> str:
+    """A value for an error message, short even for a 4000-digit integer."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _number(body: dict, key: str, default, kind=float):
     value = body.get(key)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise APIError(400, f"{key} must be {'an integer' if kind is int else 'a number'} (got {value!r})", param=key)
-    return kind(value)
+        raise APIError(400, f"{key} must be {'an integer' if kind is int else 'a number'} (got {_shown(value)})",
+                       param=key)
+    if kind is int:
+        return value
+    # A JSON integer has no size limit, so float() may overflow; inf and nan are refused here too.
+    number = float(value) if isinstance(value, float) or abs(value) < 2**1000 else math.inf
+    if not math.isfinite(number):
+        raise APIError(400, f"{key} must be a finite number (got {_shown(value)})", param=key)
+    return number
+
+
+def _integer(body: dict, key: str, default: int | None, low: int, high: int, fix: str) -> int | None:
+    """An integer field in low..=high (JSON integers are unbounded, the engine's are 64-bit)."""
+    value = _number(body, key, default, int)
+    if value is not None and not low <= value <= high:
+        raise APIError(400, f"{key} must be an integer in {low}..={high} (got {_shown(value)}); {fix}", param=key)
+    return value
 
 
 def _check_fields(body: dict, allowed: set[str]) -> None:
@@ -198,14 +239,20 @@ def _completion_prompt(engine: Engine, body: dict) -> list[int]:
     if isinstance(prompt, str) and prompt:
         return engine.prompt_token_ids(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        vocab_size = engine.tokenizer.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"prompt token id {_shown(bad)} is outside the vocabulary (ids are "
+                           f"0..{vocab_size - 1})", param="prompt")
         return list(prompt)
     raise APIError(400, "prompt must be a non-empty string or a non-empty list of token ids (one prompt per "
                    "request; send a batch as separate requests)", param="prompt")
 
 
-def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
-                  speculation: ServerSpeculation) -> GenerationRequest:
-    """Validates a /v1/completions (kind "completion") or /v1/chat/completions ("chat") body."""
+def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str, speculation: ServerSpeculation,
+                  default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS) -> GenerationRequest:
+    """Validates a /v1/completions (kind "completion") or /v1/chat/completions ("chat") body. It
+    tokenizes (and renders chat templates), so the server calls it off the event loop."""
     _check_fields(body, CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS)
     model = body.get("model")
     if model is not None and model != served_model_name:
@@ -218,7 +265,14 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
         raise APIError(400, str(e), param="messages" if kind == "chat" else "prompt") from None
     context = engine.info()["context_length"]
     max_key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
-    default_max = DEFAULT_COMPLETION_MAX_TOKENS if kind == "completion" else max(context - len(prompt_ids), 0)
+    if len(prompt_ids) >= context:
+        raise APIError(400, f"this model's maximum context length is {context} tokens, but the prompt has "
+                       f"{len(prompt_ids)}, which leaves no room for an answer; shorten the prompt",
+                       param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
+    if kind == "completion":
+        default_max = DEFAULT_COMPLETION_MAX_TOKENS
+    else:
+        default_max = min(default_max_tokens, context - len(prompt_ids))
     max_tokens = _number(body, max_key, default_max, int)
     if max_tokens < 1:
         raise APIError(400, f"{max_key} must be at least 1 (got {max_tokens})", param=max_key)
@@ -226,9 +280,8 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
         raise APIError(400, f"this model's maximum context length is {context} tokens, but {len(prompt_ids) + max_tokens} "
                        f"were requested ({len(prompt_ids)} in the prompt, {max_tokens} in {max_key}); shorten the "
                        f"prompt or lower {max_key}", param=max_key, code="context_length_exceeded")
-    seed = _number(body, "seed", None, int)
-    if seed is not None and seed < 0:
-        raise APIError(400, f"seed must be >= 0 (got {seed})", param="seed")
+    seed = _integer(body, "seed", None, 0, SEED_MAX, "pass a seed that fits in 64 bits")
+    top_k = _integer(body, "top_k", 0, -1, TOP_K_MAX, "use -1 or 0 to disable top-k")
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise APIError(400, "ignore_eos must be true or false", param="ignore_eos")
@@ -237,7 +290,7 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
             max_tokens=max_tokens,
             # OpenAI's default temperature is 1: a request without one samples.
             temperature=_number(body, "temperature", 1.0),
-            top_k=_number(body, "top_k", 0, int) if body.get("top_k") != -1 else 0,  # vLLM's -1 = off
+            top_k=max(top_k, 0),  # vLLM's -1 = off
             top_p=_number(body, "top_p", 1.0),
             min_p=_number(body, "min_p", 0.0),
             seed=seed,
@@ -250,10 +303,17 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
     if not isinstance(stream, bool):
         raise APIError(400, "stream must be true or false", param="stream")
     options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
-        raise APIError(400, 'stream_options takes {"include_usage": true|false}', param="stream_options")
+    if (not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}
+            or not all(isinstance(v, bool) or v is None for v in options.values())):
+        raise APIError(400, 'stream_options takes {"include_usage": true|false, "continuous_usage_stats": true|false}',
+                       param="stream_options")
     if options and not stream:
         raise APIError(400, "stream_options needs \"stream\": true", param="stream_options")
+    include_usage, continuous_usage = bool(options.get("include_usage")), bool(options.get("continuous_usage_stats"))
+    if continuous_usage and not include_usage:
+        # vLLM reports continuous usage only with include_usage; refuse rather than ignore it.
+        raise APIError(400, 'stream_options.continuous_usage_stats needs "include_usage": true as well',
+                       param="stream_options")
 
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     return GenerationRequest(
@@ -263,7 +323,8 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
         params=params,
         speculative_config=speculation.for_request(body.get("speculative")),
         stream=stream,
-        include_usage=bool(options.get("include_usage")),
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
         stop=_stop_strings(body),
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         created=int(time.time()),
