@@ -449,11 +449,15 @@ def test_serve_never_measures_costs_inside_a_request(monkeypatch):
     thread, stalling every stream; `serve()` turns that off before it starts serving."""
     import specrs.serve
 
-    calls = []
-    monkeypatch.setattr(specrs.Engine, "set_measure_on_demand", lambda self, on: calls.append(on))
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append("serving"))
+    served = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: served.append(app))
     specrs.serve.serve(log_level="warning")
-    assert calls == [False, "serving"]
+    engine = served[0].state.scheduler.engine
+    params = specrs.SamplingParams(max_tokens=4)
+    # k up to 8 reads the curve measured at startup; a longer draft extends it, measuring nothing.
+    for k, sources in ((8, ("measured", "cached")), (20, ("extrapolated",))):
+        r = engine.generate("Hello", params, speculative_config={"method": "ngram", "num_speculative_tokens": k})
+        assert r.metrics["verify_cost_source"] in sources, (k, r.metrics["verify_cost_source"])
 
 
 def test_a_dead_generation_loop_makes_health_unhealthy(engine, caplog):

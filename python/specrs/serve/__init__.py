@@ -57,6 +57,10 @@ def served_name(model: str | None, model_path: str) -> str:
     return model if model is not None else os.path.splitext(os.path.basename(model_path))[0]
 
 
+# The verification curve `serve` measures at startup covers drafts of up to this many tokens.
+STARTUP_CURVE_K = 8
+
+
 def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 16,
               prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -91,6 +95,10 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
     # One short request through the default speculation loads its draft weights and measures its
     # costs before the first client arrives.
     engine.generate(engine.tokenizer.encode("Hello"), SamplingParams(max_tokens=4, temperature=0.0))
+    # Per-request configs read the verification curve measured here, up to k = 8 (extended past it),
+    # rather than one measured while other requests stream. ("custom" only names the length: no
+    # proposer runs.)
+    engine.prepare({"method": "custom", "num_speculative_tokens": STARTUP_CURVE_K})
     # From now on no request measures a cost figure (seconds of forwards in the generation
     # thread, stalling every stream); one nobody measured yet gets the nearest known figure.
     engine.set_measure_on_demand(False)
