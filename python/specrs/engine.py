@@ -91,7 +91,9 @@ class TextStream:
 
     def step(self) -> tuple[str, list[int]] | None:
         """Runs one decoding step: (text, new token ids), or None once the request has finished.
-        The text may be "" when the new tokens complete no character yet."""
+        The text may be "" when the new tokens complete no character yet. A step that raises (a
+        proposer's error, or a caught internal panic) ends the request for good: later steps raise
+        again, `finished` is true and `result.finish_reason` is "error"."""
         return self._inner.step()
 
     def cancel(self) -> None:
