@@ -232,9 +232,13 @@ impl SpeculativeConfig {
                 }
                 let max_cached_requests = optional_count(map, "suffix_decoding_max_cached_requests")?.unwrap_or(10_000);
                 let max_spec_factor = optional_number(map, "suffix_decoding_max_spec_factor")?.unwrap_or(1.0);
-                if max_spec_factor < 0.0 {
+                // Stored as f32: a value past f32's range would become infinity, which to_json
+                // cannot write (JSON has no infinity) and so would not survive a round trip.
+                if max_spec_factor < 0.0 || !(max_spec_factor as f32).is_finite() {
                     return Err(Error::config(format!(
-                        "suffix_decoding_max_spec_factor must be >= 0 (got {max_spec_factor}); the default is 1.0"
+                        "suffix_decoding_max_spec_factor must be a number in [0, {:e}] (got {max_spec_factor}); the \
+                         default is 1.0",
+                        f32::MAX
                     )));
                 }
                 let min_token_prob = optional_number(map, "suffix_decoding_min_token_prob")?.unwrap_or(0.1);
@@ -512,6 +516,9 @@ mod tests {
         .contains("prompt_lookup_min=4 must be <= prompt_lookup_max=2"));
         assert!(error(r#"{"method": "suffix", "prompt_lookup_min": 2}"#).contains("applies to method 'ngram'"));
         assert!(error(r#"{"method": "suffix", "suffix_decoding_min_token_prob": 2}"#).contains("[0, 1]"));
+        // Found by fuzz/fuzz_targets/spec_config.rs: 3.5e38 became an infinite f32, written as null.
+        assert!(error(r#"{"method": "suffix", "suffix_decoding_max_spec_factor": 3.5e38}"#)
+            .contains("suffix_decoding_max_spec_factor must be a number in [0, "));
         assert!(error(r#"{"num_speculative_tokens": 4}"#).contains("needs \"method\""));
         assert!(error(r#"{"method": "suffix", "adaptive_draft_length": 1}"#).contains("true or false"));
         assert!(error("[1, 2]").contains("JSON object"));

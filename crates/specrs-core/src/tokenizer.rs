@@ -158,12 +158,17 @@ impl TextTokenizer {
     /// `generation_config.json`.
     pub fn from_hf_dir(dir: &std::path::Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
-        let inner = Tokenizer::from_file(&path).map_err(|e| {
+        let cannot_read = |e: &dyn std::fmt::Display| {
             Error::model_load(format!(
                 "cannot read {} ({e}); a Hugging Face model directory needs tokenizer.json",
                 path.display()
             ))
-        })?;
+        };
+        let bytes = std::fs::read(&path).map_err(|e| cannot_read(&e))?;
+        // tokenizers panics on some malformed JSON (its decoder deserializer `expect`s), so only
+        // well-formed JSON reaches it.
+        serde_json::from_slice::<serde::de::IgnoredAny>(&bytes).map_err(|e| cannot_read(&e))?;
+        let inner = Tokenizer::from_bytes(&bytes).map_err(|e| cannot_read(&e))?;
         let vocab_size = inner.get_vocab_size(true);
         let config = crate::model::hf_dir::read_optional_json(&dir.join("tokenizer_config.json"))?.unwrap_or_default();
         let generation =

@@ -69,9 +69,38 @@ def parse_json_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests arrays or objects too deeply to parse; send a flatter JSON "
+                       "object") from None
+    except ValueError:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise APIError(400, "the request body holds an integer with too many digits to parse; send numbers of "
+                       "ordinary size") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(body).__name__}")
+    bad = _lone_surrogate(body)
+    if bad is not None:
+        raise APIError(400, f"the request body holds the string {bad!r} with a lone UTF-16 surrogate (a \\ud800-"
+                       "\\udfff escape without its pair), which is not text; send valid Unicode")
     return body
+
+
+def _lone_surrogate(value) -> str | None:
+    """The first string in a parsed JSON value (keys included) that UTF-8 cannot encode: JSON lets
+    `\\ud800` stand alone, the tokenizer cannot take it. Iterative, so depth costs no stack."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return v[:40]
+    return None
 
 
 @dataclass
@@ -143,7 +172,14 @@ def _number(body: dict, key: str, default, kind=float):
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise APIError(400, f"{key} must be {'an integer' if kind is int else 'a number'} (got {value!r})", param=key)
-    return kind(value)
+    # The engine takes 64-bit integers and floats: a larger JSON integer would overflow converting.
+    if kind is int and not -2**63 <= value < 2**63:
+        raise APIError(400, f"{key} must be an integer below 2**63 in magnitude (got {value})", param=key)
+    try:
+        return kind(value)
+    except OverflowError:
+        raise APIError(400, f"{key} must be a finite number (got an integer of {len(str(value))} digits)",
+                       param=key) from None
 
 
 def _check_fields(body: dict, allowed: set[str]) -> None:
@@ -198,6 +234,12 @@ def _completion_prompt(engine: Engine, body: dict) -> list[int]:
     if isinstance(prompt, str) and prompt:
         return engine.prompt_token_ids(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        # Checked here: an id past u32 (or negative) would fail converting to the engine's type,
+        # a 500 instead of the client's 400.
+        vocab_size = engine.info()["vocab_size"]
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param="prompt")
         return list(prompt)
     raise APIError(400, "prompt must be a non-empty string or a non-empty list of token ids (one prompt per "
                    "request; send a batch as separate requests)", param="prompt")

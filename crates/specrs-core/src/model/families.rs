@@ -20,11 +20,26 @@ use crate::gguf::GgufFile;
 /// GGUF `general.architecture` values this module reads.
 pub const GGUF_ARCHITECTURES: [&str; 6] = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"];
 
+/// More layers than any released model has (Llama 3.1 405B: 126); a larger count is corrupt
+/// metadata, refused before anything is allocated per layer.
+pub const MAX_LAYERS: usize = 1024;
+
+fn check_num_layers(num_layers: usize, key: &str, path: &str) -> Result<()> {
+    if num_layers > MAX_LAYERS {
+        return Err(Error::model_load(format!(
+            "{path}: {key} = {num_layers} is more layers than any model has (specrs reads up to {MAX_LAYERS}); \
+             the metadata is corrupt"
+        )));
+    }
+    Ok(())
+}
+
 /// The decoder config of a GGUF file whose `general.architecture` is `arch`.
 pub fn from_gguf(gguf: &mut GgufFile, arch: &str) -> Result<DecoderConfig> {
     let path = gguf.path.display().to_string();
     let key = |k: &str| format!("{arch}.{k}");
     let num_layers = gguf.get_usize(&key("block_count"))?;
+    check_num_layers(num_layers, &key("block_count"), &path)?;
     let hidden_size = gguf.get_usize(&key("embedding_length"))?;
     let num_heads = gguf.get_usize(&key("attention.head_count"))?;
     let num_kv_heads = gguf.opt_usize(&key("attention.head_count_kv"))?.unwrap_or(num_heads);
@@ -108,7 +123,9 @@ fn rope_freq_factors(gguf: &mut GgufFile) -> Result<Option<Vec<f32>>> {
     Ok(Some(gguf.tensor("rope_freqs.weight", &Device::Cpu)?.dequantize(&Device::Cpu)?.to_vec1::<f32>()?))
 }
 
-/// Shapes the metadata promises against the tensors the file holds.
+/// Shapes the metadata promises against the tensors the file holds: every tensor either decoder
+/// reads, in every layer, when the file has it (a missing one is named when it is loaded). The
+/// kernels index rows by these shapes, so a mismatch must stop here, not inside a matmul.
 fn check(c: &DecoderConfig, path: &str, gguf: &GgufFile) -> Result<()> {
     if c.vocab_size == 0
         || c.num_layers == 0
@@ -121,22 +138,58 @@ fn check(c: &DecoderConfig, path: &str, gguf: &GgufFile) -> Result<()> {
             c.vocab_size, c.num_layers, c.head_dim, c.rope_dims
         )));
     }
-    let q_width = c.num_heads * c.head_dim;
-    let kv_width = c.num_kv_heads * c.head_dim;
-    let mut expected = vec![("token_embd.weight", vec![c.vocab_size, c.hidden_size])];
-    if gguf.has_tensor("blk.0.attn_qkv.weight") {
-        expected.push(("blk.0.attn_qkv.weight", vec![q_width + 2 * kv_width, c.hidden_size]));
-    } else {
-        expected.push(("blk.0.attn_q.weight", vec![q_width, c.hidden_size]));
-        expected.push(("blk.0.attn_k.weight", vec![kv_width, c.hidden_size]));
+    // Saturating: the sizes are the file's, and a product past usize can only mismatch.
+    let (hidden, ffn) = (c.hidden_size, c.intermediate_size);
+    let q_width = c.num_heads.saturating_mul(c.head_dim);
+    let kv_width = c.num_kv_heads.saturating_mul(c.head_dim);
+    let qkv_width = q_width.saturating_add(kv_width.saturating_mul(2));
+    let mut expected = vec![
+        ("token_embd.weight".to_string(), vec![c.vocab_size, hidden]),
+        ("output.weight".to_string(), vec![c.vocab_size, hidden]),
+        ("output_norm.weight".to_string(), vec![hidden]),
+        ("rope_freqs.weight".to_string(), vec![c.rope_dims / 2]),
+    ];
+    let fused_ffn = |i: usize| !gguf.has_tensor(&format!("blk.{i}.ffn_gate.weight"));
+    for i in 0..c.num_layers {
+        let per_layer: [(&str, Vec<usize>); 22] = [
+            ("attn_norm.weight", vec![hidden]),
+            ("attn_qkv.weight", vec![qkv_width, hidden]),
+            ("attn_qkv.bias", vec![qkv_width]),
+            ("attn_q.weight", vec![q_width, hidden]),
+            ("attn_q.bias", vec![q_width]),
+            ("attn_k.weight", vec![kv_width, hidden]),
+            ("attn_k.bias", vec![kv_width]),
+            ("attn_v.weight", vec![kv_width, hidden]),
+            ("attn_v.bias", vec![kv_width]),
+            ("attn_q_norm.weight", vec![c.head_dim]),
+            ("attn_k_norm.weight", vec![c.head_dim]),
+            ("attn_output.weight", vec![hidden, q_width]),
+            ("attn_output.bias", vec![hidden]),
+            ("post_attention_norm.weight", vec![hidden]),
+            ("ffn_norm.weight", vec![hidden]),
+            ("ffn_gate.weight", vec![ffn, hidden]),
+            ("ffn_gate.bias", vec![ffn]),
+            ("ffn_up.weight", vec![if fused_ffn(i) { ffn.saturating_mul(2) } else { ffn }, hidden]),
+            ("ffn_up.bias", vec![if fused_ffn(i) { ffn.saturating_mul(2) } else { ffn }]),
+            ("ffn_down.weight", vec![hidden, ffn]),
+            ("ffn_down.bias", vec![hidden]),
+            ("post_ffw_norm.weight", vec![hidden]),
+        ];
+        expected.extend(per_layer.into_iter().map(|(part, dims)| (format!("blk.{i}.{part}"), dims)));
     }
-    expected.push(("blk.0.attn_output.weight", vec![c.hidden_size, q_width]));
+    // The attention needs q, k and v one way or the other: fused, or all three.
+    if !gguf.has_tensor("blk.0.attn_qkv.weight") && !gguf.has_tensor("blk.0.attn_q.weight") {
+        return Err(Error::model_load(format!(
+            "{path}: has neither 'blk.0.attn_qkv.weight' nor 'blk.0.attn_q.weight'; the file is not a supported model"
+        )));
+    }
     for (name, want) in expected {
-        let got = gguf.tensor_dims(name).unwrap_or_default();
-        if got != want {
-            return Err(Error::model_load(format!(
-                "{path}: tensor '{name}' has shape {got:?}, the metadata implies {want:?}; the file is corrupt"
-            )));
+        if let Some(got) = gguf.tensor_dims(&name) {
+            if got != want {
+                return Err(Error::model_load(format!(
+                    "{path}: tensor '{name}' has shape {got:?}, the metadata implies {want:?}; the file is corrupt"
+                )));
+            }
         }
     }
     Ok(())
@@ -167,6 +220,7 @@ pub fn from_hf_config(config: &serde_json::Value, source: &str) -> Result<Decode
     let opt_f32 = |key: &str| config.get(key).and_then(|v| v.as_f64()).map(|v| v as f32);
     let (hidden_size, num_heads, num_layers) =
         (int("hidden_size")?, int("num_attention_heads")?, int("num_hidden_layers")?);
+    check_num_layers(num_layers, "num_hidden_layers", source)?;
     let num_kv_heads = opt_int("num_key_value_heads").unwrap_or(num_heads);
     if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
         return Err(Error::model_load(format!(
@@ -258,4 +312,82 @@ pub fn from_hf_config(config: &serde_json::Value, source: &str) -> Result<Decode
         )));
     }
     Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::quantized::gguf_file::{self, Content, Value};
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{DType, Tensor};
+
+    use super::*;
+
+    const GOLDEN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/golden/gguf/llama-q8_0.gguf");
+
+    type Metadata = Vec<(String, Value)>;
+    type Tensors = Vec<(String, QTensor)>;
+
+    /// The golden tiny llama (hidden 64, FFN 128, 2 layers) with `edit` applied, as GGUF bytes.
+    fn edited(edit: impl FnOnce(&mut Metadata, &mut Tensors)) -> Vec<u8> {
+        let bytes = std::fs::read(GOLDEN).unwrap();
+        let mut reader = std::io::Cursor::new(&bytes);
+        let content = Content::read(&mut reader).unwrap();
+        let mut tensors: Tensors = content
+            .tensor_infos
+            .keys()
+            .map(|name| (name.clone(), content.tensor(&mut reader, name, &Device::Cpu).unwrap()))
+            .collect();
+        let mut metadata: Metadata = content.metadata.into_iter().collect();
+        edit(&mut metadata, &mut tensors);
+        let metadata: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
+        let mut out = std::io::Cursor::new(Vec::new());
+        gguf_file::write(&mut out, &metadata, &tensors).unwrap();
+        out.into_inner()
+    }
+
+    fn load(bytes: Vec<u8>) -> Result<Box<dyn crate::model::CausalLm>> {
+        crate::model::load(&mut GgufFile::from_bytes("edited.gguf", bytes)?, &Device::Cpu)
+    }
+
+    fn load_error(bytes: Vec<u8>) -> String {
+        let err = load(bytes).err().expect("the edited file loaded");
+        assert!(matches!(err, Error::ModelLoad(_)), "{err:?}");
+        err.to_string()
+    }
+
+    #[test]
+    fn the_unedited_golden_file_loads() {
+        load(edited(|_, _| {})).unwrap();
+    }
+
+    // Found by fuzz/fuzz_targets/gguf_edits.rs: a layer past the first with a tensor of the wrong
+    // shape loaded, and the first forward panicked indexing a matmul's rows.
+    #[test]
+    fn every_layers_tensor_shapes_are_checked() {
+        let bytes = edited(|_, tensors| {
+            let narrow = Tensor::zeros((64, 32), DType::F32, &Device::Cpu).unwrap();
+            let (_, t) = tensors.iter_mut().find(|(name, _)| name == "blk.1.ffn_down.weight").unwrap();
+            *t = QTensor::quantize(&narrow, GgmlDType::Q8_0).unwrap();
+        });
+        let err = load_error(bytes);
+        assert!(err.contains("'blk.1.ffn_down.weight' has shape [64, 32], the metadata implies [64, 128]"), "{err}");
+    }
+
+    // Found by fuzz/fuzz_targets/gguf_edits.rs: a huge block_count allocated per-layer tables
+    // until the process ran out of memory.
+    #[test]
+    fn a_block_count_past_any_model_is_refused_before_allocating() {
+        let bytes = edited(|metadata, _| {
+            let (_, v) = metadata.iter_mut().find(|(k, _)| k == "llama.block_count").unwrap();
+            *v = Value::U64(1 << 40);
+        });
+        assert!(load_error(bytes).contains("llama.block_count = 1099511627776 is more layers than any model has"));
+        let config = serde_json::json!({
+            "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1u64 << 40,
+            "vocab_size": 256, "intermediate_size": 128, "max_position_embeddings": 128
+        });
+        let err = from_hf_config(&config, "config.json").err().unwrap().to_string();
+        assert!(err.contains("num_hidden_layers = 1099511627776 is more layers than any model has"), "{err}");
+    }
 }
