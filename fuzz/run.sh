@@ -3,6 +3,7 @@
 # second, coverage and crashes (`make fuzz`, `make fuzz-ci`; fuzz/README.md).
 #
 #   FUZZ_SECONDS=60       seconds per target (libFuzzer's -max_total_time)
+#   FUZZ_RUNS=N           also stop a target after N executions (libFuzzer's -runs)
 #   FUZZ_TARGETS="..."    a subset of the targets (default: all, the Python one last)
 #   FUZZ_WORK_DIR=...     working corpora and crash artifacts (default ~/.cache/specrs-fuzz)
 #   FUZZ_TARGET_DIR=...   the instrumented build (default ~/.cache/specrs-fuzz-target: separate
@@ -100,6 +101,7 @@ for target in $TARGETS; do
     # shellcheck disable=SC2046
     set +e
     "${cmd[@]}" "$corpus" $(seeds_of "$target") $(flags_of "$target") -max_total_time="$SECONDS_PER_TARGET" \
+        ${FUZZ_RUNS:+-runs=$FUZZ_RUNS} \
         -rss_limit_mb=2048 -malloc_limit_mb=2048 -timeout=30 -print_final_stats=1 \
         -artifact_prefix="$artifacts/" > "$log" 2>&1
     status=$?

@@ -56,7 +56,10 @@ fuzz_target!(|data: &[u8]| {
     }
     let Ok(n) = u.int_in_range(1..=64usize) else { return };
     // Logits as a model emits them: finite, of any magnitude.
-    let logits: Vec<f32> = (0..n).map(|_| float(&mut u).map(|x| if x.is_finite() { x } else { 0.0 })).collect::<Result<_>>().unwrap_or_default();
+    let logits: Vec<f32> = (0..n)
+        .map(|_| float(&mut u).map(|x| if x.is_finite() { x } else { 0.0 }))
+        .collect::<Result<_>>()
+        .unwrap_or_default();
     if logits.is_empty() {
         return;
     }

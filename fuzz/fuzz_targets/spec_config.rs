@@ -28,8 +28,18 @@ const KEYS: &[&str] = &[
 ];
 
 const METHODS: &[&str] = &[
-    "ngram", "[ngram]", "suffix", "custom", "draft_model", "draft", "layer_skip", "quantized_self", "pard", "eagle",
-    "mtp", "",
+    "ngram",
+    "[ngram]",
+    "suffix",
+    "custom",
+    "draft_model",
+    "draft",
+    "layer_skip",
+    "quantized_self",
+    "pard",
+    "eagle",
+    "mtp",
+    "",
 ];
 
 fn value(u: &mut Unstructured) -> Result<Value> {
@@ -75,7 +85,12 @@ fuzz_target!(|data: &[u8]| {
     match SpeculativeConfig::from_json(&text) {
         Ok(config) => {
             let again = SpeculativeConfig::from_json(&config.to_json());
-            assert_eq!(again.as_ref().ok(), Some(&config), "round trip of {text:?} -> {} -> {again:?}", config.to_json());
+            assert_eq!(
+                again.as_ref().ok(),
+                Some(&config),
+                "round trip of {text:?} -> {} -> {again:?}",
+                config.to_json()
+            );
         }
         Err(Error::Config(_)) => {}
         Err(other) => panic!("{text:?} was refused with a non-config error: {other:?}"),

@@ -296,9 +296,30 @@ const TENSOR_NAMES: &[&str] = &[
 ];
 
 const STRINGS: &[&str] = &[
-    "", "llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "gpt2", "bert", "gpt-2", "smollm", "llama-bpe",
-    "qwen2", "linear", "yarn", "<s>", "</s>", "<|im_end|>", "a b", "\u{2581}a", "{{ messages }}",
-    "{% for m in messages %}{{ m.content }}{% endfor %}", "{{ raise_exception('x') }}", "\u{0}",
+    "",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+    "phi3",
+    "gpt2",
+    "bert",
+    "gpt-2",
+    "smollm",
+    "llama-bpe",
+    "qwen2",
+    "linear",
+    "yarn",
+    "<s>",
+    "</s>",
+    "<|im_end|>",
+    "a b",
+    "\u{2581}a",
+    "{{ messages }}",
+    "{% for m in messages %}{{ m.content }}{% endfor %}",
+    "{{ raise_exception('x') }}",
+    "\u{0}",
 ];
 
 fn fuzz_dim(u: &mut Unstructured) -> Result<u64> {

@@ -516,6 +516,19 @@ mod tests {
         std::fs::remove_dir_all(&dir).ok();
     }
 
+    // Found by fuzz/fuzz_targets/hf_dir.rs: the tokenizers crate panicked (an `expect` in its
+    // decoder deserializer) on a tokenizer.json that is not valid JSON.
+    #[test]
+    fn a_malformed_tokenizer_json_is_an_error_not_a_panic() {
+        let dir = std::env::temp_dir().join(format!("specrs-bad-tokenizer-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("tokenizer.json"), r#"{"decoder": {"type": }}"#).unwrap();
+        let err = TextTokenizer::from_hf_dir(&dir).err().expect("a malformed tokenizer.json loaded");
+        assert!(matches!(err, Error::ModelLoad(_)), "{err:?}");
+        assert!(err.to_string().contains("tokenizer.json"), "{err}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
     #[test]
     fn unknown_pre_tokenizer_is_an_error_not_a_guess() {
         assert!(pre_tokenizer_regexes("smollm").is_some());
