@@ -25,6 +25,8 @@ const KEYS: &[&str] = &[
     "adaptive_draft_length",
     "draft_confidence_threshold",
     "num_speculative_tokens_schedule",
+    "verify_cost_ratios",
+    "draft_cost",
 ];
 
 const METHODS: &[&str] = &[
@@ -43,7 +45,7 @@ const METHODS: &[&str] = &[
 ];
 
 fn value(u: &mut Unstructured) -> Result<Value> {
-    Ok(match u.int_in_range(0..=12)? {
+    Ok(match u.int_in_range(0..=13)? {
         0 => Value::Null,
         1 => Value::Bool(u.arbitrary()?),
         2 => json!(*u.choose(&[0u64, 1, 2, 3, 4, 5, 8, 24, 63, 64, 65, 1 << 32, u64::MAX])?),
@@ -56,7 +58,13 @@ fn value(u: &mut Unstructured) -> Result<Value> {
         9 => json!(u.arbitrary::<String>()?),
         10 => json!([]),
         11 => json!({}),
-        _ => json!([u.arbitrary::<u8>()?]),
+        12 => json!([u.arbitrary::<u8>()?]),
+        // Cost curves (verify_cost_ratios): a few ratios, ordered or not.
+        _ => Value::Array(
+            (0..u.int_in_range(0..=6)?)
+                .map(|_| Ok(json!(*u.choose(&[1.0f64, 1.4, 2.0, 0.5, 0.0, -1.0, 1e300, 2.5])?)))
+                .collect::<Result<_>>()?,
+        ),
     })
 }
 

@@ -139,6 +139,7 @@ class Engine:
         self.model_path = resolve_model(model)
         self._inner = _specrs.Engine(self.model_path, device)
         self.device = device
+        self._prepare_default()
 
     @classmethod
     def random(
@@ -164,6 +165,7 @@ class Engine:
         engine.model_path = None
         engine._inner = _specrs.Engine.random_llama(config_json, seed, dtype, device)
         engine.device = device
+        engine._prepare_default()
         return engine
 
     def _setup(self, speculative_config: SpecConfig | None, proposer: Any) -> None:
@@ -171,6 +173,27 @@ class Engine:
             speculative_config = {"method": "custom", "num_speculative_tokens": DEFAULT_CUSTOM_SPECULATIVE_TOKENS}
         self.speculative_config = None if speculative_config is None else json.loads(_config_json(speculative_config))
         self.proposer = proposer
+
+    def _prepare_default(self) -> None:
+        """The default speculation's one-time work happens now, not in the first request."""
+        if self.speculative_config is not None:
+            self._inner.prepare(json.dumps(self.speculative_config))
+
+    def prepare(self, speculative_config: SpecConfig) -> dict:
+        """Loads what `speculative_config` needs (draft weights) and measures its adaptive-length
+        costs now, or reads them from the disk cache (`$SPECRS_CACHE_DIR/costs/`, keyed by model
+        file, device and thread count), so its first request does not pay for them. The engine's
+        own `speculative_config` is prepared when it is built. Returns the costs
+        (`verify_cost_ratios` [v(1), ..., v(k+1)], `draft_cost`) and where each came from."""
+        return self._inner.prepare(_config_json(speculative_config))
+
+    def set_measure_on_demand(self, on: bool) -> None:
+        """Whether a request whose config needs a cost nobody measured yet measures it inside its
+        own latency (default True). Off, it gets the nearest figure instead (the verification curve
+        extended past its measured end, or a prior draft cost from the draft's size), and its
+        metrics say so (`verify_cost_source`, `draft_cost_source`). `specrs serve` turns it off once
+        it serves, so no request stalls the others."""
+        self._inner.set_measure_on_demand(on)
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -11,6 +11,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -18,6 +19,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::chat_template::ChatMessage;
 use crate::config::SamplingParams;
+use crate::costs::{extend_ratios, prior_ratios, CostSource, CostTable, DiskCache};
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::draft_length::{DraftLengthPolicy, HeuristicSchedule};
 use crate::error::{Error, Result};
@@ -38,7 +40,7 @@ use crate::proposer::suffix::{SuffixCache, SuffixProposer};
 use crate::proposer::{Draft, Proposer};
 use crate::quantize::{parse_quant_type, requantize_gguf};
 use crate::sampler::Sampler;
-use crate::spec_config::{Method, Schedule, SpeculativeConfig};
+use crate::spec_config::{Method, Schedule, SpeculativeConfig, MAX_SPECULATIVE_TOKENS};
 use crate::tokenizer::TextTokenizer;
 use crate::verify::{verify, Verification};
 
@@ -78,6 +80,8 @@ pub struct ExpectedSpeedup {
     pub draft_cost: f64,
     /// v: t(k+1) / t(1).
     pub verify_cost_ratio: f64,
+    /// Where the verification curve came from (measured, cached, extrapolated past its end).
+    pub verify_cost_source: CostSource,
 }
 
 /// One request's speculation: its proposer, k, and how each draft's length is chosen.
@@ -91,7 +95,32 @@ pub struct Speculation {
     pub schedule: Option<HeuristicSchedule>,
     /// Drafts with probabilities stop after a token with q(x) below this (0 = off).
     pub draft_confidence_threshold: f32,
+    /// Where the draft-length policy's verification curve and draft cost came from (None
+    /// without the policy; no draft cost source for model-free proposers, whose c is 0).
+    pub verify_cost_source: Option<CostSource>,
+    pub draft_cost_source: Option<CostSource>,
 }
+
+/// The costs one config's draft-length policy weighs, with their sources.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyCosts {
+    /// `[k + 1]`: v(n) = t(n)/t(1).
+    pub verify_cost_ratios: Vec<f64>,
+    pub verify_cost_source: CostSource,
+    /// c: drafting time per draft token over t(1).
+    pub draft_cost: f64,
+    pub draft_cost_source: Option<CostSource>,
+}
+
+/// The context length the draft-length policy's curve is measured at (or less, for a model whose
+/// context cannot hold it beside the longest verify).
+const POLICY_CONTEXT_LEN: usize = 512;
+
+/// At most this many engine-wide suffix caches (one per distinct suffix config) are kept. A new
+/// config past it evicts the least recently used one other than the engine's own default (requests
+/// in flight keep theirs until they end), so clients cycling through configs cannot grow memory
+/// without bound nor wipe the default's learned responses.
+pub const MAX_SUFFIX_CACHES: usize = 8;
 
 /// Bytes of weights and KV caches, for `Engine::memory`. KV figures count the caches of requests
 /// in flight now, and the most held at once since the engine loaded.
@@ -104,6 +133,9 @@ pub struct MemoryReport {
     pub draft_kv_bytes: usize,
     pub peak_target_kv_bytes: usize,
     pub peak_draft_kv_bytes: usize,
+    /// The engine-wide suffix caches (at most `MAX_SUFFIX_CACHES`): how many, and their bytes.
+    pub num_suffix_caches: usize,
+    pub suffix_cache_bytes: usize,
 }
 
 /// Where `quantized_self` drafts are written: `$SPECRS_CACHE_DIR`, else `$XDG_CACHE_HOME/specrs`,
@@ -125,14 +157,21 @@ pub struct Engine {
     tokenizer: Arc<TextTokenizer>,
     metrics: Arc<Mutex<EngineMetrics>>,
     /// Suffix decoding's global trees, one per distinct suffix config (so benchmark runs of
-    /// different configs never see each other's responses).
-    suffix_caches: Mutex<HashMap<String, Arc<Mutex<SuffixCache>>>>,
-    /// Measured verification cost curve: `(context_len, [t(1), t(2), ...] seconds)`.
-    verify_costs: Mutex<Option<(usize, Vec<f64>)>>,
+    /// different configs never see each other's responses), least recently used first; at most
+    /// `MAX_SUFFIX_CACHES`.
+    suffix_caches: Mutex<Vec<(String, Arc<Mutex<SuffixCache>>)>>,
+    /// The suffix config `prepare` was given (the engine's default), never evicted.
+    pinned_suffix_config: Mutex<Option<String>>,
+    /// Verification curves and draft costs (costs.rs), shared by every request.
+    costs: Mutex<CostTable>,
+    /// Where `costs` persist across processes (None for a model built in memory, or when off).
+    cost_cache: Option<DiskCache>,
+    /// Whether a figure nobody measured yet may be measured when a request needs it. A server
+    /// turns this off once it serves, so no step waits on a measurement: per-request configs then
+    /// get the nearest figure (the curve extended past its end, a prior draft cost).
+    measure_on_demand: AtomicBool,
     /// Draft models by file path, loaded once and shared by every request.
     drafts: Mutex<HashMap<PathBuf, Arc<dyn CausalLm>>>,
-    /// Measured draft cost per token (over t(1)) by speculative config JSON.
-    draft_costs: Mutex<HashMap<String, f64>>,
     target_kv: Arc<KvBytes>,
     draft_kv: Arc<KvBytes>,
 }
@@ -182,15 +221,22 @@ impl Engine {
                 model.info().vocab_size
             )));
         }
+        let device = format!("{:?}", model.device().location());
+        let cost_cache = path
+            .as_ref()
+            .and_then(|p| DiskCache::for_model(&cache_dir(), p, &device, candle_core::utils::get_num_threads()));
+        let costs = cost_cache.as_ref().map(DiskCache::load).unwrap_or_default();
         Ok(Self {
             path,
             model,
             tokenizer: Arc::new(tokenizer),
             metrics: Arc::default(),
             suffix_caches: Mutex::default(),
-            verify_costs: Mutex::default(),
+            pinned_suffix_config: Mutex::default(),
+            costs: Mutex::new(costs),
+            cost_cache,
+            measure_on_demand: AtomicBool::new(true),
             drafts: Mutex::default(),
-            draft_costs: Mutex::default(),
             target_kv: Arc::default(),
             draft_kv: Arc::default(),
         })
@@ -237,7 +283,14 @@ impl Engine {
     /// Bytes of weights and KV caches.
     pub fn memory(&self) -> Result<MemoryReport> {
         let draft_weight_bytes = lock(&self.drafts)?.values().map(|d| d.weight_bytes()).sum();
+        let suffix_caches: Vec<_> = lock(&self.suffix_caches)?.iter().map(|(_, cache)| cache.clone()).collect();
+        let mut suffix_cache_bytes = 0;
+        for cache in &suffix_caches {
+            suffix_cache_bytes += lock(cache)?.memory_bytes();
+        }
         Ok(MemoryReport {
+            num_suffix_caches: suffix_caches.len(),
+            suffix_cache_bytes,
             target_weight_bytes: self.model.weight_bytes(),
             draft_weight_bytes,
             target_kv_bytes: self.target_kv.live(),
@@ -247,14 +300,34 @@ impl Engine {
         })
     }
 
+    /// Everything `config` needs before its first request, so that request does not pay for it in
+    /// its latency: draft weights loaded (a bad draft fails here), and for the adaptive length the
+    /// verification curve up to k + 1 and the draft cost measured (or read from the disk cache).
+    /// A suffix config's engine-wide cache is kept from eviction. Call it for the configs a
+    /// program or server will use; `Engine(speculative_config=...)` calls it for its own.
+    pub fn prepare(&self, config: &SpeculativeConfig) -> Result<PolicyCosts> {
+        if matches!(config.method, Method::Suffix(_)) {
+            *lock(&self.pinned_suffix_config)? = Some(config.to_json());
+        }
+        if !matches!(config.method, Method::Custom) {
+            self.proposer(config, None)?;
+        }
+        self.policy_costs(config, true)
+    }
+
+    /// Whether a request whose config needs a figure nobody measured yet measures it (default
+    /// true). Off, it gets the nearest figure instead: the curve extended past its measured end,
+    /// or a prior draft cost, and its metrics say so. A server turns it off once it serves.
+    pub fn set_measure_on_demand(&self, on: bool) {
+        self.measure_on_demand.store(on, Ordering::Relaxed);
+    }
+
     /// A request's speculation for `config`: the built-in proposer, or `custom` for method
-    /// "custom". The first adaptive config measures the verification cost curve (a few seconds,
-    /// once per engine), and each model-based adaptive config its draft cost (once per config).
+    /// "custom", with the draft-length policy over `policy_costs`.
     pub fn speculation(&self, config: &SpeculativeConfig, custom: Option<Box<dyn Proposer>>) -> Result<Speculation> {
         let proposer = self.proposer(config, custom)?;
-        let draft_length = if config.adaptive_draft_length {
-            let costs = self.verify_costs(config.num_speculative_tokens + 1, 512)?;
-            Some(DraftLengthPolicy::new(&costs, self.draft_cost(config, costs[0])?))
+        let costs = if config.adaptive_draft_length {
+            Some(self.policy_costs(config, self.measure_on_demand.load(Ordering::Relaxed))?)
         } else {
             None
         };
@@ -262,25 +335,65 @@ impl Engine {
             method: config.method_name(),
             num_speculative_tokens: config.num_speculative_tokens,
             proposer,
-            draft_length,
+            draft_length: costs.as_ref().map(|c| DraftLengthPolicy::new(&c.verify_cost_ratios, c.draft_cost)),
             schedule: (config.schedule == Schedule::Heuristic)
                 .then(|| HeuristicSchedule::new(config.num_speculative_tokens)),
             draft_confidence_threshold: config.draft_confidence_threshold,
+            verify_cost_source: costs.as_ref().map(|c| c.verify_cost_source),
+            draft_cost_source: costs.and_then(|c| c.draft_cost_source),
         })
     }
 
-    /// c: drafting time per draft token over one target step `single_step_s`, for model-based
-    /// drafts (0 for model-free ones, whose microseconds do not matter). Measured once per config
-    /// on a 128-token context and cached, like the verify cost curve, so a seeded request picks
-    /// the same draft lengths (and so the same sampled tokens) every time it runs on this engine.
-    fn draft_cost(&self, config: &SpeculativeConfig, single_step_s: f64) -> Result<f64> {
-        if matches!(config.method, Method::Ngram { .. } | Method::Suffix(_) | Method::Custom) {
-            return Ok(0.0);
+    /// The verification curve `[v(1), ..., v(k+1)]` and draft cost c the draft-length policy of
+    /// `config` weighs: the config's own (`verify_cost_ratios`, `draft_cost`), else the engine's,
+    /// measured now if `measure` and nobody has yet, else the nearest figure (the curve extended
+    /// past its end, a prior). Every request of one engine reads one curve, at one context length,
+    /// and measured figures never change, so a seeded request picks the same draft lengths (and so
+    /// the same sampled tokens) every time it runs on this engine, whatever ran before it.
+    pub fn policy_costs(&self, config: &SpeculativeConfig, measure: bool) -> Result<PolicyCosts> {
+        let max_n = config.num_speculative_tokens + 1;
+        let (verify_cost_ratios, verify_cost_source) = match &config.costs.verify_cost_ratios {
+            Some(given) => match extend_ratios(given, max_n) {
+                (ratios, true) => (ratios, CostSource::Extrapolated),
+                (ratios, false) => (ratios, CostSource::Config),
+            },
+            None => match self.curve_s(self.policy_context_len(), max_n, measure)? {
+                Some((curve, source)) => (curve.iter().map(|t| t / curve[0]).collect(), source),
+                None => (prior_ratios(max_n), CostSource::Prior),
+            },
+        };
+        let (draft_cost, draft_cost_source) = match config.costs.draft_cost {
+            Some(c) => (c, Some(CostSource::Config)),
+            None => match self.draft_cost(config, measure)? {
+                Some((c, source)) => (c, Some(source)),
+                None => (0.0, None),
+            },
+        };
+        Ok(PolicyCosts { verify_cost_ratios, verify_cost_source, draft_cost, draft_cost_source })
+    }
+
+    /// The policy curve's context: `POLICY_CONTEXT_LEN`, or less where the model's context cannot
+    /// hold it plus the longest verify. Fixed per engine, so every k reads the same curve.
+    fn policy_context_len(&self) -> usize {
+        let context = self.model.info().context_length;
+        POLICY_CONTEXT_LEN.min(context.saturating_sub(MAX_SPECULATIVE_TOKENS + 1)).max(1)
+    }
+
+    /// c: drafting time per draft token over one target step, for model-based drafts (None for
+    /// model-free ones, whose microseconds do not matter). Measured once per draft (on a
+    /// 128-token context) when `measure`, else a prior from the draft's size: decoding is
+    /// memory-bound, so a draft costs about its weight bytes over the target's per token.
+    fn draft_cost(&self, config: &SpeculativeConfig, measure: bool) -> Result<Option<(f64, CostSource)>> {
+        let Some(key) = self.draft_identity(config)? else { return Ok(None) };
+        if let Some(&known) = lock(&self.costs)?.draft_costs.get(&key) {
+            return Ok(Some(known));
         }
-        let key = config.to_json();
-        if let Some(&cost) = lock(&self.draft_costs)?.get(&key) {
-            return Ok(cost);
+        if !measure {
+            return Ok(Some((self.prior_draft_cost(config)?, CostSource::Prior)));
         }
+        let Some((single_step, _)) = self.curve_s(self.policy_context_len(), 1, true)? else {
+            return Err(Error::Internal("the verification curve was not measured".into()));
+        };
         let k = config.num_speculative_tokens;
         let vocab = self.model.info().vocab_size as u64;
         let context: Vec<u32> = (0..128u64).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
@@ -295,6 +408,7 @@ impl Engine {
         for round in 0..4 {
             let t0 = Instant::now();
             let draft = proposer.propose_with_target_cache(&context, k, &mut target_cache)?;
+            self.model.device().synchronize()?;
             if round > 0 {
                 // The first round is a warm-up (cold weight pages).
                 times.push(t0.elapsed().as_secs_f64() / draft.token_ids.len().max(1) as f64);
@@ -302,9 +416,53 @@ impl Engine {
             proposer.observe(0)?;
         }
         times.sort_by(f64::total_cmp);
-        let cost = times[times.len() / 2] / single_step_s;
-        lock(&self.draft_costs)?.insert(key, cost);
-        Ok(cost)
+        let cost = times[times.len() / 2] / single_step[0];
+        let mut costs = lock(&self.costs)?;
+        costs.draft_costs.insert(key, (cost, CostSource::Measured));
+        if let Some(disk) = &self.cost_cache {
+            disk.store(&costs);
+        }
+        Ok(Some((cost, CostSource::Measured)))
+    }
+
+    /// What a draft's cost depends on (the draft's weights, how many layers, PARD's k), so every
+    /// config drafting alike shares one figure; None for model-free methods.
+    fn draft_identity(&self, config: &SpeculativeConfig) -> Result<Option<String>> {
+        let file = |path: &Path| {
+            let meta = std::fs::metadata(path).ok();
+            let mtime = meta
+                .as_ref()
+                .and_then(|m| m.modified().ok())
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+            let canonical = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+            format!("{}:{}:{}", canonical.display(), meta.map_or(0, |m| m.len()), mtime.map_or(0, |d| d.as_nanos()))
+        };
+        Ok(match &config.method {
+            Method::Ngram { .. } | Method::Suffix(_) | Method::Custom => None,
+            Method::DraftModel(d) => Some(format!("draft_model:{}", file(Path::new(&d.model)))),
+            Method::Pard { draft, mask_token_id } => Some(format!(
+                "pard:{}:{mask_token_id}:k={}",
+                file(Path::new(&draft.model)),
+                config.num_speculative_tokens
+            )),
+            Method::QuantizedSelf { quantization, .. } => Some(format!("quantized_self:{quantization}")),
+            Method::LayerSkip { exit_layer } => Some(format!("layer_skip:{exit_layer}")),
+        })
+    }
+
+    /// The prior draft cost per token (see `draft_cost`): a draft model's weight bytes over the
+    /// target's (PARD drafts k tokens per forward), a layer-skip draft's share of the layers.
+    fn prior_draft_cost(&self, config: &SpeculativeConfig) -> Result<f64> {
+        let bytes = |path: &Path| -> Result<f64> {
+            Ok(self.draft_model(path)?.weight_bytes() as f64 / self.model.weight_bytes().max(1) as f64)
+        };
+        Ok(match &config.method {
+            Method::Ngram { .. } | Method::Suffix(_) | Method::Custom => 0.0,
+            Method::DraftModel(d) => bytes(Path::new(&d.model))?,
+            Method::Pard { draft, .. } => bytes(Path::new(&draft.model))? / config.num_speculative_tokens as f64,
+            Method::QuantizedSelf { quantization, .. } => bytes(&self.quantized_self_path(quantization)?)?,
+            Method::LayerSkip { exit_layer } => *exit_layer as f64 / self.model.info().num_layers.max(1) as f64,
+        })
     }
 
     /// The proposer `config` names (or `custom` for method "custom").
@@ -327,15 +485,7 @@ impl Engine {
             (Method::Ngram { prompt_lookup_min, prompt_lookup_max }, None) => {
                 Box::new(NgramProposer::new(*prompt_lookup_min, *prompt_lookup_max))
             }
-            (Method::Suffix(params), None) => {
-                let global = lock(&self.suffix_caches)?
-                    .entry(config.to_json())
-                    .or_insert_with(|| {
-                        Arc::new(Mutex::new(SuffixCache::new(params.max_tree_depth, params.max_cached_requests)))
-                    })
-                    .clone();
-                Box::new(SuffixProposer::new(params.clone(), global))
-            }
+            (Method::Suffix(params), None) => Box::new(SuffixProposer::new(params.clone(), self.suffix_cache(config)?)),
             (Method::DraftModel(draft), None) => Box::new(DraftModelProposer::new(
                 self.draft_model(&draft.model)?,
                 draft.max_model_len,
@@ -365,6 +515,28 @@ impl Engine {
         Ok(proposer)
     }
 
+    /// The engine-wide suffix cache of `config` (created on first use; see `MAX_SUFFIX_CACHES`).
+    fn suffix_cache(&self, config: &SpeculativeConfig) -> Result<Arc<Mutex<SuffixCache>>> {
+        let Method::Suffix(params) = &config.method else {
+            return Err(Error::Internal("suffix_cache needs a suffix config".into()));
+        };
+        let key = config.to_json();
+        let pinned = lock(&self.pinned_suffix_config)?.clone();
+        let mut caches = lock(&self.suffix_caches)?;
+        let cache = match caches.iter().position(|(k, _)| *k == key) {
+            Some(i) => caches.remove(i).1,
+            None => {
+                if caches.len() >= MAX_SUFFIX_CACHES {
+                    let evict = caches.iter().position(|(k, _)| Some(k) != pinned.as_ref()).unwrap_or(0);
+                    caches.remove(evict);
+                }
+                Arc::new(Mutex::new(SuffixCache::new(params.max_tree_depth, params.max_cached_requests)))
+            }
+        };
+        caches.push((key, cache.clone()));
+        Ok(cache)
+    }
+
     /// Sums over every finished request since the engine loaded (or since `reset_metrics`).
     pub fn metrics(&self) -> Result<EngineMetrics> {
         Ok(lock(&self.metrics)?.clone())
@@ -375,15 +547,22 @@ impl Engine {
         Ok(())
     }
 
-    /// The expected-speedup model for the acceptance in `spec`, or None without drafts. k is the
-    /// mean draft length; the draft cost c is the mean proposer time per draft over t(1); v is
-    /// t(k+1)/t(1) from the verification cost curve at a 512-token context.
+    /// The expected-speedup model for the acceptance in `spec`, or None without drafts (or
+    /// without a curve, where measuring on demand is off). k is the mean draft length; the draft
+    /// cost c is the mean proposer time per draft over t(1); v is t(k+1)/t(1) from the policy's
+    /// verification cost curve.
     pub fn expected_speedup(&self, spec: &SpecDecodeMetrics) -> Result<Option<ExpectedSpeedup>> {
         if spec.num_drafts == 0 {
             return Ok(None);
         }
         let k = spec.mean_draft_length();
-        let costs = self.verify_costs(k.ceil() as usize + 1, 512)?; // [t(1), ..., t(ceil(k) + 1)]
+        let measure = self.measure_on_demand.load(Ordering::Relaxed);
+        // [t(1), ..., t(ceil(k) + 1)]
+        let Some((costs, verify_cost_source)) =
+            self.curve_s(self.policy_context_len(), k.ceil() as usize + 1, measure)?
+        else {
+            return Ok(None);
+        };
         let t1 = costs[0];
         let ratios: Vec<f64> = costs.iter().map(|t| t / t1).collect();
         let verify_cost_ratio = verify_cost_at(&ratios, k);
@@ -394,27 +573,56 @@ impl Engine {
             refined: expected_speedup_refined(a, k, draft_cost, verify_cost_ratio),
             draft_cost,
             verify_cost_ratio,
+            verify_cost_source,
         }))
     }
 
     /// Verification cost curve in seconds, `[t(1), ..., t(max_n)]`: one forward over n new tokens
-    /// on a `context_len`-token cache, measured once and cached.
+    /// on a `context_len`-token cache (fewer for a model whose context cannot hold both), measured
+    /// once and kept (the draft-length policy reads the one at 512 tokens).
     pub fn verify_costs(&self, max_n: usize, context_len: usize) -> Result<Vec<f64>> {
-        // A short-context model is measured on the longest context it holds.
-        let context_len = context_len.min(self.model.info().context_length.saturating_sub(max_n)).max(max_n);
-        let mut cached = lock(&self.verify_costs)?;
-        if let Some((len, costs)) = cached.as_ref() {
-            if *len == context_len && costs.len() >= max_n {
-                return Ok(costs[..max_n].to_vec());
+        let context_len = context_len.min(self.model.info().context_length.saturating_sub(max_n)).max(1);
+        match self.curve_s(context_len, max_n, true)? {
+            Some((costs, _)) => Ok(costs),
+            None => Err(Error::Internal("the verification curve was not measured".into())),
+        }
+    }
+
+    /// `[t(1), ..., t(max_n)]` seconds at `context_len` with its source: the stored curve, grown
+    /// by measuring the missing n if `measure` (else extended past its end), or None if nothing is
+    /// stored and `measure` is false. The lock is held while measuring, so two requests never time
+    /// forwards against each other nor measure one figure twice.
+    fn curve_s(&self, context_len: usize, max_n: usize, measure: bool) -> Result<Option<(Vec<f64>, CostSource)>> {
+        let max_n = max_n.max(1);
+        let mut costs = lock(&self.costs)?;
+        let have = costs.curves.get(&context_len).map_or(0, |(curve, _)| curve.len());
+        // A model whose context cannot hold a verify of max_n has the rest extrapolated.
+        let measurable = max_n.min(self.model.info().context_length.saturating_sub(context_len)).max(1);
+        if measure && have < measurable {
+            let new_costs = self.measure_curve(context_len, have + 1, measurable)?;
+            costs.extend_curve(context_len, &new_costs);
+            if let Some(disk) = &self.cost_cache {
+                disk.store(&costs);
             }
         }
+        let Some((curve, source)) = costs.curves.get(&context_len) else { return Ok(None) };
+        if curve.len() >= max_n {
+            return Ok(Some((curve[..max_n].to_vec(), *source)));
+        }
+        let t1 = curve[0];
+        let (ratios, _) = extend_ratios(&curve.iter().map(|t| t / t1).collect::<Vec<_>>(), max_n);
+        Ok(Some((ratios.iter().map(|v| v * t1).collect(), CostSource::Extrapolated)))
+    }
+
+    /// `[t(first_n), ..., t(last_n)]`: median seconds of one forward over n new tokens on a
+    /// `context_len`-token cache. Any tokens do: a forward's cost does not depend on which it reads.
+    fn measure_curve(&self, context_len: usize, first_n: usize, last_n: usize) -> Result<Vec<f64>> {
         let vocab = self.model.info().vocab_size as u64;
-        // Any tokens do: the cost of a forward does not depend on which tokens it reads.
-        let context: Vec<u32> = (0..context_len.max(max_n) as u64).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
-        let ns: Vec<usize> = (1..=max_n).collect();
-        let costs: Vec<f64> = self.forward_cost(&context, &ns, 5)?.into_iter().map(|(_, t)| t).collect();
-        *cached = Some((context_len, costs.clone()));
-        Ok(costs)
+        let token = |i: usize| ((i as u64 * 7919 + 13) % vocab) as u32;
+        let context: Vec<u32> = (0..context_len).map(token).collect();
+        let probe: Vec<u32> = (context_len..context_len + last_n).map(token).collect();
+        let ns: Vec<usize> = (first_n..=last_n).collect();
+        Ok(self.time_forwards(&context, &probe, &ns, 5)?.into_iter().map(|(_, t)| t).collect())
     }
 
     pub fn model(&self) -> &Arc<dyn CausalLm> {
@@ -526,8 +734,8 @@ impl Engine {
     }
 
     /// Verification cost curve: median seconds of one forward over `n` new tokens on top of a
-    /// cache holding `context_ids`, for each `n` in `ns`. The `n` values are interleaved within
-    /// each repeat so slow drift of the machine affects them alike.
+    /// cache holding `context_ids`, for each `n` in `ns` (the new tokens are the context's last
+    /// ones, reversed).
     pub fn forward_cost(&self, context_ids: &[u32], ns: &[usize], repeats: usize) -> Result<Vec<(usize, f64)>> {
         let max_n = ns.iter().copied().max().unwrap_or(1);
         if ns.contains(&0) || context_ids.len() < max_n {
@@ -537,21 +745,37 @@ impl Engine {
                 context_ids.len()
             )));
         }
-        let mut cache: KvCache = self.model.new_cache(context_ids.len() + max_n)?;
-        self.model.forward_rows(context_ids, &mut cache, LogitRows::Last)?;
         let probe: Vec<u32> = context_ids.iter().rev().take(max_n).copied().collect();
+        self.time_forwards(context_ids, &probe, ns, repeats)
+    }
+
+    /// Median seconds of one forward over `probe[..n]` on top of a cache holding `context_ids`,
+    /// for each `n` in `ns` (each at most `probe.len()`). The `n` values are interleaved within
+    /// each repeat so slow drift of the machine affects them alike, and the device is synchronized
+    /// inside the timed region, so on a GPU this is the forward's own time, not its launch.
+    fn time_forwards(
+        &self,
+        context_ids: &[u32],
+        probe: &[u32],
+        ns: &[usize],
+        repeats: usize,
+    ) -> Result<Vec<(usize, f64)>> {
+        let mut cache: KvCache = self.model.new_cache(context_ids.len() + probe.len())?;
+        self.model.forward_rows(context_ids, &mut cache, LogitRows::Last)?;
         // One untimed round first: the first forwards after loading touch cold weight pages, which
         // would inflate t(1) and deflate every ratio t(n)/t(1).
         for &n in ns {
             cache.truncate(context_ids.len());
             self.model.forward(&probe[..n], &mut cache)?;
         }
+        self.model.device().synchronize()?;
         let mut times = vec![Vec::with_capacity(repeats); ns.len()];
         for _ in 0..repeats.max(1) {
             for (slot, &n) in ns.iter().enumerate() {
                 cache.truncate(context_ids.len());
                 let t0 = Instant::now();
                 self.model.forward(&probe[..n], &mut cache)?;
+                self.model.device().synchronize()?;
                 times[slot].push(t0.elapsed().as_secs_f64());
             }
         }
@@ -875,6 +1099,8 @@ impl Session {
         let mut m = self.timer.metrics(self.prompt_len, self.num_forward_passes);
         m.spec_method = self.speculation.as_ref().map(|s| s.method.to_string());
         m.num_speculative_tokens = self.speculation.as_ref().map_or(0, |s| s.num_speculative_tokens);
+        m.verify_cost_source = self.speculation.as_ref().and_then(|s| s.verify_cost_source).map(CostSource::as_str);
+        m.draft_cost_source = self.speculation.as_ref().and_then(|s| s.draft_cost_source).map(CostSource::as_str);
         m.spec = self.spec_metrics.clone();
         if m.spec.num_accepted_tokens_per_pos.len() < m.num_speculative_tokens {
             m.spec.num_accepted_tokens_per_pos.resize(m.num_speculative_tokens, 0);

@@ -11,6 +11,7 @@ pub mod bandwidth;
 pub mod batch;
 pub mod chat_template;
 pub mod config;
+pub mod costs;
 pub mod detokenizer;
 pub mod draft_length;
 pub mod engine;

@@ -26,6 +26,11 @@ pub struct RequestMetrics {
     pub spec_method: Option<String>,
     /// k: the most tokens one step may guess (0 without speculation).
     pub num_speculative_tokens: usize,
+    /// Where the adaptive draft length's verification curve and draft cost came from
+    /// ("measured", "cached", "config", "extrapolated", "prior"; None without the policy or, for
+    /// the draft cost, with a model-free proposer).
+    pub verify_cost_source: Option<&'static str>,
+    pub draft_cost_source: Option<&'static str>,
     pub spec: SpecDecodeMetrics,
 }
 

@@ -15,8 +15,26 @@ use crate::quantize::{parse_quant_type, quant_type_name};
 /// on any model specrs runs.
 pub const MAX_SPECULATIVE_TOKENS: usize = 64;
 
+// Upper bounds of the other size-like keys. vLLM bounds none of these; each value sizes an
+// allocation or a per-token loop, so an unbounded one lets a single request exhaust memory (a
+// prompt_lookup_max of 1e8 asked for gigabytes of n-gram tables). Each is far past any useful value.
+/// prompt_lookup_min / prompt_lookup_max: one n-gram table per length in between.
+pub const MAX_PROMPT_LOOKUP: usize = 64;
+/// suffix_decoding_max_tree_depth: each indexed token adds up to this many trie nodes.
+pub const MAX_SUFFIX_TREE_DEPTH: usize = 64;
+/// suffix_decoding_max_cached_requests: responses kept in one engine-wide suffix tree.
+pub const MAX_SUFFIX_CACHED_REQUESTS: usize = 100_000;
+/// suffix_decoding_max_spec_factor: a match of m tokens drafts at most factor * m (k caps it anyway).
+pub const MAX_SUFFIX_SPEC_FACTOR: f64 = 64.0;
+/// max_model_len of a draft's KV cache (the draft's own context bounds it further).
+pub const MAX_DRAFT_MODEL_LEN: usize = 1 << 24;
+/// exit_layer of a layer-skip draft (the target's layer count bounds it further).
+pub const MAX_EXIT_LAYER: usize = 1024;
+/// draft_cost: a draft token costing 100 target steps never pays.
+pub const MAX_DRAFT_COST: f64 = 100.0;
+
 /// vLLM's keys, then specrs' own.
-const KEYS: [&str; 16] = [
+const KEYS: [&str; 18] = [
     "method",
     "num_speculative_tokens",
     "prompt_lookup_min",
@@ -33,6 +51,8 @@ const KEYS: [&str; 16] = [
     "adaptive_draft_length",
     "draft_confidence_threshold",
     "num_speculative_tokens_schedule",
+    "verify_cost_ratios",
+    "draft_cost",
 ];
 
 const METHODS: [&str; 7] = ["ngram", "suffix", "custom", "draft_model", "layer_skip", "quantized_self", "pard"];
@@ -99,6 +119,18 @@ pub struct SpeculativeConfig {
     /// (transformers' `assistant_confidence_threshold`; 0 = off).
     pub draft_confidence_threshold: f32,
     pub schedule: Schedule,
+    /// Costs the adaptive length reads from the config instead of measuring them (specrs keys):
+    /// pinned costs make draft lengths, and so seeded samples, the same on every machine, and let
+    /// tests assert the policy rather than the machine's timing.
+    pub costs: ConfigCosts,
+}
+
+/// `verify_cost_ratios` ([v(1) = 1, v(2), ...], v(n) = t(n)/t(1)) and `draft_cost` (c, drafting
+/// time per draft token over t(1)); None = measured by the engine.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ConfigCosts {
+    pub verify_cost_ratios: Option<Vec<f64>>,
+    pub draft_cost: Option<f64>,
 }
 
 impl SpeculativeConfig {
@@ -174,7 +206,7 @@ impl SpeculativeConfig {
                 )));
             }
         }
-        let max_model_len = optional_count(map, "max_model_len")?;
+        let max_model_len = bounded_count(map, "max_model_len", MAX_DRAFT_MODEL_LEN)?;
         if max_model_len == Some(0) {
             return Err(Error::config("max_model_len must be >= 1 (got 0); leave it out to use the draft's context"));
         }
@@ -189,11 +221,10 @@ impl SpeculativeConfig {
             }
         };
 
-        let num_speculative_tokens = optional_count(map, "num_speculative_tokens")?;
-        if num_speculative_tokens == Some(0) || num_speculative_tokens > Some(MAX_SPECULATIVE_TOKENS) {
+        let num_speculative_tokens = bounded_count(map, "num_speculative_tokens", MAX_SPECULATIVE_TOKENS)?;
+        if num_speculative_tokens == Some(0) {
             return Err(Error::config(format!(
-                "num_speculative_tokens must be in 1..={MAX_SPECULATIVE_TOKENS} (got {}); try 4",
-                num_speculative_tokens.unwrap_or(0)
+                "num_speculative_tokens must be in 1..={MAX_SPECULATIVE_TOKENS} (got 0); try 4"
             )));
         }
         let required_k = || {
@@ -206,13 +237,15 @@ impl SpeculativeConfig {
         let (method, num_speculative_tokens) = match method {
             "ngram" => {
                 // vLLM: both missing -> 5 and 5; one missing -> equal to the other.
-                let (min, max) =
-                    match (optional_count(map, "prompt_lookup_min")?, optional_count(map, "prompt_lookup_max")?) {
-                        (None, None) => (5, 5),
-                        (Some(min), None) => (min, min),
-                        (None, Some(max)) => (max, max),
-                        (Some(min), Some(max)) => (min, max),
-                    };
+                let (min, max) = match (
+                    bounded_count(map, "prompt_lookup_min", MAX_PROMPT_LOOKUP)?,
+                    bounded_count(map, "prompt_lookup_max", MAX_PROMPT_LOOKUP)?,
+                ) {
+                    (None, None) => (5, 5),
+                    (Some(min), None) => (min, min),
+                    (None, Some(max)) => (max, max),
+                    (Some(min), Some(max)) => (min, max),
+                };
                 if min == 0 {
                     return Err(Error::config("prompt_lookup_min must be >= 1 (got 0); try 2"));
                 }
@@ -224,21 +257,21 @@ impl SpeculativeConfig {
                 (Method::Ngram { prompt_lookup_min: min, prompt_lookup_max: max }, required_k()?)
             }
             "suffix" => {
-                let max_tree_depth = optional_count(map, "suffix_decoding_max_tree_depth")?.unwrap_or(24);
+                let max_tree_depth =
+                    bounded_count(map, "suffix_decoding_max_tree_depth", MAX_SUFFIX_TREE_DEPTH)?.unwrap_or(24);
                 if max_tree_depth == 0 {
                     return Err(Error::config(
                         "suffix_decoding_max_tree_depth must be >= 1 (got 0); the default is 24",
                     ));
                 }
-                let max_cached_requests = optional_count(map, "suffix_decoding_max_cached_requests")?.unwrap_or(10_000);
+                let max_cached_requests =
+                    bounded_count(map, "suffix_decoding_max_cached_requests", MAX_SUFFIX_CACHED_REQUESTS)?
+                        .unwrap_or(10_000);
                 let max_spec_factor = optional_number(map, "suffix_decoding_max_spec_factor")?.unwrap_or(1.0);
-                // Stored as f32: a value past f32's range would become infinity, which to_json
-                // cannot write (JSON has no infinity) and so would not survive a round trip.
-                if max_spec_factor < 0.0 || !(max_spec_factor as f32).is_finite() {
+                if !(0.0..=MAX_SUFFIX_SPEC_FACTOR).contains(&max_spec_factor) {
                     return Err(Error::config(format!(
-                        "suffix_decoding_max_spec_factor must be a number in [0, {:e}] (got {max_spec_factor}); the \
-                         default is 1.0",
-                        f32::MAX
+                        "suffix_decoding_max_spec_factor must be in [0, {MAX_SUFFIX_SPEC_FACTOR}] (got {max_spec_factor}); \
+                         the default is 1.0"
                     )));
                 }
                 let min_token_prob = optional_number(map, "suffix_decoding_min_token_prob")?.unwrap_or(0.1);
@@ -268,7 +301,7 @@ impl SpeculativeConfig {
                 (Method::Pard { draft: draft_params()?, mask_token_id }, required_k()?)
             }
             "layer_skip" => {
-                let exit_layer = optional_count(map, "exit_layer")?.ok_or_else(|| {
+                let exit_layer = bounded_count(map, "exit_layer", MAX_EXIT_LAYER)?.ok_or_else(|| {
                     Error::config(
                         "method 'layer_skip' needs \"exit_layer\": how many of the target's layers draft, e.g. 8",
                     )
@@ -314,6 +347,21 @@ impl SpeculativeConfig {
                 }
             )));
         }
+        let costs = ConfigCosts {
+            verify_cost_ratios: verify_cost_ratios(map)?,
+            draft_cost: optional_number(map, "draft_cost")?,
+        };
+        if let Some(c) = costs.draft_cost.filter(|c| !(0.0..=MAX_DRAFT_COST).contains(c)) {
+            return Err(Error::config(format!(
+                "draft_cost must be in [0, {MAX_DRAFT_COST}] (got {c}): drafting time per draft token over one target step"
+            )));
+        }
+        if !adaptive_draft_length && (costs.verify_cost_ratios.is_some() || costs.draft_cost.is_some()) {
+            return Err(Error::config(
+                "verify_cost_ratios and draft_cost feed the adaptive draft length, which this config turns off; \
+                 remove them or set \"adaptive_draft_length\": true",
+            ));
+        }
         let schedule = match map.get("num_speculative_tokens_schedule") {
             None | Some(Value::Null) => Schedule::Constant,
             Some(Value::String(s)) if s == "constant" => Schedule::Constant,
@@ -330,6 +378,7 @@ impl SpeculativeConfig {
             adaptive_draft_length,
             draft_confidence_threshold: draft_confidence_threshold as f32,
             schedule,
+            costs,
         })
     }
 
@@ -344,6 +393,12 @@ impl SpeculativeConfig {
         }
         if self.schedule == Schedule::Heuristic {
             map.insert("num_speculative_tokens_schedule".into(), "heuristic".into());
+        }
+        if let Some(ratios) = &self.costs.verify_cost_ratios {
+            map.insert("verify_cost_ratios".into(), ratios.clone().into());
+        }
+        if let Some(c) = self.costs.draft_cost {
+            map.insert("draft_cost".into(), c.into());
         }
         let draft = |d: &DraftModelParams, map: &mut Map<String, Value>| {
             map.insert("model".into(), d.model.clone().into());
@@ -402,12 +457,51 @@ fn optional_count(map: &Map<String, Value>, key: &str) -> Result<Option<usize>> 
     }
 }
 
+/// `optional_count` refused above `max`, before anything is sized by it.
+fn bounded_count(map: &Map<String, Value>, key: &str, max: usize) -> Result<Option<usize>> {
+    match optional_count(map, key)? {
+        Some(value) if value > max => Err(Error::config(format!(
+            "'{key}' must be at most {max} (got {value}); larger values only cost memory and time"
+        ))),
+        value => Ok(value),
+    }
+}
+
 fn optional_number(map: &Map<String, Value>, key: &str) -> Result<Option<f64>> {
     match map.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Number(n)) => Ok(n.as_f64()),
         Some(other) => Err(Error::config(format!("'{key}' must be a number (got {other})"))),
     }
+}
+
+/// `verify_cost_ratios`: `[v(1), ..., v(n)]` with v(1) = 1 and 2 <= n <= k_max + 1 positive
+/// finite ratios (a curve shorter than k + 1 is extended by the engine like a measured one).
+fn verify_cost_ratios(map: &Map<String, Value>) -> Result<Option<Vec<f64>>> {
+    let bad = |what: &str| {
+        Error::config(format!(
+            "verify_cost_ratios must be a list [1.0, v(2), ..., v(n)] of 2 to {} positive numbers, v(n) = t(n)/t(1) \
+             the cost of verifying n tokens over one plain step ({what}); e.g. [1.0, 1.4, 1.6]",
+            MAX_SPECULATIVE_TOKENS + 1
+        ))
+    };
+    let list = match map.get("verify_cost_ratios") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Array(list)) => list,
+        Some(_) => return Err(bad("not a list")),
+    };
+    if !(2..=MAX_SPECULATIVE_TOKENS + 1).contains(&list.len()) {
+        return Err(bad(&format!("got {} values", list.len())));
+    }
+    let ratios: Vec<f64> =
+        list.iter().map(|v| v.as_f64().ok_or_else(|| bad("a value is not a number"))).collect::<Result<_>>()?;
+    if ratios[0] != 1.0 {
+        return Err(bad("v(1) must be 1"));
+    }
+    if ratios.iter().any(|v| !(v.is_finite() && *v > 0.0 && *v <= 1e4)) {
+        return Err(bad("values must be in (0, 1e4]"));
+    }
+    Ok(Some(ratios))
 }
 
 /// The candidate with the smallest edit distance to `word`.
@@ -516,13 +610,91 @@ mod tests {
         .contains("prompt_lookup_min=4 must be <= prompt_lookup_max=2"));
         assert!(error(r#"{"method": "suffix", "prompt_lookup_min": 2}"#).contains("applies to method 'ngram'"));
         assert!(error(r#"{"method": "suffix", "suffix_decoding_min_token_prob": 2}"#).contains("[0, 1]"));
-        // Found by fuzz/fuzz_targets/spec_config.rs: 3.5e38 became an infinite f32, written as null.
+        // Found by fuzz/fuzz_targets/spec_config.rs before the bound: 3.5e38 became an infinite f32,
+        // which to_json wrote as null, so the config did not survive a round trip.
         assert!(error(r#"{"method": "suffix", "suffix_decoding_max_spec_factor": 3.5e38}"#)
-            .contains("suffix_decoding_max_spec_factor must be a number in [0, "));
+            .contains("suffix_decoding_max_spec_factor must be in [0, 64]"));
         assert!(error(r#"{"num_speculative_tokens": 4}"#).contains("needs \"method\""));
         assert!(error(r#"{"method": "suffix", "adaptive_draft_length": 1}"#).contains("true or false"));
         assert!(error("[1, 2]").contains("JSON object"));
         assert!(error("{method: ngram}").contains("not valid JSON"));
+    }
+
+    #[test]
+    fn size_like_keys_are_bounded() {
+        // Each of these used to size an allocation (gigabytes for the first) before any check.
+        for (text, key) in [
+            (
+                r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 100000000}"#,
+                "prompt_lookup_max",
+            ),
+            (r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 65}"#, "prompt_lookup_min"),
+            (r#"{"method": "suffix", "suffix_decoding_max_tree_depth": 100000000}"#, "suffix_decoding_max_tree_depth"),
+            (
+                r#"{"method": "suffix", "suffix_decoding_max_cached_requests": 18446744073709551615}"#,
+                "suffix_decoding_max_cached_requests",
+            ),
+            (r#"{"method": "suffix", "suffix_decoding_max_spec_factor": 1e300}"#, "suffix_decoding_max_spec_factor"),
+            (r#"{"method": "ngram", "num_speculative_tokens": 65}"#, "num_speculative_tokens"),
+            (
+                r#"{"method": "draft", "model": "d.gguf", "num_speculative_tokens": 4, "max_model_len": 1e12}"#,
+                "max_model_len",
+            ),
+            (
+                r#"{"method": "draft", "model": "d.gguf", "num_speculative_tokens": 4, "max_model_len": 4294967296000}"#,
+                "max_model_len",
+            ),
+            (r#"{"method": "layer_skip", "exit_layer": 100000, "num_speculative_tokens": 4}"#, "exit_layer"),
+            (
+                r#"{"method": "pard", "model": "d.gguf", "mask_token_id": 4294967296, "num_speculative_tokens": 4}"#,
+                "mask_token_id",
+            ),
+        ] {
+            assert!(error(text).contains(key), "{text}: {}", error(text));
+        }
+        // The bounds themselves are valid.
+        let at_bounds = parse(&format!(
+            r#"{{"method": "suffix", "num_speculative_tokens": {MAX_SPECULATIVE_TOKENS},
+                "suffix_decoding_max_tree_depth": {MAX_SUFFIX_TREE_DEPTH},
+                "suffix_decoding_max_cached_requests": {MAX_SUFFIX_CACHED_REQUESTS}}}"#
+        ))
+        .unwrap();
+        assert_eq!(at_bounds.num_speculative_tokens, MAX_SPECULATIVE_TOKENS);
+        let ngram = parse(&format!(
+            r#"{{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": {MAX_PROMPT_LOOKUP}}}"#
+        ))
+        .unwrap();
+        assert_eq!(ngram.method, Method::Ngram { prompt_lookup_min: 64, prompt_lookup_max: 64 });
+    }
+
+    #[test]
+    fn costs_from_the_config_are_checked_and_round_trip() {
+        let config = parse(
+            r#"{"method": "custom", "num_speculative_tokens": 4, "verify_cost_ratios": [1, 1.5, 2.0], "draft_cost": 0.25}"#,
+        )
+        .unwrap();
+        assert_eq!(config.costs.verify_cost_ratios, Some(vec![1.0, 1.5, 2.0]));
+        assert_eq!(config.costs.draft_cost, Some(0.25));
+        assert_eq!(SpeculativeConfig::from_json(&config.to_json()).unwrap(), config);
+        for (text, fix) in [
+            (r#"{"method": "custom", "num_speculative_tokens": 4, "verify_cost_ratios": [2, 3]}"#, "v(1) must be 1"),
+            (r#"{"method": "custom", "num_speculative_tokens": 4, "verify_cost_ratios": [1]}"#, "got 1 values"),
+            (r#"{"method": "custom", "num_speculative_tokens": 4, "verify_cost_ratios": [1, -1]}"#, "(0, 1e4]"),
+            (r#"{"method": "custom", "num_speculative_tokens": 4, "verify_cost_ratios": 1.5}"#, "not a list"),
+            (r#"{"method": "custom", "num_speculative_tokens": 4, "verify_cost_ratios": [1, "x"]}"#, "not a number"),
+            (r#"{"method": "custom", "num_speculative_tokens": 4, "draft_cost": -0.5}"#, "draft_cost must be in"),
+            (
+                r#"{"method": "custom", "num_speculative_tokens": 4, "draft_cost": 0.1, "adaptive_draft_length": false}"#,
+                "turns off",
+            ),
+        ] {
+            assert!(error(text).contains(fix), "{text}: {}", error(text));
+        }
+        let long = format!(
+            r#"{{"method": "custom", "num_speculative_tokens": 4, "verify_cost_ratios": [1{}]}}"#,
+            ", 1.5".repeat(MAX_SPECULATIVE_TOKENS + 1)
+        );
+        assert!(error(&long).contains("values"));
     }
 
     #[test]

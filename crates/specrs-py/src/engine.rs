@@ -145,6 +145,8 @@ fn metrics_dict<'py>(py: Python<'py>, m: &RequestMetrics) -> PyResult<Bound<'py,
     d.set_item("prefill_tokens_per_s", m.prefill_tokens_per_s)?;
     d.set_item("spec_method", m.spec_method.as_deref())?;
     d.set_item("num_speculative_tokens", m.num_speculative_tokens)?;
+    d.set_item("verify_cost_source", m.verify_cost_source)?;
+    d.set_item("draft_cost_source", m.draft_cost_source)?;
     spec_items(&d, &m.spec)?;
     Ok(d)
 }
@@ -361,6 +363,7 @@ impl PyEngine {
         d.set_item("expected_speedup_refined", expected.map(|e| e.refined))?;
         d.set_item("draft_cost", expected.map(|e| e.draft_cost))?;
         d.set_item("verify_cost_ratio", expected.map(|e| e.verify_cost_ratio))?;
+        d.set_item("verify_cost_source", expected.map(|e| e.verify_cost_source.as_str()))?;
         Ok(d)
     }
 
@@ -375,6 +378,8 @@ impl PyEngine {
         d.set_item("draft_kv_bytes", m.draft_kv_bytes)?;
         d.set_item("peak_target_kv_bytes", m.peak_target_kv_bytes)?;
         d.set_item("peak_draft_kv_bytes", m.peak_draft_kv_bytes)?;
+        d.set_item("num_suffix_caches", m.num_suffix_caches)?;
+        d.set_item("suffix_cache_bytes", m.suffix_cache_bytes)?;
         Ok(d)
     }
 
@@ -388,6 +393,27 @@ impl PyEngine {
         let engine = self.inner.clone();
         let costs = run_detached(py, move || engine.verify_costs(max_n.max(1), context_len))?;
         Ok(costs.iter().map(|t| t / costs[0]).collect())
+    }
+
+    /// Loads what `config_json` needs and measures its adaptive-length costs now (or reads them
+    /// from the disk cache), so its first request does not pay for them: a dict of the costs
+    /// (`verify_cost_ratios`, `draft_cost`) and their sources.
+    fn prepare<'py>(&self, py: Python<'py>, config_json: &str) -> PyResult<Bound<'py, PyDict>> {
+        let config = guard(|| SpeculativeConfig::from_json(config_json)).map_err(to_py)?;
+        let engine = self.inner.clone();
+        let costs = run_detached(py, move || engine.prepare(&config))?;
+        let d = PyDict::new(py);
+        d.set_item("verify_cost_ratios", costs.verify_cost_ratios)?;
+        d.set_item("verify_cost_source", costs.verify_cost_source.as_str())?;
+        d.set_item("draft_cost", costs.draft_cost)?;
+        d.set_item("draft_cost_source", costs.draft_cost_source.map(|s| s.as_str()))?;
+        Ok(d)
+    }
+
+    /// Whether a request may measure a cost figure nobody measured yet (default true); off, it
+    /// gets the nearest figure (an extrapolated curve, a prior draft cost), marked in its metrics.
+    fn set_measure_on_demand(&self, on: bool) {
+        self.inner.set_measure_on_demand(on);
     }
 
     /// Teacher-forced logits `[len(ids), vocab_size]`: one forward pass, or one forward per entry

@@ -122,6 +122,11 @@ impl NodeArena {
         self.nodes.len() - self.free.len()
     }
 
+    /// Bytes the arena holds (capacity, free slots included: they are not returned to the OS).
+    fn memory_bytes(&self) -> usize {
+        self.nodes.capacity() * std::mem::size_of::<Node>() + self.free.capacity() * std::mem::size_of::<u32>()
+    }
+
     /// A fresh node for `token`, linked first among `parent`'s children, with count 0.
     fn alloc_child(&mut self, parent: u32, token: u32) -> u32 {
         let id = match self.free.pop() {
@@ -332,6 +337,15 @@ impl SuffixTree {
         self.arena.live() - 1
     }
 
+    /// Bytes held: the node arena, the wide nodes' edge map (key, value and a control byte per
+    /// bucket) and the open sequence's suffix lists.
+    pub fn memory_bytes(&self) -> usize {
+        let edge_bucket = std::mem::size_of::<(u64, u32)>() + 1;
+        self.arena.memory_bytes()
+            + self.edges.capacity() * edge_bucket
+            + (self.open_suffixes.capacity() + self.next_suffixes.capacity()) * std::mem::size_of::<u32>()
+    }
+
     /// Occurrences of `pattern` in the held sequences (0 if longer than `max_depth`); the empty
     /// pattern counts every token.
     pub fn count(&self, pattern: &[u32]) -> u64 {
@@ -517,6 +531,12 @@ impl SuffixCache {
 
     pub fn num_nodes(&self) -> usize {
         self.tree.num_nodes()
+    }
+
+    /// Bytes held by the tree and the cached responses.
+    pub fn memory_bytes(&self) -> usize {
+        self.tree.memory_bytes()
+            + self.responses.iter().map(|r| r.capacity() * std::mem::size_of::<u32>()).sum::<usize>()
     }
 }
 
