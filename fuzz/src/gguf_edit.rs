@@ -3,8 +3,8 @@
 //! changed, a tensor's shape, type, name or data changed), written back as a GGUF v3 file.
 //!
 //! Invariant: `write` emits a well-formed file for any `Model` (valid header, aligned data), so
-//! the loader sees nearly valid models whose *contents* are wrong: the inputs raw byte flips rarely
-//! reach past the header.
+//! the loader sees nearly valid models whose *contents* are wrong, which raw byte flips of a
+//! 150 KB file rarely produce (most break the header).
 
 use std::io::Cursor;
 

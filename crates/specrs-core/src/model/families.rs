@@ -24,6 +24,20 @@ pub const GGUF_ARCHITECTURES: [&str; 6] = ["llama", "mistral", "qwen2", "qwen3",
 /// metadata, refused before anything is allocated per layer.
 pub const MAX_LAYERS: usize = 1024;
 
+/// Past the longest context any model specrs runs was trained for (Qwen2.5-1M: 1,010,000 tokens).
+/// `decoder.rs` precomputes RoPE tables for the whole context, so a corrupt count must stop here.
+pub const MAX_CONTEXT_LENGTH: usize = 1 << 24;
+
+fn check_context_length(context_length: usize, key: &str, path: &str) -> Result<usize> {
+    if context_length == 0 || context_length > MAX_CONTEXT_LENGTH {
+        return Err(Error::model_load(format!(
+            "{path}: {key} = {context_length} is not a context length specrs can run (1..={MAX_CONTEXT_LENGTH}); \
+             the metadata is corrupt"
+        )));
+    }
+    Ok(context_length)
+}
+
 fn check_num_layers(num_layers: usize, key: &str, path: &str) -> Result<()> {
     if num_layers > MAX_LAYERS {
         return Err(Error::model_load(format!(
@@ -60,7 +74,7 @@ pub fn from_gguf(gguf: &mut GgufFile, arch: &str) -> Result<DecoderConfig> {
         num_heads,
         num_kv_heads,
         head_dim,
-        context_length: gguf.get_usize(&key("context_length"))?,
+        context_length: check_context_length(gguf.get_usize(&key("context_length"))?, &key("context_length"), &path)?,
         rms_eps: gguf.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
         rope_theta,
         rope_theta_local: rope_theta,
@@ -247,7 +261,7 @@ pub fn from_hf_config(config: &serde_json::Value, source: &str) -> Result<Decode
         num_heads,
         num_kv_heads,
         head_dim,
-        context_length: int("max_position_embeddings")?,
+        context_length: check_context_length(int("max_position_embeddings")?, "max_position_embeddings", source)?,
         rms_eps: opt_f32("rms_norm_eps").unwrap_or(1e-6),
         rope_theta,
         rope_theta_local: rope_theta,
@@ -372,6 +386,24 @@ mod tests {
         });
         let err = load_error(bytes);
         assert!(err.contains("'blk.1.ffn_down.weight' has shape [64, 32], the metadata implies [64, 128]"), "{err}");
+    }
+
+    // Found by fuzz/fuzz_targets/gguf_edits.rs: a huge context_length made decoder.rs (the path
+    // of a model with attention soft-capping) allocate RoPE tables for all of it, an abort.
+    #[test]
+    fn a_context_length_past_any_model_is_refused_before_allocating() {
+        let bytes = edited(|metadata, _| {
+            let (_, v) = metadata.iter_mut().find(|(k, _)| k == "llama.context_length").unwrap();
+            *v = Value::U64(1 << 40);
+        });
+        let err = load_error(bytes);
+        assert!(err.contains("llama.context_length = 1099511627776 is not a context length specrs can run"), "{err}");
+        let config = serde_json::json!({
+            "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+            "vocab_size": 256, "intermediate_size": 128, "max_position_embeddings": 0
+        });
+        let err = from_hf_config(&config, "config.json").err().unwrap().to_string();
+        assert!(err.contains("max_position_embeddings = 0 is not a context length"), "{err}");
     }
 
     // Found by fuzz/fuzz_targets/gguf_edits.rs: a huge block_count allocated per-layer tables
