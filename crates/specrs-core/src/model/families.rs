@@ -141,9 +141,11 @@ fn rope_freq_factors(gguf: &mut GgufFile) -> Result<Option<Vec<f32>>> {
 /// reads, in every layer, when the file has it (a missing one is named when it is loaded). The
 /// kernels index rows by these shapes, so a mismatch must stop here, not inside a matmul.
 fn check(c: &DecoderConfig, path: &str, gguf: &GgufFile) -> Result<()> {
+    // rope_dims 0 (no rotation) is no family's, and candle's rotary kernel panics on it.
     if c.vocab_size == 0
         || c.num_layers == 0
         || c.head_dim == 0
+        || c.rope_dims == 0
         || c.rope_dims > c.head_dim
         || !c.rope_dims.is_multiple_of(2)
     {
@@ -318,7 +320,12 @@ pub fn from_hf_config(config: &serde_json::Value, source: &str) -> Result<Decode
             )));
         }
     }
-    if c.vocab_size == 0 || num_layers == 0 || head_dim == 0 || c.rope_dims > head_dim || !c.rope_dims.is_multiple_of(2)
+    if c.vocab_size == 0
+        || num_layers == 0
+        || head_dim == 0
+        || c.rope_dims == 0
+        || c.rope_dims > head_dim
+        || !c.rope_dims.is_multiple_of(2)
     {
         return Err(Error::model_load(format!(
             "{source}: inconsistent shape (vocab {}, {num_layers} layers, head dim {head_dim}, rope dims {})",
@@ -404,6 +411,20 @@ mod tests {
         });
         let err = from_hf_config(&config, "config.json").err().unwrap().to_string();
         assert!(err.contains("max_position_embeddings = 0 is not a context length"), "{err}");
+    }
+
+    // Found by fuzz/fuzz_targets/gguf_edits.rs: rope.dimension_count = 0 loaded, and candle's rotary
+    // kernel (decoder.rs, the path of a model with attention soft-capping) panicked on it.
+    #[test]
+    fn zero_rotary_dimensions_are_refused() {
+        let bytes = edited(|metadata, _| metadata.push(("llama.rope.dimension_count".into(), Value::U32(0))));
+        assert!(load_error(bytes).contains("rope dims 0"));
+        let config = serde_json::json!({
+            "model_type": "phi3", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+            "vocab_size": 256, "intermediate_size": 128, "max_position_embeddings": 128, "partial_rotary_factor": 0.0
+        });
+        let err = from_hf_config(&config, "config.json").err().unwrap().to_string();
+        assert!(err.contains("rope dims 0"), "{err}");
     }
 
     // Found by fuzz/fuzz_targets/gguf_edits.rs: a huge block_count allocated per-layer tables
