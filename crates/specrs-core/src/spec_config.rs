@@ -697,6 +697,15 @@ mod tests {
         assert!(error(&long).contains("values"));
     }
 
+    // Found by fuzz/fuzz_targets/spec_config.rs: serde_json's default float parser is off by an ulp
+    // for some numbers, so a config did not survive to_json -> from_json; the workspace enables
+    // serde_json's float_roundtrip.
+    #[test]
+    fn every_float_survives_a_round_trip() {
+        let config = parse(r#"{"method": "suffix", "draft_cost": 8.081095890145881e-230}"#).unwrap();
+        assert_eq!(SpeculativeConfig::from_json(&config.to_json()).unwrap(), config);
+    }
+
     #[test]
     fn edit_distance_counts_single_edits() {
         assert_eq!(edit_distance("kitten", "sitting"), 3);

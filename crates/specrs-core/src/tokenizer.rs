@@ -295,6 +295,13 @@ impl TextTokenizer {
             Some(Value::Array(a)) => a.iter().map(|v| if let Value::F32(s) = v { *s } else { 0.0 }).collect(),
             _ => vec![0.0; tokens.len()],
         };
+        if scores.len() != tokens.len() {
+            return Err(Error::model_load(format!(
+                "{path}: {} token scores for {} tokens; the GGUF is corrupt",
+                scores.len(),
+                tokens.len()
+            )));
+        }
         let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
         // Every split of a mergeable token into two vocabulary tokens is a merge, ranked by the
         // merged token's score (higher first), then by id for a deterministic order.
@@ -513,6 +520,28 @@ mod tests {
             assert_eq!(ours, want, "text {text:?}");
             assert_eq!(tok.decode(&ours, true).unwrap(), text, "round trip of {text:?}");
         }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    // Found by fuzz/fuzz_targets/gguf_edits.rs: fewer scores than tokens indexed past the scores.
+    #[test]
+    fn fewer_scores_than_tokens_is_an_error() {
+        let dir = std::env::temp_dir().join(format!("specrs-spm-scores-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = spm_gguf(&dir);
+        let mut file = std::fs::File::open(&path).unwrap();
+        let content = gguf_file::Content::read(&mut file).unwrap();
+        let mut metadata: Vec<(String, Value)> = content.metadata.into_iter().collect();
+        for (key, value) in metadata.iter_mut() {
+            if key == "tokenizer.ggml.scores" {
+                *value = Value::Array(vec![Value::F32(0.0); 30]);
+            }
+        }
+        let refs: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        gguf_file::write(&mut std::fs::File::create(&path).unwrap(), &refs, &[]).unwrap();
+        let err = TextTokenizer::from_gguf(&GgufFile::open(&path).unwrap()).err().expect("loaded");
+        assert!(matches!(err, Error::ModelLoad(_)), "{err:?}");
+        assert!(err.to_string().contains("30 token scores for 269 tokens"), "{err}");
         std::fs::remove_dir_all(&dir).ok();
     }
 
