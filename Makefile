@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PROMPT ?= Summarize in one paragraph: Speculative decoding makes a language model faster without changing its output. A cheap proposer guesses the next few tokens, and the model checks all of the guesses in one forward pass. The model keeps the guesses that match its own choices, so the output is exactly what the model would have written by itself.
 SPEC_CONFIG ?= {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
-.PHONY: setup build test test-rust test-python run serve golden bench lint clean wheel-cuda test-cuda-build
+.PHONY: setup build test test-rust test-python run serve golden bench lint clean wheel-cuda test-cuda-build fuzz fuzz-ci
 
 # The `serve` extra (starlette, uvicorn, prometheus-client) and the test tools; keep in step with
 # pyproject.toml's optional dependencies.
@@ -73,6 +73,21 @@ test-cuda-build: setup
 	eval "$$(scripts/cuda-env.sh)" && CARGO_TARGET_DIR=$(CUDA_TARGET_DIR) \
 		LD_LIBRARY_PATH="$$SPECRS_CUDA_LIBS:$$SPECRS_CUDA_STUB_RUN" \
 		cargo test --release -p specrs-core --features cuda --lib -- batch:: model:: kv_cache::
+
+# Coverage-guided fuzzing (fuzz/README.md): each target for FUZZ_SECONDS, one core at a time,
+# then executions, coverage and crashes per target. fuzz/run.sh installs cargo-fuzz (crates.io)
+# and atheris (PyPI into .venv) when missing; crashing inputs land in ~/.cache/specrs-fuzz/.
+FUZZ_SECONDS ?= 60
+FUZZ_RUNS ?=
+FUZZ_TARGETS ?=
+FUZZ_ENV = PYTHON=$(CURDIR)/$(BIN)/python FUZZ_RUNS=$(FUZZ_RUNS) $(if $(FUZZ_TARGETS),FUZZ_TARGETS="$(FUZZ_TARGETS)")
+
+fuzz: build
+	$(FUZZ_ENV) FUZZ_SECONDS=$(FUZZ_SECONDS) fuzz/run.sh
+
+# CI's short run, after the tests (which built and installed specrs): 10 s per target.
+fuzz-ci: setup
+	$(FUZZ_ENV) FUZZ_SECONDS=10 fuzz/run.sh
 
 # Needs llama-cpp-python in the same Python as specrs (see benches/README.md).
 bench:

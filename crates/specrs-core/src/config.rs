@@ -54,6 +54,15 @@ impl SamplingParams {
                 self.temperature
             )));
         }
+        // The sampler scales logits by 1 / temperature; below f32's smallest normal number that
+        // is infinite and every probability NaN.
+        if self.temperature > 0.0 && self.temperature < f32::MIN_POSITIVE {
+            return Err(Error::config(format!(
+                "temperature must be 0 (greedy) or at least {:e} (got {:e}); use 0 for greedy decoding",
+                f32::MIN_POSITIVE,
+                self.temperature
+            )));
+        }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(Error::config(format!(
                 "top_p must be in (0, 1] (got {}); use 1.0 to disable nucleus sampling",
@@ -77,6 +86,8 @@ mod tests {
             (SamplingParams { max_tokens: 0, ..Default::default() }, "max_tokens"),
             (SamplingParams { temperature: -1.0, ..Default::default() }, "temperature"),
             (SamplingParams { temperature: f32::NAN, ..Default::default() }, "temperature"),
+            // Found by fuzz/fuzz_targets/sampling_params.rs: 1 / 1e-45 is infinite, every probability NaN.
+            (SamplingParams { temperature: 1e-45, ..Default::default() }, "temperature"),
             (SamplingParams { top_p: 0.0, ..Default::default() }, "top_p"),
             (SamplingParams { top_p: 1.5, ..Default::default() }, "top_p"),
             (SamplingParams { min_p: -0.1, ..Default::default() }, "min_p"),

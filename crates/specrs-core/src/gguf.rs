@@ -1,14 +1,15 @@
 //! Opening a GGUF file: header, metadata accessors and tensor loading with errors that name the
 //! file and the fix.
 //!
-//! Invariant: `GgufFile::open` only succeeds when the header parses and every tensor's data lies
-//! inside the file (sizes computed without overflow, rows made of whole quantization blocks), so a
-//! truncated download fails at load time, not mid-generation. Shapes against the model's config
-//! are checked by `model/gguf_layout.rs`.
+//! Invariant: `GgufFile::open` (and `from_bytes`, the same checks on bytes in memory) only
+//! succeeds when the header parses and every tensor's data lies inside the file (sizes computed
+//! without overflow, rows made of whole quantization blocks, no empty tensor), so a truncated
+//! download fails at load time, not mid-generation. Shapes against the model's config are checked
+//! by `model/gguf_layout.rs`.
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufReader, Cursor, Read, Seek};
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{Content, TensorInfo, Value};
@@ -17,10 +18,14 @@ use candle_core::Device;
 
 use crate::error::{Error, Result};
 
+/// Where the bytes come from: a file on disk, or memory (`from_bytes`: tests and fuzzing).
+trait Source: Read + Seek + Send + Sync {}
+impl<T: Read + Seek + Send + Sync> Source for T {}
+
 pub struct GgufFile {
     pub path: PathBuf,
     content: Content,
-    reader: BufReader<File>,
+    reader: Box<dyn Source>,
 }
 
 impl GgufFile {
@@ -37,7 +42,22 @@ impl GgufFile {
         }
         let file = File::open(&path).map_err(|e| Error::model_load(format!("cannot open model file {shown}: {e}")))?;
         let file_size = file.metadata().map(|m| m.len()).unwrap_or(0);
-        let mut reader = BufReader::new(file);
+        Self::read(path, Box::new(BufReader::new(file)), file_size)
+    }
+
+    /// A GGUF file held in memory; `name` stands for its path in error messages.
+    pub fn from_bytes(name: impl Into<PathBuf>, bytes: Vec<u8>) -> Result<Self> {
+        let file_size = bytes.len() as u64;
+        Self::read(name.into(), Box::new(Cursor::new(bytes)), file_size)
+    }
+
+    fn read(path: PathBuf, mut reader: Box<dyn Source>, file_size: u64) -> Result<Self> {
+        let shown = path.display();
+        if alignment_is_zero(&mut reader) {
+            return Err(Error::model_load(format!(
+                "{shown} is corrupt: its metadata 'general.alignment' is 0; re-download it or convert the model again"
+            )));
+        }
         let content = Content::read(&mut reader).map_err(|e| {
             Error::model_load(format!(
                 "{shown} is not a valid GGUF file ({e}); re-download it or convert the model to GGUF"
@@ -174,6 +194,11 @@ fn check_tensor_extent(info: &TensorInfo, data_offset: u64, file_size: u64) -> s
         .ok_or_else(|| {
             format!("has shape {dims:?}, whose size overflows; the file is corrupt, re-convert the model")
         })?;
+    // An empty tensor is no model's, and candle would cast its dangling data pointer to blocks of a
+    // stricter alignment (undefined behaviour) when reading it.
+    if num_bytes == 0 {
+        return Err(format!("has shape {dims:?}, no elements; the file is corrupt, re-convert the model"));
+    }
     let end = data_offset.checked_add(info.offset).and_then(|start| start.checked_add(num_bytes as u64));
     match end {
         Some(end) if end <= file_size => Ok(()),
@@ -182,6 +207,100 @@ fn check_tensor_extent(info: &TensorInfo, data_offset: u64, file_size: u64) -> s
              bytes); the file is truncated or corrupt (an incomplete download?): fetch it again",
             data_offset.saturating_add(info.offset)
         )),
+    }
+}
+
+/// Whether the header sets `general.alignment` to 0, which candle's reader divides by without a
+/// check (a panic). Parses only what it takes to skip each value; anything malformed is left
+/// for candle's reader to report. Leaves `reader` at the start.
+fn alignment_is_zero(reader: &mut dyn Source) -> bool {
+    let zero = scan_alignment(reader).unwrap_or(None) == Some(0);
+    let _ = reader.rewind();
+    zero
+}
+
+/// The last `general.alignment` integer in the header (candle keeps the last of repeated keys).
+fn scan_alignment(r: &mut dyn Source) -> std::io::Result<Option<u64>> {
+    let mut magic_and_version = [0u8; 8];
+    r.read_exact(&mut magic_and_version)?;
+    // GGUF v1 writes lengths and counts as u32, later versions as u64.
+    let wide = u32::from_le_bytes(magic_and_version[4..].try_into().unwrap()) != 1;
+    let _tensor_count = read_len(r, wide)?;
+    let mut alignment = None;
+    for _ in 0..read_len(r, wide)? {
+        let key_len = read_len(r, wide)?;
+        let mut key = [0u8; 17];
+        let is_alignment = key_len == 17 && {
+            r.read_exact(&mut key)?;
+            &key == b"general.alignment"
+        };
+        if key_len != 17 {
+            seek_forward(r, key_len)?;
+        }
+        let value_type = read_u32(r)?;
+        if is_alignment && value_type <= 5 {
+            // u8, i8, u16, i16, u32, i32: the integer types candle reads the alignment from.
+            let mut value = [0u8; 4];
+            let width = [1, 1, 2, 2, 4, 4][value_type as usize];
+            r.read_exact(&mut value[..width])?;
+            alignment = Some(u64::from(u32::from_le_bytes(value)));
+        } else {
+            skip_value(r, value_type, wide, 0)?;
+        }
+    }
+    Ok(alignment)
+}
+
+fn read_u32(r: &mut dyn Source) -> std::io::Result<u32> {
+    let mut b = [0u8; 4];
+    r.read_exact(&mut b)?;
+    Ok(u32::from_le_bytes(b))
+}
+
+fn read_len(r: &mut dyn Source, wide: bool) -> std::io::Result<u64> {
+    if !wide {
+        return read_u32(r).map(u64::from);
+    }
+    let mut b = [0u8; 8];
+    r.read_exact(&mut b)?;
+    Ok(u64::from_le_bytes(b))
+}
+
+fn seek_forward(r: &mut dyn Source, n: u64) -> std::io::Result<()> {
+    let n = i64::try_from(n).map_err(|_| std::io::Error::other("length past the end"))?;
+    r.seek(std::io::SeekFrom::Current(n)).map(|_| ())
+}
+
+fn skip_value(r: &mut dyn Source, value_type: u32, wide: bool, depth: usize) -> std::io::Result<()> {
+    let fixed = |t: u32| -> Option<u64> {
+        match t {
+            0 | 1 | 7 => Some(1),
+            2 | 3 => Some(2),
+            4..=6 => Some(4),
+            10..=12 => Some(8),
+            _ => None,
+        }
+    };
+    match value_type {
+        8 => {
+            let len = read_len(r, wide)?;
+            seek_forward(r, len)
+        }
+        9 if depth < 4 => {
+            let element_type = read_u32(r)?;
+            let len = read_len(r, wide)?;
+            match fixed(element_type) {
+                Some(size) => {
+                    seek_forward(r, len.checked_mul(size).ok_or_else(|| std::io::Error::other("array too long"))?)
+                }
+                // Each element reads at least one length, so a bogus count ends at the file's end.
+                None => (0..len).try_for_each(|_| skip_value(r, element_type, wide, depth + 1)),
+            }
+        }
+        t => match fixed(t) {
+            Some(size) => seek_forward(r, size),
+            None => Err(std::io::Error::other("unknown value type")),
+        },
     }
 }
 
@@ -197,4 +316,79 @@ pub fn value_as_i64(v: &Value) -> Option<i64> {
         Value::I64(x) => *x,
         _ => return None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A GGUF v3 file: `kvs` as (key, type id, value bytes), one f32 tensor of GGUF dims `dims`
+    /// with `data` bytes of data.
+    fn gguf_bytes(kvs: &[(&str, u32, Vec<u8>)], dims: &[u64], data: usize) -> Vec<u8> {
+        let string = |out: &mut Vec<u8>, s: &str| {
+            out.extend((s.len() as u64).to_le_bytes());
+            out.extend(s.as_bytes());
+        };
+        let mut out = b"GGUF".to_vec();
+        out.extend(3u32.to_le_bytes());
+        out.extend(1u64.to_le_bytes());
+        out.extend((kvs.len() as u64).to_le_bytes());
+        for (key, value_type, value) in kvs {
+            string(&mut out, key);
+            out.extend(value_type.to_le_bytes());
+            out.extend(value);
+        }
+        string(&mut out, "t.weight");
+        out.extend((dims.len() as u32).to_le_bytes());
+        for d in dims {
+            out.extend(d.to_le_bytes());
+        }
+        out.extend(0u32.to_le_bytes()); // f32
+        out.extend(0u64.to_le_bytes()); // offset
+        out.resize(out.len().next_multiple_of(32) + data, 0);
+        out
+    }
+
+    fn load_error(bytes: Vec<u8>) -> String {
+        match GgufFile::from_bytes("t.gguf", bytes) {
+            Ok(_) => panic!("loaded"),
+            Err(e) => {
+                assert!(matches!(e, Error::ModelLoad(_)), "{e:?}");
+                e.to_string()
+            }
+        }
+    }
+
+    #[test]
+    fn from_bytes_reads_what_open_reads() {
+        let name = ("general.name", 8, [&5u64.to_le_bytes()[..], b"tiny!"].concat());
+        let gguf = GgufFile::from_bytes("t.gguf", gguf_bytes(&[name], &[4, 2], 32)).unwrap();
+        assert_eq!(gguf.get_str("general.name").unwrap(), "tiny!");
+        assert_eq!(gguf.tensor_dims("t.weight"), Some(vec![2, 4]));
+        assert!(load_error(gguf_bytes(&[], &[4, 2], 31)).contains("is truncated"));
+    }
+
+    // The three below were found by fuzz/fuzz_targets/gguf_reader.rs and gguf_edits.rs; each
+    // panicked (or, in a release build, read out of bounds or misaligned) before it was checked.
+
+    #[test]
+    fn a_zero_alignment_is_an_error_not_a_division_by_zero() {
+        for (value_type, value) in [(4, 0u32.to_le_bytes().to_vec()), (0, vec![0]), (3, vec![0, 0])] {
+            let bytes = gguf_bytes(&[("general.alignment", value_type, value)], &[4], 16);
+            assert!(load_error(bytes).contains("'general.alignment' is 0"));
+        }
+        // A valid alignment still loads, and the scan leaves the reader where candle expects it.
+        let bytes = gguf_bytes(&[("general.alignment", 4, 32u32.to_le_bytes().to_vec())], &[4], 16);
+        GgufFile::from_bytes("t.gguf", bytes).unwrap();
+    }
+
+    #[test]
+    fn dimensions_whose_product_overflows_are_an_error() {
+        assert!(load_error(gguf_bytes(&[], &[1 << 32, 1 << 32], 16)).contains("whose size overflows"));
+    }
+
+    #[test]
+    fn an_empty_tensor_is_an_error() {
+        assert!(load_error(gguf_bytes(&[], &[0, 1 << 40], 16)).contains("no elements"));
+    }
 }

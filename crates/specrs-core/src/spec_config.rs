@@ -610,6 +610,10 @@ mod tests {
         .contains("prompt_lookup_min=4 must be <= prompt_lookup_max=2"));
         assert!(error(r#"{"method": "suffix", "prompt_lookup_min": 2}"#).contains("applies to method 'ngram'"));
         assert!(error(r#"{"method": "suffix", "suffix_decoding_min_token_prob": 2}"#).contains("[0, 1]"));
+        // Found by fuzz/fuzz_targets/spec_config.rs before the bound: 3.5e38 became an infinite f32,
+        // which to_json wrote as null, so the config did not survive a round trip.
+        assert!(error(r#"{"method": "suffix", "suffix_decoding_max_spec_factor": 3.5e38}"#)
+            .contains("suffix_decoding_max_spec_factor must be in [0, 64]"));
         assert!(error(r#"{"num_speculative_tokens": 4}"#).contains("needs \"method\""));
         assert!(error(r#"{"method": "suffix", "adaptive_draft_length": 1}"#).contains("true or false"));
         assert!(error("[1, 2]").contains("JSON object"));
@@ -691,6 +695,15 @@ mod tests {
             ", 1.5".repeat(MAX_SPECULATIVE_TOKENS + 1)
         );
         assert!(error(&long).contains("values"));
+    }
+
+    // Found by fuzz/fuzz_targets/spec_config.rs: serde_json's default float parser is off by an ulp
+    // for some numbers, so a config did not survive to_json -> from_json; the workspace enables
+    // serde_json's float_roundtrip.
+    #[test]
+    fn every_float_survives_a_round_trip() {
+        let config = parse(r#"{"method": "suffix", "draft_cost": 8.081095890145881e-230}"#).unwrap();
+        assert_eq!(SpeculativeConfig::from_json(&config.to_json()).unwrap(), config);
     }
 
     #[test]

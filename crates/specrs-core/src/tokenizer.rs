@@ -158,12 +158,17 @@ impl TextTokenizer {
     /// `generation_config.json`.
     pub fn from_hf_dir(dir: &std::path::Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
-        let inner = Tokenizer::from_file(&path).map_err(|e| {
+        let cannot_read = |e: &dyn std::fmt::Display| {
             Error::model_load(format!(
                 "cannot read {} ({e}); a Hugging Face model directory needs tokenizer.json",
                 path.display()
             ))
-        })?;
+        };
+        let bytes = std::fs::read(&path).map_err(|e| cannot_read(&e))?;
+        // tokenizers panics on some malformed JSON (its decoder deserializer `expect`s), so only
+        // well-formed JSON reaches it.
+        serde_json::from_slice::<serde::de::IgnoredAny>(&bytes).map_err(|e| cannot_read(&e))?;
+        let inner = Tokenizer::from_bytes(&bytes).map_err(|e| cannot_read(&e))?;
         let vocab_size = inner.get_vocab_size(true);
         let config = crate::model::hf_dir::read_optional_json(&dir.join("tokenizer_config.json"))?.unwrap_or_default();
         let generation =
@@ -290,6 +295,13 @@ impl TextTokenizer {
             Some(Value::Array(a)) => a.iter().map(|v| if let Value::F32(s) = v { *s } else { 0.0 }).collect(),
             _ => vec![0.0; tokens.len()],
         };
+        if scores.len() != tokens.len() {
+            return Err(Error::model_load(format!(
+                "{path}: {} token scores for {} tokens; the GGUF is corrupt",
+                scores.len(),
+                tokens.len()
+            )));
+        }
         let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
         // Every split of a mergeable token into two vocabulary tokens is a merge, ranked by the
         // merged token's score (higher first), then by id for a deterministic order.
@@ -508,6 +520,41 @@ mod tests {
             assert_eq!(ours, want, "text {text:?}");
             assert_eq!(tok.decode(&ours, true).unwrap(), text, "round trip of {text:?}");
         }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    // Found by fuzz/fuzz_targets/gguf_edits.rs: fewer scores than tokens indexed past the scores.
+    #[test]
+    fn fewer_scores_than_tokens_is_an_error() {
+        let dir = std::env::temp_dir().join(format!("specrs-spm-scores-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = spm_gguf(&dir);
+        let mut file = std::fs::File::open(&path).unwrap();
+        let content = gguf_file::Content::read(&mut file).unwrap();
+        let mut metadata: Vec<(String, Value)> = content.metadata.into_iter().collect();
+        for (key, value) in metadata.iter_mut() {
+            if key == "tokenizer.ggml.scores" {
+                *value = Value::Array(vec![Value::F32(0.0); 30]);
+            }
+        }
+        let refs: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        gguf_file::write(&mut std::fs::File::create(&path).unwrap(), &refs, &[]).unwrap();
+        let err = TextTokenizer::from_gguf(&GgufFile::open(&path).unwrap()).err().expect("loaded");
+        assert!(matches!(err, Error::ModelLoad(_)), "{err:?}");
+        assert!(err.to_string().contains("30 token scores for 269 tokens"), "{err}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    // Found by fuzz/fuzz_targets/hf_dir.rs: the tokenizers crate panicked (an `expect` in its
+    // decoder deserializer) on a tokenizer.json that is not valid JSON.
+    #[test]
+    fn a_malformed_tokenizer_json_is_an_error_not_a_panic() {
+        let dir = std::env::temp_dir().join(format!("specrs-bad-tokenizer-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("tokenizer.json"), r#"{"decoder": {"type": }}"#).unwrap();
+        let err = TextTokenizer::from_hf_dir(&dir).err().expect("a malformed tokenizer.json loaded");
+        assert!(matches!(err, Error::ModelLoad(_)), "{err:?}");
+        assert!(err.to_string().contains("tokenizer.json"), "{err}");
         std::fs::remove_dir_all(&dir).ok();
     }
 

@@ -88,7 +88,30 @@ def parse_json_body(raw: bytes) -> dict:
         raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(body).__name__}")
+    bad = _lone_surrogate(body)
+    if bad is not None:
+        raise APIError(400, f"the request body holds the string {bad!r} with a lone UTF-16 surrogate (a \\ud800-"
+                       "\\udfff escape without its pair), which is not text; send valid Unicode")
     return body
+
+
+def _lone_surrogate(value) -> str | None:
+    """The first string in a parsed JSON value (keys included) that UTF-8 cannot encode: JSON lets
+    `\\ud800` stand alone, the tokenizer cannot take it. Iterative, so depth costs no stack."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return v[:40]
+    return None
 
 
 @dataclass

@@ -24,11 +24,27 @@ use crate::gguf::GgufFile;
 /// GGUF `general.architecture` values this module reads.
 pub const GGUF_ARCHITECTURES: [&str; 6] = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"];
 
+/// More layers than any released model has (Llama 3.1 405B: 126); a larger count is corrupt
+/// metadata, refused before anything is allocated per layer.
+pub const MAX_LAYERS: usize = 1024;
+
+fn check_num_layers(num_layers: usize, keys: &Keys) -> Result<()> {
+    if num_layers > MAX_LAYERS {
+        return Err(keys.refuse(
+            Field::NumLayers,
+            num_layers,
+            &format!("more layers than any model has (specrs reads up to {MAX_LAYERS})"),
+        ));
+    }
+    Ok(())
+}
+
 /// The decoder config of a GGUF file whose `general.architecture` is `arch`.
 pub fn from_gguf(gguf: &mut GgufFile, arch: &str) -> Result<DecoderConfig> {
     let path = gguf.path.display().to_string();
     let key = |k: &str| format!("{arch}.{k}");
     let num_layers = gguf.get_usize(&key("block_count"))?;
+    check_num_layers(num_layers, &Keys::Gguf { path: &path, arch })?;
     let hidden_size = gguf.get_usize(&key("embedding_length"))?;
     let num_heads = gguf.get_usize(&key("attention.head_count"))?;
     let num_kv_heads = gguf.opt_usize(&key("attention.head_count_kv"))?.unwrap_or(num_heads);
@@ -328,6 +344,7 @@ pub fn from_hf_config(config: &serde_json::Value, source: &str) -> Result<Decode
     let opt_f32 = |key: &str| config.get(key).and_then(|v| v.as_f64()).map(|v| v as f32);
     let (hidden_size, num_heads, num_layers) =
         (int("hidden_size")?, int("num_attention_heads")?, int("num_hidden_layers")?);
+    check_num_layers(num_layers, &Keys::Hf { path: source })?;
     let num_kv_heads = opt_int("num_key_value_heads").unwrap_or(num_heads);
     let keys = Keys::Hf { path: source };
     check_heads(num_heads, num_kv_heads, hidden_size, &keys)?;
@@ -414,6 +431,9 @@ pub fn from_hf_config(config: &serde_json::Value, source: &str) -> Result<Decode
 
 #[cfg(test)]
 mod tests {
+    use candle_core::quantized::gguf_file::{self, Content, Value};
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{DType, Tensor};
     use serde_json::json;
 
     use super::*;
@@ -435,7 +455,7 @@ mod tests {
             ("llama", json!({"partial_rotary_factor": 0.0}), "'partial_rotary_factor' is 0 rotated dimensions"),
             ("llama", json!({"num_key_value_heads": 3}), "'num_key_value_heads' is 3, which does not divide the 4"),
             ("llama", json!({"vocab_size": 0}), "'vocab_size' is 0, but it must be in 1..=16777216"),
-            ("llama", json!({"num_hidden_layers": 1u64 << 30}), "'num_hidden_layers' is 1073741824"),
+            ("llama", json!({"num_hidden_layers": 1u64 << 30}), "'num_hidden_layers' is 1073741824, more layers than"),
             ("llama", json!({"hidden_size": 1u64 << 40}), "'hidden_size' is 1099511627776, above the limit"),
             ("llama", json!({"rope_theta": -1.0}), "'rope_theta' is -1"),
             ("mistral", json!({"sliding_window": 0}), "'sliding_window' is 0, but a window must hold"),
@@ -449,5 +469,109 @@ mod tests {
             assert!(text.starts_with("config.json: ") && text.contains(message), "{change}: {text}");
             assert!(text.contains("fix config.json"), "{text}");
         }
+    }
+
+    const GOLDEN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/golden/gguf/llama-q8_0.gguf");
+
+    type Metadata = Vec<(String, Value)>;
+    type Tensors = Vec<(String, QTensor)>;
+
+    /// The golden tiny llama (hidden 64, FFN 128, 2 layers) with `edit` applied, as GGUF bytes.
+    fn edited(edit: impl FnOnce(&mut Metadata, &mut Tensors)) -> Vec<u8> {
+        let bytes = std::fs::read(GOLDEN).unwrap();
+        let mut reader = std::io::Cursor::new(&bytes);
+        let content = Content::read(&mut reader).unwrap();
+        let mut tensors: Tensors = content
+            .tensor_infos
+            .keys()
+            .map(|name| (name.clone(), content.tensor(&mut reader, name, &Device::Cpu).unwrap()))
+            .collect();
+        let mut metadata: Metadata = content.metadata.into_iter().collect();
+        edit(&mut metadata, &mut tensors);
+        let metadata: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
+        let mut out = std::io::Cursor::new(Vec::new());
+        gguf_file::write(&mut out, &metadata, &tensors).unwrap();
+        out.into_inner()
+    }
+
+    fn load(bytes: Vec<u8>) -> Result<Box<dyn crate::model::CausalLm>> {
+        crate::model::load(&mut GgufFile::from_bytes("edited.gguf", bytes)?, &Device::Cpu)
+    }
+
+    fn load_error(bytes: Vec<u8>) -> String {
+        let err = load(bytes).err().expect("the edited file loaded");
+        assert!(matches!(err, Error::ModelLoad(_)), "{err:?}");
+        err.to_string()
+    }
+
+    #[test]
+    fn the_unedited_golden_file_loads() {
+        load(edited(|_, _| {})).unwrap();
+    }
+
+    // Found by fuzz/fuzz_targets/gguf_edits.rs: a layer past the first with a tensor of the wrong
+    // shape loaded, and the first forward panicked indexing a matmul's rows.
+    #[test]
+    fn every_layers_tensor_shapes_are_checked() {
+        let bytes = edited(|_, tensors| {
+            let narrow = Tensor::zeros((64, 32), DType::F32, &Device::Cpu).unwrap();
+            let (_, t) = tensors.iter_mut().find(|(name, _)| name == "blk.1.ffn_down.weight").unwrap();
+            *t = QTensor::quantize(&narrow, GgmlDType::Q8_0).unwrap();
+        });
+        let err = load_error(bytes);
+        assert!(
+            err.contains("'blk.1.ffn_down.weight' has shape [64, 32], but the metadata implies [64, 128]"),
+            "{err}"
+        );
+    }
+
+    // Found by fuzz/fuzz_targets/gguf_edits.rs: a huge context_length made decoder.rs (the path
+    // of a model with attention soft-capping) allocate RoPE tables for all of it, an abort.
+    #[test]
+    fn a_context_length_past_any_model_is_refused_before_allocating() {
+        let bytes = edited(|metadata, _| {
+            let (_, v) = metadata.iter_mut().find(|(k, _)| k == "llama.context_length").unwrap();
+            *v = Value::U64(1 << 40);
+        });
+        let err = load_error(bytes);
+        assert!(err.contains("'llama.context_length' is 1099511627776, but it must be in 1..="), "{err}");
+        let config = serde_json::json!({
+            "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+            "vocab_size": 256, "intermediate_size": 128, "max_position_embeddings": 0
+        });
+        let err = from_hf_config(&config, "config.json").err().unwrap().to_string();
+        assert!(err.contains("'max_position_embeddings' is 0, but it must be in 1..="), "{err}");
+    }
+
+    // Found by fuzz/fuzz_targets/gguf_edits.rs: rope.dimension_count = 0 loaded, and candle's rotary
+    // kernel (decoder.rs, the path of a model with attention soft-capping) panicked on it.
+    #[test]
+    fn zero_rotary_dimensions_are_refused() {
+        let bytes = edited(|metadata, _| metadata.push(("llama.rope.dimension_count".into(), Value::U32(0))));
+        assert!(load_error(bytes).contains("'llama.rope.dimension_count' is 0 rotated dimensions"));
+        let config = serde_json::json!({
+            "model_type": "phi3", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+            "vocab_size": 256, "intermediate_size": 128, "max_position_embeddings": 128, "partial_rotary_factor": 0.0
+        });
+        let err = from_hf_config(&config, "config.json").err().unwrap().to_string();
+        assert!(err.contains("'partial_rotary_factor' is 0 rotated dimensions"), "{err}");
+    }
+
+    // Found by fuzz/fuzz_targets/gguf_edits.rs: a huge block_count allocated per-layer tables
+    // until the process ran out of memory.
+    #[test]
+    fn a_block_count_past_any_model_is_refused_before_allocating() {
+        let bytes = edited(|metadata, _| {
+            let (_, v) = metadata.iter_mut().find(|(k, _)| k == "llama.block_count").unwrap();
+            *v = Value::U64(1 << 40);
+        });
+        assert!(load_error(bytes).contains("'llama.block_count' is 1099511627776, more layers than any model has"));
+        let config = serde_json::json!({
+            "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1u64 << 40,
+            "vocab_size": 256, "intermediate_size": 128, "max_position_embeddings": 128
+        });
+        let err = from_hf_config(&config, "config.json").err().unwrap().to_string();
+        assert!(err.contains("'num_hidden_layers' is 1099511627776, more layers than any model has"), "{err}");
     }
 }
