@@ -112,6 +112,11 @@ def test_bad_prompts(engine):
         engine.generate([])
     with pytest.raises(ConfigError, match="outside the vocabulary"):
         engine.generate([10**9])
+    # A lone surrogate is a Python str but no text: a ConfigError, not a raw UnicodeEncodeError.
+    with pytest.raises(ConfigError, match="lone UTF-16 surrogate at index 3"):
+        engine.generate("abc\ud800")
+    with pytest.raises(ConfigError, match="chat message holds a lone UTF-16 surrogate"):
+        engine.generate([{"role": "user", "content": "\udfff"}])
 
 
 def test_default_model_missing_names_the_install_command(monkeypatch):

@@ -19,31 +19,38 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
-    """A private cost cache, so these tests measure (and read back) their own figures."""
+    """A private cost cache, so these tests measure (and read back) their own figures. Every timing
+    counts as quiet, so what the engine measures is stored whatever else the machine is doing (the
+    screening of disturbed timings is costs.rs's unit tests')."""
     monkeypatch.setenv("SPECRS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPECRS_MAX_QUIET_SPREAD", "1e300")
     return tmp_path
 
 
-def test_an_engine_measures_its_methods_costs_when_built_and_later_processes_reuse_them(cache_dir, model_path):
-    engine = specrs.Engine(model_path, speculative_config=NGRAM)
-    files = list((cache_dir / "costs").glob("*.json"))
-    assert len(files) == 1, "building the engine measured the curve and stored it"
-    stored = json.loads(files[0].read_text())["verify_costs_s"]["512"]
-    assert len(stored) >= 3 and all(t > 0 for t in stored)
-    r = engine.generate(PROMPT, SamplingParams(max_tokens=24))
-    assert r.metrics["verify_cost_source"] == "measured" and r.metrics["draft_cost_source"] is None
-    # A new process reads the figures instead of measuring them: same curve, labelled "cached".
+def _prepare_in_new_process(model_path, cache_dir, **env):
     code = ("import json, specrs; e = specrs.Engine(%r, speculative_config=%r); "
             "print(json.dumps(e.prepare(%r)))" % (model_path, NGRAM, NGRAM))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "SPECRS_CACHE_DIR": str(cache_dir)})
-    costs = json.loads(out.stdout)
-    assert costs["verify_cost_source"] == "cached"
-    assert costs["verify_cost_ratios"] == pytest.approx([t / stored[0] for t in stored[:3]], rel=1e-12)
+                         env={**os.environ, "SPECRS_CACHE_DIR": str(cache_dir), **env})
+    return json.loads(out.stdout)
+
+
+def test_an_engine_measures_its_methods_costs_when_built_and_later_processes_reuse_them(cache_dir, model_path):
+    first = _prepare_in_new_process(model_path, cache_dir)
+    assert first["verify_cost_source"] == "measured" and first["draft_cost_source"] is None
+    files = list((cache_dir / "costs").glob("*.json"))
+    assert len(files) == 1, "building the engine measured the curve and stored it"
+    stored = json.loads(files[0].read_text())["verify_costs_s"]["512"]
+    assert len(stored) >= 3 and stored == sorted(stored) and stored[0] > 0
+    # A new process reads the figures instead of measuring them: the same curve, labelled "cached",
+    # in its requests' metrics too.
+    engine = specrs.Engine(model_path, speculative_config=NGRAM)
+    r = engine.generate(PROMPT, SamplingParams(max_tokens=24))
+    assert r.metrics["verify_cost_source"] == "cached" and r.metrics["draft_cost_source"] is None
+    assert engine.prepare(NGRAM)["verify_cost_ratios"] == pytest.approx(first["verify_cost_ratios"], rel=1e-12)
+    assert first["verify_cost_ratios"] == pytest.approx([t / stored[0] for t in stored[:3]], rel=1e-12)
     # SPECRS_COST_CACHE=0: measured afresh, nothing read.
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "SPECRS_CACHE_DIR": str(cache_dir), "SPECRS_COST_CACHE": "0"})
-    assert json.loads(out.stdout)["verify_cost_source"] == "measured"
+    assert _prepare_in_new_process(model_path, cache_dir, SPECRS_COST_CACHE="0")["verify_cost_source"] == "measured"
 
 
 def test_a_larger_k_extends_the_curve_and_never_changes_what_smaller_ks_read(cache_dir, model_path):
@@ -94,7 +101,7 @@ def test_without_measuring_on_demand_a_request_gets_the_nearest_figures(cache_di
     assert engine.verify_cost_ratios(3) == engine.prepare(NGRAM)["verify_cost_ratios"]
     # Measured at startup, then read: a measured draft cost is "measured".
     engine.set_measure_on_demand(True)
-    assert engine.prepare(skip)["draft_cost_source"] == "measured"
+    assert engine.prepare(skip)["draft_cost_source"] in ("measured", "disturbed")
 
 
 def test_suffix_caches_are_bounded_and_the_engines_own_is_kept(model_path):

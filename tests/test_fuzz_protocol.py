@@ -26,14 +26,14 @@ REGRESSIONS = [p for p in sorted((FUZZ_PYTHON.parent / "regressions" / "protocol
 
 # (endpoint, body, what the refusal's message says)
 REFUSED = [
-    ("completion", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nests arrays or objects too deeply"),
-    ("completion", b'{"prompt": "x", "max_tokens": ' + b"1" * 4301 + b"}", "integer with too many digits"),
+    ("completion", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nests JSON arrays or objects too deeply"),
+    ("completion", b'{"prompt": "x", "max_tokens": ' + b"1" * 4301 + b"}", "Exceeds the limit (4300 digits)"),
     ("completion", b'{"prompt": "\\ud800"}', "lone UTF-16 surrogate"),
     ("chat", b'{"messages": [{"role": "user", "content": "hi \\udfff"}]}', "lone UTF-16 surrogate"),
-    ("completion", b'{"prompt": [104, -5, -5]}', "prompt token id -5 is outside the vocabulary (0..49151)"),
+    ("completion", b'{"prompt": [104, -5, -5]}', "prompt token id -5 is outside the vocabulary (ids are 0..49151)"),
     ("completion", b'{"prompt": [1, 4294967296]}', "prompt token id 4294967296 is outside the vocabulary"),
-    ("completion", b'{"prompt": "x", "seed": ' + str(2**70).encode() + b"}", "seed must be an integer below 2**63"),
-    ("completion", b'{"prompt": "x", "top_k": ' + str(2**64).encode() + b"}", "top_k must be an integer below"),
+    ("completion", b'{"prompt": "x", "seed": ' + str(2**70).encode() + b"}", "seed must be an integer in 0..=18446744073709551615"),
+    ("completion", b'{"prompt": "x", "top_k": ' + str(2**64).encode() + b"}", "top_k must be an integer in -1..=9223372036854775807"),
     ("completion", b'{"prompt": "x", "temperature": ' + b"9" * 400 + b"}", "temperature must be a finite number"),
 ]
 

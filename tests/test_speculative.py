@@ -238,8 +238,10 @@ def test_engine_metrics_sum_requests_and_report_expected_speedup(model_path):
     assert m["acceptance_rate"] == pytest.approx(m["num_accepted_tokens"] / m["num_draft_tokens"])
     assert m["itl_s_p50"] <= m["itl_s_p99"] and m["decode_tokens_per_s"] > 0
     assert m["expected_speedup_textbook"] > 0 and m["expected_speedup_refined"] > 0
-    # On a CPU, verifying k+1 tokens costs more than one step, so the refined prediction is lower.
-    assert m["verify_cost_ratio"] > 1 and m["expected_speedup_refined"] < m["expected_speedup_textbook"]
+    # Verifying k+1 tokens never costs less than one step (the curve is non-decreasing), so the
+    # refined prediction is never above the textbook one. (How much more it costs is the machine's.)
+    assert m["verify_cost_ratio"] >= 1 and m["expected_speedup_refined"] <= m["expected_speedup_textbook"]
+    assert m["verify_cost_source"] in ("measured", "disturbed", "cached")
     engine.reset_metrics()
     assert engine.metrics()["num_requests"] == 0
 

@@ -38,6 +38,17 @@ def _config_json(config: SpecConfig) -> str:
     return _specrs.Engine.parse_speculative_config(text)
 
 
+def _text(text: str, what: str) -> str:
+    """`text` if UTF-8 can encode it: a Python str may hold a lone surrogate ("\ud800"), which is no
+    text and which the tokenizer cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"{what} holds a lone UTF-16 surrogate at index {e.start} ({text[e.start]!r}), which is "
+                          "not text; pass valid Unicode") from None
+    return text
+
+
 def expected_speedup(
     acceptance_rate: float,
     num_speculative_tokens: float,
@@ -208,7 +219,7 @@ class Engine:
         """Token ids of a prompt: a string encoded as is, chat messages rendered by the model's
         template, or token ids passed through."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(_text(prompt, "prompt"))
         if isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) for t in prompt):
             return list(prompt)
         if not isinstance(prompt, Sequence) or not prompt or not all(isinstance(m, Mapping) for m in prompt):
@@ -220,7 +231,7 @@ class Engine:
         for m in prompt:
             if "role" not in m or "content" not in m:
                 raise ConfigError(f"chat message {dict(m)!r} needs both 'role' and 'content'")
-            messages.append((str(m["role"]), str(m["content"])))
+            messages.append((_text(str(m["role"]), "a chat role"), _text(str(m["content"]), "a chat message")))
         return self.tokenizer.encode(self._inner.render_chat(messages))
 
     def _speculation(self, speculative_config, proposer) -> tuple[str | None, Any]:

@@ -10,6 +10,12 @@
 //! and the thread count, which key the cache (`$SPECRS_CACHE_DIR/costs/`; `SPECRS_COST_CACHE=0`
 //! turns it off; delete a file to measure again).
 //!
+//! Why measurements are screened: on a machine whose cores another process takes, the timings are
+//! noise (seen here: t(1) at 50x its quiet value, v(n) below 1), and a cache would keep the noise
+//! for every later process. A timing whose repeats spread more than `MAX_QUIET_SPREAD` serves the
+//! process that took it but is never stored, and a curve is made non-decreasing (a forward over
+//! more tokens never costs less), so v(n) >= 1 always.
+//!
 //! Invariant: a curve only grows. New n are appended and measured n are never measured again, so a
 //! request's draft lengths (which read `[t(1), ..., t(k+1)]`) never change because a later request
 //! asked for a larger k.
@@ -24,6 +30,9 @@ use serde_json::{Map, Value};
 pub enum CostSource {
     /// Timed by this process.
     Measured,
+    /// Timed by this process while another took the cores (its repeats spread past
+    /// `MAX_QUIET_SPREAD`): used here, never stored for later processes.
+    Disturbed,
     /// Timed by an earlier process on this machine, read from the disk cache.
     Cached,
     /// Given in the speculative config (`verify_cost_ratios`, `draft_cost`).
@@ -38,6 +47,7 @@ impl CostSource {
     pub fn as_str(self) -> &'static str {
         match self {
             CostSource::Measured => "measured",
+            CostSource::Disturbed => "disturbed",
             CostSource::Cached => "cached",
             CostSource::Config => "config",
             CostSource::Extrapolated => "extrapolated",
@@ -72,47 +82,98 @@ pub fn prior_ratios(max_n: usize) -> Vec<f64> {
     (0..max_n).map(|i| 1.0 + PRIOR_VERIFY_SLOPE * i as f64).collect()
 }
 
+/// Repeats of one timing whose slowest took more than this times the fastest were disturbed
+/// (another process had the cores): the figure is used, but not stored for later processes.
+/// `SPECRS_MAX_QUIET_SPREAD` overrides it (tests that must store what they measure raise it).
+pub const MAX_QUIET_SPREAD: f64 = 1.5;
+
+fn max_quiet_spread() -> f64 {
+    std::env::var("SPECRS_MAX_QUIET_SPREAD").ok().and_then(|v| v.parse().ok()).unwrap_or(MAX_QUIET_SPREAD)
+}
+
+/// The median of `samples` (seconds of repeated timings of one thing) and whether they were quiet
+/// (slowest / fastest within `MAX_QUIET_SPREAD`).
+pub fn median_if_quiet(samples: &[f64]) -> (f64, bool) {
+    let mut sorted = samples.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let (fastest, slowest) = (sorted[0], sorted[sorted.len() - 1]);
+    (sorted[sorted.len() / 2], fastest > 0.0 && slowest <= max_quiet_spread() * fastest)
+}
+
+/// One cost figure and where it came from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Figure<T> {
+    pub value: T,
+    pub source: CostSource,
+}
+
+impl<T> Figure<T> {
+    /// A timing of this process: `Measured` if quiet, else `Disturbed`.
+    pub fn measured(value: T, quiet: bool) -> Self {
+        Self { value, source: if quiet { CostSource::Measured } else { CostSource::Disturbed } }
+    }
+
+    /// Whether later processes may reuse it (not a disturbed timing).
+    fn storable(&self) -> bool {
+        self.source != CostSource::Disturbed
+    }
+}
+
 /// What an engine knows of its costs: verification curves by context length (seconds, growing
-/// only) and draft costs by draft identity, each with its source.
+/// only, non-decreasing) and draft costs by draft identity.
 #[derive(Debug, Clone, Default)]
 pub struct CostTable {
-    pub curves: BTreeMap<usize, (Vec<f64>, CostSource)>,
-    pub draft_costs: BTreeMap<String, (f64, CostSource)>,
+    pub curves: BTreeMap<usize, Figure<Vec<f64>>>,
+    pub draft_costs: BTreeMap<String, Figure<f64>>,
 }
 
 impl CostTable {
-    /// Appends measured `t(n)` for n past the curve's end (the curve never shrinks or changes).
-    pub fn extend_curve(&mut self, context_len: usize, new_costs_s: &[f64]) {
-        let (curve, source) = self.curves.entry(context_len).or_insert((Vec::new(), CostSource::Measured));
-        if curve.is_empty() {
-            *source = CostSource::Measured;
+    /// Appends measured `t(n)` for n past the curve's end (the curve never shrinks, and what it
+    /// holds never changes), each at least the one before it.
+    pub fn extend_curve(&mut self, context_len: usize, new_costs_s: &[f64], quiet: bool) {
+        let curve = self.curves.entry(context_len).or_insert(Figure::measured(Vec::new(), true));
+        if !quiet {
+            curve.source = CostSource::Disturbed;
         }
-        curve.extend_from_slice(new_costs_s);
+        for &t in new_costs_s {
+            let floor = curve.value.last().copied().unwrap_or(0.0);
+            curve.value.push(t.max(floor));
+        }
     }
 
     fn to_json(&self) -> String {
-        let curves: Map<String, Value> =
-            self.curves.iter().map(|(len, (costs, _))| (len.to_string(), costs.clone().into())).collect();
-        let drafts: Map<String, Value> =
-            self.draft_costs.iter().map(|(key, (c, _))| (key.clone(), (*c).into())).collect();
+        let curves: Map<String, Value> = self
+            .curves
+            .iter()
+            .filter(|(_, curve)| curve.storable())
+            .map(|(len, curve)| (len.to_string(), curve.value.clone().into()))
+            .collect();
+        let drafts: Map<String, Value> = self
+            .draft_costs
+            .iter()
+            .filter(|(_, c)| c.storable())
+            .map(|(key, c)| (key.clone(), c.value.into()))
+            .collect();
         Value::Object(Map::from_iter([("verify_costs_s".into(), curves.into()), ("draft_costs".into(), drafts.into())]))
             .to_string()
     }
 
-    /// A table read back from `to_json`, every figure marked `Cached`; None if unreadable.
+    /// A table read back from `to_json`, every figure marked `Cached`; None if unreadable (a
+    /// curve that is not positive, finite and non-decreasing was not written by `to_json`).
     fn from_json(text: &str) -> Option<Self> {
         let value: Value = serde_json::from_str(text).ok()?;
         let mut table = Self::default();
         for (len, costs) in value.get("verify_costs_s")?.as_object()? {
             let costs: Vec<f64> = costs.as_array()?.iter().map(Value::as_f64).collect::<Option<_>>()?;
-            if costs.is_empty() || costs.iter().any(|t| !(t.is_finite() && *t > 0.0)) {
+            let valid = costs.iter().all(|t| t.is_finite() && *t > 0.0) && costs.windows(2).all(|w| w[0] <= w[1]);
+            if costs.is_empty() || !valid {
                 return None;
             }
-            table.curves.insert(len.parse().ok()?, (costs, CostSource::Cached));
+            table.curves.insert(len.parse().ok()?, Figure { value: costs, source: CostSource::Cached });
         }
         for (key, c) in value.get("draft_costs")?.as_object()? {
             let c = c.as_f64().filter(|c| c.is_finite() && *c >= 0.0)?;
-            table.draft_costs.insert(key.clone(), (c, CostSource::Cached));
+            table.draft_costs.insert(key.clone(), Figure { value: c, source: CostSource::Cached });
         }
         Some(table)
     }
@@ -191,11 +252,34 @@ mod tests {
     }
 
     #[test]
-    fn a_curve_only_grows() {
+    fn a_curve_only_grows_and_never_decreases() {
         let mut table = CostTable::default();
-        table.extend_curve(512, &[0.01, 0.014]);
-        table.extend_curve(512, &[0.016]);
-        assert_eq!(table.curves[&512], (vec![0.01, 0.014, 0.016], CostSource::Measured));
+        table.extend_curve(512, &[0.01, 0.014], true);
+        table.extend_curve(512, &[0.016, 0.012], true);
+        let curve = &table.curves[&512];
+        assert_eq!(curve.value, vec![0.01, 0.014, 0.016, 0.016]);
+        assert_eq!(curve.source, CostSource::Measured);
+    }
+
+    #[test]
+    fn disturbed_timings_serve_the_process_but_are_not_stored() {
+        assert_eq!(median_if_quiet(&[0.012, 0.011, 0.013, 0.012, 0.014]), (0.012, true));
+        // Another process took the cores for some repeats.
+        assert_eq!(median_if_quiet(&[0.012, 0.6, 0.011, 0.7, 0.013]), (0.013, false));
+        let mut table = CostTable::default();
+        table.extend_curve(512, &[0.01, 0.02], true);
+        table.extend_curve(60, &[0.5, 0.7], false);
+        assert_eq!(table.curves[&60].source, CostSource::Disturbed);
+        table.draft_costs.insert("quiet".into(), Figure::measured(0.3, true));
+        table.draft_costs.insert("noisy".into(), Figure::measured(9.0, false));
+        let back = CostTable::from_json(&table.to_json()).unwrap();
+        assert_eq!(back.curves.keys().collect::<Vec<_>>(), [&512]);
+        assert_eq!(back.draft_costs.keys().collect::<Vec<_>>(), ["quiet"]);
+        // Appending a disturbed segment to a stored curve stops it being stored again.
+        table.extend_curve(512, &[0.9], false);
+        assert!(!CostTable::from_json(&table.to_json()).unwrap().curves.contains_key(&512));
+        // A decreasing curve on disk was not written by specrs (or by an older one): measured again.
+        assert!(CostTable::from_json(r#"{"verify_costs_s": {"512": [0.6, 0.4]}, "draft_costs": {}}"#).is_none());
     }
 
     #[test]
@@ -207,12 +291,13 @@ mod tests {
         let cache = DiskCache::for_model(&dir, &model, "Cpu", 2).unwrap();
         assert!(cache.load().curves.is_empty());
         let mut table = CostTable::default();
-        table.extend_curve(512, &[0.01, 0.02]);
-        table.draft_costs.insert("layer_skip:8".into(), (0.4, CostSource::Measured));
+        table.extend_curve(512, &[0.01, 0.02], true);
+        table.draft_costs.insert("layer_skip:8".into(), Figure::measured(0.4, true));
         cache.store(&table);
         let back = cache.load();
-        assert_eq!(back.curves[&512], (vec![0.01, 0.02], CostSource::Cached));
-        assert_eq!(back.draft_costs["layer_skip:8"], (0.4, CostSource::Cached));
+        assert_eq!(back.curves[&512], Figure { value: vec![0.01, 0.02], source: CostSource::Cached });
+        assert_eq!(back.draft_costs["layer_skip:8"].value, 0.4);
+        assert_eq!(back.draft_costs["layer_skip:8"].source, CostSource::Cached);
         // Another thread count (or device) is another file.
         let other = DiskCache::for_model(&dir, &model, "Cpu", 4).unwrap();
         assert_ne!(other.path(), cache.path());

@@ -19,7 +19,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::chat_template::ChatMessage;
 use crate::config::SamplingParams;
-use crate::costs::{extend_ratios, prior_ratios, CostSource, CostTable, DiskCache};
+use crate::costs::{extend_ratios, median_if_quiet, prior_ratios, CostSource, CostTable, DiskCache, Figure};
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::draft_length::{DraftLengthPolicy, HeuristicSchedule};
 use crate::error::{Error, Result};
@@ -385,8 +385,8 @@ impl Engine {
     /// memory-bound, so a draft costs about its weight bytes over the target's per token.
     fn draft_cost(&self, config: &SpeculativeConfig, measure: bool) -> Result<Option<(f64, CostSource)>> {
         let Some(key) = self.draft_identity(config)? else { return Ok(None) };
-        if let Some(&known) = lock(&self.costs)?.draft_costs.get(&key) {
-            return Ok(Some(known));
+        if let Some(known) = lock(&self.costs)?.draft_costs.get(&key) {
+            return Ok(Some((known.value, known.source)));
         }
         if !measure {
             return Ok(Some((self.prior_draft_cost(config)?, CostSource::Prior)));
@@ -415,14 +415,16 @@ impl Engine {
             }
             proposer.observe(0)?;
         }
-        times.sort_by(f64::total_cmp);
-        let cost = times[times.len() / 2] / single_step[0];
+        let (per_token_s, quiet) = median_if_quiet(&times);
+        let cost = per_token_s / single_step[0];
         let mut costs = lock(&self.costs)?;
-        costs.draft_costs.insert(key, (cost, CostSource::Measured));
+        let figure = Figure::measured(cost, quiet);
+        let source = figure.source;
+        costs.draft_costs.insert(key, figure);
         if let Some(disk) = &self.cost_cache {
             disk.store(&costs);
         }
-        Ok(Some((cost, CostSource::Measured)))
+        Ok(Some((cost, source)))
     }
 
     /// What a draft's cost depends on (the draft's weights, how many layers, PARD's k), so every
@@ -595,17 +597,17 @@ impl Engine {
     fn curve_s(&self, context_len: usize, max_n: usize, measure: bool) -> Result<Option<(Vec<f64>, CostSource)>> {
         let max_n = max_n.max(1);
         let mut costs = lock(&self.costs)?;
-        let have = costs.curves.get(&context_len).map_or(0, |(curve, _)| curve.len());
+        let have = costs.curves.get(&context_len).map_or(0, |curve| curve.value.len());
         // A model whose context cannot hold a verify of max_n has the rest extrapolated.
         let measurable = max_n.min(self.model.info().context_length.saturating_sub(context_len)).max(1);
         if measure && have < measurable {
-            let new_costs = self.measure_curve(context_len, have + 1, measurable)?;
-            costs.extend_curve(context_len, &new_costs);
+            let (new_costs, quiet) = self.measure_curve(context_len, have + 1, measurable)?;
+            costs.extend_curve(context_len, &new_costs, quiet);
             if let Some(disk) = &self.cost_cache {
                 disk.store(&costs);
             }
         }
-        let Some((curve, source)) = costs.curves.get(&context_len) else { return Ok(None) };
+        let Some(Figure { value: curve, source, .. }) = costs.curves.get(&context_len) else { return Ok(None) };
         if curve.len() >= max_n {
             return Ok(Some((curve[..max_n].to_vec(), *source)));
         }
@@ -615,14 +617,17 @@ impl Engine {
     }
 
     /// `[t(first_n), ..., t(last_n)]`: median seconds of one forward over n new tokens on a
-    /// `context_len`-token cache. Any tokens do: a forward's cost does not depend on which it reads.
-    fn measure_curve(&self, context_len: usize, first_n: usize, last_n: usize) -> Result<Vec<f64>> {
+    /// `context_len`-token cache, and whether every timing was quiet (see `costs.rs`). Any tokens
+    /// do: a forward's cost does not depend on which it reads.
+    fn measure_curve(&self, context_len: usize, first_n: usize, last_n: usize) -> Result<(Vec<f64>, bool)> {
         let vocab = self.model.info().vocab_size as u64;
         let token = |i: usize| ((i as u64 * 7919 + 13) % vocab) as u32;
         let context: Vec<u32> = (0..context_len).map(token).collect();
         let probe: Vec<u32> = (context_len..context_len + last_n).map(token).collect();
         let ns: Vec<usize> = (first_n..=last_n).collect();
-        Ok(self.time_forwards(&context, &probe, &ns, 5)?.into_iter().map(|(_, t)| t).collect())
+        let timings: Vec<(f64, bool)> =
+            self.time_forwards(&context, &probe, &ns, 5)?.iter().map(|t| median_if_quiet(t)).collect();
+        Ok((timings.iter().map(|t| t.0).collect(), timings.iter().all(|t| t.1)))
     }
 
     pub fn model(&self) -> &Arc<dyn CausalLm> {
@@ -758,20 +763,15 @@ impl Engine {
             )));
         }
         let probe: Vec<u32> = context_ids.iter().rev().take(max_n).copied().collect();
-        self.time_forwards(context_ids, &probe, ns, repeats)
+        let timings = self.time_forwards(context_ids, &probe, ns, repeats)?;
+        Ok(ns.iter().zip(timings).map(|(&n, t)| (n, median_if_quiet(&t).0)).collect())
     }
 
-    /// Median seconds of one forward over `probe[..n]` on top of a cache holding `context_ids`,
-    /// for each `n` in `ns` (each at most `probe.len()`). The `n` values are interleaved within
+    /// Seconds of one forward over `probe[..n]` on top of a cache holding `context_ids`, `repeats`
+    /// timings for each `n` in `ns` (each at most `probe.len()`). The `n` values are interleaved within
     /// each repeat so slow drift of the machine affects them alike, and the device is synchronized
     /// inside the timed region, so on a GPU this is the forward's own time, not its launch.
-    fn time_forwards(
-        &self,
-        context_ids: &[u32],
-        probe: &[u32],
-        ns: &[usize],
-        repeats: usize,
-    ) -> Result<Vec<(usize, f64)>> {
+    fn time_forwards(&self, context_ids: &[u32], probe: &[u32], ns: &[usize], repeats: usize) -> Result<Vec<Vec<f64>>> {
         let mut cache: KvCache = self.model.new_cache(context_ids.len() + probe.len())?;
         self.model.forward_rows(context_ids, &mut cache, LogitRows::Last)?;
         // One untimed round first: the first forwards after loading touch cold weight pages, which
@@ -796,14 +796,7 @@ impl Engine {
                 times[slot].push(t0.elapsed().as_secs_f64());
             }
         }
-        Ok(ns
-            .iter()
-            .zip(times)
-            .map(|(&n, mut t)| {
-                t.sort_by(f64::total_cmp);
-                (n, t[t.len() / 2])
-            })
-            .collect())
+        Ok(times)
     }
 }
 
