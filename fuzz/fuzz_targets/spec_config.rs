@@ -6,28 +6,8 @@
 use arbitrary::{Result, Unstructured};
 use libfuzzer_sys::fuzz_target;
 use serde_json::{json, Map, Value};
+use specrs_core::spec_config::KEYS;
 use specrs_core::{Error, SpeculativeConfig};
-
-const KEYS: &[&str] = &[
-    "method",
-    "num_speculative_tokens",
-    "prompt_lookup_min",
-    "prompt_lookup_max",
-    "suffix_decoding_max_tree_depth",
-    "suffix_decoding_max_cached_requests",
-    "suffix_decoding_max_spec_factor",
-    "suffix_decoding_min_token_prob",
-    "model",
-    "max_model_len",
-    "quantization",
-    "mask_token_id",
-    "exit_layer",
-    "adaptive_draft_length",
-    "draft_confidence_threshold",
-    "num_speculative_tokens_schedule",
-    "verify_cost_ratios",
-    "draft_cost",
-];
 
 const METHODS: &[&str] = &[
     "ngram",
@@ -74,7 +54,7 @@ fn config_object(u: &mut Unstructured) -> Result<Map<String, Value>> {
         map.insert("method".into(), json!(*u.choose(METHODS)?));
     }
     for _ in 0..u.int_in_range(0..=5)? {
-        let key = if u.ratio(9, 10)? { u.choose(KEYS)?.to_string() } else { u.arbitrary()? };
+        let key = if u.ratio(9, 10)? { u.choose(&KEYS)?.to_string() } else { u.arbitrary()? };
         map.insert(key, value(u)?);
     }
     Ok(map)

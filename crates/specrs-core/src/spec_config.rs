@@ -33,8 +33,8 @@ pub const MAX_EXIT_LAYER: usize = 1024;
 /// draft_cost: a draft token costing 100 target steps never pays.
 pub const MAX_DRAFT_COST: f64 = 100.0;
 
-/// vLLM's keys, then specrs' own.
-const KEYS: [&str; 18] = [
+/// Every key a speculative config may hold: vLLM's, then specrs' own.
+pub const KEYS: [&str; 18] = [
     "method",
     "num_speculative_tokens",
     "prompt_lookup_min",
