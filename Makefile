@@ -5,12 +5,12 @@ BIN := $(VENV)/bin
 PROMPT ?= Summarize in one paragraph: Speculative decoding makes a language model faster without changing its output. A cheap proposer guesses the next few tokens, and the model checks all of the guesses in one forward pass. The model keeps the guesses that match its own choices, so the output is exactly what the model would have written by itself.
 SPEC_CONFIG ?= {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
-.PHONY: setup build test test-rust test-python run serve golden bench lint clean wheel-cuda test-cuda-build fuzz fuzz-ci
+.PHONY: setup build stubtest test test-rust test-python run serve golden bench lint clean wheel-cuda test-cuda-build fuzz fuzz-ci
 
 # The `serve` extra (starlette, uvicorn, prometheus-client) and the test tools; keep in step with
 # pyproject.toml's optional dependencies.
 DEPS := "maturin>=1.9,<2" "numpy>=1.24" "starlette>=0.37" "uvicorn>=0.29" "prometheus-client>=0.20" \
-	"pytest>=8" "openai>=1.40" "httpx>=0.27"
+	"pytest>=8" "openai>=1.40" "httpx>=0.27" "mypy>=2.4,<3"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,11 @@ build: setup
 test-rust: setup
 	SPECRS_PYTHON=$(CURDIR)/$(BIN)/python cargo test --release -p specrs-core
 
-test-python: build
+# The type stubs (python/specrs/_specrs.pyi) must describe the compiled module exactly.
+stubtest: build
+	$(BIN)/python -m mypy.stubtest specrs._specrs --ignore-disjoint-bases
+
+test-python: build stubtest
 	$(BIN)/python -m pytest tests -q
 
 test: test-rust test-python

@@ -8,7 +8,7 @@ these small models: evaluated one token at a time, llama.cpp's teacher-forced to
 own batched evaluation on 97.4% (SmolLM2) and 97.2% (Gemma 3) of positions, and its greedy
 continuations match its usual generation (prompt in one batch, then single tokens) on 7 of 14 and 4
 of 15 prompts (`llama_cpp_self_agreement`). specrs computes every token, in any batch, with
-llama.cpp's single-token arithmetic (model/cpu_decoder.rs), so it is compared with llama.cpp
+llama.cpp's single-token arithmetic (model/cpu/decoder.rs), so it is compared with llama.cpp
 evaluating one token at a time, where it agrees bit for bit; against llama.cpp's other modes it
 departs exactly where llama.cpp departs from itself.
 """

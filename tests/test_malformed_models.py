@@ -216,7 +216,7 @@ def test_hf_sliding_window_of_zero(tmp_path):
 
 @pytest.fixture(scope="module", params=["gguf", "hf"])
 def tiny_engine(request):
-    """cpu_decoder.rs (GGUF) and decoder.rs (HF directory): the two models behind every device."""
+    """cpu/decoder.rs (GGUF) and candle/decoder.rs (HF directory): the two models behind every device."""
     path = GOLDEN / "gguf" / "llama-q8_0.gguf" if request.param == "gguf" else GOLDEN / "hf" / "llama"
     return specrs.Engine(str(path))
 

@@ -18,7 +18,7 @@ use specrs_core::{Engine, SamplingParams};
 pub fn run_gguf(bytes: Vec<u8>) {
     let Ok(mut gguf) = GgufFile::from_bytes("fuzz.gguf", bytes) else { return };
     let tokenizer = TextTokenizer::from_gguf(&gguf);
-    let model = model::load(&mut gguf, &Device::Cpu);
+    let model = model::loader::load(&mut gguf, &Device::Cpu);
     if let (Ok(tokenizer), Ok(model)) = (tokenizer, model) {
         exercise(Arc::from(model), tokenizer);
     }
@@ -27,7 +27,7 @@ pub fn run_gguf(bytes: Vec<u8>) {
 /// A Hugging Face directory -> `hf_dir::open` + `Decoder::from_hf` + `from_hf_dir` -> `exercise`.
 pub fn run_hf_dir(dir: &std::path::Path) {
     let Ok((config, mut weights)) = hf_dir::open(dir, &Device::Cpu) else { return };
-    let model = model::decoder::Decoder::from_hf(&mut weights, config);
+    let model = model::candle::decoder::Decoder::from_hf(&mut weights, config);
     let tokenizer = TextTokenizer::from_hf_dir(dir);
     if let (Ok(model), Ok(tokenizer)) = (model, tokenizer) {
         exercise(Arc::new(model), tokenizer);

@@ -1,7 +1,16 @@
 """specrs: speculative-decoding LLM inference with a Rust core."""
 
 from ._specrs import __version__
-from .engine import Engine, GenerationResult, SamplingParams, TextStream, Tokenizer, expected_speedup, requantize
+from .engine import (
+    Engine,
+    GenerationResult,
+    SamplingParams,
+    SequenceForward,
+    TextStream,
+    Tokenizer,
+    expected_speedup,
+    requantize,
+)
 from .errors import (
     ConfigError,
     ContextLengthError,
@@ -17,6 +26,7 @@ __all__ = [
     "Engine",
     "SamplingParams",
     "GenerationResult",
+    "SequenceForward",
     "TextStream",
     "Tokenizer",
     "SpecrsError",

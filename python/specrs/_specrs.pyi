@@ -1,11 +1,25 @@
 """Type stubs for the compiled module specrs._specrs (crates/specrs-py)."""
 
-from typing import Any, Iterator
+from typing import Any, Iterator, final
 
 import numpy as np
 import numpy.typing as npt
 
 __version__: str
+__all__ = [
+    "Engine",
+    "SamplingParams",
+    "Stream",
+    "Tokenizer",
+    "expected_speedup",
+    "requantize",
+    "copy_bandwidth",
+    "batch_accept",
+    "batch_ngram",
+    "_TestingPanickingProposer",
+    "_testing_panicking_proposer",
+    "__version__",
+]
 
 def expected_speedup(
     acceptance_rate: float,
@@ -14,9 +28,10 @@ def expected_speedup(
     verify_cost_ratio: float | list[float] | None = None,
 ) -> float: ...
 
+@final
 class SamplingParams:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         max_tokens: int = 256,
         temperature: float = 0.0,
         top_k: int = 0,
@@ -24,7 +39,7 @@ class SamplingParams:
         min_p: float = 0.0,
         seed: int | None = None,
         ignore_eos: bool = False,
-    ) -> None: ...
+    ) -> SamplingParams: ...
     @property
     def max_tokens(self) -> int: ...
     @property
@@ -40,6 +55,7 @@ class SamplingParams:
     @property
     def ignore_eos(self) -> bool: ...
 
+@final
 class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
@@ -53,6 +69,7 @@ class Tokenizer:
 def copy_bandwidth(device: str = "cpu", num_bytes: int = 1 << 30, repeats: int = 10) -> float: ...
 def requantize(src: str, dst: str, quantization: str) -> list[tuple[str, str, str]]: ...
 
+@final
 class Stream:
     def __iter__(self) -> Iterator[str]: ...
     def __next__(self) -> str | None: ...
@@ -63,8 +80,9 @@ class Stream:
     def result(self) -> dict: ...
     def kv_lens(self) -> tuple[int, int | None]: ...
 
+@final
 class Engine:
-    def __init__(self, model_path: str, device: str = "cpu") -> None: ...
+    def __new__(cls, model_path: str, device: str = "cpu") -> Engine: ...
     @staticmethod
     def random_llama(config_json: str, seed: int = 0, dtype: str = "bf16", device: str = "cpu") -> Engine: ...
     @property
@@ -92,6 +110,10 @@ class Engine:
     def set_measure_on_demand(self, on: bool) -> None: ...
     def logits(self, ids: list[int], steps: list[int] | None = None) -> npt.NDArray[np.float32]: ...
     def forward_cost(self, context_ids: list[int], ns: list[int], repeats: int = 5) -> list[tuple[int, float]]: ...
+    def hidden_states(self, ids: list[int], layers: list[int | str]) -> list[npt.NDArray[np.float32]]: ...
+    def forward_batch(
+        self, sequences: list[tuple[list[int], list[int], list[int] | None, str]], layers: list[int | str]
+    ) -> list[tuple[npt.NDArray[np.float32], list[npt.NDArray[np.float32]]]]: ...
 
 def batch_accept(
     target_logits: npt.NDArray[np.float32],
@@ -105,3 +127,9 @@ def batch_accept(
 def batch_ngram(
     histories: npt.NDArray[np.uint32], lengths: list[int], min_n: int, max_n: int, k: int, device: str = "cpu"
 ) -> tuple[list[int], list[int]]: ...
+
+# Test only: a Rust proposer that panics in `hook` on call `after_calls + 1` (tests/test_bad_input.py).
+@final
+class _TestingPanickingProposer: ...
+
+def _testing_panicking_proposer(after_calls: int, hook: str = "propose") -> _TestingPanickingProposer: ...

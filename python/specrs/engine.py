@@ -20,6 +20,18 @@ Prompt = Union[str, Sequence[Mapping[str, str]], Sequence[int]]
 # vLLM's --speculative-config: a dict or its JSON text.
 SpecConfig = Union[Mapping[str, Any], str]
 
+# A hidden-state tap: an int (the residual stream after that many blocks) or "final_norm".
+Layer = Union[int, str]
+
+
+@dataclass(frozen=True)
+class SequenceForward:
+    """One sequence's results from `Engine.forward_batch`."""
+
+    logits: Any  # numpy [num_logit_rows, vocab_size]
+    hidden_states: list  # per requested layer, numpy [len(tokens), hidden_size]
+
+
 # k for `Engine(proposer=obj)` without a speculative_config.
 DEFAULT_CUSTOM_SPECULATIVE_TOKENS = 4
 
@@ -312,6 +324,39 @@ class Engine:
     def forward_cost(self, context_ids: Sequence[int], ns: Sequence[int], repeats: int = 5):
         """Median seconds of one forward over n new tokens on top of `context_ids`, per n."""
         return self._inner.forward_cost(list(context_ids), list(ns), repeats)
+
+    def hidden_states(self, token_ids: Sequence[int], layers: Sequence[Layer] = ("final_norm",)):
+        """The target's hidden states for `token_ids` (one teacher-forced forward): a list with one
+        numpy array [len(token_ids), hidden_size] per entry of `layers`. An int i is the residual
+        stream after i decoder blocks (0: the embeddings; transformers' `output_hidden_states[i]`,
+        vLLM's and EAGLE-3's auxiliary layer id i, whose defaults are 2, L // 2 and L - 3);
+        "final_norm" is the last hidden state after the final norm, what the LM head reads (and
+        what EAGLE-1/2, Medusa and the MLP speculator consume)."""
+        return self._inner.hidden_states(list(token_ids), list(layers))
+
+    def forward_batch(self, sequences: Sequence[Mapping[str, Any]], layers: Sequence[Layer] = ()):
+        """ONE target forward over several sequences. Each is a dict: "tokens" (its new tokens),
+        "prefix" (tokens put in its own cache first, by a forward of their own; default none),
+        "parents" (a token tree: per token the index of its parent among "tokens", -1 for the
+        prefix; default a chain) and "logits" ("all", "last" or "none"; default "all"). A row's
+        results do not depend on the rest of the batch. Returns one `SequenceForward` per sequence."""
+        packed = []
+        for i, seq in enumerate(sequences):
+            unknown = set(seq) - {"tokens", "prefix", "parents", "logits"}
+            if unknown or "tokens" not in seq:
+                raise ConfigError(
+                    f"sequence {i}: give 'tokens' and optionally 'prefix', 'parents', 'logits' (got {sorted(seq)})"
+                )
+            parents = seq.get("parents")
+            packed.append(
+                (
+                    list(seq.get("prefix", ())),
+                    list(seq["tokens"]),
+                    None if parents is None else list(parents),
+                    seq.get("logits", "all"),
+                )
+            )
+        return [SequenceForward(logits, hidden) for logits, hidden in self._inner.forward_batch(packed, list(layers))]
 
 
 def requantize(src: str, dst: str, quantization: str = "q4_0") -> list[tuple[str, str, str]]:

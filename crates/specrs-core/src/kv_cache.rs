@@ -1,16 +1,25 @@
 //! Preallocated key/value cache with O(1) rollback, on the host or on a candle device.
 //!
-//! - Host (the CPU decoder, `cpu_decoder.rs`): f16, token-major (`[capacity, num_kv_heads * head_dim]`
+//! - Host (the CPU decoder, `cpu/decoder.rs`): f16, token-major (`[capacity, num_kv_heads * head_dim]`
 //!   per layer), like llama.cpp's default cache: half the memory of f32, and the same rounding as
 //!   the reference implementation the golden tests compare against.
-//! - Device (the candle-ops decoder, `decoder.rs`): one f32 tensor per layer for keys and one
+//! - Device (the candle-ops decoder, `candle/decoder.rs`): one tensor per layer for keys and one
 //!   for values, head-major (`[num_kv_heads, capacity, head_dim]`), so attention reads a narrowed
-//!   view of it with no copy. f32 because attention runs in f32; at the contexts speculation serves
-//!   the cache is a few percent of the weights' bytes.
+//!   view of it with no copy, in the model's activation dtype: bf16/f16 for dense bf16/f16 weights
+//!   (half of f32's bytes, and what transformers keeps), f32 for quantized GGUF weights, whose
+//!   activations are f32. Attention widens what it reads to f32.
 //!
 //! Invariant: rows `0..len()` of every layer hold the keys and values of the tokens the model has
-//! consumed, in order; `truncate(n)` only moves the length, so rejecting draft tokens costs
-//! nothing. Storage grows (rarely, by doubling) only when a request outgrows what was reserved.
+//! consumed, in order (row i is position i); `truncate(n)` only moves the length, so rejecting
+//! draft tokens costs nothing, and `keep` compacts a tree's accepted path, copying only the rows
+//! that move. Storage grows (rarely, by doubling) only when a request outgrows what was reserved.
+//!
+//! One cache per sequence, each a contiguous slot: a batched forward (`CausalLm::forward_batch`)
+//! takes several and addresses each directly. Memory bound: a sequence holds at most
+//! `min(2 * len, max_len)` positions (doubling growth), plus what was reserved up front, and
+//! returns all of it on `release`; there is no fragmentation inside a slot, and between slots it
+//! is the allocator's. Paged blocks would share prefixes and cap waste at one block per sequence;
+//! they wait for continuous batching, where many sequences of unknown length share one pool.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -52,7 +61,8 @@ struct LayerKv {
     v: Vec<f16>,
 }
 
-/// Keys and values of one layer on a device, each `[num_kv_heads, capacity, head_dim]` f32.
+/// Keys and values of one layer on a device, each `[num_kv_heads, capacity, head_dim]` in the
+/// cache's dtype.
 struct DeviceLayerKv {
     k: Tensor,
     v: Tensor,
@@ -60,7 +70,7 @@ struct DeviceLayerKv {
 
 enum Storage {
     Host(Vec<LayerKv>),
-    Device { layers: Vec<DeviceLayerKv>, num_kv_heads: usize, head_dim: usize, device: Device },
+    Device { layers: Vec<DeviceLayerKv>, num_kv_heads: usize, head_dim: usize, dtype: DType, device: Device },
 }
 
 pub struct KvCache {
@@ -79,9 +89,10 @@ fn device_layers(
     num_kv_heads: usize,
     capacity: usize,
     head_dim: usize,
+    dtype: DType,
     device: &Device,
 ) -> Result<Vec<DeviceLayerKv>> {
-    let zeros = || Tensor::zeros((num_kv_heads, capacity, head_dim), DType::F32, device);
+    let zeros = || Tensor::zeros((num_kv_heads, capacity, head_dim), dtype, device);
     (0..num_layers).map(|_| Ok(DeviceLayerKv { k: zeros()?, v: zeros()? })).collect()
 }
 
@@ -96,19 +107,21 @@ impl KvCache {
         Self { storage: Storage::Host(layers), num_layers, len: 0, capacity, max_len, row_len, accounting: None }
     }
 
-    /// A cache on `device` (any candle device, the CPU included) for the candle-ops model.
+    /// A cache on `device` (any candle device, the CPU included) for the candle-ops model, holding
+    /// keys and values in `dtype`.
     pub fn on_device(
         num_layers: usize,
         num_kv_heads: usize,
         head_dim: usize,
         capacity: usize,
         max_len: usize,
+        dtype: DType,
         device: &Device,
     ) -> Result<Self> {
         let capacity = capacity.clamp(1, max_len.max(1));
-        let layers = device_layers(num_layers, num_kv_heads, capacity, head_dim, device)?;
+        let layers = device_layers(num_layers, num_kv_heads, capacity, head_dim, dtype, device)?;
         Ok(Self {
-            storage: Storage::Device { layers, num_kv_heads, head_dim, device: device.clone() },
+            storage: Storage::Device { layers, num_kv_heads, head_dim, dtype, device: device.clone() },
             num_layers,
             len: 0,
             capacity,
@@ -146,7 +159,7 @@ impl KvCache {
     pub fn num_bytes(&self) -> usize {
         let elem_size = match self.storage {
             Storage::Host(_) => std::mem::size_of::<f16>(),
-            Storage::Device { .. } => std::mem::size_of::<f32>(),
+            Storage::Device { dtype, .. } => dtype.size_in_bytes(),
         };
         2 * self.num_layers * self.capacity * self.row_len * elem_size
     }
@@ -155,6 +168,56 @@ impl KvCache {
     pub fn truncate(&mut self, len: usize) {
         assert!(len <= self.len, "truncate({len}) beyond cache length {}", self.len);
         self.len = len;
+    }
+
+    /// Keeps positions `..start` and, of the positions from `start` on, those at offsets `kept`
+    /// (strictly increasing: a tree's accepted path in row order), moved down to
+    /// `start..start + kept.len()`; the rest are dropped. Only rows that move are copied, so
+    /// keeping a prefix costs what `truncate` does.
+    pub fn keep(&mut self, start: usize, kept: &[usize]) -> Result<()> {
+        if start > self.len
+            || kept.windows(2).any(|w| w[0] >= w[1])
+            || kept.last().is_some_and(|&last| start + last >= self.len)
+        {
+            return Err(Error::Internal(format!(
+                "keep({start}, {kept:?}) on a cache of {} positions: offsets must increase and stay inside it",
+                self.len
+            )));
+        }
+        // dst <= src for every kept row, so copying in order never overwrites a row still to move.
+        let moves: Vec<(usize, usize)> = kept
+            .iter()
+            .enumerate()
+            .map(|(i, &offset)| (start + i, start + offset))
+            .filter(|(dst, src)| dst != src)
+            .collect();
+        let row_len = self.row_len;
+        match &mut self.storage {
+            Storage::Host(layers) => {
+                for layer in layers.iter_mut() {
+                    for &(dst, src) in &moves {
+                        layer.k.copy_within(src * row_len..(src + 1) * row_len, dst * row_len);
+                        layer.v.copy_within(src * row_len..(src + 1) * row_len, dst * row_len);
+                    }
+                }
+            }
+            Storage::Device { layers, device, .. } if !moves.is_empty() => {
+                // The moved rows are gathered first, then written over their new slots.
+                let first_dst = moves[0].0;
+                let sources: Vec<u32> =
+                    (first_dst..start + kept.len()).map(|dst| (start + kept[dst - start]) as u32).collect();
+                let sources = Tensor::new(sources.as_slice(), device)?;
+                for layer in layers.iter_mut() {
+                    let k = layer.k.index_select(&sources, 1)?;
+                    let v = layer.v.index_select(&sources, 1)?;
+                    layer.k.slice_set(&k, 1, first_dst)?;
+                    layer.v.slice_set(&v, 1, first_dst)?;
+                }
+            }
+            Storage::Device { .. } => {}
+        }
+        self.len = start + kept.len();
+        Ok(())
     }
 
     pub fn reset(&mut self) {
@@ -200,8 +263,9 @@ impl KvCache {
                         layer.v.resize(self.capacity * self.row_len, f16::ZERO);
                     }
                 }
-                Storage::Device { layers, num_kv_heads, head_dim, device } => {
-                    let mut grown = device_layers(self.num_layers, *num_kv_heads, self.capacity, *head_dim, device)?;
+                Storage::Device { layers, num_kv_heads, head_dim, dtype, device } => {
+                    let mut grown =
+                        device_layers(self.num_layers, *num_kv_heads, self.capacity, *head_dim, *dtype, device)?;
                     // A released cache has no layers left to copy.
                     for (new, old) in grown.iter_mut().zip(layers.iter()).filter(|_| old_capacity > 0) {
                         new.k.slice_set(&old.k, 1, 0)?;
@@ -248,19 +312,20 @@ impl KvCache {
         }
     }
 
-    /// Device twin of `append`: writes `k` and `v` (`[num_kv_heads, num_new, head_dim]`) of
-    /// `layer` after the held positions.
+    /// Device twin of `append`: writes `k` and `v` (`[num_kv_heads, num_new, head_dim]`, rounded
+    /// to the cache's dtype) of `layer` after the held positions.
     pub fn append_tensors(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<()> {
-        let Storage::Device { layers, .. } = &mut self.storage else {
+        let Storage::Device { layers, dtype, .. } = &mut self.storage else {
             return Err(Error::Internal("device append on a host cache".into()));
         };
+        let dtype = *dtype;
         let num_new = k.dim(1)?;
         if self.len + num_new > self.capacity {
             return Err(Error::Internal(format!("kv cache overflow: call reserve({num_new}) before the forward")));
         }
         let layer = &layers[layer];
-        layer.k.slice_set(&k.to_dtype(DType::F32)?.contiguous()?, 1, self.len)?;
-        layer.v.slice_set(&v.to_dtype(DType::F32)?.contiguous()?, 1, self.len)?;
+        layer.k.slice_set(&k.to_dtype(dtype)?.contiguous()?, 1, self.len)?;
+        layer.v.slice_set(&v.to_dtype(dtype)?.contiguous()?, 1, self.len)?;
         Ok(())
     }
 
@@ -312,6 +377,24 @@ mod tests {
         assert_eq!(first_column(&cache, 0), vec![1.0, 7.0, 7.0]);
     }
 
+    /// A tree's path (rows 1 and 3 of 4 new ones) moves down behind the kept prefix; offsets out
+    /// of order or past the cache are refused.
+    #[test]
+    fn keep_compacts_the_kept_rows_and_refuses_bad_offsets() {
+        let mut cache = KvCache::new(1, 4, 8, 16);
+        cache.reserve(6).unwrap();
+        let rows: Vec<f32> = (0..6).flat_map(|r| [r as f32; 4]).collect();
+        cache.append(0, &rows, &rows).unwrap();
+        cache.commit(6);
+        cache.keep(2, &[1, 3]).unwrap();
+        assert_eq!(first_column(&cache, 0), vec![0.0, 1.0, 3.0, 5.0]);
+        for bad in [&[1, 1][..], &[2, 1], &[4]] {
+            assert!(cache.keep(2, bad).is_err(), "{bad:?}");
+        }
+        cache.keep(4, &[]).unwrap();
+        assert_eq!(cache.len(), 4);
+    }
+
     #[test]
     fn growth_keeps_contents_and_respects_the_context() {
         let mut cache = KvCache::new(2, 4, 1, 8);
@@ -333,7 +416,7 @@ mod tests {
     #[test]
     fn device_cache_grows_truncates_and_recovers_from_release() {
         let device = Device::Cpu;
-        let mut cache = KvCache::on_device(2, 2, 3, 1, 16, &device).unwrap();
+        let mut cache = KvCache::on_device(2, 2, 3, 1, 16, DType::F32, &device).unwrap();
         let rows = |values: &[f32]| Tensor::new(values, &device).unwrap().reshape((2, values.len() / 6, 3)).unwrap();
         for (step, num_new) in [(1.0, 2), (2.0, 3)] {
             cache.reserve(num_new).unwrap();

@@ -28,6 +28,7 @@ pub mod tokenizer;
 pub mod verify;
 
 pub use config::SamplingParams;
+pub use engine::scheduler::step_together;
 pub use engine::{Engine, FinishReason, Generation, Session, Speculation, StepOutput};
 pub use error::{Error, Result};
 pub use spec_config::SpeculativeConfig;

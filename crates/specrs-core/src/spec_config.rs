@@ -8,8 +8,27 @@
 use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
-use crate::proposer::suffix::SuffixParams;
 use crate::quantize::{parse_quant_type, quant_type_name};
+
+/// The suffix-decoding settings of a speculative config (vLLM's `suffix_decoding_*` keys).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SuffixParams {
+    /// Longest substring the trees index; a match uses at most `max_tree_depth - 1` context tokens.
+    pub max_tree_depth: usize,
+    /// Finished responses kept in the global tree (FIFO); 0 disables the global tree.
+    pub max_cached_requests: usize,
+    /// A match of length m may propose at most `floor(max_spec_factor * m)` tokens.
+    pub max_spec_factor: f32,
+    /// Stop the draft once its cumulative estimated probability falls below this.
+    pub min_token_prob: f32,
+}
+
+impl Default for SuffixParams {
+    /// vLLM's defaults.
+    fn default() -> Self {
+        Self { max_tree_depth: 24, max_cached_requests: 10_000, max_spec_factor: 1.0, min_token_prob: 0.1 }
+    }
+}
 
 /// The most tokens one step may guess; a verify forward over more rows costs more than it can win
 /// on any model specrs runs.

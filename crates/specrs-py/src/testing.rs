@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use pyo3::prelude::*;
 use specrs_core::error::Result;
-use specrs_core::proposer::{Draft, Proposer};
+use specrs_core::proposer::{Draft, Feedback, Proposer};
 
 use crate::errors::to_py;
 
@@ -90,7 +90,7 @@ impl Proposer for PanickingProposer {
         Ok(Draft::tokens(vec![context.last().copied().unwrap_or(0); max_tokens]))
     }
 
-    fn observe(&mut self, _num_accepted: usize) -> Result<()> {
+    fn observe(&mut self, _feedback: &Feedback<'_>) -> Result<()> {
         self.called(Hook::Observe);
         Ok(())
     }

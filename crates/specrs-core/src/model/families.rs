@@ -17,12 +17,16 @@
 
 use candle_core::Device;
 
-use super::decoder::DecoderConfig;
+use super::config::DecoderConfig;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 
 /// GGUF `general.architecture` values this module reads.
 pub const GGUF_ARCHITECTURES: [&str; 6] = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"];
+
+/// Architectures `loader::load` accepts, for error messages.
+pub const SUPPORTED_ARCHITECTURES: &str =
+    "llama (SmolLM2, Llama 2/3, Mistral), qwen2 (Qwen2/2.5), qwen3, gemma3 and phi3 (GGUF general.architecture)";
 
 /// More layers than any released model has (Llama 3.1 405B: 126); a larger count is corrupt
 /// metadata, refused before anything is allocated per layer.
@@ -114,7 +118,7 @@ pub fn from_gguf(gguf: &mut GgufFile, arch: &str) -> Result<DecoderConfig> {
         other => {
             return Err(Error::model_load(format!(
                 "{path}: unsupported architecture '{other}'; specrs runs {}",
-                super::SUPPORTED_ARCHITECTURES
+                SUPPORTED_ARCHITECTURES
             )))
         }
     }
@@ -496,7 +500,7 @@ mod tests {
     }
 
     fn load(bytes: Vec<u8>) -> Result<Box<dyn crate::model::CausalLm>> {
-        crate::model::load(&mut GgufFile::from_bytes("edited.gguf", bytes)?, &Device::Cpu)
+        crate::model::loader::load(&mut GgufFile::from_bytes("edited.gguf", bytes)?, &Device::Cpu)
     }
 
     fn load_error(bytes: Vec<u8>) -> String {
@@ -526,7 +530,7 @@ mod tests {
         );
     }
 
-    // Found by fuzz/fuzz_targets/gguf_edits.rs: a huge context_length made decoder.rs (the path
+    // Found by fuzz/fuzz_targets/gguf_edits.rs: a huge context_length made candle/decoder.rs (the path
     // of a model with attention soft-capping) allocate RoPE tables for all of it, an abort.
     #[test]
     fn a_context_length_past_any_model_is_refused_before_allocating() {
@@ -545,7 +549,7 @@ mod tests {
     }
 
     // Found by fuzz/fuzz_targets/gguf_edits.rs: rope.dimension_count = 0 loaded, and candle's rotary
-    // kernel (decoder.rs, the path of a model with attention soft-capping) panicked on it.
+    // kernel (candle/decoder.rs, the path of a model with attention soft-capping) panicked on it.
     #[test]
     fn zero_rotary_dimensions_are_refused() {
         let bytes = edited(|metadata, _| metadata.push(("llama.rope.dimension_count".into(), Value::U32(0))));

@@ -1,9 +1,9 @@
 //! The tensors a GGUF model must hold (and the ones it may hold) for its `DecoderConfig`, with the
-//! shape the config implies for each: the one shape check both GGUF decoders (`cpu_decoder.rs`,
-//! `decoder.rs`) go through, through `GgufWeights`.
+//! shape the config implies for each: the one shape check both GGUF decoders (`cpu/decoder.rs`,
+//! `candle/decoder.rs`) go through, through `GgufWeights`.
 //!
-//! Names and shapes follow llama.cpp's loader (`llama-model.cpp`) for these families, in candle's
-//! order (rows first: a `[out_features, in_features]` matrix is GGUF's `{in, out}`). Qwen2's q/k/v
+//! Names come from `layout.rs`; shapes follow llama.cpp's loader (`llama-model.cpp`) for these
+//! families, in candle's order (rows first: a `[out_features, in_features]` matrix is GGUF's `{in, out}`). Qwen2's q/k/v
 //! biases, Qwen3's q/k norms and Gemma 3's q/k and sandwich norms are required, as llama.cpp
 //! requires them: a file without them would run as another model, not fail.
 //!
@@ -14,7 +14,8 @@
 
 use std::collections::HashMap;
 
-use super::decoder::DecoderConfig;
+use super::config::DecoderConfig;
+use super::layout::{block_tensor, block_weight, global_weight, Family, Global, Naming, Role};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 
@@ -36,46 +37,49 @@ impl GgufLayout {
         let (vocab, hidden, ffn) = (c.vocab_size, c.hidden_size, c.intermediate_size);
         // `families::validate` bounds every size by MAX_SIZE (2^24), so these products fit.
         let (q_width, kv_width) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
-        let arch = c.architecture.as_str();
-        b.tensor("token_embd.weight", vec![vocab, hidden], "[vocabulary, embedding_length]", true)?;
-        b.tensor("output.weight", vec![vocab, hidden], "[vocabulary, embedding_length]", !c.tie_word_embeddings)?;
-        b.tensor("output_norm.weight", vec![hidden], "[embedding_length]", true)?;
+        let family = Family::of(c);
+        let global = |g| global_weight(Naming::Gguf, g);
+        b.tensor(&global(Global::Embedding), vec![vocab, hidden], "[vocabulary, embedding_length]", true)?;
+        let untied = !c.tie_word_embeddings;
+        b.tensor(&global(Global::Output), vec![vocab, hidden], "[vocabulary, embedding_length]", untied)?;
+        b.tensor(&global(Global::FinalNorm), vec![hidden], "[embedding_length]", true)?;
         b.tensor("rope_freqs.weight", vec![c.rope_dims / 2], "[rope.dimension_count / 2]", false)?;
         for i in 0..c.num_layers {
-            let name = |part: &str| format!("blk.{i}.{part}");
-            b.tensor(&name("attn_norm.weight"), vec![hidden], "[embedding_length]", true)?;
-            if gguf.has_tensor(&name("attn_qkv.weight")) {
+            let t = |role| block_tensor(Naming::Gguf, &family, i, role);
+            let tw = |role| block_weight(Naming::Gguf, &family, i, role);
+            b.tensor(&tw(Role::AttnNorm), vec![hidden], "[embedding_length]", true)?;
+            if gguf.has_tensor(&tw(Role::Qkv)) {
                 let width = q_width + 2 * kv_width;
-                b.linear(&name("attn_qkv"), width, hidden, "(head_count + 2 head_count_kv) x key_length", false)?;
+                b.linear(&t(Role::Qkv), width, hidden, "(head_count + 2 head_count_kv) x key_length", false)?;
             } else {
-                let bias = arch == "qwen2";
-                b.linear(&name("attn_q"), q_width, hidden, "head_count x key_length", bias)?;
-                b.linear(&name("attn_k"), kv_width, hidden, "head_count_kv x key_length", bias)?;
-                b.linear(&name("attn_v"), kv_width, hidden, "head_count_kv x key_length", bias)?;
+                let bias = family.qkv_bias;
+                b.linear(&t(Role::Q), q_width, hidden, "head_count x key_length", bias)?;
+                b.linear(&t(Role::K), kv_width, hidden, "head_count_kv x key_length", bias)?;
+                b.linear(&t(Role::V), kv_width, hidden, "head_count_kv x key_length", bias)?;
             }
-            let qk_norm = matches!(arch, "qwen3" | "gemma3");
-            b.tensor(&name("attn_q_norm.weight"), vec![c.head_dim], "[key_length]", qk_norm)?;
-            b.tensor(&name("attn_k_norm.weight"), vec![c.head_dim], "[key_length]", qk_norm)?;
+            let qk_norm = family.qk_norm;
+            b.tensor(&tw(Role::QNorm), vec![c.head_dim], "[key_length]", qk_norm)?;
+            b.tensor(&tw(Role::KNorm), vec![c.head_dim], "[key_length]", qk_norm)?;
             b.tensor(
-                &name("attn_output.weight"),
+                &tw(Role::AttnOutput),
                 vec![hidden, q_width],
                 "[embedding_length, head_count x key_length]",
                 true,
             )?;
-            b.tensor(&name("attn_output.bias"), vec![hidden], "[embedding_length]", false)?;
-            let sandwich = arch == "gemma3";
-            b.tensor(&name("post_attention_norm.weight"), vec![hidden], "[embedding_length]", sandwich)?;
-            b.tensor(&name("ffn_norm.weight"), vec![hidden], "[embedding_length]", true)?;
-            if gguf.has_tensor(&name("ffn_gate.weight")) {
-                b.linear(&name("ffn_gate"), ffn, hidden, "feed_forward_length", false)?;
-                b.linear(&name("ffn_up"), ffn, hidden, "feed_forward_length", false)?;
+            b.tensor(&format!("{}.bias", t(Role::AttnOutput)), vec![hidden], "[embedding_length]", false)?;
+            let sandwich = family.sandwich_norms;
+            b.tensor(&tw(Role::PostAttnNorm), vec![hidden], "[embedding_length]", sandwich)?;
+            b.tensor(&tw(Role::FfnNorm), vec![hidden], "[embedding_length]", true)?;
+            if gguf.has_tensor(&tw(Role::Gate)) {
+                b.linear(&t(Role::Gate), ffn, hidden, "feed_forward_length", false)?;
+                b.linear(&t(Role::Up), ffn, hidden, "feed_forward_length", false)?;
             } else {
                 // Phi-3: gate and up in one matrix of twice the width.
-                b.linear(&name("ffn_up"), 2 * ffn, hidden, "2 x feed_forward_length (fused gate and up)", false)?;
+                b.linear(&t(Role::GateUp), 2 * ffn, hidden, "2 x feed_forward_length (fused gate and up)", false)?;
             }
-            b.tensor(&name("ffn_down.weight"), vec![hidden, ffn], "[embedding_length, feed_forward_length]", true)?;
-            b.tensor(&name("ffn_down.bias"), vec![hidden], "[embedding_length]", false)?;
-            b.tensor(&name("post_ffw_norm.weight"), vec![hidden], "[embedding_length]", sandwich)?;
+            b.tensor(&tw(Role::Down), vec![hidden, ffn], "[embedding_length, feed_forward_length]", true)?;
+            b.tensor(&format!("{}.bias", t(Role::Down)), vec![hidden], "[embedding_length]", false)?;
+            b.tensor(&tw(Role::PostFfnNorm), vec![hidden], "[embedding_length]", sandwich)?;
         }
         b.no_extra_blocks()?;
         Ok(GgufLayout { expected: b.expected })

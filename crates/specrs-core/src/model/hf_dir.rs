@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 
-use super::decoder::DecoderConfig;
+use super::config::DecoderConfig;
 use super::families;
 use crate::error::{Error, Result};
 

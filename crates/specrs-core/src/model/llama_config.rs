@@ -1,5 +1,5 @@
 //! Llama hyperparameters with Hugging Face `config.json` names: the shape of a random-weight
-//! model (`Engine.random`), which `decoder.rs` builds. GGUF metadata is read by `families.rs`.
+//! model (`Engine.random`), which `candle/decoder.rs` builds. GGUF metadata is read by `families.rs`.
 //!
 //! Invariant: a `LlamaConfig` that exists is self-consistent (heads divide the width, kv heads
 //! divide the heads), so model code never re-checks shapes it derives from it.

@@ -1,27 +1,32 @@
 //! Target and draft models: the `CausalLm` trait and one file per architecture family.
 //!
-//! Two implementations of one block with per-family flags (`families.rs`): `cpu_decoder.rs`, GGUF
-//! files on the CPU with llama.cpp's numerics and bitwise row independence (hand-written AVX2
-//! kernels), and `decoder.rs`, in candle ops on any device: HF safetensors directories, seeded
-//! random models, and everything on CUDA. `load` picks.
+//! Two backends of one block, reading one description of each family (`config.rs` for the sizes
+//! and flags `families.rs` reads from GGUF keys and HF configs, `layout.rs` for the tensor names
+//! and the family's required weights): `cpu/`, GGUF files on the CPU with llama.cpp's numerics
+//! and bitwise row independence (hand-written AVX2 kernels), and `candle/`, in candle ops on any
+//! device: HF safetensors directories, seeded random models, and everything on CUDA.
+//! `loader.rs` picks.
 //!
-//! Invariant: `forward` scores EVERY new token (verification needs the logits of all k+1
-//! positions from one pass) and leaves the cache holding exactly the old positions plus the new
-//! ones; the caller rolls back with `KvCache::truncate`.
+//! The contract is `CausalLm::forward_batch` (`forward.rs`): many sequences, chains or token
+//! trees, explicit positions, logits for the rows asked for and hidden states at taps; the
+//! single-sequence calls (`forward_rows`, `forward_early_exit`) are built on it.
+//!
+//! Invariant: a forward scores every row it is asked to (verification needs the logits of all
+//! k+1 positions from one pass) and leaves each cache holding exactly its old positions plus the
+//! new ones; the caller rolls back with `KvCache::truncate` (a chain) or `KvCache::keep` (the
+//! accepted path of a tree).
 
-pub mod attention;
-pub mod cpu_decoder;
-pub mod decoder;
+pub mod candle;
+pub mod config;
+pub mod cpu;
 pub mod families;
-pub mod ggml_math;
+pub mod forward;
 pub(crate) mod gguf_layout;
 pub mod hf_dir;
-pub mod kquants;
+pub mod layout;
 pub mod llama_config;
-pub mod parallel;
-pub mod qlinear;
+pub mod loader;
 pub mod random;
-pub mod rope;
 
 use std::sync::Arc;
 
@@ -31,7 +36,9 @@ use candle_core::{Device, Tensor};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
-use decoder::DecoderConfig;
+pub use config::DecoderConfig;
+use forward::check_token_ids;
+pub use forward::{ForwardBatch, ForwardOutput, LogitRows, SeqRows, Tap};
 use gguf_layout::GgufLayout;
 
 /// Shape facts every caller needs (cache sizing, context checks, vocabulary size).
@@ -43,15 +50,26 @@ pub struct ModelInfo {
     pub num_layers: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// Width of the hidden states the taps return.
+    pub hidden_size: usize,
+    /// What the model multiplies its embedding rows by before the first block (Gemma:
+    /// sqrt(hidden_size)); `CausalLm::embed` returns them unscaled.
+    pub embed_scale: Option<f32>,
 }
 
-/// Which positions of a forward get logits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogitRows {
-    /// Every new position: verification.
-    All,
-    /// Only the last new position: prefill and plain decoding (skips the LM head elsewhere).
-    Last,
+impl ModelInfo {
+    pub fn of(config: &DecoderConfig) -> Self {
+        Self {
+            architecture: config.architecture.clone(),
+            vocab_size: config.vocab_size,
+            context_length: config.context_length,
+            num_layers: config.num_layers,
+            num_kv_heads: config.num_kv_heads,
+            head_dim: config.head_dim,
+            hidden_size: config.hidden_size,
+            embed_scale: config.embed_scale,
+        }
+    }
 }
 
 pub trait CausalLm: Send + Sync {
@@ -65,10 +83,28 @@ pub trait CausalLm: Send + Sync {
     /// A cache for one sequence with `capacity` positions allocated up front.
     fn new_cache(&self, capacity: usize) -> Result<KvCache>;
 
-    /// Consumes `tokens` (new tokens only; their positions continue from `cache.len()`) and
-    /// returns logits `[num_rows, vocab_size]`, where `num_rows` is `tokens.len()` for
-    /// `LogitRows::All` and 1 for `LogitRows::Last`.
-    fn forward_rows(&self, tokens: &[u32], cache: &mut KvCache, rows: LogitRows) -> Result<Tensor>;
+    /// The contract (`forward.rs`): one forward over `batch`'s sequences, `caches[s]` holding
+    /// sequence `s`'s past. Every new row is appended to its cache; logits come back for
+    /// `batch.logit_rows`, hidden states for `batch.taps`.
+    fn forward_batch(&self, batch: &ForwardBatch, caches: &mut [&mut KvCache]) -> Result<ForwardOutput>;
+
+    /// The token embedding rows `[tokens.len(), hidden_size]` f32, shared with heads (EAGLE's
+    /// input). Unscaled: `ModelInfo::embed_scale` says what the model itself multiplies by.
+    fn embed(&self, tokens: &[u32]) -> Result<Tensor>;
+
+    /// The LM head (with the final soft-cap where the family has one) on final-normed hidden
+    /// rows `[n, hidden_size]`: logits `[n, vocab_size]`, or `[n, subset.len()]` for the
+    /// vocabulary rows `vocab_subset` (a draft vocabulary). `lm_head` of the `FinalNorm` tap
+    /// equals the forward's logits.
+    fn lm_head(&self, hidden: &Tensor, vocab_subset: Option<&[u32]>) -> Result<Tensor>;
+
+    /// One sequence's `tokens` as a chain after `cache` (positions from `cache.len()`): logits
+    /// `[num_rows, vocab_size]`, `num_rows` being `tokens.len()` for `LogitRows::All`, 1 for
+    /// `Last`, 0 for `None`.
+    fn forward_rows(&self, tokens: &[u32], cache: &mut KvCache, rows: LogitRows) -> Result<Tensor> {
+        let batch = ForwardBatch::chain(tokens, cache.len(), rows)?;
+        Ok(self.forward_batch(&batch, &mut [cache])?.logits)
+    }
 
     /// Early exit (the layer-skip draft): only the first `num_layers` blocks, then the final norm
     /// and the LM head. Keys and values are written to layers `0..num_layers` only; the positions
@@ -77,21 +113,28 @@ pub trait CausalLm: Send + Sync {
     /// writes for the same tokens.
     fn forward_early_exit(
         &self,
-        _tokens: &[u32],
-        _cache: &mut KvCache,
-        _num_layers: usize,
-        _rows: LogitRows,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        num_layers: usize,
+        rows: LogitRows,
     ) -> Result<Tensor> {
-        Err(Error::config(format!(
-            "the {} model does not support early exit; use another speculative method than 'layer_skip'",
-            self.info().architecture
-        )))
+        let mut batch = ForwardBatch::chain(tokens, cache.len(), rows)?;
+        batch.exit_layer = Some(num_layers);
+        Ok(self.forward_batch(&batch, &mut [cache])?.logits)
     }
 
     /// Logits `[tokens.len(), vocab_size]` for every new position.
     fn forward(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor> {
         self.forward_rows(tokens, cache, LogitRows::All)
     }
+}
+
+/// Keeps `logits`' columns `vocab_subset` (`[n, vocab]` -> `[n, subset.len()]`), each id checked.
+pub(crate) fn select_vocab(logits: Tensor, vocab_subset: Option<&[u32]>, vocab_size: usize) -> Result<Tensor> {
+    let Some(subset) = vocab_subset else { return Ok(logits) };
+    check_token_ids(subset, vocab_size)?;
+    let ids = Tensor::new(subset, logits.device())?;
+    Ok(logits.index_select(&ids, 1)?)
 }
 
 /// Reads a GGUF file's tensors by name onto a device and counts the bytes loaded; each model
@@ -137,44 +180,4 @@ impl<'a> GgufWeights<'a> {
             Ok(None)
         }
     }
-}
-
-/// Refuses token ids outside the vocabulary before they index the embedding table (out of range
-/// on the CPU, undefined on a GPU). Every entry point checks its ids; this is the last guard, for
-/// ids that reach a model another way (a draft model with a smaller vocabulary than its target's).
-pub(crate) fn check_token_ids(tokens: &[u32], vocab_size: usize) -> Result<()> {
-    match tokens.iter().find(|&&t| t as usize >= vocab_size) {
-        None => Ok(()),
-        Some(bad) => Err(Error::config(format!(
-            "token id {bad} is outside the model's vocabulary (size {vocab_size}); pass ids below {vocab_size}"
-        ))),
-    }
-}
-
-/// `forward_early_exit`'s bound: at least one block, at most all `num_blocks`.
-pub(crate) fn check_exit_layer(num_layers: usize, num_blocks: usize) -> Result<()> {
-    if num_layers == 0 || num_layers > num_blocks {
-        return Err(Error::config(format!("exit_layer must be in 1..={num_blocks} for this model (got {num_layers})")));
-    }
-    Ok(())
-}
-
-/// Architectures `load` accepts, for error messages.
-pub const SUPPORTED_ARCHITECTURES: &str =
-    "llama (SmolLM2, Llama 2/3, Mistral), qwen2 (Qwen2/2.5), qwen3, gemma3 and phi3 (GGUF general.architecture)";
-
-/// Opens a GGUF file and builds the model its `general.architecture` names.
-pub fn load(gguf: &mut GgufFile, device: &Device) -> Result<Box<dyn CausalLm>> {
-    let architecture = gguf.get_str("general.architecture")?.to_string();
-    if !families::GGUF_ARCHITECTURES.contains(&architecture.as_str()) {
-        return Err(Error::model_load(format!(
-            "{}: unsupported architecture '{architecture}'; specrs runs {SUPPORTED_ARCHITECTURES}",
-            gguf.path.display()
-        )));
-    }
-    let config = families::from_gguf(gguf, &architecture)?;
-    if device.is_cpu() && cpu_decoder::CpuDecoder::runs(&config) {
-        return Ok(Box::new(cpu_decoder::CpuDecoder::load(gguf, config)?));
-    }
-    Ok(Box::new(decoder::Decoder::from_gguf(gguf, config, device)?))
 }

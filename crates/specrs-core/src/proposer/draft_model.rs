@@ -17,7 +17,7 @@ use crate::config::SamplingParams;
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvBytes, KvCache};
 use crate::model::{CausalLm, LogitRows};
-use crate::proposer::{Draft, Proposer};
+use crate::proposer::{Draft, Feedback, Proposer};
 use crate::sampler::{argmax, probabilities, Sampler};
 
 /// Mixed into the request seed so the draft's random stream differs from the verifier's.
@@ -139,7 +139,7 @@ impl DraftCache {
     /// prefilled here: the first propose feeds everything the draft has not seen (`catch_up`), so a
     /// request whose draft length policy never drafts never pays for the draft's prefill.
     pub fn begin(&mut self, max_len: usize) -> Result<()> {
-        // The model's own cache kind (host for cpu_decoder.rs, device for decoder.rs, which runs
+        // The model's own cache kind (host for cpu/decoder.rs, device for candle/decoder.rs, which runs
         // drafts on CUDA); `fits` keeps it within max_model_len.
         let cache = self.model.new_cache(max_len.min(self.max_model_len))?;
         self.cache = Some(cache.tracked_by(self.kv_bytes.clone()));
@@ -246,8 +246,8 @@ impl Proposer for DraftModelProposer {
         Ok(draft.build())
     }
 
-    fn observe(&mut self, num_accepted: usize) -> Result<()> {
-        self.cache.observe(num_accepted);
+    fn observe(&mut self, feedback: &Feedback<'_>) -> Result<()> {
+        self.cache.observe(feedback.num_accepted_tokens);
         Ok(())
     }
 
@@ -265,7 +265,7 @@ mod tests {
     use candle_core::Device;
 
     use super::*;
-    use crate::model::decoder::{Decoder, WeightFormat};
+    use crate::model::candle::decoder::{Decoder, WeightFormat};
     use crate::model::llama_config::LlamaConfig;
 
     #[test]
@@ -284,7 +284,7 @@ mod tests {
         let with_extra = proposer.propose(&[1, 35, 2, 39], 3).unwrap();
         assert_eq!(with_extra.token_ids.len(), 3);
         assert!(with_extra.token_ids.iter().all(|&t| t < 32));
-        proposer.observe(0).unwrap();
+        proposer.observe(&Feedback::accepted(0, &[])).unwrap();
         // The same draft as for a context holding token 0 in their place.
         let mut reference =
             DraftModelProposer::new(proposer.cache.model.clone(), None, target_vocab, 0.0, Arc::default());

@@ -6,7 +6,7 @@
 //! token in those layers are exactly what the target's verify forward writes for it; the context
 //! needs no draft prefill at all.
 //!
-//! Invariant: `propose_with_target_cache` returns the target cache at the length it found it (the
+//! Invariant: `propose_with` returns the target cache at the length it found it (the
 //! draft tokens' positions are dropped; the verify forward rewrites them in every layer).
 //! Acceptance depends on how well the early layers already predict the next token: models trained
 //! with early-exit loss (LayerSkip checkpoints) do well, others (SmolLM2) poorly.
@@ -15,10 +15,9 @@ use std::sync::Arc;
 
 use crate::config::SamplingParams;
 use crate::error::{Error, Result};
-use crate::kv_cache::KvCache;
 use crate::model::{CausalLm, LogitRows};
 use crate::proposer::draft_model::{DraftBuilder, DraftSampler};
-use crate::proposer::{Draft, Proposer};
+use crate::proposer::{Draft, ProposeInput, Proposer};
 
 pub struct LayerSkipProposer {
     target: Arc<dyn CausalLm>,
@@ -49,15 +48,11 @@ impl Proposer for LayerSkipProposer {
     }
 
     fn propose(&mut self, _context: &[u32], _max_tokens: usize) -> Result<Draft> {
-        Err(Error::Internal("layer_skip drafts run on the target's cache; call propose_with_target_cache".into()))
+        Err(Error::Internal("layer_skip drafts run on the target's cache; call propose_with".into()))
     }
 
-    fn propose_with_target_cache(
-        &mut self,
-        context: &[u32],
-        max_tokens: usize,
-        target_cache: &mut KvCache,
-    ) -> Result<Draft> {
+    fn propose_with(&mut self, input: ProposeInput<'_>) -> Result<Draft> {
+        let ProposeInput { context, max_tokens, target_cache } = input;
         let sampler =
             self.sampler.as_mut().ok_or_else(|| Error::Internal("draft proposer used before begin()".into()))?;
         let start = target_cache.len();

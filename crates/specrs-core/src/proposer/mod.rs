@@ -16,8 +16,10 @@ pub mod pard;
 pub mod suffix;
 
 use crate::config::SamplingParams;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
+use crate::model::Tap;
+use candle_core::Tensor;
 
 /// Up to k guessed tokens, with the draft distribution each was drawn from when the proposer has
 /// one.
@@ -41,6 +43,77 @@ impl Draft {
             probs.truncate(len * vocab_size);
         }
     }
+
+    /// Refuses a draft the verifier cannot use: more than `max_draft` tokens, ids outside the
+    /// vocabulary, or probabilities that are not `[num_draft_tokens, vocab_size]` rows of
+    /// distributions with q(x) > 0 for each drafted x. `method` names the proposer in the error.
+    pub fn validate(&self, max_draft: usize, vocab: usize, method: &str) -> Result<()> {
+        let n = self.token_ids.len();
+        if n > max_draft {
+            return Err(Error::Proposer(format!(
+                "the {method} proposer returned {n} tokens but was asked for at most {max_draft}; return at most max_tokens"
+            )));
+        }
+        if let Some(bad) = self.token_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::Proposer(format!(
+                "the {method} proposer returned token id {bad}, outside the vocabulary (size {vocab})"
+            )));
+        }
+        let Some(probs) = &self.probs else { return Ok(()) };
+        if probs.len() != n * vocab {
+            return Err(Error::Proposer(format!(
+                "the {method} proposer's draft probabilities have {} values; expected [{n}, {vocab}] \
+                 (one row per draft token, one column per vocabulary entry)",
+                probs.len()
+            )));
+        }
+        for (i, (row, &x)) in probs.chunks(vocab.max(1)).zip(&self.token_ids).enumerate() {
+            if row.iter().any(|q| !q.is_finite() || *q < 0.0) || (row.iter().sum::<f32>() - 1.0).abs() > 1e-3 {
+                return Err(Error::Proposer(format!(
+                    "the {method} proposer's draft probabilities in row {i} are not a distribution \
+                     (non-negative, finite, summing to 1)"
+                )));
+            }
+            if row[x as usize] <= 0.0 {
+                return Err(Error::Proposer(format!(
+                    "the {method} proposer drafted token {x} at position {i} with draft probability 0; \
+                     a drafted token must have q > 0 under its own distribution"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a proposer is given for one draft.
+pub struct ProposeInput<'a> {
+    /// The prompt and every token generated so far.
+    pub context: &'a [u32],
+    /// Draft at most this many tokens.
+    pub max_tokens: usize,
+    /// The target's cache, holding `context` but its last token.
+    pub target_cache: &'a mut KvCache,
+}
+
+/// The target's verdict on one draft, with what hidden-state heads continue from.
+#[derive(Debug, Clone, Copy)]
+pub struct Feedback<'a> {
+    /// Leading draft tokens the target accepted.
+    pub num_accepted_tokens: usize,
+    /// The tokens this step appended: the accepted draft tokens, then the target's own (the
+    /// recovered token at the first rejection, or the bonus token when every draft token passed).
+    pub token_ids: &'a [u32],
+    /// The target's hidden states at this proposer's `taps`, each `[num_rows, hidden_size]` over
+    /// the verify forward's rows ([newest token, draft...]); the first `num_accepted_tokens + 1`
+    /// rows are those of the tokens that stay.
+    pub hidden: &'a [(Tap, Tensor)],
+}
+
+impl Feedback<'_> {
+    /// A verdict without hidden states (model-free callers, cost measurements).
+    pub fn accepted(num_accepted_tokens: usize, token_ids: &[u32]) -> Feedback<'_> {
+        Feedback { num_accepted_tokens, token_ids, hidden: &[] }
+    }
 }
 
 /// One request's proposer.
@@ -55,20 +128,21 @@ pub trait Proposer: Send {
     /// generated so far).
     fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft>;
 
-    /// `propose` with access to the target's cache, for drafts computed by the target's own early
-    /// layers (`layer_skip`). A proposer may write positions past `target_cache.len()` but must
-    /// leave the length as it found it.
-    fn propose_with_target_cache(
-        &mut self,
-        context: &[u32],
-        max_tokens: usize,
-        _target_cache: &mut KvCache,
-    ) -> Result<Draft> {
-        self.propose(context, max_tokens)
+    /// `propose` with what else the step can offer: the target's cache, for drafts computed by
+    /// the target's own early layers (`layer_skip`). A proposer may write positions past
+    /// `target_cache.len()` but must leave the length as it found it. The session calls this.
+    fn propose_with(&mut self, input: ProposeInput<'_>) -> Result<Draft> {
+        self.propose(input.context, input.max_tokens)
     }
 
-    /// How many tokens of the last draft the target accepted.
-    fn observe(&mut self, _num_accepted: usize) -> Result<()> {
+    /// Hidden states of the target this proposer reads (EAGLE, MTP, MLP speculator, Medusa):
+    /// every forward of the request returns them, and `observe` receives them.
+    fn taps(&self) -> Vec<Tap> {
+        Vec::new()
+    }
+
+    /// What the target made of the last draft.
+    fn observe(&mut self, _feedback: &Feedback<'_>) -> Result<()> {
         Ok(())
     }
 

@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::kv_cache::KvBytes;
 use crate::model::{CausalLm, LogitRows};
 use crate::proposer::draft_model::{DraftBuilder, DraftCache, DraftSampler};
-use crate::proposer::{Draft, Proposer};
+use crate::proposer::{Draft, Feedback, Proposer};
 
 pub struct PardProposer {
     cache: DraftCache,
@@ -85,8 +85,8 @@ impl Proposer for PardProposer {
         Ok(draft.build())
     }
 
-    fn observe(&mut self, num_accepted: usize) -> Result<()> {
-        self.cache.observe(num_accepted);
+    fn observe(&mut self, feedback: &Feedback<'_>) -> Result<()> {
+        self.cache.observe(feedback.num_accepted_tokens);
         Ok(())
     }
 

@@ -20,26 +20,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{Draft, Proposer};
 use crate::error::Result;
-
-/// The suffix-decoding settings of a speculative config (vLLM's `suffix_decoding_*` keys).
-#[derive(Debug, Clone, PartialEq)]
-pub struct SuffixParams {
-    /// Longest substring the trees index; a match uses at most `max_tree_depth - 1` context tokens.
-    pub max_tree_depth: usize,
-    /// Finished responses kept in the global tree (FIFO); 0 disables the global tree.
-    pub max_cached_requests: usize,
-    /// A match of length m may propose at most `floor(max_spec_factor * m)` tokens.
-    pub max_spec_factor: f32,
-    /// Stop the draft once its cumulative estimated probability falls below this.
-    pub min_token_prob: f32,
-}
-
-impl Default for SuffixParams {
-    /// vLLM's defaults.
-    fn default() -> Self {
-        Self { max_tree_depth: 24, max_cached_requests: 10_000, max_spec_factor: 1.0, min_token_prob: 0.1 }
-    }
-}
+pub use crate::spec_config::SuffixParams;
 
 /// "No node": the end of a sibling list, a missing child, or a best child not yet known.
 const NONE: u32 = u32::MAX;

@@ -23,13 +23,11 @@ use candle_core::{Device, Module, Tensor};
 use half::f16;
 
 use super::ggml_math::hsum8;
-use super::kquants::{self, Q8KRows, QK_K};
+use super::kquants::{self, Q8KRows, QK_K, ROW_GROUP};
 use super::parallel::for_each_chunk_mut;
 use crate::error::{Error, Result};
 
 const BLOCK: usize = 32;
-/// Activation rows dotted with one unpacked weight block before moving on.
-pub(crate) const ROW_GROUP: usize = 8;
 /// Output features per parallel work item.
 const FEATURES_PER_TASK: usize = 16;
 /// Weight rows one kernel call dots with a single activation row (decoding).

@@ -18,6 +18,9 @@ use half::f16;
 
 use super::ggml_math::hsum8;
 
+/// Activation rows dotted with one unpacked weight block before moving on.
+pub(crate) const ROW_GROUP: usize = 8;
+
 pub const QK_K: usize = 256;
 /// `{ d: f16, dmin: f16, scales: [u8; 12] (6-bit scales and mins of 8 sub-blocks), qs: [u8; 128] }`:
 /// x = d * scale_j * nibble - dmin * min_j; bytes 32c..32c+31 of qs hold values 64c.. (low
@@ -169,7 +172,7 @@ pub mod avx2 {
     fn check_shapes(weight: &[u8], block_bytes: usize, a: &Q8KRows, first: usize, num_rows: usize) {
         let blocks = (first + num_rows) * a.num_blocks;
         assert!(
-            num_rows <= super::super::qlinear::ROW_GROUP
+            num_rows <= super::ROW_GROUP
                 && weight.len() >= a.num_blocks * block_bytes
                 && a.qs.len() >= blocks * QK_K
                 && a.d.len() >= blocks
@@ -206,7 +209,7 @@ pub mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dot_q4k_rows(weight: &[u8], a: &Q8KRows, first: usize, out: &mut [f32]) {
         check_shapes(weight, Q4K_BYTES, a, first, out.len());
-        let mut acc = [0f32; super::super::qlinear::ROW_GROUP];
+        let mut acc = [0f32; super::ROW_GROUP];
         let mut acc_min = acc;
         let low = _mm256_set1_epi8(0x0F);
         for b in 0..a.num_blocks {
@@ -250,7 +253,7 @@ pub mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dot_q6k_rows(weight: &[u8], a: &Q8KRows, first: usize, out: &mut [f32]) {
         check_shapes(weight, Q6K_BYTES, a, first, out.len());
-        let mut acc = [_mm256_setzero_ps(); super::super::qlinear::ROW_GROUP];
+        let mut acc = [_mm256_setzero_ps(); super::ROW_GROUP];
         let low = _mm256_set1_epi8(0x0F);
         let two_bits = _mm256_set1_epi8(3);
         for b in 0..a.num_blocks {

@@ -49,53 +49,115 @@ fn round_f16(x: f32) -> f32 {
     f16::from_f32(x).to_f32()
 }
 
+/// What one query row sees of its sequence's layer cache `k`, `v` (`[capacity, kv_heads *
+/// head_dim]`): cells `0..prefix` in place, then the cells at slots `extra` (a tree node's
+/// ancestors after the cache, itself last). Cell `j` of that list is position `j`: it keeps that
+/// index in every summation order, wherever its slot is, so a tree node sums exactly as its
+/// root-to-node path run as a chain. The query's own position is the last cell's.
+#[derive(Debug, Clone, Copy)]
+pub struct RowView<'a> {
+    pub k: &'a [f16],
+    pub v: &'a [f16],
+    pub prefix: usize,
+    pub extra: &'a [usize],
+}
+
+impl RowView<'_> {
+    fn num_cells(&self) -> usize {
+        self.prefix + self.extra.len()
+    }
+
+    /// The slot of cell `j`.
+    fn slot(&self, j: usize) -> usize {
+        if j < self.prefix {
+            j
+        } else {
+            self.extra[j - self.prefix]
+        }
+    }
+}
+
 impl Attention {
-    /// `q`: `[n, heads * head_dim]` (rotated) for positions `past..past + n`; `k`, `v`: the
-    /// layer's cache `[>= past + n, kv_heads * head_dim]` holding those positions. Returns
-    /// `[n, heads * head_dim]`. The lengths are checked here, before the SIMD kernels index
-    /// the cache unchecked.
+    /// `q`: `[n, heads * head_dim]` (rotated) for positions `past..past + n` of one chain; `k`,
+    /// `v`: the layer's cache `[>= past + n, kv_heads * head_dim]` holding those positions.
+    /// Returns `[n, heads * head_dim]`.
     pub fn forward<'a>(&self, q: &[f32], k: &'a [f16], v: &'a [f16], past: usize) -> Result<Vec<f32>> {
+        let q_width = self.shape.num_heads * self.shape.head_dim;
+        let n = q.len().checked_div(q_width).unwrap_or(0);
+        let rows: Vec<RowView> = (0..n).map(|i| RowView { k, v, prefix: past + i + 1, extra: &[] }).collect();
+        self.forward_rows(q, &rows)
+    }
+
+    /// `q`: `[rows.len(), heads * head_dim]` (rotated), row i seeing what `rows[i]` says (rows
+    /// may belong to different sequences and caches). Returns `[rows.len(), heads * head_dim]`.
+    /// The views are checked here, before the SIMD kernels index the caches unchecked.
+    pub fn forward_rows<'a>(&self, q: &[f32], rows: &[RowView<'a>]) -> Result<Vec<f32>> {
         let HeadShape { num_heads, num_kv_heads, head_dim } = self.shape;
         let kv_dim = num_kv_heads * head_dim;
         let q_width = num_heads * head_dim;
         if q_width == 0
             || num_kv_heads == 0
             || !num_heads.is_multiple_of(num_kv_heads)
-            || !q.len().is_multiple_of(q_width)
+            || q.len() != rows.len() * q_width
         {
             return Err(Error::Internal(format!(
-                "attention: {} query values for {num_heads} heads of {head_dim} sharing {num_kv_heads} kv heads",
-                q.len()
+                "attention: {} query values for {} rows of {num_heads} heads of {head_dim} sharing {num_kv_heads} kv heads",
+                q.len(),
+                rows.len()
             )));
         }
-        let n = q.len() / q_width;
-        if k.len() < (past + n) * kv_dim || v.len() < (past + n) * kv_dim {
-            return Err(Error::Internal(format!(
-                "attention: the cache holds {} keys and {} values, fewer than {} positions of {kv_dim}",
-                k.len(),
-                v.len(),
-                past + n
-            )));
+        for row in rows {
+            let last_slot = row.extra.iter().copied().max().unwrap_or(0).max(row.prefix);
+            let needed = if row.extra.is_empty() { row.prefix } else { last_slot + 1 };
+            if row.num_cells() == 0 || row.k.len() < needed * kv_dim || row.v.len() < needed * kv_dim {
+                return Err(Error::Internal(format!(
+                    "attention: the cache holds {} keys and {} values, fewer than {needed} positions of {kv_dim}",
+                    row.k.len(),
+                    row.v.len(),
+                )));
+            }
         }
         let group = num_heads / num_kv_heads;
         let simd = simd_available();
         let mut out = vec![0f32; q.len()];
-        // One work item per (token, head): `head_dim` outputs.
+        // One work item per (row, head): `head_dim` outputs.
         for_each_chunk_mut(&mut out, head_dim, |item, out| {
             let (i, head) = (item / num_heads, item % num_heads);
+            let view = &rows[i];
+            let (k, v) = (view.k, view.v);
             let kv_off = (head / group) * head_dim;
             let query: Vec<f32> = q[item * head_dim..(item + 1) * head_dim].iter().map(|&x| round_f16(x)).collect();
-            let pos = past + i;
+            let pos = view.num_cells() - 1;
             let first = self.window.map_or(0, |w| (pos + 1).saturating_sub(w));
             // Cells before `first` are masked: zero after the exponential, so they change no sum
-            // and are skipped, but cells keep their absolute index for the summation order.
-            let row = |cache: &'a [f16], j: usize| -> &'a [f16] { &cache[j * kv_dim + kv_off..][..head_dim] };
+            // and are skipped, but cells keep their index for the summation order.
+            let row =
+                |cache: &'a [f16], j: usize| -> &'a [f16] { &cache[view.slot(j) * kv_dim + kv_off..][..head_dim] };
             let mut weights = vec![0f32; pos + 1 - first];
+            // The cells held in place are one run of rows `kv_dim` apart; the extra ones one each.
+            let in_place = view.prefix.saturating_sub(first).min(weights.len());
             if simd && head_dim % SLOTS == 0 {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: features detected; the cache holds rows first..=pos of `kv_dim` values.
+                // SAFETY: features detected; the cache holds rows first..prefix and every extra
+                // slot (checked above).
                 unsafe {
-                    simd::scaled_dots(&query, &k[first * kv_dim + kv_off..], kv_dim, self.scale, &mut weights)
+                    simd::scaled_dots(
+                        &query,
+                        &k[first * kv_dim + kv_off..],
+                        kv_dim,
+                        self.scale,
+                        &mut weights[..in_place],
+                    );
+                    for j in in_place..weights.len() {
+                        let slot = view.slot(first + j);
+                        simd::scaled_dots(
+                            &query,
+                            &k[slot * kv_dim + kv_off..],
+                            kv_dim,
+                            self.scale,
+                            &mut weights[j..j + 1],
+                        );
+                    }
                 };
             } else {
                 for (j, w) in weights.iter_mut().enumerate() {

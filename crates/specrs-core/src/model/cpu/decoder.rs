@@ -35,16 +35,21 @@ use std::sync::Arc;
 
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
+use half::f16;
 
-use super::attention::{Attention, HeadShape};
-use super::decoder::DecoderConfig;
+use super::attention::{Attention, HeadShape, RowView};
 use super::ggml_math::{geglu, swiglu};
 use super::qlinear::QLinear;
 use super::rope::{Pairing, Rope};
-use super::{check_exit_layer, check_token_ids, CausalLm, GgufWeights, LogitRows, ModelInfo};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
+use crate::model::config::DecoderConfig;
+use crate::model::forward::check_token_ids;
+use crate::model::layout::{
+    block_tensor, block_weight, global_weight, projections, Family, Global, Naming, Projection, Role,
+};
+use crate::model::{select_vocab, CausalLm, ForwardBatch, ForwardOutput, GgufWeights, ModelInfo, Tap};
 
 /// A quantized matrix and its bias, when the file has one.
 struct Linear {
@@ -135,6 +140,15 @@ impl GgufWeights<'_> {
         Ok(Linear { weight, bias })
     }
 
+    fn cpu_projections(&mut self, stored: Projection) -> Result<Projections> {
+        Ok(match stored {
+            Projection::Fused { tensor, widths } => Projections::Fused { linear: self.cpu_linear(&tensor)?, widths },
+            Projection::Separate(tensors) => {
+                Projections::Separate(tensors.iter().map(|t| self.cpu_linear(t)).collect::<Result<_>>()?)
+            }
+        })
+    }
+
     /// Norm weights and biases are small and used in f32.
     fn f32_vec(&mut self, name: &str) -> Result<Vec<f32>> {
         Ok(self.qtensor(name)?.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?)
@@ -144,9 +158,9 @@ impl GgufWeights<'_> {
 impl CpuDecoder {
     /// Whether this config fits this implementation: every GGUF family but one with attention
     /// soft-capping (none of llama.cpp's graphs for these families has it). Anything else runs on
-    /// `decoder.rs`.
+    /// `candle/decoder.rs`.
     pub fn runs(config: &DecoderConfig) -> bool {
-        super::families::GGUF_ARCHITECTURES.contains(&config.architecture.as_str())
+        crate::model::families::GGUF_ARCHITECTURES.contains(&config.architecture.as_str())
             && config.attn_logit_softcap.is_none()
     }
 
@@ -154,46 +168,32 @@ impl CpuDecoder {
     pub fn load(gguf: &mut GgufFile, config: DecoderConfig) -> Result<Self> {
         let device = Device::Cpu;
         let mut w = GgufWeights::new(gguf, &config, &device)?;
-        let embed = w.qtensor("token_embd.weight")?;
+        let family = Family::of(&config);
+        let global = |g| global_weight(Naming::Gguf, g);
+        let embed = w.qtensor(&global(Global::Embedding))?;
         let lm_head = if config.tie_word_embeddings {
             QLinear::new(embed.clone())?
         } else {
-            QLinear::new(w.qtensor("output.weight")?)?
+            QLinear::new(w.qtensor(&global(Global::Output))?)?
         };
-        let final_norm = w.f32_vec("output_norm.weight")?;
-        let (q_width, kv_width, ffn) =
-            (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size);
+        let final_norm = w.f32_vec(&global(Global::FinalNorm))?;
         let blocks = (0..config.num_layers)
             .map(|i| {
-                let name = |part: &str| format!("blk.{i}.{part}");
-                let qkv = if w.gguf.has_tensor(&name("attn_qkv.weight")) {
-                    Projections::Fused {
-                        linear: w.cpu_linear(&name("attn_qkv"))?,
-                        widths: vec![q_width, kv_width, kv_width],
-                    }
-                } else {
-                    Projections::Separate(vec![
-                        w.cpu_linear(&name("attn_q"))?,
-                        w.cpu_linear(&name("attn_k"))?,
-                        w.cpu_linear(&name("attn_v"))?,
-                    ])
-                };
-                let gate_up = if w.gguf.has_tensor(&name("ffn_gate.weight")) {
-                    Projections::Separate(vec![w.cpu_linear(&name("ffn_gate"))?, w.cpu_linear(&name("ffn_up"))?])
-                } else {
-                    Projections::Fused { linear: w.cpu_linear(&name("ffn_up"))?, widths: vec![ffn, ffn] }
-                };
+                let t = |role| block_tensor(Naming::Gguf, &family, i, role);
+                let tw = |role| block_weight(Naming::Gguf, &family, i, role);
+                let (qkv, gate_up) = projections(Naming::Gguf, &config, i, |name| w.gguf.has_tensor(name));
+                let (qkv, gate_up) = (w.cpu_projections(qkv)?, w.cpu_projections(gate_up)?);
                 Ok(Block {
-                    attn_norm: w.f32_vec(&name("attn_norm.weight"))?,
+                    attn_norm: w.f32_vec(&tw(Role::AttnNorm))?,
                     qkv,
-                    q_norm: w.optional(&name("attn_q_norm.weight"), GgufWeights::f32_vec)?,
-                    k_norm: w.optional(&name("attn_k_norm.weight"), GgufWeights::f32_vec)?,
-                    wo: w.cpu_linear(&name("attn_output"))?,
-                    post_attn_norm: w.optional(&name("post_attention_norm.weight"), GgufWeights::f32_vec)?,
-                    ffn_norm: w.f32_vec(&name("ffn_norm.weight"))?,
+                    q_norm: w.optional(&tw(Role::QNorm), GgufWeights::f32_vec)?,
+                    k_norm: w.optional(&tw(Role::KNorm), GgufWeights::f32_vec)?,
+                    wo: w.cpu_linear(&t(Role::AttnOutput))?,
+                    post_attn_norm: w.optional(&tw(Role::PostAttnNorm), GgufWeights::f32_vec)?,
+                    ffn_norm: w.f32_vec(&tw(Role::FfnNorm))?,
                     gate_up,
-                    w_down: w.cpu_linear(&name("ffn_down"))?,
-                    post_ffn_norm: w.optional(&name("post_ffw_norm.weight"), GgufWeights::f32_vec)?,
+                    w_down: w.cpu_linear(&t(Role::Down))?,
+                    post_ffn_norm: w.optional(&tw(Role::PostFfnNorm), GgufWeights::f32_vec)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -204,21 +204,14 @@ impl CpuDecoder {
         let global_rope = rope(config.rope_theta, 1.0 / config.rope_linear_factor);
         let local_rope = config.sliding_layers.iter().any(|&s| s).then(|| rope(config.rope_theta_local, 1.0));
         Ok(Self {
-            info: ModelInfo {
-                architecture: config.architecture.clone(),
-                vocab_size: config.vocab_size,
-                context_length: config.context_length,
-                num_layers: config.num_layers,
-                num_kv_heads: config.num_kv_heads,
-                head_dim: config.head_dim,
-            },
+            info: ModelInfo::of(&config),
             embed,
             blocks,
             final_norm,
             lm_head,
             global_rope,
             local_rope,
-            scale_query: matches!(config.architecture.as_str(), "gemma3" | "phi3"),
+            scale_query: family.scale_query,
             device,
             weight_bytes,
             config,
@@ -272,50 +265,48 @@ impl CausalLm for CpuDecoder {
         Ok(KvCache::new(i.num_layers, i.num_kv_heads * i.head_dim, capacity, i.context_length))
     }
 
-    fn forward_rows(&self, tokens: &[u32], cache: &mut KvCache, rows: LogitRows) -> Result<Tensor> {
-        self.forward_layers(tokens, cache, self.blocks.len(), rows)
-    }
-
-    fn forward_early_exit(
-        &self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        num_layers: usize,
-        rows: LogitRows,
-    ) -> Result<Tensor> {
-        check_exit_layer(num_layers, self.blocks.len())?;
-        self.forward_layers(tokens, cache, num_layers, rows)
-    }
-}
-
-impl CpuDecoder {
-    /// The first `num_layers` blocks, then the final norm and the LM head.
-    fn forward_layers(
-        &self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        num_layers: usize,
-        rows: LogitRows,
-    ) -> Result<Tensor> {
-        let n = tokens.len();
-        if n == 0 {
-            return Err(Error::Internal("forward called with no tokens".into()));
-        }
-        check_token_ids(tokens, self.config.vocab_size)?;
-        let past = cache.len();
-        cache.reserve(n)?;
+    fn forward_batch(&self, batch: &ForwardBatch, caches: &mut [&mut KvCache]) -> Result<ForwardOutput> {
         let c = &self.config;
-        let (eps, head_dim) = (c.rms_eps, c.head_dim);
+        let pasts: Vec<usize> = caches.iter().map(|cache| cache.len()).collect();
+        batch.check(self.blocks.len(), c.vocab_size, &pasts)?;
+        for (s, cache) in caches.iter_mut().enumerate() {
+            cache.reserve(batch.seq_range(s).len())?;
+        }
+        let n = batch.num_rows();
+        let (eps, head_dim, hidden) = (c.rms_eps, c.head_dim, c.hidden_size);
+        let kv_width = c.num_kv_heads * head_dim;
         let shape = HeadShape { num_heads: c.num_heads, num_kv_heads: c.num_kv_heads, head_dim };
-        let global_angles = self.global_rope.tables(past, n);
-        let local_angles = self.local_rope.as_ref().map(|rope| rope.tables(past, n));
+        let num_blocks = batch.exit_layer.unwrap_or(self.blocks.len());
+        let global_angles = self.global_rope.tables_at(&batch.positions);
+        let local_angles = self.local_rope.as_ref().map(|rope| rope.tables_at(&batch.positions));
+        // What each row sees after its cache's old positions: its chain predecessors in place, or
+        // a tree node's ancestors at their slots (`attention::RowView`).
+        let mut sees: Vec<(usize, usize, Vec<usize>)> = Vec::with_capacity(n); // (seq, prefix, extra)
+        for (s, &past) in pasts.iter().enumerate() {
+            let chain = batch.is_chain(s);
+            for (i, row) in batch.seq_range(s).enumerate() {
+                if chain {
+                    sees.push((s, past + i + 1, Vec::new()));
+                } else {
+                    sees.push((s, past, batch.path(s, row).iter().map(|a| past + a).collect()));
+                }
+            }
+        }
 
-        let ids = Tensor::new(tokens, &self.device)?;
-        let mut x: Vec<f32> = self.embed.embedding(&ids)?.flatten_all()?.to_vec1()?; // [n, hidden]
+        let mut x: Vec<f32> = self.embed(&batch.tokens)?.flatten_all()?.to_vec1()?; // [n, hidden]
         if let Some(scale) = c.embed_scale {
             x.iter_mut().for_each(|v| *v *= scale);
         }
-        for (layer, block) in self.blocks[..num_layers].iter().enumerate() {
+        let mut taps: Vec<Option<Vec<f32>>> = vec![None; batch.taps.len()];
+        let mut capture = |after: usize, x: &[f32]| {
+            for (slot, tap) in taps.iter_mut().zip(&batch.taps) {
+                if *tap == Tap::Residual(after) {
+                    *slot = Some(x.to_vec());
+                }
+            }
+        };
+        capture(0, &x);
+        for (layer, block) in self.blocks[..num_blocks].iter().enumerate() {
             let sliding = c.sliding_layers[layer];
             let (rope, (cos, sin)) = match (&self.local_rope, &local_angles) {
                 (Some(rope), Some(angles)) if sliding => (rope, angles),
@@ -334,10 +325,18 @@ impl CpuDecoder {
             } else {
                 c.attention_scale
             };
-            cache.append(layer, &k, &v)?;
-            let (k_cache, v_cache) = cache.layer(layer);
+            for (s, cache) in caches.iter_mut().enumerate() {
+                let rows = batch.seq_range(s);
+                let kv = rows.start * kv_width..rows.end * kv_width;
+                cache.append(layer, &k[kv.clone()], &v[kv])?;
+            }
+            let layers: Vec<(&[f16], &[f16])> = caches.iter().map(|cache| cache.layer(layer)).collect();
+            let views: Vec<RowView> = sees
+                .iter()
+                .map(|(s, prefix, extra)| RowView { k: layers[*s].0, v: layers[*s].1, prefix: *prefix, extra })
+                .collect();
             let window = c.sliding_window.filter(|_| sliding);
-            let attn = Attention { shape, scale: score_scale, window }.forward(&q, k_cache, v_cache, past)?;
+            let attn = Attention { shape, scale: score_scale, window }.forward_rows(&q, &views)?;
             let out = norm_if(block.wo.forward(&attn, n)?, block.post_attn_norm.as_ref(), eps);
             add_assign(&mut x, &out);
 
@@ -352,22 +351,67 @@ impl CpuDecoder {
             }
             let down = norm_if(block.w_down.forward(&gate, n)?, block.post_ffn_norm.as_ref(), eps);
             add_assign(&mut x, &down);
+            capture(layer + 1, &x);
         }
-        cache.commit(n);
+        for (s, cache) in caches.iter_mut().enumerate() {
+            cache.commit(batch.seq_range(s).len());
+        }
 
-        let (first_row, num_rows) = match rows {
-            LogitRows::All => (0, n),
-            LogitRows::Last => (n - 1, 1),
-        };
-        let last = &x[first_row * c.hidden_size..];
-        let normed = rms_norm(last, &self.final_norm, eps);
-        let mut logits = self.lm_head.forward_rows(&normed, num_rows)?;
-        if let Some(cap) = c.final_logit_softcap {
+        // The final norm is per row: normalizing every row for a tap gives the logit rows the
+        // same values as normalizing those rows alone.
+        let final_normed = batch.taps.contains(&Tap::FinalNorm).then(|| rms_norm(&x, &self.final_norm, eps));
+        let logit_input: Vec<f32> = batch
+            .logit_rows
+            .iter()
+            .flat_map(|&row| match &final_normed {
+                Some(normed) => normed[row * hidden..(row + 1) * hidden].to_vec(),
+                None => rms_norm(&x[row * hidden..(row + 1) * hidden], &self.final_norm, eps),
+            })
+            .collect();
+        let num_logit_rows = batch.logit_rows.len();
+        let logits = self.logits(&logit_input, num_logit_rows)?;
+        let hidden_states = taps
+            .into_iter()
+            .zip(&batch.taps)
+            .map(|(captured, tap)| {
+                let values = match tap {
+                    Tap::FinalNorm => final_normed.clone(),
+                    Tap::Residual(_) => captured,
+                }
+                .ok_or_else(|| Error::Internal(format!("tap {tap:?} was not captured")))?;
+                Ok(Tensor::from_vec(values, (n, hidden), &self.device)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ForwardOutput { logits, hidden: hidden_states })
+    }
+
+    fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
+        check_token_ids(tokens, self.config.vocab_size)?;
+        let ids = Tensor::new(tokens, &self.device)?;
+        Ok(self.embed.embedding(&ids)?) // [n, hidden]
+    }
+
+    fn lm_head(&self, hidden: &Tensor, vocab_subset: Option<&[u32]>) -> Result<Tensor> {
+        let rows = hidden.dim(0)?;
+        let logits = self.logits(&hidden.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1()?, rows)?;
+        select_vocab(logits, vocab_subset, self.config.vocab_size)
+    }
+}
+
+impl CpuDecoder {
+    /// The LM head and the final soft-cap: `[num_rows, hidden]` final-normed rows -> logits
+    /// `[num_rows, vocab]`.
+    fn logits(&self, normed: &[f32], num_rows: usize) -> Result<Tensor> {
+        let vocab = self.lm_head.out_features();
+        if num_rows == 0 {
+            return Ok(Tensor::zeros((0, vocab), candle_core::DType::F32, &self.device)?);
+        }
+        let mut logits = self.lm_head.forward_rows(normed, num_rows)?;
+        if let Some(cap) = self.config.final_logit_softcap {
             // ggml's order: scale by 1/cap, tanh, scale by cap.
             let inv = 1.0 / cap;
             logits.iter_mut().for_each(|v| *v = (*v * inv).tanh() * cap);
         }
-        Ok(Tensor::from_vec(logits, (num_rows, self.lm_head.out_features()), &self.device)?)
-        // [rows, vocab]
+        Ok(Tensor::from_vec(logits, (num_rows, vocab), &self.device)?)
     }
 }

@@ -1,5 +1,5 @@
 //! The shared decoder-only transformer, written with candle tensor ops so it runs on any candle
-//! device: every family on CUDA, and on the CPU what `cpu_decoder.rs` does not run (HF safetensors
+//! device: every family on CUDA, and on the CPU what `cpu/decoder.rs` does not run (HF safetensors
 //! directories, seeded random models, GGUF with attention soft-capping). Llama, Mistral, Qwen2/2.5,
 //! Qwen3, Gemma 3 and Phi-3 are one block with flags (`DecoderConfig`); which GGUF keys set them
 //! is in `families.rs`. Weights are GGUF tensors (specrs' kernels on the CPU, candle's quantized
@@ -14,13 +14,14 @@
 //!
 //! Invariant: `forward_rows` scores every new token against the cached keys plus its own
 //! predecessors (causal, windowed where the layer says so), and appends exactly the new positions
-//! to the cache. Unlike `cpu_decoder.rs` it does not promise bitwise row independence: cuBLAS (and
+//! to the cache. Unlike `cpu/decoder.rs` it does not promise bitwise row independence: cuBLAS (and
 //! candle's CPU gemm for dense weights) picks its kernels by shape, so a k+1-token verify can round
 //! differently from single steps, and greedy speculative output equals plain greedy output except
 //! at near-ties (the GPU check counts them). On the CPU with weights specrs' kernels run (Q4_0,
 //! Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) every matmul is row-independent and attention is computed one
 //! query row at a time, so there the two are equal.
-//! Attention runs in f32 over an f32 cache, which keeps those differences at the matmuls' rounding.
+//! Attention runs in f32 over the cache (kept in the model's dtype: f32 for quantized weights,
+//! bf16/f16 for dense ones), which keeps those differences at the matmuls' rounding.
 
 use std::sync::Arc;
 
@@ -29,87 +30,20 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::ops::{rms_norm, softmax_last_dim};
 use candle_nn::rotary_emb::{rope, rope_i};
 
-use super::hf_dir::HfWeights;
-use super::llama_config::LlamaConfig;
-use super::qlinear::QLinear;
-use super::random;
-use super::rope::{Pairing, Rope};
-use super::{check_exit_layer, check_token_ids, CausalLm, GgufWeights, LogitRows, ModelInfo};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
-
-/// Everything the shared block needs to know about a family, beyond the tensors themselves.
-#[derive(Debug, Clone, PartialEq)]
-pub struct DecoderConfig {
-    pub architecture: String,
-    pub vocab_size: usize,
-    pub hidden_size: usize,
-    pub intermediate_size: usize,
-    pub num_layers: usize,
-    pub num_heads: usize,
-    pub num_kv_heads: usize,
-    pub head_dim: usize,
-    pub context_length: usize,
-    pub rms_eps: f32,
-    pub rope_theta: f32,
-    /// Base of the sliding-window layers' rotary embedding (Gemma 3: 10000).
-    pub rope_theta_local: f32,
-    /// Global layers' positions are divided by this (linear RoPE scaling; 1 = none).
-    pub rope_linear_factor: f32,
-    /// Rotated dimensions of each head (< head_dim: partial rotary, Phi-3.5/4).
-    pub rope_dims: usize,
-    /// Pairs (2i, 2i+1) instead of (i, i + rope_dims/2): GGUF llama, whose q/k were permuted.
-    pub rope_interleaved: bool,
-    /// Llama-3.1-style per-dimension frequency divisors (`[rope_dims / 2]`).
-    pub rope_freq_factors: Option<Vec<f32>>,
-    /// Multiplier of q·k (usually 1/sqrt(head_dim)).
-    pub attention_scale: f32,
-    pub attn_logit_softcap: Option<f32>,
-    pub final_logit_softcap: Option<f32>,
-    /// Keys a query sees in a sliding-window layer, itself included.
-    pub sliding_window: Option<usize>,
-    /// Per layer: whether it uses the sliding window.
-    pub sliding_layers: Vec<bool>,
-    /// Embeddings multiplied by this (Gemma: sqrt(hidden_size)).
-    pub embed_scale: Option<f32>,
-    /// GELU (tanh) gate instead of SiLU (Gemma).
-    pub gelu: bool,
-    pub tie_word_embeddings: bool,
-}
-
-impl DecoderConfig {
-    /// A plain Llama with transformers' layout (half-split RoPE).
-    pub fn from_llama(config: &LlamaConfig) -> Self {
-        let head_dim = config.head_dim();
-        Self {
-            architecture: "llama".into(),
-            vocab_size: config.vocab_size,
-            hidden_size: config.hidden_size,
-            intermediate_size: config.intermediate_size,
-            num_layers: config.num_hidden_layers,
-            num_heads: config.num_attention_heads,
-            num_kv_heads: config.num_kv_heads(),
-            head_dim,
-            context_length: config.max_position_embeddings,
-            rms_eps: config.rms_norm_eps,
-            rope_theta: config.rope_theta,
-            rope_theta_local: config.rope_theta,
-            rope_linear_factor: 1.0,
-            rope_dims: head_dim,
-            rope_interleaved: false,
-            rope_freq_factors: None,
-            attention_scale: 1.0 / (head_dim as f32).sqrt(),
-            attn_logit_softcap: None,
-            final_logit_softcap: None,
-            sliding_window: None,
-            sliding_layers: vec![false; config.num_hidden_layers],
-            embed_scale: None,
-            gelu: false,
-            tie_word_embeddings: config.tie_word_embeddings,
-        }
-    }
-}
+use crate::model::config::DecoderConfig;
+use crate::model::cpu::qlinear::QLinear;
+use crate::model::cpu::rope::{Pairing, Rope};
+use crate::model::forward::check_token_ids;
+use crate::model::hf_dir::HfWeights;
+use crate::model::layout::{
+    block_tensor, block_weight, global_tensor, global_weight, projections, Family, Global, Naming, Projection, Role,
+};
+use crate::model::llama_config::LlamaConfig;
+use crate::model::random;
+use crate::model::{select_vocab, CausalLm, ForwardBatch, ForwardOutput, GgufWeights, ModelInfo, Tap};
 
 /// How `Decoder::random` stores its weights.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -272,6 +206,15 @@ impl GgufWeights<'_> {
         Ok(Linear { weight, bias })
     }
 
+    fn projections(&mut self, stored: Projection) -> Result<Projections> {
+        match stored {
+            Projection::Fused { tensor, widths } => Ok(Projections::Fused { linear: self.linear(&tensor)?, widths }),
+            Projection::Separate(tensors) => {
+                Projections::new(tensors.iter().map(|t| self.linear(t)).collect::<Result<_>>()?)
+            }
+        }
+    }
+
     /// A small tensor used in f32 (norms, biases).
     fn vector(&mut self, name: &str) -> Result<Tensor> {
         Ok(self.qtensor(name)?.dequantize(self.device)?)
@@ -282,48 +225,36 @@ impl Decoder {
     /// A GGUF file of a family `families.rs` knows, on `device`.
     pub fn from_gguf(gguf: &mut GgufFile, config: DecoderConfig, device: &Device) -> Result<Self> {
         let mut w = GgufWeights::new(gguf, &config, device)?;
-        let embed_q = w.qtensor("token_embd.weight")?;
+        let family = Family::of(&config);
+        let global = |g| global_weight(Naming::Gguf, g);
+        let embed_q = w.qtensor(&global(Global::Embedding))?;
         // The lookup table is dequantized once (as candle's own quantized llama does): a gather
         // from quantized blocks has no CUDA kernel.
         let embed = embed_q.dequantize(device)?;
-        let lm_head =
-            if config.tie_word_embeddings { Linear::new(quantized_weight(embed_q)?) } else { w.linear("output")? };
-        let final_norm = w.vector("output_norm.weight")?;
+        let lm_head = if config.tie_word_embeddings {
+            Linear::new(quantized_weight(embed_q)?)
+        } else {
+            w.linear(global_tensor(Naming::Gguf, Global::Output))?
+        };
+        let final_norm = w.vector(&global(Global::FinalNorm))?;
         let blocks = (0..config.num_layers)
             .map(|i| {
-                let name = |part: &str| format!("blk.{i}.{part}");
+                let t = |role| block_tensor(Naming::Gguf, &family, i, role);
+                let tw = |role| block_weight(Naming::Gguf, &family, i, role);
                 // Phi-3 stores q/k/v as one tensor, and gate/up as one `ffn_up` twice as wide.
-                let qkv = if w.gguf.has_tensor(&name("attn_qkv.weight")) {
-                    let q_width = config.num_heads * config.head_dim;
-                    let kv_width = config.num_kv_heads * config.head_dim;
-                    Projections::Fused {
-                        linear: w.linear(&name("attn_qkv"))?,
-                        widths: vec![q_width, kv_width, kv_width],
-                    }
-                } else {
-                    Projections::new(vec![
-                        w.linear(&name("attn_q"))?,
-                        w.linear(&name("attn_k"))?,
-                        w.linear(&name("attn_v"))?,
-                    ])?
-                };
-                let gate_up = if w.gguf.has_tensor(&name("ffn_gate.weight")) {
-                    Projections::new(vec![w.linear(&name("ffn_gate"))?, w.linear(&name("ffn_up"))?])?
-                } else {
-                    let ffn = config.intermediate_size;
-                    Projections::Fused { linear: w.linear(&name("ffn_up"))?, widths: vec![ffn, ffn] }
-                };
+                let (qkv, gate_up) = projections(Naming::Gguf, &config, i, |name| w.gguf.has_tensor(name));
+                let (qkv, gate_up) = (w.projections(qkv)?, w.projections(gate_up)?);
                 Ok(Block {
-                    attn_norm: w.vector(&name("attn_norm.weight"))?,
+                    attn_norm: w.vector(&tw(Role::AttnNorm))?,
                     qkv,
-                    q_norm: w.optional(&name("attn_q_norm.weight"), GgufWeights::vector)?,
-                    k_norm: w.optional(&name("attn_k_norm.weight"), GgufWeights::vector)?,
-                    wo: w.linear(&name("attn_output"))?,
-                    post_attn_norm: w.optional(&name("post_attention_norm.weight"), GgufWeights::vector)?,
-                    ffn_norm: w.vector(&name("ffn_norm.weight"))?,
+                    q_norm: w.optional(&tw(Role::QNorm), GgufWeights::vector)?,
+                    k_norm: w.optional(&tw(Role::KNorm), GgufWeights::vector)?,
+                    wo: w.linear(&t(Role::AttnOutput))?,
+                    post_attn_norm: w.optional(&tw(Role::PostAttnNorm), GgufWeights::vector)?,
+                    ffn_norm: w.vector(&tw(Role::FfnNorm))?,
                     gate_up,
-                    w_down: w.linear(&name("ffn_down"))?,
-                    post_ffn_norm: w.optional(&name("post_ffw_norm.weight"), GgufWeights::vector)?,
+                    w_down: w.linear(&t(Role::Down))?,
+                    post_ffn_norm: w.optional(&tw(Role::PostFfnNorm), GgufWeights::vector)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -334,18 +265,16 @@ impl Decoder {
     /// A Hugging Face safetensors model (`hf_dir::open`), with transformers' tensor names.
     pub fn from_hf(w: &mut HfWeights, config: DecoderConfig) -> Result<Self> {
         let c = &config;
-        let gemma = c.architecture == "gemma3";
+        let family = Family::of(c);
         let (hidden, ffn, vocab) = (c.hidden_size, c.intermediate_size, c.vocab_size);
         let (q_width, kv_width) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
         // Gemma's RMSNorm multiplies by (1 + weight); the stored weight is the offset.
         let norm = |w: &mut HfWeights, name: &str, width: usize| -> Result<Tensor> {
             let t = w.tensor(name, &[width])?;
-            Ok(if gemma { (t + 1.0)? } else { t })
+            Ok(if family.hf_norm_offset { (t + 1.0)? } else { t })
         };
-        // As in gguf_layout.rs: Qwen3 and Gemma 3 need their q/k norms, Qwen2 its q/k/v biases;
-        // without them the model would run as another one rather than fail.
-        let qk_norm_required = matches!(c.architecture.as_str(), "qwen3" | "gemma3");
-        let qkv_bias_required = c.architecture == "qwen2";
+        // As in gguf_layout.rs: Qwen3 and Gemma 3 need their q/k norms, Qwen2 its q/k/v biases.
+        let (qk_norm_required, qkv_bias_required) = (family.qk_norm, family.qkv_bias);
         let f32_norm = |w: &mut HfWeights, name: &str| -> Result<Option<Tensor>> {
             if !w.has(name) && !qk_norm_required {
                 return Ok(None);
@@ -359,61 +288,58 @@ impl Decoder {
             Ok::<_, Error>(Linear { weight: Weight::Dense(w.tensor(&format!("{name}.weight"), &[rows, cols])?), bias })
         };
         let linear = |w: &mut HfWeights, name: &str, rows: usize, cols: usize| linear_with(w, name, rows, cols, false);
-        let embed = w.tensor("model.embed_tokens.weight", &[vocab, hidden])?;
-        let lm_head = if w.has("lm_head.weight") && !c.tie_word_embeddings {
-            linear(w, "lm_head", vocab, hidden)?
+        let embed = w.tensor(&global_weight(Naming::Hf, Global::Embedding), &[vocab, hidden])?;
+        let lm_head = if w.has(&global_weight(Naming::Hf, Global::Output)) && !c.tie_word_embeddings {
+            linear(w, global_tensor(Naming::Hf, Global::Output), vocab, hidden)?
         } else {
             Linear::new(Weight::Dense(embed.clone()))
         };
-        let final_norm = norm(w, "model.norm.weight", hidden)?;
+        let final_norm = norm(w, &global_weight(Naming::Hf, Global::FinalNorm), hidden)?;
         let blocks = (0..c.num_layers)
             .map(|i| {
-                let name = |part: &str| format!("model.layers.{i}.{part}");
-                let qkv = if w.has(&name("self_attn.qkv_proj.weight")) {
+                let t = |role| block_tensor(Naming::Hf, &family, i, role);
+                let tw = |role| block_weight(Naming::Hf, &family, i, role);
+                let qkv = if w.has(&tw(Role::Qkv)) {
                     Projections::Fused {
-                        linear: linear(w, &name("self_attn.qkv_proj"), q_width + 2 * kv_width, hidden)?,
+                        linear: linear(w, &t(Role::Qkv), q_width + 2 * kv_width, hidden)?,
                         widths: vec![q_width, kv_width, kv_width],
                     }
                 } else {
                     let bias = qkv_bias_required;
                     Projections::new(vec![
-                        linear_with(w, &name("self_attn.q_proj"), q_width, hidden, bias)?,
-                        linear_with(w, &name("self_attn.k_proj"), kv_width, hidden, bias)?,
-                        linear_with(w, &name("self_attn.v_proj"), kv_width, hidden, bias)?,
+                        linear_with(w, &t(Role::Q), q_width, hidden, bias)?,
+                        linear_with(w, &t(Role::K), kv_width, hidden, bias)?,
+                        linear_with(w, &t(Role::V), kv_width, hidden, bias)?,
                     ])?
                 };
-                let gate_up = if w.has(&name("mlp.gate_up_proj.weight")) {
-                    Projections::Fused {
-                        linear: linear(w, &name("mlp.gate_up_proj"), 2 * ffn, hidden)?,
-                        widths: vec![ffn, ffn],
-                    }
+                let gate_up = if w.has(&tw(Role::GateUp)) {
+                    Projections::Fused { linear: linear(w, &t(Role::GateUp), 2 * ffn, hidden)?, widths: vec![ffn, ffn] }
                 } else {
                     Projections::new(vec![
-                        linear(w, &name("mlp.gate_proj"), ffn, hidden)?,
-                        linear(w, &name("mlp.up_proj"), ffn, hidden)?,
+                        linear(w, &t(Role::Gate), ffn, hidden)?,
+                        linear(w, &t(Role::Up), ffn, hidden)?,
                     ])?
                 };
-                // Gemma 3 has four norms: post_attention_layernorm follows attention there, and
-                // pre_feedforward_layernorm is what the others call post_attention_layernorm.
-                let (post_attn_norm, ffn_norm, post_ffn_norm) = if gemma {
-                    (
-                        Some(norm(w, &name("post_attention_layernorm.weight"), hidden)?),
-                        norm(w, &name("pre_feedforward_layernorm.weight"), hidden)?,
-                        Some(norm(w, &name("post_feedforward_layernorm.weight"), hidden)?),
-                    )
-                } else {
-                    (None, norm(w, &name("post_attention_layernorm.weight"), hidden)?, None)
+                let sandwich = |w: &mut HfWeights, role| -> Result<Option<Tensor>> {
+                    if family.sandwich_norms {
+                        Ok(Some(norm(w, &tw(role), hidden)?))
+                    } else {
+                        Ok(None)
+                    }
                 };
+                let (post_attn_norm, post_ffn_norm) =
+                    (sandwich(w, Role::PostAttnNorm)?, sandwich(w, Role::PostFfnNorm)?);
+                let ffn_norm = norm(w, &tw(Role::FfnNorm), hidden)?;
                 Ok(Block {
-                    attn_norm: norm(w, &name("input_layernorm.weight"), hidden)?,
+                    attn_norm: norm(w, &tw(Role::AttnNorm), hidden)?,
                     qkv,
-                    q_norm: f32_norm(w, &name("self_attn.q_norm.weight"))?,
-                    k_norm: f32_norm(w, &name("self_attn.k_norm.weight"))?,
-                    wo: linear(w, &name("self_attn.o_proj"), hidden, q_width)?,
+                    q_norm: f32_norm(w, &tw(Role::QNorm))?,
+                    k_norm: f32_norm(w, &tw(Role::KNorm))?,
+                    wo: linear(w, &t(Role::AttnOutput), hidden, q_width)?,
                     post_attn_norm,
                     ffn_norm,
                     gate_up,
-                    w_down: linear(w, &name("mlp.down_proj"), hidden, ffn)?,
+                    w_down: linear(w, &t(Role::Down), hidden, ffn)?,
                     post_ffn_norm,
                 })
             })
@@ -524,14 +450,7 @@ impl Decoder {
             None
         };
         Ok(Self {
-            info: ModelInfo {
-                architecture: config.architecture.clone(),
-                vocab_size: config.vocab_size,
-                context_length: config.context_length,
-                num_layers: config.num_layers,
-                num_kv_heads: config.num_kv_heads,
-                head_dim: config.head_dim,
-            },
+            info: ModelInfo::of(&config),
             dtype,
             embed: embed.to_dtype(dtype)?,
             blocks,
@@ -546,8 +465,15 @@ impl Decoder {
     }
 
     /// `[n, heads * head_dim]` -> `[heads, n, head_dim]` f32, normed per head when the family
-    /// says so, then rotated for positions `past..past + n`.
-    fn heads(&self, x: &Tensor, num_heads: usize, norm: Option<&Tensor>, layer: usize, past: usize) -> Result<Tensor> {
+    /// says so, then rotated for `positions` (`[n]` u32).
+    fn heads(
+        &self,
+        x: &Tensor,
+        num_heads: usize,
+        norm: Option<&Tensor>,
+        layer: usize,
+        positions: &Tensor,
+    ) -> Result<Tensor> {
         let n = x.dim(0)?;
         let head_dim = self.config.head_dim;
         let heads = x.to_dtype(DType::F32)?.reshape((n, num_heads, head_dim))?.transpose(0, 1)?.contiguous()?;
@@ -559,8 +485,8 @@ impl Decoder {
             (Some(local), true) => local,
             _ => &self.global_rope,
         };
-        let cos = tables.cos.narrow(0, past, n)?;
-        let sin = tables.sin.narrow(0, past, n)?;
+        let cos = tables.cos.index_select(positions, 0)?; // [n, rope_dims / 2]
+        let sin = tables.sin.index_select(positions, 0)?;
         let rotate = |x: &Tensor| -> Result<Tensor> {
             let x = x.contiguous()?.unsqueeze(0)?; // [1, heads, n, rope_dims]
             let rotated = if self.config.rope_interleaved { rope_i(&x, &cos, &sin)? } else { rope(&x, &cos, &sin)? };
@@ -574,38 +500,61 @@ impl Decoder {
         Ok(Tensor::cat(&[rotated, heads.narrow(2, dims, head_dim - dims)?], 2)?)
     }
 
-    fn forward_layers(
-        &self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        num_layers: usize,
-        rows: LogitRows,
-    ) -> Result<Tensor> {
-        let n = tokens.len();
-        if n == 0 {
-            return Err(Error::Internal("forward called with no tokens".into()));
-        }
-        check_token_ids(tokens, self.config.vocab_size)?;
-        let past = cache.len();
-        cache.reserve(n)?;
+    fn forward_layers(&self, batch: &ForwardBatch, caches: &mut [&mut KvCache]) -> Result<ForwardOutput> {
         let c = &self.config;
+        let pasts: Vec<usize> = caches.iter().map(|cache| cache.len()).collect();
+        batch.check(self.blocks.len(), c.vocab_size, &pasts)?;
+        for (s, cache) in caches.iter_mut().enumerate() {
+            cache.reserve(batch.seq_range(s).len())?;
+        }
+        let n = batch.num_rows();
         let eps = c.rms_eps;
+        let num_blocks = batch.exit_layer.unwrap_or(self.blocks.len());
+        let positions: Vec<u32> = batch.positions.iter().map(|&p| p as u32).collect();
+        let positions = Tensor::new(positions.as_slice(), &self.device)?;
+        // Tree sequences: each row's ancestors (root first, itself last) within the sequence.
+        let paths: Vec<Option<Vec<Vec<usize>>>> = (0..batch.num_seqs())
+            .map(|s| (!batch.is_chain(s)).then(|| batch.seq_range(s).map(|row| batch.path(s, row)).collect()))
+            .collect();
 
-        let ids = Tensor::new(tokens, &self.device)?;
+        let ids = Tensor::new(batch.tokens.as_slice(), &self.device)?;
         let mut x = self.embed.index_select(&ids, 0)?; // [n, hidden]
         if let Some(scale) = c.embed_scale {
             x = (x * scale as f64)?;
         }
-        for (layer, block) in self.blocks[..num_layers].iter().enumerate() {
+        let mut taps: Vec<Option<Tensor>> = vec![None; batch.taps.len()];
+        let capture = |taps: &mut Vec<Option<Tensor>>, after: usize, x: &Tensor| -> Result<()> {
+            for (slot, tap) in taps.iter_mut().zip(&batch.taps) {
+                if *tap == Tap::Residual(after) {
+                    *slot = Some(x.to_dtype(DType::F32)?);
+                }
+            }
+            Ok(())
+        };
+        capture(&mut taps, 0, &x)?;
+        for (layer, block) in self.blocks[..num_blocks].iter().enumerate() {
             let h = rms_norm(&x, &block.attn_norm, eps)?;
             let [q, k, v]: [Tensor; 3] = block.qkv.forward(&h)?.try_into().map_err(|_| shape_bug("qkv"))?;
-            let q = self.heads(&q, c.num_heads, block.q_norm.as_ref(), layer, past)?; // [heads, n, hd]
-            let k = self.heads(&k, c.num_kv_heads, block.k_norm.as_ref(), layer, past)?; // [kv_heads, n, hd]
-            let v = v.to_dtype(DType::F32)?.reshape((n, c.num_kv_heads, c.head_dim))?;
-            cache.append_tensors(layer, &k, &v.transpose(0, 1)?)?;
+            let q = self.heads(&q, c.num_heads, block.q_norm.as_ref(), layer, &positions)?; // [heads, n, hd]
+            let k = self.heads(&k, c.num_kv_heads, block.k_norm.as_ref(), layer, &positions)?; // [kv_heads, n, hd]
+            let v = v.to_dtype(DType::F32)?.reshape((n, c.num_kv_heads, c.head_dim))?.transpose(0, 1)?; // [kv_heads, n, hd]
             let window = c.sliding_window.filter(|_| c.sliding_layers[layer]);
-            let (k_all, v_all) = cache.layer_tensors(layer, past + n)?; // [kv_heads, past + n, hd]
-            let attn = attention(&q, &k_all, &v_all, past, c.attention_scale, c.attn_logit_softcap, window)?;
+            let mut attns = Vec::with_capacity(batch.num_seqs());
+            for (s, cache) in caches.iter_mut().enumerate() {
+                let rows = batch.seq_range(s);
+                let (start, len, past) = (rows.start, rows.len(), pasts[s]);
+                cache.append_tensors(layer, &k.narrow(1, start, len)?, &v.narrow(1, start, len)?)?;
+                let (k_all, v_all) = cache.layer_tensors(layer, past + len)?; // [kv_heads, past + len, hd]
+                                                                              // Attention runs in f32 over what the cache holds in the model's dtype.
+                let (k_all, v_all) = (k_all.to_dtype(DType::F32)?, v_all.to_dtype(DType::F32)?);
+                let q_seq = q.narrow(1, start, len)?;
+                let scores = Scores { scale: c.attention_scale, logit_softcap: c.attn_logit_softcap, window };
+                attns.push(match &paths[s] {
+                    None => attention(&q_seq, &k_all, &v_all, past, scores)?,
+                    Some(paths) => tree_attention(&q_seq, &k_all, &v_all, past, paths, scores)?,
+                });
+            }
+            let attn = Tensor::cat(&attns, 0)?; // [n, heads * hd]
             let mut out = block.wo.forward(&attn.to_dtype(self.dtype)?)?; // [n, hidden]
             if let Some(norm) = &block.post_attn_norm {
                 out = rms_norm(&out, norm, eps)?;
@@ -620,17 +569,41 @@ impl Decoder {
                 mlp = rms_norm(&mlp, norm, eps)?;
             }
             x = (x + mlp)?;
+            capture(&mut taps, layer + 1, &x)?;
         }
-        cache.commit(n);
+        for (s, cache) in caches.iter_mut().enumerate() {
+            cache.commit(batch.seq_range(s).len());
+        }
 
-        let x = match rows {
-            LogitRows::All => x,
-            LogitRows::Last => x.narrow(0, n - 1, 1)?,
+        let final_normed =
+            if batch.taps.contains(&Tap::FinalNorm) { Some(rms_norm(&x, &self.final_norm, eps)?) } else { None };
+        let logits = if batch.logit_rows.is_empty() {
+            Tensor::zeros((0, c.vocab_size), DType::F32, &self.device)?
+        } else {
+            let rows: Vec<u32> = batch.logit_rows.iter().map(|&r| r as u32).collect();
+            let rows = Tensor::new(rows.as_slice(), &self.device)?;
+            let normed = match &final_normed {
+                Some(normed) => normed.index_select(&rows, 0)?,
+                None => rms_norm(&x.index_select(&rows, 0)?, &self.final_norm, eps)?,
+            };
+            self.logits(&normed)?
         };
-        let normed = rms_norm(&x, &self.final_norm, eps)?;
-        let logits = self.lm_head.forward(&normed)?.to_dtype(DType::F32)?; // [rows, vocab]
-        match c.final_logit_softcap {
-            Some(cap) => Ok(softcap(&logits, cap)?),
+        let hidden = taps
+            .into_iter()
+            .zip(&batch.taps)
+            .map(|(captured, tap)| match tap {
+                Tap::FinalNorm => Ok(final_normed.as_ref().expect("computed above").to_dtype(DType::F32)?),
+                Tap::Residual(_) => captured.ok_or_else(|| Error::Internal(format!("tap {tap:?} was not captured"))),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ForwardOutput { logits, hidden })
+    }
+
+    /// The LM head and the final soft-cap: `[rows, hidden]` final-normed -> `[rows, vocab]` f32.
+    fn logits(&self, normed: &Tensor) -> Result<Tensor> {
+        let logits = self.lm_head.forward(&normed.to_dtype(self.dtype)?)?.to_dtype(DType::F32)?;
+        match self.config.final_logit_softcap {
+            Some(cap) => softcap(&logits, cap),
             None => Ok(logits),
         }
     }
@@ -645,20 +618,50 @@ fn softcap(x: &Tensor, cap: f32) -> Result<Tensor> {
     Ok(((x / cap as f64)?.tanh()? * cap as f64)?)
 }
 
+/// How attention scores are formed: `scale * q·k`, soft-capped, within a window of keys.
+#[derive(Debug, Clone, Copy)]
+struct Scores {
+    scale: f32,
+    logit_softcap: Option<f32>,
+    /// Keys a query sees, itself included.
+    window: Option<usize>,
+}
+
+/// Tree attention: row i of `q` (`[num_heads, n, head_dim]`) sees the `past` cached keys and the
+/// new rows `paths[i]` (its ancestors, itself last) of `k`, `v` (`[num_kv_heads, past + n,
+/// head_dim]`). Each row gathers exactly the keys it sees, in position order, and runs as the
+/// last row of a chain over them, so a node computes what its root-to-node path run as a chain
+/// computes for it (with the same kernels on the CPU).
+fn tree_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    past: usize,
+    paths: &[Vec<usize>],
+    scores: Scores,
+) -> Result<Tensor> {
+    // The cache views are strided (a prefix of each layer's buffer); gathers need them whole.
+    let (k, v) = (k.contiguous()?, v.contiguous()?);
+    let rows = paths
+        .iter()
+        .enumerate()
+        .map(|(i, path)| {
+            let cells: Vec<u32> = (0..past).chain(path.iter().map(|a| past + a)).map(|c| c as u32).collect();
+            let cells = Tensor::new(cells.as_slice(), q.device())?;
+            let (k, v) = (k.index_select(&cells, 1)?, v.index_select(&cells, 1)?);
+            attention(&q.narrow(1, i, 1)?, &k, &v, past + path.len() - 1, scores)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Tensor::cat(&rows, 0)?)
+}
+
 /// Causal grouped-query attention in f32. `q`: `[num_heads, n, head_dim]` for positions
 /// `past..past + n`; `k`, `v`: `[num_kv_heads, past + n, head_dim]`. Returns `[n, num_heads *
 /// head_dim]`. Query heads sharing a kv head are folded into its rows, so keys and values are
 /// read once per kv head and never repeated. With a `window`, the query at position p sees keys
 /// p - window + 1..=p; keys no query of this step sees are not read at all.
-fn attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    past: usize,
-    scale: f32,
-    logit_softcap: Option<f32>,
-    window: Option<usize>,
-) -> Result<Tensor> {
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scores_of: Scores) -> Result<Tensor> {
+    let Scores { scale, logit_softcap, window } = scores_of;
     let (num_heads, n, head_dim) = q.dims3()?;
     if n > 1 && q.device().is_cpu() {
         // One query row at a time over exactly the keys it sees: the same matmul shapes as a
@@ -667,15 +670,7 @@ fn attention(
             .map(|i| {
                 let visible = past + i + 1;
                 let row = q.narrow(1, i, 1)?;
-                attention(
-                    &row,
-                    &k.narrow(1, 0, visible)?,
-                    &v.narrow(1, 0, visible)?,
-                    past + i,
-                    scale,
-                    logit_softcap,
-                    window,
-                )
+                attention(&row, &k.narrow(1, 0, visible)?, &v.narrow(1, 0, visible)?, past + i, scores_of)
             })
             .collect::<Result<Vec<_>>>()?;
         return Ok(Tensor::cat(&rows, 0)?);
@@ -732,28 +727,36 @@ impl CausalLm for Decoder {
 
     fn new_cache(&self, capacity: usize) -> Result<KvCache> {
         let i = &self.info;
-        KvCache::on_device(i.num_layers, i.num_kv_heads, i.head_dim, capacity, i.context_length, &self.device)
+        KvCache::on_device(
+            i.num_layers,
+            i.num_kv_heads,
+            i.head_dim,
+            capacity,
+            i.context_length,
+            self.dtype,
+            &self.device,
+        )
     }
 
-    fn forward_rows(&self, tokens: &[u32], cache: &mut KvCache, rows: LogitRows) -> Result<Tensor> {
-        self.forward_layers(tokens, cache, self.blocks.len(), rows)
+    fn forward_batch(&self, batch: &ForwardBatch, caches: &mut [&mut KvCache]) -> Result<ForwardOutput> {
+        self.forward_layers(batch, caches)
     }
 
-    fn forward_early_exit(
-        &self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        num_layers: usize,
-        rows: LogitRows,
-    ) -> Result<Tensor> {
-        check_exit_layer(num_layers, self.blocks.len())?;
-        self.forward_layers(tokens, cache, num_layers, rows)
+    fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
+        check_token_ids(tokens, self.config.vocab_size)?;
+        let ids = Tensor::new(tokens, &self.device)?;
+        Ok(self.embed.index_select(&ids, 0)?.to_dtype(DType::F32)?) // [n, hidden]
+    }
+
+    fn lm_head(&self, hidden: &Tensor, vocab_subset: Option<&[u32]>) -> Result<Tensor> {
+        select_vocab(self.logits(hidden)?, vocab_subset, self.config.vocab_size)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::LogitRows;
 
     fn tiny() -> LlamaConfig {
         LlamaConfig::from_json(
@@ -855,10 +858,20 @@ mod tests {
         let q = Tensor::zeros((1, n, 1), DType::F32, &device).unwrap();
         let k = Tensor::zeros((1, past + n, 1), DType::F32, &device).unwrap();
         let v = Tensor::arange(0f32, (past + n) as f32, &device).unwrap().reshape((1, past + n, 1)).unwrap();
-        let out = attention(&q, &k, &v, past, 1.0, None, Some(w)).unwrap().flatten_all().unwrap();
+        let out = attention(&q, &k, &v, past, Scores { scale: 1.0, logit_softcap: None, window: Some(w) })
+            .unwrap()
+            .flatten_all()
+            .unwrap();
         // Positions 5, 6, 7 see {3,4,5}, {4,5,6}, {5,6,7}.
         assert_eq!(out.to_vec1::<f32>().unwrap(), [4.0, 5.0, 6.0]);
-        let single = attention(&q.narrow(1, 0, 1).unwrap(), &k, &v, past + n - 1, 1.0, None, Some(w)).unwrap();
+        let single = attention(
+            &q.narrow(1, 0, 1).unwrap(),
+            &k,
+            &v,
+            past + n - 1,
+            Scores { scale: 1.0, logit_softcap: None, window: Some(w) },
+        )
+        .unwrap();
         assert_eq!(single.flatten_all().unwrap().to_vec1::<f32>().unwrap(), [6.0]);
     }
 }

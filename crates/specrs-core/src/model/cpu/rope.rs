@@ -40,10 +40,16 @@ impl Rope {
 
     /// cos and sin, each `[n, dims / 2]`, for positions `first..first + n`.
     pub fn tables(&self, first: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+        self.tables_at(&(first..first + n).collect::<Vec<_>>())
+    }
+
+    /// cos and sin, each `[positions.len(), dims / 2]`, for each of `positions`.
+    pub fn tables_at(&self, positions: &[usize]) -> (Vec<f32>, Vec<f32>) {
         let half = self.dims / 2;
+        let n = positions.len();
         let mut cos = Vec::with_capacity(n * half);
         let mut sin = Vec::with_capacity(n * half);
-        for pos in first..first + n {
+        for &pos in positions {
             let mut theta = pos as f32;
             for i in 0..half {
                 let angle = self.freq_scale * (theta / self.freq_factors.as_ref().map_or(1.0, |f| f[i]));
@@ -55,7 +61,7 @@ impl Rope {
         (cos, sin)
     }
 
-    /// Rotates `x`: `[n, heads * head_dim]` in place with `tables(first, n)`.
+    /// Rotates `x`: `[n, heads * head_dim]` in place with `n` rows of tables.
     pub fn apply(&self, x: &mut [f32], heads: usize, head_dim: usize, cos: &[f32], sin: &[f32]) {
         let half = self.dims / 2;
         let (step, offset) = match self.pairing {

@@ -1,0 +1,88 @@
+"""Single-request plain decoding, two builds of specrs side by side: tokens/s of the same greedy
+request (speculation off) with build A and with build B, in turn (A B A B ...), each run in a
+fresh process. Used to check that a change to the model layer costs no decode speed.
+
+    python benches/decode_ab_bench.py --a-wheel OLD.whl [--b-wheel NEW.whl] [--rounds 5] [--out ab.json]
+
+Each wheel is installed (no dependencies) into its own directory under --work and put first on
+PYTHONPATH; without --b-wheel, B is the specrs this Python imports. Figures: decode tokens/s
+(`metrics["decode_tokens_per_s"]`, prefill excluded) per model, the median of the rounds, and
+the median of the per-round ratios B/A.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MODELS = ["smollm2-135m", "gemma3-270m"]
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+WORKER = """
+import json, sys, specrs
+engine = specrs.Engine(sys.argv[1])
+params = specrs.SamplingParams(max_tokens=int(sys.argv[3]), ignore_eos=True)
+engine.generate(sys.argv[2], specrs.SamplingParams(max_tokens=8), speculative_config=False)  # warm-up
+out = engine.generate(sys.argv[2], params, speculative_config=False)
+print(json.dumps({"decode_tokens_per_s": out.metrics["decode_tokens_per_s"], "tokens": out.token_ids}))
+"""
+
+
+def install(wheel: str, into: Path) -> Path:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade", "--target", str(into), wheel], check=True
+    )
+    return into
+
+
+def run(site: Path | None, model: str, max_tokens: int) -> dict:
+    env = dict(os.environ)
+    if site is not None:
+        env["PYTHONPATH"] = str(site) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run(
+        [sys.executable, "-c", WORKER, model, PROMPT, str(max_tokens)], env=env, check=True, capture_output=True, text=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--a-wheel", required=True, help="build A (the baseline)")
+    parser.add_argument("--b-wheel", help="build B (default: the specrs this Python imports)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--work", default=tempfile.gettempdir() + "/specrs-ab")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    work = Path(args.work)
+    site_a = install(args.a_wheel, work / "a")
+    site_b = install(args.b_wheel, work / "b") if args.b_wheel else None
+    results = {}
+    for model in MODELS:
+        a, b, ratios = [], [], []
+        for _ in range(args.rounds):
+            ra, rb = run(site_a, model, args.max_tokens), run(site_b, model, args.max_tokens)
+            if ra["tokens"] != rb["tokens"]:
+                raise SystemExit(f"{model}: the two builds decoded different tokens")
+            a.append(ra["decode_tokens_per_s"])
+            b.append(rb["decode_tokens_per_s"])
+            ratios.append(rb["decode_tokens_per_s"] / ra["decode_tokens_per_s"])
+        results[model] = {
+            "a_tokens_per_s": statistics.median(a),
+            "b_tokens_per_s": statistics.median(b),
+            "b_over_a": statistics.median(ratios),
+            "b_over_a_min_max": [min(ratios), max(ratios)],
+        }
+        print(f"{model}: A {results[model]['a_tokens_per_s']:.1f} tok/s, B {results[model]['b_tokens_per_s']:.1f} "
+              f"tok/s, B/A {results[model]['b_over_a']:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"rounds": args.rounds, "max_tokens": args.max_tokens, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

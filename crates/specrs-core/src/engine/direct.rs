@@ -1,0 +1,108 @@
+//! Teacher-forced forwards outside any request: logits, hidden states at taps (what head
+//! training reads), and one forward over several sequences (tests and benches).
+//!
+//! Invariant: each call builds its own caches and leaves no state behind.
+
+use super::Engine;
+use crate::error::{Error, Result};
+use crate::kv_cache::KvCache;
+use crate::model::{ForwardBatch, LogitRows, SeqRows, Tap};
+
+impl Engine {
+    /// Teacher-forced logits `[ids.len(), vocab_size]` (row-major) from one forward over `ids`.
+    pub fn logits(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        self.logits_in_steps(ids, &[ids.len()])
+    }
+
+    /// `logits` computed as consecutive forwards of `steps[i]` tokens over one cache: a prefill
+    /// then cached multi-token steps, whose rows must equal one forward's.
+    pub fn logits_in_steps(&self, ids: &[u32], steps: &[usize]) -> Result<Vec<f32>> {
+        if ids.is_empty() || steps.iter().sum::<usize>() != ids.len() || steps.contains(&0) {
+            return Err(Error::config(format!(
+                "logits() needs at least one token, and steps of at least one token summing to {} (got {steps:?})",
+                ids.len()
+            )));
+        }
+        let vocab = self.model.info().vocab_size;
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::config(format!(
+                "logits(): token id {bad} is outside the vocabulary (size {vocab}); pass ids below {vocab}"
+            )));
+        }
+        let mut cache = self.model.new_cache(ids.len())?;
+        let mut rows = Vec::with_capacity(ids.len() * self.model.info().vocab_size);
+        let mut start = 0;
+        for &step in steps {
+            rows.extend(self.model.forward(&ids[start..start + step], &mut cache)?.flatten_all()?.to_vec1::<f32>()?);
+            start += step;
+        }
+        Ok(rows)
+    }
+}
+
+/// One sequence's share of `Engine::forward_batch`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SeqForward {
+    /// `[num_logit_rows, vocab_size]` row-major.
+    pub logits: Vec<f32>,
+    pub num_logit_rows: usize,
+    /// Per tap, `[num_rows, hidden_size]` row-major.
+    pub hidden: Vec<Vec<f32>>,
+}
+
+impl Engine {
+    /// Hidden states of one teacher-forced forward over `ids`, per tap `[ids.len(), hidden_size]`
+    /// row-major (the input head training reads; see model/forward.rs for the tap convention).
+    pub fn hidden_states(&self, ids: &[u32], taps: &[Tap]) -> Result<Vec<Vec<f32>>> {
+        if ids.is_empty() {
+            return Err(Error::config("hidden_states() needs at least one token"));
+        }
+        let mut out = self.forward_batch(&[(Vec::new(), SeqRows::chain(ids.to_vec(), LogitRows::None))], taps)?;
+        Ok(out.remove(0).hidden)
+    }
+
+    /// One forward over several sequences: each `(prefix, rows)` gets a fresh cache holding
+    /// `prefix` (run by a forward of its own), then every sequence's `rows` (a chain or a tree)
+    /// run in ONE forward. Returns each sequence's logits and hidden rows.
+    pub fn forward_batch(&self, seqs: &[(Vec<u32>, SeqRows)], taps: &[Tap]) -> Result<Vec<SeqForward>> {
+        if seqs.is_empty() {
+            return Err(Error::config("forward_batch() needs at least one sequence"));
+        }
+        let context = self.model.info().context_length;
+        let mut caches = Vec::with_capacity(seqs.len());
+        for (s, (prefix, rows)) in seqs.iter().enumerate() {
+            let needed = prefix.len() + rows.tokens.len();
+            if needed > context {
+                return Err(Error::ContextLength(format!(
+                    "sequence {s} needs {needed} positions but the model's context is {context} tokens; shorten it"
+                )));
+            }
+            let mut cache = self.model.new_cache(needed)?;
+            if !prefix.is_empty() {
+                self.model.forward_rows(prefix, &mut cache, LogitRows::None)?;
+            }
+            caches.push(cache);
+        }
+        let rows: Vec<SeqRows> = seqs.iter().map(|(_, rows)| rows.clone()).collect();
+        let lens: Vec<usize> = caches.iter().map(KvCache::len).collect();
+        let batch = ForwardBatch::new(&rows, &lens, taps.to_vec())?;
+        let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+        let out = self.model.forward_batch(&batch, &mut refs)?;
+        let vocab = self.model.info().vocab_size;
+        let logits: Vec<f32> = out.logits.flatten_all()?.to_vec1()?;
+        let hidden: Vec<Vec<f32>> =
+            out.hidden.iter().map(|h| Ok(h.flatten_all()?.to_vec1()?)).collect::<Result<_>>()?;
+        let width = self.model.info().hidden_size;
+        let mut logit_start = 0;
+        Ok((0..batch.num_seqs())
+            .map(|s| {
+                let num_logit_rows = rows[s].logit_rows.len();
+                let seq_logits = logits[logit_start * vocab..(logit_start + num_logit_rows) * vocab].to_vec();
+                logit_start += num_logit_rows;
+                let range = batch.seq_range(s);
+                let seq_hidden = hidden.iter().map(|h| h[range.start * width..range.end * width].to_vec()).collect();
+                SeqForward { logits: seq_logits, num_logit_rows, hidden: seq_hidden }
+            })
+            .collect())
+    }
+}

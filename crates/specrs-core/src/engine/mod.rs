@@ -1,0 +1,235 @@
+//! `Engine`: a loaded model, its tokenizer, and what its requests share (metrics, the cost
+//! table, draft models, suffix trees, KV byte counters). One file per concept:
+//! - `device.rs`: the device string and the cache directory;
+//! - `proposers.rs`: the proposer factory (`Speculation` for a config) and draft models;
+//! - `cost_model.rs`: the verify-cost curve, the draft cost, the expected speedup;
+//! - `session.rs`: one request's decoding state, stepped as plan -> forward -> commit;
+//! - `scheduler.rs`: steps of several sessions gathered into one forward;
+//! - `direct.rs`: teacher-forced forwards (logits, hidden states, a multi-sequence batch).
+//!
+//! Invariant: the engine's shared state is only ever read or replaced whole under its locks
+//! (`lock`), so one request's panic never leaves another a half-updated state.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+
+use candle_core::DType;
+
+use crate::chat_template::ChatMessage;
+use crate::costs::{CostTable, DiskCache};
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use crate::kv_cache::KvBytes;
+use crate::metrics::EngineMetrics;
+use crate::model::candle::decoder::{Decoder, WeightFormat};
+use crate::model::llama_config::LlamaConfig;
+use crate::model::{self, CausalLm};
+use crate::proposer::suffix::SuffixCache;
+use crate::quantize::parse_quant_type;
+use crate::tokenizer::TextTokenizer;
+
+pub mod cost_model;
+pub mod device;
+pub mod direct;
+pub mod proposers;
+pub mod scheduler;
+pub mod session;
+
+pub use cost_model::{ExpectedSpeedup, PolicyCosts};
+pub use device::{cache_dir, parse_device};
+pub use proposers::{Speculation, MAX_SUFFIX_CACHES};
+pub use session::{FinishReason, Generation, Session, StepOutput};
+
+/// Bytes of weights and KV caches, for `Engine::memory`. KV figures count the caches of requests
+/// in flight now, and the most held at once since the engine loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryReport {
+    pub target_weight_bytes: usize,
+    /// Every draft model loaded so far (layer_skip drafts share the target's weights).
+    pub draft_weight_bytes: usize,
+    pub target_kv_bytes: usize,
+    pub draft_kv_bytes: usize,
+    pub peak_target_kv_bytes: usize,
+    pub peak_draft_kv_bytes: usize,
+    /// The engine-wide suffix caches (at most `MAX_SUFFIX_CACHES`): how many, and their bytes.
+    pub num_suffix_caches: usize,
+    pub suffix_cache_bytes: usize,
+}
+
+pub struct Engine {
+    /// The target's GGUF file (None for a model built in memory).
+    path: Option<PathBuf>,
+    model: Arc<dyn CausalLm>,
+    tokenizer: Arc<TextTokenizer>,
+    metrics: Arc<Mutex<EngineMetrics>>,
+    /// Suffix decoding's global trees, one per distinct suffix config (so benchmark runs of
+    /// different configs never see each other's responses), least recently used first; at most
+    /// `MAX_SUFFIX_CACHES`.
+    suffix_caches: Mutex<Vec<(String, Arc<Mutex<SuffixCache>>)>>,
+    /// The suffix config `prepare` was given (the engine's default), never evicted.
+    pinned_suffix_config: Mutex<Option<String>>,
+    /// Verification curves and draft costs (costs.rs), shared by every request.
+    costs: Mutex<CostTable>,
+    /// Where `costs` persist across processes (None for a model built in memory, or when off).
+    cost_cache: Option<DiskCache>,
+    /// Whether a figure nobody measured yet may be measured when a request needs it. A server
+    /// turns this off once it serves, so no step waits on a measurement: per-request configs then
+    /// get the nearest figure (the curve extended past its end, a prior draft cost).
+    measure_on_demand: AtomicBool,
+    /// Draft models by file path, loaded once and shared by every request.
+    drafts: Mutex<HashMap<PathBuf, Arc<dyn CausalLm>>>,
+    target_kv: Arc<KvBytes>,
+    draft_kv: Arc<KvBytes>,
+}
+
+impl Engine {
+    /// A GGUF file, or a Hugging Face directory (config.json, *.safetensors, tokenizer.json).
+    pub fn load(path: impl AsRef<Path>, device: &str) -> Result<Self> {
+        let device = parse_device(device)?;
+        let path = path.as_ref();
+        if path.is_dir() {
+            let (config, mut weights) = model::hf_dir::open(path, &device)?;
+            let model = Decoder::from_hf(&mut weights, config)?;
+            return Self::from_model(Arc::new(model), TextTokenizer::from_hf_dir(path)?, None);
+        }
+        let mut gguf = GgufFile::open(path)?;
+        let model: Arc<dyn CausalLm> = Arc::from(model::loader::load(&mut gguf, &device)?);
+        let tokenizer = TextTokenizer::from_gguf(&gguf)?;
+        Self::from_model(model, tokenizer, Some(gguf.path.clone()))
+    }
+
+    /// A Llama of `config`'s shape with seeded random weights in `dtype` (bf16, f16, f32 or a GGUF
+    /// quantization such as q8_0) on `device`, with the numbered tokenizer (`t0 t1 ...`): for
+    /// measuring speed and numerics without a model file.
+    pub fn random_llama(config: LlamaConfig, seed: u64, dtype: &str, device: &str) -> Result<Self> {
+        let format = match dtype {
+            "bf16" | "bfloat16" => WeightFormat::Dense(DType::BF16),
+            "f16" | "float16" => WeightFormat::Dense(DType::F16),
+            "f32" | "float32" => WeightFormat::Dense(DType::F32),
+            quantized => WeightFormat::Quantized(parse_quant_type(quantized).map_err(|_| {
+                Error::config(format!(
+                    "unknown dtype '{quantized}'; use 'bf16', 'f16', 'f32' or a GGUF quantization (q8_0, q4_k, ...)"
+                ))
+            })?),
+        };
+        let tokenizer = TextTokenizer::numbered(config.vocab_size)?;
+        let model = Decoder::random(&config, seed, format, &parse_device(device)?)?;
+        Self::from_model(Arc::new(model), tokenizer, None)
+    }
+
+    /// An engine over a model already built; `path` is its GGUF file, if it has one.
+    pub fn from_model(model: Arc<dyn CausalLm>, tokenizer: TextTokenizer, path: Option<PathBuf>) -> Result<Self> {
+        if tokenizer.vocab_size() > model.info().vocab_size {
+            let source = path.as_ref().map_or_else(|| "the model".to_string(), |p| p.display().to_string());
+            return Err(Error::model_load(format!(
+                "{source}: the tokenizer has {} tokens but the embedding only {} rows; the file is corrupt",
+                tokenizer.vocab_size(),
+                model.info().vocab_size
+            )));
+        }
+        let device = format!("{:?}", model.device().location());
+        let cost_cache = path
+            .as_ref()
+            .and_then(|p| DiskCache::for_model(&cache_dir(), p, &device, candle_core::utils::get_num_threads()));
+        let costs = cost_cache.as_ref().map(DiskCache::load).unwrap_or_default();
+        Ok(Self {
+            path,
+            model,
+            tokenizer: Arc::new(tokenizer),
+            metrics: Arc::default(),
+            suffix_caches: Mutex::default(),
+            pinned_suffix_config: Mutex::default(),
+            costs: Mutex::new(costs),
+            cost_cache,
+            measure_on_demand: AtomicBool::new(true),
+            drafts: Mutex::default(),
+            target_kv: Arc::default(),
+            draft_kv: Arc::default(),
+        })
+    }
+
+    /// Bytes of weights and KV caches.
+    pub fn memory(&self) -> Result<MemoryReport> {
+        let draft_weight_bytes = lock(&self.drafts)?.values().map(|d| d.weight_bytes()).sum();
+        let suffix_caches: Vec<_> = lock(&self.suffix_caches)?.iter().map(|(_, cache)| cache.clone()).collect();
+        let mut suffix_cache_bytes = 0;
+        for cache in &suffix_caches {
+            suffix_cache_bytes += lock(cache)?.memory_bytes();
+        }
+        Ok(MemoryReport {
+            num_suffix_caches: suffix_caches.len(),
+            suffix_cache_bytes,
+            target_weight_bytes: self.model.weight_bytes(),
+            draft_weight_bytes,
+            target_kv_bytes: self.target_kv.live(),
+            draft_kv_bytes: self.draft_kv.live(),
+            peak_target_kv_bytes: self.target_kv.peak(),
+            peak_draft_kv_bytes: self.draft_kv.peak(),
+        })
+    }
+
+    /// Sums over every finished request since the engine loaded (or since `reset_metrics`).
+    pub fn metrics(&self) -> Result<EngineMetrics> {
+        Ok(lock(&self.metrics)?.clone())
+    }
+
+    pub fn reset_metrics(&self) -> Result<()> {
+        *lock(&self.metrics)? = EngineMetrics::default();
+        Ok(())
+    }
+
+    pub fn model(&self) -> &Arc<dyn CausalLm> {
+        &self.model
+    }
+
+    pub fn tokenizer(&self) -> &Arc<TextTokenizer> {
+        &self.tokenizer
+    }
+
+    /// Prompt text for chat `messages` from the model's own template.
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
+        let template = self.tokenizer.chat_template().ok_or_else(|| {
+            Error::config(
+                "this model has no chat template (tokenizer.chat_template); pass the prompt as a plain string",
+            )
+        })?;
+        template.render(messages, true)
+    }
+}
+
+/// Locks one of the engine's shared states, recovering it when an earlier panic (caught at the
+/// FFI, so the process lives on) poisoned the lock: refusing every later request instead would let
+/// one bad request take the engine down. That is safe for each state this guards, because none
+/// is left inconsistent by a panic part way through its critical section:
+/// - `metrics`: sums of finished requests; at worst one request is counted in part (statistics
+///   only, never a request's output);
+/// - `drafts`: a map whose entries are inserted whole; `pinned_suffix_config`: replaced whole;
+/// - `costs`: a curve is extended, and a draft cost inserted, only after its measurement finished
+///   (a panic while measuring leaves the figures it had; the measurement runs again later);
+/// - `suffix_caches`: a list whose entry is moved to the back by a remove and a push; a panic
+///   between the two drops that cache, which is then rebuilt empty (drafts only cost speed);
+/// - the shared suffix trees behind `suffix_caches` are not locked here: `SuffixProposer` locks
+///   them itself and empties a poisoned one, since a tree can be left half-updated.
+///
+/// It still returns a `Result` so callers keep their `?` (it never fails).
+fn lock<T>(mutex: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>> {
+    Ok(mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+}
+
+#[cfg(test)]
+mod lock_tests {
+    #[test]
+    fn a_poisoned_lock_is_recovered_with_its_value() {
+        let mutex = std::sync::Arc::new(std::sync::Mutex::new(7));
+        let poisoner = mutex.clone();
+        let _ = std::thread::spawn(move || {
+            let _guard = poisoner.lock().unwrap();
+            panic!("poison the lock");
+        })
+        .join();
+        assert!(mutex.is_poisoned());
+        assert_eq!(*super::lock(&mutex).unwrap(), 7);
+    }
+}

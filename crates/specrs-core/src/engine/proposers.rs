@@ -1,0 +1,201 @@
+//! The proposer factory: a request's `Speculation` (its proposer, k, and how each draft's length
+//! is chosen) from a speculative config, with the draft models and suffix trees the engine shares.
+//!
+//! Invariant: every proposer a config names is built here, and only here; draft models are
+//! loaded once per file and checked against the target's tokenizer before any request uses them.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use super::{cache_dir, lock, Engine, PolicyCosts};
+use crate::costs::CostSource;
+use crate::draft_length::{DraftLengthPolicy, HeuristicSchedule};
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use crate::model::{self, CausalLm};
+use crate::proposer::draft_model::DraftModelProposer;
+use crate::proposer::layer_skip::LayerSkipProposer;
+use crate::proposer::ngram::NgramProposer;
+use crate::proposer::pard::PardProposer;
+use crate::proposer::suffix::{SuffixCache, SuffixProposer};
+use crate::proposer::Proposer;
+use crate::quantize::{parse_quant_type, requantize_gguf};
+use crate::spec_config::{Method, Schedule, SpeculativeConfig};
+use crate::tokenizer::TextTokenizer;
+
+/// One request's speculation: its proposer, k, and how each draft's length is chosen.
+pub struct Speculation {
+    pub method: &'static str,
+    pub num_speculative_tokens: usize,
+    pub proposer: Box<dyn Proposer>,
+    /// Cost-aware cut (None = verify every draft whole).
+    pub draft_length: Option<DraftLengthPolicy>,
+    /// transformers' heuristic k schedule (None = constant k).
+    pub schedule: Option<HeuristicSchedule>,
+    /// Drafts with probabilities stop after a token with q(x) below this (0 = off).
+    pub draft_confidence_threshold: f32,
+    /// Where the draft-length policy's verification curve and draft cost came from (None
+    /// without the policy; no draft cost source for model-free proposers, whose c is 0).
+    pub verify_cost_source: Option<CostSource>,
+    pub draft_cost_source: Option<CostSource>,
+}
+
+/// At most this many engine-wide suffix caches (one per distinct suffix config) are kept. A new
+/// config past it evicts the least recently used one other than the engine's own default (requests
+/// in flight keep theirs until they end), so clients cycling through configs cannot grow memory
+/// without bound nor wipe the default's learned responses.
+pub const MAX_SUFFIX_CACHES: usize = 8;
+
+impl Engine {
+    /// The draft model in the GGUF file at `path`, loaded on first use. Its tokenizer must be the
+    /// target's (or a prefix of it): `Error::TokenizerMismatch` otherwise.
+    pub fn draft_model(&self, path: impl AsRef<Path>) -> Result<Arc<dyn CausalLm>> {
+        let path = path.as_ref();
+        let key = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+        if let Some(draft) = lock(&self.drafts)?.get(&key) {
+            return Ok(draft.clone());
+        }
+        let mut gguf = GgufFile::open(path)?;
+        let draft_tokenizer = TextTokenizer::from_gguf(&gguf)?;
+        self.tokenizer.check_draft_compatible(&draft_tokenizer, &path.display().to_string())?;
+        let draft: Arc<dyn CausalLm> = Arc::from(model::loader::load(&mut gguf, self.model.device())?);
+        lock(&self.drafts)?.insert(key, draft.clone());
+        Ok(draft)
+    }
+
+    /// The target requantized to `quantization` (e.g. "q4_0"), written to `cache_dir()` on first
+    /// use (a few seconds) and reused after; the file name records the source's size and mtime, so
+    /// a changed target gets a fresh copy.
+    pub fn quantized_self_path(&self, quantization: &str) -> Result<PathBuf> {
+        let dtype = parse_quant_type(quantization)?;
+        let source = self.path.as_ref().ok_or_else(|| {
+            Error::config(
+                "quantized_self requantizes the target's GGUF file, and this model has none; use another method",
+            )
+        })?;
+        let meta = std::fs::metadata(source)
+            .map_err(|e| Error::model_load(format!("cannot stat {}: {e}", source.display())))?;
+        let mtime = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+        let stem = source.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
+        let name = format!("{stem}.{}-{}.{quantization}.gguf", meta.len(), mtime.map_or(0, |d| d.as_secs()));
+        let path = cache_dir().join("quantized_self").join(name);
+        if !path.exists() {
+            requantize_gguf(source, &path, dtype)?;
+        }
+        Ok(path)
+    }
+
+    /// Everything `config` needs before its first request, so that request does not pay for it in
+    /// its latency: draft weights loaded (a bad draft fails here), and for the adaptive length the
+    /// verification curve up to k + 1 and the draft cost measured (or read from the disk cache).
+    /// A suffix config's engine-wide cache is kept from eviction. Call it for the configs a
+    /// program or server will use; `Engine(speculative_config=...)` calls it for its own.
+    pub fn prepare(&self, config: &SpeculativeConfig) -> Result<PolicyCosts> {
+        if matches!(config.method, Method::Suffix(_)) {
+            *lock(&self.pinned_suffix_config)? = Some(config.to_json());
+        }
+        if !matches!(config.method, Method::Custom) {
+            self.proposer(config, None)?;
+        }
+        self.policy_costs(config, true)
+    }
+
+    /// A request's speculation for `config`: the built-in proposer, or `custom` for method
+    /// "custom", with the draft-length policy over `policy_costs`.
+    pub fn speculation(&self, config: &SpeculativeConfig, custom: Option<Box<dyn Proposer>>) -> Result<Speculation> {
+        let proposer = self.proposer(config, custom)?;
+        let costs = if config.adaptive_draft_length {
+            Some(self.policy_costs(config, self.measure_on_demand.load(Ordering::Relaxed))?)
+        } else {
+            None
+        };
+        Ok(Speculation {
+            method: config.method_name(),
+            num_speculative_tokens: config.num_speculative_tokens,
+            proposer,
+            draft_length: costs.as_ref().map(|c| DraftLengthPolicy::new(&c.verify_cost_ratios, c.draft_cost)),
+            schedule: (config.schedule == Schedule::Heuristic)
+                .then(|| HeuristicSchedule::new(config.num_speculative_tokens)),
+            draft_confidence_threshold: config.draft_confidence_threshold,
+            verify_cost_source: costs.as_ref().map(|c| c.verify_cost_source),
+            draft_cost_source: costs.and_then(|c| c.draft_cost_source),
+        })
+    }
+
+    /// The proposer `config` names (or `custom` for method "custom").
+    pub(super) fn proposer(
+        &self,
+        config: &SpeculativeConfig,
+        custom: Option<Box<dyn Proposer>>,
+    ) -> Result<Box<dyn Proposer>> {
+        let target_vocab = self.model.info().vocab_size;
+        let threshold = config.draft_confidence_threshold;
+        let proposer: Box<dyn Proposer> = match (&config.method, custom) {
+            (Method::Custom, Some(proposer)) => proposer,
+            (Method::Custom, None) => {
+                return Err(Error::config(
+                    "method 'custom' needs a proposer object; pass Engine(..., proposer=obj) or generate(..., proposer=obj)",
+                ))
+            }
+            (_, Some(_)) => {
+                return Err(Error::config(format!(
+                    "a proposer object was given but the speculative_config method is '{}'; use \"method\": \"custom\"",
+                    config.method_name()
+                )))
+            }
+            (Method::Ngram { prompt_lookup_min, prompt_lookup_max }, None) => {
+                Box::new(NgramProposer::new(*prompt_lookup_min, *prompt_lookup_max))
+            }
+            (Method::Suffix(params), None) => Box::new(SuffixProposer::new(params.clone(), self.suffix_cache(config)?)),
+            (Method::DraftModel(draft), None) => Box::new(DraftModelProposer::new(
+                self.draft_model(&draft.model)?,
+                draft.max_model_len,
+                target_vocab,
+                threshold,
+                self.draft_kv.clone(),
+            )),
+            (Method::QuantizedSelf { quantization, max_model_len }, None) => Box::new(DraftModelProposer::new(
+                self.draft_model(self.quantized_self_path(quantization)?)?,
+                *max_model_len,
+                target_vocab,
+                threshold,
+                self.draft_kv.clone(),
+            )),
+            (Method::LayerSkip { exit_layer }, None) => {
+                Box::new(LayerSkipProposer::new(self.model.clone(), *exit_layer, threshold)?)
+            }
+            (Method::Pard { draft, mask_token_id }, None) => Box::new(PardProposer::new(
+                self.draft_model(&draft.model)?,
+                *mask_token_id,
+                draft.max_model_len,
+                target_vocab,
+                threshold,
+                self.draft_kv.clone(),
+            )?),
+        };
+        Ok(proposer)
+    }
+
+    /// The engine-wide suffix cache of `config` (created on first use; see `MAX_SUFFIX_CACHES`).
+    fn suffix_cache(&self, config: &SpeculativeConfig) -> Result<Arc<Mutex<SuffixCache>>> {
+        let Method::Suffix(params) = &config.method else {
+            return Err(Error::Internal("suffix_cache needs a suffix config".into()));
+        };
+        let key = config.to_json();
+        let pinned = lock(&self.pinned_suffix_config)?.clone();
+        let mut caches = lock(&self.suffix_caches)?;
+        let cache = match caches.iter().position(|(k, _)| *k == key) {
+            Some(i) => caches.remove(i).1,
+            None => {
+                if caches.len() >= MAX_SUFFIX_CACHES {
+                    let evict = caches.iter().position(|(k, _)| Some(k) != pinned.as_ref()).unwrap_or(0);
+                    caches.remove(evict);
+                }
+                Arc::new(Mutex::new(SuffixCache::new(params.max_tree_depth, params.max_cached_requests)))
+            }
+        };
+        caches.push((key, cache.clone()));
+        Ok(cache)
+    }
+}

@@ -1,0 +1,474 @@
+//! `Session`: one request's decoding state, stepped as plan -> forward -> commit.
+//!
+//! `plan` asks the proposer for a draft and returns this request's rows of the next forward
+//! (prompt chunk, prompt, or [newest token, draft...]); the forward runs them (alone in `step`,
+//! or gathered with other sessions' rows by `scheduler.rs`); `commit` verifies the draft against
+//! the returned logits, truncates the cache to what was kept, tells the proposer (`Feedback`),
+//! and emits the tokens. `generate` and the Python stream are loops over `step`.
+//!
+//! Invariant: after every commit of an unfinished request, the cache holds exactly the prompt
+//! plus every generated token but the newest one (which the next forward consumes), so
+//! `cache.len() == all_ids.len() - 1`; rejected draft tokens never stay in the cache.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use candle_core::Tensor;
+
+use super::{lock, Engine, Speculation};
+use crate::config::SamplingParams;
+use crate::costs::CostSource;
+use crate::detokenizer::IncrementalDetokenizer;
+use crate::error::{Error, Result};
+use crate::kv_cache::KvCache;
+use crate::metrics::{EngineMetrics, RequestMetrics, RequestTimer, SpecDecodeMetrics};
+use crate::model::{CausalLm, ForwardBatch, LogitRows, SeqRows, Tap};
+use crate::proposer::{Draft, Feedback, ProposeInput};
+use crate::sampler::Sampler;
+use crate::tokenizer::TextTokenizer;
+use crate::verify::{verify, Verification};
+
+impl Engine {
+    /// Starts a request, speculative when `speculation` is given. Fails with `ContextLength` when
+    /// prompt + max_tokens exceeds the context.
+    pub fn start(
+        &self,
+        prompt_ids: Vec<u32>,
+        params: SamplingParams,
+        speculation: Option<Speculation>,
+    ) -> Result<Session> {
+        params.validate()?;
+        if prompt_ids.is_empty() {
+            return Err(Error::config("the prompt is empty; pass at least one token"));
+        }
+        let vocab = self.model.info().vocab_size;
+        if let Some(bad) = prompt_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::config(format!("prompt token id {bad} is outside the vocabulary (size {vocab})")));
+        }
+        let context = self.model.info().context_length;
+        let needed = prompt_ids.len() + params.max_tokens;
+        if needed > context {
+            return Err(Error::ContextLength(format!(
+                "this model's maximum context length is {context} tokens, but {needed} were requested \
+                 ({} in the prompt, {} max_tokens); shorten the prompt or lower max_tokens",
+                prompt_ids.len(),
+                params.max_tokens
+            )));
+        }
+        let cache = self.model.new_cache(needed)?.tracked_by(self.target_kv.clone());
+        let timer = RequestTimer::new();
+        let mut speculation = speculation;
+        if let Some(speculation) = speculation.as_mut() {
+            speculation.proposer.begin(&prompt_ids, &params)?;
+        }
+        Ok(Session {
+            model: self.model.clone(),
+            tokenizer: self.tokenizer.clone(),
+            cache,
+            prompt_len: prompt_ids.len(),
+            detokenizer: IncrementalDetokenizer::new(prompt_ids.len()),
+            all_ids: prompt_ids,
+            sampler: Sampler::new(params.seed),
+            params,
+            timer,
+            num_forward_passes: 0,
+            text: String::new(),
+            finish_reason: None,
+            speculation,
+            spec_metrics: SpecDecodeMetrics::default(),
+            engine_metrics: self.metrics.clone(),
+            prefill_chunk: None,
+        })
+    }
+
+    /// Runs a request to completion.
+    pub fn generate(
+        &self,
+        prompt_ids: Vec<u32>,
+        params: SamplingParams,
+        speculation: Option<Speculation>,
+    ) -> Result<Generation> {
+        let mut session = self.start(prompt_ids, params, speculation)?;
+        while !session.is_finished() {
+            session.step()?;
+        }
+        Ok(session.result())
+    }
+}
+
+/// Why a request stopped, with vLLM's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token was generated.
+    Stop,
+    /// max_tokens was reached.
+    Length,
+    /// The caller stopped the request (a cancelled stream).
+    Abort,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// What one step produced.
+#[derive(Debug, Default)]
+pub struct StepOutput {
+    pub token_ids: Vec<u32>,
+    pub text: String,
+}
+
+/// A finished (or stopped) request.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    pub prompt_token_ids: Vec<u32>,
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    pub finish_reason: Option<FinishReason>,
+    pub metrics: RequestMetrics,
+}
+
+/// What kind of forward a plan asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PlanKind {
+    /// A prompt chunk that yields no token (chunked prefill).
+    PrefillChunk,
+    /// The (rest of the) prompt: yields the first token.
+    Prefill,
+    /// The newest token and a draft (possibly empty).
+    Decode,
+}
+
+/// One session's part of the next forward (`Session::plan`), handed back to `Session::commit`.
+#[derive(Debug)]
+pub struct StepPlan {
+    /// The rows to run after the session's cache.
+    pub rows: SeqRows,
+    kind: PlanKind,
+    draft: Draft,
+    /// Positions the cache held when planned.
+    cache_len: usize,
+    /// Rows of `rows` that are context (prompt or newest token), before the draft.
+    num_unseen: usize,
+}
+
+pub struct Session {
+    model: Arc<dyn CausalLm>,
+    tokenizer: Arc<TextTokenizer>,
+    cache: KvCache,
+    /// Prompt followed by every generated token.
+    all_ids: Vec<u32>,
+    prompt_len: usize,
+    params: SamplingParams,
+    sampler: Sampler,
+    detokenizer: IncrementalDetokenizer,
+    timer: RequestTimer,
+    num_forward_passes: usize,
+    text: String,
+    finish_reason: Option<FinishReason>,
+    speculation: Option<Speculation>,
+    spec_metrics: SpecDecodeMetrics,
+    engine_metrics: Arc<Mutex<EngineMetrics>>,
+    /// At most this many prompt tokens per step (None: the whole prompt in the first step).
+    prefill_chunk: Option<usize>,
+}
+
+impl Session {
+    /// Chunked prefill: a step feeds at most `tokens` prompt tokens, so a server interleaving
+    /// requests stalls the others for one chunk rather than a whole long prompt. Rows are
+    /// computed independently, so the logits and the output do not change.
+    pub fn set_prefill_chunk(&mut self, tokens: Option<usize>) -> Result<()> {
+        if tokens == Some(0) {
+            return Err(Error::config("the prefill chunk must be at least 1 token (or None for no chunking)"));
+        }
+        self.prefill_chunk = tokens;
+        Ok(())
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.finish_reason.is_some()
+    }
+
+    pub fn generated_ids(&self) -> &[u32] {
+        &self.all_ids[self.prompt_len..]
+    }
+
+    /// One step for this request alone: `plan`, one target forward over the planned rows,
+    /// `commit`. A scheduler runs the middle for many sessions at once (`scheduler.rs`).
+    pub fn step(&mut self) -> Result<StepOutput> {
+        let Some(plan) = self.plan()? else { return Ok(StepOutput::default()) };
+        let taps = self.taps();
+        let batch = ForwardBatch::new(std::slice::from_ref(&plan.rows), &[self.cache.len()], taps.clone())?;
+        let t0 = Instant::now();
+        let out = self.model.forward_batch(&batch, &mut [&mut self.cache])?;
+        // A GPU forward returns before it runs; wait, so forward_s is the forward's own time.
+        out.logits.device().synchronize()?;
+        let forward_s = t0.elapsed().as_secs_f64();
+        let hidden: Vec<(Tap, Tensor)> = taps.into_iter().zip(out.hidden).collect();
+        self.commit(plan, &out.logits, &hidden, forward_s)
+    }
+
+    /// Hidden states this request's proposer reads from the target (`Proposer::taps`); a forward
+    /// over this session's rows must return them.
+    pub fn taps(&self) -> Vec<Tap> {
+        self.speculation.as_ref().map_or_else(Vec::new, |s| s.proposer.taps())
+    }
+
+    /// The model this session's forwards run on (a scheduler gathers sessions of one model).
+    pub fn model(&self) -> &Arc<dyn CausalLm> {
+        &self.model
+    }
+
+    /// The target cache the planned rows extend, for the forward between `plan` and `commit`.
+    pub fn cache_mut(&mut self) -> &mut KvCache {
+        &mut self.cache
+    }
+
+    /// This request's part of the next target forward: a prompt chunk, the whole (rest of the)
+    /// prompt, or the newest token followed by the proposer's draft. None once finished. The
+    /// forward must append exactly these rows to `cache_mut()` before `commit`.
+    pub fn plan(&mut self) -> Result<Option<StepPlan>> {
+        if self.is_finished() {
+            return Ok(None);
+        }
+        let cache_len = self.cache.len();
+        if let Some(chunk) = self.prefill_chunk.filter(|&chunk| self.prompt_len.saturating_sub(cache_len) > chunk) {
+            // A prompt chunk alone yields no token; its logits are not needed.
+            let tokens = self.all_ids[cache_len..cache_len + chunk].to_vec();
+            return Ok(Some(StepPlan {
+                rows: SeqRows::chain(tokens, LogitRows::None),
+                kind: PlanKind::PrefillChunk,
+                draft: Draft::default(),
+                cache_len,
+                num_unseen: chunk,
+            }));
+        }
+        let is_prefill = cache_len < self.prompt_len;
+        let draft = if is_prefill { Draft::default() } else { self.propose()? };
+        let mut input = self.all_ids[cache_len..].to_vec();
+        let num_unseen = input.len();
+        input.extend_from_slice(&draft.token_ids);
+        // Logits for the newest token and every draft token: [num_draft_tokens + 1, vocab].
+        let num_logit_rows = draft.token_ids.len() + 1;
+        let mut rows = SeqRows::chain(input, LogitRows::All);
+        rows.logit_rows = (num_unseen - 1..num_unseen - 1 + num_logit_rows).collect();
+        let kind = if is_prefill { PlanKind::Prefill } else { PlanKind::Decode };
+        Ok(Some(StepPlan { rows, kind, draft, cache_len, num_unseen }))
+    }
+
+    /// Reads the forward's answer to `plan`: `logits` `[plan.rows.logit_rows.len(), vocab]` and
+    /// the proposer's taps over the plan's rows (each `[plan.rows.tokens.len(), hidden]`);
+    /// `forward_s` is the forward's time (shared by every session in a batched one). Verifies the
+    /// draft, keeps the accepted positions in the cache, tells the proposer, emits the tokens.
+    pub fn commit(
+        &mut self,
+        plan: StepPlan,
+        logits: &Tensor,
+        hidden: &[(Tap, Tensor)],
+        forward_s: f64,
+    ) -> Result<StepOutput> {
+        if self.cache.len() != plan.cache_len + plan.rows.tokens.len() {
+            return Err(Error::Internal(format!(
+                "commit: the cache holds {} positions, but the plan left it at {} and added {} rows",
+                self.cache.len(),
+                plan.cache_len,
+                plan.rows.tokens.len()
+            )));
+        }
+        self.num_forward_passes += 1;
+        if plan.kind == PlanKind::PrefillChunk {
+            return Ok(StepOutput::default());
+        }
+        let t1 = Instant::now();
+        let draft = &plan.draft;
+        let num_draft_tokens = draft.token_ids.len();
+        let verification = self.verify_step(logits, draft)?;
+        let num_accepted = verification.num_accepted_tokens;
+        // Keep [newest token, accepted drafts]; the rejected tail leaves the cache.
+        self.cache.truncate(plan.cache_len + plan.num_unseen + num_accepted);
+        if plan.kind == PlanKind::Decode {
+            self.spec_metrics.num_decode_steps += 1;
+            self.spec_metrics.forward_s += forward_s;
+            self.spec_metrics.verify_s += t1.elapsed().as_secs_f64();
+        }
+        if num_draft_tokens > 0 {
+            self.spec_metrics.observe_draft(num_draft_tokens, num_accepted);
+            if let Some(speculation) = self.speculation.as_mut() {
+                if let Some(policy) = speculation.draft_length.as_mut() {
+                    policy.observe(num_draft_tokens, num_accepted);
+                }
+                if let Some(schedule) = speculation.schedule.as_mut() {
+                    schedule.observe(num_draft_tokens, num_accepted);
+                }
+                let feedback =
+                    Feedback { num_accepted_tokens: num_accepted, token_ids: &verification.token_ids, hidden };
+                speculation.proposer.observe(&feedback)?;
+            }
+        }
+
+        let mut new_ids = Vec::with_capacity(verification.token_ids.len());
+        for &token in &verification.token_ids {
+            self.all_ids.push(token);
+            new_ids.push(token);
+            let is_eos = self.tokenizer.eos_token_ids().contains(&token);
+            if is_eos && !self.params.ignore_eos {
+                self.finish_reason = Some(FinishReason::Stop);
+            } else if self.generated_ids().len() >= self.params.max_tokens {
+                self.finish_reason = Some(FinishReason::Length);
+            }
+            if self.is_finished() {
+                break;
+            }
+        }
+        self.timer.tokens_arrived(new_ids.len());
+        let mut text = self.detokenizer.next(&self.tokenizer, &self.all_ids)?;
+        if self.is_finished() {
+            text.push_str(&self.detokenizer.finish(&self.tokenizer, &self.all_ids)?);
+            self.on_finish();
+        }
+        self.text.push_str(&text);
+        Ok(StepOutput { token_ids: new_ids, text })
+    }
+
+    /// The target's verdict on `draft` from `logits` `[num_draft_tokens + 1, vocab]`. On a GPU,
+    /// requests whose distribution is softmax(logits / temperature) alone are decided by the
+    /// acceptance kernel where the logits are, so only the counts and one token cross to the
+    /// host; the rest (and the CPU) copy the logits and run `verify`. Both are exact; with one
+    /// seed they consume the random stream differently, so seeded samples differ between them.
+    fn verify_step(&mut self, logits: &Tensor, draft: &Draft) -> Result<Verification> {
+        #[cfg(feature = "cuda")]
+        if logits.device().is_cuda() && self.params.is_temperature_only() {
+            return self.verify_on_device(logits, draft);
+        }
+        let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
+        let vocab = self.model.info().vocab_size;
+        verify(&logits, vocab, &draft.token_ids, draft.probs.as_deref(), &self.params, &mut self.sampler)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn verify_on_device(&mut self, logits: &Tensor, draft: &Draft) -> Result<Verification> {
+        let n = draft.token_ids.len();
+        let vocab = self.model.info().vocab_size;
+        let uniforms: Vec<f32> =
+            if self.params.is_greedy() { vec![0.0; n + 1] } else { (0..=n).map(|_| self.sampler.uniform()).collect() };
+        let input = crate::batch::accept::AcceptInput {
+            batch: 1,
+            max_draft_tokens: n,
+            vocab_size: vocab,
+            target_logits: &[],
+            draft_token_ids: &draft.token_ids,
+            num_draft_tokens: &[n as u32],
+            draft_probs: draft.probs.as_deref(),
+            temperatures: &[self.params.temperature],
+            uniforms: &uniforms,
+        };
+        let out = crate::batch::cuda::accept_on_device(&logits.reshape((1, n + 1, vocab))?, &input)?;
+        let num_accepted_tokens = out.num_accepted_tokens[0] as usize;
+        let mut token_ids = draft.token_ids[..num_accepted_tokens].to_vec();
+        token_ids.push(out.next_token_ids[0]);
+        Ok(Verification { num_accepted_tokens, token_ids })
+    }
+
+    /// The proposer's draft for this step: at most k tokens (fewer near max_tokens so a step never
+    /// overshoots it, fewer when the schedule or the cost-aware policy says so, chosen before
+    /// proposing so a model-based draft computes only what will be verified), checked, and cut
+    /// after the first token below the confidence threshold.
+    fn propose(&mut self) -> Result<Draft> {
+        let remaining = self.params.max_tokens - self.generated_ids().len();
+        let Some(speculation) = self.speculation.as_mut() else { return Ok(Draft::default()) };
+        let mut max_draft = speculation.num_speculative_tokens.min(remaining.saturating_sub(1));
+        if let Some(schedule) = &speculation.schedule {
+            max_draft = max_draft.min(schedule.current());
+        }
+        if let Some(policy) = speculation.draft_length.as_mut().filter(|_| max_draft > 0) {
+            max_draft = policy.best_length(max_draft);
+            if max_draft == 0 {
+                policy.skipped();
+            }
+        }
+        if max_draft == 0 {
+            return Ok(Draft::default());
+        }
+        let t0 = Instant::now();
+        let mut draft = speculation.proposer.propose_with(ProposeInput {
+            context: &self.all_ids,
+            max_tokens: max_draft,
+            target_cache: &mut self.cache,
+        })?;
+        self.spec_metrics.propose_s += t0.elapsed().as_secs_f64();
+        let vocab = self.model.info().vocab_size;
+        draft.validate(max_draft, vocab, speculation.method)?;
+        if self.cache.len() != self.all_ids.len() - 1 {
+            return Err(Error::Proposer(format!(
+                "the {} proposer changed the target cache length; it must leave it as it found it",
+                speculation.method
+            )));
+        }
+        if let Some(probs) = draft.probs.as_ref().filter(|_| speculation.draft_confidence_threshold > 0.0) {
+            let threshold = speculation.draft_confidence_threshold;
+            let unsure =
+                draft.token_ids.iter().enumerate().position(|(i, &x)| probs[i * vocab + x as usize] < threshold);
+            if let Some(i) = unsure {
+                draft.truncate(i + 1, vocab);
+            }
+        }
+        Ok(draft)
+    }
+
+    /// Positions held by the target's KV cache and by the proposer's own, if it has one.
+    pub fn kv_lens(&self) -> (usize, Option<usize>) {
+        (self.cache.len(), self.speculation.as_ref().and_then(|s| s.proposer.kv_len()))
+    }
+
+    /// Called once when the request ends: the caches are freed, the proposer keeps what it learned
+    /// and the engine adds the request to its sums.
+    fn on_finish(&mut self) {
+        self.cache.release();
+        if let Some(speculation) = self.speculation.as_mut() {
+            speculation.proposer.finish(&self.all_ids[self.prompt_len..]);
+        }
+        let metrics = self.metrics();
+        // A poisoned lock is recovered rather than skipped (see `lock`): skipping would silently
+        // drop this request from the engine's sums.
+        if let Ok(mut engine) = lock(&self.engine_metrics) {
+            engine.record(&metrics, &self.timer.itls_s());
+        }
+    }
+
+    /// Stops the request early (a cancelled stream); its result keeps what was generated.
+    pub fn abort(&mut self) {
+        if self.finish_reason.is_none() {
+            self.finish_reason = Some(FinishReason::Abort);
+            self.on_finish();
+        }
+    }
+
+    pub fn metrics(&self) -> RequestMetrics {
+        let mut m = self.timer.metrics(self.prompt_len, self.num_forward_passes);
+        m.spec_method = self.speculation.as_ref().map(|s| s.method.to_string());
+        m.num_speculative_tokens = self.speculation.as_ref().map_or(0, |s| s.num_speculative_tokens);
+        m.verify_cost_source = self.speculation.as_ref().and_then(|s| s.verify_cost_source).map(CostSource::as_str);
+        m.draft_cost_source = self.speculation.as_ref().and_then(|s| s.draft_cost_source).map(CostSource::as_str);
+        m.spec = self.spec_metrics.clone();
+        if m.spec.num_accepted_tokens_per_pos.len() < m.num_speculative_tokens {
+            m.spec.num_accepted_tokens_per_pos.resize(m.num_speculative_tokens, 0);
+        }
+        m
+    }
+
+    pub fn result(&self) -> Generation {
+        Generation {
+            prompt_token_ids: self.all_ids[..self.prompt_len].to_vec(),
+            token_ids: self.generated_ids().to_vec(),
+            text: self.text.clone(),
+            finish_reason: self.finish_reason,
+            metrics: self.metrics(),
+        }
+    }
+}

@@ -1,0 +1,9 @@
+//! The candle backend: the same decoder block written in candle tensor ops, so it runs on any
+//! candle device (CUDA, and on the CPU what the CPU backend does not run: HF safetensors
+//! directories, seeded random models, GGUF with attention soft-capping).
+//!
+//! Invariant: it reads the same weights by the same names (`model/layout.rs`) and keeps the
+//! forward contract (`model/forward.rs`) within a stated tolerance rather than bitwise: cuBLAS
+//! and candle's dense CPU gemm pick kernels by shape.
+
+pub mod decoder;
