@@ -20,7 +20,10 @@ const METHODS: &[&str] = &[
     "quantized_self",
     "pard",
     "eagle",
+    "eagle3",
     "mtp",
+    "mlp_speculator",
+    "medusa",
     "",
 ];
 

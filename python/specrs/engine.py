@@ -146,7 +146,10 @@ class Engine:
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}, or a model-based
     draft: {"method": "draft_model", "model": "draft.gguf", "num_speculative_tokens": 4},
     {"method": "layer_skip", "exit_layer": 8, ...}, {"method": "quantized_self", "quantization":
-    "q4_0", ...}, {"method": "pard", "model": ..., "mask_token_id": ..., ...}.
+    "q4_0", ...}, {"method": "pard", "model": ..., "mask_token_id": ..., ...}, or a hidden-state
+    head: {"method": "eagle3", "model": "head_dir_or.gguf", "num_speculative_tokens": 3} (also
+    "eagle", "mtp" (whose "model" defaults to the target's own checkpoint), "mlp_speculator",
+    "medusa").
     `proposer`: a custom proposer object with `propose(context_ids, max_tokens) -> list[int]`
     (or `(token_ids, draft_probs)`) and optionally `observe(num_accepted)`; it implies
     {"method": "custom", "num_speculative_tokens": 4} unless speculative_config says otherwise.

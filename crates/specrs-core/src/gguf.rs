@@ -174,6 +174,120 @@ impl GgufFile {
     }
 }
 
+/// GGML's integer tensor types, which candle's reader does not know (llama.cpp writes an eagle3
+/// head's `d2t` as I64).
+const GGML_I32: u32 = 26;
+const GGML_I64: u32 = 27;
+
+/// A GGUF file that may hold integer tensors (llama.cpp's eagle3 heads): their values by name, and
+/// the file opened with each of them relabelled as F32 data of the same byte size, so candle's
+/// reader takes the rest (a relabelled tensor is read from the returned map, never as floats).
+/// Without integer tensors this is `GgufFile::open`.
+pub fn open_with_integer_tensors(path: &Path) -> Result<(GgufFile, HashMap<String, Vec<i64>>)> {
+    let file = File::open(path).map_err(|e| Error::model_load(format!("cannot open {}: {e}", path.display())))?;
+    let integer = integer_tensor_infos(&mut BufReader::new(file))
+        .map_err(|e| Error::model_load(format!("{} is not a valid GGUF file ({e}); re-convert it", path.display())))?;
+    if integer.is_empty() {
+        return Ok((GgufFile::open(path)?, HashMap::new()));
+    }
+    let bytes = std::fs::read(path).map_err(|e| Error::model_load(format!("cannot read {}: {e}", path.display())))?;
+    from_bytes_with_integer_tensors(path, bytes)
+}
+
+/// `open_with_integer_tensors` on bytes in memory; `name` stands for the path in messages.
+pub fn from_bytes_with_integer_tensors(
+    name: impl Into<PathBuf>,
+    mut bytes: Vec<u8>,
+) -> Result<(GgufFile, HashMap<String, Vec<i64>>)> {
+    let name = name.into();
+    let shown = name.display().to_string();
+    let integer = integer_tensor_infos(&mut Cursor::new(&bytes))
+        .map_err(|e| Error::model_load(format!("{shown} is not a valid GGUF file ({e}); re-convert it")))?;
+    let mut values = HashMap::new();
+    for t in integer {
+        let width = if t.ggml_type == GGML_I64 { 8 } else { 4 };
+        let count = t.dims.iter().try_fold(1usize, |n, &d| n.checked_mul(usize::try_from(d).ok()?));
+        let range = count
+            .and_then(|c| c.checked_mul(width))
+            .and_then(|len| (t.data_start as usize).checked_add(len))
+            .map(|end| t.data_start as usize..end)
+            .filter(|r| r.end <= bytes.len() && !r.is_empty())
+            .ok_or_else(|| Error::model_load(format!("{shown}: tensor '{}' runs past the end of the file", t.name)))?;
+        let data = &bytes[range];
+        let ints: Vec<i64> = if width == 8 {
+            data.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes"))).collect()
+        } else {
+            data.chunks_exact(4).map(|b| i64::from(i32::from_le_bytes(b.try_into().expect("4 bytes")))).collect()
+        };
+        // Relabel: F32, with an I64 row twice as long, so the byte size is unchanged.
+        bytes[t.type_at..t.type_at + 4].copy_from_slice(&0u32.to_le_bytes());
+        let row = t.dims[0].saturating_mul(width as u64 / 4);
+        bytes[t.first_dim_at..t.first_dim_at + t.dim_width].copy_from_slice(&row.to_le_bytes()[..t.dim_width]);
+        values.insert(t.name, ints);
+    }
+    Ok((GgufFile::from_bytes(name, bytes)?, values))
+}
+
+/// Where an integer tensor's info and data sit in a GGUF file.
+struct IntegerTensor {
+    name: String,
+    ggml_type: u32,
+    /// GGUF order (ne[0] first).
+    dims: Vec<u64>,
+    /// Byte positions of its type field and of its first dimension (`dim_width` bytes wide).
+    type_at: usize,
+    first_dim_at: usize,
+    dim_width: usize,
+    data_start: u64,
+}
+
+/// The integer tensors of the GGUF file `r` (header and tensor infos only).
+fn integer_tensor_infos(r: &mut dyn Source) -> std::io::Result<Vec<IntegerTensor>> {
+    let alignment = scan_alignment(r)?.filter(|&a| a > 0).unwrap_or(32);
+    r.rewind()?;
+    let mut magic_and_version = [0u8; 8];
+    r.read_exact(&mut magic_and_version)?;
+    if &magic_and_version[..4] != b"GGUF" {
+        return Err(std::io::Error::other("no GGUF magic"));
+    }
+    let wide = u32::from_le_bytes(magic_and_version[4..].try_into().expect("4 bytes")) != 1;
+    let num_tensors = read_len(r, wide)?;
+    for _ in 0..read_len(r, wide)? {
+        let key_len = read_len(r, wide)?;
+        seek_forward(r, key_len)?;
+        let value_type = read_u32(r)?;
+        skip_value(r, value_type, wide, 0)?;
+    }
+    let mut found = Vec::new();
+    let mut pending = Vec::new();
+    for _ in 0..num_tensors {
+        let name_len = read_len(r, wide)?;
+        let mut name = vec![0u8; usize::try_from(name_len).map_err(std::io::Error::other)?.min(1 << 16)];
+        r.read_exact(&mut name)?;
+        let n_dims = read_u32(r)?.min(8);
+        let first_dim_at = r.stream_position()? as usize;
+        let dims = (0..n_dims).map(|_| read_len(r, wide)).collect::<std::io::Result<Vec<u64>>>()?;
+        let type_at = r.stream_position()? as usize;
+        let ggml_type = read_u32(r)?;
+        let offset = read_len(r, wide)?;
+        if (ggml_type == GGML_I32 || ggml_type == GGML_I64) && !dims.is_empty() {
+            let name = String::from_utf8_lossy(&name).into_owned();
+            let dim_width = if wide { 8 } else { 4 };
+            pending.push((
+                IntegerTensor { name, ggml_type, dims, type_at, first_dim_at, dim_width, data_start: 0 },
+                offset,
+            ));
+        }
+    }
+    let end_of_infos = r.stream_position()?;
+    let data_start = end_of_infos.div_ceil(alignment) * alignment;
+    for (mut t, offset) in pending {
+        t.data_start = data_start.checked_add(offset).ok_or_else(|| std::io::Error::other("offset overflows"))?;
+        found.push(t);
+    }
+    Ok(found)
+}
+
 /// Why tensor `info` cannot be read from a file of `file_size` bytes whose tensor data starts at
 /// `data_offset`, if it cannot: a row that does not split into whole quantization blocks, a size
 /// whose arithmetic overflows, or data that runs past the end of the file.

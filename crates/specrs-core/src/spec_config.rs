@@ -74,16 +74,26 @@ pub const KEYS: [&str; 18] = [
     "draft_cost",
 ];
 
-const METHODS: [&str; 7] = ["ngram", "suffix", "custom", "draft_model", "layer_skip", "quantized_self", "pard"];
-
-/// vLLM methods that need trained heads or weights specrs cannot load yet.
-const LATER_METHODS: [&str; 5] = ["eagle", "eagle3", "mtp", "medusa", "mlp_speculator"];
+const METHODS: [&str; 12] = [
+    "ngram",
+    "suffix",
+    "custom",
+    "draft_model",
+    "layer_skip",
+    "quantized_self",
+    "pard",
+    "eagle",
+    "eagle3",
+    "mtp",
+    "mlp_speculator",
+    "medusa",
+];
 
 /// Which keys belong to which methods (a key outside this table applies to every method).
 const METHOD_KEYS: [(&str, &[&str]); 5] = [
-    ("model", &["draft_model", "pard"]),
+    ("model", &["draft_model", "pard", "eagle", "eagle3", "mtp", "mlp_speculator", "medusa"]),
     ("max_model_len", &["draft_model", "quantized_self", "pard"]),
-    ("quantization", &["quantized_self"]),
+    ("quantization", &["quantized_self", "eagle", "eagle3", "mtp", "mlp_speculator", "medusa"]),
     ("mask_token_id", &["pard"]),
     ("exit_layer", &["layer_skip"]),
 ];
@@ -107,6 +117,44 @@ pub enum Method {
     QuantizedSelf { quantization: String, max_model_len: Option<usize> },
     /// A PARD draft: k tokens from one forward over k-1 appended mask tokens.
     Pard { draft: DraftModelParams, mask_token_id: u32 },
+    /// A hidden-state head at `model` (a directory or GGUF file); MTP without `model` reads the
+    /// target's own checkpoint. `quantization` ("q8_0" or "q4_0") quantizes its linear weights
+    /// at load; None keeps them f32.
+    Head { method: HeadMethod, model: Option<String>, quantization: Option<String> },
+}
+
+/// The hidden-state heads, by vLLM's method names (`proposer/heads/`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HeadMethod {
+    /// EAGLE-1/2: `fc` over [embedding; last hidden], one layer, the target's LM head.
+    Eagle,
+    /// EAGLE-3: three tapped layers into `fc`, one layer, its own LM head over a draft vocabulary.
+    Eagle3,
+    /// Multi-token prediction layers shipped with the target (DeepSeek-V3, GLM-4.5, MiMo).
+    Mtp,
+    /// IBM's MLP speculator: one small MLP per drafted position.
+    MlpSpeculator,
+    /// Medusa: one residual-block head per drafted position.
+    Medusa,
+}
+
+impl HeadMethod {
+    pub const ALL: [HeadMethod; 5] =
+        [HeadMethod::Eagle, HeadMethod::Eagle3, HeadMethod::Mtp, HeadMethod::MlpSpeculator, HeadMethod::Medusa];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            HeadMethod::Eagle => "eagle",
+            HeadMethod::Eagle3 => "eagle3",
+            HeadMethod::Mtp => "mtp",
+            HeadMethod::MlpSpeculator => "mlp_speculator",
+            HeadMethod::Medusa => "medusa",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|m| m.name() == name)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -193,13 +241,6 @@ impl SpeculativeConfig {
             "draft" => "draft_model",
             m => m,
         };
-        if LATER_METHODS.contains(&method) {
-            return Err(Error::config(format!(
-                "method '{method}' needs trained draft heads, which this build cannot load yet; \
-                 use one of {}",
-                METHODS.join(", ")
-            )));
-        }
         if !METHODS.contains(&method) {
             return Err(Error::config(format!(
                 "unknown speculative method '{method}'; did you mean '{}'? (methods: {})",
@@ -339,6 +380,34 @@ impl SpeculativeConfig {
                 };
                 (Method::QuantizedSelf { quantization, max_model_len }, required_k()?)
             }
+            head if HeadMethod::from_name(head).is_some() => {
+                let head_method = HeadMethod::from_name(head).expect("matched above");
+                let model = match map.get("model") {
+                    None | Some(Value::Null) if head_method == HeadMethod::Mtp => None,
+                    Some(Value::String(model)) if !model.is_empty() => Some(model.clone()),
+                    _ => {
+                        return Err(Error::config(format!(
+                            "method '{head}' needs \"model\": the path of the head's directory (config.json + \
+                             *.safetensors, or a .gguf file for mtp)"
+                        )))
+                    }
+                };
+                let quantization = match map.get("quantization") {
+                    None | Some(Value::Null) => None,
+                    Some(Value::String(q))
+                        if matches!(parse_quant_type(q).map(quant_type_name).as_deref(), Ok("q8_0" | "q4_0")) =>
+                    {
+                        Some(q.to_ascii_lowercase())
+                    }
+                    Some(other) => {
+                        return Err(Error::config(format!(
+                            "a head's 'quantization' is \"q8_0\" or \"q4_0\" (got {other}); leave it out to keep the \
+                             head's weights in f32"
+                        )))
+                    }
+                };
+                (Method::Head { method: head_method, model, quantization }, required_k()?)
+            }
             _ => (Method::Custom, required_k()?),
         };
         let adaptive_draft_length = match map.get("adaptive_draft_length") {
@@ -445,6 +514,14 @@ impl SpeculativeConfig {
             Method::LayerSkip { exit_layer } => {
                 map.insert("exit_layer".into(), (*exit_layer).into());
             }
+            Method::Head { model, quantization, .. } => {
+                if let Some(model) = model {
+                    map.insert("model".into(), model.clone().into());
+                }
+                if let Some(q) = quantization {
+                    map.insert("quantization".into(), q.clone().into());
+                }
+            }
             Method::QuantizedSelf { quantization, max_model_len } => {
                 map.insert("quantization".into(), quantization.clone().into());
                 if let Some(len) = max_model_len {
@@ -465,6 +542,7 @@ fn method_name(method: &Method) -> &'static str {
         Method::LayerSkip { .. } => "layer_skip",
         Method::QuantizedSelf { .. } => "quantized_self",
         Method::Pard { .. } => "pard",
+        Method::Head { method, .. } => method.name(),
     }
 }
 
@@ -588,6 +666,22 @@ mod tests {
             let config = parse(text).unwrap();
             assert_eq!(SpeculativeConfig::from_json(&config.to_json()).unwrap(), config, "{text}");
         }
+        for head in HeadMethod::ALL {
+            let c = parse(&format!(r#"{{"method": "{}", "model": "h", "num_speculative_tokens": 3}}"#, head.name()))
+                .unwrap();
+            assert_eq!(c.method, Method::Head { method: head, model: Some("h".into()), quantization: None });
+            assert_eq!(SpeculativeConfig::from_json(&c.to_json()).unwrap(), c);
+        }
+        let mtp = parse(r#"{"method": "mtp", "num_speculative_tokens": 1}"#).unwrap();
+        assert_eq!(mtp.method, Method::Head { method: HeadMethod::Mtp, model: None, quantization: None });
+        let q = parse(r#"{"method": "eagle3", "model": "h", "num_speculative_tokens": 3, "quantization": "Q8_0"}"#)
+            .unwrap();
+        assert_eq!(
+            q.method,
+            Method::Head { method: HeadMethod::Eagle3, model: Some("h".into()), quantization: Some("q8_0".into()) }
+        );
+        assert!(error(r#"{"method": "eagle3", "model": "h", "num_speculative_tokens": 3, "quantization": "q4_k"}"#)
+            .contains("q8_0"));
         let q = parse(r#"{"method": "quantized_self", "num_speculative_tokens": 4}"#).unwrap();
         assert_eq!(q.method, Method::QuantizedSelf { quantization: "q4_0".into(), max_model_len: None });
         assert_eq!(q.schedule, Schedule::Constant);
@@ -598,7 +692,8 @@ mod tests {
     fn bad_input_names_the_fix() {
         assert!(error(r#"{"method": "ngram", "num_spec_tokens": 4}"#).contains("'num_speculative_tokens'"));
         assert!(error(r#"{"method": "ngarm", "num_speculative_tokens": 4}"#).contains("'ngram'"));
-        assert!(error(r#"{"method": "eagle", "num_speculative_tokens": 4}"#).contains("draft heads"));
+        assert!(error(r#"{"method": "eagle", "num_speculative_tokens": 4}"#).contains("needs \"model\""));
+        assert!(error(r#"{"method": "eagle3", "model": "h"}"#).contains("num_speculative_tokens"));
         assert!(error(r#"{"method": "draft", "num_speculative_tokens": 4}"#).contains("needs \"model\""));
         assert!(
             error(r#"{"method": "pard", "model": "d.gguf", "num_speculative_tokens": 4}"#).contains("mask_token_id")

@@ -8,13 +8,15 @@ use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use candle_core::Tensor;
+
 use super::{lock, Engine};
 use crate::config::SamplingParams;
 use crate::costs::{extend_ratios, median_if_quiet, prior_ratios, CostSource, Figure};
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::metrics::{expected_speedup_refined, expected_speedup_textbook, verify_cost_at, SpecDecodeMetrics};
-use crate::model::LogitRows;
+use crate::model::{ForwardBatch, LogitRows};
 use crate::proposer::{Feedback, ProposeInput};
 use crate::spec_config::{Method, SpeculativeConfig, MAX_SPECULATIVE_TOKENS};
 
@@ -114,10 +116,32 @@ impl Engine {
             // Only the layer-skip draft reads the target's cache.
             self.model.forward_rows(&context[..context.len() - 1], &mut target_cache, LogitRows::Last)?;
         }
+        // A head reads the target's hidden states: round r drafts after a context one token
+        // longer, as a step whose draft was rejected hands the head one new row.
+        let taps = proposer.taps();
+        let hidden = if taps.is_empty() {
+            Vec::new()
+        } else {
+            let mut batch = ForwardBatch::chain(&context, 0, LogitRows::None)?;
+            batch.taps = taps;
+            let mut cache = self.model.new_cache(context.len())?;
+            self.model.forward_batch(&batch, &mut [&mut cache])?.hidden
+        };
+        let first_round_context = context.len() - 4;
+        let rows = |start: usize, n: usize| -> Result<Vec<Tensor>> {
+            hidden.iter().map(|h| Ok(h.narrow(0, start, n)?)).collect()
+        };
+        if !hidden.is_empty() {
+            proposer.observe_hidden(0, &rows(0, first_round_context - 1)?)?;
+        }
         let mut times = Vec::new();
         for round in 0..4 {
+            let context = if hidden.is_empty() { &context[..] } else { &context[..first_round_context + round] };
+            if !hidden.is_empty() && round > 0 {
+                proposer.observe_hidden(context.len() - 2, &rows(context.len() - 2, 1)?)?;
+            }
             let t0 = Instant::now();
-            let input = ProposeInput { context: &context, max_tokens: k, target_cache: &mut target_cache };
+            let input = ProposeInput { context, max_tokens: k, target_cache: &mut target_cache };
             let draft = proposer.propose_with(input)?;
             self.model.device().synchronize()?;
             if round > 0 {
@@ -160,6 +184,12 @@ impl Engine {
             )),
             Method::QuantizedSelf { quantization, .. } => Some(format!("quantized_self:{quantization}")),
             Method::LayerSkip { exit_layer } => Some(format!("layer_skip:{exit_layer}")),
+            Method::Head { method, model, quantization } => Some(format!(
+                "{}:{}:{}",
+                method.name(),
+                model.as_deref().map_or_else(|| "target".to_string(), |m| file(Path::new(m))),
+                quantization.as_deref().unwrap_or("f32")
+            )),
         })
     }
 
@@ -175,6 +205,13 @@ impl Engine {
             Method::Pard { draft, .. } => bytes(Path::new(&draft.model))? / config.num_speculative_tokens as f64,
             Method::QuantizedSelf { quantization, .. } => bytes(&self.quantized_self_path(quantization)?)?,
             Method::LayerSkip { exit_layer } => *exit_layer as f64 / self.model.info().num_layers.max(1) as f64,
+            // One layer (a few sub-heads) of the target's width: its share of the target's
+            // weights, at least one layer's worth when it shares the target's LM head.
+            Method::Head { method, model, quantization } => {
+                let head_bytes = self.head(*method, model.as_deref(), quantization.as_deref())?.weight_bytes as f64;
+                (head_bytes / self.model.weight_bytes().max(1) as f64)
+                    .max(1.0 / self.model.info().num_layers.max(1) as f64)
+            }
         })
     }
 

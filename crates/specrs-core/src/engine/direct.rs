@@ -1,12 +1,17 @@
 //! Teacher-forced forwards outside any request: logits, hidden states at taps (what head
-//! training reads), and one forward over several sequences (tests and benches).
+//! training reads), one forward over several sequences (tests and benches), and a head's greedy
+//! draft with its logits (the heads' golden tests).
 //!
 //! Invariant: each call builds its own caches and leaves no state behind.
 
 use super::Engine;
+use crate::config::SamplingParams;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::model::{ForwardBatch, LogitRows, SeqRows, Tap};
+use crate::proposer::heads::HeadProposer;
+use crate::proposer::Proposer;
+use crate::spec_config::{Method, SpeculativeConfig};
 
 impl Engine {
     /// Teacher-forced logits `[ids.len(), vocab_size]` (row-major) from one forward over `ids`.
@@ -104,5 +109,41 @@ impl Engine {
                 SeqForward { logits: seq_logits, num_logit_rows, hidden: seq_hidden }
             })
             .collect())
+    }
+
+    /// The greedy draft of `num_tokens` tokens that `config`'s head proposes after `prompt_ids`,
+    /// with its logits at each step (`[num_tokens][vocab_size]`, -inf outside a draft
+    /// vocabulary): the target runs over the prompt but its newest token, as in a request, and the
+    /// head drafts from its hidden states. The heads' golden tests compare these with the
+    /// reference implementations.
+    pub fn head_draft(
+        &self,
+        config: &SpeculativeConfig,
+        prompt_ids: &[u32],
+        num_tokens: usize,
+    ) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
+        let Method::Head { method, model, quantization } = &config.method else {
+            return Err(Error::config(format!(
+                "head_draft needs a head method (eagle, eagle3, mtp, mlp_speculator, medusa), not '{}'",
+                config.method_name()
+            )));
+        };
+        if prompt_ids.len() < 2 || num_tokens == 0 {
+            return Err(Error::config("head_draft needs a prompt of at least 2 tokens and num_tokens >= 1"));
+        }
+        let head = self.head(*method, model.as_deref(), quantization.as_deref())?.head;
+        let vocab = self.model.info().vocab_size;
+        let mut proposer = HeadProposer::new(head, method.name(), vocab, 0.0, self.draft_kv.clone());
+        proposer.record_logits();
+        let params = SamplingParams { max_tokens: num_tokens + 1, temperature: 0.0, ..SamplingParams::default() };
+        proposer.begin(prompt_ids, &params)?;
+        let read = &prompt_ids[..prompt_ids.len() - 1];
+        let mut batch = ForwardBatch::chain(read, 0, LogitRows::None)?;
+        batch.taps = proposer.taps();
+        let mut cache = self.model.new_cache(read.len())?;
+        let hidden = self.model.forward_batch(&batch, &mut [&mut cache])?.hidden;
+        proposer.observe_hidden(0, &hidden)?;
+        let draft = proposer.propose(prompt_ids, num_tokens)?;
+        Ok((draft.token_ids, proposer.take_recorded()))
     }
 }

@@ -26,8 +26,10 @@ use crate::metrics::EngineMetrics;
 use crate::model::candle::decoder::{Decoder, WeightFormat};
 use crate::model::llama_config::LlamaConfig;
 use crate::model::{self, CausalLm};
+use crate::proposer::heads::load::LoadedHead;
 use crate::proposer::suffix::SuffixCache;
 use crate::quantize::parse_quant_type;
+use crate::spec_config::HeadMethod;
 use crate::tokenizer::TextTokenizer;
 
 pub mod cost_model;
@@ -47,7 +49,8 @@ pub use session::{FinishReason, Generation, Session, StepOutput};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryReport {
     pub target_weight_bytes: usize,
-    /// Every draft model loaded so far (layer_skip drafts share the target's weights).
+    /// Every draft model and head loaded so far (layer_skip drafts share the target's weights,
+    /// heads its embedding and, except EAGLE-3, its LM head).
     pub draft_weight_bytes: usize,
     pub target_kv_bytes: usize,
     pub draft_kv_bytes: usize,
@@ -57,6 +60,9 @@ pub struct MemoryReport {
     pub num_suffix_caches: usize,
     pub suffix_cache_bytes: usize,
 }
+
+/// A loaded head's identity: its method, its path, and the quantization of its linear weights.
+type HeadKey = (HeadMethod, PathBuf, Option<String>);
 
 pub struct Engine {
     /// The target's GGUF file (None for a model built in memory).
@@ -80,6 +86,10 @@ pub struct Engine {
     measure_on_demand: AtomicBool,
     /// Draft models by file path, loaded once and shared by every request.
     drafts: Mutex<HashMap<PathBuf, Arc<dyn CausalLm>>>,
+    /// Hidden-state heads by method, path and quantization, loaded once and shared by every request.
+    heads: Mutex<HashMap<HeadKey, LoadedHead>>,
+    /// The file or directory the target was loaded from (an MTP head's default checkpoint).
+    checkpoint: Option<PathBuf>,
     target_kv: Arc<KvBytes>,
     draft_kv: Arc<KvBytes>,
 }
@@ -92,7 +102,9 @@ impl Engine {
         if path.is_dir() {
             let (config, mut weights) = model::hf_dir::open(path, &device)?;
             let model = Decoder::from_hf(&mut weights, config)?;
-            return Self::from_model(Arc::new(model), TextTokenizer::from_hf_dir(path)?, None);
+            let mut engine = Self::from_model(Arc::new(model), TextTokenizer::from_hf_dir(path)?, None)?;
+            engine.checkpoint = Some(path.to_path_buf());
+            return Ok(engine);
         }
         let mut gguf = GgufFile::open(path)?;
         let model: Arc<dyn CausalLm> = Arc::from(model::loader::load(&mut gguf, &device)?);
@@ -135,6 +147,7 @@ impl Engine {
             .and_then(|p| DiskCache::for_model(&cache_dir(), p, &device, candle_core::utils::get_num_threads()));
         let costs = cost_cache.as_ref().map(DiskCache::load).unwrap_or_default();
         Ok(Self {
+            checkpoint: path.clone(),
             path,
             model,
             tokenizer: Arc::new(tokenizer),
@@ -145,6 +158,7 @@ impl Engine {
             cost_cache,
             measure_on_demand: AtomicBool::new(true),
             drafts: Mutex::default(),
+            heads: Mutex::default(),
             target_kv: Arc::default(),
             draft_kv: Arc::default(),
         })
@@ -152,7 +166,8 @@ impl Engine {
 
     /// Bytes of weights and KV caches.
     pub fn memory(&self) -> Result<MemoryReport> {
-        let draft_weight_bytes = lock(&self.drafts)?.values().map(|d| d.weight_bytes()).sum();
+        let draft_weight_bytes = lock(&self.drafts)?.values().map(|d| d.weight_bytes()).sum::<usize>()
+            + lock(&self.heads)?.values().map(|h| h.weight_bytes).sum::<usize>();
         let suffix_caches: Vec<_> = lock(&self.suffix_caches)?.iter().map(|(_, cache)| cache.clone()).collect();
         let mut suffix_cache_bytes = 0;
         for cache in &suffix_caches {
@@ -205,7 +220,7 @@ impl Engine {
 /// is left inconsistent by a panic part way through its critical section:
 /// - `metrics`: sums of finished requests; at worst one request is counted in part (statistics
 ///   only, never a request's output);
-/// - `drafts`: a map whose entries are inserted whole; `pinned_suffix_config`: replaced whole;
+/// - `drafts`, `heads`: maps whose entries are inserted whole; `pinned_suffix_config`: replaced whole;
 /// - `costs`: a curve is extended, and a draft cost inserted, only after its measurement finished
 ///   (a panic while measuring leaves the figures it had; the measurement runs again later);
 /// - `suffix_caches`: a list whose entry is moved to the back by a remove and a push; a panic

@@ -15,13 +15,15 @@ use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::model::{self, CausalLm};
 use crate::proposer::draft_model::DraftModelProposer;
+use crate::proposer::heads::load::{load as load_head, LoadedHead};
+use crate::proposer::heads::HeadProposer;
 use crate::proposer::layer_skip::LayerSkipProposer;
 use crate::proposer::ngram::NgramProposer;
 use crate::proposer::pard::PardProposer;
 use crate::proposer::suffix::{SuffixCache, SuffixProposer};
 use crate::proposer::Proposer;
 use crate::quantize::{parse_quant_type, requantize_gguf};
-use crate::spec_config::{Method, Schedule, SpeculativeConfig};
+use crate::spec_config::{HeadMethod, Method, Schedule, SpeculativeConfig};
 use crate::tokenizer::TextTokenizer;
 
 /// One request's speculation: its proposer, k, and how each draft's length is chosen.
@@ -62,6 +64,31 @@ impl Engine {
         let draft: Arc<dyn CausalLm> = Arc::from(model::loader::load(&mut gguf, self.model.device())?);
         lock(&self.drafts)?.insert(key, draft.clone());
         Ok(draft)
+    }
+
+    /// The `method` head at `model` (or, for MTP without one, in the target's own checkpoint),
+    /// its linear weights quantized to `quantization` if given, loaded on first use and checked
+    /// against the target.
+    pub fn head(&self, method: HeadMethod, model: Option<&str>, quantization: Option<&str>) -> Result<LoadedHead> {
+        let path = match (model, &self.checkpoint) {
+            (Some(model), _) => PathBuf::from(model),
+            (None, Some(checkpoint)) => checkpoint.clone(),
+            (None, None) => {
+                return Err(Error::config(format!(
+                    "method '{}' without \"model\" reads MTP layers from the target's checkpoint, and this model \
+                     was built in memory; set \"model\"",
+                    method.name()
+                )))
+            }
+        };
+        let key = (method, path.canonicalize().unwrap_or_else(|_| path.clone()), quantization.map(str::to_string));
+        if let Some(head) = lock(&self.heads)?.get(&key) {
+            return Ok(head.clone());
+        }
+        let quantization = quantization.map(parse_quant_type).transpose()?;
+        let head = load_head(method, &path, self.model.clone(), quantization)?;
+        lock(&self.heads)?.insert(key, head.clone());
+        Ok(head)
     }
 
     /// The target requantized to `quantization` (e.g. "q4_0"), written to `cache_dir()` on first
@@ -173,6 +200,18 @@ impl Engine {
                 threshold,
                 self.draft_kv.clone(),
             )?),
+            (Method::Head { method, model, quantization }, None) => {
+                let head = self.head(*method, model.as_deref(), quantization.as_deref())?.head;
+                if let Some(max) = head.max_draft_tokens().filter(|&max| config.num_speculative_tokens > max) {
+                    return Err(Error::config(format!(
+                        "num_speculative_tokens is {} but this {} head drafts at most {max} tokens (one per \
+                         sub-head); set num_speculative_tokens to at most {max}",
+                        config.num_speculative_tokens,
+                        method.name()
+                    )));
+                }
+                Box::new(HeadProposer::new(head, method.name(), target_vocab, threshold, self.draft_kv.clone()))
+            }
         };
         Ok(proposer)
     }

@@ -283,6 +283,7 @@ impl Session {
         }
         self.num_forward_passes += 1;
         if plan.kind == PlanKind::PrefillChunk {
+            self.observe_hidden(plan.cache_len, plan.rows.tokens.len(), hidden)?;
             return Ok(StepOutput::default());
         }
         let t1 = Instant::now();
@@ -292,6 +293,7 @@ impl Session {
         let num_accepted = verification.num_accepted_tokens;
         // Keep [newest token, accepted drafts]; the rejected tail leaves the cache.
         self.cache.truncate(plan.cache_len + plan.num_unseen + num_accepted);
+        self.observe_hidden(plan.cache_len, plan.num_unseen + num_accepted, hidden)?;
         if plan.kind == PlanKind::Decode {
             self.spec_metrics.num_decode_steps += 1;
             self.spec_metrics.forward_s += forward_s;
@@ -334,6 +336,16 @@ impl Session {
         }
         self.text.push_str(&text);
         Ok(StepOutput { token_ids: new_ids, text })
+    }
+
+    /// Hands a hidden-state head (a proposer with taps) the target's hidden rows of the `kept`
+    /// positions from `start` on that stay in the cache, after every forward: prompt chunks, the
+    /// prompt, each verification (with or without a draft), so the head sees every context
+    /// position exactly once.
+    fn observe_hidden(&mut self, start: usize, kept: usize, hidden: &[(Tap, Tensor)]) -> Result<()> {
+        let Some(speculation) = self.speculation.as_mut().filter(|_| !hidden.is_empty()) else { return Ok(()) };
+        let rows = hidden.iter().map(|(_, rows)| Ok(rows.narrow(0, 0, kept)?)).collect::<Result<Vec<Tensor>>>()?;
+        speculation.proposer.observe_hidden(start, &rows)
     }
 
     /// The target's verdict on `draft` from `logits` `[num_draft_tokens + 1, vocab]`. On a GPU,

@@ -10,6 +10,7 @@
 //! can run exact rejection sampling.
 
 pub mod draft_model;
+pub mod heads;
 pub mod layer_skip;
 pub mod ngram;
 pub mod pard;
@@ -139,6 +140,14 @@ pub trait Proposer: Send {
     /// every forward of the request returns them, and `observe` receives them.
     fn taps(&self) -> Vec<Tap> {
         Vec::new()
+    }
+
+    /// The target's hidden states at `taps()` (in that order, each `[n, hidden_size]`) of the
+    /// context positions `start..start + n` that stay in the cache, after every forward of the
+    /// request: prompt chunks, the prompt, and each verification, with or without a draft.
+    /// Successive calls cover the context without gaps or overlap.
+    fn observe_hidden(&mut self, _start: usize, _hidden: &[Tensor]) -> Result<()> {
+        Ok(())
     }
 
     /// What the target made of the last draft.

@@ -655,6 +655,12 @@ fn tree_attention(
     Ok(Tensor::cat(&rows, 0)?)
 }
 
+/// Plain causal attention (no window, no soft-cap) for the heads' own layers
+/// (`proposer/heads/layer.rs`); the shapes are `attention`'s.
+pub(crate) fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: f32) -> Result<Tensor> {
+    attention(q, k, v, past, Scores { scale, logit_softcap: None, window: None })
+}
+
 /// Causal grouped-query attention in f32. `q`: `[num_heads, n, head_dim]` for positions
 /// `past..past + n`; `k`, `v`: `[num_kv_heads, past + n, head_dim]`. Returns `[n, num_heads *
 /// head_dim]`. Query heads sharing a kv head are folded into its rows, so keys and values are

@@ -1,0 +1,194 @@
+//! One decoder layer in candle ops with its own KV cache: the transformer block of the EAGLE,
+//! EAGLE-3 and MTP heads (a Llama block: attention with RoPE and grouped-query heads, q/k biases
+//! (Qwen2) and per-head q/k norms (Qwen3) where the checkpoint has them, then a SiLU-gated MLP,
+//! each added to the residual).
+//!
+//! The caller forms the attention input and the residual, because that is where the heads differ:
+//! EAGLE-1 feeds its `fc` output unnormed to both, EAGLE-3 feeds
+//! `[input_norm(embedding); hidden_norm(fc out)]` (2H wide) to attention and the fc output to the
+//! residual, MTP feeds `input_norm(x)` and `x`. The post-attention norm, the MLP and both residual
+//! additions are the layer's.
+//!
+//! Invariant: `forward` appends exactly its rows to the cache, after the rows it held, so
+//! `KvCache::truncate` rolls drafts back.
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::ops::rms_norm;
+use candle_nn::rotary_emb::{rope, rope_i};
+
+use super::weights::{HeadWeights, Linear};
+use crate::error::Result;
+use crate::kv_cache::{KvBytes, KvCache};
+use crate::model::candle::decoder::causal_attention;
+use crate::model::cpu::rope::{Pairing, Rope};
+use std::sync::Arc;
+
+/// The sizes and flags of a head's decoder layer.
+#[derive(Debug, Clone)]
+pub struct LayerShape {
+    pub hidden_size: usize,
+    /// Width of the attention input: `hidden_size`, or `2 * hidden_size` for EAGLE-3.
+    pub attn_input_size: usize,
+    pub intermediate_size: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_eps: f32,
+    pub rope_theta: f32,
+    /// GGUF llama heads were converted with q/k permuted for interleaved pairs.
+    pub rope_pairing: Pairing,
+    /// Longest context the head's cache may hold.
+    pub max_positions: usize,
+}
+
+/// Tensor names of one layer (HF style by default; `gguf` for llama.cpp's).
+pub struct LayerNames {
+    pub q: String,
+    pub k: String,
+    pub v: String,
+    pub o: String,
+    pub q_norm: String,
+    pub k_norm: String,
+    pub post_attention_norm: String,
+    pub gate: String,
+    pub up: String,
+    pub down: String,
+}
+
+impl LayerNames {
+    /// transformers' names under `prefix` (e.g. "layers.0", "midlayer", "model.layers.30").
+    pub fn hf(prefix: &str) -> Self {
+        let n = |s: &str| format!("{prefix}.{s}");
+        Self {
+            q: n("self_attn.q_proj"),
+            k: n("self_attn.k_proj"),
+            v: n("self_attn.v_proj"),
+            o: n("self_attn.o_proj"),
+            q_norm: n("self_attn.q_norm.weight"),
+            k_norm: n("self_attn.k_norm.weight"),
+            post_attention_norm: n("post_attention_layernorm.weight"),
+            gate: n("mlp.gate_proj"),
+            up: n("mlp.up_proj"),
+            down: n("mlp.down_proj"),
+        }
+    }
+
+    /// llama.cpp's names under `prefix` (e.g. "blk.0").
+    pub fn gguf(prefix: &str) -> Self {
+        let n = |s: &str| format!("{prefix}.{s}");
+        Self {
+            q: n("attn_q"),
+            k: n("attn_k"),
+            v: n("attn_v"),
+            o: n("attn_output"),
+            q_norm: n("attn_q_norm.weight"),
+            k_norm: n("attn_k_norm.weight"),
+            post_attention_norm: n("ffn_norm.weight"),
+            gate: n("ffn_gate"),
+            up: n("ffn_up"),
+            down: n("ffn_down"),
+        }
+    }
+}
+
+pub struct HeadLayer {
+    shape: LayerShape,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    /// Qwen3-style per-head RMSNorm of q and k before the rotation, `[head_dim]` each.
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
+    /// `[hidden_size]`
+    post_attention_norm: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+    rope: Rope,
+    device: Device,
+}
+
+impl HeadLayer {
+    pub fn load(w: &mut HeadWeights, names: &LayerNames, shape: LayerShape) -> Result<Self> {
+        let s = &shape;
+        let (q_width, kv_width) = (s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim);
+        Ok(Self {
+            q: w.linear(&names.q, q_width, s.attn_input_size)?,
+            k: w.linear(&names.k, kv_width, s.attn_input_size)?,
+            v: w.linear(&names.v, kv_width, s.attn_input_size)?,
+            o: w.linear(&names.o, s.hidden_size, q_width)?,
+            q_norm: w.optional(&names.q_norm, &[s.head_dim])?,
+            k_norm: w.optional(&names.k_norm, &[s.head_dim])?,
+            post_attention_norm: w.tensor(&names.post_attention_norm, &[s.hidden_size])?,
+            gate: w.linear(&names.gate, s.intermediate_size, s.hidden_size)?,
+            up: w.linear(&names.up, s.intermediate_size, s.hidden_size)?,
+            down: w.linear(&names.down, s.hidden_size, s.intermediate_size)?,
+            rope: Rope::new(s.head_dim, s.rope_theta, 1.0, None, shape.rope_pairing),
+            device: w.device().clone(),
+            shape,
+        })
+    }
+
+    pub fn shape(&self) -> &LayerShape {
+        &self.shape
+    }
+
+    /// A cache for this layer holding up to `capacity` positions at first.
+    pub fn new_cache(&self, capacity: usize, kv_bytes: &Arc<KvBytes>) -> Result<KvCache> {
+        let s = &self.shape;
+        let cache =
+            KvCache::on_device(1, s.num_kv_heads, s.head_dim, capacity, s.max_positions, DType::F32, &self.device)?;
+        Ok(cache.tracked_by(kv_bytes.clone()))
+    }
+
+    /// `attn_input` `[n, attn_input_size]`, `residual` `[n, hidden_size]`, both f32, at positions
+    /// `first_position..first_position + n`: the layer's output `[n, hidden_size]` (residual
+    /// stream after attention and MLP, before any final norm). Appends the n rows to `cache`, and
+    /// each row attends to every row the cache held before plus its predecessors; keys carry their
+    /// own positions, so a cache may skip positions (MTP layers cycled over draft steps).
+    pub fn forward(
+        &self,
+        attn_input: &Tensor,
+        residual: &Tensor,
+        cache: &mut KvCache,
+        first_position: usize,
+    ) -> Result<Tensor> {
+        let s = &self.shape;
+        let n = attn_input.dim(0)?;
+        let past = cache.len();
+        cache.reserve(n)?;
+        let positions: Vec<usize> = (first_position..first_position + n).collect();
+        let (cos, sin) = self.rope.tables_at(&positions);
+        let half = s.head_dim / 2;
+        let cos = Tensor::from_vec(cos, (n, half), &self.device)?;
+        let sin = Tensor::from_vec(sin, (n, half), &self.device)?;
+        let heads = |x: Tensor, num_heads: usize, rotate: bool, norm: Option<&Tensor>| -> Result<Tensor> {
+            let x = x.reshape((n, num_heads, s.head_dim))?.transpose(0, 1)?.contiguous()?; // [heads, n, hd]
+            let x = match norm {
+                Some(weight) => rms_norm(&x, weight, s.rms_eps)?,
+                None => x,
+            };
+            if !rotate {
+                return Ok(x);
+            }
+            let x = x.unsqueeze(0)?;
+            let rotated = match s.rope_pairing {
+                Pairing::Interleaved => rope_i(&x, &cos, &sin)?,
+                Pairing::Halves => rope(&x, &cos, &sin)?,
+            };
+            Ok(rotated.squeeze(0)?)
+        };
+        let q = heads(self.q.forward(attn_input)?, s.num_heads, true, self.q_norm.as_ref())?;
+        let k = heads(self.k.forward(attn_input)?, s.num_kv_heads, true, self.k_norm.as_ref())?;
+        let v = heads(self.v.forward(attn_input)?, s.num_kv_heads, false, None)?;
+        cache.append_tensors(0, &k, &v)?;
+        let (k_all, v_all) = cache.layer_tensors(0, past + n)?; // [kv_heads, past + n, hd]
+        let attn = causal_attention(&q, &k_all, &v_all, past, 1.0 / (s.head_dim as f32).sqrt())?; // [n, heads * hd]
+        cache.commit(n);
+        let x = (residual + self.o.forward(&attn)?)?;
+        let h = rms_norm(&x, &self.post_attention_norm, s.rms_eps)?;
+        let mlp = self.down.forward(&(self.gate.forward(&h)?.silu()? * self.up.forward(&h)?)?)?;
+        Ok((x + mlp)?)
+    }
+}

@@ -1,0 +1,190 @@
+//! Every hidden-state head against its reference implementation, on tiny targets of several
+//! families: `scripts/make_head_golden.py` writes each head in its published format beside the
+//! draft tokens and logits the defining library (or an independent torch implementation, where
+//! none installs) computes for it (`tests/golden/heads/<case>/reference.json`); specrs loads the
+//! same files, drafts greedily from the same prompt, and must give the same tokens and the same
+//! logits at every draft step within `TOLERANCE`.
+//!
+//! Then the losslessness every head must keep: greedy speculative decoding with each head, at
+//! several k and several requests stepped together, gives plain greedy decoding's tokens.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+use specrs_core::engine::Speculation;
+use specrs_core::{step_together, Engine, SamplingParams, SpeculativeConfig};
+
+/// Largest allowed |specrs - reference| over a step's logits, relative to that step's largest
+/// |reference logit| (at least 1). Both sides compute the head in f32, so for f32 targets the
+/// differences are summation order (measured up to about 1e-6: see the test's output).
+/// (The tiny Qwen2 is stored in bf16; its heads' cases use an f32 copy, so both sides read the
+/// same hidden states.)
+const TOLERANCE: f32 = 1e-4;
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+struct Case {
+    name: String,
+    method: String,
+    target: PathBuf,
+    model: Option<PathBuf>,
+    prompt_ids: Vec<u32>,
+    draft_token_ids: Vec<u32>,
+    /// `[steps][vocab]`, None outside a draft vocabulary.
+    logits: Vec<Vec<Option<f32>>>,
+}
+
+fn cases() -> Vec<Case> {
+    let dir = repo_root().join("tests/golden/heads");
+    let mut cases: Vec<Case> = std::fs::read_dir(&dir)
+        .expect("tests/golden/heads exists (scripts/make_head_golden.py writes it)")
+        .filter_map(|e| e.ok().map(|e| e.path().join("reference.json")))
+        .filter(|p| p.exists())
+        .map(|path| {
+            let v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            let ids = |key: &str| -> Vec<u32> {
+                v[key].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+            };
+            Case {
+                name: v["case"].as_str().unwrap().to_string(),
+                method: v["method"].as_str().unwrap().to_string(),
+                target: repo_root().join(v["target"].as_str().unwrap()),
+                model: v["model"].as_str().map(|m| repo_root().join(m)),
+                prompt_ids: ids("prompt_ids"),
+                draft_token_ids: ids("draft_token_ids"),
+                logits: v["logits"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|row| row.as_array().unwrap().iter().map(|x| x.as_f64().map(|f| f as f32)).collect())
+                    .collect(),
+            }
+        })
+        .collect();
+    cases.sort_by(|a, b| a.name.cmp(&b.name));
+    cases
+}
+
+fn config(case: &Case, k: usize) -> SpeculativeConfig {
+    config_with(case, k, serde_json::json!({}))
+}
+
+fn config_with(case: &Case, k: usize, extra: Value) -> SpeculativeConfig {
+    let mut json =
+        serde_json::json!({"method": case.method, "num_speculative_tokens": k, "adaptive_draft_length": false});
+    if let Some(model) = &case.model {
+        json["model"] = model.display().to_string().into();
+    }
+    json.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    SpeculativeConfig::from_json(&json.to_string()).unwrap()
+}
+
+/// Largest |logit - reference| over a draft's steps, relative to each step's largest |reference|.
+fn max_relative_difference(logits: &[Vec<f32>], reference: &[Vec<Option<f32>>]) -> f32 {
+    let mut worst = 0.0f32;
+    for (ours, reference) in logits.iter().zip(reference) {
+        let scale = reference.iter().flatten().fold(1.0f32, |m, x| m.max(x.abs()));
+        for (&a, b) in ours.iter().zip(reference) {
+            match b {
+                Some(b) => worst = worst.max((a - b).abs() / scale),
+                // Outside a draft vocabulary: exactly -inf, or the difference is infinite.
+                None if a != f32::NEG_INFINITY => worst = f32::INFINITY,
+                None => {}
+            }
+        }
+    }
+    worst
+}
+
+#[test]
+fn every_head_drafts_the_reference_logits() {
+    let cases = cases();
+    let methods: std::collections::BTreeSet<&str> = cases.iter().map(|c| c.method.as_str()).collect();
+    assert_eq!(
+        methods.into_iter().collect::<Vec<_>>(),
+        ["eagle", "eagle3", "medusa", "mlp_speculator", "mtp"],
+        "every head method has golden cases"
+    );
+    for case in &cases {
+        let engine = Engine::load(&case.target, "cpu").unwrap();
+        let steps = case.logits.len();
+        let (tokens, logits) = engine
+            .head_draft(&config(case, steps), &case.prompt_ids, steps)
+            .unwrap_or_else(|e| panic!("{}: {e}", case.name));
+        assert_eq!(tokens, case.draft_token_ids, "{}: draft tokens", case.name);
+        assert_eq!(logits.len(), steps, "{}", case.name);
+        let worst = max_relative_difference(&logits, &case.logits);
+        assert!(worst <= TOLERANCE, "{}: max relative logit difference {worst}", case.name);
+        println!("{:<36} {:<15} {steps} steps, max relative logit difference {worst:.2e}", case.name, case.method);
+    }
+}
+
+/// `"quantization": "q8_0"` quantizes a head's linear weights at load: its first step's logits
+/// stay within 3% of the f32 reference's largest logit (measured: see the output).
+#[test]
+fn q8_0_heads_stay_close_to_the_reference() {
+    for case in cases() {
+        let engine = Engine::load(&case.target, "cpu").unwrap();
+        let quantized = config_with(&case, 1, serde_json::json!({"quantization": "q8_0"}));
+        let (_, logits) = engine.head_draft(&quantized, &case.prompt_ids, 1).unwrap();
+        let worst = max_relative_difference(&logits, &case.logits[..1]);
+        println!("{:<36} q8_0: max relative logit difference {worst:.2e}", case.name);
+        assert!(worst < 0.03, "{}: {worst}", case.name);
+    }
+}
+
+/// Greedy tokens of a request on `engine`, with `speculation` or without.
+fn greedy(engine: &Engine, prompt: &[u32], speculation: Option<Speculation>) -> Vec<u32> {
+    let params = SamplingParams { max_tokens: 24, temperature: 0.0, ignore_eos: true, ..SamplingParams::default() };
+    engine.generate(prompt.to_vec(), params, speculation).unwrap().token_ids
+}
+
+#[test]
+fn greedy_speculation_with_every_head_is_plain_greedy_decoding() {
+    for case in cases() {
+        let engine = Engine::load(&case.target, "cpu").unwrap();
+        let plain = greedy(&engine, &case.prompt_ids, None);
+        let max_k = if matches!(case.method.as_str(), "medusa" | "mlp_speculator") { case.logits.len() } else { 5 };
+        for k in [1, max_k] {
+            let speculation = engine.speculation(&config(&case, k), None).unwrap();
+            let spec = greedy(&engine, &case.prompt_ids, Some(speculation));
+            assert_eq!(spec, plain, "{} k={k}", case.name);
+        }
+        // Three requests stepped together (one forward per step) against each alone.
+        let prompts: Vec<Vec<u32>> = (0..3).map(|i| case.prompt_ids[i..].to_vec()).collect();
+        let params = SamplingParams { max_tokens: 16, temperature: 0.0, ignore_eos: true, ..SamplingParams::default() };
+        let mut sessions: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                engine
+                    .start(
+                        p.clone(),
+                        params.clone(),
+                        Some(engine.speculation(&config(&case, 3.min(max_k)), None).unwrap()),
+                    )
+                    .unwrap()
+            })
+            .collect();
+        while sessions.iter().any(|s| !s.is_finished()) {
+            let mut refs: Vec<_> = sessions.iter_mut().collect();
+            for result in step_together(&mut refs).unwrap() {
+                result.unwrap();
+            }
+        }
+        for (session, prompt) in sessions.iter().zip(&prompts) {
+            let alone = engine.generate(prompt.clone(), params.clone(), None).unwrap().token_ids;
+            assert_eq!(session.generated_ids(), alone.as_slice(), "{} batched", case.name);
+        }
+        // A prompt read in chunks of 4 hands the head every chunk's hidden rows.
+        let speculation = engine.speculation(&config(&case, 3.min(max_k)), None).unwrap();
+        let mut session = engine.start(case.prompt_ids.clone(), params.clone(), Some(speculation)).unwrap();
+        session.set_prefill_chunk(Some(4)).unwrap();
+        while !session.is_finished() {
+            session.step().unwrap();
+        }
+        let alone = engine.generate(case.prompt_ids.clone(), params.clone(), None).unwrap().token_ids;
+        assert_eq!(session.generated_ids(), alone.as_slice(), "{} chunked prefill", case.name);
+    }
+}
