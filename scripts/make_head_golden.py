@@ -39,6 +39,11 @@ Cases, and what computes their reference:
                                             row at position 0, as vLLM's deepseek_mtp.py and mimo_mtp.py do
                                             (MIMO_MASK_POSITION0 below); the MTP layers are written into a
                                             float32 copy of the target (<case>/target, config dtype float32)
+  mtp_llama_deepseek_2layers                independent torch: two DeepSeek-style MTP layers in the target
+                                            (num_nextn_predict_layers 2), draft step s run by layer s % 2
+                                            (vLLM's spec_step_idx % n), every layer reading the context
+                                            (specrs' choice: each layer's cache holds the context and its
+                                            own draft rows, keys at their true positions); 4 steps
   mlp_speculator_llama, _qwen2              independent torch (IBM fms-extras MLPSpeculator / vLLM
                                             mlp_speculator formula; fms-extras is not on PyPI), computed
                                             from the tensors read back from the written file
@@ -602,6 +607,45 @@ def mtp_inside(case, family, seed, style):
     return logits, drafts, f"cached=full {diff:.1e}, block vs transformers {block_diff:.1e}"
 
 
+def mtp_two_layers(case, seed):
+    """Two DeepSeek-style MTP layers cycled over draft steps (see the docstring), KV-cached."""
+    base, r, d = Target("llama"), Rand(seed), fresh(case)
+    cfg, L = base.config, base.config.num_hidden_layers
+    ps = [f"model.layers.{L + k}." for k in range(2)]
+    w = {}
+    for p in ps:
+        w.update({p + "enorm.weight": r.norm(H), p + "hnorm.weight": r.norm(H), p + "eh_proj.weight": r.linear(H, 2 * H)})
+        w.update(block_weights(r, p, cfg, bias=False))
+        w.update({p + "shared_head.norm.weight": r.norm(H), p + "shared_head.head.weight": r.linear(V, H)})
+    tdir = copy_target("llama", d / "target", w, {"num_nextn_predict_layers": 2})
+    tgt = Target("llama", tdir)
+    prompt = prompt_ids(seed)
+    fn = tgt.hidden(prompt)[-1]
+
+    def layer(k, rows, toks, pos, cache):
+        p = ps[k]
+        emb = tgt.embed[torch.tensor(toks)].clone()
+        emb[torch.tensor(pos) == 0] = 0  # vLLM: inputs_embeds[positions == 0] = 0
+        x = F.linear(torch.cat([rms(emb, w[p + "enorm.weight"]), rms(rows, w[p + "hnorm.weight"])], -1),
+                     w[p + "eh_proj.weight"])
+        y = decoder_block(w, p, x, pos, cache, cfg, tgt.theta)
+        return y, F.linear(rms(y, w[p + "shared_head.norm.weight"]), w[p + "shared_head.head.weight"])
+
+    toks = prompt[1:]
+    n, caches = len(toks), [dict(), dict()]
+    with torch.no_grad():
+        outs = [layer(k, fn, toks, list(range(n)), caches[k]) for k in range(2)]
+        y, lg = outs[0]
+        logits, drafts = [lg[-1]], [greedy(lg[-1])]
+        for step in range(1, STEPS + 1):
+            y, lg = layer(step % 2, y[-1:], [drafts[-1]], [n - 1 + step], caches[step % 2])
+            logits.append(lg[-1])
+            drafts.append(greedy(lg[-1]))
+    write_reference(case, "mtp", tdir, None, "independent torch (two vLLM deepseek_mtp layers, cycled)",
+                    prompt, drafts, logits)
+    return torch.stack(logits), drafts, "layers cycled 0, 1, 0, 1"
+
+
 def mlp_speculator(case, family, seed, n_predict, prefix, tie, scale_input):
     tgt, r, d = Target(family), Rand(seed), fresh(case)
     inner = 32
@@ -963,6 +1007,7 @@ CASES = {
     "medusa_qwen2_vllm": lambda s: medusa("medusa_qwen2_vllm", "qwen2", s, 3, True),
     # last, so the seeds of the cases above (1000 * (index + 1) + attempt) do not move
     "eagle3_llama_gguf": lambda s: eagle3_llama_gguf("eagle3_llama_gguf", s),
+    "mtp_llama_deepseek_2layers": lambda s: mtp_two_layers("mtp_llama_deepseek_2layers", s),
 }
 DERIVED = {"eagle3_llama_gguf"}  # re-encodes another case's committed files: no seed of its own
 
