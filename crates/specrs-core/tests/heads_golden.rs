@@ -135,6 +135,35 @@ fn q8_0_heads_stay_close_to_the_reference() {
     }
 }
 
+/// vLLM's `logit_scale` in a head's config multiplies its logits (EAGLE-3 and Medusa carry it).
+#[test]
+fn logit_scale_multiplies_the_heads_logits() {
+    for name in ["eagle3_llama_speculators", "medusa_qwen2_vllm"] {
+        let case = cases().into_iter().find(|c| c.name == name).unwrap();
+        let src = case.model.clone().unwrap();
+        let dir = std::env::temp_dir().join(format!("specrs-logit-scale-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for entry in std::fs::read_dir(&src).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "safetensors") {
+                std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+            }
+        }
+        let mut head_config: Value =
+            serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+        head_config["logit_scale"] = 0.5.into();
+        std::fs::write(dir.join("config.json"), head_config.to_string()).unwrap();
+        let engine = Engine::load(&case.target, "cpu").unwrap();
+        let scaled_case = Case { model: Some(dir.clone()), ..case };
+        let (_, logits) = engine.head_draft(&config(&scaled_case, 1), &scaled_case.prompt_ids, 1).unwrap();
+        let halved: Vec<Vec<Option<f32>>> =
+            scaled_case.logits[..1].iter().map(|row| row.iter().map(|x| x.map(|v| v * 0.5)).collect()).collect();
+        let worst = max_relative_difference(&logits, &halved);
+        assert!(worst <= TOLERANCE, "{name}: {worst}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
 /// Greedy tokens of a request on `engine`, with `speculation` or without.
 fn greedy(engine: &Engine, prompt: &[u32], speculation: Option<Speculation>) -> Vec<u32> {
     let params = SamplingParams { max_tokens: 24, temperature: 0.0, ignore_eos: true, ..SamplingParams::default() };

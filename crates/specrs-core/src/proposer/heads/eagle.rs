@@ -62,6 +62,8 @@ pub struct EagleHead {
     pub embed: Option<Tensor>,
     pub target: Arc<dyn CausalLm>,
     pub rms_eps: f32,
+    /// vLLM's `logit_scale`: the LM head's output is multiplied by it.
+    pub logit_scale: f64,
 }
 
 impl EagleHead {
@@ -150,7 +152,10 @@ impl RecurrentHead for EagleHead {
             Some(norm) if !self.norm_output => rms(hidden, norm, self.rms_eps)?,
             _ => hidden.clone(),
         };
-        let logits = lm_head_logits(self.lm_head.as_ref(), self.target.as_ref(), &normed)?;
+        let mut logits = lm_head_logits(self.lm_head.as_ref(), self.target.as_ref(), &normed)?;
+        if self.logit_scale != 1.0 {
+            logits = (logits * self.logit_scale)?;
+        }
         match &self.draft_to_target {
             Some(ids) => scatter_vocab(&logits, ids, self.target.info().vocab_size, hidden.device()),
             None => Ok(logits),

@@ -304,6 +304,11 @@ fn load_eagle(method: HeadMethod, config: &Config, w: &mut HeadWeights, target: 
     check_vocab(head_vocab, target.as_ref(), &file)?;
     let hidden = layer_config.usize("hidden_size")?;
     let eps = layer_config.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32;
+    // vLLM merges speculators' layer config into the top level, so the key may sit in either.
+    let logit_scale = match config.opt_f64("logit_scale")? {
+        Some(scale) => scale,
+        None => layer_config.opt_f64("logit_scale")?.unwrap_or(1.0),
+    };
     let embed = w.optional(
         w.first_of(&["embed_tokens.weight", "model.embed_tokens.weight"]).unwrap_or("embed_tokens.weight"),
         &[head_vocab, hidden],
@@ -337,6 +342,7 @@ fn load_eagle(method: HeadMethod, config: &Config, w: &mut HeadWeights, target: 
             embed,
             target,
             rms_eps: eps,
+            logit_scale,
         })));
     }
 
@@ -406,6 +412,7 @@ fn load_eagle(method: HeadMethod, config: &Config, w: &mut HeadWeights, target: 
         embed,
         target,
         rms_eps: eps,
+        logit_scale,
     })))
 }
 
@@ -624,6 +631,7 @@ fn load_eagle3_gguf(w: &mut HeadWeights, target: Arc<dyn CausalLm>) -> Result<He
         embed,
         target,
         rms_eps: shape.rms_eps,
+        logit_scale: 1.0,
     })))
 }
 
@@ -793,5 +801,6 @@ fn load_medusa(config: &Config, w: &mut HeadWeights, target: Arc<dyn CausalLm>) 
             Some(Tensor::new(ids, target.device())?)
         }
     };
-    Ok(Head::Parallel(Arc::new(MedusaHead { blocks, lm_heads, token_map, target_vocab })))
+    let logit_scale = config.opt_f64("logit_scale")?.unwrap_or(1.0);
+    Ok(Head::Parallel(Arc::new(MedusaHead { blocks, lm_heads, token_map, target_vocab, logit_scale })))
 }

@@ -23,6 +23,8 @@ pub struct MedusaHead {
     /// `[truncated_vocab]` u32 target ids of a truncated vocabulary.
     pub token_map: Option<Tensor>,
     pub target_vocab: usize,
+    /// vLLM's `logit_scale`: the LM heads' output is multiplied by it.
+    pub logit_scale: f64,
 }
 
 impl ParallelHead for MedusaHead {
@@ -40,7 +42,10 @@ impl ParallelHead for MedusaHead {
             x = (&x + block.forward(&x)?.silu()?)?;
         }
         let lm_head = &self.lm_heads[i.min(self.lm_heads.len() - 1)];
-        let logits = lm_head.forward(&x)?;
+        let mut logits = lm_head.forward(&x)?;
+        if self.logit_scale != 1.0 {
+            logits = (logits * self.logit_scale)?;
+        }
         let logits = match &self.token_map {
             Some(map) => scatter_vocab(&logits, map, self.target_vocab, state.device())?,
             None => logits,
