@@ -52,6 +52,10 @@ export RAYON_NUM_THREADS=1
 generated=$WORK/generated-seeds
 rm -rf "$generated" && mkdir -p "$generated"/{gguf,hf_dir}
 cp "$REPO"/tests/golden/gguf/*.gguf "$generated/gguf/"
+# Head GGUFs (llama.cpp's eagle3 layout, with an I64 d2t the integer-tensor reader handles).
+for head in "$REPO"/tests/golden/heads/*/*.gguf; do
+    [ -f "$head" ] && cp "$head" "$generated/gguf/$(basename "$(dirname "$head")").gguf"
+done
 "$PYTHON" "$FUZZ_DIR/python/make_hf_seeds.py" "$REPO/tests/golden/hf" "$generated/hf_dir"
 
 seeds_of() {

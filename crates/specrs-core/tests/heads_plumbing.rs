@@ -33,9 +33,12 @@ fn one_hot(token: u32, vocab: usize) -> Result<Tensor> {
 struct OracleRecurrent {
     sequence: Vec<u32>,
     vocab: usize,
-    /// (first position, rows `[n, hidden]` flattened, next tokens) of every `extend`.
-    seen: Mutex<Vec<(usize, Vec<f32>, Vec<u32>)>>,
+    seen: Mutex<Vec<Extended>>,
 }
+
+/// What one `extend` was handed: its first position, the rows `[n, hidden]` flattened, and the
+/// token after each row.
+type Extended = (usize, Vec<f32>, Vec<u32>);
 
 impl OracleRecurrent {
     fn positions(start: usize, n: usize) -> Result<Tensor> {
