@@ -3,11 +3,9 @@ written to its own GGUF file and loaded as a separate model), layer_skip, quanti
 Greedy identity for every method and k, the sampled distribution with draft probabilities,
 tokenizer compatibility, cache rollback, memory, and the dynamic draft length settings."""
 
-from collections import Counter
-
 import pytest
 from gguf_writer import write_metadata_only
-from test_speculative import PROMPTS, assert_same_distribution, chat
+from test_speculative import PROMPTS, assert_same_distribution, chat, sample_with_and_without
 
 import specrs
 from specrs import SamplingParams
@@ -114,13 +112,9 @@ def test_sampling_with_draft_probabilities_matches_plain_sampling(engine, draft_
     params = lambda seed: SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=seed)  # noqa: E731
     spec = config(method, 2, draft_path)
     n = 400
-    plain, speculative = Counter(), Counter()
-    num_drafts = 0
-    for seed in range(n):
-        plain[tuple(engine.generate(prompt, params(seed), speculative_config=False).token_ids[1:])] += 1
-        r = engine.generate(prompt, params(10_000 + seed), speculative_config=spec)
-        speculative[tuple(r.token_ids[1:])] += 1
-        num_drafts += r.metrics["num_drafts"]
+    plain, speculative, num_drafts = sample_with_and_without(
+        engine, prompt, params, n, lambda seed: {"speculative_config": spec}
+    )
     assert num_drafts >= n
     assert_same_distribution(plain, speculative)
 

@@ -10,12 +10,11 @@ The reference-logit tests are in crates/specrs-core/tests/heads_golden.rs."""
 
 import json
 import shutil
-from collections import Counter
 from pathlib import Path
 
 import pytest
 from head_writer import SMOLLM2, write_eagle, write_eagle3, write_medusa, write_mlp_speculator, write_mtp_gguf
-from test_speculative import PROMPTS, assert_same_distribution, chat
+from test_speculative import PROMPTS, assert_same_distribution, chat, sample_with_and_without
 
 import specrs
 from specrs import ConfigError, ModelLoadError, SamplingParams
@@ -131,14 +130,10 @@ def test_sampling_with_a_head_matches_plain_sampling(method):
     prompt = reference["prompt_ids"]
     params = lambda seed: SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=seed, ignore_eos=True)  # noqa: E731
     n = 600
-    plain, speculative = Counter(), Counter()
-    num_draft_tokens = 0
-    for seed in range(n):
-        plain[tuple(engine.generate(prompt, params(seed), speculative_config=False).token_ids[1:])] += 1
-        r = engine.generate(prompt, params(10_000 + seed), speculative_config=config)
-        speculative[tuple(r.token_ids[1:])] += 1
-        num_draft_tokens += r.metrics["num_draft_tokens"]
-    assert num_draft_tokens >= n
+    plain, speculative, num_drafts = sample_with_and_without(
+        engine, prompt, params, n, lambda seed: {"speculative_config": config}
+    )
+    assert num_drafts >= n
     assert_same_distribution(plain, speculative)
 
 

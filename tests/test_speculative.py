@@ -182,16 +182,26 @@ def test_sampling_with_speculation_matches_plain_sampling(engine, with_probs):
     params = lambda seed: SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=seed)  # noqa: E731
     config = {"method": "custom", "num_speculative_tokens": 1}
     n = 400
+    plain, speculative, num_drafts = sample_with_and_without(
+        engine, prompt, params, n,
+        lambda seed: {"speculative_config": config, "proposer": TargetGuess(engine, seed, sharpen=with_probs)},
+    )
+    assert num_drafts >= n  # speculation decided the second token of every request
+    assert_same_distribution(plain, speculative)
+
+
+def sample_with_and_without(engine, prompt, params, n, speculation):
+    """The tokens after the first of n plain requests (seeds 0..n-1) and of n speculative ones
+    (seeds 10000..), as Counters, and the speculative requests' drafts summed. `speculation(seed)`
+    gives generate()'s speculation arguments for one request."""
     plain, speculative = Counter(), Counter()
     num_drafts = 0
     for seed in range(n):
         plain[tuple(engine.generate(prompt, params(seed), speculative_config=False).token_ids[1:])] += 1
-        proposer = TargetGuess(engine, seed, sharpen=with_probs)
-        r = engine.generate(prompt, params(10_000 + seed), speculative_config=config, proposer=proposer)
+        r = engine.generate(prompt, params(10_000 + seed), **speculation(seed))
         speculative[tuple(r.token_ids[1:])] += 1
         num_drafts += r.metrics["num_drafts"]
-    assert num_drafts >= n  # speculation decided the second token of every request
-    assert_same_distribution(plain, speculative)
+    return plain, speculative, num_drafts
 
 
 def test_sampled_speculation_is_seeded(engine):

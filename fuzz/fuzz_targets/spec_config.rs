@@ -6,26 +6,13 @@
 use arbitrary::{Result, Unstructured};
 use libfuzzer_sys::fuzz_target;
 use serde_json::{json, Map, Value};
-use specrs_core::spec_config::KEYS;
+use specrs_core::spec_config::{KEYS, METHODS};
 use specrs_core::{Error, SpeculativeConfig};
 
-const METHODS: &[&str] = &[
-    "ngram",
-    "[ngram]",
-    "suffix",
-    "custom",
-    "draft_model",
-    "draft",
-    "layer_skip",
-    "quantized_self",
-    "pard",
-    "eagle",
-    "eagle3",
-    "mtp",
-    "mlp_speculator",
-    "medusa",
-    "",
-];
+/// The config's own methods, its aliases, and an empty name.
+fn methods() -> Vec<&'static str> {
+    METHODS.iter().copied().chain(["[ngram]", "draft", ""]).collect()
+}
 
 fn value(u: &mut Unstructured) -> Result<Value> {
     Ok(match u.int_in_range(0..=13)? {
@@ -36,7 +23,7 @@ fn value(u: &mut Unstructured) -> Result<Value> {
         4 => json!(u.arbitrary::<i64>()?),
         5 => json!(*u.choose(&[0.0f64, -0.0, 0.1, 0.5, 1.0, 1.5, -1.0, 1e-45, 1e-300, 3.5e38, 1e300, 2.5])?),
         6 => json!(u.arbitrary::<f64>()?),
-        7 => json!(*u.choose(METHODS)?),
+        7 => json!(*u.choose(&methods())?),
         8 => json!(*u.choose(&["q4_0", "Q2_K", "q8_0", "q1", "heuristic", "constant", "d.gguf", ""])?),
         9 => json!(u.arbitrary::<String>()?),
         10 => json!([]),
@@ -54,7 +41,7 @@ fn value(u: &mut Unstructured) -> Result<Value> {
 fn config_object(u: &mut Unstructured) -> Result<Map<String, Value>> {
     let mut map = Map::new();
     if u.ratio(9, 10)? {
-        map.insert("method".into(), json!(*u.choose(METHODS)?));
+        map.insert("method".into(), json!(*u.choose(&methods())?));
     }
     for _ in 0..u.int_in_range(0..=5)? {
         let key = if u.ratio(9, 10)? { u.choose(&KEYS)?.to_string() } else { u.arbitrary()? };

@@ -74,7 +74,8 @@ pub const KEYS: [&str; 18] = [
     "draft_cost",
 ];
 
-const METHODS: [&str; 12] = [
+/// Every method a speculative config may name (besides the aliases `draft` and `[ngram]`).
+pub const METHODS: [&str; 12] = [
     "ngram",
     "suffix",
     "custom",
