@@ -259,7 +259,6 @@ fn integer_tensor_infos(r: &mut dyn Source) -> std::io::Result<Vec<IntegerTensor
         skip_value(r, value_type, wide, 0)?;
     }
     let mut found = Vec::new();
-    let mut pending = Vec::new();
     for _ in 0..num_tensors {
         let name_len = read_len(r, wide)?;
         let mut name = vec![0u8; usize::try_from(name_len).map_err(std::io::Error::other)?.min(1 << 16)];
@@ -273,17 +272,14 @@ fn integer_tensor_infos(r: &mut dyn Source) -> std::io::Result<Vec<IntegerTensor
         if (ggml_type == GGML_I32 || ggml_type == GGML_I64) && !dims.is_empty() {
             let name = String::from_utf8_lossy(&name).into_owned();
             let dim_width = if wide { 8 } else { 4 };
-            pending.push((
-                IntegerTensor { name, ggml_type, dims, type_at, first_dim_at, dim_width, data_start: 0 },
-                offset,
-            ));
+            // The offset is relative to the data section, which starts after the last info.
+            found.push(IntegerTensor { name, ggml_type, dims, type_at, first_dim_at, dim_width, data_start: offset });
         }
     }
-    let end_of_infos = r.stream_position()?;
-    let data_start = end_of_infos.div_ceil(alignment) * alignment;
-    for (mut t, offset) in pending {
-        t.data_start = data_start.checked_add(offset).ok_or_else(|| std::io::Error::other("offset overflows"))?;
-        found.push(t);
+    let data_section = r.stream_position()?.div_ceil(alignment) * alignment;
+    for t in &mut found {
+        t.data_start =
+            data_section.checked_add(t.data_start).ok_or_else(|| std::io::Error::other("offset overflows"))?;
     }
     Ok(found)
 }

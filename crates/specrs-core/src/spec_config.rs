@@ -389,7 +389,7 @@ impl SpeculativeConfig {
                     _ => {
                         return Err(Error::config(format!(
                             "method '{head}' needs \"model\": the path of the head's directory (config.json + \
-                             *.safetensors, or a .gguf file for mtp)"
+                             *.safetensors), or a llama.cpp eagle3 / nextn MTP .gguf file"
                         )))
                     }
                 };

@@ -35,7 +35,7 @@ use crate::config::SamplingParams;
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvBytes, KvCache};
 use crate::model::{CausalLm, Tap};
-use crate::proposer::draft_model::{DraftBuilder, DraftSampler};
+use crate::proposer::draft_model::{DraftBuilder, DraftSampler, DraftedToken};
 use crate::proposer::{Draft, Proposer};
 use weights::Linear;
 
@@ -154,6 +154,18 @@ impl HeadProposer {
         self.recorded.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
+    /// A draft token from `logits` (`[1, target_vocab]`), recorded when recording.
+    fn draw(&mut self, logits: &Tensor) -> Result<DraftedToken> {
+        let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
+        let sampler =
+            self.sampler.as_mut().ok_or_else(|| Error::Internal("head proposer used before begin()".into()))?;
+        let token = sampler.draw(&logits);
+        if let Some(recorded) = self.recorded.as_mut() {
+            recorded.push(logits);
+        }
+        Ok(token)
+    }
+
     fn internal(&self, what: &str) -> Error {
         Error::Internal(format!("the {} head {what}", self.method))
     }
@@ -179,18 +191,12 @@ impl HeadProposer {
         let n = target_hidden.dim(0)?;
         let out = head.extend(&mut self.caches, &target_hidden, &context[start + 1..start + 1 + n], start)?; // [n, hidden]
         self.fed = start + n;
-        let sampler =
-            self.sampler.as_mut().ok_or_else(|| Error::Internal("head proposer used before begin()".into()))?;
         let mut hidden = out.narrow(0, n - 1, 1)?;
         let cache_lens: Vec<usize> = self.caches.iter().map(KvCache::len).collect();
         let mut draft = DraftBuilder::default();
         let mut step = 0;
         loop {
-            let logits: Vec<f32> = head.logits(&hidden, step)?.flatten_all()?.to_vec1()?; // [target_vocab]
-            let token = sampler.draw(&logits);
-            if let Some(recorded) = self.recorded.as_mut() {
-                recorded.push(logits);
-            }
+            let token = self.draw(&head.logits(&hidden, step)?)?;
             if !draft.push(token) || draft.len() >= max_tokens {
                 break;
             }
@@ -209,20 +215,13 @@ impl HeadProposer {
     fn draft_parallel(&mut self, head: &Arc<dyn ParallelHead>, context: &[u32], max_tokens: usize) -> Result<Draft> {
         let (target_hidden, start) = self.take_pending(context.len())?;
         self.fed = start + target_hidden.dim(0)?;
-        let sampler =
-            self.sampler.as_mut().ok_or_else(|| Error::Internal("head proposer used before begin()".into()))?;
         // The hidden state of the newest token's predecessor: it predicted the newest token.
         let mut state = target_hidden.narrow(0, target_hidden.dim(0)? - 1, 1)?;
         let mut token = context[context.len() - 1];
         let mut draft = DraftBuilder::default();
         for i in 0..max_tokens.min(head.num_heads()) {
             let (logits, next_state) = head.step(i, &state, token)?;
-            let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
-            let drawn = sampler.draw(&logits);
-            if let Some(recorded) = self.recorded.as_mut() {
-                recorded.push(logits);
-            }
-            let confident = draft.push(drawn);
+            let confident = draft.push(self.draw(&logits)?);
             token = draft.last();
             state = next_state;
             if !confident {

@@ -197,8 +197,8 @@ impl HeadWeights {
         Ok(t)
     }
 
-    /// `name` as f32 on the head's device, checked against `shape`.
-    pub fn tensor(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
+    /// `name` as f32 on the CPU, checked against `shape`.
+    fn checked(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
         let t = self.read(name)?;
         if t.dims() != shape {
             return Err(Error::model_load(format!(
@@ -208,8 +208,14 @@ impl HeadWeights {
                 t.dims()
             )));
         }
+        Ok(t.to_dtype(DType::F32)?)
+    }
+
+    /// `name` as f32 on the head's device, checked against `shape`.
+    pub fn tensor(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let t = self.checked(name, shape)?;
         self.num_bytes += t.elem_count() * 4;
-        Ok(t.to_dtype(DType::F32)?.to_device(&self.device)?)
+        Ok(t.to_device(&self.device)?)
     }
 
     pub fn optional(&mut self, name: &str, shape: &[usize]) -> Result<Option<Tensor>> {
@@ -222,24 +228,23 @@ impl HeadWeights {
 
     /// `{name}.weight` `[out, in]` with `{name}.bias` `[out]` when present.
     pub fn linear(&mut self, name: &str, out_features: usize, in_features: usize) -> Result<Linear> {
-        let weight = self.tensor(&format!("{name}.weight"), &[out_features, in_features])?;
-        let bias = self.optional(&format!("{name}.bias"), &[out_features])?;
+        let weight_name = format!("{name}.weight");
+        let shape = [out_features, in_features];
         let weight = match self.quantize.filter(|q| in_features.is_multiple_of(q.block_size())) {
-            None => Weight::Dense(weight),
+            None => Weight::Dense(self.tensor(&weight_name, &shape)?),
             Some(dtype) => {
-                let q = Arc::new(QTensor::quantize(&weight.to_device(&Device::Cpu)?, dtype)?);
-                // Counted at its quantized size: `tensor` added the f32 bytes.
-                self.num_bytes = self.num_bytes + q.storage_size_in_bytes() - out_features * in_features * 4;
+                // Quantized from the f32 weight on the host, once, straight onto the device.
+                let f32_weight = self.checked(&weight_name, &shape)?;
+                let q = Arc::new(QTensor::quantize_onto(&f32_weight, dtype, &self.device)?);
+                self.num_bytes += q.storage_size_in_bytes();
                 let native = if self.device.is_cpu() { Some(QLinear::new(q.clone())?) } else { None };
                 match native.filter(QLinear::is_native) {
                     Some(native) => Weight::Native(native),
-                    None => {
-                        let on_device = QTensor::quantize_onto(&weight.to_device(&Device::Cpu)?, dtype, &self.device)?;
-                        Weight::Quantized(QMatMul::from_arc(Arc::new(on_device))?)
-                    }
+                    None => Weight::Quantized(QMatMul::from_arc(q)?),
                 }
             }
         };
+        let bias = self.optional(&format!("{name}.bias"), &[out_features])?;
         Ok(Linear { weight, bias })
     }
 
