@@ -1,14 +1,21 @@
-"""Foundation benchmark: specrs vs llama-cpp-python on the same GGUF, same threads, same prompts,
-interleaved in one process.
+"""Foundation benchmark: specrs vs llama-cpp-python on the same GGUF files, same threads, same
+prompts, interleaved in one process.
 
-1. Prefill and decode tokens/s at a 512-token context (64 greedy tokens, EOS ignored).
-2. Verification cost curve: time of one forward over n new tokens (n = 1, 2, 3, 5, 9, 17) on top
-   of a 512-token cache, divided by the time for n = 1. llama.cpp computes logits for every row
-   (logits_all=True), as verification needs.
+Per model:
+1. Prefill and decode tokens/s at a 512-token context (64 greedy tokens, EOS ignored), each
+   engine once per prompt and repeat, alternating which goes first.
+2. Verification cost curve: the time of one forward over n new tokens (n = 1..17) on top of a
+   512-token cache, divided by the time for n = 1. llama.cpp computes logits for every row
+   (logits_all=True), as verification needs. Each repeat times every n on both engines in turn
+   (specrs: the median of 3 forwards, llama.cpp likewise).
+
+Every figure is reported as min and median over the repeats (for tokens/s the min is the slowest
+run); ratios are of medians.
 
 Usage (a Python with specrs and llama-cpp-python; see benches/README.md):
-    python benches/foundation.py --spec-bench ../shared/data/spec_bench/question.jsonl \
-        --out bench-results/foundation.json
+    python benches/foundation.py --spec-bench ../shared/data/spec_bench/question.jsonl \\
+        --model smollm2=smollm2-135m --model gemma3=gemma3-270m --out bench-results/foundation.json
+    python benches/foundation.py --model 1b-q4_0=/tmp/llama-1b-q4_0.gguf ...   # scripts/make_random_llama_gguf.py
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ import specrs
 
 CONTEXT = 512
 NEW_TOKENS = 64
-NS = [1, 2, 3, 5, 9, 17]
+NS = list(range(1, 18))
+INNER = 3  # forwards per (repeat, n) and engine; their median is the repeat's figure
 
 
 def contexts(tokenizer, spec_bench: str | None, count: int) -> list[list[int]]:
@@ -68,82 +76,115 @@ def specrs_decode(engine, ctx: list[int]) -> tuple[float, float]:
     return CONTEXT / out.metrics["ttft_s"], out.metrics["decode_tokens_per_s"]
 
 
-def llama_forward_cost(llm_all, ctx: list[int], repeats: int) -> dict[int, float]:
+def llama_forward_cost(llm_all, ctx: list[int], ns: list[int]) -> dict[int, float]:
+    """Median of INNER forwards over n tokens after the context, per n."""
     llm_all.reset()
     llm_all.eval(ctx)
-    probe = ctx[-max(NS):]
-    times = {n: [] for n in NS}
-    for _ in range(repeats):
-        for n in NS:
+    probe = ctx[-max(ns):]
+    out = {}
+    for n in ns:
+        times = []
+        for _ in range(INNER):
             llm_all._ctx.kv_cache_seq_rm(-1, len(ctx), -1)
             llm_all.n_tokens = len(ctx)
             t0 = time.perf_counter()
             llm_all.eval(probe[:n])
-            times[n].append(time.perf_counter() - t0)
-    return {n: statistics.median(t) for n, t in times.items()}
+            times.append(time.perf_counter() - t0)
+        out[n] = statistics.median(times)
+    return out
+
+
+def stats(xs: list[float]) -> dict:
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "runs": xs}
+
+
+def bench_model(name: str, path: str, args, Llama) -> dict:
+    from specrs.models import NAMED_MODELS
+
+    gguf_path = NAMED_MODELS[path]() if path in NAMED_MODELS else path
+    engine = specrs.Engine(gguf_path)
+    common = dict(model_path=gguf_path, n_ctx=2048, n_batch=512, n_threads=args.threads,
+                  n_threads_batch=args.threads, verbose=False, seed=0)
+    llm = Llama(logits_all=False, **common)
+    llm_all = Llama(logits_all=True, **common)
+    ctxs = contexts(engine.tokenizer, args.spec_bench, args.prompts)
+
+    runs = {"specrs": {"prefill": [], "decode": []}, "llama.cpp": {"prefill": [], "decode": []}}
+    if not args.skip_decode:
+        for rep in range(args.repeats):
+            for i, ctx in enumerate(ctxs):
+                order = ["specrs", "llama.cpp"] if (i + rep) % 2 == 0 else ["llama.cpp", "specrs"]
+                for e in order:
+                    prefill, decode = specrs_decode(engine, ctx) if e == "specrs" else llama_decode(llm, ctx)
+                    runs[e]["prefill"].append(prefill)
+                    runs[e]["decode"].append(decode)
+                    print(f"{name} repeat {rep} prompt {i} {e:9s} prefill {prefill:7.1f} tok/s  decode {decode:6.1f} tok/s",
+                          flush=True)
+
+    curve_runs = {"specrs": {n: [] for n in NS}, "llama.cpp": {n: [] for n in NS}}
+    ctx = ctxs[0]
+    for rep in range(args.repeats):
+        order = ["specrs", "llama.cpp"] if rep % 2 == 0 else ["llama.cpp", "specrs"]
+        for e in order:
+            cost = dict(engine.forward_cost(ctx, NS, repeats=INNER)) if e == "specrs" else llama_forward_cost(llm_all, ctx, NS)
+            for n in NS:
+                curve_runs[e][n].append(cost[n])
+        print(f"{name} curve repeat {rep}: specrs t(1) {curve_runs['specrs'][1][-1] * 1e3:.1f} ms, "
+              f"llama.cpp t(1) {curve_runs['llama.cpp'][1][-1] * 1e3:.1f} ms", flush=True)
+
+    result = {"path": os.path.basename(gguf_path), "engines": {}}
+    for e in ("specrs", "llama.cpp"):
+        med = {n: statistics.median(curve_runs[e][n]) for n in NS}
+        result["engines"][e] = {
+            "curve_ms": {n: stats([t * 1e3 for t in curve_runs[e][n]]) for n in NS},
+            "curve_ratio": {n: med[n] / med[1] for n in NS},
+        }
+        if not args.skip_decode:
+            result["engines"][e]["prefill_tok_s"] = stats(runs[e]["prefill"])
+            result["engines"][e]["decode_tok_s"] = stats(runs[e]["decode"])
+    s, l = result["engines"]["specrs"], result["engines"]["llama.cpp"]
+    if not args.skip_decode:
+        result["decode_ratio"] = s["decode_tok_s"]["median"] / l["decode_tok_s"]["median"]
+        result["prefill_ratio"] = s["prefill_tok_s"]["median"] / l["prefill_tok_s"]["median"]
+    result["t1_ratio_llamacpp_over_specrs"] = l["curve_ms"][1]["median"] / s["curve_ms"][1]["median"]
+
+    print(f"\n{name} ({result['path']}), {CONTEXT}-token context, {args.threads} threads, {args.repeats} repeats:")
+    if not args.skip_decode:
+        for e in ("specrs", "llama.cpp"):
+            r = result["engines"][e]
+            print(f"  {e:9s} prefill {r['prefill_tok_s']['median']:7.1f} tok/s (min {r['prefill_tok_s']['min']:.1f})  "
+                  f"decode {r['decode_tok_s']['median']:6.1f} tok/s (min {r['decode_tok_s']['min']:.1f})")
+        print(f"  decode ratio specrs / llama.cpp: {result['decode_ratio']:.2f}x; prefill ratio: {result['prefill_ratio']:.2f}x")
+    print("  verification cost t(n)/t(1) at a 512-token cache (medians):")
+    print("  n        " + "".join(f"{n:>6d}" for n in NS))
+    for e in ("specrs", "llama.cpp"):
+        r = result["engines"][e]
+        print(f"  {e:9s}" + "".join(f"{r['curve_ratio'][n]:6.2f}" for n in NS) +
+              f"   t(1) = {r['curve_ms'][1]['median']:.1f} ms (min {r['curve_ms'][1]['min']:.1f})")
+    return result
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
+    ap.add_argument("--model", action="append", default=[],
+                    help="NAME=PATH_OR_SPECRS_NAME (repeatable; default smollm2=smollm2-135m)")
     ap.add_argument("--spec-bench", default=None, help="Spec-Bench question.jsonl (long prompts)")
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip-decode", action="store_true", help="only the verification curve")
     ap.add_argument("--out", default="bench-results/foundation.json")
     args = ap.parse_args()
 
     from llama_cpp import Llama
     import llama_cpp
 
-    path = args.model or specrs.default_model_path()
-    engine = specrs.Engine(path)
-    common = dict(model_path=path, n_ctx=2048, n_batch=512, n_threads=args.threads, n_threads_batch=args.threads,
-                  verbose=False, seed=0)
-    llm = Llama(logits_all=False, **common)
-    llm_all = Llama(logits_all=True, **common)
-    ctxs = contexts(engine.tokenizer, args.spec_bench, args.prompts)
-
-    rows = []
-    for i, ctx in enumerate(ctxs):
-        order = ["specrs", "llama.cpp"] if i % 2 == 0 else ["llama.cpp", "specrs"]
-        for name in order:
-            prefill, decode = specrs_decode(engine, ctx) if name == "specrs" else llama_decode(llm, ctx)
-            rows.append({"prompt": i, "engine": name, "prefill_tok_s": prefill, "decode_tok_s": decode})
-            print(f"prompt {i} {name:9s} prefill {prefill:7.1f} tok/s  decode {decode:6.1f} tok/s", flush=True)
-
-    def mean(engine_name, key):
-        return statistics.mean(r[key] for r in rows if r["engine"] == engine_name)
-
-    summary = {e: {"prefill_tok_s": mean(e, "prefill_tok_s"), "decode_tok_s": mean(e, "decode_tok_s")}
-               for e in ("specrs", "llama.cpp")}
-    summary["decode_ratio_specrs_over_llamacpp"] = summary["specrs"]["decode_tok_s"] / summary["llama.cpp"]["decode_tok_s"]
-    summary["prefill_ratio_specrs_over_llamacpp"] = summary["specrs"]["prefill_tok_s"] / summary["llama.cpp"]["prefill_tok_s"]
-
-    ctx = ctxs[0]
-    spec_cost = dict(engine.forward_cost(ctx, NS, repeats=args.repeats))
-    llama_cost = llama_forward_cost(llm_all, ctx, args.repeats)
-    curve = {
-        "n": NS,
-        "specrs_ms": [spec_cost[n] * 1e3 for n in NS],
-        "specrs_ratio": [spec_cost[n] / spec_cost[1] for n in NS],
-        "llamacpp_ms": [llama_cost[n] * 1e3 for n in NS],
-        "llamacpp_ratio": [llama_cost[n] / llama_cost[1] for n in NS],
-    }
-
-    print(f"\nmean over {len(ctxs)} prompts at a {CONTEXT}-token context, {args.threads} threads:")
-    for e in ("specrs", "llama.cpp"):
-        print(f"  {e:9s} prefill {summary[e]['prefill_tok_s']:7.1f} tok/s  decode {summary[e]['decode_tok_s']:6.1f} tok/s")
-    print(f"  decode ratio specrs / llama.cpp: {summary['decode_ratio_specrs_over_llamacpp']:.2f}x; "
-          f"prefill ratio: {summary['prefill_ratio_specrs_over_llamacpp']:.2f}x")
-    print("\nverification cost t(n)/t(1) at a 512-token cache:")
-    print("  n        " + "".join(f"{n:>8d}" for n in NS))
-    print("  specrs   " + "".join(f"{r:8.2f}" for r in curve["specrs_ratio"]) + f"   (t(1) = {curve['specrs_ms'][0]:.1f} ms)")
-    print("  llama.cpp" + "".join(f"{r:8.2f}" for r in curve["llamacpp_ratio"]) + f"   (t(1) = {curve['llamacpp_ms'][0]:.1f} ms)")
-
-    out = {"context_tokens": CONTEXT, "new_tokens": NEW_TOKENS, "threads": args.threads,
-           "llama_cpp_python": llama_cpp.__version__, "specrs": specrs.__version__, "model": os.path.basename(path),
-           "runs": rows, "summary": summary, "verification_cost": curve}
+    models = [m.split("=", 1) for m in (args.model or ["smollm2=smollm2-135m"])]
+    out = {"context_tokens": CONTEXT, "new_tokens": NEW_TOKENS, "threads": args.threads, "repeats": args.repeats,
+           "llama_cpp_python": llama_cpp.__version__, "specrs": specrs.__version__,
+           "cpu_kernels": os.environ.get("SPECRS_CPU_KERNELS", "default"), "models": {}}
+    for name, path in models:
+        out["models"][name] = bench_model(name, path, args, Llama)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"\nwrote {args.out}")

@@ -4,7 +4,13 @@ them (written by scripts/make_gguf_golden.py with llama-cpp-python 0.3.36).
 
 This is what the HF goldens cannot show: that specrs reads llama.cpp's files of each family
 (tensor names, q/k permutation, norm offsets, biases, fused projections, metadata keys) as
-llama.cpp does. It does, bit for bit: every logit equals llama.cpp's single-token evaluation.
+llama.cpp does. specrs' kernels no longer sum in llama.cpp's order, so the logits agree to a
+tolerance, the same bar the candle decoder is held to (crates/specrs-core/tests/
+gguf_families_decoder.rs): max |logit difference| under 8% of the largest |llama.cpp logit|
+(measured 1.5% gemma3 to 5.1% llama/mistral: these random models' activations are noise that the
+int8 activation rounding of every Q8_0 matmul amplifies), and top-1 equal on at least 23 of the 24
+positions. A misread tensor moves them by far more: see that file for what dropping a bias or a
+q/k norm does.
 """
 
 import json
@@ -27,13 +33,19 @@ def family(request):
     return name, golden, specrs.Engine(str(GGUF_DIR / f"{name}-q8_0.gguf"))
 
 
-def test_logits_equal_llamacpp_bit_for_bit(family):
+TOLERANCE = 0.08
+
+
+def test_logits_agree_with_llamacpp(family):
     name, golden, engine = family
     assert engine.info()["architecture"] == FAMILIES[name]
     ours = engine.logits(golden["input_ids"])
     reference = np.asarray(golden["logits_stepwise"], dtype=np.float32)
-    np.testing.assert_array_equal(ours, reference, err_msg=name)
-    assert list(ours.argmax(axis=1)) == golden["top1_batched"]
+    relative = float(np.abs(ours - reference).max() / np.abs(reference).max())
+    top1 = int((ours.argmax(axis=1) == np.asarray(golden["top1_batched"])).sum())
+    print(f"\n{name}: max |logit diff| {relative:.4f} of the largest |logit|, top-1 {top1}/{len(reference)}")
+    assert relative < TOLERANCE, name
+    assert top1 >= len(reference) - 1, name
 
 
 def test_greedy_speculation_is_identical(family):

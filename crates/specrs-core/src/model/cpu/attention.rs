@@ -11,18 +11,16 @@
 //! logits by up to ~1.0 and flipped greedy tokens between batched and single-token forwards (the
 //! same effect makes llama.cpp's batched verification diverge from its plain decoding).
 //!
-//! Precision and summation order follow llama.cpp's CPU path for one token (no flash attention),
-//! so the two agree bit for bit: keys/values are f16, the query is rounded to f16 for the q·k dot,
-//! the softmax is normalized in f32 (sum in f64, 8 cells at a time from cell 0, masked cells zero),
-//! the probabilities are rounded to f16 before weighting the values, and both products sum as
-//! `ggml_vec_dot_f16` does: four 8-lane fused-multiply-add accumulators over 32-value steps (value
-//! j in slot j % 32), `reduce_4x8_of`, then any tail in f64. (llama.cpp's batched path sums in
-//! tinyBLAS's single 8-lane accumulator instead, one reason it drifts from its own single-token
-//! decoding.)
+//! Precision and order: keys/values are f16, the query and probabilities f32. Each score sums
+//! value d into lane d % 8 with fused multiply-adds and reduces the lanes in one fixed tree,
+//! 8 keys at a time (the tree is the same for each); the softmax is normalized in f32
+//! (sum in f64, 8 cells at a time from cell 0, masked cells zero); each output dimension is one
+//! fused-multiply-add chain over the cells in order, kept in registers. None of this depends on
+//! the other rows of the forward.
 
 use half::f16;
 
-use super::ggml_math::{hsum8, hsum8_of, reduce_4x8_of, softmax_exps};
+use super::ggml_math::{hsum8, hsum8_of, softmax_exps};
 use super::parallel::for_each_chunk_mut;
 use crate::error::{Error, Result};
 
@@ -33,9 +31,6 @@ pub struct HeadShape {
     pub head_dim: usize,
 }
 
-/// Accumulator slots of one `ggml_vec_dot_f16` output: four 8-lane vectors.
-const SLOTS: usize = 32;
-
 #[derive(Debug, Clone, Copy)]
 pub struct Attention {
     pub shape: HeadShape,
@@ -43,10 +38,6 @@ pub struct Attention {
     pub scale: f32,
     /// Keys a query sees, itself included (sliding-window layers).
     pub window: Option<usize>,
-}
-
-fn round_f16(x: f32) -> f32 {
-    f16::from_f32(x).to_f32()
 }
 
 /// What one query row sees of its sequence's layer cache `k`, `v` (`[capacity, kv_heads *
@@ -126,7 +117,7 @@ impl Attention {
             let view = &rows[i];
             let (k, v) = (view.k, view.v);
             let kv_off = (head / group) * head_dim;
-            let query: Vec<f32> = q[item * head_dim..(item + 1) * head_dim].iter().map(|&x| round_f16(x)).collect();
+            let query = &q[item * head_dim..(item + 1) * head_dim];
             let pos = view.num_cells() - 1;
             let first = self.window.map_or(0, |w| (pos + 1).saturating_sub(w));
             // Cells before `first` are masked: zero after the exponential, so they change no sum
@@ -136,13 +127,13 @@ impl Attention {
             let mut weights = vec![0f32; pos + 1 - first];
             // The cells held in place are one run of rows `kv_dim` apart; the extra ones one each.
             let in_place = view.prefix.saturating_sub(first).min(weights.len());
-            if simd && head_dim % SLOTS == 0 {
+            if simd && head_dim % 8 == 0 {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: features detected; the cache holds rows first..prefix and every extra
                 // slot (checked above).
                 unsafe {
                     simd::scaled_dots(
-                        &query,
+                        query,
                         &k[first * kv_dim + kv_off..],
                         kv_dim,
                         self.scale,
@@ -151,7 +142,7 @@ impl Attention {
                     for j in in_place..weights.len() {
                         let slot = view.slot(first + j);
                         simd::scaled_dots(
-                            &query,
+                            query,
                             &k[slot * kv_dim + kv_off..],
                             kv_dim,
                             self.scale,
@@ -161,7 +152,7 @@ impl Attention {
                 };
             } else {
                 for (j, w) in weights.iter_mut().enumerate() {
-                    *w = dot(row(k, first + j), &query) * self.scale;
+                    *w = dot(row(k, first + j), query) * self.scale;
                 }
             }
             let max = weights.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
@@ -173,38 +164,32 @@ impl Attention {
             let first_chunk = hsum8_of(|c| if c < lead { 0.0 } else { weights.get(c - lead).copied().unwrap_or(0.0) });
             let total = weights[head..].chunks(8).fold(first_chunk as f64, |sum, c| sum + hsum8(c) as f64);
             let inv = (1.0 / total) as f32;
-            let probs: Vec<f32> = weights.iter().map(|w| round_f16(w * inv)).collect();
-            weighted_sum(simd, |j| row(v, first + j), first, &probs, out);
+            for w in weights.iter_mut() {
+                *w *= inv;
+            }
+            weighted_sum(simd, |j| row(v, first + j), &weights, out);
         });
         Ok(out)
     }
 }
 
-/// out[d] = Σ_j probs[j] * values[j][d], each output summed over j in `ggml_vec_dot_f16`'s slots
-/// (llama.cpp stores V transposed, so its kernel dots each value dimension with the weights).
-/// Cell `first + j` keeps its absolute slot; llama.cpp pads the cache view with zero-weight cells
-/// to a multiple of 256, so every cell goes through the slots and there is no f64 tail.
-fn weighted_sum<'a>(simd: bool, value: impl Fn(usize) -> &'a [f16], first: usize, probs: &[f32], out: &mut [f32]) {
-    let head_dim = out.len();
-    // lanes[slot * head_dim + d] accumulates probs[j] * values[j][d] for (first + j) % SLOTS == slot.
-    let mut lanes = vec![0f32; SLOTS * head_dim];
-    for (j, &p) in probs.iter().enumerate() {
-        let row = value(j);
-        let slot = &mut lanes[((first + j) % SLOTS) * head_dim..][..head_dim];
-        if simd {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: AVX2, FMA and F16C were detected.
-            unsafe {
-                simd::axpy(slot, p, row)
-            };
-        } else {
-            for (s, x) in slot.iter_mut().zip(row) {
-                *s = x.to_f32().mul_add(p, *s);
-            }
-        }
+/// out[d] = Σ_j probs[j] * values[j][d], one fused multiply-add chain per output in cell order
+/// (so a tree node, whose cells are its path's, sums exactly as that path run as a chain).
+fn weighted_sum<'a>(simd: bool, value: impl Fn(usize) -> &'a [f16], probs: &[f32], out: &mut [f32]) {
+    if simd && out.len().is_multiple_of(8) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2, FMA and F16C were detected; every value row holds `out.len()` values
+        // (the caller's views were checked).
+        unsafe {
+            simd::weighted_sum(value, probs, out)
+        };
+        return;
     }
-    for (d, o) in out.iter_mut().enumerate() {
-        *o = reduce_4x8_of(|slot| lanes[slot * head_dim + d]);
+    out.fill(0.0);
+    for (j, &p) in probs.iter().enumerate() {
+        for (o, x) in out.iter_mut().zip(value(j)) {
+            *o = x.to_f32().mul_add(p, *o);
+        }
     }
 }
 
@@ -219,20 +204,25 @@ fn simd_available() -> bool {
     }
 }
 
-/// Σ a[d] * b[d] summed as `ggml_vec_dot_f16` does: fused multiply-adds into its 32 slots,
-/// `reduce_4x8_of`, then any tail (lengths not a multiple of 32) in f64. The scalar twin of
+/// Σ a[d] * b[d]: value d into lane d % 8 with fused multiply-adds, the lanes reduced as
+/// `reduce_lanes`, then any tail (lengths not a multiple of 8) added in order. The scalar twin of
 /// `simd::scaled_dots`, used where that kernel cannot run.
 fn dot(a: &[f16], b: &[f32]) -> f32 {
-    let full = a.len() / SLOTS * SLOTS;
-    let mut acc = [0f32; SLOTS];
+    let full = a.len() / 8 * 8;
+    let mut lanes = [0f32; 8];
     for (i, (x, y)) in a[..full].iter().zip(&b[..full]).enumerate() {
-        acc[i % SLOTS] = x.to_f32().mul_add(*y, acc[i % SLOTS]);
+        lanes[i % 8] = x.to_f32().mul_add(*y, lanes[i % 8]);
     }
-    let mut sum = reduce_4x8_of(|slot| acc[slot]) as f64;
+    let mut sum = reduce_lanes(&lanes);
     for (x, y) in a[full..].iter().zip(&b[full..]) {
-        sum += (x.to_f32() * y) as f64;
+        sum = x.to_f32().mul_add(*y, sum);
     }
-    sum as f32
+    sum
+}
+
+/// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
+fn reduce_lanes(l: &[f32; 8]) -> f32 {
+    ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -247,59 +237,91 @@ mod simd {
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
     }
 
-    /// `GGML_F32x8_REDUCE` of four accumulators (as `ggml_math::reduce_4x8_of`).
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    fn reduce_4x8(acc: [__m256; 4]) -> f32 {
-        let x = _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]));
-        let t0 = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps::<1>(x));
-        let t1 = _mm_hadd_ps(t0, t0);
-        _mm_cvtss_f32(_mm_hadd_ps(t1, t1))
-    }
-
-    /// out[j] = dot(keys row j, query) * scale for every j, as `super::dot` sums it. `keys`
-    /// starts at the head's offset of the first row; rows are `stride` apart; `query.len()` is a
-    /// multiple of 32.
+    /// out[j] = dot(keys row j, query) * scale for every j, as `super::dot` sums it, 8 keys at a
+    /// time (their 8-lane partial sums reduced together). `keys` starts at the head's offset of
+    /// the first row; rows are `stride` apart; `query.len()` is a multiple of 8.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn scaled_dots(query: &[f32], keys: &[f16], stride: usize, scale: f32, out: &mut [f32]) {
         let head_dim = query.len();
         // The loads below are unchecked: every row read must lie inside `keys`.
         assert!(
-            head_dim.is_multiple_of(32) && (out.is_empty() || keys.len() >= (out.len() - 1) * stride + head_dim),
+            head_dim.is_multiple_of(8) && (out.is_empty() || keys.len() >= (out.len() - 1) * stride + head_dim),
             "scaled_dots: {} keys for {} rows {stride} apart of {head_dim}",
             keys.len(),
             out.len()
         );
         let q = query.as_ptr();
-        for (j, o) in out.iter_mut().enumerate() {
-            unsafe {
-                let key = keys.as_ptr().add(j * stride);
-                let mut acc = [_mm256_setzero_ps(); 4];
-                for d in (0..head_dim).step_by(32) {
-                    for (a, acc) in acc.iter_mut().enumerate() {
-                        let at = d + 8 * a;
-                        *acc = _mm256_fmadd_ps(load8(key.add(at)), _mm256_loadu_ps(q.add(at)), *acc);
+        let scale = _mm256_set1_ps(scale);
+        for (chunk, out) in out.chunks_mut(8).enumerate() {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for (j, acc) in acc.iter_mut().enumerate().take(out.len()) {
+                unsafe {
+                    let key = keys.as_ptr().add((8 * chunk + j) * stride);
+                    for d in (0..head_dim).step_by(8) {
+                        *acc = _mm256_fmadd_ps(load8(key.add(d)), _mm256_loadu_ps(q.add(d)), *acc);
                     }
                 }
-                *o = reduce_4x8(acc) * scale;
+            }
+            let sums = _mm256_mul_ps(reduce_8x8(acc), scale);
+            let mut all = [0f32; 8];
+            unsafe { _mm256_storeu_ps(all.as_mut_ptr(), sums) };
+            out.copy_from_slice(&all[..out.len()]);
+        }
+    }
+
+    /// Lane j = ((v_j[0] + v_j[1]) + (v_j[2] + v_j[3])) + ((v_j[4] + v_j[5]) + (v_j[6] + v_j[7])),
+    /// the same tree for every j (`super::reduce_lanes`).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn reduce_8x8(v: [__m256; 8]) -> __m256 {
+        let t0 = _mm256_hadd_ps(v[0], v[1]);
+        let t1 = _mm256_hadd_ps(v[2], v[3]);
+        let t2 = _mm256_hadd_ps(v[4], v[5]);
+        let t3 = _mm256_hadd_ps(v[6], v[7]);
+        let u0 = _mm256_hadd_ps(t0, t1); // keys 0..3: low half lanes 0-3 sums, high half lanes 4-7
+        let u1 = _mm256_hadd_ps(t2, t3);
+        _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(u0, u1), _mm256_permute2f128_ps::<0x31>(u0, u1))
+    }
+
+    /// `super::weighted_sum` with 8-lane vectors: up to 64 outputs stay in registers while the
+    /// value rows stream past. `out.len()` is a multiple of 8.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn weighted_sum<'a>(value: impl Fn(usize) -> &'a [f16], probs: &[f32], out: &mut [f32]) {
+        let head_dim = out.len();
+        assert!(head_dim.is_multiple_of(8), "weighted_sum: {head_dim} outputs");
+        let mut d0 = 0;
+        while d0 < head_dim {
+            unsafe {
+                if head_dim - d0 >= 64 {
+                    chunk::<8>(&value, probs, d0, out);
+                    d0 += 64;
+                } else {
+                    chunk::<1>(&value, probs, d0, out);
+                    d0 += 8;
+                }
             }
         }
     }
 
-    /// out[d] = x[d] * p + out[d] (fused).
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn axpy(out: &mut [f32], p: f32, x: &[f16]) {
-        assert!(x.len() >= out.len(), "axpy: {} values for {} outputs", x.len(), out.len());
-        let pv = _mm256_set1_ps(p);
-        let full = out.len() / 8 * 8;
-        unsafe {
-            for d in (0..full).step_by(8) {
-                let o = out.as_mut_ptr().add(d);
-                _mm256_storeu_ps(o, _mm256_fmadd_ps(load8(x.as_ptr().add(d)), pv, _mm256_loadu_ps(o)));
+    unsafe fn chunk<'a, const L: usize>(
+        value: &impl Fn(usize) -> &'a [f16],
+        probs: &[f32],
+        d0: usize,
+        out: &mut [f32],
+    ) {
+        let mut acc = [_mm256_setzero_ps(); L];
+        for (j, &p) in probs.iter().enumerate() {
+            let row = value(j);
+            assert!(row.len() >= d0 + 8 * L, "weighted_sum: a value row of {} values", row.len());
+            let pv = _mm256_set1_ps(p);
+            for (l, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm256_fmadd_ps(unsafe { load8(row.as_ptr().add(d0 + 8 * l)) }, pv, *acc);
             }
         }
-        for d in full..out.len() {
-            out[d] = x[d].to_f32().mul_add(p, out[d]);
+        for (l, acc) in acc.iter().enumerate() {
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(d0 + 8 * l), *acc) };
         }
     }
 }
@@ -386,7 +408,7 @@ mod tests {
             return;
         }
         let (head_dim, rows) = (64, 5);
-        let query: Vec<f32> = pseudo_random(head_dim, 7).iter().map(|&x| round_f16(x)).collect();
+        let query = pseudo_random(head_dim, 7);
         let keys = to_f16(&pseudo_random(rows * head_dim, 8));
         let mut simd_out = vec![0f32; rows];
         #[cfg(target_arch = "x86_64")]

@@ -62,10 +62,15 @@ impl Linear {
     /// `[n, in_features]` -> `[n, out_features]`; the bias is added as ggml adds it, after.
     fn forward(&self, x: &[f32], n: usize) -> Result<Vec<f32>> {
         let mut y = self.weight.forward_rows(x, n)?;
+        self.add_bias(&mut y);
+        Ok(y)
+    }
+
+    /// `y`: `[n, out_features]`.
+    fn add_bias(&self, y: &mut [f32]) {
         if let Some(bias) = &self.bias {
             y.chunks_mut(bias.len()).for_each(|row| add_assign(row, bias));
         }
-        Ok(y)
     }
 }
 
@@ -80,7 +85,14 @@ impl Projections {
     /// `[n, in_features]` -> one `[n, width]` matrix per projection.
     fn forward(&self, x: &[f32], n: usize) -> Result<Vec<Vec<f32>>> {
         match self {
-            Projections::Separate(linears) => linears.iter().map(|l| l.forward(x, n)).collect(),
+            Projections::Separate(linears) => {
+                let weights: Vec<&QLinear> = linears.iter().map(|l| &l.weight).collect();
+                let mut outs = QLinear::forward_many(&weights, x, n)?;
+                for (y, linear) in outs.iter_mut().zip(linears) {
+                    linear.add_bias(y);
+                }
+                Ok(outs)
+            }
             Projections::Fused { linear, widths } => {
                 let y = linear.forward(x, n)?;
                 let row_len: usize = widths.iter().sum();

@@ -83,7 +83,7 @@ fn f16_at(bytes: &[u8], at: usize) -> f32 {
 }
 
 /// The 6-bit scales and mins of a Q4_K block's 8 sub-blocks (ggml's `get_scale_min_k4`).
-fn q4k_scales_mins(s: &[u8]) -> ([i32; 8], [i32; 8]) {
+pub(crate) fn q4k_scales_mins(s: &[u8]) -> ([i32; 8], [i32; 8]) {
     let mut scales = [0i32; 8];
     let mut mins = [0i32; 8];
     for j in 0..8 {

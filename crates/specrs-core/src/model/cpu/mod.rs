@@ -13,4 +13,5 @@ pub mod ggml_math;
 pub mod kquants;
 pub mod parallel;
 pub mod qlinear;
+pub mod repack;
 pub mod rope;

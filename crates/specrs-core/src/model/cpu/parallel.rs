@@ -30,6 +30,15 @@ where
     });
 }
 
+/// Calls `f(task)` for each task in `0..num_tasks`, in parallel; the tasks share nothing the
+/// caller has not made disjoint.
+pub fn for_each_task<F>(num_tasks: usize, f: F)
+where
+    F: Fn(usize) + Sync,
+{
+    candle_core::utils::barrier_pool().execute_chunked(num_tasks, |range| range.for_each(&f));
+}
+
 #[derive(Clone, Copy)]
 struct SharedPtr(*mut f32);
 // SAFETY: only used to hand disjoint chunks to workers (see above).

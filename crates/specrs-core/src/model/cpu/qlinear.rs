@@ -25,6 +25,7 @@ use half::f16;
 use super::ggml_math::hsum8;
 use super::kquants::{self, Q8KRows, QK_K, ROW_GROUP};
 use super::parallel::for_each_chunk_mut;
+use super::repack::{self, Repacked};
 use crate::error::{Error, Result};
 
 const BLOCK: usize = 32;
@@ -55,7 +56,7 @@ pub enum Format {
 }
 
 impl Format {
-    fn block_bytes(self) -> usize {
+    pub(crate) fn block_bytes(self) -> usize {
         match self {
             Format::Q4_0 => 18,
             Format::Q4_1 => 20,
@@ -67,7 +68,7 @@ impl Format {
     }
 
     /// Values per block.
-    fn block_len(self) -> usize {
+    pub(crate) fn block_len(self) -> usize {
         match self {
             Format::Q4K | Format::Q6K => QK_K,
             _ => BLOCK,
@@ -136,6 +137,8 @@ pub enum QLinear {
         out_features: usize,
         in_features: usize,
     },
+    /// Repacked into 8-row tiles for the AVX-512 VNNI kernel (`repack.rs`).
+    Repacked(Repacked),
     Candle {
         matmul: QMatMul,
         out_features: usize,
@@ -164,6 +167,9 @@ impl QLinear {
                         "a {format:?} weight [{out_features}, {in_features}] holds {have} bytes, expected {want}"
                     )));
                 }
+                if repack::available() && repack::supports(format) && out_features % repack::TILE_ROWS == 0 {
+                    return Ok(QLinear::Repacked(Repacked::new(format, &weight.data()?, out_features, in_features)));
+                }
                 Ok(QLinear::Native { format, weight, out_features, in_features })
             }
             _ => Ok(QLinear::Candle { matmul: QMatMul::from_arc(weight)?, out_features }),
@@ -172,13 +178,35 @@ impl QLinear {
 
     /// Whether specrs' own kernel runs it (else candle's `QMatMul`).
     pub fn is_native(&self) -> bool {
-        matches!(self, QLinear::Native { .. })
+        !matches!(self, QLinear::Candle { .. })
     }
 
     pub fn out_features(&self) -> usize {
         match self {
             QLinear::Native { out_features, .. } | QLinear::Candle { out_features, .. } => *out_features,
+            QLinear::Repacked(repacked) => repacked.out_features(),
         }
+    }
+
+    /// Several weights applied to the same `x` (`[num_rows, in_features]`): one
+    /// `[num_rows, out_features]` per weight. Repacked weights share one activation quantization
+    /// and one parallel region; the results are those of `forward_rows`, bitwise.
+    pub fn forward_many(linears: &[&QLinear], x: &[f32], num_rows: usize) -> Result<Vec<Vec<f32>>> {
+        let repacked: Vec<&Repacked> = linears
+            .iter()
+            .filter_map(|l| match l {
+                QLinear::Repacked(r) => Some(r),
+                _ => None,
+            })
+            .collect();
+        let in_features = repacked.first().map(|r| r.in_features());
+        if repacked.len() == linears.len()
+            && repacked.iter().all(|r| Some(r.in_features()) == in_features)
+            && in_features.is_some_and(|f| num_rows > 0 && x.len() == num_rows * f)
+        {
+            return Ok(Repacked::forward_many(&repacked, x, num_rows));
+        }
+        linears.iter().map(|l| l.forward_rows(x, num_rows)).collect()
     }
 
     /// `x`: `[num_rows, in_features]` row-major -> `[num_rows, out_features]`.
@@ -197,6 +225,17 @@ impl QLinear {
                     _ => Activations::Q8_0(quantize_rows(x, num_rows, *in_features)),
                 };
                 Ok(matmul(*format, &data, *out_features, *in_features, &rows, num_rows))
+            }
+            QLinear::Repacked(repacked) => {
+                if x.len() != num_rows * repacked.in_features() || num_rows == 0 {
+                    return Err(Error::Internal(format!(
+                        "a [{}, {}] matmul got {} input values for {num_rows} rows",
+                        repacked.out_features(),
+                        repacked.in_features(),
+                        x.len()
+                    )));
+                }
+                Ok(repacked.forward_rows(x, num_rows))
             }
             QLinear::Candle { matmul, .. } => {
                 let input = Tensor::from_slice(x, (num_rows, x.len() / num_rows.max(1)), &Device::Cpu)?;

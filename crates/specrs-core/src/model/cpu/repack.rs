@@ -1,0 +1,775 @@
+//! Quantized weights of the 32-value block formats (Q4_0, Q4_1, Q5_0, Q8_0) repacked at load
+//! into 8-row interleaved tiles, and the AVX-512 VNNI kernel that multiplies them with
+//! activation rows quantized to int8 blocks of 32.
+//!
+//! Every format becomes the same thing: an unsigned integer `u` per weight (the nibble, the
+//! 5-bit value, or the Q8_0 byte + 128) with x = d * u + m per block. For the symmetric formats
+//! m = -c * d (c = 8, 16, 128) and the offset is taken out of the integer dot exactly
+//! (`dot(u, q) - c * sum(q)`); for Q4_1 it is one more fused multiply-add with the block's
+//! activation sum. A tile holds one block of 8 consecutive weight rows, arranged so that one
+//! `vpdpbusd` dots 4 values of all 8 rows with 4 broadcast activation values: lane r of the
+//! 8 x i32 result is weight row r. Per block and activation row the work is 8 `vpdpbusd`, one
+//! conversion and two float operations for 8 output features, and the unpacked weight tile is
+//! reused for up to `ROW_GROUP` activation rows (verification, prefill).
+//!
+//! Tile layout (bytes; the same size as the 8 blocks it replaces):
+//! - 4-bit formats: four 32-byte vectors P_j; byte 4r+i of P_j holds row r's value 4j+i in its
+//!   low nibble and value 4(j+4)+i in its high nibble;
+//! - Q5_0 then adds eight little-endian u32 masks: bit 4r+i of mask k is the fifth bit of row r's
+//!   value 4k+i;
+//! - Q8_0: eight 32-byte vectors V_k, byte 4r+i = row r's value 4k+i, plus 128;
+//! - then the 8 rows' scales d as f16, and for Q4_1 the 8 offsets m as f16.
+//!
+//! Invariant: an output is a function of its weight row and its activation row alone, computed
+//! by the same operations in the same order whatever the number of rows in the call, the row's
+//! position among them, or how many feature groups one pass covers; so a row computes bitwise
+//! the same alone, batched, in verification or in prefill.
+
+use half::f16;
+use rayon::prelude::*;
+
+use super::kquants;
+use super::parallel::for_each_task;
+use super::qlinear::Format;
+
+/// Weight rows interleaved in one tile (the i32 lanes of a 256-bit vector).
+pub const TILE_ROWS: usize = 8;
+const BLOCK: usize = 32;
+/// Activation rows dotted with one unpacked tile before the next tile is read (with a run's 4
+/// tiles, 16 accumulators: what the 32 vector registers hold beside a tile).
+const ROW_GROUP: usize = 4;
+/// Feature groups (of `TILE_ROWS`) one decoding pass dots with its single activation row,
+/// sharing the activation broadcasts.
+const RUN_GROUPS: usize = 4;
+/// How many blocks ahead of the one being read the kernel prefetches weights.
+const PREFETCH_BLOCKS: usize = 4;
+
+/// Whether this CPU runs the kernel (AVX-512 VNNI with 256-bit vectors, F16C, FMA).
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static AVAILABLE: OnceLock<bool> = OnceLock::new();
+        *AVAILABLE.get_or_init(|| {
+            let cpu = is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni")
+                && is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c");
+            // SPECRS_CPU_KERNELS=avx2 keeps the AVX2 kernels (for A/B measurements).
+            cpu && std::env::var("SPECRS_CPU_KERNELS").map_or(true, |v| v != "avx2")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Whether `format` has a repacked kernel.
+pub fn supports(format: Format) -> bool {
+    matches!(format, Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q8_0 | Format::Q4K)
+}
+
+/// Bytes of one tile: 8 rows x 32 values.
+fn tile_bytes(format: Format) -> usize {
+    match format {
+        // The 8 ggml blocks it replaces.
+        Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q8_0 => TILE_ROWS * format.block_bytes(),
+        // Nibbles, then each row's sub-block scale d * scale_j and offset -dmin * min_j as f32:
+        // 192 bytes where Q4_K spends 144 (its 6-bit scales stay packed).
+        Format::Q4K => 128 + 2 * 4 * TILE_ROWS,
+        Format::Q6K => unreachable!("Q6_K is not repacked"),
+    }
+}
+
+/// Where a tile's scales start.
+fn scales_at(format: Format) -> usize {
+    match format {
+        Format::Q4_0 | Format::Q4_1 | Format::Q4K => 128,
+        Format::Q5_0 => 160,
+        _ => 256,
+    }
+}
+
+/// Whether the tile's scales (and offsets) are f32 (else f16).
+fn f32_scales(format: Format) -> bool {
+    format == Format::Q4K
+}
+
+/// The unsigned values of 32-value block `b` of a ggml weight row (for Q4_K, sub-block b % 8 of
+/// super-block b / 8), with the block's scale d and offset m: x = d * u + m for Q4_1 and Q4_K,
+/// x = d * (u - `offset`) for the symmetric formats (m = 0 here).
+fn unpack_block(format: Format, row: &[u8], b: usize) -> ([u8; BLOCK], f32, f32) {
+    let mut u = [0u8; BLOCK];
+    let nibbles = |qs: &[u8], u: &mut [u8; BLOCK]| {
+        for j in 0..16 {
+            u[j] = qs[j] & 0x0F;
+            u[j + 16] = qs[j] >> 4;
+        }
+    };
+    let f16_at = |blk: &[u8], at: usize| f16::from_le_bytes([blk[at], blk[at + 1]]).to_f32();
+    if format == Format::Q4K {
+        let blk = &row[b / 8 * kquants::Q4K_BYTES..][..kquants::Q4K_BYTES];
+        let (scales, mins) = kquants::q4k_scales_mins(&blk[4..16]);
+        let j = b % 8;
+        // Sub-blocks 2c and 2c + 1 are the low and high nibbles of bytes 32c..32c+31.
+        let qs = &blk[16 + 32 * (j / 2)..][..32];
+        for (v, &q) in u.iter_mut().zip(qs) {
+            *v = if j.is_multiple_of(2) { q & 0x0F } else { q >> 4 };
+        }
+        // Both products are exact in f32 (an 11-bit f16 mantissa times a 6-bit integer).
+        return (u, f16_at(blk, 0) * scales[j] as f32, -(f16_at(blk, 2) * mins[j] as f32));
+    }
+    let bb = format.block_bytes();
+    let blk = &row[b * bb..(b + 1) * bb];
+    let d = f16_at(blk, 0);
+    match format {
+        Format::Q4_0 => nibbles(&blk[2..18], &mut u),
+        Format::Q4_1 => {
+            nibbles(&blk[4..20], &mut u);
+            return (u, d, f16_at(blk, 2));
+        }
+        Format::Q5_0 => {
+            let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+            nibbles(&blk[6..22], &mut u);
+            for (j, v) in u.iter_mut().enumerate() {
+                *v |= (((qh >> j) & 1) as u8) << 4;
+            }
+        }
+        Format::Q8_0 => {
+            for (v, &q) in u.iter_mut().zip(&blk[2..34]) {
+                *v = q ^ 0x80; // q + 128 as an unsigned byte
+            }
+        }
+        Format::Q4K | Format::Q6K => unreachable!("handled above / not repacked"),
+    }
+    (u, d, 0.0)
+}
+
+/// Row `r`'s scale d and offset m in a tile.
+fn tile_scales(format: Format, tile: &[u8], r: usize) -> (f32, f32) {
+    let s = scales_at(format);
+    if f32_scales(format) {
+        let at = |i: usize| f32::from_le_bytes(tile[i..i + 4].try_into().expect("4 bytes"));
+        return (at(s + 4 * r), at(s + 32 + 4 * r));
+    }
+    let at = |i: usize| f16::from_le_bytes([tile[i], tile[i + 1]]).to_f32();
+    let m = if format == Format::Q4_1 { at(s + 16 + 2 * r) } else { 0.0 };
+    (at(s + 2 * r), m)
+}
+
+fn set_tile_scales(format: Format, tile: &mut [u8], r: usize, d: f32, m: f32) {
+    let s = scales_at(format);
+    if f32_scales(format) {
+        tile[s + 4 * r..s + 4 * r + 4].copy_from_slice(&d.to_le_bytes());
+        tile[s + 32 + 4 * r..s + 36 + 4 * r].copy_from_slice(&m.to_le_bytes());
+        return;
+    }
+    // d and m came from f16: converting back is exact.
+    tile[s + 2 * r..s + 2 * r + 2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+    if format == Format::Q4_1 {
+        tile[s + 16 + 2 * r..s + 18 + 2 * r].copy_from_slice(&f16::from_f32(m).to_le_bytes());
+    }
+}
+
+/// A `[out_features, in_features]` weight in tiles. Feature groups go in runs of
+/// `RUN_GROUPS`, block-major within a run (tile (g, b) at `Repacked::tile_index`), so that
+/// decoding, which dots one run's groups block by block, reads each thread's weights as one
+/// sequential stream.
+pub struct Repacked {
+    format: Format,
+    tiles: Vec<u8>,
+    out_features: usize,
+    in_features: usize,
+}
+
+impl Repacked {
+    /// `data`: the ggml blocks of `format`, row-major; `out_features` a multiple of `TILE_ROWS`
+    /// and `in_features` of 32 (checked by the caller, `QLinear::new`).
+    pub fn new(format: Format, data: &[u8], out_features: usize, in_features: usize) -> Self {
+        assert!(
+            supports(format)
+                && out_features.is_multiple_of(TILE_ROWS)
+                && in_features.is_multiple_of(format.block_len())
+        );
+        let (tb, num_blocks) = (tile_bytes(format), in_features / BLOCK);
+        let row_bytes = in_features / format.block_len() * format.block_bytes();
+        assert_eq!(data.len(), out_features * row_bytes, "repack: weight byte count");
+        let num_groups = out_features / TILE_ROWS;
+        let mut tiles = vec![0u8; num_groups * num_blocks * tb];
+        // One run of groups per rayon task: runs are contiguous (`tile_index`).
+        tiles.par_chunks_mut(RUN_GROUPS * num_blocks * tb).enumerate().for_each(|(run, run_tiles)| {
+            for g in run * RUN_GROUPS..((run + 1) * RUN_GROUPS).min(num_groups) {
+                Self::fill_group(
+                    format,
+                    data,
+                    row_bytes,
+                    num_groups,
+                    num_blocks,
+                    g,
+                    run_tiles,
+                    run * RUN_GROUPS * num_blocks,
+                );
+            }
+        });
+        Repacked { format, tiles, out_features, in_features }
+    }
+
+    /// Writes feature group `g`'s tiles into `run_tiles`, the tiles of its run (which start at
+    /// tile `first_tile`).
+    #[allow(clippy::too_many_arguments)]
+    fn fill_group(
+        format: Format,
+        data: &[u8],
+        row_bytes: usize,
+        num_groups: usize,
+        num_blocks: usize,
+        g: usize,
+        run_tiles: &mut [u8],
+        first_tile: usize,
+    ) {
+        let tb = tile_bytes(format);
+        for b in 0..num_blocks {
+            let tile = &mut run_tiles[(tile_index(num_groups, num_blocks, g, b) - first_tile) * tb..][..tb];
+            let mut values = [[0u8; BLOCK]; TILE_ROWS];
+            for (r, u) in values.iter_mut().enumerate() {
+                let feature = g * TILE_ROWS + r;
+                let (unsigned, d, m) = unpack_block(format, &data[feature * row_bytes..][..row_bytes], b);
+                *u = unsigned;
+                set_tile_scales(format, tile, r, d, m);
+            }
+            for (r, u) in values.iter().enumerate() {
+                for i in 0..4 {
+                    if format == Format::Q8_0 {
+                        for k in 0..8 {
+                            tile[32 * k + 4 * r + i] = u[4 * k + i];
+                        }
+                        continue;
+                    }
+                    for j in 0..4 {
+                        tile[32 * j + 4 * r + i] = (u[4 * j + i] & 0x0F) | (u[4 * (j + 4) + i] << 4);
+                    }
+                    if format == Format::Q5_0 {
+                        for k in 0..8 {
+                            let bit = (u[4 * k + i] >> 4) & 1;
+                            tile[128 + 4 * k + (4 * r + i) / 8] |= bit << ((4 * r + i) % 8);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    pub fn out_features(&self) -> usize {
+        self.out_features
+    }
+
+    pub fn in_features(&self) -> usize {
+        self.in_features
+    }
+
+    /// Weight row `feature` dequantized (the f32 values the kernel multiplies with).
+    pub fn dequantize_row(&self, feature: usize) -> Vec<f32> {
+        let (tb, num_blocks, num_groups) =
+            (tile_bytes(self.format), self.in_features / BLOCK, self.out_features / TILE_ROWS);
+        let (g, r) = (feature / TILE_ROWS, feature % TILE_ROWS);
+        let mut out = Vec::with_capacity(self.in_features);
+        for b in 0..num_blocks {
+            let tile = &self.tiles[tile_index(num_groups, num_blocks, g, b) * tb..][..tb];
+            let (d, m) = tile_scales(self.format, tile, r);
+            for e in 0..BLOCK {
+                let (k, i) = (e / 4, e % 4);
+                let u = match self.format {
+                    Format::Q8_0 => tile[32 * k + 4 * r + i],
+                    _ => {
+                        let byte = tile[32 * (k % 4) + 4 * r + i];
+                        let nibble = if k < 4 { byte & 0x0F } else { byte >> 4 };
+                        let fifth = match self.format {
+                            Format::Q5_0 => (tile[128 + 4 * k + (4 * r + i) / 8] >> ((4 * r + i) % 8)) & 1,
+                            _ => 0,
+                        };
+                        nibble | fifth << 4
+                    }
+                };
+                out.push(match self.format {
+                    Format::Q4_1 | Format::Q4K => d * u as f32 + m,
+                    _ => d * (u as i32 - offset(self.format)) as f32,
+                });
+            }
+        }
+        out
+    }
+
+    /// `x`: `[num_rows, in_features]` row-major -> `[num_rows, out_features]`.
+    pub fn forward_rows(&self, x: &[f32], num_rows: usize) -> Vec<f32> {
+        Self::forward_many(&[self], x, num_rows).pop().expect("one output per weight")
+    }
+
+    /// Several weights of the same input width applied to one input: the activations are
+    /// quantized once and all products run in one parallel region (q, k, v; gate, up).
+    /// Returns one `[num_rows, out_features]` matrix per weight.
+    pub fn forward_many(weights: &[&Repacked], x: &[f32], num_rows: usize) -> Vec<Vec<f32>> {
+        assert!(available(), "repacked kernels need AVX-512 VNNI");
+        let in_features = weights[0].in_features;
+        assert!(
+            weights.iter().all(|w| w.in_features == in_features) && x.len() == num_rows * in_features,
+            "repacked matmul: {} input values for {num_rows} rows",
+            x.len()
+        );
+        let acts = QuantizedActivations::new(x, num_rows, in_features);
+        let mut outs: Vec<Vec<f32>> = weights.iter().map(|w| vec![0f32; num_rows * w.out_features]).collect();
+        let out_ptrs: Vec<SharedOut> = outs.iter_mut().map(|o| SharedOut(o.as_mut_ptr())).collect();
+        // (weight, first group, groups): a task takes one run of groups, whose tiles are one
+        // contiguous stream.
+        let groups_per_task = RUN_GROUPS;
+        let mut tasks = Vec::new();
+        for (i, w) in weights.iter().enumerate() {
+            let num_groups = w.out_features / TILE_ROWS;
+            for first in (0..num_groups).step_by(groups_per_task) {
+                tasks.push((i, first, groups_per_task.min(num_groups - first)));
+            }
+        }
+        for_each_task(tasks.len(), |task| {
+            let (i, first_group, groups) = tasks[task];
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU has the features (`available`); tiles, activations and outputs are
+            // sized above; each task writes only its own features' columns of its output.
+            unsafe {
+                vnni::groups(weights[i], &acts, first_group, groups, num_rows, out_ptrs[i].get())
+            };
+        });
+        outs
+    }
+}
+
+/// Where tile (group `g`, block `b`) sits among `num_groups * num_blocks` tiles: runs of
+/// `RUN_GROUPS` groups (the last run may be shorter), block-major within a run.
+fn tile_index(num_groups: usize, num_blocks: usize, g: usize, b: usize) -> usize {
+    let run = g / RUN_GROUPS;
+    let run_len = RUN_GROUPS.min(num_groups - run * RUN_GROUPS);
+    run * RUN_GROUPS * num_blocks + b * run_len + g % RUN_GROUPS
+}
+
+/// The symmetric formats' integer offset c (x = d * (u - c)).
+fn offset(format: Format) -> i32 {
+    match format {
+        Format::Q4_0 => 8,
+        Format::Q5_0 => 16,
+        Format::Q8_0 => 128,
+        _ => 0,
+    }
+}
+
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: tasks write disjoint columns of the output (see `forward_rows`).
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+impl SharedOut {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Activation rows quantized to int8 blocks of 32: x ~ d * q, d = max|x| / 127, round half to
+/// even; `sums[b]` = sum(q) and `scaled_sums[b]` = d * sum(q) per block.
+pub struct QuantizedActivations {
+    qs: Vec<i8>,
+    d: Vec<f32>,
+    sums: Vec<i32>,
+    scaled_sums: Vec<f32>,
+    num_blocks: usize,
+}
+
+impl QuantizedActivations {
+    pub fn new(x: &[f32], num_rows: usize, in_features: usize) -> Self {
+        let num_blocks = in_features / BLOCK;
+        let total = num_rows * num_blocks;
+        let mut qs = vec![0i8; num_rows * in_features];
+        let (mut d, mut sums, mut scaled_sums) = (vec![0f32; total], vec![0i32; total], vec![0f32; total]);
+        for (b, block) in x.chunks_exact(BLOCK).enumerate() {
+            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let inv = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+            let mut sum = 0i32;
+            for (q, &v) in qs[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(block) {
+                // Round half to even by pushing the fraction out of the mantissa (|v * inv| <=
+                // 127), which vectorizes where `round_ties_even` is a libm call per value.
+                const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
+                *q = ((v * inv + MAGIC) - MAGIC) as i8;
+                sum += *q as i32;
+            }
+            d[b] = amax / 127.0;
+            sums[b] = sum;
+            scaled_sums[b] = d[b] * sum as f32;
+        }
+        QuantizedActivations { qs, d, sums, scaled_sums, num_blocks }
+    }
+}
+
+/// The scalar reference of the kernel's arithmetic, read from the original ggml blocks (not the
+/// tiles): weight row `ggml_row` (`in_features / 32` blocks of `format`) dotted with activation
+/// row `row`, the same float operations in the same order.
+pub fn reference_dot(format: Format, ggml_row: &[u8], a: &QuantizedActivations, row: usize) -> f32 {
+    let mut acc = 0f32;
+    for b in 0..a.num_blocks {
+        let (u, d, m) = unpack_block(format, ggml_row, b);
+        let at = row * a.num_blocks + b;
+        let q = &a.qs[at * BLOCK..(at + 1) * BLOCK];
+        let dot: i32 = u.iter().zip(q).map(|(&u, &q)| (u as i32 - offset(format)) * q as i32).sum();
+        acc = (dot as f32).mul_add(d * a.d[at], acc);
+        if asymmetric(format) {
+            acc = m.mul_add(a.scaled_sums[at], acc);
+        }
+    }
+    acc
+}
+
+/// Q4_1 and Q4_K: x = d * u + m, the offset through the activation sums.
+fn asymmetric(format: Format) -> bool {
+    matches!(format, Format::Q4_1 | Format::Q4K)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    use std::arch::x86_64::*;
+
+    use super::{
+        offset, scales_at, tile_bytes, Format, QuantizedActivations, Repacked, BLOCK, PREFETCH_BLOCKS, ROW_GROUP,
+        RUN_GROUPS, TILE_ROWS,
+    };
+
+    const Q4_0: u8 = 0;
+    const Q4_1: u8 = 1;
+    const Q4K: u8 = 4;
+    /// Q4_1 and Q4_K: the offset goes through the activation sums.
+    const fn asymmetric(f: u8) -> bool {
+        f == Q4_1 || f == Q4K
+    }
+    const Q5_0: u8 = 2;
+    const Q8_0: u8 = 3;
+
+    /// Feature groups `first_group..first_group + groups` for all `num_rows` rows.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; `out` holds `[num_rows,
+    /// w.out_features]`; `acts` holds `num_rows` rows of `w.in_features`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn groups(
+        w: &Repacked,
+        acts: &QuantizedActivations,
+        first_group: usize,
+        groups: usize,
+        num_rows: usize,
+        out: *mut f32,
+    ) {
+        assert!(
+            (first_group + groups) * TILE_ROWS <= w.out_features
+                && acts.num_blocks * BLOCK == w.in_features
+                && acts.qs.len() >= num_rows * w.in_features
+                && acts.d.len() >= num_rows * acts.num_blocks
+                && groups <= RUN_GROUPS
+                && (groups == 1 || first_group.is_multiple_of(RUN_GROUPS)),
+            "repacked kernel: groups {first_group}+{groups}, {num_rows} rows"
+        );
+        macro_rules! dispatch {
+            ($f:ident) => {
+                unsafe {
+                    if num_rows == 1 {
+                        match groups {
+                            1 => run::<$f, 1, 1>(w, acts, first_group, 0, out),
+                            2 => run::<$f, 1, 2>(w, acts, first_group, 0, out),
+                            3 => run::<$f, 1, 3>(w, acts, first_group, 0, out),
+                            _ => run::<$f, 1, 4>(w, acts, first_group, 0, out),
+                        }
+                    } else {
+                        let mut first = 0;
+                        while first < num_rows {
+                            match ((num_rows - first).min(ROW_GROUP), groups) {
+                                (1, 1) => run::<$f, 1, 1>(w, acts, first_group, first, out),
+                                (1, 2) => run::<$f, 1, 2>(w, acts, first_group, first, out),
+                                (1, 3) => run::<$f, 1, 3>(w, acts, first_group, first, out),
+                                (1, _) => run::<$f, 1, 4>(w, acts, first_group, first, out),
+                                (2, 1) => run::<$f, 2, 1>(w, acts, first_group, first, out),
+                                (2, 2) => run::<$f, 2, 2>(w, acts, first_group, first, out),
+                                (2, 3) => run::<$f, 2, 3>(w, acts, first_group, first, out),
+                                (2, _) => run::<$f, 2, 4>(w, acts, first_group, first, out),
+                                (3, 1) => run::<$f, 3, 1>(w, acts, first_group, first, out),
+                                (3, 2) => run::<$f, 3, 2>(w, acts, first_group, first, out),
+                                (3, 3) => run::<$f, 3, 3>(w, acts, first_group, first, out),
+                                (3, _) => run::<$f, 3, 4>(w, acts, first_group, first, out),
+                                (_, 1) => run::<$f, 4, 1>(w, acts, first_group, first, out),
+                                (_, 2) => run::<$f, 4, 2>(w, acts, first_group, first, out),
+                                (_, 3) => run::<$f, 4, 3>(w, acts, first_group, first, out),
+                                (_, _) => run::<$f, 4, 4>(w, acts, first_group, first, out),
+                            }
+                            first += ROW_GROUP;
+                        }
+                    }
+                }
+            };
+        }
+        match w.format {
+            Format::Q4_0 => dispatch!(Q4_0),
+            Format::Q4_1 => dispatch!(Q4_1),
+            Format::Q5_0 => dispatch!(Q5_0),
+            Format::Q8_0 => dispatch!(Q8_0),
+            Format::Q4K => dispatch!(Q4K),
+            Format::Q6K => unreachable!("Q6_K is not repacked"),
+        }
+    }
+
+    const fn format_of(f: u8) -> Format {
+        match f {
+            Q4_0 => Format::Q4_0,
+            Q4_1 => Format::Q4_1,
+            Q5_0 => Format::Q5_0,
+            Q4K => Format::Q4K,
+            _ => Format::Q8_0,
+        }
+    }
+
+    /// One block of one activation row, broadcast for the kernel.
+    struct RowBlock {
+        /// Bytes 4k..4k+3 of the block in every lane.
+        q: [__m256i; 8],
+        d: __m256,
+        /// c * sum(q) (symmetric formats).
+        correction: __m256i,
+        /// d * sum(q) (Q4_1, Q4_K).
+        scaled_sum: __m256,
+    }
+
+    impl RowBlock {
+        /// # Safety
+        /// AVX2; block `at` exists in `acts`.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        unsafe fn new(acts: &QuantizedActivations, at: usize, c: i32) -> Self {
+            let a = unsafe { acts.qs.as_ptr().add(at * BLOCK) };
+            RowBlock {
+                q: std::array::from_fn(|k| _mm256_set1_epi32(unsafe { (a.add(4 * k) as *const i32).read_unaligned() })),
+                d: _mm256_set1_ps(acts.d[at]),
+                correction: _mm256_set1_epi32(c * acts.sums[at]),
+                scaled_sum: _mm256_set1_ps(acts.scaled_sums[at]),
+            }
+        }
+    }
+
+    /// One tile unpacked: 8 rows' values, scales and (Q4_1, Q4_K) offsets.
+    struct Tile<const F: u8> {
+        v: [__m256i; 8],
+        d: __m256,
+        m: __m256,
+    }
+
+    impl<const F: u8> Tile<F> {
+        /// # Safety
+        /// The CPU features of `groups`; `tile` points at a whole tile with scales at `s`.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+        unsafe fn load(tile: *const u8, s: usize) -> Self {
+            unsafe {
+                Tile {
+                    v: unpack::<F>(tile),
+                    d: if F == Q4K {
+                        _mm256_loadu_ps(tile.add(s) as *const f32)
+                    } else {
+                        _mm256_cvtph_ps(_mm_loadu_si128(tile.add(s) as *const __m128i))
+                    },
+                    m: if F == Q4K {
+                        _mm256_loadu_ps(tile.add(s + 32) as *const f32)
+                    } else if F == Q4_1 {
+                        _mm256_cvtph_ps(_mm_loadu_si128(tile.add(s + 16) as *const __m128i))
+                    } else {
+                        _mm256_setzero_ps()
+                    },
+                }
+            }
+        }
+
+        /// acc += this block of the 8 rows dotted with row `a`: the only arithmetic of the
+        /// kernel, the same for every (feature, row) pair.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512vnni")]
+        unsafe fn accumulate(&self, a: &RowBlock, acc: &mut __m256) {
+            // Two chains of four, added.
+            let mut even = _mm256_setzero_si256();
+            let mut odd = _mm256_setzero_si256();
+            for k in (0..8).step_by(2) {
+                even = _mm256_dpbusd_epi32(even, self.v[k], a.q[k]);
+                odd = _mm256_dpbusd_epi32(odd, self.v[k + 1], a.q[k + 1]);
+            }
+            let mut dot = _mm256_add_epi32(even, odd);
+            if !asymmetric(F) {
+                dot = _mm256_sub_epi32(dot, a.correction);
+            }
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(self.d, a.d), *acc);
+            if asymmetric(F) {
+                *acc = _mm256_fmadd_ps(self.m, a.scaled_sum, *acc);
+            }
+        }
+    }
+
+    /// The 8 value vectors of a tile: vector k, byte 4r+i = row r's value 4k+i.
+    #[inline]
+    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
+    unsafe fn unpack<const F: u8>(tile: *const u8) -> [__m256i; 8] {
+        unsafe {
+            if F == Q8_0 {
+                return std::array::from_fn(|k| _mm256_loadu_si256(tile.add(32 * k) as *const __m256i));
+            }
+            let low = _mm256_set1_epi8(0x0F);
+            let mut v = [_mm256_setzero_si256(); 8];
+            for j in 0..4 {
+                let packed = _mm256_loadu_si256(tile.add(32 * j) as *const __m256i);
+                v[j] = _mm256_and_si256(packed, low);
+                v[j + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(packed), low);
+            }
+            if F == Q5_0 {
+                let sixteen = _mm256_set1_epi8(16);
+                for (k, v) in v.iter_mut().enumerate() {
+                    let fifth = (tile.add(128 + 4 * k) as *const u32).read_unaligned();
+                    *v = _mm256_mask_add_epi8(*v, fifth, *v, sixteen);
+                }
+            }
+            v
+        }
+    }
+
+    /// `R` activation rows from `first_row` against `H` feature groups from `first_group`.
+    /// Every (feature, row) pair goes through the same operations whatever R and H.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn run<const F: u8, const R: usize, const H: usize>(
+        w: &Repacked,
+        acts: &QuantizedActivations,
+        first_group: usize,
+        first_row: usize,
+        out: *mut f32,
+    ) {
+        let format = format_of(F);
+        let (tb, s, nb) = (tile_bytes(format), scales_at(format), acts.num_blocks);
+        let c = offset(format);
+        let num_groups = w.out_features / TILE_ROWS;
+        // Consecutive blocks of a group are a run's length of tiles apart; the H groups (one run
+        // when decoding) are adjacent.
+        let first_tile = unsafe { w.tiles.as_ptr().add(super::tile_index(num_groups, nb, first_group, 0) * tb) };
+        let run_len = RUN_GROUPS.min(num_groups - first_group / RUN_GROUPS * RUN_GROUPS);
+        let block_stride = run_len * tb;
+        let mut acc = [[_mm256_setzero_ps(); R]; H];
+        for b in 0..nb {
+            let block = unsafe { first_tile.add(b * block_stride) };
+            // Ask for the weights a few blocks ahead, every cache line of them (wrapping_add: past
+            // the end of the tiles the address lies outside the allocation; a prefetch never faults).
+            for line in (0..H * tb).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(block.wrapping_add(PREFETCH_BLOCKS * block_stride + line) as *const i8);
+            }
+            let row = |r: usize| unsafe { RowBlock::new(acts, (first_row + r) * nb + b, c) };
+            if R == 1 {
+                // Decoding: the one row's broadcasts are shared by the H tiles.
+                let a = row(0);
+                for (h, acc) in acc.iter_mut().enumerate() {
+                    let t = unsafe { Tile::<F>::load(block.add(h * tb), s) };
+                    unsafe { t.accumulate(&a, &mut acc[0]) };
+                }
+            } else {
+                // H tiles x R rows would not fit the registers: one tile at a time against the rows.
+                for (h, acc) in acc.iter_mut().enumerate() {
+                    let t = unsafe { Tile::<F>::load(block.add(h * tb), s) };
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        unsafe { t.accumulate(&row(r), acc) };
+                    }
+                }
+            }
+        }
+        for (h, acc) in acc.iter().enumerate() {
+            for (r, acc) in acc.iter().enumerate() {
+                let at = (first_row + r) * w.out_features + (first_group + h) * TILE_ROWS;
+                unsafe { _mm256_storeu_ps(out.add(at), *acc) };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+
+    fn random(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
+        // A small LCG: reproducible values in [-1, 1) with a few outliers.
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..rows * cols)
+            .map(|i| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let v = ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
+                if i % 97 == 0 {
+                    v * 8.0
+                } else {
+                    v
+                }
+            })
+            .collect()
+    }
+
+    fn repacked(dtype: GgmlDType, format: Format, out_f: usize, in_f: usize) -> (Repacked, QTensor) {
+        let w = Tensor::from_vec(random(out_f, in_f, 7), (out_f, in_f), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&w, dtype).unwrap();
+        (Repacked::new(format, &q.data().unwrap(), out_f, in_f), q)
+    }
+
+    const FORMATS: [(GgmlDType, Format); 5] = [
+        (GgmlDType::Q4K, Format::Q4K),
+        (GgmlDType::Q4_0, Format::Q4_0),
+        (GgmlDType::Q4_1, Format::Q4_1),
+        (GgmlDType::Q5_0, Format::Q5_0),
+        (GgmlDType::Q8_0, Format::Q8_0),
+    ];
+
+    /// Repacking keeps every weight: the tiles dequantize to ggml's own dequantization.
+    #[test]
+    fn repacked_rows_dequantize_to_ggml_values() {
+        for (dtype, format) in FORMATS {
+            let (w, q) = repacked(dtype, format, 24, 512);
+            let ggml: Vec<f32> = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            for f in 0..24 {
+                assert_eq!(w.dequantize_row(f), ggml[f * 512..(f + 1) * 512], "{format:?} row {f}");
+            }
+        }
+    }
+
+    /// The kernel equals its scalar reference bitwise, for every row count 1..=17, and each row
+    /// is bitwise the row computed alone.
+    #[test]
+    fn kernel_equals_reference_and_rows_are_invariant() {
+        if !available() {
+            eprintln!("no AVX-512 VNNI: the repacked kernel is not used on this CPU");
+            return;
+        }
+        let (out_f, in_f) = (72, 512);
+        for (dtype, format) in FORMATS {
+            let (w, q) = repacked(dtype, format, out_f, in_f);
+            for num_rows in 1..=17 {
+                let x = random(num_rows, in_f, 100 + num_rows as u64);
+                let out = w.forward_rows(&x, num_rows);
+                let acts = QuantizedActivations::new(&x, num_rows, in_f);
+                let ggml = q.data().unwrap();
+                let row_bytes = in_f / format.block_len() * format.block_bytes();
+                for row in 0..num_rows {
+                    let alone = w.forward_rows(&x[row * in_f..(row + 1) * in_f], 1);
+                    assert_eq!(alone, out[row * out_f..(row + 1) * out_f], "{format:?} n={num_rows} row {row}");
+                    for f in (0..out_f).step_by(5) {
+                        let ggml_row = &ggml[f * row_bytes..(f + 1) * row_bytes];
+                        assert_eq!(
+                            reference_dot(format, ggml_row, &acts, row),
+                            out[row * out_f + f],
+                            "{format:?} f={f}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
