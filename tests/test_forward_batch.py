@@ -121,3 +121,28 @@ def test_bad_batches_are_config_errors(engine):
             engine.forward_batch(seqs, layers=layers)
     with pytest.raises(specrs.ContextLengthError):
         engine.forward_batch([{"prefix": [1] * 9000, "tokens": [1]}])
+
+
+ROW_COUNT_MODELS = [str(Path(__file__).parent / "golden" / "gguf" / f"{f}-q8_0.gguf") for f in FAMILIES] + [
+    "smollm2-135m",
+    "gemma3-270m",
+]
+
+
+@pytest.mark.parametrize("model", ROW_COUNT_MODELS, ids=[f"gguf-{f}" for f in FAMILIES] + ["smollm2", "gemma3"])
+def test_every_row_count_computes_each_row_as_alone(model):
+    """A forward of n = 1..17 new rows (a verification pass of n - 1 drafts): every row's logits
+    equal that token's forward alone after the same context, bitwise, for every family's GGUF
+    file and both real models (every kernel the files use: Q8_0, Q4_1, Q5_0, Q4_K, Q6_K)."""
+    engine = specrs.Engine(model)
+    rng = np.random.default_rng(17)
+    vocab = engine.tokenizer.vocab_size
+    prefix = rng.integers(0, vocab, 23).tolist()
+    tokens = rng.integers(0, vocab, 17).tolist()
+    alone = [
+        engine.forward_batch([{"prefix": prefix + tokens[:i], "tokens": [tokens[i]]}])[0].logits[0] for i in range(17)
+    ]
+    for n in range(1, 18):
+        (rows,) = engine.forward_batch([{"prefix": prefix, "tokens": tokens[:n]}])
+        for i in range(n):
+            assert np.array_equal(rows.logits[i], alone[i]), f"{model}: row {i} of {n}"

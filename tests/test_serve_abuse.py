@@ -444,11 +444,14 @@ def test_serve_flags_reach_the_server():
         build_app(None, "x", max_request_body_bytes=0)
 
 
-def test_serve_never_measures_costs_inside_a_request(monkeypatch):
+def test_serve_never_measures_costs_inside_a_request(monkeypatch, tmp_path):
     """A request whose config needs a cost nobody measured would time forwards in the generation
     thread, stalling every stream; `serve()` turns that off before it starts serving."""
     import specrs.serve
 
+    # An empty cost cache: what other runs on this machine measured (the disk cache outlives a
+    # process) must not decide which costs count as measured here.
+    monkeypatch.setenv("SPECRS_CACHE_DIR", str(tmp_path))
     served = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: served.append(app))
     specrs.serve.serve(log_level="warning")

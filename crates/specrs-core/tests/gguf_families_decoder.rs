@@ -2,7 +2,7 @@
 //! CPU: against llama.cpp's logits for the same file (tests/golden/gguf/, written by
 //! scripts/make_gguf_golden.py), and greedy speculative decoding equal to plain greedy decoding.
 //!
-//! `model::load` sends GGUF files on the CPU to `cpu/decoder.rs` (bit for bit llama.cpp, tested by
+//! `model::load` sends GGUF files on the CPU to `cpu/decoder.rs` (llama.cpp at a tolerance, tested by
 //! tests/test_gguf_families.py), so without this test the block CUDA runs for GGUF files would be
 //! checked only on the few files `real_model.rs` loads. `Decoder::from_gguf` builds it directly.
 //!

@@ -346,9 +346,11 @@ mod tests {
 
     #[test]
     fn batched_rows_equal_single_rows_bitwise() {
-        for (head_dim, window) in [(8, None), (32, Some(3)), (64, None)] {
+        for (head_dim, window, n) in
+            (1..=17).flat_map(|n| [(8, None, n), (32, Some(3), n), (64, None, n), (72, Some(9), n)])
+        {
             let shape = HeadShape { num_heads: 4, num_kv_heads: 2, head_dim };
-            let (n, past, q_width, kv_width) = (5, 3, 4 * head_dim, 2 * head_dim);
+            let (past, q_width, kv_width) = (3 + n % 5, 4 * head_dim, 2 * head_dim);
             let attn = attention(shape, window);
             let q = pseudo_random(n * q_width, 1);
             let k = to_f16(&pseudo_random((past + n) * kv_width, 2));

@@ -1,6 +1,5 @@
 //! The CPU decoder: GGUF models of every family `families.rs` reads (llama/mistral: SmolLM2,
-//! Llama 2/3; qwen2; qwen3; gemma3; phi3), computed as llama.cpp's CPU backend computes one token,
-//! with hand-written AVX2 kernels.
+//! Llama 2/3; qwen2; qwen3; gemma3; phi3), on specrs's own CPU kernels.
 //!
 //! A block: RMSNorm -> q/k/v projections (one fused matrix: Phi-3; + biases: Qwen2) -> (per-head
 //! q/k RMSNorm: Qwen3, Gemma) -> RoPE (interleaved pairs for GGUF llama, whose q/k were permuted
@@ -14,16 +13,13 @@
 //! matmuls quantize each activation row on its own; attention is computed row by row, see
 //! `attention.rs`). Greedy speculative decoding is therefore exactly plain greedy decoding.
 //!
-//! Numerics follow llama.cpp's AVX2 build op by op for a single token: int8 activation
-//! quantization and each weight type's dot order (`qlinear.rs`, `kquants.rs`), the f16 KV cache
-//! and `ggml_vec_dot_f16`'s attention order (`attention.rs`), RMSNorm with an f64 sum of squares,
-//! ggml's RoPE angles (`rope.rs`), its exponential and f16 GELU table (`ggml_math.rs`), and where
-//! its graphs scale (the query before q·k for Gemma and Phi-3, the scores for the others). For
-//! weight types with our kernels (Q4_0 aside) the logits equal llama.cpp's bit for bit when it
-//! evaluates one token at a time. Its batched path picks other kernels by batch size (tinyBLAS
-//! from 2 rows, repacked Q4_K GEMM per 4 rows, tiled K-quant matmuls from 8), so it depends on the
-//! batch and drifts from its own token-by-token decoding; single tokens are the one well-defined
-//! reference.
+//! Numerics (README "Numerics"): int8 activation quantization per row and 32-value block with the
+//! weights repacked at load (`repack.rs`; the AVX2 fallback `qlinear.rs`/`kquants.rs` keeps
+//! llama.cpp's orders), the f16 KV cache (`attention.rs`), RMSNorm with an f64 sum of squares,
+//! ggml's RoPE angles (`rope.rs`), its exponential and f16 GELU table (`ggml_math.rs`), and the
+//! attention scale where llama.cpp's graphs apply it (the query before q·k for Gemma and Phi-3,
+//! the scores for the others). Against llama.cpp and transformers the logits agree at a
+//! tolerance (tests/test_golden.py), not bit for bit.
 //!
 //! Performance notes: the hidden state stays in plain `Vec<f32>` rows between the kernels (no
 //! per-op tensor allocation); the LM head runs only on the rows that need logits (prefill needs

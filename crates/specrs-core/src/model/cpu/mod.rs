@@ -1,6 +1,6 @@
-//! The CPU backend: GGUF models computed as llama.cpp's CPU backend computes one token, with
-//! hand-written AVX2 kernels in llama.cpp's summation orders (`decoder.rs` is the block; the
-//! kernels are `qlinear.rs` and `kquants.rs` for quantized matmuls, `attention.rs`, `rope.rs`,
+//! The CPU backend: GGUF models on hand-written kernels (`decoder.rs` is the block; the kernels
+//! are `repack.rs` (AVX-512 VNNI, weights repacked at load) with `qlinear.rs` and `kquants.rs`
+//! (AVX2, llama.cpp's summation orders) for quantized matmuls, `attention.rs`, `rope.rs`,
 //! `ggml_math.rs`, and `parallel.rs` splits their work across cores).
 //!
 //! Invariant: every kernel is row-independent (a row's result never depends on the other rows

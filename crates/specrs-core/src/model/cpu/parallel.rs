@@ -39,14 +39,16 @@ where
     candle_core::utils::barrier_pool().execute_chunked(num_tasks, |range| range.for_each(&f));
 }
 
+/// An output buffer handed to parallel workers, each of which writes only its own part.
 #[derive(Clone, Copy)]
-struct SharedPtr(*mut f32);
-// SAFETY: only used to hand disjoint chunks to workers (see above).
+pub struct SharedPtr(pub *mut f32);
+// SAFETY: only used to hand disjoint parts of an output to workers (`for_each_chunk_mut`, and
+// the callers of `for_each_task` that say which part each task writes).
 unsafe impl Send for SharedPtr {}
 unsafe impl Sync for SharedPtr {}
 
 impl SharedPtr {
-    fn get(self) -> *mut f32 {
+    pub fn get(self) -> *mut f32 {
         self.0
     }
 }

@@ -1,4 +1,6 @@
-//! Linear layers over GGUF quantized weights, with specrs' own CPU kernels for Q4_0, Q4_1, Q5_0,
+//! Linear layers over GGUF quantized weights. On CPUs with AVX-512 VNNI the weights of every
+//! type below are repacked at load and run on `repack.rs`'s kernel; elsewhere (and for matrices
+//! whose row count is not a multiple of 8) specrs' AVX2 kernels here run them: Q4_0, Q4_1, Q5_0,
 //! Q8_0 (32-value blocks, activations quantized to Q8_0 here) and Q4_K, Q6_K (256-value
 //! super-blocks, activations quantized to Q8_K, `kquants.rs`).
 //!
@@ -10,11 +12,10 @@
 //! features.
 //!
 //! Invariant: output row i depends only on input row i, computed in the same order whatever n is
-//! (activations are quantized per row and block, exactly as llama.cpp's AVX2 path does: int8 with
+//! (activations are quantized per row and block, as llama.cpp's AVX2 path does: int8 with
 //! round-half-even, scales stored as f16), so batched and single-token forwards agree bitwise.
-//! Q4_1, Q5_0, Q8_0, Q4_K and Q6_K also sum in the order of llama.cpp's single-token kernels, so
-//! their outputs are bitwise llama.cpp's. Other quantization types fall back to candle's
-//! `QMatMul`.
+//! The AVX2 kernels for Q4_1, Q5_0, Q8_0, Q4_K and Q6_K sum in the order of llama.cpp's
+//! single-token kernels. Other quantization types fall back to candle's `QMatMul`.
 
 use std::sync::Arc;
 

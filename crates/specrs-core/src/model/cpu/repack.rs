@@ -1,24 +1,28 @@
-//! Quantized weights of the 32-value block formats (Q4_0, Q4_1, Q5_0, Q8_0) repacked at load
-//! into 8-row interleaved tiles, and the AVX-512 VNNI kernel that multiplies them with
+//! Quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) repacked at load into 8-row
+//! interleaved tiles of 32 values, and the AVX-512 VNNI kernel that multiplies them with
 //! activation rows quantized to int8 blocks of 32.
 //!
 //! Every format becomes the same thing: an unsigned integer `u` per weight (the nibble, the
-//! 5-bit value, or the Q8_0 byte + 128) with x = d * u + m per block. For the symmetric formats
-//! m = -c * d (c = 8, 16, 128) and the offset is taken out of the integer dot exactly
-//! (`dot(u, q) - c * sum(q)`); for Q4_1 it is one more fused multiply-add with the block's
-//! activation sum. A tile holds one block of 8 consecutive weight rows, arranged so that one
-//! `vpdpbusd` dots 4 values of all 8 rows with 4 broadcast activation values: lane r of the
-//! 8 x i32 result is weight row r. Per block and activation row the work is 8 `vpdpbusd`, one
-//! conversion and two float operations for 8 output features, and the unpacked weight tile is
-//! reused for up to `ROW_GROUP` activation rows (verification, prefill).
+//! 5- or 6-bit value, or the Q8_0 byte + 128) with x = d * u + m per 32 values. For the symmetric
+//! formats m = -c * d (c = 8, 16, 128, and 32 for Q6_K, whose two 16-value halves have scales of
+//! their own) and the offset is taken out of the integer dot exactly (`dot(u, q) - c * sum(q)`);
+//! for Q4_1 and Q4_K (d = the sub-block's d * scale, m = -dmin * min) it is one more fused
+//! multiply-add with the block's activation sum. A tile holds one block of 8 consecutive weight
+//! rows, arranged so that one `vpdpbusd` dots 4 values of all 8 rows with 4 broadcast activation
+//! values: lane r of the 8 x i32 result is weight row r. Per block and activation row the work is
+//! 8 `vpdpbusd`, one conversion and two float operations for 8 output features, and the unpacked
+//! weight tile is reused for up to `ROW_GROUP` activation rows (verification, prefill).
 //!
-//! Tile layout (bytes; the same size as the 8 blocks it replaces):
-//! - 4-bit formats: four 32-byte vectors P_j; byte 4r+i of P_j holds row r's value 4j+i in its
-//!   low nibble and value 4(j+4)+i in its high nibble;
+//! Tile layout (bytes):
+//! - 4-bit values (Q4_0, Q4_1, Q4_K, and the low bits of Q5_0 and Q6_K): four 32-byte vectors
+//!   P_j; byte 4r+i of P_j holds row r's value 4j+i in its low nibble and value 4(j+4)+i in its
+//!   high nibble;
 //! - Q5_0 then adds eight little-endian u32 masks: bit 4r+i of mask k is the fifth bit of row r's
-//!   value 4k+i;
+//!   value 4k+i; Q6_K adds two 32-byte vectors: bits 2(k % 4) of byte 4r+i of vector k / 4 are
+//!   bits 4-5 of row r's value 4k+i;
 //! - Q8_0: eight 32-byte vectors V_k, byte 4r+i = row r's value 4k+i, plus 128;
-//! - then the 8 rows' scales d as f16, and for Q4_1 the 8 offsets m as f16.
+//! - then the 8 rows' scales d and (Q4_1, Q4_K; Q6_K's second half) m: f16 for the formats that
+//!   store f16 (the tile is then exactly the 8 blocks' size), exact f32 products for the K-quants.
 //!
 //! Invariant: an output is a function of its weight row and its activation row alone, computed
 //! by the same operations in the same order whatever the number of rows in the call, the row's
@@ -29,7 +33,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::kquants;
-use super::parallel::for_each_task;
+use super::parallel::{for_each_task, SharedPtr};
 use super::qlinear::Format;
 
 /// Weight rows interleaved in one tile (the i32 lanes of a 256-bit vector).
@@ -38,8 +42,8 @@ const BLOCK: usize = 32;
 /// Activation rows dotted with one unpacked tile before the next tile is read (with a run's 4
 /// tiles, 16 accumulators: what the 32 vector registers hold beside a tile).
 const ROW_GROUP: usize = 4;
-/// Feature groups (of `TILE_ROWS`) one decoding pass dots with its single activation row,
-/// sharing the activation broadcasts.
+/// Feature groups (of `TILE_ROWS`) stored block-major together and handled by one task: decoding
+/// dots them with its single activation row, sharing the activation broadcasts.
 const RUN_GROUPS: usize = 4;
 /// How many blocks ahead of the one being read the kernel prefetches weights.
 const PREFETCH_BLOCKS: usize = 4;
@@ -68,7 +72,7 @@ pub fn available() -> bool {
 
 /// Whether `format` has a repacked kernel.
 pub fn supports(format: Format) -> bool {
-    matches!(format, Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q8_0 | Format::Q4K)
+    matches!(format, Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q8_0 | Format::Q4K | Format::Q6K)
 }
 
 /// Bytes of one tile: 8 rows x 32 values.
@@ -79,7 +83,9 @@ fn tile_bytes(format: Format) -> usize {
         // Nibbles, then each row's sub-block scale d * scale_j and offset -dmin * min_j as f32:
         // 192 bytes where Q4_K spends 144 (its 6-bit scales stay packed).
         Format::Q4K => 128 + 2 * 4 * TILE_ROWS,
-        Format::Q6K => unreachable!("Q6_K is not repacked"),
+        // Low nibbles, 2 high bits per value, and the two 16-value halves' scales d * scale_i as
+        // f32: 256 bytes where Q6_K spends 210.
+        Format::Q6K => 128 + 64 + 2 * 4 * TILE_ROWS,
     }
 }
 
@@ -88,18 +94,20 @@ fn scales_at(format: Format) -> usize {
     match format {
         Format::Q4_0 | Format::Q4_1 | Format::Q4K => 128,
         Format::Q5_0 => 160,
+        Format::Q6K => 192,
         _ => 256,
     }
 }
 
 /// Whether the tile's scales (and offsets) are f32 (else f16).
 fn f32_scales(format: Format) -> bool {
-    format == Format::Q4K
+    matches!(format, Format::Q4K | Format::Q6K)
 }
 
 /// The unsigned values of 32-value block `b` of a ggml weight row (for Q4_K, sub-block b % 8 of
 /// super-block b / 8), with the block's scale d and offset m: x = d * u + m for Q4_1 and Q4_K,
-/// x = d * (u - `offset`) for the symmetric formats (m = 0 here).
+/// x = d * (u - `offset`) for the symmetric formats (m = 0 here), and for Q6_K, whose 16-value
+/// halves have scales of their own, x = d * (u - 32) for values 0..16 and m * (u - 32) after.
 fn unpack_block(format: Format, row: &[u8], b: usize) -> ([u8; BLOCK], f32, f32) {
     let mut u = [0u8; BLOCK];
     let nibbles = |qs: &[u8], u: &mut [u8; BLOCK]| {
@@ -120,6 +128,20 @@ fn unpack_block(format: Format, row: &[u8], b: usize) -> ([u8; BLOCK], f32, f32)
         }
         // Both products are exact in f32 (an 11-bit f16 mantissa times a 6-bit integer).
         return (u, f16_at(blk, 0) * scales[j] as f32, -(f16_at(blk, 2) * mins[j] as f32));
+    }
+    if format == Format::Q6K {
+        let blk = &row[b / 8 * kquants::Q6K_BYTES..][..kquants::Q6K_BYTES];
+        let c = b % 8;
+        let (half, k) = (c / 4, c % 4);
+        for (i, v) in u.iter_mut().enumerate() {
+            let l = blk[64 * half + 32 * (k % 2) + i];
+            let low = if k < 2 { l & 0x0F } else { l >> 4 };
+            *v = low | (((blk[128 + 32 * half + i] >> (2 * k)) & 3) << 4);
+        }
+        let d = f16_at(blk, 208);
+        // Exact in f32: an 11-bit mantissa times an 8-bit integer.
+        let scale = |i: usize| d * blk[192 + 2 * c + i] as i8 as f32;
+        return (u, scale(0), scale(1));
     }
     let bb = format.block_bytes();
     let blk = &row[b * bb..(b + 1) * bb];
@@ -142,7 +164,7 @@ fn unpack_block(format: Format, row: &[u8], b: usize) -> ([u8; BLOCK], f32, f32)
                 *v = q ^ 0x80; // q + 128 as an unsigned byte
             }
         }
-        Format::Q4K | Format::Q6K => unreachable!("handled above / not repacked"),
+        Format::Q4K | Format::Q6K => unreachable!("handled above"),
     }
     (u, d, 0.0)
 }
@@ -250,6 +272,12 @@ impl Repacked {
                     for j in 0..4 {
                         tile[32 * j + 4 * r + i] = (u[4 * j + i] & 0x0F) | (u[4 * (j + 4) + i] << 4);
                     }
+                    if format == Format::Q6K {
+                        for k in 0..8 {
+                            let bits = (u[4 * k + i] >> 4) & 3;
+                            tile[128 + 32 * (k / 4) + 4 * r + i] |= bits << (2 * (k % 4));
+                        }
+                    }
                     if format == Format::Q5_0 {
                         for k in 0..8 {
                             let bit = (u[4 * k + i] >> 4) & 1;
@@ -285,15 +313,17 @@ impl Repacked {
                     _ => {
                         let byte = tile[32 * (k % 4) + 4 * r + i];
                         let nibble = if k < 4 { byte & 0x0F } else { byte >> 4 };
-                        let fifth = match self.format {
+                        let high = match self.format {
                             Format::Q5_0 => (tile[128 + 4 * k + (4 * r + i) / 8] >> ((4 * r + i) % 8)) & 1,
+                            Format::Q6K => (tile[128 + 32 * (k / 4) + 4 * r + i] >> (2 * (k % 4))) & 3,
                             _ => 0,
                         };
-                        nibble | fifth << 4
+                        nibble | high << 4
                     }
                 };
                 out.push(match self.format {
                     Format::Q4_1 | Format::Q4K => d * u as f32 + m,
+                    Format::Q6K if e >= 16 => m * (u as i32 - 32) as f32,
                     _ => d * (u as i32 - offset(self.format)) as f32,
                 });
             }
@@ -319,7 +349,7 @@ impl Repacked {
         );
         let acts = QuantizedActivations::new(x, num_rows, in_features);
         let mut outs: Vec<Vec<f32>> = weights.iter().map(|w| vec![0f32; num_rows * w.out_features]).collect();
-        let out_ptrs: Vec<SharedOut> = outs.iter_mut().map(|o| SharedOut(o.as_mut_ptr())).collect();
+        let out_ptrs: Vec<SharedPtr> = outs.iter_mut().map(|o| SharedPtr(o.as_mut_ptr())).collect();
         // (weight, first group, groups): a task takes one run of groups, whose tiles are one
         // contiguous stream.
         let groups_per_task = RUN_GROUPS;
@@ -357,18 +387,8 @@ fn offset(format: Format) -> i32 {
         Format::Q4_0 => 8,
         Format::Q5_0 => 16,
         Format::Q8_0 => 128,
+        Format::Q6K => 32,
         _ => 0,
-    }
-}
-
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-// SAFETY: tasks write disjoint columns of the output (see `forward_rows`).
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}
-impl SharedOut {
-    fn get(self) -> *mut f32 {
-        self.0
     }
 }
 
@@ -378,32 +398,117 @@ pub struct QuantizedActivations {
     qs: Vec<i8>,
     d: Vec<f32>,
     sums: Vec<i32>,
+    /// sum(q) over each block's first 16 values (Q6_K's halves).
+    low_sums: Vec<i32>,
     scaled_sums: Vec<f32>,
     num_blocks: usize,
 }
 
 impl QuantizedActivations {
     pub fn new(x: &[f32], num_rows: usize, in_features: usize) -> Self {
+        /// Blocks one parallel task quantizes: below this a hand-off costs more than it saves.
+        const BLOCKS_PER_TASK: usize = 256;
         let num_blocks = in_features / BLOCK;
         let total = num_rows * num_blocks;
-        let mut qs = vec![0i8; num_rows * in_features];
-        let (mut d, mut sums, mut scaled_sums) = (vec![0f32; total], vec![0i32; total], vec![0f32; total]);
-        for (b, block) in x.chunks_exact(BLOCK).enumerate() {
-            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let inv = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-            let mut sum = 0i32;
-            for (q, &v) in qs[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(block) {
-                // Round half to even by pushing the fraction out of the mantissa (|v * inv| <=
-                // 127), which vectorizes where `round_ties_even` is a libm call per value.
-                const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
-                *q = ((v * inv + MAGIC) - MAGIC) as i8;
-                sum += *q as i32;
-            }
-            d[b] = amax / 127.0;
-            sums[b] = sum;
-            scaled_sums[b] = d[b] * sum as f32;
+        assert_eq!(x.len(), total * BLOCK, "activations: {} values for {num_rows} rows of {in_features}", x.len());
+        let mut acts = QuantizedActivations {
+            qs: vec![0i8; total * BLOCK],
+            d: vec![0f32; total],
+            sums: vec![0i32; total],
+            low_sums: vec![0i32; total],
+            scaled_sums: vec![0f32; total],
+            num_blocks,
+        };
+        let out = BlockOutputs {
+            qs: acts.qs.as_mut_ptr(),
+            d: acts.d.as_mut_ptr(),
+            sums: acts.sums.as_mut_ptr(),
+            low_sums: acts.low_sums.as_mut_ptr(),
+            scaled_sums: acts.scaled_sums.as_mut_ptr(),
+        };
+        // SAFETY (both calls): the outputs hold `total` blocks; tasks take disjoint block ranges.
+        if total <= BLOCKS_PER_TASK {
+            unsafe { out.quantize(x, 0..total) };
+        } else {
+            for_each_task(total.div_ceil(BLOCKS_PER_TASK), |task| {
+                let blocks = task * BLOCKS_PER_TASK..((task + 1) * BLOCKS_PER_TASK).min(total);
+                unsafe { out.quantize(x, blocks) };
+            });
         }
-        QuantizedActivations { qs, d, sums, scaled_sums, num_blocks }
+        acts
+    }
+}
+
+/// Where `QuantizedActivations::new` writes, shared by its tasks (each writes its own blocks).
+#[derive(Clone, Copy)]
+struct BlockOutputs {
+    qs: *mut i8,
+    d: *mut f32,
+    sums: *mut i32,
+    low_sums: *mut i32,
+    scaled_sums: *mut f32,
+}
+// SAFETY: tasks write disjoint block ranges (see `QuantizedActivations::new`).
+unsafe impl Send for BlockOutputs {}
+unsafe impl Sync for BlockOutputs {}
+
+impl BlockOutputs {
+    /// Quantizes `blocks` of `x`: d = max|x| / 127, q = x * (127 / max|x|) rounded half to even.
+    ///
+    /// # Safety
+    /// Every output holds the blocks in `blocks`, and no one else writes them meanwhile.
+    unsafe fn quantize(self, x: &[f32], blocks: std::ops::Range<usize>) {
+        for b in blocks {
+            let block: &[f32; BLOCK] = x[b * BLOCK..(b + 1) * BLOCK].try_into().expect("a whole block");
+            let q: &mut [i8; BLOCK] = unsafe { &mut *(self.qs.add(b * BLOCK) as *mut [i8; BLOCK]) };
+            #[cfg(target_arch = "x86_64")]
+            let amax = if available() {
+                // SAFETY: `available` checked AVX-512.
+                unsafe { avx512_quantize(block, q) }
+            } else {
+                scalar_quantize(block, q)
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let amax = scalar_quantize(block, q);
+            let sum: i32 = q.iter().map(|&v| v as i32).sum();
+            let d = amax / 127.0;
+            unsafe {
+                *self.d.add(b) = d;
+                *self.sums.add(b) = sum;
+                *self.low_sums.add(b) = q[..16].iter().map(|&v| v as i32).sum();
+                *self.scaled_sums.add(b) = d * sum as f32;
+            }
+        }
+    }
+}
+
+/// One block's int8 values; returns max|x|.
+fn scalar_quantize(block: &[f32; BLOCK], q: &mut [i8; BLOCK]) -> f32 {
+    let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let inv = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+    for (q, &v) in q.iter_mut().zip(block) {
+        // Round half to even by pushing the fraction out of the mantissa (|v * inv| <= 127).
+        const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
+        *q = ((v * inv + MAGIC) - MAGIC) as i8;
+    }
+    amax
+}
+
+/// `scalar_quantize` with 16-lane vectors, the same values: the products are the same, and the
+/// conversion rounds half to even (the default rounding mode) as the magic constant does.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn avx512_quantize(block: &[f32; BLOCK], q: &mut [i8; BLOCK]) -> f32 {
+    use std::arch::x86_64::*;
+    unsafe {
+        let lo = _mm512_loadu_ps(block.as_ptr());
+        let hi = _mm512_loadu_ps(block.as_ptr().add(16));
+        let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        let inv = _mm512_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+        let to_i8 = |v: __m512| _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv)));
+        _mm_storeu_si128(q.as_mut_ptr() as *mut __m128i, to_i8(lo));
+        _mm_storeu_si128(q.as_mut_ptr().add(16) as *mut __m128i, to_i8(hi));
+        amax
     }
 }
 
@@ -416,8 +521,16 @@ pub fn reference_dot(format: Format, ggml_row: &[u8], a: &QuantizedActivations, 
         let (u, d, m) = unpack_block(format, ggml_row, b);
         let at = row * a.num_blocks + b;
         let q = &a.qs[at * BLOCK..(at + 1) * BLOCK];
-        let dot: i32 = u.iter().zip(q).map(|(&u, &q)| (u as i32 - offset(format)) * q as i32).sum();
-        acc = (dot as f32).mul_add(d * a.d[at], acc);
+        let dot = |range: std::ops::Range<usize>| -> i32 {
+            range.map(|e| (u[e] as i32 - offset(format)) * q[e] as i32).sum()
+        };
+        if format == Format::Q6K {
+            // Each half with its own scale (m is the second half's).
+            acc = (dot(0..16) as f32).mul_add(d * a.d[at], acc);
+            acc = (dot(16..32) as f32).mul_add(m * a.d[at], acc);
+            continue;
+        }
+        acc = (dot(0..BLOCK) as f32).mul_add(d * a.d[at], acc);
         if asymmetric(format) {
             acc = m.mul_add(a.scaled_sums[at], acc);
         }
@@ -442,6 +555,7 @@ mod vnni {
     const Q4_0: u8 = 0;
     const Q4_1: u8 = 1;
     const Q4K: u8 = 4;
+    const Q6K: u8 = 5;
     /// Q4_1 and Q4_K: the offset goes through the activation sums.
     const fn asymmetric(f: u8) -> bool {
         f == Q4_1 || f == Q4K
@@ -515,7 +629,7 @@ mod vnni {
             Format::Q5_0 => dispatch!(Q5_0),
             Format::Q8_0 => dispatch!(Q8_0),
             Format::Q4K => dispatch!(Q4K),
-            Format::Q6K => unreachable!("Q6_K is not repacked"),
+            Format::Q6K => dispatch!(Q6K),
         }
     }
 
@@ -525,6 +639,7 @@ mod vnni {
             Q4_1 => Format::Q4_1,
             Q5_0 => Format::Q5_0,
             Q4K => Format::Q4K,
+            Q6K => Format::Q6K,
             _ => Format::Q8_0,
         }
     }
@@ -538,6 +653,8 @@ mod vnni {
         correction: __m256i,
         /// d * sum(q) (Q4_1, Q4_K).
         scaled_sum: __m256,
+        /// 32 * sum(q) over the first and the second 16 values (Q6_K).
+        correction_halves: [__m256i; 2],
     }
 
     impl RowBlock {
@@ -552,6 +669,10 @@ mod vnni {
                 d: _mm256_set1_ps(acts.d[at]),
                 correction: _mm256_set1_epi32(c * acts.sums[at]),
                 scaled_sum: _mm256_set1_ps(acts.scaled_sums[at]),
+                correction_halves: [
+                    _mm256_set1_epi32(32 * acts.low_sums[at]),
+                    _mm256_set1_epi32(32 * (acts.sums[at] - acts.low_sums[at])),
+                ],
             }
         }
     }
@@ -572,12 +693,12 @@ mod vnni {
             unsafe {
                 Tile {
                     v: unpack::<F>(tile),
-                    d: if F == Q4K {
+                    d: if F == Q4K || F == Q6K {
                         _mm256_loadu_ps(tile.add(s) as *const f32)
                     } else {
                         _mm256_cvtph_ps(_mm_loadu_si128(tile.add(s) as *const __m128i))
                     },
-                    m: if F == Q4K {
+                    m: if F == Q4K || F == Q6K {
                         _mm256_loadu_ps(tile.add(s + 32) as *const f32)
                     } else if F == Q4_1 {
                         _mm256_cvtph_ps(_mm_loadu_si128(tile.add(s + 16) as *const __m128i))
@@ -593,6 +714,19 @@ mod vnni {
         #[inline]
         #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512vnni")]
         unsafe fn accumulate(&self, a: &RowBlock, acc: &mut __m256) {
+            if F == Q6K {
+                // The halves have their own scales (d, then m): a chain of four each.
+                let mut halves = [_mm256_setzero_si256(); 2];
+                for (h, half) in halves.iter_mut().enumerate() {
+                    for k in 4 * h..4 * h + 4 {
+                        *half = _mm256_dpbusd_epi32(*half, self.v[k], a.q[k]);
+                    }
+                    *half = _mm256_sub_epi32(*half, a.correction_halves[h]);
+                }
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(halves[0]), _mm256_mul_ps(self.d, a.d), *acc);
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(halves[1]), _mm256_mul_ps(self.m, a.d), *acc);
+                return;
+            }
             // Two chains of four, added.
             let mut even = _mm256_setzero_si256();
             let mut odd = _mm256_setzero_si256();
@@ -625,6 +759,21 @@ mod vnni {
                 let packed = _mm256_loadu_si256(tile.add(32 * j) as *const __m256i);
                 v[j] = _mm256_and_si256(packed, low);
                 v[j + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(packed), low);
+            }
+            if F == Q6K {
+                // Bits 4 and 5: 2 bits per value, vectors k < 4 in the first 32 bytes, at bit 2(k % 4).
+                let high_bits = _mm256_set1_epi8(0x30);
+                for (k, v) in v.iter_mut().enumerate() {
+                    let h = _mm256_loadu_si256(tile.add(128 + 32 * (k / 4)) as *const __m256i);
+                    // 16-bit shifts: bits crossing into the neighbouring byte are masked away.
+                    let at_4 = match k % 4 {
+                        0 => _mm256_slli_epi16::<4>(h),
+                        1 => _mm256_slli_epi16::<2>(h),
+                        2 => h,
+                        _ => _mm256_srli_epi16::<2>(h),
+                    };
+                    *v = _mm256_or_si256(*v, _mm256_and_si256(at_4, high_bits));
+                }
             }
             if F == Q5_0 {
                 let sixteen = _mm256_set1_epi8(16);
@@ -720,13 +869,55 @@ mod tests {
         (Repacked::new(format, &q.data().unwrap(), out_f, in_f), q)
     }
 
-    const FORMATS: [(GgmlDType, Format); 5] = [
+    const FORMATS: [(GgmlDType, Format); 6] = [
         (GgmlDType::Q4K, Format::Q4K),
+        (GgmlDType::Q6K, Format::Q6K),
         (GgmlDType::Q4_0, Format::Q4_0),
         (GgmlDType::Q4_1, Format::Q4_1),
         (GgmlDType::Q5_0, Format::Q5_0),
         (GgmlDType::Q8_0, Format::Q8_0),
     ];
+
+    /// The vector quantization equals the scalar one (ties included).
+    #[test]
+    fn vector_quantization_equals_scalar() {
+        if !available() {
+            return;
+        }
+        let mut x = random(64, BLOCK, 3);
+        // Exact ties: with max|x| = 127 the scale is 1 and k + 0.5 rounds to the even neighbour.
+        x[..BLOCK].copy_from_slice(&std::array::from_fn::<f32, BLOCK, _>(
+            |i| {
+                if i == 0 {
+                    127.0
+                } else {
+                    i as f32 - 16.5
+                }
+            },
+        ));
+        for block in x.chunks_exact(BLOCK) {
+            let block: &[f32; BLOCK] = block.try_into().unwrap();
+            let (mut a, mut b) = ([0i8; BLOCK], [0i8; BLOCK]);
+            let amax = unsafe { avx512_quantize(block, &mut a) };
+            assert_eq!(amax, scalar_quantize(block, &mut b));
+            assert_eq!(a, b);
+        }
+    }
+
+    /// Several weights through one call equal each through its own, bitwise.
+    #[test]
+    fn forward_many_equals_forward_rows() {
+        if !available() {
+            return;
+        }
+        let (a, _) = repacked(GgmlDType::Q4_1, Format::Q4_1, 40, 512);
+        let (b, _) = repacked(GgmlDType::Q8_0, Format::Q8_0, 16, 512);
+        for num_rows in [1, 3, 9] {
+            let x = random(num_rows, 512, 5);
+            let many = Repacked::forward_many(&[&a, &b], &x, num_rows);
+            assert_eq!(many, [a.forward_rows(&x, num_rows), b.forward_rows(&x, num_rows)]);
+        }
+    }
 
     /// Repacking keeps every weight: the tiles dequantize to ggml's own dequantization.
     #[test]
@@ -757,6 +948,24 @@ mod tests {
                 let acts = QuantizedActivations::new(&x, num_rows, in_f);
                 let ggml = q.data().unwrap();
                 let row_bytes = in_f / format.block_len() * format.block_bytes();
+                // Against plain f32 arithmetic on the dequantized weights: only the activations'
+                // int8 rounding differs (at most half a step, max|x| / 254, per value).
+                for (f, weights) in (0..out_f).map(|f| (f, w.dequantize_row(f))) {
+                    for row in 0..num_rows {
+                        let xs = &x[row * in_f..(row + 1) * in_f];
+                        let exact: f64 = weights.iter().zip(xs).map(|(&a, &b)| a as f64 * b as f64).sum();
+                        let bound: f64 = weights
+                            .iter()
+                            .zip(xs.chunks(BLOCK).flat_map(|c| {
+                                let step = c.iter().fold(0f32, |m, v| m.max(v.abs())) as f64 / 254.0;
+                                std::iter::repeat_n(step, BLOCK)
+                            }))
+                            .map(|(&a, step)| a.abs() as f64 * step)
+                            .sum();
+                        let got = out[row * out_f + f] as f64;
+                        assert!((got - exact).abs() <= bound + 1e-4, "{format:?}: {got} vs {exact} (bound {bound})");
+                    }
+                }
                 for row in 0..num_rows {
                     let alone = w.forward_rows(&x[row * in_f..(row + 1) * in_f], 1);
                     assert_eq!(alone, out[row * out_f..(row + 1) * out_f], "{format:?} n={num_rows} row {row}");
