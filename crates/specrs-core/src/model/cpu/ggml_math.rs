@@ -90,16 +90,6 @@ pub fn hsum8(v: &[f32]) -> f32 {
     hsum8_of(|i| v.get(i).copied().unwrap_or(0.0))
 }
 
-/// `GGML_F32x8_REDUCE` of four 8-lane accumulators, lane l of accumulator a at `slot(8a + l)`
-/// (the end of `ggml_vec_dot_f16`): acc0 + acc2 and acc1 + acc3, their sum, the two 128-bit
-/// halves added, then two pairwise horizontal adds.
-#[inline]
-pub fn reduce_4x8_of(slot: impl Fn(usize) -> f32) -> f32 {
-    let v: [f32; 8] = std::array::from_fn(|l| (slot(l) + slot(16 + l)) + (slot(8 + l) + slot(24 + l)));
-    let t: [f32; 4] = std::array::from_fn(|k| v[k] + v[k + 4]);
-    (t[0] + t[1]) + (t[2] + t[3])
-}
-
 /// ggml's GELU (tanh approximation), evaluated once per f16 input and rounded to f16: llama.cpp's
 /// CPU backend looks GELU up in this table (`GGML_GELU_FP16`). GCC fuses `1 + a*x*x` into one
 /// multiply-add.

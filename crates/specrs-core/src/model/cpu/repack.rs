@@ -352,12 +352,11 @@ impl Repacked {
         let out_ptrs: Vec<SharedPtr> = outs.iter_mut().map(|o| SharedPtr(o.as_mut_ptr())).collect();
         // (weight, first group, groups): a task takes one run of groups, whose tiles are one
         // contiguous stream.
-        let groups_per_task = RUN_GROUPS;
         let mut tasks = Vec::new();
         for (i, w) in weights.iter().enumerate() {
             let num_groups = w.out_features / TILE_ROWS;
-            for first in (0..num_groups).step_by(groups_per_task) {
-                tasks.push((i, first, groups_per_task.min(num_groups - first)));
+            for first in (0..num_groups).step_by(RUN_GROUPS) {
+                tasks.push((i, first, RUN_GROUPS.min(num_groups - first)));
             }
         }
         for_each_task(tasks.len(), |task| {
