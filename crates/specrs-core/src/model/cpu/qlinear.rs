@@ -214,12 +214,7 @@ impl QLinear {
     pub fn forward_rows(&self, x: &[f32], num_rows: usize) -> Result<Vec<f32>> {
         match self {
             QLinear::Native { format, weight, out_features, in_features } => {
-                if x.len() != num_rows * in_features || num_rows == 0 {
-                    return Err(Error::Internal(format!(
-                        "a [{out_features}, {in_features}] matmul got {} input values for {num_rows} rows",
-                        x.len()
-                    )));
-                }
+                check_input(*out_features, *in_features, x, num_rows)?;
                 let data = weight.data()?;
                 let rows = match format {
                     Format::Q4K | Format::Q6K => Activations::Q8K(kquants::quantize_q8k(x, *in_features)),
@@ -228,14 +223,7 @@ impl QLinear {
                 Ok(matmul(*format, &data, *out_features, *in_features, &rows, num_rows))
             }
             QLinear::Repacked(repacked) => {
-                if x.len() != num_rows * repacked.in_features() || num_rows == 0 {
-                    return Err(Error::Internal(format!(
-                        "a [{}, {}] matmul got {} input values for {num_rows} rows",
-                        repacked.out_features(),
-                        repacked.in_features(),
-                        x.len()
-                    )));
-                }
+                check_input(repacked.out_features(), repacked.in_features(), x, num_rows)?;
                 Ok(repacked.forward_rows(x, num_rows))
             }
             QLinear::Candle { matmul, .. } => {
@@ -244,6 +232,17 @@ impl QLinear {
             }
         }
     }
+}
+
+/// The kernels index the input unchecked: it must be `num_rows > 0` whole rows.
+fn check_input(out_features: usize, in_features: usize, x: &[f32], num_rows: usize) -> Result<()> {
+    if x.len() != num_rows * in_features || num_rows == 0 {
+        return Err(Error::Internal(format!(
+            "a [{out_features}, {in_features}] matmul got {} input values for {num_rows} rows",
+            x.len()
+        )));
+    }
+    Ok(())
 }
 
 /// `[num_rows, out_features]` = rows x weightᵀ.
