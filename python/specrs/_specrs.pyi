@@ -1,5 +1,6 @@
 """Type stubs for the compiled module specrs._specrs (crates/specrs-py)."""
 
+from os import PathLike
 from typing import Any, Iterator, final
 
 import numpy as np
@@ -114,6 +115,8 @@ class Engine:
     def forward_batch(
         self, sequences: list[tuple[list[int], list[int], list[int] | None, str]], layers: list[int | str]
     ) -> list[tuple[npt.NDArray[np.float32], list[npt.NDArray[np.float32]]]]: ...
+    def save_suffix_cache(self, path: str | PathLike[str]) -> int: ...
+    def load_suffix_cache(self, path: str | PathLike[str]) -> int: ...
 
 def batch_accept(
     target_logits: npt.NDArray[np.float32],

@@ -76,7 +76,9 @@ def _serve(args: argparse.Namespace) -> int:
     serve.serve(args.model, speculative_config=args.speculative_config, host=args.host, port=args.port,
                 device=args.device, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
                 prefill_chunk=args.prefill_chunk or None, max_request_body_bytes=args.max_request_body_bytes,
-                default_max_tokens=args.default_max_tokens, log_level=args.log_level)
+                default_max_tokens=args.default_max_tokens, log_level=args.log_level,
+                suffix_cache=args.suffix_cache, suffix_cache_save_every=args.suffix_cache_save_every,
+                suffix_cache_start_empty_on_error=args.suffix_cache_start_empty_on_error)
     return 0
 
 
@@ -162,6 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a chat request without max_tokens generates at most this many tokens, or up to the "
                           "end of the context if that is fewer (each request's KV cache is sized for prompt + "
                           "max_tokens)")
+    srv.add_argument("--suffix-cache", default=None, metavar="PATH",
+                     help="keep suffix decoding's engine-wide cache across restarts: loaded from PATH at startup "
+                          "(a missing file starts empty), written atomically every --suffix-cache-save-every "
+                          "requests and at shutdown")
+    srv.add_argument("--suffix-cache-save-every", type=int, default=serve.DEFAULT_SUFFIX_CACHE_SAVE_EVERY,
+                     metavar="N", help="finished requests between saves of --suffix-cache (default: 100)")
+    srv.add_argument("--suffix-cache-start-empty-on-error", action="store_true",
+                     help="start with an empty suffix cache when the --suffix-cache file is corrupt, truncated or "
+                          "from another model (default: refuse to start)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(func=_serve)
 

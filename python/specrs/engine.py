@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence, Union
 
@@ -308,6 +309,20 @@ class Engine:
 
     def reset_metrics(self) -> None:
         self._inner.reset_metrics()
+
+    def save_suffix_cache(self, path: str | os.PathLike[str]) -> int:
+        """Writes the engine-wide suffix caches (the previous responses `"method": "suffix"` drafts
+        from, one cache per suffix config) to `path`, atomically: a temporary file beside it is
+        synced and renamed over it, so the file is always the old or the new one whole. Returns how
+        many responses it holds."""
+        return self._inner.save_suffix_cache(os.fspath(path))
+
+    def load_suffix_cache(self, path: str | os.PathLike[str]) -> int:
+        """Replaces the engine-wide suffix caches with those `save_suffix_cache` wrote to `path`,
+        so drafts continue as they were; returns how many responses were loaded. A missing,
+        corrupt or truncated file, or one written for another model, raises ConfigError naming
+        the path, and changes nothing."""
+        return self._inner.load_suffix_cache(os.fspath(path))
 
     def memory(self) -> dict:
         """Bytes of target and draft weights (every draft loaded so far) and of the target and

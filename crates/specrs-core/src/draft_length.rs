@@ -84,6 +84,11 @@ impl DraftLengthPolicy {
         (self.accepted + PRIOR_ACCEPTED) / (self.accepted + self.rejections + PRIOR_ACCEPTED + PRIOR_REJECTED)
     }
 
+    /// c: drafting time per draft token over t(1).
+    pub fn draft_cost(&self) -> f64 {
+        self.draft_cost
+    }
+
     /// The draft length in 0..=max_len with the most expected tokens per unit of cost (drafting
     /// plus verification): how long a draft to ask the proposer for.
     pub fn best_length(&self, max_len: usize) -> usize {

@@ -13,6 +13,7 @@ pub mod chat_template;
 pub mod config;
 pub mod costs;
 pub mod detokenizer;
+pub mod draft_budget;
 pub mod draft_length;
 pub mod engine;
 pub mod error;
@@ -28,7 +29,8 @@ pub mod tokenizer;
 pub mod verify;
 
 pub use config::SamplingParams;
-pub use engine::scheduler::step_together;
+pub use engine::scheduler::{Scheduler, SchedulerConfig, DraftBudget, RequestOutput, StepReport, SchedulerTotals};
+pub use engine::step_together::step_together;
 pub use engine::{Engine, FinishReason, Generation, Session, Speculation, StepOutput};
 pub use error::{Error, Result};
 pub use spec_config::SpeculativeConfig;

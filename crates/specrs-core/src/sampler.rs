@@ -91,20 +91,38 @@ pub fn draw_with(weights: &[f32], uniform: f32) -> u32 {
     last_nonzero as u32 // rounding left the target just past the end
 }
 
-/// A request's random source: seeded for reproducibility.
+/// A request's random source: seeded for reproducibility. Two kinds of draws: a sequential
+/// stream (`uniform`, `draw`), and one uniform per output position (`uniform_at`, `draw_at`) that
+/// does not depend on how many draws came before, so a token sampled at position i is the same
+/// however the request's steps were cut into drafts (verify.rs).
 pub struct Sampler {
+    seed: u64,
     rng: ChaCha8Rng,
 }
 
 impl Sampler {
     pub fn new(seed: Option<u64>) -> Self {
         let seed = seed.unwrap_or_else(|| rand::rng().random());
-        Self { rng: ChaCha8Rng::seed_from_u64(seed) }
+        Self { seed, rng: ChaCha8Rng::seed_from_u64(seed) }
     }
 
     /// Uniform draw in [0, 1).
     pub fn uniform(&mut self) -> f32 {
         self.rng.random::<f32>()
+    }
+
+    /// The uniform in [0, 1) of output position `position` (the token's index in prompt +
+    /// output): the first word of ChaCha8 stream `position + 1` under this request's seed (the
+    /// sequential stream is stream 0, so the two never share words).
+    pub fn uniform_at(&self, position: usize) -> f32 {
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
+        rng.set_stream(position as u64 + 1);
+        rng.random::<f32>()
+    }
+
+    /// Draws an index from `probs` (`[vocab_size]`) with position `position`'s uniform.
+    pub fn draw_at(&self, probs: &[f32], position: usize) -> u32 {
+        draw_with(probs, self.uniform_at(position))
     }
 
     /// Draws an index from `probs` (`[vocab_size]`, summing to ~1).
@@ -170,6 +188,13 @@ mod tests {
         };
         assert_eq!(draws(7), draws(7));
         assert_ne!(draws(7), draws(8));
+        // Positional draws do not depend on the sequential stream, nor on each other's order.
+        let mut s = Sampler::new(Some(7));
+        let before: Vec<f32> = (0..20).map(|i| s.uniform_at(i)).collect();
+        s.uniform();
+        let after: Vec<f32> = (0..20).rev().map(|i| s.uniform_at(i)).collect();
+        assert_eq!(before, after.into_iter().rev().collect::<Vec<_>>());
+        assert!(before.windows(2).all(|w| w[0] != w[1]));
         let probs = probabilities(&LOGITS, &p);
         let mut sampler = Sampler::new(Some(1));
         let mut counts = [0usize; 5];

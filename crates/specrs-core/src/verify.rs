@@ -8,6 +8,16 @@
 //! the target distribution after temperature/top-k/top-p/min-p (`sampler::probabilities`); the
 //! first rejected position emits a token recovered from norm(max(0, p - q)); a bonus token comes
 //! from p after the last draft. A draft without probabilities is deterministic: q is one-hot.
+//!
+//! For a one-hot draft, rejection sampling is run in its coupled form: the target token of each
+//! position is drawn from p with that position's own uniform (`Sampler::draw_at`), the draft token
+//! is accepted iff it equals it, and otherwise that drawn token is the recovered one. This is
+//! exactly rejection sampling with q one-hot (x passes with probability p(x) = min(1, p(x)/1); a
+//! token drawn from p given it is not x is drawn from norm(max(0, p - onehot(x)))), and it emits
+//! the very token plain decoding draws at that position: a seeded request's output does not
+//! depend on its draft lengths, nor on whether it speculated at all. So a scheduler may cut the
+//! drafts of such requests by load without changing any output (engine/scheduler.rs). Drafts
+//! with probabilities keep the sequential stream: their output depends on the draft itself.
 
 use crate::config::SamplingParams;
 use crate::error::{Error, Result};
@@ -24,6 +34,7 @@ pub struct Verification {
 
 /// Verifies `draft_ids` (length n) against `target_logits` `[n + 1, vocab_size]` (row i scores the
 /// token after the context plus the first i drafts). `draft_probs` is `[n, vocab_size]` or None.
+/// `position` is the index (in prompt + output) of the first token this verification emits.
 pub fn verify(
     target_logits: &[f32],
     vocab_size: usize,
@@ -31,6 +42,7 @@ pub fn verify(
     draft_probs: Option<&[f32]>,
     params: &SamplingParams,
     sampler: &mut Sampler,
+    position: usize,
 ) -> Result<Verification> {
     let n = draft_ids.len();
     if target_logits.len() != (n + 1) * vocab_size {
@@ -52,23 +64,30 @@ pub fn verify(
         token_ids.push(argmax(row(n)));
         return Ok(Verification { num_accepted_tokens: n, token_ids });
     }
-
+    let Some(draft_probs) = draft_probs else {
+        // Coupled rejection sampling for a one-hot draft (see the module header).
+        for (i, &draft) in draft_ids.iter().enumerate() {
+            let target = sampler.draw_at(&probabilities(row(i), params), position + i);
+            token_ids.push(target);
+            if target != draft {
+                return Ok(Verification { num_accepted_tokens: i, token_ids });
+            }
+        }
+        token_ids.push(sampler.draw_at(&probabilities(row(n), params), position + n));
+        return Ok(Verification { num_accepted_tokens: n, token_ids });
+    };
     for (i, &draft) in draft_ids.iter().enumerate() {
         let mut target_probs = probabilities(row(i), params);
         let x = draft as usize;
-        let draft_row = draft_probs.map(|q| &q[i * vocab_size..(i + 1) * vocab_size]);
-        let q_x = draft_row.map_or(1.0, |q| q[x]);
+        let q = &draft_probs[i * vocab_size..(i + 1) * vocab_size];
         // Accept with probability min(1, p(x)/q(x)), written without the division so q(x) = 0
         // cannot produce NaN.
-        if sampler.uniform() * q_x < target_probs[x] {
+        if sampler.uniform() * q[x] < target_probs[x] {
             token_ids.push(draft);
             continue;
         }
         // Recovered token from norm(max(0, p - q)).
-        match draft_row {
-            None => target_probs[x] = 0.0,
-            Some(q) => target_probs.iter_mut().zip(q).for_each(|(p, &q)| *p = (*p - q).max(0.0)),
-        }
+        target_probs.iter_mut().zip(q).for_each(|(p, &q)| *p = (*p - q).max(0.0));
         let residual_mass: f32 = target_probs.iter().sum();
         let recovered = if residual_mass > 0.0 {
             sampler.draw(&target_probs)
@@ -131,13 +150,13 @@ mod tests {
         let mut sampler = Sampler::new(Some(1234));
         let mut draft_sampler = Sampler::new(Some(99));
         let mut counts = vec![0usize; VOCAB];
-        for _ in 0..draws {
+        for position in 0..draws {
             let draft: Vec<u32> = match draft_probs {
                 Some(q) => (0..3).map(|i| draft_sampler.draw(&q[i * VOCAB..(i + 1) * VOCAB])).collect(),
                 // A fixed guess: averaging over guesses spread evenly would hide a biased recovery.
                 None => vec![3, 2, 4],
             };
-            let v = verify(&target, VOCAB, &draft, draft_probs, params, &mut sampler).unwrap();
+            let v = verify(&target, VOCAB, &draft, draft_probs, params, &mut sampler, position).unwrap();
             counts[v.token_ids[0] as usize] += 1;
         }
         counts
@@ -170,12 +189,12 @@ mod tests {
         let argmaxes: Vec<u32> = target.chunks(VOCAB).map(argmax).collect();
         let mut sampler = Sampler::new(Some(0));
         let greedy = SamplingParams::default();
-        let all = verify(&target, VOCAB, &argmaxes[..3], None, &greedy, &mut sampler).unwrap();
+        let all = verify(&target, VOCAB, &argmaxes[..3], None, &greedy, &mut sampler, 0).unwrap();
         assert_eq!(all, Verification { num_accepted_tokens: 3, token_ids: argmaxes.clone() });
         let wrong = (argmaxes[1] + 1) % VOCAB as u32;
-        let partial = verify(&target, VOCAB, &[argmaxes[0], wrong, argmaxes[2]], None, &greedy, &mut sampler).unwrap();
+        let partial = verify(&target, VOCAB, &[argmaxes[0], wrong, argmaxes[2]], None, &greedy, &mut sampler, 0).unwrap();
         assert_eq!(partial, Verification { num_accepted_tokens: 1, token_ids: argmaxes[..2].to_vec() });
-        let none = verify(&target[..VOCAB], VOCAB, &[], None, &greedy, &mut sampler).unwrap();
+        let none = verify(&target[..VOCAB], VOCAB, &[], None, &greedy, &mut sampler, 0).unwrap();
         assert_eq!(none.token_ids, vec![argmaxes[0]]);
     }
 
@@ -189,7 +208,7 @@ mod tests {
         let mut draft_sampler = Sampler::new(Some(6));
         for _ in 0..2000 {
             let draft: Vec<u32> = (0..4).map(|i| draft_sampler.draw(&p[i * VOCAB..(i + 1) * VOCAB])).collect();
-            let v = verify(&target, VOCAB, &draft, Some(&p), &params, &mut sampler).unwrap();
+            let v = verify(&target, VOCAB, &draft, Some(&p), &params, &mut sampler, 0).unwrap();
             assert_eq!(v.num_accepted_tokens, 4);
             assert_eq!(&v.token_ids[..4], &draft[..]);
         }
@@ -199,20 +218,42 @@ mod tests {
         for seed in 0..500 {
             let mut sampler = Sampler::new(Some(seed));
             let draft: Vec<u32> = target.chunks(VOCAB).take(4).map(|row| (argmax(row) + 1) % VOCAB as u32).collect();
-            let v = verify(&target, VOCAB, &draft, None, &top1, &mut sampler).unwrap();
+            let v = verify(&target, VOCAB, &draft, None, &top1, &mut sampler, 0).unwrap();
             assert_eq!(v.num_accepted_tokens, 0);
             assert_eq!(v.token_ids, vec![argmax(&target[..VOCAB])]);
-            let v = verify(&target[..3 * VOCAB], VOCAB, &draft[..2], None, &params, &mut sampler).unwrap();
+            let v = verify(&target[..3 * VOCAB], VOCAB, &draft[..2], None, &params, &mut sampler, 0).unwrap();
             assert!(v.num_accepted_tokens <= 2 && v.token_ids.len() == v.num_accepted_tokens + 1);
         }
         // Seeded determinism.
         let run = |seed| {
             let mut sampler = Sampler::new(Some(seed));
             (0..50)
-                .map(|_| verify(&target, VOCAB, &[1, 2, 3, 4], None, &params, &mut sampler).unwrap())
+                .map(|step| verify(&target, VOCAB, &[1, 2, 3, 4], None, &params, &mut sampler, step * 5).unwrap())
                 .collect::<Vec<_>>()
         };
         assert_eq!(run(42), run(42));
         assert_ne!(run(42), run(43));
+    }
+
+    #[test]
+    fn a_one_hot_draft_never_changes_the_sampled_tokens() {
+        // Whatever the draft (none, right, wrong, long or short), position i emits the token plain
+        // sampling draws there: the output depends on the seed and the logits alone.
+        let target = logits(5, 23);
+        let params = sampled(1.0, 0, 1.0);
+        let sampler = Sampler::new(Some(9));
+        for start in [0usize, 7, 100] {
+            let plain: Vec<u32> = (0..5)
+                .map(|i| sampler.draw_at(&probabilities(&target[i * VOCAB..(i + 1) * VOCAB], &params), start + i))
+                .collect();
+            for draft in [vec![], plain[..2].to_vec(), plain[..4].to_vec(), vec![plain[0], (plain[1] + 1) % 6, 0]] {
+                let n = draft.len();
+                let mut s = Sampler::new(Some(9));
+                let v = verify(&target[..(n + 1) * VOCAB], VOCAB, &draft, None, &params, &mut s, start).unwrap();
+                assert_eq!(v.token_ids, plain[..v.token_ids.len()], "draft {draft:?}");
+                let expected_accepted = draft.iter().zip(&plain).take_while(|(d, p)| d == p).count();
+                assert_eq!(v.num_accepted_tokens, expected_accepted);
+            }
+        }
     }
 }

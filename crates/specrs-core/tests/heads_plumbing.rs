@@ -116,6 +116,7 @@ fn speculation(head: Head, engine: &Engine) -> Speculation {
         draft_length: None,
         schedule: None,
         draft_confidence_threshold: 0.0,
+        one_hot_drafts: false,
         verify_cost_source: None,
         draft_cost_source: None,
     }

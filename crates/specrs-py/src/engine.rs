@@ -1,5 +1,6 @@
 //! Python classes: `Engine`, `SamplingParams`, `Stream`, `Tokenizer`.
 
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use numpy::{IntoPyArray, PyArray2};
@@ -600,6 +601,19 @@ impl PyEngine {
     ) -> PyResult<Vec<(usize, f64)>> {
         let engine = self.inner.clone();
         run_detached(py, move || engine.forward_cost(&context_ids, &ns, repeats))
+    }
+
+    /// Writes the engine-wide suffix caches to `path` atomically; returns the responses saved.
+    fn save_suffix_cache(&self, py: Python<'_>, path: PathBuf) -> PyResult<usize> {
+        let engine = self.inner.clone();
+        run_detached(py, move || engine.save_suffix_cache(&path))
+    }
+
+    /// Replaces the engine-wide suffix caches with those saved in `path` (ConfigError for a
+    /// missing, corrupt or truncated file, or one from another model); returns the responses loaded.
+    fn load_suffix_cache(&self, py: Python<'_>, path: PathBuf) -> PyResult<usize> {
+        let engine = self.inner.clone();
+        run_detached(py, move || engine.load_suffix_cache(&path))
     }
 }
 

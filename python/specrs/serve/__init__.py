@@ -7,6 +7,11 @@ Routes: POST /v1/completions and /v1/chat/completions (streaming SSE or not), GE
 false, or a config object like --speculative-config's (without "method": the server's default with
 those keys changed); its `usage` reports that request's acceptance.
 
+`--suffix-cache PATH` keeps suffix decoding's engine-wide cache (the previous responses it drafts
+from) across restarts: loaded at startup, written atomically every `--suffix-cache-save-every`
+requests (default 100) and at shutdown. A file that cannot be used (corrupt, truncated, from
+another model) stops startup unless `--suffix-cache-start-empty-on-error` is given.
+
 Needs the `serve` extra: `pip install 'specrs[serve]'` (starlette, uvicorn, prometheus-client).
 """
 
@@ -17,6 +22,7 @@ import sys
 
 from ..errors import ConfigError
 from .protocol import DEFAULT_CHAT_MAX_TOKENS
+from .suffix_store import DEFAULT_SAVE_EVERY as DEFAULT_SUFFIX_CACHE_SAVE_EVERY
 
 SERVE_INSTALL = "pip install 'specrs[serve]'"
 # Prompt tokens per step while other requests are generating. On the 2-core CI machine a 64-token
@@ -40,7 +46,7 @@ def _require_server_packages() -> None:
 
 
 def _check_settings(max_num_seqs: int, prefill_chunk: int | None, max_request_body_bytes: int,
-                    default_max_tokens: int) -> None:
+                    default_max_tokens: int, suffix_cache_save_every: int = DEFAULT_SUFFIX_CACHE_SAVE_EVERY) -> None:
     if max_num_seqs < 1:
         raise ConfigError(f"max_num_seqs must be at least 1 (got {max_num_seqs})")
     if prefill_chunk is not None and prefill_chunk < 1:
@@ -49,6 +55,8 @@ def _check_settings(max_num_seqs: int, prefill_chunk: int | None, max_request_bo
         raise ConfigError(f"max_request_body_bytes must be at least 1 (got {max_request_body_bytes})")
     if default_max_tokens < 1:
         raise ConfigError(f"default_max_tokens must be at least 1 token (got {default_max_tokens})")
+    if suffix_cache_save_every < 1:
+        raise ConfigError(f"suffix_cache_save_every must be at least 1 finished request (got {suffix_cache_save_every})")
 
 
 def served_name(model: str | None, model_path: str) -> str:
@@ -64,33 +72,43 @@ STARTUP_CURVE_K = 8
 def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 16,
               prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS):
+              default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, suffix_cache: str | os.PathLike[str] | None = None,
+              suffix_cache_save_every: int = DEFAULT_SUFFIX_CACHE_SAVE_EVERY,
+              suffix_cache_start_empty_on_error: bool = False):
     """The Starlette app serving `engine` (run it with any ASGI server); `engine.speculative_config`
     and `engine.proposer` are every request's default. `max_request_body_bytes`: larger bodies get
     a 413; `default_max_tokens`: a chat request without max_tokens generates at most this many
-    (or up to the end of the context, whichever is smaller)."""
+    (or up to the end of the context, whichever is smaller). `suffix_cache`: the file the suffix
+    cache is loaded from here (ConfigError for a corrupt, truncated or other model's file, unless
+    `suffix_cache_start_empty_on_error`) and saved to every `suffix_cache_save_every` finished
+    requests and at shutdown."""
     _require_server_packages()
     from .app import build_app as build
 
-    _check_settings(max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens)
+    _check_settings(max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens, suffix_cache_save_every)
     return build(engine, served_model_name or served_name(None, engine.model_path), max_num_seqs, prefill_chunk,
-                 max_request_body_bytes, default_max_tokens)
+                 max_request_body_bytes, default_max_tokens,
+                 suffix_cache=None if suffix_cache is None else os.fspath(suffix_cache),
+                 suffix_cache_save_every=suffix_cache_save_every,
+                 suffix_cache_start_empty_on_error=suffix_cache_start_empty_on_error)
 
 
 def serve(model: str | None = None, *, speculative_config=None, host: str = "127.0.0.1", port: int = 8000,
           device: str = "cpu", served_model_name: str | None = None, max_num_seqs: int = 16,
           prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
           max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-          default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, log_level: str = "info") -> None:
+          default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, log_level: str = "info",
+          suffix_cache: str | None = None, suffix_cache_save_every: int = DEFAULT_SUFFIX_CACHE_SAVE_EVERY,
+          suffix_cache_start_empty_on_error: bool = False) -> None:
     """Loads the model, warms it up with the default speculation (so a bad draft fails now, not at
-    the first request), stops the engine measuring costs inside requests, and serves until
-    interrupted."""
+    the first request), stops the engine measuring costs inside requests, loads the suffix cache
+    file if one is given (a bad one fails now), and serves until interrupted."""
     _require_server_packages()
     import uvicorn
 
     from ..engine import Engine, SamplingParams
 
-    _check_settings(max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens)
+    _check_settings(max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens, suffix_cache_save_every)
     engine = Engine(model, device=device, speculative_config=speculative_config)
     # One short request through the default speculation loads its draft weights and measures its
     # costs before the first client arrives.
@@ -103,7 +121,10 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
     # thread, stalling every stream); one nobody measured yet gets the nearest known figure.
     engine.set_measure_on_demand(False)
     name = served_model_name or served_name(model, engine.model_path)
-    app = build_app(engine, name, max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens)
+    # The warm-up's response went into the suffix cache; a loaded file replaces it.
+    app = build_app(engine, name, max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens,
+                    suffix_cache=suffix_cache, suffix_cache_save_every=suffix_cache_save_every,
+                    suffix_cache_start_empty_on_error=suffix_cache_start_empty_on_error)
     spec = engine.speculative_config["method"] if engine.speculative_config else "off"
     print(f"specrs serve: `{name}` on http://{host}:{port}/v1 (speculation: {spec}, up to {max_num_seqs} "
           "requests taking turns)", file=sys.stderr, flush=True)

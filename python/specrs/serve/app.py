@@ -28,6 +28,7 @@ from .metrics import ServerMetrics
 from .protocol import (APIError, GenerationRequest, ServerSpeculation, chunk_body, parse_json_body, parse_request,
                        request_too_large, response_body, usage)
 from .scheduler import Failed, Finished, Job, Scheduler, Text
+from .suffix_store import DEFAULT_SAVE_EVERY, SuffixCacheStore
 
 # How often a handler waiting on the scheduler checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
@@ -60,11 +61,24 @@ async def read_body(http_request: Request, limit: int) -> bytes:
 
 
 def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill_chunk: int | None,
-              max_request_body_bytes: int, default_max_tokens: int) -> Starlette:
-    """The server for `engine`; its `speculative_config` (and `proposer`) are every request's default."""
+              max_request_body_bytes: int, default_max_tokens: int, suffix_cache: str | None = None,
+              suffix_cache_save_every: int = DEFAULT_SAVE_EVERY,
+              suffix_cache_start_empty_on_error: bool = False) -> Starlette:
+    """The server for `engine`; its `speculative_config` (and `proposer`) are every request's default.
+    `suffix_cache`: a file the engine-wide suffix cache is loaded from now (a bad file raises
+    ConfigError here, so the server never starts on it, unless `suffix_cache_start_empty_on_error`)
+    and saved to every `suffix_cache_save_every` finished requests and at shutdown."""
     speculation = ServerSpeculation(engine.speculative_config, has_proposer=engine.proposer is not None)
     metrics = ServerMetrics(served_model_name)
-    scheduler = Scheduler(engine, metrics, max_num_seqs, prefill_chunk)
+    store = None
+    if suffix_cache is not None:
+        store = SuffixCacheStore(engine, suffix_cache, suffix_cache_save_every)
+        store.load(allow_empty=suffix_cache_start_empty_on_error)
+    if store is None:
+        scheduler = Scheduler(engine, metrics, max_num_seqs, prefill_chunk)
+    else:
+        scheduler = Scheduler(engine, metrics, max_num_seqs, prefill_chunk,
+                              on_request_finished=store.on_request_finished)
     metrics.report_queue(lambda: scheduler.num_running, lambda: scheduler.num_waiting)
     context_length = engine.info()["context_length"]
 
@@ -181,6 +195,8 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
         scheduler.start()
         yield
         scheduler.stop()
+        if store is not None:  # after the last request ended, so the file has every response
+            await asyncio.to_thread(store.save)
 
     app = Starlette(
         routes=[
@@ -194,4 +210,5 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
         lifespan=lifespan,
     )
     app.state.scheduler = scheduler  # for tests and embedding code that inspects the queue
+    app.state.suffix_cache_store = store
     return app

@@ -86,9 +86,13 @@ def _is_fatal(error: BaseException) -> bool:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, metrics: ServerMetrics, max_num_seqs: int, prefill_chunk: int | None):
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_num_seqs: int, prefill_chunk: int | None,
+                 on_request_finished=None):
         self.engine, self.metrics, self.max_num_seqs = engine, metrics, max_num_seqs
         self.prefill_chunk = prefill_chunk
+        # Called (job, finish_reason, metrics) after each request that ran ends (the suffix cache
+        # store saves every N); whatever it raises is logged, never the request's or the loop's end.
+        self.on_request_finished = on_request_finished
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
         self._admitting: list[Job] = []  # taken off the queue this round, not yet running
@@ -251,5 +255,10 @@ class Scheduler:
         metrics = result.metrics
         self._running.remove(job)
         self.metrics.request_finished(job, finish_reason, metrics)
+        if self.on_request_finished is not None:
+            try:
+                self.on_request_finished(job, finish_reason, metrics)
+            except Exception:
+                logger.exception("specrs serve: the on_request_finished hook failed")
         job.ended = True
         job.send(Finished(finish_reason, job.num_completion_tokens, metrics))

@@ -6,8 +6,13 @@
 //! softmax(logits / temperature) alone (top-k/top-p/min-p requests use the per-sequence verifier).
 //!
 //! Invariant: with the same uniforms, each sequence's result equals `verify::verify` driven by a
-//! sampler that returns those uniforms in order: uniform i decides draft position i, and the next
-//! one (index num_accepted + 1, or n when all n drafts pass) draws the recovered or bonus token.
+//! sampler that returns those uniforms in order, with the draft's probabilities given (a
+//! deterministic draft as one-hot rows): uniform i decides draft position i, and the next one
+//! (index num_accepted + 1, or n when all n drafts pass) draws the recovered or bonus token.
+//! (`verify` runs a draft without probabilities in its coupled form instead, one uniform per
+//! position; both are exact rejection sampling, but only the coupled form emits the same tokens
+//! whatever the draft length, which is why the scheduler never cuts the drafts of a seeded sampled
+//! request verified here.)
 
 use crate::config::SamplingParams;
 use crate::error::{Error, Result};
@@ -199,10 +204,13 @@ mod tests {
         for s in 0..b {
             let n = num_draft[s] as usize;
             let rows = &logits[s * (k + 1) * v..][..(n + 1) * v];
-            let probs = with_probs.then(|| &q[s * k * v..][..n * v]);
+            let drafted = &draft_ids[s * k..s * k + n];
+            let one_hot: Vec<f32> =
+                drafted.iter().flat_map(|&x| (0..v).map(move |t| if t as u32 == x { 1.0 } else { 0.0 })).collect();
+            let probs = if with_probs { &q[s * k * v..][..n * v] } else { &one_hot[..] };
             let params = SamplingParams { temperature: temperatures[s], ..SamplingParams::default() };
             let mut sampler = Sampler::new(Some(seeds[s]));
-            let expected = verify(rows, v, &draft_ids[s * k..s * k + n], probs, &params, &mut sampler).unwrap();
+            let expected = verify(rows, v, drafted, Some(probs), &params, &mut sampler, 0).unwrap();
             assert_eq!(out.num_accepted_tokens[s] as usize, expected.num_accepted_tokens, "sequence {s}");
             assert_eq!(out.next_token_ids[s], *expected.token_ids.last().unwrap(), "sequence {s}");
             paths.insert((n > 0, expected.num_accepted_tokens == n));

@@ -245,6 +245,22 @@ impl Engine {
         }))
     }
 
+    /// `[T(1), ..., T(max_rows)]` seconds for the scheduler's draft budget (`draft_budget.rs`),
+    /// with its source: the policy's verification curve (one forward over R rows of one sequence
+    /// on a 512-token cache, which costs what R rows of R sequences do: the same matmuls, each row
+    /// attending to ~512 positions), measured up to `max_rows` when `measure`, else the stored
+    /// curve extended past its end, else the prior in units of T(1).
+    pub fn batch_costs(&self, max_rows: usize, measure: bool) -> Result<(Vec<f64>, CostSource)> {
+        Ok(match self.curve_s(self.policy_context_len(), max_rows, measure)? {
+            Some(curve) => curve,
+            None => (prior_ratios(max_rows), CostSource::Prior),
+        })
+    }
+
+    pub(super) fn measures_on_demand(&self) -> bool {
+        self.measure_on_demand.load(Ordering::Relaxed)
+    }
+
     /// Verification cost curve in seconds, `[t(1), ..., t(max_n)]`: one forward over n new tokens
     /// on a `context_len`-token cache (fewer for a model whose context cannot hold both), measured
     /// once and kept (the draft-length policy reads the one at 512 tokens).

@@ -4,8 +4,10 @@
 //! - `proposers.rs`: the proposer factory (`Speculation` for a config) and draft models;
 //! - `cost_model.rs`: the verify-cost curve, the draft cost, the expected speedup;
 //! - `session.rs`: one request's decoding state, stepped as plan -> forward -> commit;
-//! - `scheduler.rs`: steps of several sessions gathered into one forward;
-//! - `direct.rs`: teacher-forced forwards (logits, hidden states, a multi-sequence batch).
+//! - `step_together.rs`: steps of several sessions gathered into one forward;
+//! - `scheduler.rs`: continuous batching: requests admitted, batched, budgeted, preempted;
+//! - `direct.rs`: teacher-forced forwards (logits, hidden states, a multi-sequence batch);
+//! - `suffix_persistence.rs`: the engine-wide suffix caches saved to and loaded from a file.
 //!
 //! Invariant: the engine's shared state is only ever read or replaced whole under its locks
 //! (`lock`), so one request's panic never leaves another a half-updated state.
@@ -37,12 +39,14 @@ pub mod device;
 pub mod direct;
 pub mod proposers;
 pub mod scheduler;
+pub mod step_together;
 pub mod session;
+pub mod suffix_persistence;
 
 pub use cost_model::{ExpectedSpeedup, PolicyCosts};
 pub use device::{cache_dir, parse_device};
 pub use proposers::{Speculation, MAX_SUFFIX_CACHES};
-pub use session::{FinishReason, Generation, Session, StepOutput};
+pub use session::{FinishReason, Generation, PlanLimits, Session, StepOutput, StepPlan};
 
 /// Bytes of weights and KV caches, for `Engine::memory`. KV figures count the caches of requests
 /// in flight now, and the most held at once since the engine loaded.

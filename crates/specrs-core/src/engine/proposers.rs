@@ -37,6 +37,10 @@ pub struct Speculation {
     pub schedule: Option<HeuristicSchedule>,
     /// Drafts with probabilities stop after a token with q(x) below this (0 = off).
     pub draft_confidence_threshold: f32,
+    /// Whether every draft is deterministic (no probabilities: ngram, suffix), so a sampled
+    /// request's tokens do not depend on its draft lengths (verify.rs). A custom proposer may
+    /// return probabilities, so it counts as not.
+    pub one_hot_drafts: bool,
     /// Where the draft-length policy's verification curve and draft cost came from (None
     /// without the policy; no draft cost source for model-free proposers, whose c is 0).
     pub verify_cost_source: Option<CostSource>,
@@ -145,6 +149,7 @@ impl Engine {
             schedule: (config.schedule == Schedule::Heuristic)
                 .then(|| HeuristicSchedule::new(config.num_speculative_tokens)),
             draft_confidence_threshold: config.draft_confidence_threshold,
+            one_hot_drafts: matches!(config.method, Method::Ngram { .. } | Method::Suffix(_)),
             verify_cost_source: costs.as_ref().map(|c| c.verify_cost_source),
             draft_cost_source: costs.and_then(|c| c.draft_cost_source),
         })

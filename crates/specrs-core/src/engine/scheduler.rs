@@ -1,93 +1,550 @@
-//! Steps of several requests in one target forward: each session plans its rows (`Session::plan`),
-//! the rows of all of them become one `ForwardBatch` over their caches, and each session commits
-//! its own logits and hidden rows (`Session::commit`).
+//! Continuous batching: every step gathers the rows of every running request into ONE target
+//! forward (each request's newest token and draft, and chunks of prompts still being read), admits
+//! waiting requests while KV memory allows, preempts when it does not, and budgets drafts by load.
 //!
-//! Invariant: because a row's logits do not depend on what else is in the forward (model/forward.rs;
-//! bitwise on the CPU backend), a session stepped here yields exactly the tokens it yields stepped
-//! alone. A failure of the shared forward fails the step of every session in it (their caches may
-//! hold rows of that forward; `Session::commit` was not reached, so they take no further step);
-//! a failure in one session's plan or commit is that session's alone.
+//! A step, in order:
+//! 1. **Preempt** (recompute, as vLLM does): while the running requests' KV positions plus one row
+//!    each (plus the whole draft of pinned requests) exceed `max_kv_tokens`, the newest running
+//!    request gives its target cache back and goes to the front of the queue, keeping its tokens,
+//!    sampler and proposer; when readmitted it feeds its context again, chunked like a prompt.
+//! 2. **Admit** waiting requests in arrival order (preempted ones first) while fewer than
+//!    `max_num_seqs` run and the context of all of them, plus one row each, fits `max_kv_tokens`.
+//!    A request that does not fit blocks the ones behind it (first come, first served).
+//! 3. **Rows** within `max_num_batched_tokens` (and the KV positions left): one decode row per
+//!    decoding request, with the whole draft of pinned requests; then prompt (or recompute)
+//!    chunks, oldest request first, at most `prefill_chunk` rows each (vLLM V1's chunked prefill
+//!    mixed with decode); then drafts, from what is left, granted by `draft_budget::grant` (or,
+//!    with `DraftBudget::Off`, each request's own length in arrival order, as a fixed-k server).
+//! 4. **Forward and commit** (`step_together::forward_and_commit`); each request's tokens, its end
+//!    or its error come back as a `RequestOutput`.
+//!
+//! Invariant (identical outputs): a request's tokens are exactly those it yields stepped alone.
+//! Rows are computed bitwise independently of what else is in the forward (model/forward.rs), so
+//! batching changes no logits; a recomputed cache equals the one it replaces; and the budget only
+//! cuts drafts of requests whose tokens do not depend on their draft lengths (greedy, unseeded,
+//! or one-hot drafts verified in coupled form: verify.rs). A request whose tokens would change
+//! (seeded sampling with a draft model or head, or any seeded sampling verified on a GPU) is
+//! *pinned*: it always gets the draft it would take alone, or sits the step out.
+//! A failure in one request's plan or commit ends that request alone; a failure of the shared
+//! forward ends every request in it (their caches hold its rows), and the scheduler goes on.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Instant;
 
-use candle_core::Tensor;
-
-use super::session::{Session, StepOutput, StepPlan};
+use super::session::{Generation, PlanLimits, Session, StepPlan};
+use super::step_together::{forward_and_commit, guard};
+use super::{Engine, FinishReason, Speculation};
+use crate::config::SamplingParams;
+use crate::costs::CostSource;
+use crate::draft_budget::{grant, BatchCost, DraftWish};
 use crate::error::{Error, Result};
-use crate::kv_cache::KvCache;
-use crate::model::{ForwardBatch, SeqRows, Tap};
+use crate::metrics::RequestMetrics;
 
-/// One step of every session in `sessions` (finished ones yield nothing), their forwards run as
-/// one. All sessions must run on one model. Returns each session's step result, in order.
-pub fn step_together(sessions: &mut [&mut Session]) -> Result<Vec<Result<StepOutput>>> {
-    if let Some(first) = sessions.first() {
-        let model = first.model().clone();
-        if sessions.iter().any(|s| !Arc::ptr_eq(s.model(), &model)) {
-            return Err(Error::config("step_together gathers sessions of one engine; step the others separately"));
-        }
-    }
-    let mut results: Vec<Option<Result<StepOutput>>> = (0..sessions.len()).map(|_| None).collect();
-    let mut plans: Vec<(usize, StepPlan)> = Vec::new();
-    for (i, session) in sessions.iter_mut().enumerate() {
-        match session.plan() {
-            Ok(Some(plan)) => plans.push((i, plan)),
-            Ok(None) => results[i] = Some(Ok(StepOutput::default())),
-            Err(error) => results[i] = Some(Err(error)),
-        }
-    }
-    if !plans.is_empty() {
-        for (i, outcome) in forward_and_commit(sessions, plans)? {
-            results[i] = Some(outcome);
-        }
-    }
-    Ok(results.into_iter().map(|r| r.expect("every session has a result")).collect())
+/// How each step's draft tokens are decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftBudget {
+    /// Spend draft rows where they buy the most tokens per second of the batch (`draft_budget.rs`).
+    Load,
+    /// Every request drafts what it would alone, whatever the load (vLLM's fixed k).
+    Off,
 }
 
-/// The shared forward over `plans` (session index, plan), then each session's commit.
-fn forward_and_commit(
-    sessions: &mut [&mut Session],
-    plans: Vec<(usize, StepPlan)>,
-) -> Result<Vec<(usize, Result<StepOutput>)>> {
-    let session_taps: Vec<Vec<Tap>> = plans.iter().map(|(i, _)| sessions[*i].taps()).collect();
-    let mut taps: Vec<Tap> = Vec::new();
-    for tap in session_taps.iter().flatten() {
-        if !taps.contains(tap) {
-            taps.push(*tap);
+impl DraftBudget {
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "load" => Ok(Self::Load),
+            "off" => Ok(Self::Off),
+            other => Err(Error::config(format!("draft budget '{other}' is unknown; use 'load' or 'off'"))),
         }
     }
-    let rows: Vec<SeqRows> = plans.iter().map(|(_, plan)| plan.rows.clone()).collect();
-    let planned: Vec<usize> = plans.iter().map(|(i, _)| *i).collect();
-    let model = sessions[planned[0]].model().clone();
-    let mut caches: Vec<&mut KvCache> = sessions
-        .iter_mut()
-        .enumerate()
-        .filter(|(i, _)| planned.contains(i))
-        .map(|(_, session)| session.cache_mut())
-        .collect();
-    let lens: Vec<usize> = caches.iter().map(|cache| cache.len()).collect();
-    let batch = ForwardBatch::new(&rows, &lens, taps.clone())?;
-    let t0 = Instant::now();
-    let out = model.forward_batch(&batch, &mut caches)?;
-    out.logits.device().synchronize()?;
-    let forward_s = t0.elapsed().as_secs_f64();
+}
 
-    let mut logit_start = 0;
-    let mut committed = Vec::with_capacity(plans.len());
-    for (s, ((i, plan), own_taps)) in plans.into_iter().zip(session_taps).enumerate() {
-        let num_logits = plan.rows.logit_rows.len();
-        let logits = out.logits.narrow(0, logit_start, num_logits)?;
-        logit_start += num_logits;
-        let range = batch.seq_range(s);
-        let hidden = own_taps
-            .iter()
-            .map(|tap| {
-                let at = taps.iter().position(|t| t == tap).expect("the batch has every session's taps");
-                Ok((*tap, out.hidden[at].narrow(0, range.start, range.len())?))
-            })
-            .collect::<Result<Vec<(Tap, Tensor)>>>();
-        let outcome = hidden.and_then(|hidden| sessions[i].commit(plan, &logits, &hidden, forward_s));
-        committed.push((i, outcome));
+/// Rows of the batched forward measured for the draft budget's cost curve (`Engine::batch_costs`);
+/// past them the curve is extended along its last slope.
+pub const BUDGET_CURVE_ROWS: usize = 32;
+
+/// KV positions a newly admitted request reserves beyond its prompt (its cache grows by doubling
+/// past them), so memory follows what requests hold rather than what they may one day need.
+const RESERVE_SLACK: usize = 64;
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Requests running at once (vLLM's max_num_seqs).
+    pub max_num_seqs: usize,
+    /// Rows in one forward: decode rows, draft rows and prompt chunks (vLLM's max_num_batched_tokens).
+    pub max_num_batched_tokens: usize,
+    /// Target KV positions held by all running requests together (None: no bound but the context).
+    pub max_kv_tokens: Option<usize>,
+    /// Prompt (or recompute) rows per request per step (None: up to the token budget).
+    pub prefill_chunk: Option<usize>,
+    pub draft_budget: DraftBudget,
+    /// `[T(1), ..., T(n)]` seconds pinning the budget's cost curve (None: the engine's measured one).
+    pub cost_curve_s: Option<Vec<f64>>,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            max_num_seqs: 16,
+            max_num_batched_tokens: 2048,
+            max_kv_tokens: None,
+            prefill_chunk: Some(256),
+            draft_budget: DraftBudget::Load,
+            cost_curve_s: None,
+        }
     }
-    Ok(committed)
+}
+
+impl SchedulerConfig {
+    fn validate(&self) -> Result<()> {
+        if self.max_num_seqs == 0 {
+            return Err(Error::config("max_num_seqs must be at least 1"));
+        }
+        if self.max_num_batched_tokens < self.max_num_seqs {
+            return Err(Error::config(format!(
+                "max_num_batched_tokens ({}) must be at least max_num_seqs ({}): every running request needs a \
+                 row each step",
+                self.max_num_batched_tokens, self.max_num_seqs
+            )));
+        }
+        if self.prefill_chunk == Some(0) {
+            return Err(Error::config("prefill_chunk must be at least 1 token (or None)"));
+        }
+        if self.max_kv_tokens == Some(0) {
+            return Err(Error::config("max_kv_tokens must be at least 1 position (or None)"));
+        }
+        Ok(())
+    }
+}
+
+/// What one step produced for one request.
+#[derive(Debug)]
+pub struct RequestOutput {
+    pub id: u64,
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    /// Set when the request ended this step (finished, aborted, or failed).
+    pub finished: Option<Generation>,
+    /// Why the request failed, if it did (it is then finished).
+    pub error: Option<Error>,
+}
+
+/// What one step did (`Scheduler::step`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepReport {
+    /// Requests with rows in the forward.
+    pub num_sequences: usize,
+    pub num_rows: usize,
+    /// Prompt or recompute rows.
+    pub num_context_rows: usize,
+    /// Draft tokens the requests would have drafted alone.
+    pub num_draft_tokens_wanted: usize,
+    /// Draft tokens the budget allowed.
+    pub num_draft_tokens_granted: usize,
+    /// Draft tokens proposed and verified (a proposer may find fewer than granted).
+    pub num_draft_tokens: usize,
+    pub num_accepted_tokens: usize,
+    pub num_admitted: usize,
+    pub num_preempted: usize,
+    pub num_waiting: usize,
+    pub num_running: usize,
+}
+
+/// Sums of every step's report since the scheduler was made.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SchedulerTotals {
+    pub num_steps: usize,
+    pub num_rows: usize,
+    pub num_draft_tokens_wanted: usize,
+    pub num_draft_tokens_granted: usize,
+    pub num_draft_tokens: usize,
+    pub num_accepted_tokens: usize,
+    pub num_preemptions: usize,
+    pub forward_s: f64,
+}
+
+enum Waiting {
+    /// Not started: its session (and KV cache) is made when admitted.
+    New { id: u64, prompt_ids: Vec<u32>, params: SamplingParams, speculation: Option<Speculation> },
+    /// Preempted: keeps everything but its target KV cache.
+    Preempted { id: u64, session: Session },
+}
+
+impl Waiting {
+    fn id(&self) -> u64 {
+        match self {
+            Waiting::New { id, .. } | Waiting::Preempted { id, .. } => *id,
+        }
+    }
+
+    /// Context positions it will hold once readmitted and fed.
+    fn num_context_tokens(&self) -> usize {
+        match self {
+            Waiting::New { prompt_ids, .. } => prompt_ids.len(),
+            Waiting::Preempted { session, .. } => session.num_context_tokens(),
+        }
+    }
+}
+
+struct Running {
+    id: u64,
+    session: Session,
+}
+
+pub struct Scheduler {
+    engine: Arc<Engine>,
+    config: SchedulerConfig,
+    cost: BatchCost,
+    cost_source: CostSource,
+    waiting: VecDeque<Waiting>,
+    /// In admission order: the newest is preempted first.
+    running: Vec<Running>,
+    /// Ends of requests aborted between steps, returned by the next step.
+    aborted: Vec<RequestOutput>,
+    totals: SchedulerTotals,
+}
+
+impl Scheduler {
+    /// A scheduler over `engine`'s model. The budget's cost curve is `config.cost_curve_s`, or the
+    /// engine's (measured now up to `BUDGET_CURVE_ROWS` rows if the engine measures on demand).
+    pub fn new(engine: Arc<Engine>, config: SchedulerConfig) -> Result<Self> {
+        config.validate()?;
+        let (curve, cost_source) = match &config.cost_curve_s {
+            Some(curve) => (curve.clone(), CostSource::Config),
+            None => engine.batch_costs(BUDGET_CURVE_ROWS, engine.measures_on_demand())?,
+        };
+        let cost = BatchCost::new(&curve).ok_or_else(|| {
+            Error::config(format!("the cost curve needs at least one positive, finite time per row count (got {curve:?})"))
+        })?;
+        Ok(Self {
+            engine,
+            config,
+            cost,
+            cost_source,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            aborted: Vec::new(),
+            totals: SchedulerTotals::default(),
+        })
+    }
+
+    /// Queues a request under `id` (unique among the scheduler's unfinished requests). Everything
+    /// that can be checked before it runs is checked now: sampling parameters, the prompt, the
+    /// context, and the KV bound (prompt + max_tokens must fit `max_kv_tokens`, or it could never
+    /// finish).
+    pub fn add(
+        &mut self,
+        id: u64,
+        prompt_ids: Vec<u32>,
+        params: SamplingParams,
+        speculation: Option<Speculation>,
+    ) -> Result<()> {
+        if self.contains(id) {
+            return Err(Error::config(format!("request id {id} is already in the scheduler; use a new id")));
+        }
+        self.engine.check_request(&prompt_ids, &params)?;
+        if let Some(max_kv) = self.config.max_kv_tokens {
+            let needed = prompt_ids.len() + params.max_tokens;
+            if needed > max_kv {
+                return Err(Error::ContextLength(format!(
+                    "this request needs up to {needed} KV positions ({} in the prompt, {} max_tokens) but the \
+                     scheduler holds at most {max_kv} (max_kv_tokens); shorten the prompt, lower max_tokens or \
+                     raise max_kv_tokens",
+                    prompt_ids.len(),
+                    params.max_tokens
+                )));
+            }
+        }
+        self.waiting.push_back(Waiting::New { id, prompt_ids, params, speculation });
+        Ok(())
+    }
+
+    fn contains(&self, id: u64) -> bool {
+        self.running.iter().any(|r| r.id == id) || self.waiting.iter().any(|w| w.id() == id)
+    }
+
+    /// Stops request `id` (a cancelled client): its caches are freed now and the next step returns
+    /// its end with `FinishReason::Abort`. False if no unfinished request has that id.
+    pub fn abort(&mut self, id: u64) -> bool {
+        if let Some(i) = self.running.iter().position(|r| r.id == id) {
+            let Running { id, mut session } = self.running.remove(i);
+            let ended = guard(|| {
+                session.abort();
+                Ok(())
+            });
+            self.aborted.push(ended_output(id, &session, ended.err()));
+            return true;
+        }
+        let Some(i) = self.waiting.iter().position(|w| w.id() == id) else { return false };
+        let output = match self.waiting.remove(i).expect("the index is in range") {
+            Waiting::New { id, prompt_ids, .. } => RequestOutput {
+                id,
+                token_ids: Vec::new(),
+                text: String::new(),
+                finished: Some(Generation {
+                    prompt_token_ids: prompt_ids,
+                    token_ids: Vec::new(),
+                    text: String::new(),
+                    finish_reason: Some(FinishReason::Abort),
+                    metrics: RequestMetrics::default(),
+                }),
+                error: None,
+            },
+            Waiting::Preempted { id, mut session } => {
+                let ended = guard(|| {
+                    session.abort();
+                    Ok(())
+                });
+                ended_output(id, &session, ended.err())
+            }
+        };
+        self.aborted.push(output);
+        true
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn has_unfinished(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty() || !self.aborted.is_empty()
+    }
+
+    pub fn totals(&self) -> SchedulerTotals {
+        self.totals
+    }
+
+    /// The budget's cost curve: `[T(1), ..., T(n)]` seconds as measured (extended past n), and
+    /// where it came from.
+    pub fn cost_curve(&self) -> (Vec<f64>, CostSource) {
+        ((1..=self.cost.num_measured()).map(|r| self.cost.time_s(r)).collect(), self.cost_source)
+    }
+
+    /// One step of every running request in one forward (see the module header). Returns each
+    /// request's tokens, ends and errors, and what the step did.
+    pub fn step(&mut self) -> Result<(Vec<RequestOutput>, StepReport)> {
+        let mut outputs = std::mem::take(&mut self.aborted);
+        let mut report = StepReport::default();
+        let kv_budget = self.config.max_kv_tokens.unwrap_or(usize::MAX);
+        self.preempt_to_fit(kv_budget, &mut report);
+        self.admit(kv_budget, &mut report, &mut outputs);
+
+        let limits = self.assign_rows(kv_budget, &mut report);
+        let mut plans: Vec<(usize, StepPlan)> = Vec::new();
+        let mut failed: Vec<(usize, Error)> = Vec::new();
+        for (i, limits) in limits.into_iter().enumerate() {
+            let Some(limits) = limits else { continue };
+            let session = &mut self.running[i].session;
+            match guard(|| session.plan_with(limits)) {
+                Ok(Some(plan)) => plans.push((i, plan)),
+                Ok(None) => {}
+                Err(error) => failed.push((i, error)),
+            }
+        }
+        report.num_sequences = plans.len();
+        report.num_rows = plans.iter().map(|(_, p)| p.rows.tokens.len()).sum();
+        report.num_draft_tokens = plans.iter().map(|(_, p)| p.num_draft_tokens()).sum();
+        let accepted_before: Vec<usize> = self.running.iter().map(|r| r.session.num_accepted_tokens()).collect();
+
+        let mut ended: Vec<usize> = Vec::new();
+        if !plans.is_empty() {
+            let planned: Vec<usize> = plans.iter().map(|(i, _)| *i).collect();
+            let mut sessions: Vec<&mut Session> = self.running.iter_mut().map(|r| &mut r.session).collect();
+            match guard(|| forward_and_commit(&mut sessions, plans)) {
+                Ok((committed, forward_s)) => {
+                    self.totals.forward_s += forward_s;
+                    for (i, outcome) in committed {
+                        let running = &self.running[i];
+                        match outcome {
+                            Ok(step) => {
+                                let done = running.session.is_finished();
+                                outputs.push(RequestOutput {
+                                    id: running.id,
+                                    token_ids: step.token_ids,
+                                    text: step.text,
+                                    finished: done.then(|| running.session.result()),
+                                    error: None,
+                                });
+                                if done {
+                                    ended.push(i);
+                                }
+                            }
+                            Err(error) => failed.push((i, error)),
+                        }
+                    }
+                }
+                // The shared forward failed: every request in it has rows of it in its cache.
+                Err(error) => {
+                    for i in planned {
+                        failed.push((i, Error::Internal(format!("the batched forward failed: {error}"))));
+                    }
+                }
+            }
+        }
+        report.num_accepted_tokens = self
+            .running
+            .iter()
+            .zip(&accepted_before)
+            .map(|(r, before)| r.session.num_accepted_tokens() - before)
+            .sum();
+        for (i, error) in failed {
+            let running = &mut self.running[i];
+            let _ = guard(|| {
+                running.session.abort();
+                Ok(())
+            });
+            outputs.push(ended_output(running.id, &running.session, Some(error)));
+            ended.push(i);
+        }
+        ended.sort_unstable();
+        ended.dedup();
+        for i in ended.into_iter().rev() {
+            self.running.remove(i);
+        }
+        report.num_running = self.running.len();
+        report.num_waiting = self.waiting.len();
+        self.count(&report);
+        Ok((outputs, report))
+    }
+
+    /// Step 1: preempt the newest running requests until the rest fit the KV budget for a step.
+    fn preempt_to_fit(&mut self, kv_budget: usize, report: &mut StepReport) {
+        loop {
+            let needed: usize = self.running.iter().map(|r| kv_need(&r.session)).sum();
+            if needed <= kv_budget || self.running.len() <= 1 {
+                return;
+            }
+            let Running { id, mut session } = self.running.pop().expect("more than one request runs");
+            session.preempt();
+            report.num_preempted += 1;
+            self.waiting.push_front(Waiting::Preempted { id, session });
+        }
+    }
+
+    /// Step 2: admit waiting requests, first come first served, while they fit.
+    fn admit(&mut self, kv_budget: usize, report: &mut StepReport, outputs: &mut Vec<RequestOutput>) {
+        while self.running.len() < self.config.max_num_seqs {
+            let Some(front) = self.waiting.front() else { return };
+            let committed: usize = self.running.iter().map(|r| r.session.num_context_tokens() + 1).sum();
+            if committed + front.num_context_tokens() + 1 > kv_budget {
+                return;
+            }
+            match self.waiting.pop_front().expect("the queue has a front") {
+                Waiting::Preempted { id, session } => self.running.push(Running { id, session }),
+                Waiting::New { id, prompt_ids, params, speculation } => {
+                    let reserve = prompt_ids.len() + RESERVE_SLACK;
+                    let engine = &self.engine;
+                    match guard(|| engine.start_reserving(prompt_ids, params, speculation, reserve)) {
+                        Ok(session) => self.running.push(Running { id, session }),
+                        Err(error) => outputs.push(RequestOutput {
+                            id,
+                            token_ids: Vec::new(),
+                            text: String::new(),
+                            finished: None,
+                            error: Some(error),
+                        }),
+                    }
+                }
+            }
+            report.num_admitted += 1;
+        }
+    }
+
+    /// Step 3: each running request's caps for this step (None: it sits the step out).
+    fn assign_rows(&mut self, kv_budget: usize, report: &mut StepReport) -> Vec<Option<PlanLimits>> {
+        let held: usize = self.running.iter().map(|r| r.session.kv_lens().0).sum();
+        let mut token_left = self.config.max_num_batched_tokens;
+        let mut kv_left = kv_budget.saturating_sub(held);
+        let mut limits: Vec<Option<PlanLimits>> = vec![None; self.running.len()];
+        let no_draft = |rows: usize| PlanLimits { max_context_rows: Some(rows), max_draft_tokens: Some(0) };
+
+        // Decode rows, with the whole draft of pinned requests.
+        let mut budgeted: Vec<(usize, DraftWish)> = Vec::new();
+        for (i, running) in self.running.iter().enumerate() {
+            let Some(wish) = running.session.draft_wish() else { continue };
+            report.num_draft_tokens_wanted += wish.max_tokens;
+            let rows = 1 + if wish.pinned { wish.max_tokens } else { 0 };
+            if rows > token_left.min(kv_left) {
+                continue;
+            }
+            token_left -= rows;
+            kv_left -= rows;
+            if wish.pinned {
+                limits[i] = Some(PlanLimits { max_context_rows: None, max_draft_tokens: Some(wish.max_tokens) });
+                report.num_draft_tokens_granted += wish.max_tokens;
+            } else {
+                limits[i] = Some(no_draft(1));
+                budgeted.push((i, wish));
+            }
+        }
+        // Prompt and recompute chunks, oldest request first.
+        for (i, running) in self.running.iter().enumerate() {
+            let unseen = running.session.num_unseen_tokens();
+            if limits[i].is_some() || unseen <= 1 && running.session.draft_wish().is_some() {
+                continue;
+            }
+            let chunk = unseen.min(self.config.prefill_chunk.unwrap_or(usize::MAX)).min(token_left).min(kv_left);
+            if chunk == 0 {
+                continue;
+            }
+            token_left -= chunk;
+            kv_left -= chunk;
+            report.num_context_rows += chunk;
+            limits[i] = Some(no_draft(chunk));
+        }
+        // Drafts from what is left.
+        let max_draft_rows = token_left.min(kv_left);
+        let num_scheduled = limits.iter().filter(|l| l.is_some()).count();
+        let wishes: Vec<DraftWish> = budgeted.iter().map(|(_, w)| *w).collect();
+        let grants: Vec<usize> = match self.config.draft_budget {
+            // Alone, a request drafts what it would alone ("at batch 1 it drafts as today").
+            DraftBudget::Load if num_scheduled > 1 => {
+                let fixed_rows = self.config.max_num_batched_tokens - token_left;
+                grant(&wishes, fixed_rows, max_draft_rows, &self.cost)
+            }
+            _ => {
+                let mut left = max_draft_rows;
+                wishes
+                    .iter()
+                    .map(|w| {
+                        let granted = w.max_tokens.min(left);
+                        left -= granted;
+                        granted
+                    })
+                    .collect()
+            }
+        };
+        for ((i, _), granted) in budgeted.iter().zip(grants) {
+            report.num_draft_tokens_granted += granted;
+            limits[*i] = Some(PlanLimits { max_context_rows: None, max_draft_tokens: Some(granted) });
+        }
+        limits
+    }
+
+    fn count(&mut self, report: &StepReport) {
+        let t = &mut self.totals;
+        t.num_steps += 1;
+        t.num_rows += report.num_rows;
+        t.num_draft_tokens_wanted += report.num_draft_tokens_wanted;
+        t.num_draft_tokens_granted += report.num_draft_tokens_granted;
+        t.num_draft_tokens += report.num_draft_tokens;
+        t.num_accepted_tokens += report.num_accepted_tokens;
+        t.num_preemptions += report.num_preempted;
+    }
+}
+
+/// KV positions a running request needs for its next step: what it holds, one row, and the whole
+/// draft of a pinned request (which is never cut).
+fn kv_need(session: &Session) -> usize {
+    let pinned_draft = session.draft_wish().filter(|w| w.pinned).map_or(0, |w| w.max_tokens);
+    session.kv_lens().0 + 1 + pinned_draft
+}
+
+/// The end of a request that was aborted or failed (its caches already freed).
+fn ended_output(id: u64, session: &Session, error: Option<Error>) -> RequestOutput {
+    RequestOutput { id, token_ids: Vec::new(), text: String::new(), finished: Some(session.result()), error }
 }

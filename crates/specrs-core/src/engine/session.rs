@@ -6,9 +6,12 @@
 //! the returned logits, truncates the cache to what was kept, tells the proposer (`Feedback`),
 //! and emits the tokens. `generate` and the Python stream are loops over `step`.
 //!
-//! Invariant: after every commit of an unfinished request, the cache holds exactly the prompt
-//! plus every generated token but the newest one (which the next forward consumes), so
-//! `cache.len() == all_ids.len() - 1`; rejected draft tokens never stay in the cache.
+//! A scheduler may cap a plan (`plan_with`: context rows, draft tokens) and may take a request's
+//! cache away (`preempt`); the next plans then feed the context again before decoding resumes.
+//!
+//! Invariant: after every commit of an unfinished request that was not preempted, the cache holds
+//! exactly the prompt plus every generated token but the newest one (which the next forward
+//! consumes), so `cache.len() == all_ids.len() - 1`; rejected draft tokens never stay in the cache.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -18,6 +21,7 @@ use candle_core::Tensor;
 use super::{lock, Engine, Speculation};
 use crate::config::SamplingParams;
 use crate::costs::CostSource;
+use crate::draft_budget::DraftWish;
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
@@ -30,32 +34,29 @@ use crate::verify::{verify, Verification};
 
 impl Engine {
     /// Starts a request, speculative when `speculation` is given. Fails with `ContextLength` when
-    /// prompt + max_tokens exceeds the context.
+    /// prompt + max_tokens exceeds the context. Its KV cache reserves room for the whole request.
     pub fn start(
         &self,
         prompt_ids: Vec<u32>,
         params: SamplingParams,
         speculation: Option<Speculation>,
     ) -> Result<Session> {
-        params.validate()?;
-        if prompt_ids.is_empty() {
-            return Err(Error::config("the prompt is empty; pass at least one token"));
-        }
-        let vocab = self.model.info().vocab_size;
-        if let Some(bad) = prompt_ids.iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::config(format!("prompt token id {bad} is outside the vocabulary (size {vocab})")));
-        }
-        let context = self.model.info().context_length;
         let needed = prompt_ids.len() + params.max_tokens;
-        if needed > context {
-            return Err(Error::ContextLength(format!(
-                "this model's maximum context length is {context} tokens, but {needed} were requested \
-                 ({} in the prompt, {} max_tokens); shorten the prompt or lower max_tokens",
-                prompt_ids.len(),
-                params.max_tokens
-            )));
-        }
-        let cache = self.model.new_cache(needed)?.tracked_by(self.target_kv.clone());
+        self.start_reserving(prompt_ids, params, speculation, needed)
+    }
+
+    /// `start` with `reserve` KV positions allocated up front; the cache grows (by doubling) past
+    /// them as the request needs. A scheduler that counts what requests hold, not what they may
+    /// one day need, reserves little.
+    pub fn start_reserving(
+        &self,
+        prompt_ids: Vec<u32>,
+        params: SamplingParams,
+        speculation: Option<Speculation>,
+        reserve: usize,
+    ) -> Result<Session> {
+        self.check_request(&prompt_ids, &params)?;
+        let cache = self.model.new_cache(reserve.max(1))?.tracked_by(self.target_kv.clone());
         let timer = RequestTimer::new();
         let mut speculation = speculation;
         if let Some(speculation) = speculation.as_mut() {
@@ -79,6 +80,30 @@ impl Engine {
             engine_metrics: self.metrics.clone(),
             prefill_chunk: None,
         })
+    }
+
+    /// What `start` refuses before allocating anything: bad sampling parameters, an empty prompt,
+    /// token ids outside the vocabulary, or prompt + max_tokens past the context.
+    pub fn check_request(&self, prompt_ids: &[u32], params: &SamplingParams) -> Result<()> {
+        params.validate()?;
+        if prompt_ids.is_empty() {
+            return Err(Error::config("the prompt is empty; pass at least one token"));
+        }
+        let vocab = self.model.info().vocab_size;
+        if let Some(bad) = prompt_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::config(format!("prompt token id {bad} is outside the vocabulary (size {vocab})")));
+        }
+        let context = self.model.info().context_length;
+        let needed = prompt_ids.len() + params.max_tokens;
+        if needed > context {
+            return Err(Error::ContextLength(format!(
+                "this model's maximum context length is {context} tokens, but {needed} were requested \
+                 ({} in the prompt, {} max_tokens); shorten the prompt or lower max_tokens",
+                prompt_ids.len(),
+                params.max_tokens
+            )));
+        }
+        Ok(())
     }
 
     /// Runs a request to completion.
@@ -137,12 +162,22 @@ pub struct Generation {
 /// What kind of forward a plan asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum PlanKind {
-    /// A prompt chunk that yields no token (chunked prefill).
+    /// Context rows that yield no token: a prompt chunk (chunked prefill), or part of the context
+    /// of a preempted request being recomputed.
     PrefillChunk,
     /// The (rest of the) prompt: yields the first token.
     Prefill,
     /// The newest token and a draft (possibly empty).
     Decode,
+}
+
+/// Caps a scheduler puts on one session's next plan (`Session::plan_with`); None: no cap.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PlanLimits {
+    /// Context rows (prompt, or the context of a preempted request) this step may feed.
+    pub max_context_rows: Option<usize>,
+    /// Draft tokens this step may verify.
+    pub max_draft_tokens: Option<usize>,
 }
 
 /// One session's part of the next forward (`Session::plan`), handed back to `Session::commit`.
@@ -156,6 +191,13 @@ pub struct StepPlan {
     cache_len: usize,
     /// Rows of `rows` that are context (prompt or newest token), before the draft.
     num_unseen: usize,
+}
+
+impl StepPlan {
+    /// Draft tokens this plan verifies.
+    pub fn num_draft_tokens(&self) -> usize {
+        self.draft.token_ids.len()
+    }
 }
 
 pub struct Session {
@@ -234,12 +276,28 @@ impl Session {
     /// prompt, or the newest token followed by the proposer's draft. None once finished. The
     /// forward must append exactly these rows to `cache_mut()` before `commit`.
     pub fn plan(&mut self) -> Result<Option<StepPlan>> {
+        self.plan_with(PlanLimits::default())
+    }
+
+    /// `plan` within a scheduler's caps: at most `max_context_rows` context rows (on top of the
+    /// session's own prefill chunk) and at most `max_draft_tokens` draft tokens (on top of what
+    /// the request's own speculation settings ask for). After `preempt`, the context is fed again
+    /// from the start, in chunks, before decoding resumes.
+    pub fn plan_with(&mut self, limits: PlanLimits) -> Result<Option<StepPlan>> {
         if self.is_finished() {
             return Ok(None);
         }
         let cache_len = self.cache.len();
-        if let Some(chunk) = self.prefill_chunk.filter(|&chunk| self.prompt_len.saturating_sub(cache_len) > chunk) {
-            // A prompt chunk alone yields no token; its logits are not needed.
+        let num_unseen = self.all_ids.len() - cache_len;
+        let chunk_limit = match (self.prefill_chunk, limits.max_context_rows) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        if let Some(chunk) = chunk_limit.filter(|&chunk| num_unseen > chunk) {
+            if chunk == 0 {
+                return Err(Error::Internal("plan_with: a scheduler gave a session no context row".into()));
+            }
+            // A context chunk alone yields no token; its logits are not needed.
             let tokens = self.all_ids[cache_len..cache_len + chunk].to_vec();
             return Ok(Some(StepPlan {
                 rows: SeqRows::chain(tokens, LogitRows::None),
@@ -249,10 +307,10 @@ impl Session {
                 num_unseen: chunk,
             }));
         }
-        let is_prefill = cache_len < self.prompt_len;
-        let draft = if is_prefill { Draft::default() } else { self.propose()? };
+        let is_prefill = self.all_ids.len() == self.prompt_len;
+        // A draft needs the whole context in the cache (a layer-skip draft extends it).
+        let draft = if num_unseen > 1 { Draft::default() } else { self.propose(limits.max_draft_tokens)? };
         let mut input = self.all_ids[cache_len..].to_vec();
-        let num_unseen = input.len();
         input.extend_from_slice(&draft.token_ids);
         // Logits for the newest token and every draft token: [num_draft_tokens + 1, vocab].
         let num_logit_rows = draft.token_ids.len() + 1;
@@ -360,7 +418,8 @@ impl Session {
         }
         let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
         let vocab = self.model.info().vocab_size;
-        verify(&logits, vocab, &draft.token_ids, draft.probs.as_deref(), &self.params, &mut self.sampler)
+        let position = self.all_ids.len();
+        verify(&logits, vocab, &draft.token_ids, draft.probs.as_deref(), &self.params, &mut self.sampler, position)
     }
 
     #[cfg(feature = "cuda")]
@@ -391,19 +450,16 @@ impl Session {
     /// overshoots it, fewer when the schedule or the cost-aware policy says so, chosen before
     /// proposing so a model-based draft computes only what will be verified), checked, and cut
     /// after the first token below the confidence threshold.
-    fn propose(&mut self) -> Result<Draft> {
-        let remaining = self.params.max_tokens - self.generated_ids().len();
+    /// `cap`: a scheduler's limit on top of the request's own choice; the request's own state
+    /// (its cost-aware policy) evolves as it would alone, so a cut by load is never taken for
+    /// the request's own decision not to draft.
+    fn propose(&mut self, cap: Option<usize>) -> Result<Draft> {
+        let (settings_max, own) = self.own_draft_lengths();
         let Some(speculation) = self.speculation.as_mut() else { return Ok(Draft::default()) };
-        let mut max_draft = speculation.num_speculative_tokens.min(remaining.saturating_sub(1));
-        if let Some(schedule) = &speculation.schedule {
-            max_draft = max_draft.min(schedule.current());
+        if let Some(policy) = speculation.draft_length.as_mut().filter(|_| settings_max > 0 && own == 0) {
+            policy.skipped();
         }
-        if let Some(policy) = speculation.draft_length.as_mut().filter(|_| max_draft > 0) {
-            max_draft = policy.best_length(max_draft);
-            if max_draft == 0 {
-                policy.skipped();
-            }
-        }
+        let max_draft = cap.map_or(own, |cap| own.min(cap));
         if max_draft == 0 {
             return Ok(Draft::default());
         }
@@ -431,6 +487,89 @@ impl Session {
             }
         }
         Ok(draft)
+    }
+
+    /// (what the request's settings allow: k, max_tokens, the heuristic schedule; what it would
+    /// draft alone: that, cut by its cost-aware policy). Both 0 without speculation.
+    fn own_draft_lengths(&self) -> (usize, usize) {
+        let Some(speculation) = self.speculation.as_ref() else { return (0, 0) };
+        let remaining = self.params.max_tokens - self.generated_ids().len();
+        let mut settings_max = speculation.num_speculative_tokens.min(remaining.saturating_sub(1));
+        if let Some(schedule) = &speculation.schedule {
+            settings_max = settings_max.min(schedule.current());
+        }
+        let own = match &speculation.draft_length {
+            Some(policy) if settings_max > 0 => policy.best_length(settings_max),
+            _ => settings_max,
+        };
+        (settings_max, own)
+    }
+
+    /// What this request would draft alone next step, for a scheduler budgeting drafts by load
+    /// (`draft_budget.rs`); None unless its context is complete (the next plan decodes).
+    pub fn draft_wish(&self) -> Option<DraftWish> {
+        if self.is_finished() || self.all_ids.len() - self.cache.len() != 1 || self.all_ids.len() == self.prompt_len {
+            return None;
+        }
+        let (_, own) = self.own_draft_lengths();
+        let policy = self.speculation.as_ref().and_then(|s| s.draft_length.as_ref());
+        let acceptance = match policy {
+            Some(policy) => policy.acceptance(),
+            // No policy (a fixed k): accepted tokens over accepted tokens plus drafts, with the
+            // policy's prior of one of each (each draft holds at most one rejection).
+            None => {
+                let m = &self.spec_metrics;
+                (m.num_accepted_tokens as f64 + 1.0) / (m.num_accepted_tokens as f64 + m.num_drafts as f64 + 2.0)
+            }
+        };
+        Some(DraftWish {
+            max_tokens: own,
+            acceptance,
+            draft_cost: policy.map_or(0.0, |p| p.draft_cost()),
+            pinned: self.output_depends_on_draft_lengths(),
+        })
+    }
+
+    /// Whether this request's tokens would change if its drafts were cut: a seeded sampled request
+    /// whose drafts carry probabilities (their rejection sampling draws depend on the draft), or
+    /// whose verification runs on a GPU (the acceptance kernel is uncoupled; verify.rs). Greedy
+    /// requests, unseeded ones (no output to reproduce) and one-hot drafts verified on the host
+    /// emit the same tokens whatever their draft lengths.
+    pub fn output_depends_on_draft_lengths(&self) -> bool {
+        let Some(speculation) = self.speculation.as_ref() else { return false };
+        if self.params.is_greedy() || self.params.seed.is_none() {
+            return false;
+        }
+        !speculation.one_hot_drafts || self.model.device().is_cuda()
+    }
+
+    /// Frees the target KV cache of an unfinished request (a scheduler short of KV memory); the
+    /// request keeps its tokens, sampler, proposer and metrics, and its next plans feed its context
+    /// again (chunked like a prompt) before it decodes on. Rows are computed independently, so the
+    /// recomputed cache is the one it had, and the output does not change.
+    pub fn preempt(&mut self) {
+        if self.is_finished() {
+            return;
+        }
+        self.cache.release();
+        if let Some(speculation) = self.speculation.as_mut() {
+            speculation.proposer.target_context_dropped();
+        }
+    }
+
+    /// Tokens of prompt + output so far; once the context is fed, the cache holds all but the newest.
+    pub fn num_context_tokens(&self) -> usize {
+        self.all_ids.len()
+    }
+
+    /// Context tokens the cache does not hold yet (1 when decoding: the newest token).
+    pub fn num_unseen_tokens(&self) -> usize {
+        self.all_ids.len() - self.cache.len()
+    }
+
+    /// Draft tokens accepted so far.
+    pub fn num_accepted_tokens(&self) -> usize {
+        self.spec_metrics.num_accepted_tokens
     }
 
     /// Positions held by the target's KV cache and by the proposer's own, if it has one.

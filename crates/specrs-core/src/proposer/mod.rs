@@ -15,6 +15,7 @@ pub mod layer_skip;
 pub mod ngram;
 pub mod pard;
 pub mod suffix;
+pub mod suffix_store;
 
 use crate::config::SamplingParams;
 use crate::error::{Error, Result};
@@ -145,10 +146,16 @@ pub trait Proposer: Send {
     /// The target's hidden states at `taps()` (in that order, each `[n, hidden_size]`) of the
     /// context positions `start..start + n` that stay in the cache, after every forward of the
     /// request: prompt chunks, the prompt, and each verification, with or without a draft.
-    /// Successive calls cover the context without gaps or overlap.
+    /// Successive calls cover the context without gaps or overlap, except after
+    /// `target_context_dropped`, when they start again from position 0.
     fn observe_hidden(&mut self, _start: usize, _hidden: &[Tensor]) -> Result<()> {
         Ok(())
     }
+
+    /// The target's KV cache was freed (the request was preempted) and the context will be fed
+    /// again from position 0: a proposer holding state per target position (a head's hidden
+    /// rows) drops it.
+    fn target_context_dropped(&mut self) {}
 
     /// What the target made of the last draft.
     fn observe(&mut self, _feedback: &Feedback<'_>) -> Result<()> {

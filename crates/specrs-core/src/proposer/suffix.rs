@@ -510,6 +510,29 @@ impl SuffixCache {
         self.responses.len()
     }
 
+    pub fn max_tree_depth(&self) -> usize {
+        self.tree.max_depth()
+    }
+
+    pub fn max_cached_requests(&self) -> usize {
+        self.max_cached_requests
+    }
+
+    /// The cached responses, oldest first. Inserting them in this order into an empty cache of the
+    /// same limits rebuilds this cache: the same responses, and (by the tree's invariant) the same
+    /// nodes with the same counts, hence the same drafts; only the arena's layout may differ.
+    pub fn responses(&self) -> impl ExactSizeIterator<Item = &[u32]> {
+        self.responses.iter().map(Vec::as_slice)
+    }
+
+    /// Takes `other`'s contents in place (a loaded cache), with a generation newer than both, so
+    /// proposers holding match nodes of the old tree rebuild them before reading the new one.
+    pub fn replace_with(&mut self, other: SuffixCache) {
+        let generation = self.generation.max(other.generation) + 1;
+        *self = other;
+        self.generation = generation;
+    }
+
     pub fn num_nodes(&self) -> usize {
         self.tree.num_nodes()
     }
@@ -584,8 +607,9 @@ impl SuffixProposer {
     }
 
     /// The shared cache. A panic while it was locked may have left the tree half-updated, so a
-    /// poisoned cache is emptied rather than trusted (drafts only cost speed).
-    fn lock_global(global: &Mutex<SuffixCache>) -> MutexGuard<'_, SuffixCache> {
+    /// poisoned cache is emptied rather than trusted (drafts only cost speed). Everything that locks
+    /// an engine-wide cache goes through here (saving it to disk too).
+    pub(crate) fn lock_global(global: &Mutex<SuffixCache>) -> MutexGuard<'_, SuffixCache> {
         match global.lock() {
             Ok(guard) => guard,
             Err(poisoned) => {
@@ -925,6 +949,45 @@ mod tests {
         assert_eq!(dump(&cache.tree), dump(&fresh.tree));
         // Slots freed by eviction are reused, so the arena stays near its peak.
         assert!(cache.tree.arena.nodes.len() <= 2 * fresh.tree.arena.nodes.len());
+    }
+
+    /// The claim suffix_store.rs rests on: a cache rebuilt from its responses (oldest first) has
+    /// the original's nodes and counts, even after evictions and wide nodes left the original's
+    /// arena, free list and edge map shaped by its history.
+    #[test]
+    fn cache_rebuilt_from_its_responses_equals_the_original() {
+        let mut rng = Rng(5);
+        let mut original = SuffixCache::new(6, 5);
+        for i in 0..23 {
+            original.insert_response(&rng.sequence(5, 60, [3, 20, 40][i % 3]));
+        }
+        let mut rebuilt = SuffixCache::new(original.max_tree_depth(), original.max_cached_requests());
+        for r in original.responses() {
+            rebuilt.insert_response(r);
+        }
+        assert_eq!(rebuilt.responses().collect::<Vec<_>>(), original.responses().collect::<Vec<_>>());
+        assert_eq!(dump(&rebuilt.tree), dump(&original.tree));
+        assert_eq!(rebuilt.tree.count(&[]), original.tree.count(&[]));
+    }
+
+    /// A proposer holding match nodes of the old tree must not read them in the new one: the
+    /// generation after `replace_with` is new even when both caches had the same generation.
+    #[test]
+    fn replaced_cache_invalidates_match_nodes() {
+        let p = SuffixParams::default();
+        let global = cache_with(&p, &[vec![5, 6, 7, 8, 9, 10]]);
+        let mut proposer = SuffixProposer::new(p.clone(), global.clone());
+        assert_eq!(proposer.propose(&[5, 6], 4).unwrap().token_ids, vec![7]);
+        let mut loaded = SuffixCache::new(p.max_tree_depth, p.max_cached_requests);
+        loaded.insert_response(&[1, 2, 3, 4, 5, 6, 40, 41, 42]);
+        let before = (global.lock().unwrap().generation, loaded.generation);
+        assert_eq!(before.0, before.1);
+        global.lock().unwrap().replace_with(loaded);
+        assert!(global.lock().unwrap().generation > before.0);
+        let context = [5, 6, 40];
+        let expected = reference_propose(&context, &[vec![1, 2, 3, 4, 5, 6, 40, 41, 42]], &p, 4);
+        assert_eq!(expected, vec![41, 42]);
+        assert_eq!(proposer.propose(&context, 4).unwrap().token_ids, expected);
     }
 
     #[test]

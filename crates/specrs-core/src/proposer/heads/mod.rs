@@ -259,6 +259,16 @@ impl Proposer for HeadProposer {
         self.head.taps()
     }
 
+    fn target_context_dropped(&mut self) {
+        // Its own caches follow the target's hidden rows position by position: refed from 0 too.
+        for cache in &mut self.caches {
+            cache.truncate(0);
+        }
+        self.fed = 0;
+        self.pending.clear();
+        self.pending_rows = 0;
+    }
+
     fn observe_hidden(&mut self, start: usize, hidden: &[Tensor]) -> Result<()> {
         if start != self.fed + self.pending_rows {
             return Err(self.internal(&format!(
