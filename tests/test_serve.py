@@ -1,7 +1,7 @@
 """`specrs serve` against the official `openai` client: a live server process on the real model.
 
-The server starts with suffix decoding as its default and at most 4 requests generating at once,
-so 16 parallel requests also exercise the queue. Every greedy answer is checked against the same
+The server starts with suffix decoding as its default and at most 4 requests generating at once
+(batched into one forward per step), so 16 parallel requests also exercise the queue. Every greedy answer is checked against the same
 request run in this process without the server.
 """
 
@@ -192,10 +192,11 @@ def test_stop_strings(engine, client, model_name):
         assert (text, finish_reason) == (expected, "stop")
 
 
-@pytest.mark.parametrize("speculative", [False, NGRAM], ids=["off", "ngram"])
+@pytest.mark.parametrize("speculative", [False, NGRAM, None], ids=["off", "ngram", "suffix"])
 def test_seeded_sampling_is_reproducible(client, model_name, speculative):
-    """Same seed, same drafts, same tokens. (Not with suffix decoding: each answer joins its
-    cache, so a repeated request gets other drafts, which consume the random stream differently.)"""
+    """Same seed, same tokens, whatever the drafts: with suffix decoding a repeated request drafts
+    from a cache that now holds its first answer, and one-hot drafts are verified in coupled form
+    (verify.rs), so the sampled tokens do not depend on them."""
     def sample(seed):
         return client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=24,
                                          temperature=0.9, seed=seed,
@@ -203,20 +204,37 @@ def test_seeded_sampling_is_reproducible(client, model_name, speculative):
     assert sample(7) == sample(7) != sample(8)
 
 
+LAYER_SKIP = {"method": "layer_skip", "exit_layer": 20, "num_speculative_tokens": 3}
+
+
+def _ask_streaming(client, model_name, prompt: str, max_tokens: int, speculative, seed: int | None) -> str:
+    """A streamed chat answer: greedy, or sampled with `seed`."""
+    body = {} if speculative is None else {"speculative": speculative}
+    sampling = {"temperature": 0} if seed is None else {"temperature": 0.8, "top_p": 0.95, "seed": seed}
+    out = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": prompt}],
+                                         max_tokens=max_tokens, stream=True, extra_body=body, **sampling)
+    return "".join(chunk.choices[0].delta.content or "" for chunk in out if chunk.choices)
+
+
 def test_parallel_streams_match_serving_alone(engine, server, client, model_name):
-    """16 streaming greedy requests at once (4 generate, the rest queue): each answer is exactly
-    the answer it gets alone, and the server answers health checks and metrics meanwhile."""
-    jobs = [(PROMPTS[i % len(PROMPTS)], [None, NGRAM, False, {"num_speculative_tokens": 2}][i % 4]) for i in range(16)]
+    """16 streaming requests at once (4 generate per batched step, the rest queue), with mixed
+    methods (the server's suffix default, ngram, off, a layer-skip draft model), prompts of a few
+    words to a few hundred tokens, greedy and seeded sampling: each answer is exactly the answer it
+    gets alone, and the server answers health checks and metrics meanwhile."""
+    methods = [None, NGRAM, False, LAYER_SKIP]
+    jobs = [(PROMPTS[i % len(PROMPTS)] * (20 if i % 5 == 4 else 1), methods[i % 4], 100 + i if i % 3 == 1 else None)
+            for i in range(16)]
     max_tokens = 40
     results: dict[int, str] = {}
     errors = []
 
-    def run(i, prompt, speculative):
+    def run(i, prompt, speculative, seed):
         try:
-            results[i] = _ask(client, model_name, "chat", prompt, max_tokens, True, speculative)[0]
+            results[i] = _ask_streaming(client, model_name, prompt, max_tokens, speculative, seed)
         except Exception as e:  # reported below; a thread's exception would be lost
             errors.append(repr(e))
 
+    steps_before = _metric(server, "specrs:scheduler_steps_total")
     threads = [threading.Thread(target=run, args=(i, *job)) for i, job in enumerate(jobs)]
     for t in threads:
         t.start()
@@ -234,10 +252,15 @@ def test_parallel_streams_match_serving_alone(engine, server, client, model_name
     assert not errors, errors
     assert seen_waiting > 0, "16 requests with --max-num-seqs 4 should queue"
     assert max(health_s) < 2.0, f"health took up to {max(health_s):.2f} s during generation"
-    for i, (prompt, speculative) in enumerate(jobs):
-        alone = _ask(client, model_name, "chat", prompt, max_tokens, True, speculative)[0]
+    batched_steps = _metric(server, "specrs:scheduler_steps_total") - steps_before
+    for i, (prompt, speculative, seed) in enumerate(jobs):
+        alone = _ask_streaming(client, model_name, prompt, max_tokens, speculative, seed)
         assert results[i] == alone, f"request {i} differs when served in parallel"
-        assert alone == _local(engine, prompt, "chat", max_tokens)
+        if seed is None:
+            assert alone == _local(engine, prompt, "chat", max_tokens)
+    # The 16 requests shared forwards: far fewer steps than their tokens (>= 16 * 40 alone, minus
+    # early ends) would take one by one.
+    assert 0 < batched_steps < 16 * max_tokens / 2, batched_steps
 
 
 def _wait_idle(server: str, timeout: float = 30) -> None:
@@ -315,13 +338,21 @@ def test_metrics_exposition(server, client, model_name):
     for series in ("specrs:spec_decode_num_drafts_total", "specrs:spec_decode_num_draft_tokens_total",
                    "specrs:spec_decode_num_accepted_tokens_total", "specrs:spec_decode_num_accepted_tokens_per_pos_total",
                    "specrs:time_to_first_token_seconds_bucket", "specrs:inter_token_latency_seconds_bucket",
-                   "specrs:e2e_request_latency_seconds_count", "specrs:num_requests_waiting"):
+                   "specrs:e2e_request_latency_seconds_count", "specrs:num_requests_waiting",
+                   "specrs:scheduler_steps_total", "specrs:scheduler_draft_tokens_wanted_total",
+                   "specrs:scheduler_draft_tokens_granted_total", "specrs:scheduler_draft_tokens_accepted_total",
+                   "specrs:num_preemptions_total", "specrs:scheduler_batch_size_bucket"):
         assert series in text, series
     assert _metric(server, "specrs:spec_decode_num_drafts_total", method="ngram") > 0
     accepted = _metric(server, "specrs:spec_decode_num_accepted_tokens_total", method="ngram")
     per_pos = [_metric(server, "specrs:spec_decode_num_accepted_tokens_per_pos_total", method="ngram", position=str(i))
                for i in range(4)]
     assert accepted == sum(per_pos) > 0 and per_pos == sorted(per_pos, reverse=True)
+    wanted = _metric(server, "specrs:scheduler_draft_tokens_wanted_total")
+    granted = _metric(server, "specrs:scheduler_draft_tokens_granted_total")
+    verified = _metric(server, "specrs:scheduler_draft_tokens_verified_total")
+    assert wanted >= granted >= verified > 0
+    assert _metric(server, "specrs:scheduler_draft_tokens_accepted_total") <= verified
 
 
 def test_build_app_serves_a_custom_python_proposer(engine):

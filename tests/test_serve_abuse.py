@@ -457,8 +457,9 @@ def test_serve_never_measures_costs_inside_a_request(monkeypatch, tmp_path):
     specrs.serve.serve(log_level="warning")
     engine = served[0].state.scheduler.engine
     params = specrs.SamplingParams(max_tokens=4)
-    # k up to 8 reads the curve measured at startup; a longer draft extends it, measuring nothing.
-    for k, sources in ((8, ("measured", "cached", "disturbed")), (20, ("extrapolated",))):
+    # Drafts of up to 31 tokens read the curve measured at startup (the draft budget's, 1..32
+    # rows); a longer draft extends it, measuring nothing.
+    for k, sources in ((8, ("measured", "cached", "disturbed")), (40, ("extrapolated",))):
         r = engine.generate("Hello", params, speculative_config={"method": "ngram", "num_speculative_tokens": k})
         assert r.metrics["verify_cost_source"] in sources, (k, r.metrics["verify_cost_source"])
 
@@ -471,12 +472,12 @@ def test_a_dead_generation_loop_makes_health_unhealthy(engine, caplog):
     app = build_app(engine, MODEL, max_num_seqs=2)
     scheduler = app.state.scheduler
 
-    def broken_admissions():
-        while not scheduler._waiting:  # the bug strikes once a request is queued
+    def broken_submissions():
+        while not scheduler._submitted:  # the bug strikes once a request is queued
             threading.Event().wait(0.01)
         raise RuntimeError("injected scheduler bug")
 
-    scheduler._next_admissions = broken_admissions
+    scheduler._next_submissions = broken_submissions
     with TestClient(app) as http:
         response = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
         assert _error(response, 503)["message"].count("injected scheduler bug") == 1

@@ -118,6 +118,37 @@ class Engine:
     def save_suffix_cache(self, path: str | PathLike[str]) -> int: ...
     def load_suffix_cache(self, path: str | PathLike[str]) -> int: ...
 
+@final
+class Scheduler:
+    def __new__(
+        cls,
+        engine: Engine,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 2048,
+        max_kv_tokens: int | None = None,
+        prefill_chunk: int | None = 256,
+        draft_budget: str = "load",
+        cost_curve_s: list[float] | None = None,
+    ) -> Scheduler: ...
+    def add(
+        self,
+        request_id: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        speculative_config: str | None = None,
+        proposer: Any = None,
+    ) -> None: ...
+    def abort(self, request_id: int) -> bool: ...
+    def step(self) -> tuple[list[dict], dict]: ...
+    def totals(self) -> dict: ...
+    def cost_curve(self) -> tuple[list[float], str]: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def has_unfinished(self) -> bool: ...
+
 def batch_accept(
     target_logits: npt.NDArray[np.float32],
     draft_token_ids: npt.NDArray[np.uint32],

@@ -75,7 +75,9 @@ def _requantize(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     serve.serve(args.model, speculative_config=args.speculative_config, host=args.host, port=args.port,
                 device=args.device, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
-                prefill_chunk=args.prefill_chunk or None, max_request_body_bytes=args.max_request_body_bytes,
+                prefill_chunk=args.prefill_chunk or None,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_kv_tokens=args.max_kv_tokens,
+                draft_budget=args.draft_budget, max_request_body_bytes=args.max_request_body_bytes,
                 default_max_tokens=args.default_max_tokens, log_level=args.log_level,
                 suffix_cache=args.suffix_cache, suffix_cache_save_every=args.suffix_cache_save_every,
                 suffix_cache_start_empty_on_error=args.suffix_cache_start_empty_on_error)
@@ -154,7 +156,18 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="the name clients pass as `model` "
                      "(default: MODEL as given, or the default model's file name)")
     srv.add_argument("--max-num-seqs", type=int, default=16,
-                     help="requests generated at once, taking turns step by step; the rest wait in a queue")
+                     help="requests generated at once, all in one batched forward per step; the rest wait in a "
+                          "queue")
+    srv.add_argument("--max-num-batched-tokens", type=int, default=serve.DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                     help="rows in one forward: every request's newest token, its draft, and prompt chunks "
+                          "(default: 2048)")
+    srv.add_argument("--max-kv-tokens", type=int, default=None,
+                     help="KV cache positions held by all running requests together; past it the newest "
+                          "request is preempted and recomputed later (default: no bound but each context)")
+    srv.add_argument("--draft-budget", choices=["load", "off"], default="load",
+                     help="load: grant draft tokens where they pay at the current batch size, from the measured "
+                          "batch cost curve and each request's acceptance (a request alone drafts as it would "
+                          "alone); off: every request drafts its own length whatever the load (vLLM's fixed k)")
     srv.add_argument("--prefill-chunk", type=int, default=serve.DEFAULT_PREFILL_CHUNK,
                      help="prompt tokens fed per step, so a long prompt does not stall the other streams "
                           "(0: whole prompts)")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence, Union
+from typing import Any, Iterator, Mapping, Sequence, Union, overload
 
 from . import _specrs
-from .errors import ConfigError
+from .errors import ConfigError, SpecrsError
 from .models import resolve_model
 
 SamplingParams = _specrs.SamplingParams
@@ -60,6 +62,39 @@ def _text(text: str, what: str) -> str:
         raise ConfigError(f"{what} holds a lone UTF-16 surrogate at index {e.start} ({text[e.start]!r}), which is "
                           "not text; pass valid Unicode") from None
     return text
+
+
+def _is_prompt_list(prompt: Any) -> bool:
+    """A list of prompts rather than one: a list of strings, or of token-id or chat-message lists
+    (a list of ints or of dicts is one prompt)."""
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        return False
+    return all(isinstance(p, str) or (isinstance(p, Sequence) and not isinstance(p, (str, bytes))) for p in prompt)
+
+
+class _ProgressBar:
+    """`done/total` requests with throughput on one stderr line, redrawn as requests finish."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.start_s = total, 0, time.perf_counter()
+        self._draw()
+
+    def advance(self) -> None:
+        self.done += 1
+        self._draw()
+
+    def _draw(self) -> None:
+        width = 30
+        filled = width * self.done // max(self.total, 1)
+        elapsed_s = time.perf_counter() - self.start_s
+        rate = self.done / elapsed_s if elapsed_s > 0 else 0.0
+        sys.stderr.write(f"\rspecrs generate [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                         f"requests, {elapsed_s:.1f} s, {rate:.2f} req/s")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+        sys.stderr.flush()
 
 
 def expected_speedup(
@@ -268,6 +303,7 @@ class Engine:
             proposer = self.proposer
         return config_json, proposer
 
+    @overload
     def generate(
         self,
         prompt: Prompt,
@@ -275,13 +311,88 @@ class Engine:
         *,
         speculative_config: SpecConfig | None | bool = None,
         proposer: Any = None,
-    ) -> GenerationResult:
-        """Runs one request. `speculative_config`: None = the engine's default, False = no
-        speculation, a dict or JSON text = that config for this request."""
+    ) -> GenerationResult: ...
+
+    @overload
+    def generate(
+        self,
+        prompt: list[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        speculative_config: SpecConfig | None | bool = None,
+        proposer: Any = None,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 2048,
+        draft_budget: str = "load",
+        progress: bool = True,
+    ) -> list[GenerationResult]: ...
+
+    def generate(
+        self,
+        prompt,
+        params=None,
+        *,
+        speculative_config=None,
+        proposer=None,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 2048,
+        draft_budget: str = "load",
+        progress: bool = True,
+    ):
+        """Runs one request, or a list of them. `speculative_config`: None = the engine's default,
+        False = no speculation, a dict or JSON text = that config for this request.
+
+        A list of prompts (strings, token-id lists or chat-message lists; `params` one for all or
+        one each) runs with continuous batching (`specrs_core::Scheduler`): up to `max_num_seqs`
+        requests per step in one forward of at most `max_num_batched_tokens` rows, drafts granted
+        by load (`draft_budget` "load", or "off" for each request's own length). The results come
+        back in the prompts' order, each exactly what the prompt gets alone. `progress` draws a
+        progress bar on stderr."""
+        if _is_prompt_list(prompt):
+            return self._generate_batch(list(prompt), params, speculative_config, proposer, max_num_seqs,
+                                        max_num_batched_tokens, draft_budget, progress)
+        if isinstance(params, Sequence):
+            raise ConfigError("a list of SamplingParams needs a list of prompts (one each)")
         params = params or SamplingParams()
         ids = self.prompt_token_ids(prompt)
         config_json, proposer = self._speculation(speculative_config, proposer)
         return GenerationResult._from_dict(self._inner.generate(ids, params, config_json, proposer))
+
+    def _generate_batch(self, prompts: list, params, speculative_config, proposer, max_num_seqs: int,
+                        max_num_batched_tokens: int, draft_budget: str, progress: bool) -> list[GenerationResult]:
+        if params is None or isinstance(params, SamplingParams):
+            all_params = [params or SamplingParams()] * len(prompts)
+        else:
+            all_params = list(params)
+            if len(all_params) != len(prompts):
+                raise ConfigError(f"got {len(all_params)} SamplingParams for {len(prompts)} prompts; pass one for "
+                                  "all or one per prompt")
+        config_json, proposer = self._speculation(speculative_config, proposer)
+        scheduler = _specrs.Scheduler(self._inner, max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens, draft_budget=draft_budget)
+        # Everything is checked before anything runs: a bad prompt fails the call, not half of it.
+        for request_id, (prompt, request_params) in enumerate(zip(prompts, all_params)):
+            scheduler.add(request_id, self.prompt_token_ids(prompt), request_params, config_json, proposer)
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        bar = _ProgressBar(len(prompts)) if progress else None
+        try:
+            while scheduler.has_unfinished:
+                outputs, _ = scheduler.step()
+                for output in outputs:
+                    if output["error"] is not None:
+                        raise output["error"]
+                    if output["finished"] is not None:
+                        results[output["request_id"]] = GenerationResult._from_dict(output["finished"])
+                        if bar is not None:
+                            bar.advance()
+        finally:
+            if bar is not None:
+                bar.close()
+        missing = [i for i, r in enumerate(results) if r is None]
+        if missing:
+            raise SpecrsError(f"internal error: the scheduler ended without finishing requests {missing} "
+                              "(please report this bug)")
+        return [r for r in results if r is not None]
 
     def stream(
         self,

@@ -115,7 +115,7 @@ mod tests {
 
     /// `rows` rows of fixed pseudo-random logits `[rows, VOCAB]`.
     fn logits(rows: usize, salt: u32) -> Vec<f32> {
-        (0..rows * VOCAB).map(|i| (((i as u32 * 2654435761u32) ^ salt) % 1000) as f32 / 250.0).collect()
+        (0..rows * VOCAB).map(|i| (((i as u32).wrapping_mul(2654435761u32) ^ salt) % 1000) as f32 / 250.0).collect()
     }
 
     /// Chi-square critical value at p = 0.001 (Wilson-Hilferty approximation).

@@ -80,7 +80,7 @@ const MAX_COUNT_ARG: u64 = i64::MAX as u64;
 
 #[pyclass(name = "SamplingParams", module = "specrs._specrs", frozen)]
 pub struct PySamplingParams {
-    inner: SamplingParams,
+    pub(crate) inner: SamplingParams,
 }
 
 #[pymethods]
@@ -239,7 +239,7 @@ fn spec_items(d: &Bound<'_, PyDict>, s: &SpecDecodeMetrics) -> PyResult<()> {
     Ok(())
 }
 
-fn generation_dict<'py>(py: Python<'py>, g: &Generation) -> PyResult<Bound<'py, PyDict>> {
+pub(crate) fn generation_dict<'py>(py: Python<'py>, g: &Generation) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("text", &g.text)?;
     d.set_item("token_ids", &g.token_ids)?;
@@ -314,7 +314,7 @@ pub fn copy_bandwidth(py: Python<'_>, device: &str, num_bytes: usize, repeats: u
 
 #[pyclass(name = "Engine", module = "specrs._specrs", frozen)]
 pub struct PyEngine {
-    inner: Arc<Engine>,
+    pub(crate) inner: Arc<Engine>,
 }
 
 #[pymethods]
@@ -619,7 +619,7 @@ impl PyEngine {
 
 impl PyEngine {
     /// The request's speculation from a config JSON (None = off) and an optional Python proposer.
-    fn speculation(
+    pub(crate) fn speculation(
         &self,
         py: Python<'_>,
         config_json: Option<&str>,
@@ -682,7 +682,7 @@ fn taps_arg(layers: &[Bound<'_, PyAny>]) -> PyResult<Vec<Tap>> {
 
 /// Token ids from a Python list; an int outside 0..2^32 is a ConfigError naming it (PyO3's own
 /// conversion would raise OverflowError). Ids past the vocabulary are the engine's to refuse.
-fn token_ids_arg(value: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
+pub(crate) fn token_ids_arg(value: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
     let error = match value.extract::<Vec<u32>>() {
         Ok(ids) => return Ok(ids),
         Err(error) => error,

@@ -5,6 +5,7 @@ mod batch;
 mod engine;
 mod errors;
 mod proposer;
+mod scheduler;
 mod testing;
 
 use pyo3::prelude::*;
@@ -14,6 +15,7 @@ fn _specrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<engine::PySamplingParams>()?;
     m.add_class::<engine::PyStream>()?;
+    m.add_class::<scheduler::PyScheduler>()?;
     m.add_class::<engine::PyTokenizer>()?;
     m.add_function(wrap_pyfunction!(engine::expected_speedup, m)?)?;
     m.add_function(wrap_pyfunction!(engine::requantize, m)?)?;

@@ -32,6 +32,9 @@ DEFAULT_PREFILL_CHUNK = 64
 # Request bodies over this are refused with a 413 while they are read. 8 MiB holds a prompt far
 # longer than any context specrs serves (a 128k-token prompt is about 0.5-1 MB of text).
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
+# Rows in one batched forward (vLLM's max_num_batched_tokens default for its V1 scheduler).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DRAFT_BUDGETS = ("load", "off")
 
 
 def _require_server_packages() -> None:
@@ -46,9 +49,18 @@ def _require_server_packages() -> None:
 
 
 def _check_settings(max_num_seqs: int, prefill_chunk: int | None, max_request_body_bytes: int,
-                    default_max_tokens: int, suffix_cache_save_every: int = DEFAULT_SUFFIX_CACHE_SAVE_EVERY) -> None:
+                    default_max_tokens: int, suffix_cache_save_every: int = DEFAULT_SUFFIX_CACHE_SAVE_EVERY,
+                    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_kv_tokens: int | None = None,
+                    draft_budget: str = "load") -> None:
     if max_num_seqs < 1:
         raise ConfigError(f"max_num_seqs must be at least 1 (got {max_num_seqs})")
+    if max_num_batched_tokens < max_num_seqs:
+        raise ConfigError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
+                          f"({max_num_seqs}): every running request needs a row each step")
+    if max_kv_tokens is not None and max_kv_tokens < 1:
+        raise ConfigError(f"max_kv_tokens must be at least 1 position, or None for no bound (got {max_kv_tokens})")
+    if draft_budget not in DRAFT_BUDGETS:
+        raise ConfigError(f"draft_budget must be 'load' or 'off' (got {draft_budget!r})")
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ConfigError(f"prefill_chunk must be at least 1 token, or None for whole prompts (got {prefill_chunk})")
     if max_request_body_bytes < 1:
@@ -67,6 +79,9 @@ def served_name(model: str | None, model_path: str) -> str:
 
 # The verification curve `serve` measures at startup covers drafts of up to this many tokens.
 STARTUP_CURVE_K = 8
+# ... and the draft budget's batch cost curve covers forwards of up to this many rows (the core's
+# BUDGET_CURVE_ROWS; extended along its last slope past it).
+BUDGET_CURVE_ROWS = 32
 
 
 def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 16,
@@ -74,23 +89,28 @@ def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, suffix_cache: str | os.PathLike[str] | None = None,
               suffix_cache_save_every: int = DEFAULT_SUFFIX_CACHE_SAVE_EVERY,
-              suffix_cache_start_empty_on_error: bool = False):
+              suffix_cache_start_empty_on_error: bool = False,
+              max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_kv_tokens: int | None = None,
+              draft_budget: str = "load"):
     """The Starlette app serving `engine` (run it with any ASGI server); `engine.speculative_config`
     and `engine.proposer` are every request's default. `max_request_body_bytes`: larger bodies get
     a 413; `default_max_tokens`: a chat request without max_tokens generates at most this many
     (or up to the end of the context, whichever is smaller). `suffix_cache`: the file the suffix
     cache is loaded from here (ConfigError for a corrupt, truncated or other model's file, unless
     `suffix_cache_start_empty_on_error`) and saved to every `suffix_cache_save_every` finished
-    requests and at shutdown."""
+    requests and at shutdown. `max_num_seqs`, `max_num_batched_tokens`, `max_kv_tokens`,
+    `prefill_chunk` and `draft_budget` set the continuous-batching scheduler (serve/scheduler.py)."""
     _require_server_packages()
     from .app import build_app as build
 
-    _check_settings(max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens, suffix_cache_save_every)
+    _check_settings(max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens, suffix_cache_save_every,
+                    max_num_batched_tokens, max_kv_tokens, draft_budget)
     return build(engine, served_model_name or served_name(None, engine.model_path), max_num_seqs, prefill_chunk,
                  max_request_body_bytes, default_max_tokens,
                  suffix_cache=None if suffix_cache is None else os.fspath(suffix_cache),
                  suffix_cache_save_every=suffix_cache_save_every,
-                 suffix_cache_start_empty_on_error=suffix_cache_start_empty_on_error)
+                 suffix_cache_start_empty_on_error=suffix_cache_start_empty_on_error,
+                 max_num_batched_tokens=max_num_batched_tokens, max_kv_tokens=max_kv_tokens, draft_budget=draft_budget)
 
 
 def serve(model: str | None = None, *, speculative_config=None, host: str = "127.0.0.1", port: int = 8000,
@@ -99,7 +119,9 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
           max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
           default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, log_level: str = "info",
           suffix_cache: str | None = None, suffix_cache_save_every: int = DEFAULT_SUFFIX_CACHE_SAVE_EVERY,
-          suffix_cache_start_empty_on_error: bool = False) -> None:
+          suffix_cache_start_empty_on_error: bool = False,
+          max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_kv_tokens: int | None = None,
+          draft_budget: str = "load") -> None:
     """Loads the model, warms it up with the default speculation (so a bad draft fails now, not at
     the first request), stops the engine measuring costs inside requests, loads the suffix cache
     file if one is given (a bad one fails now), and serves until interrupted."""
@@ -108,7 +130,8 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
 
     from ..engine import Engine, SamplingParams
 
-    _check_settings(max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens, suffix_cache_save_every)
+    _check_settings(max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens, suffix_cache_save_every,
+                    max_num_batched_tokens, max_kv_tokens, draft_budget)
     engine = Engine(model, device=device, speculative_config=speculative_config)
     # One short request through the default speculation loads its draft weights and measures its
     # costs before the first client arrives.
@@ -117,6 +140,9 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
     # rather than one measured while other requests stream. ("custom" only names the length: no
     # proposer runs.)
     engine.prepare({"method": "custom", "num_speculative_tokens": STARTUP_CURVE_K})
+    # The draft budget's batch cost curve: forwards of 1..32 rows (read from the disk cache after
+    # the first run), measured before any request can disturb the timing.
+    engine.verify_cost_ratios(BUDGET_CURVE_ROWS)
     # From now on no request measures a cost figure (seconds of forwards in the generation
     # thread, stalling every stream); one nobody measured yet gets the nearest known figure.
     engine.set_measure_on_demand(False)
@@ -124,10 +150,12 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
     # The warm-up's response went into the suffix cache; a loaded file replaces it.
     app = build_app(engine, name, max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens,
                     suffix_cache=suffix_cache, suffix_cache_save_every=suffix_cache_save_every,
-                    suffix_cache_start_empty_on_error=suffix_cache_start_empty_on_error)
+                    suffix_cache_start_empty_on_error=suffix_cache_start_empty_on_error,
+                    max_num_batched_tokens=max_num_batched_tokens, max_kv_tokens=max_kv_tokens,
+                    draft_budget=draft_budget)
     spec = engine.speculative_config["method"] if engine.speculative_config else "off"
     print(f"specrs serve: `{name}` on http://{host}:{port}/v1 (speculation: {spec}, up to {max_num_seqs} "
-          "requests taking turns)", file=sys.stderr, flush=True)
+          f"requests batched per step, draft budget: {draft_budget})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 

@@ -63,7 +63,8 @@ async def read_body(http_request: Request, limit: int) -> bytes:
 def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill_chunk: int | None,
               max_request_body_bytes: int, default_max_tokens: int, suffix_cache: str | None = None,
               suffix_cache_save_every: int = DEFAULT_SAVE_EVERY,
-              suffix_cache_start_empty_on_error: bool = False) -> Starlette:
+              suffix_cache_start_empty_on_error: bool = False, max_num_batched_tokens: int = 2048,
+              max_kv_tokens: int | None = None, draft_budget: str = "load") -> Starlette:
     """The server for `engine`; its `speculative_config` (and `proposer`) are every request's default.
     `suffix_cache`: a file the engine-wide suffix cache is loaded from now (a bad file raises
     ConfigError here, so the server never starts on it, unless `suffix_cache_start_empty_on_error`)
@@ -74,11 +75,10 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
     if suffix_cache is not None:
         store = SuffixCacheStore(engine, suffix_cache, suffix_cache_save_every)
         store.load(allow_empty=suffix_cache_start_empty_on_error)
-    if store is None:
-        scheduler = Scheduler(engine, metrics, max_num_seqs, prefill_chunk)
-    else:
-        scheduler = Scheduler(engine, metrics, max_num_seqs, prefill_chunk,
-                              on_request_finished=store.on_request_finished)
+    scheduler = Scheduler(engine, metrics, max_num_seqs, prefill_chunk,
+                          on_request_finished=None if store is None else store.on_request_finished,
+                          max_num_batched_tokens=max_num_batched_tokens, max_kv_tokens=max_kv_tokens,
+                          draft_budget=draft_budget)
     metrics.report_queue(lambda: scheduler.num_running, lambda: scheduler.num_waiting)
     context_length = engine.info()["context_length"]
 

@@ -27,8 +27,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r, labels = self.registry, ["model_name"]
-        self.num_running = Gauge("specrs:num_requests_running", "Requests being generated (taking turns step by "
-                                 "step).", labels, registry=r).labels(model_name)
+        self.num_running = Gauge("specrs:num_requests_running", "Requests being generated (each step batches "
+                                 "all of them in one forward).", labels, registry=r).labels(model_name)
         self.num_waiting = Gauge("specrs:num_requests_waiting", "Requests queued for a generation slot (queue "
                                  "depth).", labels, registry=r).labels(model_name)
         self.prompt_tokens = Counter("specrs:prompt_tokens", "Prompt tokens of ended requests.", labels, registry=r)
@@ -51,6 +51,25 @@ class ServerMetrics:
                              labels, buckets=ITL_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("specrs:e2e_request_latency_seconds", "Arrival to the end of the request.",
                              labels, buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        # The continuous-batching scheduler, per step (engine/scheduler.rs): what the load budget
+        # did with the drafts requests wanted.
+        self.steps = Counter("specrs:scheduler_steps", "Batched forwards run by the scheduler.", labels,
+                             registry=r).labels(model_name)
+        self.rows = Counter("specrs:scheduler_rows", "Rows (tokens) in the batched forwards: decode, draft and "
+                            "prompt.", labels, registry=r).labels(model_name)
+        self.draft_wanted = Counter("specrs:scheduler_draft_tokens_wanted", "Draft tokens requests would have "
+                                    "drafted alone.", labels, registry=r).labels(model_name)
+        self.draft_granted = Counter("specrs:scheduler_draft_tokens_granted", "Draft tokens the load budget "
+                                     "granted.", labels, registry=r).labels(model_name)
+        self.draft_verified = Counter("specrs:scheduler_draft_tokens_verified", "Draft tokens proposed and "
+                                      "verified (a proposer may find fewer than granted).", labels,
+                                      registry=r).labels(model_name)
+        self.draft_accepted = Counter("specrs:scheduler_draft_tokens_accepted", "Draft tokens accepted.", labels,
+                                      registry=r).labels(model_name)
+        self.num_preemptions = Counter("specrs:num_preemptions", "Requests preempted (their KV cache freed, to be "
+                                       "recomputed) for lack of KV memory.", labels, registry=r).labels(model_name)
+        self.batch_size = Histogram("specrs:scheduler_batch_size", "Requests in each batched forward.", labels,
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r).labels(model_name)
         self.queue_time = Histogram("specrs:request_queue_time_seconds", "Arrival to admission.",
                                     labels, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
 
@@ -61,6 +80,18 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def scheduler_step(self, report: dict) -> None:
+        """One step's report from the core scheduler."""
+        if report["num_sequences"]:
+            self.steps.inc()
+            self.batch_size.observe(report["num_sequences"])
+        self.rows.inc(report["num_rows"])
+        self.draft_wanted.inc(report["num_draft_tokens_wanted"])
+        self.draft_granted.inc(report["num_draft_tokens_granted"])
+        self.draft_verified.inc(report["num_draft_tokens"])
+        self.draft_accepted.inc(report["num_accepted_tokens"])
+        self.num_preemptions.inc(report["num_preempted"])
 
     def request_admitted(self, queue_s: float) -> None:
         self.queue_time.observe(queue_s)

@@ -1,24 +1,24 @@
-"""The server's one generation thread: admits queued requests and interleaves their decoding steps.
+"""The server's one generation thread: feeds requests to the core's continuous-batching scheduler
+and turns each step's tokens into events for the HTTP handlers.
 
-Until continuous batching exists, requests share the engine by taking turns: each running request
-(at most `max_num_seqs`) gets one decoding step per round, in arrival order, so a long request
-cannot hold the others back and every stream advances. A long prompt is fed `prefill_chunk` tokens
-per step, so it stalls the others' streams for one chunk at a time, not for its whole prefill.
-Each step runs in Rust with the GIL released, which keeps the HTTP event loop (health, metrics,
-new requests) responsive meanwhile.
+Every step runs ONE target forward over all running requests (their newest tokens and drafts, and
+chunks of prompts still being read), with drafts budgeted by load (`specrs_core::Scheduler`,
+engine/scheduler.rs; policy in its header). The step runs in Rust with the GIL released, which
+keeps the HTTP event loop (health, metrics, new requests) responsive meanwhile.
 
-Invariants: a request's session is touched only by this thread, so its output is exactly what it
-would be alone (each has its own KV cache and seeded sampler); every admitted request ends with one
-`Finished` or `Failed` event; a cancelled request stops before its next step and frees its caches.
-Nothing one request does stops the others: an exception (or a Rust panic, which the bindings turn
-into a SpecrsError) in one request's admission or step ends that request alone with a 500 and
-`finished_reason="error"`, and the loop goes on. Should the loop itself ever die, `failure` says
-why (/health answers 503), every request in it fails, and later ones are refused.
+Invariants: a request's tokens are exactly those it would get alone (batching changes no logits
+and the budget only cuts drafts that cannot change a request's tokens); every submitted request
+ends with one `Finished` or `Failed` event; a cancelled request is aborted in the core before its
+next step, which frees its caches. Nothing one request does stops the others: a failure in one
+request's admission or step ends that request alone with a 500 and `finished_reason="error"` (a bad
+setting only the engine can see is a 400), and the loop goes on. Should the loop itself ever die,
+`failure` says why (/health answers 503), every request in it fails, and later ones are refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -26,7 +26,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine import Engine, TextStream
+from .. import _specrs
+from ..engine import Engine
 from .metrics import ServerMetrics
 from .protocol import APIError, GenerationRequest, api_error_from
 from .stop_strings import StopStrings
@@ -36,7 +37,7 @@ logger = logging.getLogger("specrs.serve")
 
 @dataclass
 class Started:
-    """The request left the queue and its session exists: the HTTP response may begin."""
+    """The request was accepted by the scheduler: the HTTP response may begin."""
 
 
 @dataclass
@@ -66,8 +67,11 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival_s: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
-    stream: TextStream | None = None
+    request_id: int | None = None  # its id in the core scheduler once added
     stops: StopStrings | None = None
+    # Why it is being ended early ("abort", "stop"): the core's abort comes back on the next step.
+    ending: str | None = None
+    admitted: bool = False  # it had rows in a forward (queue time observed)
     num_completion_tokens: int = 0
     last_token_s: float | None = None
     ended: bool = False  # its Finished or Failed event was sent
@@ -86,16 +90,28 @@ def _is_fatal(error: BaseException) -> bool:
 
 
 class Scheduler:
+    """`max_num_seqs` requests run at once, `max_num_batched_tokens` rows per forward,
+    `max_kv_tokens` target KV positions among them (None: no bound but each context), prompts fed
+    `prefill_chunk` rows per step; `draft_budget` "load" spends draft rows where they pay at the
+    current batch size, "off" gives every request the draft it would take alone. `cost_curve_s`
+    pins the budget's batch cost curve (None: the engine's, measured or read from its cache)."""
+
     def __init__(self, engine: Engine, metrics: ServerMetrics, max_num_seqs: int, prefill_chunk: int | None,
-                 on_request_finished=None):
-        self.engine, self.metrics, self.max_num_seqs = engine, metrics, max_num_seqs
-        self.prefill_chunk = prefill_chunk
+                 on_request_finished=None, *, max_num_batched_tokens: int = 2048, max_kv_tokens: int | None = None,
+                 draft_budget: str = "load", cost_curve_s: list[float] | None = None):
+        self.engine, self.metrics = engine, metrics
+        self.core = _specrs.Scheduler(engine._inner, max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens, max_kv_tokens=max_kv_tokens,
+                                      prefill_chunk=prefill_chunk, draft_budget=draft_budget,
+                                      cost_curve_s=cost_curve_s)
         # Called (job, finish_reason, metrics) after each request that ran ends (the suffix cache
         # store saves every N); whatever it raises is logged, never the request's or the loop's end.
         self.on_request_finished = on_request_finished
-        self._waiting: deque[Job] = deque()
-        self._running: list[Job] = []
-        self._admitting: list[Job] = []  # taken off the queue this round, not yet running
+        self._ids = itertools.count()
+        self._submitted: deque[Job] = deque()  # not yet added to the core
+        self._jobs: dict[int, Job] = {}  # in the core, by request id
+        self._num_running = 0
+        self._num_waiting = 0
         self._wake = threading.Condition()
         self._stopping = False
         # Why the loop died ("ExceptionType: message"); None while it runs.
@@ -113,16 +129,17 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Requests not yet running: submitted, or queued in the core (as of the last step)."""
+        return len(self._submitted) + self._num_waiting
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return self._num_running
 
     def submit(self, job: Job) -> None:
         with self._wake:
             if self.failure is None:
-                self._waiting.append(job)
+                self._submitted.append(job)
                 self._wake.notify()
                 return
         job.ended = True
@@ -131,45 +148,50 @@ class Scheduler:
 
     def cancel(self, job: Job) -> None:
         """Stops `job` before its next step (the client went away)."""
-        job.cancelled = True
+        with self._wake:
+            job.cancelled = True
+            self._wake.notify()
 
     def _loop(self) -> None:
         try:
-            self._rounds()
+            self._steps()
         except BaseException as e:  # a bug outside any one request: say so on /health, fail everyone
             with self._wake:
                 self.failure = f"{type(e).__name__}: {e}"
-                jobs = list(self._running) + self._admitting + list(self._waiting)
-                self._running.clear()
-                self._waiting.clear()
+                jobs = list(self._jobs.values()) + list(self._submitted)
+                self._jobs.clear()
+                self._submitted.clear()
             logger.exception("specrs serve: the generation loop stopped; /health now answers 503")
             for job in jobs:
                 self._fail(job, e, status=503)
 
-    def _rounds(self) -> None:
+    def _steps(self) -> None:
         while True:
-            admitted = self._next_admissions()
-            if admitted is None:
-                for job in list(self._running):
-                    self._guarded(job, lambda j: self._end(j, "abort"))
+            submitted = self._next_submissions()
+            if submitted is None:
+                for job in list(self._jobs.values()):
+                    self._abort(job, "abort")
+                while self.core.has_unfinished:  # returns the aborted requests' ends
+                    self._handle(*self.core.step())
                 return
-            for job in admitted:
-                self._guarded(job, self._admit)
-            for job in list(self._running):
-                self._guarded(job, self._step)
+            for job in submitted:
+                self._guarded(job, self._add)
+            for job in list(self._jobs.values()):
+                if job.cancelled:
+                    self._guarded(job, lambda j: self._abort(j, "abort"))
+            if self.core.has_unfinished:
+                self._handle(*self.core.step())
 
-    def _next_admissions(self) -> list[Job] | None:
-        """Waits for work; the jobs to admit this round (None: the server is stopping)."""
+    def _next_submissions(self) -> list[Job] | None:
+        """Waits for work; the jobs submitted since the last step (None: the server is stopping)."""
         with self._wake:
-            while not self._waiting and not self._running and not self._stopping:
+            while not self._submitted and not self._jobs and not self._stopping:
                 self._wake.wait()
             if self._stopping:
                 return None
-            admitted = []
-            while self._waiting and len(self._running) + len(admitted) < self.max_num_seqs:
-                admitted.append(self._waiting.popleft())
-            self._admitting = admitted
-            return admitted
+            submitted = list(self._submitted)
+            self._submitted.clear()
+            return submitted
 
     def _guarded(self, job: Job, action) -> None:
         """Runs `action(job)`; whatever it raises ends `job` alone."""
@@ -180,19 +202,10 @@ class Scheduler:
                 raise
             self._fail(job, e)
 
-    def _fail(self, job: Job, error: BaseException, status: int | None = None) -> None:
-        """Ends `job` after `error`: its stream is stopped (freeing its caches), it is counted with
+    def _fail(self, job: Job, error: BaseException, status: int | None = None, metrics: dict | None = None) -> None:
+        """Ends `job` after `error` (its caches already freed, or never made): it is counted with
         finished_reason "error", and its client gets the error (a 500 for internal faults)."""
-        if job in self._running:
-            self._running.remove(job)
-        metrics = None
-        if job.stream is not None:
-            try:
-                job.stream.cancel()
-                metrics = job.stream.result.metrics
-            except BaseException as e:  # the stream is beyond use; the request still ends
-                if _is_fatal(e):
-                    raise
+        self._forget(job)
         if job.ended:
             return
         job.ended = True
@@ -202,58 +215,76 @@ class Scheduler:
             self.metrics.request_finished(job, "error", metrics)
         job.send(Failed(api_error))
 
-    def _admit(self, job: Job) -> None:
+    def _forget(self, job: Job) -> None:
+        if job.request_id is not None:
+            self._jobs.pop(job.request_id, None)
+
+    def _add(self, job: Job) -> None:
         if job.cancelled:  # its client left while it waited
             self.metrics.request_finished(job, "abort", None)
             job.ended = True
             job.send(Finished("abort", 0, {}))
             return
         request = job.request
+        request_id = next(self._ids)
         # An exception here is a bad setting only the engine can see (a 400, e.g. exit_layer out of
-        # range) or an internal fault (a 500); `_guarded` sends it.
-        job.stream = self.engine.stream(request.prompt_ids, request.params,
-                                        speculative_config=request.speculative_config or False,
-                                        prefill_chunk=self.prefill_chunk)
+        # range, a prompt over max_kv_tokens) or an internal fault (a 500); `_guarded` sends it.
+        config_json, proposer = self.engine._speculation(request.speculative_config or False, None)
+        self.core.add(request_id, request.prompt_ids, request.params, config_json, proposer)
+        job.request_id = request_id
         job.stops = StopStrings(request.stop)
-        self.metrics.request_admitted(time.perf_counter() - job.arrival_s)
-        self._running.append(job)
+        self._jobs[request_id] = job
         job.send(Started())
 
-    def _step(self, job: Job) -> None:
-        if job.cancelled:
-            job.stream.cancel()
-            self._end(job, "abort")
+    def _abort(self, job: Job, reason: str) -> None:
+        """Asks the core to end `job`; its end (with its metrics) comes back from the next step."""
+        if job.ending is None:
+            job.ending = reason
+            self.core.abort(job.request_id)
+
+    def _handle(self, outputs: list[dict], report: dict) -> None:
+        self._num_running, self._num_waiting = report["num_running"], report["num_waiting"]
+        self.metrics.scheduler_step(report)
+        now = time.perf_counter()
+        for output in outputs:
+            job = self._jobs.get(output["request_id"])
+            if job is not None:
+                self._guarded(job, lambda j: self._output(j, output, now))
+
+    def _output(self, job: Job, output: dict, now: float) -> None:
+        if output["error"] is not None:
+            self._fail(job, output["error"], metrics=(output["finished"] or {}).get("metrics"))
             return
-        out = job.stream.step()  # a failure ends this job alone (`_guarded`)
-        if out is not None:
-            text, token_ids = out
+        if not job.admitted:
+            job.admitted = True
+            self.metrics.request_admitted(now - job.arrival_s)
+        token_ids, finished = output["token_ids"], output["finished"]
+        if job.ending is None:
             if token_ids:
-                now = time.perf_counter()
                 if job.last_token_s is None:
                     self.metrics.first_token(now - job.arrival_s)
                 else:
                     self.metrics.next_tokens(now - job.last_token_s)
                 job.last_token_s = now
                 job.num_completion_tokens += len(token_ids)
-            emitted = job.stops.feed(text)
+            emitted = job.stops.feed(output["text"])
             if emitted:
                 job.send(Text(emitted, job.num_completion_tokens))
-            if job.stops.stopped:
-                job.stream.cancel()
-                self._end(job, "stop")
+            if job.stops.stopped and finished is None:
+                self._abort(job, "stop")
                 return
-        if job.stream.finished:
-            rest = job.stops.flush()
-            if rest:
-                job.send(Text(rest, job.num_completion_tokens))
-            self._end(job)
+        if finished is not None:
+            if job.ending is None and not job.stops.stopped:
+                rest = job.stops.flush()
+                if rest:
+                    job.send(Text(rest, job.num_completion_tokens))
+            self._end(job, finished, job.ending or ("stop" if job.stops.stopped else None))
 
-    def _end(self, job: Job, finish_reason: str | None = None) -> None:
-        """Ends a running job; `finish_reason` overrides the engine's (a stop string, an abort)."""
-        result = job.stream.result
-        finish_reason = finish_reason or result.finish_reason or "stop"
-        metrics = result.metrics
-        self._running.remove(job)
+    def _end(self, job: Job, result: dict, finish_reason: str | None = None) -> None:
+        """Ends a job; `finish_reason` overrides the engine's (a stop string, an abort)."""
+        finish_reason = finish_reason or result["finish_reason"] or "stop"
+        metrics = result["metrics"]
+        self._forget(job)
         self.metrics.request_finished(job, finish_reason, metrics)
         if self.on_request_finished is not None:
             try:

@@ -167,7 +167,7 @@ enum Waiting {
     /// Not started: its session (and KV cache) is made when admitted.
     New { id: u64, prompt_ids: Vec<u32>, params: SamplingParams, speculation: Option<Speculation> },
     /// Preempted: keeps everything but its target KV cache.
-    Preempted { id: u64, session: Session },
+    Preempted { id: u64, session: Box<Session> },
 }
 
 impl Waiting {
@@ -421,7 +421,7 @@ impl Scheduler {
             let Running { id, mut session } = self.running.pop().expect("more than one request runs");
             session.preempt();
             report.num_preempted += 1;
-            self.waiting.push_front(Waiting::Preempted { id, session });
+            self.waiting.push_front(Waiting::Preempted { id, session: Box::new(session) });
         }
     }
 
@@ -434,7 +434,7 @@ impl Scheduler {
                 return;
             }
             match self.waiting.pop_front().expect("the queue has a front") {
-                Waiting::Preempted { id, session } => self.running.push(Running { id, session }),
+                Waiting::Preempted { id, session } => self.running.push(Running { id, session: *session }),
                 Waiting::New { id, prompt_ids, params, speculation } => {
                     let reserve = prompt_ids.len() + RESERVE_SLACK;
                     let engine = &self.engine;
@@ -483,11 +483,11 @@ impl Scheduler {
         }
         // Prompt and recompute chunks, oldest request first.
         for (i, running) in self.running.iter().enumerate() {
-            let unseen = running.session.num_unseen_tokens();
-            if limits[i].is_some() || unseen <= 1 && running.session.draft_wish().is_some() {
+            let to_feed = running.session.num_context_rows_to_feed();
+            if limits[i].is_some() || to_feed == 0 {
                 continue;
             }
-            let chunk = unseen.min(self.config.prefill_chunk.unwrap_or(usize::MAX)).min(token_left).min(kv_left);
+            let chunk = to_feed.min(self.config.prefill_chunk.unwrap_or(usize::MAX)).min(token_left).min(kv_left);
             if chunk == 0 {
                 continue;
             }

@@ -289,10 +289,17 @@ impl Session {
         }
         let cache_len = self.cache.len();
         let num_unseen = self.all_ids.len() - cache_len;
-        let chunk_limit = match (self.prefill_chunk, limits.max_context_rows) {
+        let is_prefill = self.all_ids.len() == self.prompt_len;
+        let mut chunk_limit = match (self.prefill_chunk, limits.max_context_rows) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
+        if !is_prefill && num_unseen > 1 {
+            // Recomputing a preempted request: all but the newest token go in without logits, so
+            // its next plan is the decode step, with the draft, it would have taken unpreempted
+            // (a seeded sampler and the draft-length policy then see the same steps as alone).
+            chunk_limit = Some(chunk_limit.map_or(num_unseen - 1, |chunk| chunk.min(num_unseen - 1)));
+        }
         if let Some(chunk) = chunk_limit.filter(|&chunk| num_unseen > chunk) {
             if chunk == 0 {
                 return Err(Error::Internal("plan_with: a scheduler gave a session no context row".into()));
@@ -307,7 +314,6 @@ impl Session {
                 num_unseen: chunk,
             }));
         }
-        let is_prefill = self.all_ids.len() == self.prompt_len;
         // A draft needs the whole context in the cache (a layer-skip draft extends it).
         let draft = if num_unseen > 1 { Draft::default() } else { self.propose(limits.max_draft_tokens)? };
         let mut input = self.all_ids[cache_len..].to_vec();
@@ -565,6 +571,20 @@ impl Session {
     /// Context tokens the cache does not hold yet (1 when decoding: the newest token).
     pub fn num_unseen_tokens(&self) -> usize {
         self.all_ids.len() - self.cache.len()
+    }
+
+    /// Rows of context still to feed before this request decodes: the unseen prompt (whose last
+    /// row yields the first token), or after a preemption every unseen token but the newest (0
+    /// when decoding).
+    pub fn num_context_rows_to_feed(&self) -> usize {
+        let unseen = self.num_unseen_tokens();
+        if self.is_finished() || unseen == 0 {
+            0
+        } else if self.all_ids.len() == self.prompt_len {
+            unseen
+        } else {
+            unseen - 1
+        }
     }
 
     /// Draft tokens accepted so far.

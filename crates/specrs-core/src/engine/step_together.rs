@@ -44,12 +44,12 @@ pub fn step_together(sessions: &mut [&mut Session]) -> Result<Vec<Result<StepOut
     Ok(results.into_iter().map(|r| r.expect("every session has a result")).collect())
 }
 
+/// Each planned session's step (by its index in `sessions`), and the forward's seconds.
+pub(super) type Committed = (Vec<(usize, Result<StepOutput>)>, f64);
+
 /// The shared forward over `plans` (session index, plan), then each session's commit (a panic in
-/// one commit is that session's error alone); also returns the forward's seconds.
-pub(super) fn forward_and_commit(
-    sessions: &mut [&mut Session],
-    plans: Vec<(usize, StepPlan)>,
-) -> Result<(Vec<(usize, Result<StepOutput>)>, f64)> {
+/// one commit is that session's error alone).
+pub(super) fn forward_and_commit(sessions: &mut [&mut Session], plans: Vec<(usize, StepPlan)>) -> Result<Committed> {
     let session_taps: Vec<Vec<Tap>> = plans.iter().map(|(i, _)| sessions[*i].taps()).collect();
     let mut taps: Vec<Tap> = Vec::new();
     for tap in session_taps.iter().flatten() {

@@ -1,0 +1,273 @@
+//! The continuous-batching `Scheduler` on the real SmolLM2 weights: every request yields exactly
+//! the tokens it yields alone (greedy and seeded sampling; off, ngram, suffix and a draft model;
+//! short and long prompts), under a small KV budget that forces admission waits and preemption,
+//! with a request aborted mid-batch, and with the load budget cutting drafts; at batch 1 the budget
+//! grants what the request asks for.
+
+mod common;
+
+use std::sync::Arc;
+
+use specrs_core::engine::FinishReason;
+use specrs_core::{
+    DraftBudget, Engine, Error, Generation, SamplingParams, Scheduler, SchedulerConfig, SpeculativeConfig, StepReport,
+};
+
+const PROMPTS: [&str; 4] = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "Speculative decoding verifies a draft in one forward pass. Speculative decoding",
+    "List three colors: red, green,",
+];
+
+const METHODS: [Option<&str>; 4] = [
+    None,
+    Some(r#"{"method": "ngram", "num_speculative_tokens": 4}"#),
+    Some(r#"{"method": "suffix", "num_speculative_tokens": 5}"#),
+    Some(r#"{"method": "layer_skip", "num_speculative_tokens": 3, "exit_layer": 20}"#),
+];
+
+struct Request {
+    prompt_ids: Vec<u32>,
+    params: SamplingParams,
+    config: Option<&'static str>,
+}
+
+fn sampled(max_tokens: usize, seed: u64) -> SamplingParams {
+    SamplingParams { temperature: 0.8, top_p: 0.95, seed: Some(seed), ..SamplingParams::greedy(max_tokens) }
+}
+
+/// `n` requests cycling through the methods, greedy and seeded sampling, and prompts from a few
+/// tokens to a few hundred (a prompt repeated is also what n-gram and suffix drafting feed on).
+fn mixed_requests(engine: &Engine, n: usize) -> Vec<Request> {
+    (0..n)
+        .map(|i| {
+            let repeats = [1, 2, 12, 30][i % 4 / 2 + (i / 8) * 2];
+            let text = PROMPTS[(i + i / 4) % PROMPTS.len()].repeat(repeats);
+            let prompt_ids = engine.tokenizer().encode(&text, true).unwrap();
+            let max_tokens = 16 + 5 * (i % 5);
+            let params = if i % 3 == 1 { sampled(max_tokens, 100 + i as u64) } else { SamplingParams::greedy(max_tokens) };
+            Request { prompt_ids, params, config: METHODS[i % METHODS.len()] }
+        })
+        .collect()
+}
+
+fn alone(engine: &Engine, requests: &[Request]) -> Vec<Generation> {
+    requests
+        .iter()
+        .map(|r| engine.generate(r.prompt_ids.clone(), r.params.clone(), speculation(engine, r.config)).unwrap())
+        .collect()
+}
+
+fn speculation(engine: &Engine, config: Option<&str>) -> Option<specrs_core::Speculation> {
+    config.map(|c| engine.speculation(&SpeculativeConfig::from_json(c).unwrap(), None).unwrap())
+}
+
+/// Runs `requests` (ids 0..n) through a scheduler to the end, calling `between(step, scheduler)`
+/// after each step; returns each request's tokens as streamed, its end, and every step's report.
+struct Batched {
+    tokens: Vec<Vec<u32>>,
+    ends: Vec<Option<Generation>>,
+    reports: Vec<StepReport>,
+}
+
+fn batched(
+    scheduler: &mut Scheduler,
+    engine: &Engine,
+    requests: &[Request],
+    mut between: impl FnMut(usize, &mut Scheduler),
+) -> Batched {
+    for (id, r) in requests.iter().enumerate() {
+        scheduler.add(id as u64, r.prompt_ids.clone(), r.params.clone(), speculation(engine, r.config)).unwrap();
+    }
+    let mut out = Batched { tokens: vec![Vec::new(); requests.len()], ends: vec![None; requests.len()], reports: Vec::new() };
+    let mut step = 0;
+    while scheduler.has_unfinished() {
+        let (outputs, report) = scheduler.step().unwrap();
+        for o in outputs {
+            assert!(o.error.is_none(), "request {} failed: {:?}", o.id, o.error);
+            out.tokens[o.id as usize].extend(&o.token_ids);
+            if let Some(end) = o.finished {
+                assert!(out.ends[o.id as usize].is_none(), "request {} ended twice", o.id);
+                out.ends[o.id as usize] = Some(end);
+            }
+        }
+        out.reports.push(report);
+        between(step, scheduler);
+        step += 1;
+        assert!(step < 10_000, "the scheduler does not finish");
+    }
+    out
+}
+
+fn assert_same(alone: &[Generation], batched: &Batched, skip: &[usize]) {
+    for (i, a) in alone.iter().enumerate().filter(|(i, _)| !skip.contains(i)) {
+        let end = batched.ends[i].as_ref().unwrap_or_else(|| panic!("request {i} never ended"));
+        assert_eq!(a.token_ids, end.token_ids, "request {i}: tokens differ from alone");
+        assert_eq!(a.token_ids, batched.tokens[i], "request {i}: streamed tokens differ from alone");
+        assert_eq!(a.text, end.text, "request {i}");
+        assert_eq!(a.finish_reason, end.finish_reason, "request {i}");
+    }
+}
+
+/// SmolLM2 with every method's costs measured (or read from the disk cache) now and none measured
+/// later: a request's adaptive draft length then reads the same figures alone and batched.
+fn load() -> Arc<Engine> {
+    let engine = Engine::load(common::smollm2_path(), "cpu").unwrap();
+    for config in METHODS.iter().flatten() {
+        engine.prepare(&SpeculativeConfig::from_json(config).unwrap()).unwrap();
+    }
+    engine.set_measure_on_demand(false);
+    Arc::new(engine)
+}
+
+#[test]
+fn sixteen_mixed_requests_batched_yield_what_they_yield_alone() {
+    let engine = load();
+    let requests = mixed_requests(&engine, 16);
+    let expected = alone(&engine, &requests);
+    let config = SchedulerConfig { max_num_seqs: 16, prefill_chunk: Some(64), ..SchedulerConfig::default() };
+    let mut scheduler = Scheduler::new(engine.clone(), config).unwrap();
+    let run = batched(&mut scheduler, &engine, &requests, |_, _| {});
+    assert_same(&expected, &run, &[]);
+    // It batched, prefilled in chunks beside decoding, and speculated.
+    assert!(run.reports.iter().any(|r| r.num_sequences >= 8), "never 8 requests in one forward");
+    assert!(run.reports.iter().any(|r| r.num_context_rows > 0 && r.num_rows > r.num_context_rows), "no chunk beside decoding");
+    let totals = scheduler.totals();
+    assert!(totals.num_draft_tokens > 0 && totals.num_accepted_tokens > 0, "{totals:?}");
+    let forwards_alone: usize = expected.iter().map(|g| g.metrics.num_forward_passes).sum();
+    assert!(totals.num_steps < forwards_alone / 2, "{} steps vs {forwards_alone} forwards alone", totals.num_steps);
+}
+
+#[test]
+fn a_small_kv_budget_makes_requests_wait_and_be_preempted_without_changing_them() {
+    let engine = load();
+    // 8 requests of 40 prompt tokens and up to 40 more: 4 fit at first, fewer as they grow.
+    let requests: Vec<Request> = mixed_requests(&engine, 8)
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut r)| {
+            r.prompt_ids = engine.tokenizer().encode(&PROMPTS[i % PROMPTS.len()].repeat(12), true).unwrap();
+            r.prompt_ids.truncate(40);
+            r.params.max_tokens = 40;
+            r
+        })
+        .collect();
+    let expected = alone(&engine, &requests);
+    let config = SchedulerConfig { max_kv_tokens: Some(200), prefill_chunk: Some(16), ..SchedulerConfig::default() };
+    let mut scheduler = Scheduler::new(engine.clone(), config).unwrap();
+    let mut max_running = 0;
+    let run = batched(&mut scheduler, &engine, &requests, |_, s| max_running = max_running.max(s.num_running()));
+    assert_same(&expected, &run, &[]);
+    assert!(max_running < requests.len(), "all {max_running} ran at once: the budget admitted too many");
+    assert!(scheduler.totals().num_preemptions > 0, "nothing was preempted: {:?}", scheduler.totals());
+    assert!(run.reports.iter().any(|r| r.num_waiting > 0));
+
+    // A request that could never fit is refused when added, naming the setting.
+    let long = engine.tokenizer().encode(&PROMPTS[2].repeat(20), true).unwrap();
+    let err = scheduler.add(99, long, SamplingParams::greedy(8), None).unwrap_err();
+    assert!(matches!(err, Error::ContextLength(_)) && err.to_string().contains("max_kv_tokens"), "{err}");
+}
+
+#[test]
+fn an_aborted_request_ends_alone() {
+    let engine = load();
+    let requests = mixed_requests(&engine, 6);
+    let expected = alone(&engine, &requests);
+    let mut scheduler = Scheduler::new(engine.clone(), SchedulerConfig::default()).unwrap();
+    let run = batched(&mut scheduler, &engine, &requests, |step, s| {
+        if step == 3 {
+            assert!(s.abort(2));
+            assert!(!s.abort(2), "aborted twice");
+            assert!(!s.abort(777), "an unknown id");
+        }
+    });
+    assert_same(&expected, &run, &[2]);
+    let aborted = run.ends[2].as_ref().expect("the aborted request ends");
+    assert_eq!(aborted.finish_reason, Some(FinishReason::Abort));
+    assert!(aborted.token_ids.len() < expected[2].token_ids.len());
+    assert_eq!(aborted.token_ids, expected[2].token_ids[..aborted.token_ids.len()]);
+    // Its id is free again once it ended.
+    scheduler.add(2, requests[0].prompt_ids.clone(), SamplingParams::greedy(2), None).unwrap();
+    assert!(scheduler.add(2, requests[0].prompt_ids.clone(), SamplingParams::greedy(2), None).is_err());
+}
+
+#[test]
+fn at_batch_one_the_budget_grants_what_the_request_asks() {
+    let engine = load();
+    let prompt_ids = engine.tokenizer().encode(&PROMPTS[2].repeat(3), true).unwrap();
+    let requests = vec![Request { prompt_ids, params: SamplingParams::greedy(24), config: METHODS[1] }];
+    let expected = alone(&engine, &requests);
+    let mut scheduler = Scheduler::new(engine.clone(), SchedulerConfig::default()).unwrap();
+    let run = batched(&mut scheduler, &engine, &requests, |_, _| {});
+    assert_same(&expected, &run, &[]);
+    let wanted: usize = run.reports.iter().map(|r| r.num_draft_tokens_wanted).sum();
+    assert!(wanted > 0, "the request never wanted a draft");
+    for r in &run.reports {
+        assert_eq!(r.num_draft_tokens_granted, r.num_draft_tokens_wanted, "{r:?}");
+    }
+    let m = &expected[0].metrics.spec;
+    let t = scheduler.totals();
+    assert_eq!((m.num_draft_tokens, m.num_accepted_tokens), (t.num_draft_tokens, t.num_accepted_tokens));
+}
+
+#[test]
+fn a_saturated_batch_on_an_unprofitable_curve_gets_no_drafts_and_the_same_tokens() {
+    let engine = load();
+    // Model-free drafts only (a pinned draft model would be granted whatever the curve).
+    let requests: Vec<Request> = mixed_requests(&engine, 16).into_iter().filter(|r| {
+        r.config.is_some_and(|c| c.contains("ngram") || c.contains("suffix"))
+    }).collect();
+    let expected = alone(&engine, &requests);
+    // Every row costs a whole forward: a draft token never buys its time back.
+    let linear: Vec<f64> = (1..=32).map(|r| 0.01 * r as f64).collect();
+    let config = SchedulerConfig { cost_curve_s: Some(linear), ..SchedulerConfig::default() };
+    let mut scheduler = Scheduler::new(engine.clone(), config).unwrap();
+    let run = batched(&mut scheduler, &engine, &requests, |_, _| {});
+    assert_same(&expected, &run, &[]);
+    let saturated: Vec<&StepReport> =
+        run.reports.iter().filter(|r| r.num_sequences > 1 && r.num_context_rows == 0).collect();
+    assert!(saturated.iter().any(|r| r.num_draft_tokens_wanted > 0), "no saturated step wanted a draft");
+    for r in saturated {
+        assert_eq!(r.num_draft_tokens_granted, 0, "{r:?}");
+    }
+    // With a flat curve (rows free) the same batch gets every draft it wants.
+    let engine = load();
+    let flat = vec![0.01; 32];
+    let config = SchedulerConfig { cost_curve_s: Some(flat), ..SchedulerConfig::default() };
+    let mut scheduler = Scheduler::new(engine.clone(), config).unwrap();
+    let run = batched(&mut scheduler, &engine, &requests, |_, _| {});
+    assert_same(&expected, &run, &[]);
+    for r in &run.reports {
+        assert_eq!(r.num_draft_tokens_granted, r.num_draft_tokens_wanted, "{r:?}");
+    }
+}
+
+#[test]
+fn the_off_budget_drafts_what_each_request_would_alone() {
+    let engine = load();
+    let requests = mixed_requests(&engine, 8);
+    let expected = alone(&engine, &requests);
+    let config = SchedulerConfig { draft_budget: DraftBudget::Off, ..SchedulerConfig::default() };
+    let mut scheduler = Scheduler::new(engine.clone(), config).unwrap();
+    let run = batched(&mut scheduler, &engine, &requests, |_, _| {});
+    assert_same(&expected, &run, &[]);
+    for r in &run.reports {
+        assert_eq!(r.num_draft_tokens_granted, r.num_draft_tokens_wanted, "{r:?}");
+    }
+}
+
+#[test]
+fn bad_scheduler_settings_are_refused_by_name() {
+    let engine = load();
+    for (config, words) in [
+        (SchedulerConfig { max_num_seqs: 0, ..SchedulerConfig::default() }, "max_num_seqs"),
+        (SchedulerConfig { max_num_batched_tokens: 4, ..SchedulerConfig::default() }, "max_num_batched_tokens"),
+        (SchedulerConfig { prefill_chunk: Some(0), ..SchedulerConfig::default() }, "prefill_chunk"),
+        (SchedulerConfig { cost_curve_s: Some(vec![]), ..SchedulerConfig::default() }, "cost curve"),
+    ] {
+        let err = Scheduler::new(engine.clone(), config).err().expect("refused");
+        assert!(err.to_string().contains(words), "{err}");
+    }
+    assert!(DraftBudget::parse("sometimes").unwrap_err().to_string().contains("'load' or 'off'"));
+}

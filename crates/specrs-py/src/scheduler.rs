@@ -1,0 +1,176 @@
+//! Python class `Scheduler`: the core's continuous-batching scheduler (`engine/scheduler.rs`)
+//! behind a lock, so a server thread can step it while others add and abort requests.
+//!
+//! Invariant: every method takes the lock with the GIL released (a step holds the lock while it
+//! runs, and a Python proposer needs the GIL during it), and no Rust panic reaches Python: a step
+//! that fails in one request returns that request's end with its error (an exception object), and
+//! the scheduler goes on.
+
+use std::sync::{Arc, Mutex};
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use specrs_core::{DraftBudget, Engine, RequestOutput, Scheduler, SchedulerConfig, SchedulerTotals, StepReport};
+
+use crate::engine::{generation_dict, token_ids_arg, PyEngine, PySamplingParams};
+use crate::errors::{guard, lock_recovering, run_detached, to_py};
+
+#[pyclass(name = "Scheduler", module = "specrs._specrs", frozen)]
+pub struct PyScheduler {
+    engine: Py<PyEngine>,
+    inner: Arc<Mutex<Scheduler>>,
+}
+
+#[pymethods]
+impl PyScheduler {
+    /// A scheduler over `engine`'s model. `cost_curve_s` `[T(1), ..., T(n)]` pins the draft
+    /// budget's batch cost curve (seconds per forward of 1..n rows); None measures it now (up to
+    /// 32 rows, or reads the disk cache) unless the engine was told not to measure on demand.
+    #[new]
+    #[pyo3(signature = (engine, max_num_seqs=16, max_num_batched_tokens=2048, max_kv_tokens=None, prefill_chunk=Some(256), draft_budget="load", cost_curve_s=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        engine: Py<PyEngine>,
+        max_num_seqs: usize,
+        max_num_batched_tokens: usize,
+        max_kv_tokens: Option<usize>,
+        prefill_chunk: Option<usize>,
+        draft_budget: &str,
+        cost_curve_s: Option<Vec<f64>>,
+    ) -> PyResult<Self> {
+        let draft_budget = guard(|| DraftBudget::parse(draft_budget)).map_err(to_py)?;
+        let config = SchedulerConfig {
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_kv_tokens,
+            prefill_chunk,
+            draft_budget,
+            cost_curve_s,
+        };
+        let core: Arc<Engine> = engine.get().inner.clone();
+        let scheduler = run_detached(py, move || Scheduler::new(core, config))?;
+        Ok(Self { engine, inner: Arc::new(Mutex::new(scheduler)) })
+    }
+
+    /// Queues a request under `request_id` (unique among unfinished ones). Raises (ConfigError,
+    /// ContextLengthError, ...) for anything that can be checked before it runs.
+    #[pyo3(signature = (request_id, prompt_ids, params, speculative_config=None, proposer=None))]
+    fn add(
+        &self,
+        py: Python<'_>,
+        request_id: u64,
+        prompt_ids: &Bound<'_, PyAny>,
+        params: &PySamplingParams,
+        speculative_config: Option<&str>,
+        proposer: Option<Py<PyAny>>,
+    ) -> PyResult<()> {
+        let prompt_ids = token_ids_arg(prompt_ids, "prompt token id")?;
+        let speculation = self.engine.get().speculation(py, speculative_config, proposer)?;
+        let params = params.inner.clone();
+        let inner = &self.inner;
+        run_detached(py, move || lock_recovering(inner).add(request_id, prompt_ids, params, speculation))
+    }
+
+    /// Stops a request: the next step returns its end (finish_reason "abort"). False if no
+    /// unfinished request has that id.
+    fn abort(&self, py: Python<'_>, request_id: u64) -> PyResult<bool> {
+        let inner = &self.inner;
+        run_detached(py, move || Ok(lock_recovering(inner).abort(request_id)))
+    }
+
+    /// One step of every running request in one forward, with the GIL released:
+    /// `(outputs, report)`. Each output is a dict: `request_id`, `text`, `token_ids` (new this
+    /// step), `finished` (the request's result dict once it ended, else None) and `error` (the
+    /// exception that ended it, else None).
+    fn step<'py>(&self, py: Python<'py>) -> PyResult<(Vec<Bound<'py, PyDict>>, Bound<'py, PyDict>)> {
+        let inner = &self.inner;
+        let (outputs, report) = run_detached(py, move || lock_recovering(inner).step())?;
+        let outputs = outputs.into_iter().map(|o| output_dict(py, o)).collect::<PyResult<Vec<_>>>()?;
+        Ok((outputs, report_dict(py, &report)?))
+    }
+
+    /// Sums of every step since the scheduler was made (draft tokens wanted, granted, verified and
+    /// accepted; rows; preemptions; forward seconds).
+    fn totals<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let inner = &self.inner;
+        let totals = run_detached(py, move || Ok(lock_recovering(inner).totals()))?;
+        totals_dict(py, &totals)
+    }
+
+    /// The draft budget's cost curve `[T(1), ..., T(n)]` seconds, and where it came from.
+    fn cost_curve(&self, py: Python<'_>) -> PyResult<(Vec<f64>, String)> {
+        let inner = &self.inner;
+        let (curve, source) = run_detached(py, move || Ok(lock_recovering(inner).cost_curve()))?;
+        Ok((curve, source.as_str().to_string()))
+    }
+
+    #[getter]
+    fn num_running(&self, py: Python<'_>) -> PyResult<usize> {
+        let inner = &self.inner;
+        run_detached(py, move || Ok(lock_recovering(inner).num_running()))
+    }
+
+    #[getter]
+    fn num_waiting(&self, py: Python<'_>) -> PyResult<usize> {
+        let inner = &self.inner;
+        run_detached(py, move || Ok(lock_recovering(inner).num_waiting()))
+    }
+
+    #[getter]
+    fn has_unfinished(&self, py: Python<'_>) -> PyResult<bool> {
+        let inner = &self.inner;
+        run_detached(py, move || Ok(lock_recovering(inner).has_unfinished()))
+    }
+}
+
+fn output_dict(py: Python<'_>, output: RequestOutput) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("request_id", output.id)?;
+    d.set_item("text", &output.text)?;
+    d.set_item("token_ids", &output.token_ids)?;
+    match &output.finished {
+        Some(generation) => {
+            let finished = generation_dict(py, generation)?;
+            if output.error.is_some() {
+                finished.set_item("finish_reason", "error")?;
+            }
+            d.set_item("finished", finished)?
+        }
+        None => d.set_item("finished", py.None())?,
+    }
+    match output.error {
+        Some(error) => d.set_item("error", to_py(error).into_value(py))?,
+        None => d.set_item("error", py.None())?,
+    }
+    Ok(d)
+}
+
+fn report_dict<'py>(py: Python<'py>, r: &StepReport) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("num_sequences", r.num_sequences)?;
+    d.set_item("num_rows", r.num_rows)?;
+    d.set_item("num_context_rows", r.num_context_rows)?;
+    d.set_item("num_draft_tokens_wanted", r.num_draft_tokens_wanted)?;
+    d.set_item("num_draft_tokens_granted", r.num_draft_tokens_granted)?;
+    d.set_item("num_draft_tokens", r.num_draft_tokens)?;
+    d.set_item("num_accepted_tokens", r.num_accepted_tokens)?;
+    d.set_item("num_admitted", r.num_admitted)?;
+    d.set_item("num_preempted", r.num_preempted)?;
+    d.set_item("num_waiting", r.num_waiting)?;
+    d.set_item("num_running", r.num_running)?;
+    Ok(d)
+}
+
+fn totals_dict<'py>(py: Python<'py>, t: &SchedulerTotals) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("num_steps", t.num_steps)?;
+    d.set_item("num_rows", t.num_rows)?;
+    d.set_item("num_draft_tokens_wanted", t.num_draft_tokens_wanted)?;
+    d.set_item("num_draft_tokens_granted", t.num_draft_tokens_granted)?;
+    d.set_item("num_draft_tokens", t.num_draft_tokens)?;
+    d.set_item("num_accepted_tokens", t.num_accepted_tokens)?;
+    d.set_item("num_preemptions", t.num_preemptions)?;
+    d.set_item("forward_s", t.forward_s)?;
+    Ok(d)
+}
