@@ -131,8 +131,12 @@ mod tests {
 
     /// A CPU-like curve: ~flat while the weights dominate, then linear in rows (the knee at 8).
     fn knee_curve() -> BatchCost {
-        BatchCost::new(&(1..=64).map(|r| 1.0 + if r <= 8 { 0.05 * r as f64 } else { 0.4 + 0.2 * (r - 8) as f64 }).collect::<Vec<_>>())
-            .unwrap()
+        BatchCost::new(
+            &(1..=64)
+                .map(|r| 1.0 + if r <= 8 { 0.05 * r as f64 } else { 0.4 + 0.2 * (r - 8) as f64 })
+                .collect::<Vec<_>>(),
+        )
+        .unwrap()
     }
 
     #[test]

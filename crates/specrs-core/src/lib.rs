@@ -29,7 +29,7 @@ pub mod tokenizer;
 pub mod verify;
 
 pub use config::SamplingParams;
-pub use engine::scheduler::{Scheduler, SchedulerConfig, DraftBudget, RequestOutput, StepReport, SchedulerTotals};
+pub use engine::scheduler::{DraftBudget, RequestOutput, Scheduler, SchedulerConfig, SchedulerTotals, StepReport};
 pub use engine::step_together::step_together;
 pub use engine::{Engine, FinishReason, Generation, Session, Speculation, StepOutput};
 pub use error::{Error, Result};

@@ -192,7 +192,8 @@ mod tests {
         let all = verify(&target, VOCAB, &argmaxes[..3], None, &greedy, &mut sampler, 0).unwrap();
         assert_eq!(all, Verification { num_accepted_tokens: 3, token_ids: argmaxes.clone() });
         let wrong = (argmaxes[1] + 1) % VOCAB as u32;
-        let partial = verify(&target, VOCAB, &[argmaxes[0], wrong, argmaxes[2]], None, &greedy, &mut sampler, 0).unwrap();
+        let partial =
+            verify(&target, VOCAB, &[argmaxes[0], wrong, argmaxes[2]], None, &greedy, &mut sampler, 0).unwrap();
         assert_eq!(partial, Verification { num_accepted_tokens: 1, token_ids: argmaxes[..2].to_vec() });
         let none = verify(&target[..VOCAB], VOCAB, &[], None, &greedy, &mut sampler, 0).unwrap();
         assert_eq!(none.token_ids, vec![argmaxes[0]]);

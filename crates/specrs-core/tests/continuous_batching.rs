@@ -46,7 +46,8 @@ fn mixed_requests(engine: &Engine, n: usize) -> Vec<Request> {
             let text = PROMPTS[(i + i / 4) % PROMPTS.len()].repeat(repeats);
             let prompt_ids = engine.tokenizer().encode(&text, true).unwrap();
             let max_tokens = 16 + 5 * (i % 5);
-            let params = if i % 3 == 1 { sampled(max_tokens, 100 + i as u64) } else { SamplingParams::greedy(max_tokens) };
+            let params =
+                if i % 3 == 1 { sampled(max_tokens, 100 + i as u64) } else { SamplingParams::greedy(max_tokens) };
             Request { prompt_ids, params, config: METHODS[i % METHODS.len()] }
         })
         .collect()
@@ -80,7 +81,8 @@ fn batched(
     for (id, r) in requests.iter().enumerate() {
         scheduler.add(id as u64, r.prompt_ids.clone(), r.params.clone(), speculation(engine, r.config)).unwrap();
     }
-    let mut out = Batched { tokens: vec![Vec::new(); requests.len()], ends: vec![None; requests.len()], reports: Vec::new() };
+    let mut out =
+        Batched { tokens: vec![Vec::new(); requests.len()], ends: vec![None; requests.len()], reports: Vec::new() };
     let mut step = 0;
     while scheduler.has_unfinished() {
         let (outputs, report) = scheduler.step().unwrap();
@@ -132,7 +134,10 @@ fn sixteen_mixed_requests_batched_yield_what_they_yield_alone() {
     assert_same(&expected, &run, &[]);
     // It batched, prefilled in chunks beside decoding, and speculated.
     assert!(run.reports.iter().any(|r| r.num_sequences >= 8), "never 8 requests in one forward");
-    assert!(run.reports.iter().any(|r| r.num_context_rows > 0 && r.num_rows > r.num_context_rows), "no chunk beside decoding");
+    assert!(
+        run.reports.iter().any(|r| r.num_context_rows > 0 && r.num_rows > r.num_context_rows),
+        "no chunk beside decoding"
+    );
     let totals = scheduler.totals();
     assert!(totals.num_draft_tokens > 0 && totals.num_accepted_tokens > 0, "{totals:?}");
     let forwards_alone: usize = expected.iter().map(|g| g.metrics.num_forward_passes).sum();
@@ -215,9 +220,10 @@ fn at_batch_one_the_budget_grants_what_the_request_asks() {
 fn a_saturated_batch_on_an_unprofitable_curve_gets_no_drafts_and_the_same_tokens() {
     let engine = load();
     // Model-free drafts only (a pinned draft model would be granted whatever the curve).
-    let requests: Vec<Request> = mixed_requests(&engine, 16).into_iter().filter(|r| {
-        r.config.is_some_and(|c| c.contains("ngram") || c.contains("suffix"))
-    }).collect();
+    let requests: Vec<Request> = mixed_requests(&engine, 16)
+        .into_iter()
+        .filter(|r| r.config.is_some_and(|c| c.contains("ngram") || c.contains("suffix")))
+        .collect();
     let expected = alone(&engine, &requests);
     // Every row costs a whole forward: a draft token never buys its time back.
     let linear: Vec<f64> = (1..=32).map(|r| 0.01 * r as f64).collect();

@@ -55,6 +55,8 @@ class ServerMetrics:
         # did with the drafts requests wanted.
         self.steps = Counter("specrs:scheduler_steps", "Batched forwards run by the scheduler.", labels,
                              registry=r).labels(model_name)
+        self.step_seconds = Counter("specrs:scheduler_step_seconds", "Time inside the scheduler's steps (the "
+                                    "batched forward, drafting, verification).", labels, registry=r).labels(model_name)
         self.rows = Counter("specrs:scheduler_rows", "Rows (tokens) in the batched forwards: decode, draft and "
                             "prompt.", labels, registry=r).labels(model_name)
         self.draft_wanted = Counter("specrs:scheduler_draft_tokens_wanted", "Draft tokens requests would have "
@@ -92,6 +94,9 @@ class ServerMetrics:
         self.draft_verified.inc(report["num_draft_tokens"])
         self.draft_accepted.inc(report["num_accepted_tokens"])
         self.num_preemptions.inc(report["num_preempted"])
+
+    def scheduler_step_time(self, seconds: float) -> None:
+        self.step_seconds.inc(seconds)
 
     def request_admitted(self, queue_s: float) -> None:
         self.queue_time.observe(queue_s)

@@ -180,7 +180,10 @@ class Scheduler:
                 if job.cancelled:
                     self._guarded(job, lambda j: self._abort(j, "abort"))
             if self.core.has_unfinished:
-                self._handle(*self.core.step())
+                start_s = time.perf_counter()
+                outputs, report = self.core.step()
+                self.metrics.scheduler_step_time(time.perf_counter() - start_s)
+                self._handle(outputs, report)
 
     def _next_submissions(self) -> list[Job] | None:
         """Waits for work; the jobs submitted since the last step (None: the server is stopping)."""

@@ -39,8 +39,8 @@ pub mod device;
 pub mod direct;
 pub mod proposers;
 pub mod scheduler;
-pub mod step_together;
 pub mod session;
+pub mod step_together;
 pub mod suffix_persistence;
 
 pub use cost_model::{ExpectedSpeedup, PolicyCosts};

@@ -214,7 +214,9 @@ impl Scheduler {
             None => engine.batch_costs(BUDGET_CURVE_ROWS, engine.measures_on_demand())?,
         };
         let cost = BatchCost::new(&curve).ok_or_else(|| {
-            Error::config(format!("the cost curve needs at least one positive, finite time per row count (got {curve:?})"))
+            Error::config(format!(
+                "the cost curve needs at least one positive, finite time per row count (got {curve:?})"
+            ))
         })?;
         Ok(Self {
             engine,
@@ -385,12 +387,8 @@ impl Scheduler {
                 }
             }
         }
-        report.num_accepted_tokens = self
-            .running
-            .iter()
-            .zip(&accepted_before)
-            .map(|(r, before)| r.session.num_accepted_tokens() - before)
-            .sum();
+        report.num_accepted_tokens =
+            self.running.iter().zip(&accepted_before).map(|(r, before)| r.session.num_accepted_tokens() - before).sum();
         for (i, error) in failed {
             let running = &mut self.running[i];
             let _ = guard(|| {
