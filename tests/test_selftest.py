@@ -119,18 +119,23 @@ class MisreportingProposer:
 
 class RememberingProposer:
     """Drafts what followed the current context in an earlier request it saw, as suffix decoding's
-    cache does: a repeated request gets other drafts than its first run, and so, at a temperature
-    above 0, another sample."""
+    cache does, with draft probabilities (half on the drafted token): a repeated request gets other
+    drafts than its first run, and since drafts with probabilities are verified by sequential
+    rejection sampling (one-hot ones are coupled and would keep the sample), at a temperature
+    above 0 another sample."""
 
-    def __init__(self):
+    def __init__(self, vocab_size: int = 49152):
         self.seen = []
+        self.vocab_size = vocab_size
 
     def propose(self, context_ids, max_tokens):
         context = list(context_ids)
         draft = next((s[len(context) : len(context) + max_tokens] for s in reversed(self.seen)
                       if len(s) > len(context) and s[: len(context)] == context), [])
         self.seen = [s for s in self.seen if s != context[: len(s)]] + [context]
-        return draft
+        probs = np.full((len(draft), self.vocab_size), 0.5 / (self.vocab_size - 1), dtype=np.float32)
+        probs[np.arange(len(draft)), draft] = 0.5
+        return draft, probs
 
 
 def test_misreported_draft_probabilities_fail_the_distribution_check(model_path):

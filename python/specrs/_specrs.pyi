@@ -11,6 +11,7 @@ __all__ = [
     "Engine",
     "SamplingParams",
     "Stream",
+    "Scheduler",
     "Tokenizer",
     "expected_speedup",
     "requantize",

@@ -25,10 +25,10 @@ suffix decoding draft (repetition, code, lists):
    Rejection sampling is exact, so a correct engine fails this with probability alpha.
 3. Seeded determinism. The same seeded request twice gives the same tokens, without speculation
    and with each config as given. Suffix decoding adds every response to an engine-wide cache, so
-   a repeated request gets other drafts and, legitimately, another sample (README: "Seeded
-   sampling is reproducible per request when its drafts are"); for suffix each of the two runs
-   uses a fresh engine, with the draft length fixed (a fresh engine measures the costs the
-   adaptive length reads afresh, from timing).
+   a repeated request gets other drafts; its one-hot drafts are verified in coupled form, which
+   keeps the sample anyway, but a draft with probabilities would legitimately change it, so for
+   suffix each of the two runs uses a fresh engine, with the draft length fixed (a fresh engine
+   measures the costs the adaptive length reads afresh, from timing).
 
 Exit status 1 when any check FAILs; `--json` prints the report for machines.
 """

@@ -238,15 +238,8 @@ fn a_saturated_batch_on_an_unprofitable_curve_gets_no_drafts_and_the_same_tokens
         assert_eq!(r.num_draft_tokens_granted, 0, "{r:?}");
     }
     // With a flat curve (rows free) the same batch gets every draft it wants.
-    let engine = load();
-    let flat = vec![0.01; 32];
-    let config = SchedulerConfig { cost_curve_s: Some(flat), ..SchedulerConfig::default() };
-    let mut scheduler = Scheduler::new(engine.clone(), config).unwrap();
-    let run = batched(&mut scheduler, &engine, &requests, |_, _| {});
-    assert_same(&expected, &run, &[]);
-    for r in &run.reports {
-        assert_eq!(r.num_draft_tokens_granted, r.num_draft_tokens_wanted, "{r:?}");
-    }
+    let config = SchedulerConfig { cost_curve_s: Some(vec![0.01; 32]), ..SchedulerConfig::default() };
+    assert_every_wish_granted(config, &requests, &expected);
 }
 
 #[test]
@@ -255,9 +248,16 @@ fn the_off_budget_drafts_what_each_request_would_alone() {
     let requests = mixed_requests(&engine, 8);
     let expected = alone(&engine, &requests);
     let config = SchedulerConfig { draft_budget: DraftBudget::Off, ..SchedulerConfig::default() };
+    assert_every_wish_granted(config, &requests, &expected);
+}
+
+/// Runs `requests` under `config` on a fresh engine: the tokens of `expected`, and every step
+/// granted every draft token its requests wanted.
+fn assert_every_wish_granted(config: SchedulerConfig, requests: &[Request], expected: &[Generation]) {
+    let engine = load();
     let mut scheduler = Scheduler::new(engine.clone(), config).unwrap();
-    let run = batched(&mut scheduler, &engine, &requests, |_, _| {});
-    assert_same(&expected, &run, &[]);
+    let run = batched(&mut scheduler, &engine, requests, |_, _| {});
+    assert_same(expected, &run, &[]);
     for r in &run.reports {
         assert_eq!(r.num_draft_tokens_granted, r.num_draft_tokens_wanted, "{r:?}");
     }

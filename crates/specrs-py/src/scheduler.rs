@@ -18,7 +18,7 @@ use crate::errors::{guard, lock_recovering, run_detached, to_py};
 #[pyclass(name = "Scheduler", module = "specrs._specrs", frozen)]
 pub struct PyScheduler {
     engine: Py<PyEngine>,
-    inner: Arc<Mutex<Scheduler>>,
+    inner: Mutex<Scheduler>,
 }
 
 #[pymethods]
@@ -27,7 +27,10 @@ impl PyScheduler {
     /// budget's batch cost curve (seconds per forward of 1..n rows); None measures it now (up to
     /// 32 rows, or reads the disk cache) unless the engine was told not to measure on demand.
     #[new]
-    #[pyo3(signature = (engine, max_num_seqs=16, max_num_batched_tokens=2048, max_kv_tokens=None, prefill_chunk=Some(256), draft_budget="load", cost_curve_s=None))]
+    #[pyo3(
+        signature = (engine, max_num_seqs=16, max_num_batched_tokens=2048, max_kv_tokens=None, prefill_chunk=Some(256), draft_budget="load", cost_curve_s=None),
+        text_signature = "(engine, max_num_seqs=16, max_num_batched_tokens=2048, max_kv_tokens=None, prefill_chunk=256, draft_budget='load', cost_curve_s=None)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -50,7 +53,7 @@ impl PyScheduler {
         };
         let core: Arc<Engine> = engine.get().inner.clone();
         let scheduler = run_detached(py, move || Scheduler::new(core, config))?;
-        Ok(Self { engine, inner: Arc::new(Mutex::new(scheduler)) })
+        Ok(Self { engine, inner: Mutex::new(scheduler) })
     }
 
     /// Queues a request under `request_id` (unique among unfinished ones). Raises (ConfigError,
@@ -68,15 +71,13 @@ impl PyScheduler {
         let prompt_ids = token_ids_arg(prompt_ids, "prompt token id")?;
         let speculation = self.engine.get().speculation(py, speculative_config, proposer)?;
         let params = params.inner.clone();
-        let inner = &self.inner;
-        run_detached(py, move || lock_recovering(inner).add(request_id, prompt_ids, params, speculation))
+        self.locked(py, move |s| s.add(request_id, prompt_ids, params, speculation))
     }
 
     /// Stops a request: the next step returns its end (finish_reason "abort"). False if no
     /// unfinished request has that id.
     fn abort(&self, py: Python<'_>, request_id: u64) -> PyResult<bool> {
-        let inner = &self.inner;
-        run_detached(py, move || Ok(lock_recovering(inner).abort(request_id)))
+        self.locked(py, move |s| Ok(s.abort(request_id)))
     }
 
     /// One step of every running request in one forward, with the GIL released:
@@ -84,8 +85,7 @@ impl PyScheduler {
     /// step), `finished` (the request's result dict once it ended, else None) and `error` (the
     /// exception that ended it, else None).
     fn step<'py>(&self, py: Python<'py>) -> PyResult<(Vec<Bound<'py, PyDict>>, Bound<'py, PyDict>)> {
-        let inner = &self.inner;
-        let (outputs, report) = run_detached(py, move || lock_recovering(inner).step())?;
+        let (outputs, report) = self.locked(py, |s| s.step())?;
         let outputs = outputs.into_iter().map(|o| output_dict(py, o)).collect::<PyResult<Vec<_>>>()?;
         Ok((outputs, report_dict(py, &report)?))
     }
@@ -93,34 +93,41 @@ impl PyScheduler {
     /// Sums of every step since the scheduler was made (draft tokens wanted, granted, verified and
     /// accepted; rows; preemptions; forward seconds).
     fn totals<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let inner = &self.inner;
-        let totals = run_detached(py, move || Ok(lock_recovering(inner).totals()))?;
+        let totals = self.locked(py, |s| Ok(s.totals()))?;
         totals_dict(py, &totals)
     }
 
     /// The draft budget's cost curve `[T(1), ..., T(n)]` seconds, and where it came from.
     fn cost_curve(&self, py: Python<'_>) -> PyResult<(Vec<f64>, String)> {
-        let inner = &self.inner;
-        let (curve, source) = run_detached(py, move || Ok(lock_recovering(inner).cost_curve()))?;
+        let (curve, source) = self.locked(py, |s| Ok(s.cost_curve()))?;
         Ok((curve, source.as_str().to_string()))
     }
 
     #[getter]
     fn num_running(&self, py: Python<'_>) -> PyResult<usize> {
-        let inner = &self.inner;
-        run_detached(py, move || Ok(lock_recovering(inner).num_running()))
+        self.locked(py, |s| Ok(s.num_running()))
     }
 
     #[getter]
     fn num_waiting(&self, py: Python<'_>) -> PyResult<usize> {
-        let inner = &self.inner;
-        run_detached(py, move || Ok(lock_recovering(inner).num_waiting()))
+        self.locked(py, |s| Ok(s.num_waiting()))
     }
 
     #[getter]
     fn has_unfinished(&self, py: Python<'_>) -> PyResult<bool> {
+        self.locked(py, |s| Ok(s.has_unfinished()))
+    }
+}
+
+impl PyScheduler {
+    /// Runs `f` on the scheduler with the GIL released, then the lock taken (see the header).
+    fn locked<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut Scheduler) -> specrs_core::Result<T> + Send,
+    ) -> PyResult<T> {
         let inner = &self.inner;
-        run_detached(py, move || Ok(lock_recovering(inner).has_unfinished()))
+        run_detached(py, move || f(&mut lock_recovering(inner)))
     }
 }
 
