@@ -206,8 +206,15 @@ class Scheduler:
             self._fail(job, e)
 
     def _fail(self, job: Job, error: BaseException, status: int | None = None, metrics: dict | None = None) -> None:
-        """Ends `job` after `error` (its caches already freed, or never made): it is counted with
-        finished_reason "error", and its client gets the error (a 500 for internal faults)."""
+        """Ends `job` after `error`: it is aborted in the core if it still runs there (freeing its
+        caches), counted with finished_reason "error", and its client gets the error (a 500 for
+        internal faults)."""
+        if job.request_id in self._jobs:
+            try:
+                self.core.abort(job.request_id)  # False when the core already ended it
+            except BaseException as e:  # the request still ends
+                if _is_fatal(e):
+                    raise
         self._forget(job)
         if job.ended:
             return
