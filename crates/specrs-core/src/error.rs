@@ -46,3 +46,25 @@ impl Error {
         Error::Config(msg.into())
     }
 }
+
+/// Runs `f`, returning its panic's message as `Err` instead of unwinding further.
+pub fn catch_panic<T>(f: impl FnOnce() -> T) -> std::result::Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|payload| {
+        payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into())
+    })
+}
+
+/// The error a caught panic becomes.
+pub fn panic_error(message: &str) -> Error {
+    Error::Internal(format!("{message} (please report this bug)"))
+}
+
+/// Runs `f`, with a panic turned into an internal error: a bug met by one request ends that
+/// request (or call), not the process or the other requests batched with it.
+pub fn guard<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    catch_panic(f).unwrap_or_else(|message| Err(panic_error(&message)))
+}

@@ -5,7 +5,6 @@
 //! Invariant: every PyO3 entry point runs its Rust work through `guard` (or `run_detached`), so a
 //! Rust panic surfaces as a `SpecrsError`, never as PyO3's `PanicException`.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use pyo3::exceptions::PyRuntimeError;
@@ -37,26 +36,7 @@ pub fn to_py(error: Error) -> PyErr {
     })
 }
 
-/// Runs `f`; a panic comes back as `Err` with the panic's message.
-pub fn catch_panic<T>(f: impl FnOnce() -> T) -> std::result::Result<T, String> {
-    catch_unwind(AssertUnwindSafe(f)).map_err(|payload| {
-        payload
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "unknown panic".into())
-    })
-}
-
-/// The error a caught panic becomes.
-pub fn panic_error(message: &str) -> Error {
-    Error::Internal(format!("{message} (please report this bug)"))
-}
-
-/// Runs `f`, turning a Rust panic into a `SpecrsError` instead of letting it cross the FFI.
-pub fn guard<T>(f: impl FnOnce() -> specrs_core::Result<T>) -> specrs_core::Result<T> {
-    catch_panic(f).unwrap_or_else(|message| Err(panic_error(&message)))
-}
+pub use specrs_core::error::{catch_panic, guard, panic_error};
 
 /// `guard` with the GIL released, mapped to a Python exception.
 pub fn run_detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> specrs_core::Result<T> + Send) -> PyResult<T> {

@@ -32,12 +32,12 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use super::session::{Generation, PlanLimits, Session, StepPlan};
-use super::step_together::{forward_and_commit, guard};
+use super::step_together::forward_and_commit;
 use super::{Engine, FinishReason, Speculation};
 use crate::config::SamplingParams;
 use crate::costs::CostSource;
 use crate::draft_budget::{grant, BatchCost, DraftWish};
-use crate::error::{Error, Result};
+use crate::error::{guard, Error, Result};
 use crate::metrics::RequestMetrics;
 
 /// How each step's draft tokens are decided.
@@ -270,11 +270,7 @@ impl Scheduler {
     pub fn abort(&mut self, id: u64) -> bool {
         if let Some(i) = self.running.iter().position(|r| r.id == id) {
             let Running { id, mut session } = self.running.remove(i);
-            let ended = guard(|| {
-                session.abort();
-                Ok(())
-            });
-            self.aborted.push(ended_output(id, &session, ended.err()));
+            self.aborted.push(end_request(id, &mut session, None));
             return true;
         }
         let Some(i) = self.waiting.iter().position(|w| w.id() == id) else { return false };
@@ -292,13 +288,7 @@ impl Scheduler {
                 }),
                 error: None,
             },
-            Waiting::Preempted { id, mut session } => {
-                let ended = guard(|| {
-                    session.abort();
-                    Ok(())
-                });
-                ended_output(id, &session, ended.err())
-            }
+            Waiting::Preempted { id, mut session } => end_request(id, &mut session, None),
         };
         self.aborted.push(output);
         true
@@ -391,11 +381,7 @@ impl Scheduler {
             self.running.iter().zip(&accepted_before).map(|(r, before)| r.session.num_accepted_tokens() - before).sum();
         for (i, error) in failed {
             let running = &mut self.running[i];
-            let _ = guard(|| {
-                running.session.abort();
-                Ok(())
-            });
-            outputs.push(ended_output(running.id, &running.session, Some(error)));
+            outputs.push(end_request(running.id, &mut running.session, Some(error)));
             ended.push(i);
         }
         ended.sort_unstable();
@@ -542,7 +528,13 @@ fn kv_need(session: &Session) -> usize {
     session.kv_lens().0 + 1 + pinned_draft
 }
 
-/// The end of a request that was aborted or failed (its caches already freed).
-fn ended_output(id: u64, session: &Session, error: Option<Error>) -> RequestOutput {
+/// Ends a request that was aborted (`error` None) or failed: its caches are freed (a panic there
+/// becomes its error, unless it already failed) and its result is returned.
+fn end_request(id: u64, session: &mut Session, error: Option<Error>) -> RequestOutput {
+    let aborted = guard(|| {
+        session.abort();
+        Ok(())
+    });
+    let error = error.or(aborted.err());
     RequestOutput { id, token_ids: Vec::new(), text: String::new(), finished: Some(session.result()), error }
 }

@@ -14,7 +14,7 @@ use std::time::Instant;
 use candle_core::Tensor;
 
 use super::session::{Session, StepOutput, StepPlan};
-use crate::error::{Error, Result};
+use crate::error::{guard, Error, Result};
 use crate::kv_cache::KvCache;
 use crate::model::{ForwardBatch, SeqRows, Tap};
 
@@ -92,17 +92,4 @@ pub(super) fn forward_and_commit(sessions: &mut [&mut Session], plans: Vec<(usiz
         committed.push((i, outcome));
     }
     Ok((committed, forward_s))
-}
-
-/// `f()`, with a panic turned into an internal error: a bug met by one session's plan or commit
-/// ends that request, not every request batched with it.
-pub(super) fn guard<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|payload| {
-        let message = payload
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a panic".to_string());
-        Err(Error::Internal(format!("{message} (please report this bug)")))
-    })
 }
