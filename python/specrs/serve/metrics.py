@@ -83,8 +83,9 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def scheduler_step(self, report: dict) -> None:
-        """One step's report from the core scheduler."""
+    def scheduler_step(self, report: dict, seconds: float) -> None:
+        """One step's report from the core scheduler, and the step's time."""
+        self.step_seconds.inc(seconds)
         if report["num_sequences"]:
             self.steps.inc()
             self.batch_size.observe(report["num_sequences"])
@@ -94,9 +95,6 @@ class ServerMetrics:
         self.draft_verified.inc(report["num_draft_tokens"])
         self.draft_accepted.inc(report["num_accepted_tokens"])
         self.num_preemptions.inc(report["num_preempted"])
-
-    def scheduler_step_time(self, seconds: float) -> None:
-        self.step_seconds.inc(seconds)
 
     def request_admitted(self, queue_s: float) -> None:
         self.queue_time.observe(queue_s)

@@ -172,7 +172,7 @@ class Scheduler:
                 for job in list(self._jobs.values()):
                     self._abort(job, "abort")
                 while self.core.has_unfinished:  # returns the aborted requests' ends
-                    self._handle(*self.core.step())
+                    self._step()
                 return
             for job in submitted:
                 self._guarded(job, self._add)
@@ -180,10 +180,7 @@ class Scheduler:
                 if job.cancelled:
                     self._guarded(job, lambda j: self._abort(j, "abort"))
             if self.core.has_unfinished:
-                start_s = time.perf_counter()
-                outputs, report = self.core.step()
-                self.metrics.scheduler_step_time(time.perf_counter() - start_s)
-                self._handle(outputs, report)
+                self._step()
 
     def _next_submissions(self) -> list[Job] | None:
         """Waits for work; the jobs submitted since the last step (None: the server is stopping)."""
@@ -252,9 +249,12 @@ class Scheduler:
             job.ending = reason
             self.core.abort(job.request_id)
 
-    def _handle(self, outputs: list[dict], report: dict) -> None:
+    def _step(self) -> None:
+        """One core step (the batched forward, GIL released); its outputs become events."""
+        start_s = time.perf_counter()
+        outputs, report = self.core.step()
         self._num_running, self._num_waiting = report["num_running"], report["num_waiting"]
-        self.metrics.scheduler_step(report)
+        self.metrics.scheduler_step(report, time.perf_counter() - start_s)
         now = time.perf_counter()
         for output in outputs:
             job = self._jobs.get(output["request_id"])
