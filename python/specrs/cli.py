@@ -72,6 +72,14 @@ def _requantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_head(args: argparse.Namespace) -> int:
+    """Runs one stage of head training (python/specrs/train/): its own flags follow the stage."""
+    import importlib
+
+    module = {"data": "selfinstruct", "features": "features", "eagle3": "eagle3"}[args.stage]
+    return importlib.import_module(f"specrs.train.{module}").main(args.rest)
+
+
 def _serve(args: argparse.Namespace) -> int:
     serve.serve(args.model, speculative_config=args.speculative_config, host=args.host, port=args.port,
                 device=args.device, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
@@ -188,6 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "from another model (default: refuse to start)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(func=_serve)
+
+    train = sub.add_parser("train-head", help="train a hidden-state head on the target's own outputs: stages data, "
+                           "features, eagle3 (eagle3 needs `pip install 'specrs[train]'`)")
+    train.add_argument("stage", choices=["data", "features", "eagle3"],
+                       help="data: self-instruct conversations written by the target; features: its hidden states "
+                            "over them, cached; eagle3: train and write the head (`specrs train-head STAGE -h`)")
+    train.add_argument("rest", nargs=argparse.REMAINDER, help="the stage's own flags")
+    train.set_defaults(func=_train_head)
 
     adv = sub.add_parser("advise", help="measure which speculation pays on your own prompts and recommend one",
                          description=advise.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,0 +1,112 @@
+"""Teacher-forced target features for head training, cached on disk so training never re-runs the
+target: for every conversation of `conversations.jsonl` (selfinstruct.py), the target's residual
+stream at EAGLE-3's three tapped layers (2, L // 2, L - 3: EAGLE-3's and vLLM's defaults) and its
+final-normed hidden state (what its LM head reads: the target distribution is recomputed from it
+in training), over prompt + response, from `Engine.hidden_states` (one forward per conversation).
+
+Layout of `out_dir`: `shard-NNNNN.npz` with `tokens` `[n]` int32, `loss_mask` `[n]` bool (True on
+response positions: the positions whose next token the head learns), `conversation_ends` `[c]`
+int64 (exclusive end of each conversation in the shard), `taps` `[n, 3, hidden]` float16 and
+`final` `[n, hidden]` float16; `index.json` lists the shards and the layers. A shard is written
+whole (temporary file, then rename), so a stopped run resumes after the last complete shard.
+
+Invariant: row i of every array describes position i of its conversation, read by the target with
+exactly the tokens the conversation holds (no truncation inside a conversation; conversations
+longer than `max_len` are skipped and counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from ..engine import Engine
+
+
+def eagle3_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's default tapped layers for a target of `num_layers` blocks."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def _conversations(path: str):
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            if "prompt_ids" in row:
+                yield row
+
+
+def extract(engine: Engine, conversations_path: str, out_dir: str, shard_tokens: int = 65536,
+            max_len: int = 2048, log=sys.stderr) -> dict:
+    os.makedirs(out_dir, exist_ok=True)
+    layers = eagle3_layers(engine.info()["num_layers"])
+    index_path = os.path.join(out_dir, "index.json")
+    index = json.load(open(index_path)) if os.path.exists(index_path) else {
+        "layers": layers, "shards": [], "num_conversations": 0, "num_tokens": 0, "skipped_too_long": 0}
+    done = index["num_conversations"] + index["skipped_too_long"]
+    t0 = time.perf_counter()
+    buffer: list[dict] = []
+    buffered_tokens = 0
+
+    def flush() -> None:
+        nonlocal buffer, buffered_tokens
+        if not buffer:
+            return
+        name = f"shard-{len(index['shards']):05d}.npz"
+        tmp = os.path.join(out_dir, name + ".tmp.npz")
+        np.savez(tmp,
+                 tokens=np.concatenate([b["tokens"] for b in buffer]).astype(np.int32),
+                 loss_mask=np.concatenate([b["loss_mask"] for b in buffer]),
+                 conversation_ends=np.cumsum([len(b["tokens"]) for b in buffer]).astype(np.int64),
+                 taps=np.concatenate([b["taps"] for b in buffer]),
+                 final=np.concatenate([b["final"] for b in buffer]))
+        os.replace(tmp, os.path.join(out_dir, name))
+        index["shards"].append(name)
+        index["num_conversations"] += len(buffer)
+        index["num_tokens"] += buffered_tokens
+        with open(index_path + ".tmp", "w") as f:
+            json.dump(index, f, indent=1)
+        os.replace(index_path + ".tmp", index_path)
+        print(f"features: {index['num_conversations']} conversations, {index['num_tokens']} tokens, "
+              f"{time.perf_counter() - t0:.0f} s", file=log, flush=True)
+        buffer, buffered_tokens = [], 0
+
+    for i, row in enumerate(_conversations(conversations_path)):
+        if i < done:
+            continue
+        ids = row["prompt_ids"] + row["response_ids"]
+        if len(ids) > max_len:
+            index["skipped_too_long"] += 1
+            continue
+        *taps, final = engine.hidden_states(ids, layers=[*layers, "final_norm"])
+        mask = np.zeros(len(ids), dtype=bool)
+        mask[len(row["prompt_ids"]) - 1 : len(ids) - 1] = True  # positions predicting a response token
+        buffer.append({"tokens": np.asarray(ids), "loss_mask": mask,
+                       "taps": np.stack(taps, axis=1).astype(np.float16), "final": final.astype(np.float16)})
+        buffered_tokens += len(ids)
+        if buffered_tokens >= shard_tokens:
+            flush()
+    flush()
+    return index
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--conversations", required=True, help="conversations.jsonl from specrs.train.selfinstruct")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--shard-tokens", type=int, default=65536)
+    parser.add_argument("--max-len", type=int, default=2048)
+    args = parser.parse_args(argv)
+    index = extract(Engine(args.model), args.conversations, args.out, args.shard_tokens, args.max_len)
+    print(json.dumps({k: v for k, v in index.items() if k != "shards"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
