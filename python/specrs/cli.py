@@ -85,7 +85,7 @@ def _serve(args: argparse.Namespace) -> int:
                 device=args.device, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
                 prefill_chunk=args.prefill_chunk or None,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_kv_tokens=args.max_kv_tokens,
-                draft_budget=args.draft_budget, max_request_body_bytes=args.max_request_body_bytes,
+                draft_budget=args.draft_budget, record_traffic=args.record_traffic, max_request_body_bytes=args.max_request_body_bytes,
                 default_max_tokens=args.default_max_tokens, log_level=args.log_level,
                 suffix_cache=args.suffix_cache, suffix_cache_save_every=args.suffix_cache_save_every,
                 suffix_cache_start_empty_on_error=args.suffix_cache_start_empty_on_error)
@@ -194,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--suffix-cache-start-empty-on-error", action="store_true",
                      help="start with an empty suffix cache when the --suffix-cache file is corrupt, truncated or "
                           "from another model (default: refuse to start)")
+    srv.add_argument("--record-traffic", default=None, metavar="DIR",
+                     help="STORE every finished request's prompt and output (token ids) in DIR/traffic.jsonl, to "
+                          "train a head on them (`specrs train-head features --conversations DIR/traffic.jsonl`); "
+                          "off by default")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(func=_serve)
 

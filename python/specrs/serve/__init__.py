@@ -51,7 +51,7 @@ def _require_server_packages() -> None:
 def _check_settings(max_num_seqs: int, prefill_chunk: int | None, max_request_body_bytes: int,
                     default_max_tokens: int, suffix_cache_save_every: int = DEFAULT_SUFFIX_CACHE_SAVE_EVERY,
                     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_kv_tokens: int | None = None,
-                    draft_budget: str = "load") -> None:
+                    draft_budget: str = "load", record_traffic: str | None = None) -> None:
     if max_num_seqs < 1:
         raise ConfigError(f"max_num_seqs must be at least 1 (got {max_num_seqs})")
     if max_num_batched_tokens < max_num_seqs:
@@ -91,7 +91,7 @@ def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 
               suffix_cache_save_every: int = DEFAULT_SUFFIX_CACHE_SAVE_EVERY,
               suffix_cache_start_empty_on_error: bool = False,
               max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_kv_tokens: int | None = None,
-              draft_budget: str = "load"):
+              draft_budget: str = "load", record_traffic: str | os.PathLike[str] | None = None):
     """The Starlette app serving `engine` (run it with any ASGI server); `engine.speculative_config`
     and `engine.proposer` are every request's default. `max_request_body_bytes`: larger bodies get
     a 413; `default_max_tokens`: a chat request without max_tokens generates at most this many
@@ -99,7 +99,9 @@ def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 
     cache is loaded from here (ConfigError for a corrupt, truncated or other model's file, unless
     `suffix_cache_start_empty_on_error`) and saved to every `suffix_cache_save_every` finished
     requests and at shutdown. `max_num_seqs`, `max_num_batched_tokens`, `max_kv_tokens`,
-    `prefill_chunk` and `draft_budget` set the continuous-batching scheduler (serve/scheduler.py)."""
+    `prefill_chunk` and `draft_budget` set the continuous-batching scheduler (serve/scheduler.py).
+    `record_traffic`: a directory where every finished request's prompt and output are stored
+    (serve/traffic.py; off by default)."""
     _require_server_packages()
     from .app import build_app as build
 
@@ -110,7 +112,8 @@ def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 
                  suffix_cache=None if suffix_cache is None else os.fspath(suffix_cache),
                  suffix_cache_save_every=suffix_cache_save_every,
                  suffix_cache_start_empty_on_error=suffix_cache_start_empty_on_error,
-                 max_num_batched_tokens=max_num_batched_tokens, max_kv_tokens=max_kv_tokens, draft_budget=draft_budget)
+                 max_num_batched_tokens=max_num_batched_tokens, max_kv_tokens=max_kv_tokens, draft_budget=draft_budget,
+                 record_traffic=None if record_traffic is None else os.fspath(record_traffic))
 
 
 def serve(model: str | None = None, *, speculative_config=None, host: str = "127.0.0.1", port: int = 8000,
@@ -121,7 +124,7 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
           suffix_cache: str | None = None, suffix_cache_save_every: int = DEFAULT_SUFFIX_CACHE_SAVE_EVERY,
           suffix_cache_start_empty_on_error: bool = False,
           max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_kv_tokens: int | None = None,
-          draft_budget: str = "load") -> None:
+          draft_budget: str = "load", record_traffic: str | None = None) -> None:
     """Loads the model, warms it up with the default speculation (so a bad draft fails now, not at
     the first request), stops the engine measuring costs inside requests, loads the suffix cache
     file if one is given (a bad one fails now), and serves until interrupted."""
@@ -152,7 +155,7 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
                     suffix_cache=suffix_cache, suffix_cache_save_every=suffix_cache_save_every,
                     suffix_cache_start_empty_on_error=suffix_cache_start_empty_on_error,
                     max_num_batched_tokens=max_num_batched_tokens, max_kv_tokens=max_kv_tokens,
-                    draft_budget=draft_budget)
+                    draft_budget=draft_budget, record_traffic=record_traffic)
     spec = engine.speculative_config["method"] if engine.speculative_config else "off"
     print(f"specrs serve: `{name}` on http://{host}:{port}/v1 (speculation: {spec}, up to {max_num_seqs} "
           f"requests batched per step, draft budget: {draft_budget})", file=sys.stderr, flush=True)

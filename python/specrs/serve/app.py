@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from typing import AsyncIterator
 
@@ -29,6 +30,9 @@ from .protocol import (APIError, GenerationRequest, ServerSpeculation, chunk_bod
                        request_too_large, response_body, usage)
 from .scheduler import Failed, Finished, Job, Scheduler, Text
 from .suffix_store import DEFAULT_SAVE_EVERY, SuffixCacheStore
+from .traffic import TrafficRecorder
+
+logger = logging.getLogger("specrs.serve")
 
 # How often a handler waiting on the scheduler checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
@@ -64,7 +68,8 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
               max_request_body_bytes: int, default_max_tokens: int, suffix_cache: str | None = None,
               suffix_cache_save_every: int = DEFAULT_SAVE_EVERY,
               suffix_cache_start_empty_on_error: bool = False, max_num_batched_tokens: int = 2048,
-              max_kv_tokens: int | None = None, draft_budget: str = "load") -> Starlette:
+              max_kv_tokens: int | None = None, draft_budget: str = "load",
+              record_traffic: str | None = None) -> Starlette:
     """The server for `engine`; its `speculative_config` (and `proposer`) are every request's default.
     `suffix_cache`: a file the engine-wide suffix cache is loaded from now (a bad file raises
     ConfigError here, so the server never starts on it, unless `suffix_cache_start_empty_on_error`)
@@ -75,8 +80,19 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
     if suffix_cache is not None:
         store = SuffixCacheStore(engine, suffix_cache, suffix_cache_save_every)
         store.load(allow_empty=suffix_cache_start_empty_on_error)
+    hooks = [store.on_request_finished] if store is not None else []
+    if record_traffic is not None:  # opt-in: stores every prompt and output (serve/traffic.py)
+        hooks.append(TrafficRecorder(record_traffic).on_request_finished)
+
+    def on_request_finished(job, finish_reason, request_metrics):
+        for hook in hooks:  # one hook's failure must not skip the others
+            try:
+                hook(job, finish_reason, request_metrics)
+            except Exception:
+                logger.exception("specrs serve: an end-of-request hook failed")
+
     scheduler = Scheduler(engine, metrics, max_num_seqs, prefill_chunk,
-                          on_request_finished=None if store is None else store.on_request_finished,
+                          on_request_finished=on_request_finished if hooks else None,
                           max_num_batched_tokens=max_num_batched_tokens, max_kv_tokens=max_kv_tokens,
                           draft_budget=draft_budget)
     metrics.report_queue(lambda: scheduler.num_running, lambda: scheduler.num_waiting)

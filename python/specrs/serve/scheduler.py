@@ -73,6 +73,7 @@ class Job:
     ending: str | None = None
     admitted: bool = False  # it had rows in a forward (queue time observed)
     num_completion_tokens: int = 0
+    response_ids: list[int] = field(default_factory=list)  # every token the target wrote for it
     last_token_s: float | None = None
     ended: bool = False  # its Finished or Failed event was sent
 
@@ -277,6 +278,7 @@ class Scheduler:
                     self.metrics.next_tokens(now - job.last_token_s)
                 job.last_token_s = now
                 job.num_completion_tokens += len(token_ids)
+                job.response_ids.extend(token_ids)
             emitted = job.stops.feed(output["text"])
             if emitted:
                 job.send(Text(emitted, job.num_completion_tokens))
