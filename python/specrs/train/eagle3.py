@@ -197,17 +197,9 @@ def write_speculators(head: Eagle3Head, out_dir: str, layers: list[int], vocab: 
     os.makedirs(out_dir, exist_ok=True)
     s = head.shape
     w = lambda t: t.detach().cpu().numpy().astype(np.float32)  # noqa: E731
-    tensors = {
-        "fc.weight": w(head.fc.weight), "layers.0.hidden_norm.weight": w(head.hidden_norm),
-        "layers.0.input_layernorm.weight": w(head.input_norm),
-        "layers.0.self_attn.q_proj.weight": w(head.q.weight), "layers.0.self_attn.k_proj.weight": w(head.k.weight),
-        "layers.0.self_attn.v_proj.weight": w(head.v.weight), "layers.0.self_attn.o_proj.weight": w(head.o.weight),
-        "layers.0.post_attention_layernorm.weight": w(head.post_norm),
-        "layers.0.mlp.gate_proj.weight": w(head.gate.weight), "layers.0.mlp.up_proj.weight": w(head.up.weight),
-        "layers.0.mlp.down_proj.weight": w(head.down.weight), "norm.weight": w(head.norm),
-        "lm_head.weight": w(head.lm_head.weight),
-        "d2t": (head.draft_ids.numpy() - np.arange(len(head.draft_ids))).astype(np.int64),
-    }
+    state = head.state_dict()
+    tensors = {name: w(state[attr]) for name, attr in NAMES.items()}
+    tensors["d2t"] = (head.draft_ids.numpy() - np.arange(len(head.draft_ids))).astype(np.int64)
     header, offset, blobs = {}, 0, []
     for name, array in tensors.items():
         blob = np.ascontiguousarray(array).tobytes()
@@ -231,16 +223,66 @@ def write_speculators(head: Eagle3Head, out_dir: str, layers: list[int], vocab: 
                    "speculators_config": {"algorithm": "eagle3"}}, f, indent=1)
 
 
+# speculators' tensor names of the head's parameters (write_speculators and read_speculators).
+NAMES = {
+    "fc.weight": "fc.weight", "layers.0.hidden_norm.weight": "hidden_norm",
+    "layers.0.input_layernorm.weight": "input_norm", "layers.0.self_attn.q_proj.weight": "q.weight",
+    "layers.0.self_attn.k_proj.weight": "k.weight", "layers.0.self_attn.v_proj.weight": "v.weight",
+    "layers.0.self_attn.o_proj.weight": "o.weight", "layers.0.post_attention_layernorm.weight": "post_norm",
+    "layers.0.mlp.gate_proj.weight": "gate.weight", "layers.0.mlp.up_proj.weight": "up.weight",
+    "layers.0.mlp.down_proj.weight": "down.weight", "norm.weight": "norm", "lm_head.weight": "lm_head.weight",
+}
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """F32/F16/BF16/I64 tensors of a safetensors file."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+        data = f.read()
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        raw = data[start:end]
+        if info["dtype"] == "BF16":
+            array = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            array = np.frombuffer(raw, {"F32": np.float32, "F16": np.float16, "I64": np.int64}[info["dtype"]])
+        out[name] = array.reshape(info["shape"])
+    return out
+
+
+def read_speculators(head_dir: str) -> tuple[dict, np.ndarray, dict[str, np.ndarray]]:
+    """(config, draft_ids, tensors) of an EAGLE-3 head directory in speculators' format."""
+    config = json.load(open(os.path.join(head_dir, "config.json")))
+    tensors = read_safetensors(os.path.join(head_dir, "model.safetensors"))
+    draft_ids = np.arange(len(tensors["d2t"])) + tensors["d2t"]
+    return config, draft_ids, tensors
+
+
 def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     shards = Shards(args.features)
     embedding = target_embedding(args.target)
     vocab, hidden = embedding.shape
-    counts = shards.token_counts(vocab)
-    draft_ids = np.sort(np.argsort(-counts, kind="stable")[: args.draft_vocab])
     shape = dict(hidden=hidden, heads=args.heads, kv_heads=args.kv_heads, head_dim=hidden // args.heads,
                  ffn=args.ffn, eps=1e-5, theta=args.rope_theta)
-    head = Eagle3Head(shape, draft_ids, embedding)
+    if args.init is not None:  # fine-tune a head (e.g. on recorded traffic): its shape and draft vocabulary
+        config, draft_ids, tensors = read_speculators(args.init)
+        layer = config["transformer_layer_config"]
+        shape.update(heads=layer["num_attention_heads"], kv_heads=layer["num_key_value_heads"],
+                     head_dim=layer.get("head_dim", hidden // layer["num_attention_heads"]),
+                     ffn=layer["intermediate_size"], eps=layer.get("rms_norm_eps", 1e-5),
+                     theta=layer.get("rope_theta", args.rope_theta))
+        head = Eagle3Head(shape, draft_ids, embedding)
+        head.load_state_dict({NAMES[k]: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in tensors.items()
+                              if k in NAMES}, strict=False)
+    else:
+        counts = shards.token_counts(vocab)
+        draft_ids = np.sort(np.argsort(-counts, kind="stable")[: args.draft_vocab])
+        head = Eagle3Head(shape, draft_ids, embedding)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     n = len(shards.items)
@@ -298,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--features", required=True, help="directory from specrs.train.features")
     parser.add_argument("--target", required=True, help="the target's GGUF (its embedding is read)")
     parser.add_argument("--out", required=True, help="head directory (config.json, model.safetensors, checkpoint)")
+    parser.add_argument("--init", default=None, help="an EAGLE-3 head directory to fine-tune (its shape and draft "
+                        "vocabulary are kept)")
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
