@@ -76,7 +76,8 @@ def _train_head(args: argparse.Namespace) -> int:
     """Runs one stage of head training (python/specrs/train/): its own flags follow the stage."""
     import importlib
 
-    module = {"data": "selfinstruct", "features": "features", "eagle3": "eagle3"}[args.stage]
+    module = {"data": "selfinstruct", "features": "features", "eagle3": "eagle3",
+              "mlp_speculator": "mlp_speculator"}[args.stage]
     return importlib.import_module(f"specrs.train.{module}").main(args.rest)
 
 
@@ -203,9 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train-head", help="train a hidden-state head on the target's own outputs: stages data, "
                            "features, eagle3 (eagle3 needs `pip install 'specrs[train]'`)")
-    train.add_argument("stage", choices=["data", "features", "eagle3"],
+    train.add_argument("stage", choices=["data", "features", "eagle3", "mlp_speculator"],
                        help="data: self-instruct conversations written by the target; features: its hidden states "
-                            "over them, cached; eagle3: train and write the head (`specrs train-head STAGE -h`)")
+                            "over them, cached; eagle3, mlp_speculator: train and write that head (`specrs "
+                            "train-head STAGE -h`)")
     train.add_argument("rest", nargs=argparse.REMAINDER, help="the stage's own flags")
     train.set_defaults(func=_train_head)
 

@@ -200,18 +200,7 @@ def write_speculators(head: Eagle3Head, out_dir: str, layers: list[int], vocab: 
     state = head.state_dict()
     tensors = {name: w(state[attr]) for name, attr in NAMES.items()}
     tensors["d2t"] = (head.draft_ids.numpy() - np.arange(len(head.draft_ids))).astype(np.int64)
-    header, offset, blobs = {}, 0, []
-    for name, array in tensors.items():
-        blob = np.ascontiguousarray(array).tobytes()
-        header[name] = {"dtype": "I64" if array.dtype == np.int64 else "F32", "shape": list(array.shape),
-                        "data_offsets": [offset, offset + len(blob)]}
-        offset += len(blob)
-        blobs.append(blob)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(os.path.join(out_dir, "model.safetensors.tmp"), "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
-    os.replace(os.path.join(out_dir, "model.safetensors.tmp"), os.path.join(out_dir, "model.safetensors"))
+    write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
     layer = {"model_type": "llama", "hidden_size": s["hidden"], "num_attention_heads": s["heads"],
              "num_key_value_heads": s["kv_heads"], "head_dim": s["head_dim"], "intermediate_size": s["ffn"],
              "vocab_size": vocab, "rms_norm_eps": s["eps"], "rope_theta": s["theta"],
@@ -232,6 +221,22 @@ NAMES = {
     "layers.0.mlp.gate_proj.weight": "gate.weight", "layers.0.mlp.up_proj.weight": "up.weight",
     "layers.0.mlp.down_proj.weight": "down.weight", "norm.weight": "norm", "lm_head.weight": "lm_head.weight",
 }
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
+    """float32 / int64 tensors to a safetensors file, atomically (a temporary file, renamed)."""
+    header, offset, blobs = {}, 0, []
+    for name, array in tensors.items():
+        blob = np.ascontiguousarray(array).tobytes()
+        header[name] = {"dtype": "I64" if array.dtype == np.int64 else "F32", "shape": list(array.shape),
+                        "data_offsets": [offset, offset + len(blob)]}
+        offset += len(blob)
+        blobs.append(blob)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path + ".tmp", "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    os.replace(path + ".tmp", path)
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
