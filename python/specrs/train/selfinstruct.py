@@ -11,6 +11,8 @@ data so anyone can regenerate it):
 2. Long contexts. For `long` turns (summaries and questions over a passage) the model first writes
    a passage of 200-500 tokens on a topic it picked itself, and the user turn is the opening plus
    that passage, so prompt lengths reach those of summarization and RAG traffic.
+   A model without a chat template (Gemma 3 270M ships as a base model) writes its "turn" as a plain
+   continuation of the opening, and answers the turn followed by a blank line.
 3. The answer: the target's response to the user turn through the chat template, greedy for even
    indices and sampled at temperature 0.7 for odd ones, up to `max_answer_tokens`.
 Conversations are generated in batches with continuous batching (`Engine.generate([...])`) and
@@ -30,6 +32,7 @@ import sys
 import time
 
 from ..engine import Engine, SamplingParams
+from ..errors import ConfigError
 
 # Beginnings of user turns, written for this recipe; "" lets the model choose freely (pure Magpie).
 # "long" openings get a model-written passage appended (step 2 of the recipe).
@@ -57,15 +60,29 @@ RECIPE = {
 }
 
 
-def _user_prefix(engine: Engine) -> str:
-    """The chat template rendered up to where the user's text begins."""
+def _user_prefix(engine: Engine) -> str | None:
+    """The chat template rendered up to where the user's text begins; None for a model without a
+    chat template (a base model such as Gemma 3 270M: turns and answers are then plain text)."""
     marker = "\x00USER\x00"
-    rendered = engine._inner.render_chat([("user", marker)])
+    try:
+        rendered = engine._inner.render_chat([("user", marker)])
+    except ConfigError:
+        return None
     return rendered[: rendered.index(marker)]
+
+
+def _as_prompt(engine: Engine, user_text: str, chat: bool) -> list[int]:
+    """The answer's prompt: the user turn through the chat template, or the plain text and a blank
+    line for a base model."""
+    if chat:
+        return engine.prompt_token_ids([{"role": "user", "content": user_text}])
+    return engine.tokenizer.encode(user_text + "\n\n")
 
 
 def _batch(engine: Engine, start: int, count: int, max_answer_tokens: int) -> list[dict]:
     prefix = _user_prefix(engine)
+    chat = prefix is not None
+    prefix = prefix or ""
     indices = list(range(start, start + count))
     openings = [OPENINGS[i % len(OPENINGS)] for i in indices]
 
@@ -73,8 +90,8 @@ def _batch(engine: Engine, start: int, count: int, max_answer_tokens: int) -> li
     passages: dict[int, str] = {}
     long_indices = [i for i, (_, long) in zip(indices, openings) if long]
     if long_indices:
-        asks = [[{"role": "user", "content": "Write a detailed article of several paragraphs about a topic of your "
-                  "choice."}] for _ in long_indices]
+        ask = "Write a detailed article of several paragraphs about a topic of your choice."
+        asks = [_as_prompt(engine, ask, chat) for _ in long_indices]
         params = [SamplingParams(max_tokens=400, temperature=0.8, top_p=0.95, seed=1_000_000 + i) for i in long_indices]
         for i, out in zip(long_indices, engine.generate(asks, params, speculative_config=False, progress=False)):
             passages[i] = out.text.strip()
@@ -95,7 +112,7 @@ def _batch(engine: Engine, start: int, count: int, max_answer_tokens: int) -> li
 
     # Answers by the target through its chat template.
     live = [(i, u) for i, u in zip(indices, users) if u is not None]
-    prompts = [engine.prompt_token_ids([{"role": "user", "content": u}]) for _, u in live]
+    prompts = [_as_prompt(engine, u, chat) for _, u in live]
     params = [SamplingParams(max_tokens=max_answer_tokens, temperature=0.0) if i % 2 == 0 else
               SamplingParams(max_tokens=max_answer_tokens, temperature=0.7, seed=2_000_000 + i) for i, _ in live]
     answers = engine.generate(prompts, params, speculative_config=False, progress=False)
