@@ -4,7 +4,14 @@
                   [--max-k 8] [--max-tokens 128] [--temperature 0] [--num-prompts 20] [--json]
 
 PROMPTS.jsonl holds one `{"prompt": "..."}` per line (or Spec-Bench's `turns`); each is sent as a
-user message in the model's chat template unless `--no-chat`.
+user message in the model's chat template unless `--no-chat`. PROMPTS may instead be a
+`specrs serve --record-traffic` directory: its requests run with the token ids they were served
+with, and `--held-out 0.05` keeps only those `specrs train-head` held out from fine-tuning, so
+
+    specrs advise DIR --held-out 0.05 --methods "" --config '{"method": "eagle3"}' \
+        --config '{"method": "eagle3", "model": "FINE_TUNED_DIR"}'
+
+measures a head's acceptance before and after fine-tuning on that traffic.
 
 The decision rule:
 1. Measure. Every prompt runs without speculation and with each candidate at a fixed k = max-k
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Sequence
 
 from . import bench
@@ -83,6 +91,35 @@ def fit(agg: dict, baseline_itl_s: float, verify_cost: Sequence[float], max_k: i
     }
 
 
+def load_recording(path: str, held_out: float | None) -> list[dict]:
+    """Requests of a `specrs serve --record-traffic` recording (its DIR or DIR/traffic.jsonl), as
+    prompts of their served token ids. With `held_out`, only the requests `specrs train-head`
+    holds out at that fraction, so a head fine-tuned on the rest is measured on unseen traffic."""
+    from .serve.traffic import FILE_NAME
+    from .train.features import conversations, held_out_every
+
+    file = os.path.join(path, FILE_NAME) if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ConfigError(f"{path} holds no {FILE_NAME}: pass a directory written by `specrs serve --record-traffic`")
+    every = held_out_every(held_out) if held_out else None
+    return [{"question_id": row.get("index", line), "category": "traffic", "orig_category": "traffic",
+             "content": "", "token_ids": list(row["prompt_ids"]), "prompt_tokens": len(row["prompt_ids"]),
+             "truncated": False}
+            for line, row in enumerate(conversations(file)) if every is None or line % every == 0]
+
+
+def is_recording(path: str) -> bool:
+    """Whether `path` is a traffic recording (rows with prompt_ids) rather than a prompts file."""
+    if os.path.isdir(path):
+        return True
+    with open(path, encoding="utf-8") as f:
+        first = f.readline()
+    try:
+        return isinstance(json.loads(first), dict) and "prompt_ids" in json.loads(first)
+    except ValueError:
+        return False
+
+
 def _candidates(methods: str, configs: list[str]) -> list[dict]:
     out = [{"method": m.strip()} for m in methods.split(",") if m.strip()]
     out += [bench.parse_config(text) for text in configs]
@@ -105,12 +142,19 @@ def _run(engine: Engine, prompts: list[dict], configs: list[dict], params: Sampl
 
 def advise(prompts_path: str, model: str | None = None, methods: str = DEFAULT_METHODS, configs: list[str] = (),
            max_k: int = 8, max_tokens: int = 128, temperature: float = 0.0, seed: int = 0,
-           num_prompts: int | None = 20, chat: bool = True, device: str = "cpu", progress: bool = True) -> dict:
-    """Runs the decision rule; returns the report (`format_report` prints it)."""
+           num_prompts: int | None = 20, chat: bool = True, device: str = "cpu", progress: bool = True,
+           held_out: float | None = None) -> dict:
+    """Runs the decision rule; returns the report (`format_report` prints it). `prompts_path` may
+    be a traffic recording (then `held_out` picks the requests training held out)."""
     if max_k < 1:
         raise ConfigError(f"--max-k must be at least 1 (got {max_k})")
     candidates = _candidates(methods, list(configs))
-    prompts = bench.load_prompts(prompts_path)[:num_prompts]
+    if not os.path.exists(prompts_path):
+        raise ConfigError(f"{prompts_path} does not exist: pass a JSONL of prompts or a --record-traffic directory")
+    recording = is_recording(prompts_path)
+    if held_out is not None and not recording:
+        raise ConfigError("--held-out picks requests of a traffic recording; pass a --record-traffic directory")
+    prompts = (load_recording(prompts_path, held_out) if recording else bench.load_prompts(prompts_path))[:num_prompts]
     if not prompts:
         raise ConfigError(f"no prompts in {prompts_path}")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
@@ -118,7 +162,8 @@ def advise(prompts_path: str, model: str | None = None, methods: str = DEFAULT_M
     greedy = temperature == 0
 
     engine = Engine(model, device=device)
-    prompts = bench.tokenize_prompts(engine, prompts, max_tokens, chat)
+    if not recording:  # a recording holds the token ids as served, template included
+        prompts = bench.tokenize_prompts(engine, prompts, max_tokens, chat)
     measured = _run(engine, prompts, [_with_k(c, max_k) for c in candidates], params, greedy, progress)
     baseline = measured[bench.BASELINE_LABEL]
     context = int(sum(p["prompt_tokens"] for p in prompts) / len(prompts) + max_tokens / 2)
@@ -214,7 +259,11 @@ def format_report(report: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompts", help='JSONL of prompts: {"prompt": "..."} per line (or Spec-Bench\'s shape)')
+    parser.add_argument("prompts", help='JSONL of prompts: {"prompt": "..."} per line (or Spec-Bench\'s shape), or a '
+                        "`specrs serve --record-traffic` directory (its requests as served)")
+    parser.add_argument("--held-out", type=float, default=None, metavar="FRACTION",
+                        help="with a recording: only the requests `specrs train-head` held out at this fraction "
+                             "(its --held-out, default 0.05), to compare heads before and after fine-tuning on the rest")
     parser.add_argument("--model", default=None, help="path of a .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--methods", default=DEFAULT_METHODS,
@@ -234,6 +283,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     report = advise(args.prompts, args.model, args.methods, args.config, args.max_k, args.max_tokens,
-                    args.temperature, args.seed, args.num_prompts, args.chat, args.device, not args.no_progress)
+                    args.temperature, args.seed, args.num_prompts, args.chat, args.device, not args.no_progress,
+                    args.held_out)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0

@@ -77,7 +77,7 @@ def _train_head(args: argparse.Namespace) -> int:
     import importlib
 
     module = {"data": "selfinstruct", "features": "features", "eagle3": "eagle3",
-              "mlp_speculator": "mlp_speculator"}[args.stage]
+              "mlp_speculator": "mlp_speculator", "ship": "ship"}[args.stage]
     return importlib.import_module(f"specrs.train.{module}").main(args.rest)
 
 
@@ -203,11 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=_serve)
 
     train = sub.add_parser("train-head", help="train a hidden-state head on the target's own outputs: stages data, "
-                           "features, eagle3 (eagle3 needs `pip install 'specrs[train]'`)")
-    train.add_argument("stage", choices=["data", "features", "eagle3", "mlp_speculator"],
+                           "features, eagle3, mlp_speculator, ship (the trainers need `pip install 'specrs[train]'`)")
+    train.add_argument("stage", choices=["data", "features", "eagle3", "mlp_speculator", "ship"],
                        help="data: self-instruct conversations written by the target; features: its hidden states "
-                            "over them, cached; eagle3, mlp_speculator: train and write that head (`specrs "
-                            "train-head STAGE -h`)")
+                            "over them (or over a --record-traffic recording), cached; eagle3, mlp_speculator: "
+                            "train that head, or fine-tune one with --init; ship: store a head in bfloat16 where "
+                            "specrs finds it by name (`specrs train-head STAGE -h`)")
     train.add_argument("rest", nargs=argparse.REMAINDER, help="the stage's own flags")
     train.set_defaults(func=_train_head)
 

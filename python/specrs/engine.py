@@ -11,6 +11,7 @@ from typing import Any, Iterator, Mapping, Sequence, Union, overload
 
 from . import _specrs
 from .errors import ConfigError, SpecrsError
+from .heads import with_shipped_head
 from .models import resolve_model
 
 SamplingParams = _specrs.SamplingParams
@@ -39,10 +40,20 @@ class SequenceForward:
 DEFAULT_CUSTOM_SPECULATIVE_TOKENS = 4
 
 
-def _config_json(config: SpecConfig) -> str:
-    """JSON text of a speculative config with every default filled in; raises ConfigError."""
+def _config_json(config: SpecConfig, target_info: Mapping[str, Any] | None = None) -> str:
+    """JSON text of a speculative config with every default filled in; raises ConfigError. With
+    `target_info` (`Engine.info()`), a head method without "model" gets the head specrs ships for
+    that target (specrs.heads)."""
+    if isinstance(config, str) and target_info is not None:
+        try:
+            config = json.loads(config)
+        except ValueError:
+            pass  # the engine's parser says what is wrong with the text
     if isinstance(config, Mapping):
-        text = json.dumps(dict(config))
+        config = dict(config)
+        if target_info is not None:
+            config = with_shipped_head(config, target_info)
+        text = json.dumps(config)
     elif isinstance(config, str):
         text = config
     else:
@@ -199,10 +210,10 @@ class Engine:
         speculative_config: SpecConfig | None = None,
         proposer: Any = None,
     ):
-        self._setup(speculative_config, proposer)
         self.model_path = resolve_model(model)
         self._inner = _specrs.Engine(self.model_path, device)
         self.device = device
+        self._setup(speculative_config, proposer)
         self._prepare_default()
 
     @classmethod
@@ -225,17 +236,17 @@ class Engine:
         to max_tokens; pass prompts as token ids."""
         config_json = config if isinstance(config, str) else json.dumps(dict(config))
         engine = cls.__new__(cls)
-        engine._setup(speculative_config, proposer)
         engine.model_path = None
         engine._inner = _specrs.Engine.random_llama(config_json, seed, dtype, device)
         engine.device = device
+        engine._setup(speculative_config, proposer)
         engine._prepare_default()
         return engine
 
     def _setup(self, speculative_config: SpecConfig | None, proposer: Any) -> None:
         if proposer is not None and speculative_config is None:
             speculative_config = {"method": "custom", "num_speculative_tokens": DEFAULT_CUSTOM_SPECULATIVE_TOKENS}
-        self.speculative_config = None if speculative_config is None else json.loads(_config_json(speculative_config))
+        self.speculative_config = None if speculative_config is None else json.loads(self.config_json(speculative_config))
         self.proposer = proposer
 
     def _prepare_default(self) -> None:
@@ -249,7 +260,13 @@ class Engine:
         file, device and thread count), so its first request does not pay for them. The engine's
         own `speculative_config` is prepared when it is built. Returns the costs
         (`verify_cost_ratios` [v(1), ..., v(k+1)], `draft_cost`) and where each came from."""
-        return self._inner.prepare(_config_json(speculative_config))
+        return self._inner.prepare(self.config_json(speculative_config))
+
+    def config_json(self, speculative_config: SpecConfig) -> str:
+        """JSON text of `speculative_config` as this engine runs it: every default filled in, and
+        for "eagle3" or "mlp_speculator" without "model", the head specrs ships for this model
+        (specrs.heads); raises ConfigError."""
+        return _config_json(speculative_config, self.info())
 
     def set_measure_on_demand(self, on: bool) -> None:
         """Whether a request whose config needs a cost nobody measured yet measures it inside its
@@ -298,7 +315,7 @@ class Engine:
             config = {"method": "custom", "num_speculative_tokens": DEFAULT_CUSTOM_SPECULATIVE_TOKENS}
         if config is None:
             return None, None
-        config_json = _config_json(config)
+        config_json = self.config_json(config)
         if proposer is None and json.loads(config_json)["method"] == "custom":
             proposer = self.proposer
         return config_json, proposer

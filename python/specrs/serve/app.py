@@ -74,7 +74,8 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
     `suffix_cache`: a file the engine-wide suffix cache is loaded from now (a bad file raises
     ConfigError here, so the server never starts on it, unless `suffix_cache_start_empty_on_error`)
     and saved to every `suffix_cache_save_every` finished requests and at shutdown."""
-    speculation = ServerSpeculation(engine.speculative_config, has_proposer=engine.proposer is not None)
+    speculation = ServerSpeculation(engine.speculative_config, has_proposer=engine.proposer is not None,
+                                    target_info=engine.info())
     metrics = ServerMetrics(served_model_name)
     store = None
     if suffix_cache is not None:

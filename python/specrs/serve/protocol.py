@@ -137,6 +137,7 @@ class ServerSpeculation:
 
     config: dict | None  # parsed with every default filled in; None = off
     has_proposer: bool = False  # the engine holds a custom Python proposer
+    target_info: dict | None = None  # Engine.info(): a head method without "model" gets the shipped head
 
     def for_request(self, value: Any) -> str | None:
         """The engine config JSON for a request's `speculative` field: absent, null or true = the
@@ -160,7 +161,7 @@ class ServerSpeculation:
                                "config to change; add a method, e.g. \"method\": \"ngram\"", param="speculative")
             value = {**self.config, **value}
         try:
-            config = json.loads(_config_json(value))
+            config = json.loads(_config_json(value, self.target_info))
         except ConfigError as e:
             raise APIError(400, f"speculative: {e}", param="speculative") from None
         method = config["method"]

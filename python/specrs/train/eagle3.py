@@ -25,9 +25,7 @@ import argparse
 import json
 import math
 import os
-import struct
 import sys
-import time
 
 import numpy as np
 
@@ -37,48 +35,34 @@ try:
 except ImportError as e:  # the training extra is optional: say how to get it
     raise SystemExit("specrs.train.eagle3 needs torch: pip install 'specrs[train]'") from e
 
+from .features import Shards, split
+from .loop import add_arguments, fit, simulate_greedy_drafting
+from .safetensors import read_safetensors, write_safetensors
 
-def target_embedding(gguf_path: str) -> np.ndarray:
-    """`[vocab, hidden]` float32: the target's token embedding (its tied LM head), dequantized."""
+
+def target_weights(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """(embedding, LM head), each `[vocab, hidden]` float32, of the target at `path` (a GGUF file,
+    or a Hugging Face directory with model.safetensors), dequantized; the same array twice when the
+    LM head is tied (SmolLM2, Gemma 3). The head reads tokens through the embedding; the target's
+    distribution is recomputed from the LM head."""
+    if os.path.isdir(path):
+        tensors = read_safetensors(os.path.join(path, "model.safetensors"))
+        embedding = tensors["model.embed_tokens.weight"].astype(np.float32)
+        lm_head = tensors.get("lm_head.weight")
+        return embedding, (embedding if lm_head is None else lm_head.astype(np.float32))
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(gguf_path)
-    for t in reader.tensors:
-        if t.name == "token_embd.weight":
-            return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
-                int(t.shape[1]), int(t.shape[0]))
-    raise SystemExit(f"{gguf_path} has no token_embd.weight")
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    if "token_embd.weight" not in tensors:
+        raise SystemExit(f"{path} has no token_embd.weight")
 
+    def read(name: str) -> np.ndarray:
+        t = tensors[name]
+        return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(int(t.shape[1]), int(t.shape[0]))
 
-class Shards:
-    """Conversations of the feature cache: (tokens, loss_mask, taps, final) numpy arrays each."""
-
-    def __init__(self, feature_dir: str):
-        self.dir = feature_dir
-        self.index = json.load(open(os.path.join(feature_dir, "index.json")))
-        self.items: list[tuple[str, int, int]] = []
-        for name in self.index["shards"]:
-            ends = np.load(os.path.join(feature_dir, name))["conversation_ends"]
-            starts = np.concatenate([[0], ends[:-1]])
-            self.items += [(name, int(s), int(e)) for s, e in zip(starts, ends)]
-        self._cache: dict[str, dict] = {}
-
-    def get(self, i: int) -> tuple[np.ndarray, ...]:
-        name, s, e = self.items[i]
-        if name not in self._cache:
-            if len(self._cache) > 4:
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[name] = dict(np.load(os.path.join(self.dir, name)))
-        d = self._cache[name]
-        return d["tokens"][s:e], d["loss_mask"][s:e], d["taps"][s:e], d["final"][s:e]
-
-    def token_counts(self, vocab: int) -> np.ndarray:
-        counts = np.zeros(vocab, dtype=np.int64)
-        for name in self.index["shards"]:
-            d = np.load(os.path.join(self.dir, name))
-            np.add.at(counts, d["tokens"][np.roll(d["loss_mask"], 1)], 1)
-        return counts
+    embedding = read("token_embd.weight")
+    return embedding, (read("output.weight") if "output.weight" in tensors else embedding)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -92,7 +76,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 
 
 class Eagle3Head(torch.nn.Module):
-    def __init__(self, shape: dict, draft_ids: np.ndarray, embedding: np.ndarray):
+    def __init__(self, shape: dict, draft_ids: np.ndarray, embedding: np.ndarray, target_lm_head: np.ndarray):
         super().__init__()
         h, f = shape["hidden"], shape["ffn"]
         self.shape = shape
@@ -106,10 +90,11 @@ class Eagle3Head(torch.nn.Module):
         self.gate, self.up, self.down = lin(f, h), lin(f, h), lin(h, f)
         self.norm = torch.nn.Parameter(torch.ones(h))
         self.register_buffer("embedding", torch.from_numpy(embedding), persistent=False)
+        self.register_buffer("target_lm_head", torch.from_numpy(target_lm_head), persistent=False)
         self.register_buffer("draft_ids", torch.from_numpy(draft_ids.astype(np.int64)), persistent=False)
         self.lm_head = lin(len(draft_ids), h)
         with torch.no_grad():  # start from the target's own LM head rows
-            self.lm_head.weight.copy_(self.embedding[self.draft_ids])
+            self.lm_head.weight.copy_(self.target_lm_head[self.draft_ids])
 
     def rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.shape["eps"]) * w
@@ -164,32 +149,38 @@ class Eagle3Head(torch.nn.Module):
         return outs
 
 
-def losses(head: Eagle3Head, tokens, mask, taps, final, steps: int, with_stats: bool = False):
-    """(weighted loss, [(correct, counted)] per step when `with_stats`: agreement with the target's
-    greedy token over its whole vocabulary, which costs a full-vocabulary product) for one
-    conversation."""
+def losses(head: Eagle3Head, tokens, mask, taps, final, steps: int) -> torch.Tensor | None:
+    """One conversation's loss: soft cross-entropy against the target's distribution over the draft
+    vocabulary at every TTT step, weighted 0.8^j, on response positions; None when it has none."""
     outs = head.ttt(tokens, taps, steps)
-    target_logits = final @ head.embedding[head.draft_ids].T  # [T, draft_vocab]
-    full_argmax = None
-    total, stats = 0.0, []
+    target_logits = final @ head.target_lm_head[head.draft_ids].T  # [T, draft_vocab]
+    total = None
     for j, out in enumerate(outs):
-        n = out.shape[0]
-        rows = slice(1 + j, 1 + j + n)  # the target's distribution for the drafted token
+        rows = slice(1 + j, 1 + j + out.shape[0])  # the target's distribution for the drafted token
         valid = mask[rows]
         if not valid.any():
-            stats.append((0, 0))
             continue
-        p = torch.softmax(target_logits[rows][valid], -1)
-        logq = torch.log_softmax(head.logits(out[valid]), -1)
-        total = total + (0.8 ** j) * -(p * logq).sum(-1).mean()
-        if not with_stats:
-            continue
-        with torch.no_grad():
-            if full_argmax is None:
-                full_argmax = (final @ head.embedding.T).argmax(-1)
-            drafted = head.draft_ids[logq.argmax(-1)]
-            stats.append((int((drafted == full_argmax[rows][valid]).sum()), int(valid.sum())))
-    return total, stats
+        p = torch.softmax(target_logits[rows][valid].float(), -1)
+        logq = torch.log_softmax(head.logits(out[valid]).float(), -1)
+        term = (0.8 ** j) * -(p * logq).sum(-1).mean()
+        total = term if total is None else total + term
+    return total
+
+
+@torch.no_grad()
+def greedy_agreement(head: Eagle3Head, tokens, mask, taps, final, steps: int) -> list[torch.Tensor]:
+    """Per TTT step j, `[T - 1 - j]` bool: whether the head's draft from anchor i (mapped to target
+    ids) is the target's greedy token over its whole vocabulary, on response positions. While
+    every earlier draft of a chain was right its inputs are exactly what drafting feeds, so the
+    leading run of True from an anchor is the number of drafts greedy verification accepts there."""
+    outs = head.ttt(tokens, taps, steps)
+    target_argmax = (final @ head.target_lm_head.T).argmax(-1)  # [T]
+    agree = []
+    for j, out in enumerate(outs):
+        rows = slice(1 + j, 1 + j + out.shape[0])
+        drafted = head.draft_ids[head.logits(out).argmax(-1)]
+        agree.append((drafted == target_argmax[rows]) & mask[rows])
+    return agree
 
 
 def write_speculators(head: Eagle3Head, out_dir: str, layers: list[int], vocab: int) -> None:
@@ -223,42 +214,6 @@ NAMES = {
 }
 
 
-def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
-    """float32 / int64 tensors to a safetensors file, atomically (a temporary file, renamed)."""
-    header, offset, blobs = {}, 0, []
-    for name, array in tensors.items():
-        blob = np.ascontiguousarray(array).tobytes()
-        header[name] = {"dtype": "I64" if array.dtype == np.int64 else "F32", "shape": list(array.shape),
-                        "data_offsets": [offset, offset + len(blob)]}
-        offset += len(blob)
-        blobs.append(blob)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path + ".tmp", "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
-    os.replace(path + ".tmp", path)
-
-
-def read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """F32/F16/BF16/I64 tensors of a safetensors file."""
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-        data = f.read()
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = info["data_offsets"]
-        raw = data[start:end]
-        if info["dtype"] == "BF16":
-            array = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
-        else:
-            array = np.frombuffer(raw, {"F32": np.float32, "F16": np.float16, "I64": np.int64}[info["dtype"]])
-        out[name] = array.reshape(info["shape"])
-    return out
-
-
 def read_speculators(head_dir: str) -> tuple[dict, np.ndarray, dict[str, np.ndarray]]:
     """(config, draft_ids, tensors) of an EAGLE-3 head directory in speculators' format."""
     config = json.load(open(os.path.join(head_dir, "config.json")))
@@ -267,84 +222,86 @@ def read_speculators(head_dir: str) -> tuple[dict, np.ndarray, dict[str, np.ndar
     return config, draft_ids, tensors
 
 
-def train(args: argparse.Namespace) -> dict:
-    torch.manual_seed(args.seed)
-    shards = Shards(args.features)
-    embedding = target_embedding(args.target)
+def build(args: argparse.Namespace, shards: Shards, embedding: np.ndarray, lm_head: np.ndarray) -> Eagle3Head:
+    """A new head shaped by `args` (draft vocabulary: the most frequent response tokens of the
+    cache), or the head of `args.init` to fine-tune, with its own shape and draft vocabulary."""
     vocab, hidden = embedding.shape
     shape = dict(hidden=hidden, heads=args.heads, kv_heads=args.kv_heads, head_dim=hidden // args.heads,
                  ffn=args.ffn, eps=1e-5, theta=args.rope_theta)
-    if args.init is not None:  # fine-tune a head (e.g. on recorded traffic): its shape and draft vocabulary
-        config, draft_ids, tensors = read_speculators(args.init)
-        layer = config["transformer_layer_config"]
-        shape.update(heads=layer["num_attention_heads"], kv_heads=layer["num_key_value_heads"],
-                     head_dim=layer.get("head_dim", hidden // layer["num_attention_heads"]),
-                     ffn=layer["intermediate_size"], eps=layer.get("rms_norm_eps", 1e-5),
-                     theta=layer.get("rope_theta", args.rope_theta))
-        head = Eagle3Head(shape, draft_ids, embedding)
-        head.load_state_dict({NAMES[k]: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in tensors.items()
-                              if k in NAMES}, strict=False)
-    else:
+    if args.init is None:
         counts = shards.token_counts(vocab)
         draft_ids = np.sort(np.argsort(-counts, kind="stable")[: args.draft_vocab])
-        head = Eagle3Head(shape, draft_ids, embedding)
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    n = len(shards.items)
-    held_out = list(range(0, n, max(2, round(1 / args.held_out))))  # every k-th conversation
-    train_ids = [i for i in range(n) if i not in set(held_out)]
-    ckpt = os.path.join(args.out, "checkpoint.pt")
-    step = 0
-    if os.path.exists(ckpt):
-        state = torch.load(ckpt)
-        head.load_state_dict(state["head"], strict=False)
-        opt.load_state_dict(state["opt"])
-        step = state["step"]
-    rng = np.random.default_rng(args.seed + step)
-    total_steps = int(args.epochs * len(train_ids))
-    t0 = time.perf_counter()
-    while step < total_steps:
-        i = train_ids[rng.integers(len(train_ids))]
-        tokens, mask, taps, final = (torch.from_numpy(np.asarray(a)) for a in shards.get(i))
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / total_steps))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        loss, _ = losses(head, tokens.long(), mask, taps.float(), final.float(), args.ttt_steps)
-        if torch.is_tensor(loss):
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 0.5)
-            opt.step()
-        step += 1
-        if step % args.log_every == 0:
-            print(f"eagle3: step {step}/{total_steps} loss {float(loss.detach()):.3f} lr {lr:.2e} "
-                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        if step % args.save_every == 0 or step == total_steps:
-            os.makedirs(args.out, exist_ok=True)
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt + ".tmp")
-            os.replace(ckpt + ".tmp", ckpt)
-    write_speculators(head, args.out, shards.index["layers"], vocab)
-    return evaluate(head, shards, held_out, args.ttt_steps)
+        return Eagle3Head(shape, draft_ids, embedding, lm_head)
+    config, draft_ids, tensors = read_speculators(args.init)
+    layer = config["transformer_layer_config"]
+    shape.update(heads=layer["num_attention_heads"], kv_heads=layer["num_key_value_heads"],
+                 head_dim=layer.get("head_dim", hidden // layer["num_attention_heads"]),
+                 ffn=layer["intermediate_size"], eps=layer.get("rms_norm_eps", 1e-5),
+                 theta=layer.get("rope_theta", args.rope_theta))
+    head = Eagle3Head(shape, draft_ids, embedding, lm_head)
+    head.load_state_dict({NAMES[k]: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in tensors.items()
+                          if k in NAMES}, strict=False)
+    return head
+
+
+def conversation(shards: Shards, i: int) -> tuple[torch.Tensor, ...]:
+    tokens, mask, taps, final = shards.get(i)
+    return (torch.from_numpy(tokens.astype(np.int64)), torch.from_numpy(np.asarray(mask)),
+            torch.from_numpy(taps.astype(np.float32)), torch.from_numpy(final.astype(np.float32)))
+
+
+def train(args: argparse.Namespace) -> dict:
+    torch.manual_seed(args.seed)
+    shards = Shards(args.features)
+    embedding, lm_head = target_weights(args.target)
+    head = build(args, shards, embedding, lm_head)
+    train_ids, held_out = split(shards.lines, args.held_out)
+    before = evaluate(head, shards, held_out, args.ttt_steps) if args.init is not None and held_out else None
+    report = fit("eagle3", head, shards, train_ids,
+                 lambda i: losses(head, *conversation(shards, i), args.ttt_steps), args, clip=0.5)
+    write_speculators(head, args.out, shards.index["layers"], embedding.shape[0])
+    report["train_tokens"] = int(sum(shards.items[i][2] - shards.items[i][1] for i in train_ids))
+    if held_out:
+        report["held_out"] = evaluate(head, shards, held_out, args.ttt_steps)
+    if before is not None:
+        report["held_out_before"] = before
+    return report
 
 
 @torch.no_grad()
 def evaluate(head: Eagle3Head, shards: Shards, ids: list[int], steps: int) -> dict:
-    """Teacher-forced top-1 agreement with the target's greedy token per step on held-out data."""
+    """On held-out conversations, teacher-forced against the target's greedy tokens: the training
+    loss, top-1 agreement per step, and the mean acceptance length (accepted drafts + the target's
+    own token, as vLLM counts it) of greedy k = `steps` chain drafting replayed over them
+    (loop.simulate_greedy_drafting; exact for the greedy conversations, approximate for sampled
+    ones)."""
     correct, counted = np.zeros(steps), np.zeros(steps)
+    accepted, anchors, loss_sum, loss_count = 0, 0, 0.0, 0
     for i in ids:
-        tokens, mask, taps, final = (torch.from_numpy(np.asarray(a)) for a in shards.get(i))
-        _, stats = losses(head, tokens.long(), mask, taps.float(), final.float(), steps, with_stats=True)
-        for j, (c, k) in enumerate(stats):
-            correct[j] += c
-            counted[j] += k
-    return {"held_out_conversations": len(ids), "top1_per_step": (correct / np.maximum(counted, 1)).round(4).tolist()}
+        tokens, mask, taps, final = conversation(shards, i)
+        loss = losses(head, tokens, mask, taps, final, steps)
+        if loss is not None:
+            loss_sum, loss_count = loss_sum + float(loss), loss_count + 1
+        agree = greedy_agreement(head, tokens, mask, taps, final, steps)
+        for j, ok in enumerate(agree):
+            correct[j] += int(ok.sum())
+            counted[j] += int(mask[1 + j:1 + j + ok.shape[0]].sum())
+        # Anchor a drafts the token at a + 2; the first draft follows the prefill, which wrote the
+        # first response token (predicted at the first masked position).
+        response = np.flatnonzero(mask.numpy())
+        if len(response) > 0:
+            a, d = simulate_greedy_drafting([ok.numpy() for ok in agree], int(response[0]), int(response[-1]))
+            accepted, anchors = accepted + a, anchors + d
+    return {"conversations": len(ids), "loss": round(loss_sum / max(loss_count, 1), 4),
+            "top1_per_step": (correct / np.maximum(counted, 1)).round(4).tolist(),
+            "mean_acceptance_length": round(1 + accepted / max(anchors, 1), 4)}
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--features", required=True, help="directory from specrs.train.features")
-    parser.add_argument("--target", required=True, help="the target's GGUF (its embedding is read)")
-    parser.add_argument("--out", required=True, help="head directory (config.json, model.safetensors, checkpoint)")
+    add_arguments(parser, lr=3e-4)
+    parser.add_argument("--target", required=True, help="the target's GGUF or Hugging Face directory "
+                        "(its embedding and LM head are read)")
     parser.add_argument("--init", default=None, help="an EAGLE-3 head directory to fine-tune (its shape and draft "
                         "vocabulary are kept)")
     parser.add_argument("--draft-vocab", type=int, default=8192)
@@ -353,15 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ffn", type=int, default=1536)
     parser.add_argument("--rope-theta", type=float, default=100000.0)
     parser.add_argument("--ttt-steps", type=int, default=4)
-    parser.add_argument("--epochs", type=float, default=1.0)
-    parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--held-out", type=float, default=0.05)
-    parser.add_argument("--log-every", type=int, default=50)
-    parser.add_argument("--save-every", type=int, default=500)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    print(json.dumps(train(args)))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    print(json.dumps(train(arguments().parse_args(argv))))
     return 0
 
 

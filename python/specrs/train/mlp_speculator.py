@@ -20,7 +20,6 @@ import json
 import math
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -30,7 +29,9 @@ try:
 except ImportError as e:
     raise SystemExit("specrs.train.mlp_speculator needs torch: pip install 'specrs[train]'") from e
 
-from .eagle3 import Shards, write_safetensors
+from .features import Shards, split
+from .loop import add_arguments, fit, simulate_greedy_drafting
+from .safetensors import read_safetensors, write_safetensors
 
 
 class MlpSpeculator(torch.nn.Module):
@@ -59,36 +60,68 @@ class MlpSpeculator(torch.nn.Module):
         return out
 
 
-def loss_and_stats(model: MlpSpeculator, tokens, mask, final):
-    """Row t: state final[t], tokens x[t+1..], sub-head i drafts x[t+2+i] (response positions only)."""
-    T = tokens.shape[0]
-    n = T - 1 - model.n_predict
+def rows_and_inputs(model: MlpSpeculator, tokens, mask, final):
+    """Row t: state final[t], tokens x[t+1..], sub-head i drafts x[t+2+i] (response positions only);
+    None when the conversation has no such row."""
+    n = tokens.shape[0] - 1 - model.n_predict
     if n <= 0:
-        return None, []
+        return None
     rows = torch.arange(n)
-    valid = mask[rows + 1]  # position t + 1 predicts a response token
-    if not valid.any():
-        return None, []
-    rows = rows[valid]
-    logits = model(final[rows], [tokens[rows + 1 + i] for i in range(model.n_predict)])
-    total, stats = 0.0, []
-    for i, lg in enumerate(logits):
-        target = tokens[rows + 2 + i]
-        total = total + F.cross_entropy(lg, target)
-        stats.append((int((lg.argmax(-1) == target).sum()), len(target)))
-    return total / model.n_predict, stats
+    rows = rows[mask[rows + 1]]  # position t + 1 predicts a response token
+    if len(rows) == 0:
+        return None
+    return rows, model(final[rows], [tokens[rows + 1 + i] for i in range(model.n_predict)])
+
+
+def loss(model: MlpSpeculator, tokens, mask, final) -> torch.Tensor | None:
+    """Mean cross-entropy of the sub-heads against the tokens the target wrote."""
+    out = rows_and_inputs(model, tokens, mask, final)
+    if out is None:
+        return None
+    rows, logits = out
+    return sum(F.cross_entropy(lg.float(), tokens[rows + 2 + i]) for i, lg in enumerate(logits)) / model.n_predict
+
+
+@torch.no_grad()
+def evaluate(model: MlpSpeculator, shards: Shards, ids: list[int]) -> dict:
+    """Teacher-forced on held-out conversations (their tokens are the target's greedy or sampled
+    ones): the loss, top-1 per sub-head, and the mean acceptance length of greedy chain drafting
+    replayed over them (loop.simulate_greedy_drafting: exact where the conversation is greedy)."""
+    correct, counted = np.zeros(model.n_predict), np.zeros(model.n_predict)
+    accepted, anchors, loss_sum, loss_count = 0, 0, 0.0, 0
+    for i in ids:
+        tokens, mask, _, final = conversation(shards, i)
+        out = rows_and_inputs(model, tokens, mask, final)
+        if out is None:
+            continue
+        rows, logits = out
+        loss_sum += float(sum(F.cross_entropy(lg.float(), tokens[rows + 2 + j]) for j, lg in enumerate(logits)))
+        loss_count += model.n_predict
+        agree = []  # per sub-head j: whether its draft from anchor t (row t) is right, over all t
+        for j, lg in enumerate(logits):
+            ok = lg.argmax(-1) == tokens[rows + 2 + j]
+            correct[j] += int(ok.sum())
+            counted[j] += len(rows)
+            agree.append(np.zeros(len(tokens), dtype=bool))
+            agree[-1][rows.numpy()] = ok.numpy()
+        response = np.flatnonzero(mask.numpy())
+        a, d = simulate_greedy_drafting(agree, int(response[0]), int(response[-1]))
+        accepted, anchors = accepted + a, anchors + d
+    return {"conversations": len(ids), "loss": round(loss_sum / max(loss_count, 1), 4),
+            "top1_per_head": (correct / np.maximum(counted, 1)).round(4).tolist(),
+            "mean_acceptance_length": round(1 + accepted / max(anchors, 1), 4)}
 
 
 def write_ibm(model: MlpSpeculator, out_dir: str, hidden: int, vocab: int, inner: int) -> None:
     os.makedirs(out_dir, exist_ok=True)
     w = lambda t: t.detach().cpu().numpy().astype(np.float32)  # noqa: E731
-    tensors = {"speculator.proj.0.weight": w(model.proj0.weight)}
-    for i in range(model.n_predict):
-        tensors |= {f"speculator.emb.{i}.weight": w(model.emb.weight), f"speculator.head.{i}.weight":
-                    w(model.head.weight), f"speculator.ln.{i}.weight": w(model.ln_weight),
-                    f"speculator.ln.{i}.bias": w(model.ln_bias)}
-        if i >= 1:
-            tensors[f"speculator.proj.{i}.weight"] = w(model.proj1.weight)
+    # Tied: only the shared tensors (emb, head, ln of sub-head 0; proj 0 and 1), as the parameters
+    # of a tied model are named in vLLM and fms-extras: a third of the bytes of every copy.
+    tensors = {"speculator.proj.0.weight": w(model.proj0.weight), "speculator.emb.0.weight": w(model.emb.weight),
+               "speculator.head.0.weight": w(model.head.weight), "speculator.ln.0.weight": w(model.ln_weight),
+               "speculator.ln.0.bias": w(model.ln_bias)}
+    if model.n_predict > 1:
+        tensors["speculator.proj.1.weight"] = w(model.proj1.weight)
     write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump({"architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": "mlp_speculator",
@@ -97,60 +130,66 @@ def write_ibm(model: MlpSpeculator, out_dir: str, hidden: int, vocab: int, inner
                    "scale_input": True}, f, indent=1)
 
 
+def read_ibm(head_dir: str) -> tuple[dict, dict[str, np.ndarray]]:
+    config = json.load(open(os.path.join(head_dir, "config.json")))
+    return config, read_safetensors(os.path.join(head_dir, "model.safetensors"))
+
+
+def build(args: argparse.Namespace, hidden: int) -> MlpSpeculator:
+    """A new tied speculator shaped by `args`, or the one in `args.init` to fine-tune."""
+    if args.init is None:
+        return MlpSpeculator(hidden, args.vocab, args.inner, args.n_predict)
+    config, tensors = read_ibm(args.init)
+    if not config.get("tie_weights"):
+        raise SystemExit(f"{args.init}: only tied MLP speculators (tie_weights: true) can be fine-tuned here")
+    model = MlpSpeculator(config["emb_dim"], config["vocab_size"], config["inner_dim"], config["n_predict"])
+    p = "speculator." if "speculator.emb.0.weight" in tensors else ""
+    state = {"proj0.weight": f"{p}proj.0.weight", "proj1.weight": f"{p}proj.1.weight", "emb.weight": f"{p}emb.0.weight",
+             "ln_weight": f"{p}ln.0.weight", "ln_bias": f"{p}ln.0.bias", "head.weight": f"{p}head.0.weight"}
+    model.load_state_dict({k: torch.from_numpy(np.array(tensors[v], dtype=np.float32)) for k, v in state.items()})
+    return model
+
+
+def conversation(shards: Shards, i: int) -> tuple[torch.Tensor, ...]:
+    tokens, mask, taps, final = shards.get(i)
+    return (torch.from_numpy(tokens.astype(np.int64)), torch.from_numpy(np.asarray(mask)), None,
+            torch.from_numpy(final.astype(np.float32)))
+
+
 def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     shards = Shards(args.features)
-    _, _, _, final0 = shards.get(0)
-    hidden = final0.shape[1]
-    model = MlpSpeculator(hidden, args.vocab, args.inner, args.n_predict)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    n = len(shards.items)
-    held_out = set(range(0, n, max(2, round(1 / args.held_out))))
-    train_ids = [i for i in range(n) if i not in held_out]
-    total_steps = int(args.epochs * len(train_ids))
-    rng = np.random.default_rng(args.seed)
-    t0 = time.perf_counter()
-    for step in range(total_steps):
-        tokens, mask, _, final = (torch.from_numpy(np.asarray(a)) for a in shards.get(train_ids[rng.integers(len(train_ids))]))
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / total_steps))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        loss, _ = loss_and_stats(model, tokens.long(), mask, final.float())
-        if loss is None:
-            continue
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if (step + 1) % args.log_every == 0:
-            print(f"mlp_speculator: step {step + 1}/{total_steps} loss {float(loss.detach()):.3f} "
-                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    write_ibm(model, args.out, hidden, args.vocab, args.inner)
-    correct, counted = np.zeros(args.n_predict), np.zeros(args.n_predict)
-    with torch.no_grad():
-        for i in sorted(held_out):
-            tokens, mask, _, final = (torch.from_numpy(np.asarray(a)) for a in shards.get(i))
-            _, stats = loss_and_stats(model, tokens.long(), mask, final.float())
-            for j, (c, k) in enumerate(stats):
-                correct[j] += c
-                counted[j] += k
-    return {"held_out_conversations": len(held_out), "top1_per_head": (correct / np.maximum(counted, 1)).round(4).tolist()}
+    hidden = shards.get(0)[3].shape[1]
+    model = build(args, hidden)
+    train_ids, held_out = split(shards.lines, args.held_out)
+    before = evaluate(model, shards, held_out) if args.init is not None and held_out else None
+
+    def step_loss(i: int) -> torch.Tensor | None:
+        tokens, mask, _, final = conversation(shards, i)
+        return loss(model, tokens, mask, final)
+
+    report = fit("mlp_speculator", model, shards, train_ids, step_loss, args, clip=1.0)
+    write_ibm(model, args.out, hidden, model.head.weight.shape[0], model.head.weight.shape[1])
+    report["train_tokens"] = int(sum(shards.items[i][2] - shards.items[i][1] for i in train_ids))
+    if held_out:
+        report["held_out"] = evaluate(model, shards, held_out)
+    if before is not None:
+        report["held_out_before"] = before
+    return report
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--features", required=True)
-    parser.add_argument("--out", required=True)
+    add_arguments(parser, lr=1e-3)
+    parser.add_argument("--init", default=None, help="an MLP speculator directory to fine-tune (its shape is kept)")
     parser.add_argument("--vocab", type=int, default=49152, help="the target's vocabulary size")
     parser.add_argument("--inner", type=int, default=256)
     parser.add_argument("--n-predict", type=int, default=3)
-    parser.add_argument("--epochs", type=float, default=1.0)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--held-out", type=float, default=0.05)
-    parser.add_argument("--log-every", type=int, default=50)
-    parser.add_argument("--seed", type=int, default=0)
-    print(json.dumps(train(parser.parse_args(argv))))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    print(json.dumps(train(arguments().parse_args(argv))))
     return 0
 
 

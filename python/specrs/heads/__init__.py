@@ -1,0 +1,68 @@
+"""Heads that ship with specrs: hidden-state proposers trained here (`specrs train-head`) for the
+named models, found by `{"method": "eagle3"}` (or "mlp_speculator") with no "model" key, with no
+path and no download.
+
+A head is trained on one target file's hidden states, so it is matched to the loaded target by
+what identifies that file (architecture, vocabulary, depth and weight bytes), not by a name the
+user typed: a head never runs on a target it was not trained for. Each head directory here is in
+the field's format (speculators' EAGLE-3, IBM's MLP speculator), stored in bfloat16, with a
+`training.json` that says how it was trained and what it measured.
+
+Invariant: `with_shipped_head` only ever adds a "model" key; a config that names its own head is
+returned unchanged.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import ConfigError
+
+HEADS_DIR = Path(__file__).parent
+
+# Per shipped target: what identifies its GGUF file in `Engine.info()`, and its heads by method.
+SHIPPED: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {
+        "match": {"architecture": "llama", "vocab_size": 49152, "num_layers": 30, "weight_bytes": 96576768},
+        "heads": {"eagle3": "smollm2-135m/eagle3", "mlp_speculator": "smollm2-135m/mlp_speculator"},
+    },
+    "gemma3-270m": {
+        "match": {"architecture": "gemma3", "vocab_size": 262144, "num_layers": 18, "weight_bytes": 246587904},
+        "heads": {"eagle3": "gemma3-270m/eagle3"},
+    },
+}
+
+# Methods whose "model" a shipped head can fill in.
+HEAD_METHODS = ("eagle3", "mlp_speculator")
+
+
+def shipped_target(info: Mapping[str, Any]) -> str | None:
+    """The name of the shipped target that `info` (`Engine.info()`) describes, or None."""
+    for name, entry in SHIPPED.items():
+        if all(info.get(key) == value for key, value in entry["match"].items()):
+            return name
+    return None
+
+
+def shipped_head(info: Mapping[str, Any], method: str) -> str:
+    """Directory of the shipped `method` head for the target `info` describes; ConfigError naming
+    what ships when there is none."""
+    target = shipped_target(info)
+    relative = SHIPPED[target]["heads"].get(method) if target is not None else None
+    if relative is None or not (HEADS_DIR / relative / "config.json").is_file():
+        shipped = "; ".join(f"{m} for {name}" for name, entry in SHIPPED.items() for m in entry["heads"]
+                            if (HEADS_DIR / entry["heads"][m] / "config.json").is_file())
+        which = f"the loaded model ({target})" if target else "the loaded model"
+        raise ConfigError(
+            f"method {method!r} has no \"model\" and no {method} head ships for {which} (specrs ships: "
+            f"{shipped or 'none'}); pass \"model\": a head directory, e.g. one written by "
+            f"`specrs train-head {method}`")
+    return str(HEADS_DIR / relative)
+
+
+def with_shipped_head(config: dict[str, Any], info: Mapping[str, Any]) -> dict[str, Any]:
+    """`config` with "model" set to the shipped head when it is a head method without one."""
+    if config.get("method") in HEAD_METHODS and "model" not in config:
+        return {**config, "model": shipped_head(info, config["method"])}
+    return config
