@@ -202,3 +202,10 @@ def test_fine_tuning_on_recorded_traffic_raises_held_out_acceptance_in_advise(ti
     # adaptive runs may draft rarely on a target this cheap, where speculation cannot pay).
     before, after = (c["acceptance_rate"] for c in report["candidates"])
     assert after > before + 0.1, (before, after)
+
+
+def test_features_keep_values_past_float16_range():
+    """Gemma 3's residual stream passes float16's 65504: such rows are cached as float32, not inf."""
+    small, large = np.full((2, 3), 1.5, np.float32), np.full((2, 3), 1e5, np.float32)
+    assert features.compact(small).dtype == np.float16 and np.array_equal(features.compact(small), small)
+    assert features.compact(large).dtype == np.float32 and np.array_equal(features.compact(large), large)

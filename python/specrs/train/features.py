@@ -7,9 +7,10 @@ in training), over prompt + response, from `Engine.hidden_states` (one forward p
 Layout of `out_dir`: `shard-NNNNN.npz` with `tokens` `[n]` int32, `loss_mask` `[n]` bool (True on
 response positions: the positions whose next token the head learns), `conversation_ends` `[c]`
 int64 (exclusive end of each conversation in the shard), `conversation_lines` `[c]` int64 (its
-line in the conversations file: the held-out split is by line, see loop.split), `taps` `[n, 3, hidden]` float16 and
-`final` `[n, hidden]` float16; `index.json` lists the shards and the layers. A shard is written
-whole (temporary file, then rename), so a stopped run resumes after the last complete shard.
+line in the conversations file: the held-out split is by line, see loop.split), `taps`
+`[n, 3, hidden]` and `final` `[n, hidden]`, float16 (float32 in a shard where a value does not fit,
+see `compact`); `index.json` lists the shards and the layers. A shard is written whole (temporary
+file, then rename), so a stopped run resumes after the last complete shard.
 
 Invariant: row i of every array describes position i of its conversation, read by the target with
 exactly the tokens the conversation holds (no truncation inside a conversation; conversations
@@ -32,6 +33,12 @@ from ..engine import Engine
 def eagle3_layers(num_layers: int) -> list[int]:
     """EAGLE-3's default tapped layers for a target of `num_layers` blocks."""
     return [2, num_layers // 2, num_layers - 3]
+
+
+def compact(x: np.ndarray) -> np.ndarray:
+    """float16 when every value fits (half the disk), else float32: Gemma 3's residual stream
+    reaches past float16's 65504. A shard mixing both is stored float32 (np.concatenate)."""
+    return x.astype(np.float16) if np.abs(x).max(initial=0.0) < 65504.0 else x.astype(np.float32)
 
 
 def conversations(path: str):
@@ -91,7 +98,7 @@ def extract(engine: Engine, conversations_path: str, out_dir: str, shard_tokens:
         mask = np.zeros(len(ids), dtype=bool)
         mask[len(row["prompt_ids"]) - 1 : len(ids) - 1] = True  # positions predicting a response token
         buffer.append({"tokens": np.asarray(ids), "loss_mask": mask, "line": i,
-                       "taps": np.stack(taps, axis=1).astype(np.float16), "final": final.astype(np.float16)})
+                       "taps": compact(np.stack(taps, axis=1)), "final": compact(final)})
         buffered_tokens += len(ids)
         if buffered_tokens >= shard_tokens:
             flush()
