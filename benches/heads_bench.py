@@ -64,11 +64,11 @@ import time
 import specrs
 from specrs import bench
 from specrs.errors import ConfigError
+from specrs.heads import HEAD_METHODS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import spec_bench  # benches/ is no package: its sibling comes from sys.path
 
-HEAD_METHODS = ("eagle3", "mlp_speculator")
 LLAMA_LABEL = "llama.cpp plain"
 
 # The goals, for SmolLM2 greedy eagle3 k=4.

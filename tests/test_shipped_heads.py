@@ -17,7 +17,7 @@ from test_speculative import PROMPTS, assert_same_distribution, chat, sample_wit
 
 import specrs
 from specrs import ConfigError, SamplingParams
-from specrs.heads import HEADS_DIR, SHIPPED, shipped_target, with_shipped_head
+from specrs.heads import HEAD_METHODS, HEADS_DIR, SHIPPED, shipped_target, with_shipped_head
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_TOKENS = 48
@@ -56,7 +56,9 @@ def test_every_shipped_head_is_in_the_package_with_its_training_record():
 def test_shipped_head_loads_by_name_keeps_greedy_identity_and_accepts(engine, gemma, name, method):
     target = engine_for(name, engine, gemma)
     assert shipped_target(target.info()) == name
-    assert json.loads(target.config_json({"method": method}))["model"] == str(HEADS_DIR / SHIPPED[name]["heads"][method])
+    filled = json.loads(target.config_json({"method": method}))
+    assert filled["model"] == str(HEADS_DIR / SHIPPED[name]["heads"][method])
+    assert filled["num_speculative_tokens"] == HEAD_METHODS[method]  # what the head was trained to draft
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     config = {"method": method, "num_speculative_tokens": 3}
     accepted = drafted = 0
@@ -69,7 +71,7 @@ def test_shipped_head_loads_by_name_keeps_greedy_identity_and_accepts(engine, ge
 
 
 def test_engine_default_speculation_finds_the_shipped_head():
-    engine = specrs.Engine(speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+    engine = specrs.Engine(speculative_config={"method": "eagle3"})  # the line: no path, no k
     r = engine.generate(chat(PROMPTS["qa"]), SamplingParams(max_tokens=24, temperature=0.0))
     assert r.metrics["num_drafts"] > 0
     assert r.token_ids == engine.generate(chat(PROMPTS["qa"]), SamplingParams(max_tokens=24, temperature=0.0),

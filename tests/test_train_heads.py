@@ -123,15 +123,26 @@ def eagle3_heads(tiny):
     return untrained, trained
 
 
-def test_eagle3_training_lowers_loss_and_raises_specrs_acceptance(tiny, eagle3_heads):
-    untrained, trained = eagle3_heads
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "fc_norm"])
+def eagle3_pair(request, tiny, eagle3_heads):
+    """(untrained, trained) reports and their directory names; with fc_norm, speculators' RMSNorm
+    per tapped layer before fc (what the shipped Gemma 3 head uses)."""
+    if not request.param:
+        return (*eagle3_heads, "eagle3-untrained", "eagle3")
+    untrained = train_eagle3(tiny, tiny["dir"] / "eagle3-fc-norm-untrained", 0, "--fc-norm")
+    trained = train_eagle3(tiny, tiny["dir"] / "eagle3-fc-norm", 6, "--fc-norm")
+    return untrained, trained, "eagle3-fc-norm-untrained", "eagle3-fc-norm"
+
+
+def test_eagle3_training_lowers_loss_and_raises_specrs_acceptance(tiny, eagle3_pair):
+    untrained, trained, untrained_dir, trained_dir = eagle3_pair
     assert trained["held_out"]["loss"] < 0.7 * untrained["held_out"]["loss"]
     assert trained["held_out"]["mean_acceptance_length"] > untrained["held_out"]["mean_acceptance_length"] + 0.3
     config = lambda d: {"method": "eagle3", "model": str(tiny["dir"] / d), "num_speculative_tokens": K,  # noqa: E731
                         "adaptive_draft_length": False}
     prompts = held_out_prompts(tiny)
-    before, _ = specrs_acceptance(tiny["engine"], config("eagle3-untrained"), prompts)
-    after, mean_length = specrs_acceptance(tiny["engine"], config("eagle3"), prompts)
+    before, _ = specrs_acceptance(tiny["engine"], config(untrained_dir), prompts)
+    after, mean_length = specrs_acceptance(tiny["engine"], config(trained_dir), prompts)
     assert after > before + 0.15, (before, after)
     # The trainer's replay of greedy drafting over the held-out conversations (the same prompts
     # and greedy answers) predicts what specrs measures drafting with the written head.

@@ -8,8 +8,9 @@ user typed: a head never runs on a target it was not trained for. Each head dire
 the field's format (speculators' EAGLE-3, IBM's MLP speculator), stored in bfloat16, with a
 `training.json` that says how it was trained and what it measured.
 
-Invariant: `with_shipped_head` only ever adds a "model" key; a config that names its own head is
-returned unchanged.
+Invariant: `with_shipped_head` only ever adds keys: "model", and "num_speculative_tokens" when the
+config has none (the number of tokens the head was trained to draft: its TTT steps, its sub-heads);
+a config that names its own head is returned unchanged.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ SHIPPED: dict[str, dict[str, Any]] = {
     },
 }
 
-# Methods whose "model" a shipped head can fill in.
-HEAD_METHODS = ("eagle3", "mlp_speculator")
+# Methods whose "model" a shipped head can fill in, with the draft length each was trained for
+# (EAGLE-3: 4 training-time-test steps; the MLP speculator: 3 sub-heads).
+HEAD_METHODS = {"eagle3": 4, "mlp_speculator": 3}
 
 
 def shipped_target(info: Mapping[str, Any]) -> str | None:
@@ -62,7 +64,9 @@ def shipped_head(info: Mapping[str, Any], method: str) -> str:
 
 
 def with_shipped_head(config: dict[str, Any], info: Mapping[str, Any]) -> dict[str, Any]:
-    """`config` with "model" set to the shipped head when it is a head method without one."""
-    if config.get("method") in HEAD_METHODS and "model" not in config:
-        return {**config, "model": shipped_head(info, config["method"])}
+    """`config` with "model" set to the shipped head when it is a head method without one (and
+    "num_speculative_tokens" to the head's trained draft length when it has none either)."""
+    method = config.get("method")
+    if method in HEAD_METHODS and "model" not in config:
+        return {"num_speculative_tokens": HEAD_METHODS[method], **config, "model": shipped_head(info, method)}
     return config

@@ -6,7 +6,9 @@ The head (what crates/specrs-core/src/proposer/heads/eagle.rs runs): `fc` maps t
 three tapped hidden states `[3H]` to `[H]`; one Llama decoder layer whose attention reads
 `[input_layernorm(embed(token)); hidden_norm(fc out)]` `[2H]`, with the fc output as its residual;
 `norm`, then an LM head over a draft vocabulary (the `draft_vocab_size` most frequent response
-tokens), mapped to target ids by `d2t`. The embedding is the target's, frozen.
+tokens), mapped to target ids by `d2t`. The embedding is the target's, frozen. `--fc-norm` adds
+an RMSNorm per tapped layer before `fc` (speculators' `fc_norm`), for targets such as Gemma 3
+whose tapped layers differ in scale by orders of magnitude.
 
 Training (facts from the EAGLE-3 paper, SpecForge and speculators, no code from them):
 - Soft cross-entropy against the target's own distribution restricted to the draft vocabulary
@@ -83,6 +85,11 @@ class Eagle3Head(torch.nn.Module):
         nh, nkv, hd = shape["heads"], shape["kv_heads"], shape["head_dim"]
         lin = lambda o, i: torch.nn.Linear(i, o, bias=False)  # noqa: E731
         self.fc = lin(h, 3 * h)
+        # speculators' `fc_norm`: an RMSNorm per tapped layer before fc, so a target whose layers
+        # differ in scale by orders of magnitude (Gemma 3's residual stream passes 1e4) feeds fc
+        # comparable inputs.
+        self.fc_norms = torch.nn.ParameterList([torch.nn.Parameter(torch.ones(h)) for _ in range(3)]
+                                               if shape.get("fc_norm") else [])
         self.hidden_norm = torch.nn.Parameter(torch.ones(h))
         self.input_norm = torch.nn.Parameter(torch.ones(h))
         self.q, self.k, self.v, self.o = lin(nh * hd, 2 * h), lin(nkv * hd, 2 * h), lin(nkv * hd, 2 * h), lin(h, nh * hd)
@@ -123,6 +130,8 @@ class Eagle3Head(torch.nn.Module):
         """Outputs `[T - j - 1, H]` of every step j: row i of step j drafts the token at i + j + 2."""
         T = tokens.shape[0]
         scale = 1.0 / math.sqrt(self.shape["head_dim"])
+        if len(self.fc_norms) > 0:
+            taps = torch.stack([self.rms(taps[:, k], w) for k, w in enumerate(self.fc_norms)], 1)
         hidden = self.fc(taps.reshape(T, -1))
         positions = torch.arange(T)
         q0, k0, v0 = self.qkv(tokens[1:], hidden[:-1], positions[:-1])
@@ -190,6 +199,7 @@ def write_speculators(head: Eagle3Head, out_dir: str, layers: list[int], vocab: 
     w = lambda t: t.detach().cpu().numpy().astype(np.float32)  # noqa: E731
     state = head.state_dict()
     tensors = {name: w(state[attr]) for name, attr in NAMES.items()}
+    tensors |= {f"fc_norm.{k}.weight": w(p) for k, p in enumerate(head.fc_norms)}
     tensors["d2t"] = (head.draft_ids.numpy() - np.arange(len(head.draft_ids))).astype(np.int64)
     write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
     layer = {"model_type": "llama", "hidden_size": s["hidden"], "num_attention_heads": s["heads"],
@@ -199,7 +209,8 @@ def write_speculators(head: Eagle3Head, out_dir: str, layers: list[int], vocab: 
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump({"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
                    "transformer_layer_config": layer, "draft_vocab_size": len(head.draft_ids),
-                   "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": layers,
+                   "norm_before_residual": False, "fc_norm": len(head.fc_norms) > 0,
+                   "eagle_aux_hidden_state_layer_ids": layers,
                    "speculators_config": {"algorithm": "eagle3"}}, f, indent=1)
 
 
@@ -227,7 +238,7 @@ def build(args: argparse.Namespace, shards: Shards, embedding: np.ndarray, lm_he
     cache), or the head of `args.init` to fine-tune, with its own shape and draft vocabulary."""
     vocab, hidden = embedding.shape
     shape = dict(hidden=hidden, heads=args.heads, kv_heads=args.kv_heads, head_dim=hidden // args.heads,
-                 ffn=args.ffn, eps=1e-5, theta=args.rope_theta)
+                 ffn=args.ffn, eps=1e-5, theta=args.rope_theta, fc_norm=args.fc_norm)
     if args.init is None:
         counts = shards.token_counts(vocab)
         draft_ids = np.sort(np.argsort(-counts, kind="stable")[: args.draft_vocab])
@@ -237,10 +248,11 @@ def build(args: argparse.Namespace, shards: Shards, embedding: np.ndarray, lm_he
     shape.update(heads=layer["num_attention_heads"], kv_heads=layer["num_key_value_heads"],
                  head_dim=layer.get("head_dim", hidden // layer["num_attention_heads"]),
                  ffn=layer["intermediate_size"], eps=layer.get("rms_norm_eps", 1e-5),
-                 theta=layer.get("rope_theta", args.rope_theta))
+                 theta=layer.get("rope_theta", args.rope_theta), fc_norm=config.get("fc_norm", False))
     head = Eagle3Head(shape, draft_ids, embedding, lm_head)
-    head.load_state_dict({NAMES[k]: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in tensors.items()
-                          if k in NAMES}, strict=False)
+    names = NAMES | {f"fc_norm.{k}.weight": f"fc_norms.{k}" for k in range(len(head.fc_norms))}
+    head.load_state_dict({names[k]: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in tensors.items()
+                          if k in names}, strict=False)
     return head
 
 
@@ -310,6 +322,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--ffn", type=int, default=1536)
     parser.add_argument("--rope-theta", type=float, default=100000.0)
     parser.add_argument("--ttt-steps", type=int, default=4)
+    parser.add_argument("--fc-norm", action="store_true", help="RMS-norm each tapped layer before fc (speculators' "
+                        "fc_norm; for targets whose layers differ in scale, such as Gemma 3)")
     return parser
 
 
