@@ -44,6 +44,7 @@ from typing import Any, Callable, Sequence
 
 from .bench import config_label
 from .engine import Engine, SamplingParams, _config_json
+from .heads import HEAD_METHODS, with_shipped_head
 from .errors import ConfigError
 
 DEFAULT_CONFIGS = (
@@ -203,10 +204,12 @@ def first_difference(expected: Sequence[int], actual: Sequence[int]) -> int | No
 # --- configs ---------------------------------------------------------------------------------
 
 
-def parse_configs(configs: Sequence[Any] | None, allow_custom: bool = False) -> list[dict]:
+def parse_configs(configs: Sequence[Any] | None, allow_custom: bool = False,
+                  target_info: dict | None = None) -> list[dict]:
     """Each config (a dict or vLLM's --speculative-config JSON text) as the user wrote it, checked
     by the engine's parser; raises ConfigError naming the bad one. Method "custom" needs the
-    engine's own Python proposer (`allow_custom`: Engine(proposer=...) through `run`)."""
+    engine's own Python proposer (`allow_custom`: Engine(proposer=...) through `run`). With
+    `target_info` (`Engine.info()`), a head method without "model" gets the shipped head."""
     out = []
     for config in DEFAULT_CONFIGS if not configs else configs:
         if isinstance(config, str):
@@ -217,6 +220,11 @@ def parse_configs(configs: Sequence[Any] | None, allow_custom: bool = False) -> 
                                   '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
         if not isinstance(config, dict):
             raise ConfigError(f"a speculative config must be a JSON object with a 'method' key (got {config!r})")
+        if target_info is not None:
+            config = with_shipped_head(config, target_info)
+        elif config.get("method") in HEAD_METHODS and "model" not in config:
+            out.append(dict(config))  # the shipped head is looked up once the model is loaded (`run`)
+            continue
         full = json.loads(_config_json(config))  # the engine's checks: unknown keys, bad values
         if full["method"] == "custom" and not allow_custom:
             raise ConfigError("selftest cannot run method 'custom' without your Python proposer: call "
@@ -406,7 +414,8 @@ def run(engine, configs: Sequence[Any] | None = None, *, num_seeds: int = DEFAUL
         raise ConfigError(f"--temperature must be > 0 for the sampling check (got {temperature}); try 1.0")
     if not 0 < alpha < 1:
         raise ConfigError(f"--alpha must be in (0, 1) (got {alpha}); the default is {DEFAULT_ALPHA}")
-    configs = parse_configs(configs, allow_custom=getattr(engine, "proposer", None) is not None)
+    configs = parse_configs(configs, allow_custom=getattr(engine, "proposer", None) is not None,
+                            target_info=engine.info())
     if new_engine is None and getattr(engine, "model_path", None) is not None:
         new_engine = lambda: Engine(engine.model_path, device=engine.device)  # noqa: E731
     say = progress or (lambda text: None)
