@@ -189,7 +189,7 @@ def test_bad_heads_name_the_fix(engine, heads, tmp_path):
 @pytest.mark.parametrize(
     "config, match",
     [
-        ({"method": "eagle3", "num_speculative_tokens": 3}, r'needs "model"'),
+        ({"method": "medusa", "num_speculative_tokens": 3}, r'needs "model"'),  # no medusa head ships
         ({"method": "eagle", "model": "x"}, r"num_speculative_tokens"),
         ({"method": "medusa", "model": "x", "num_speculative_tokens": 2, "exit_layer": 3}, r"exit_layer.*layer_skip"),
     ],
