@@ -3,7 +3,7 @@
 - `{"method": "eagle3"}` (and "mlp_speculator" on SmolLM2) finds its head by the loaded model,
   with no path: on SmolLM2-135M-Instruct and on Gemma 3 270M.
 - Greedy identity with each shipped head, and the head does its job: it drafts and the target
-  accepts a share of the drafts (a trained head on the target's own kind of text, not a random one).
+  accepts some of each draft (a trained head on the target's own kind of text, not a random one).
 - The sampled distribution with a shipped head equals plain sampling (two-sample chi-square).
 - A model no head ships for gets a ConfigError naming what ships; a config that names its own head
   is left alone.
@@ -60,20 +60,24 @@ def test_shipped_head_loads_by_name_keeps_greedy_identity_and_accepts(engine, ge
     assert filled["model"] == str(HEADS_DIR / SHIPPED[name]["heads"][method])
     assert filled["num_speculative_tokens"] == HEAD_METHODS[method]  # what the head was trained to draft
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    config = {"method": method, "num_speculative_tokens": 3}
-    accepted = drafted = 0
+    # A fixed length: the default adaptive length may stop drafting where a head does not pay (it
+    # does not on this CPU yet, see benches/README.md), and this test is about the head's drafts.
+    config = {"method": method, "num_speculative_tokens": 3, "adaptive_draft_length": False}
+    accepted = drafts = 0
     for prompt in prompts_for(name, target):
         r = target.generate(prompt, params, speculative_config=config)
         assert r.token_ids == target.generate(prompt, params, speculative_config=False).token_ids
         accepted += r.metrics["num_accepted_tokens"]
-        drafted += r.metrics["num_draft_tokens"]
-    assert drafted > 0 and accepted / drafted > 0.1, (accepted, drafted)
+        drafts += r.metrics["num_drafts"]
+    # Tokens accepted per draft: ~0 for a random head; 0.26-0.50 for these on Spec-Bench.
+    assert drafts > 0 and accepted / drafts > 0.15, (accepted, drafts)
 
 
 def test_engine_default_speculation_finds_the_shipped_head():
     engine = specrs.Engine(speculative_config={"method": "eagle3"})  # the line: no path, no k
+    assert engine.speculative_config["model"] == str(HEADS_DIR / SHIPPED["smollm2-135m"]["heads"]["eagle3"])
+    assert engine.speculative_config["num_speculative_tokens"] == HEAD_METHODS["eagle3"]
     r = engine.generate(chat(PROMPTS["qa"]), SamplingParams(max_tokens=24, temperature=0.0))
-    assert r.metrics["num_drafts"] > 0
     assert r.token_ids == engine.generate(chat(PROMPTS["qa"]), SamplingParams(max_tokens=24, temperature=0.0),
                                           speculative_config=False).token_ids
 
