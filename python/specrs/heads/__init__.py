@@ -8,9 +8,8 @@ user typed: a head never runs on a target it was not trained for. Each head dire
 the field's format (speculators' EAGLE-3, IBM's MLP speculator), stored in bfloat16, with a
 `training.json` that says how it was trained and what it measured.
 
-Invariant: `with_shipped_head` only ever adds keys: "model", and "num_speculative_tokens" when the
-config has none (the number of tokens the head was trained to draft: its TTT steps, its sub-heads);
-a config that names its own head is returned unchanged.
+Invariant: `with_shipped_head` only ever adds keys: "model", and the head's defaults for keys the
+config does not set (`HEAD_METHODS`); a config that names its own head is returned unchanged.
 """
 
 from __future__ import annotations
@@ -34,9 +33,14 @@ SHIPPED: dict[str, dict[str, Any]] = {
     },
 }
 
-# Methods whose "model" a shipped head can fill in, with the draft length each was trained for
-# (EAGLE-3: 4 training-time-test steps; the MLP speculator: 3 sub-heads).
-HEAD_METHODS = {"eagle3": 4, "mlp_speculator": 3}
+# Methods whose "model" a shipped head can fill in, and the defaults it runs with: the draft length
+# each was trained for (EAGLE-3: 4 training-time-test steps; the MLP speculator: 3 sub-heads), and
+# for EAGLE-3 Q8_0 weights (same acceptance, 0.67x instead of 0.41x plain at k = 2 on this CPU;
+# benches/README.md "heads_bench.py").
+HEAD_METHODS: dict[str, dict[str, Any]] = {
+    "eagle3": {"num_speculative_tokens": 4, "quantization": "q8_0"},
+    "mlp_speculator": {"num_speculative_tokens": 3},
+}
 
 
 def shipped_target(info: Mapping[str, Any]) -> str | None:
@@ -64,9 +68,9 @@ def shipped_head(info: Mapping[str, Any], method: str) -> str:
 
 
 def with_shipped_head(config: dict[str, Any], info: Mapping[str, Any]) -> dict[str, Any]:
-    """`config` with "model" set to the shipped head when it is a head method without one (and
-    "num_speculative_tokens" to the head's trained draft length when it has none either)."""
+    """`config` with "model" set to the shipped head when it is a head method without one, and the
+    head's defaults (`HEAD_METHODS`) for keys it does not set."""
     method = config.get("method")
     if method in HEAD_METHODS and "model" not in config:
-        return {"num_speculative_tokens": HEAD_METHODS[method], **config, "model": shipped_head(info, method)}
+        return {**HEAD_METHODS[method], **config, "model": shipped_head(info, method)}
     return config
