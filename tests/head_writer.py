@@ -7,28 +7,15 @@ Reference logits for these formats come from scripts/make_head_golden.py on tiny
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import numpy as np
 from gguf_writer import FLOAT32, STRING, UINT32, GgufModel, Tensor
 
+from specrs.train.safetensors import write_safetensors
+
 # SmolLM2-135M's shape (the default model).
 SMOLLM2 = dict(hidden=576, heads=9, kv_heads=3, head_dim=64, ffn=1536, vocab=49152, layers=30, rope_theta=100000.0)
-
-
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    header, offset, blobs = {}, 0, []
-    for name, array in tensors.items():
-        dtype = {np.float32: "F32", np.int64: "I64"}[array.dtype.type]
-        blob = np.ascontiguousarray(array).tobytes()
-        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + len(blob)]}
-        offset += len(blob)
-        blobs.append(blob)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
 
 
 class Random:

@@ -21,9 +21,10 @@ def to_bfloat16_bits(array: np.ndarray) -> np.ndarray:
     return (rounded >> 16).astype(np.uint16)
 
 
-def write_safetensors(path: str, tensors: dict[str, np.ndarray], bfloat16: bool = False) -> None:
+def write_safetensors(path: str | os.PathLike[str], tensors: dict[str, np.ndarray], bfloat16: bool = False) -> None:
     """float32 / float16 / int64 tensors to a safetensors file; with `bfloat16`, float32 tensors are
     stored as bfloat16 (half the bytes: how shipped heads are stored)."""
+    path = os.fspath(path)
     header, offset, blobs = {}, 0, []
     for name, array in tensors.items():
         if array.dtype == np.float32 and bfloat16:
