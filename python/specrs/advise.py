@@ -115,9 +115,10 @@ def is_recording(path: str) -> bool:
     with open(path, encoding="utf-8") as f:
         first = f.readline()
     try:
-        return isinstance(json.loads(first), dict) and "prompt_ids" in json.loads(first)
+        row = json.loads(first)
     except ValueError:
         return False
+    return isinstance(row, dict) and "prompt_ids" in row
 
 
 def _candidates(methods: str, configs: list[str]) -> list[dict]:
