@@ -38,7 +38,7 @@ except ImportError as e:  # the training extra is optional: say how to get it
     raise SystemExit("specrs.train.eagle3 needs torch: pip install 'specrs[train]'") from e
 
 from .features import Shards, split
-from .loop import add_arguments, fit, simulate_greedy_drafting
+from .loop import add_arguments, conversation_tensors, fit, simulate_greedy_drafting
 from .safetensors import read_safetensors, write_safetensors
 
 
@@ -256,12 +256,6 @@ def build(args: argparse.Namespace, shards: Shards, embedding: np.ndarray, lm_he
     return head
 
 
-def conversation(shards: Shards, i: int) -> tuple[torch.Tensor, ...]:
-    tokens, mask, taps, final = shards.get(i)
-    return (torch.from_numpy(tokens.astype(np.int64)), torch.from_numpy(np.asarray(mask)),
-            torch.from_numpy(taps.astype(np.float32)), torch.from_numpy(final.astype(np.float32)))
-
-
 def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     shards = Shards(args.features)
@@ -270,7 +264,8 @@ def train(args: argparse.Namespace) -> dict:
     train_ids, held_out = split(shards.lines, args.held_out)
     before = evaluate(head, shards, held_out, args.ttt_steps) if args.init is not None and held_out else None
     report = fit("eagle3", head, shards, train_ids,
-                 lambda i: losses(head, *conversation(shards, i), args.ttt_steps), args, clip=0.5)
+                 lambda i: losses(head, *conversation_tensors(shards, i, with_taps=True), args.ttt_steps),
+                 args, clip=0.5)
     write_speculators(head, args.out, shards.index["layers"], embedding.shape[0])
     report["train_tokens"] = int(sum(shards.items[i][2] - shards.items[i][1] for i in train_ids))
     if held_out:
@@ -290,7 +285,7 @@ def evaluate(head: Eagle3Head, shards: Shards, ids: list[int], steps: int) -> di
     correct, counted = np.zeros(steps), np.zeros(steps)
     accepted, anchors, loss_sum, loss_count = 0, 0, 0.0, 0
     for i in ids:
-        tokens, mask, taps, final = conversation(shards, i)
+        tokens, mask, taps, final = conversation_tensors(shards, i, with_taps=True)
         loss = losses(head, tokens, mask, taps, final, steps)
         if loss is not None:
             loss_sum, loss_count = loss_sum + float(loss), loss_count + 1

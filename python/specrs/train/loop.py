@@ -85,6 +85,15 @@ def fit(name: str, model: torch.nn.Module, shards: Shards, train_ids: list[int],
     return {"steps": total_steps, "seconds": round(time.perf_counter() - t0, 1), "last_loss": smoothed}
 
 
+def conversation_tensors(shards: Shards, i: int, with_taps: bool) -> tuple[torch.Tensor | None, ...]:
+    """Conversation i of the cache as tensors: tokens int64, loss mask, taps float32 (None unless
+    `with_taps`: the MLP speculator reads only the final hidden state) and final float32."""
+    tokens, mask, taps, final = shards.get(i)
+    return (torch.from_numpy(tokens.astype(np.int64)), torch.from_numpy(np.asarray(mask)),
+            torch.from_numpy(taps.astype(np.float32)) if with_taps else None,
+            torch.from_numpy(final.astype(np.float32)))
+
+
 def simulate_greedy_drafting(agree: list[np.ndarray], first_anchor: int, end: int) -> tuple[int, int]:
     """(accepted draft tokens, drafts) of greedy chain drafting over one greedy conversation, from
     teacher-forced agreement: `agree[j][a]` says whether draft step j from anchor a is the target's

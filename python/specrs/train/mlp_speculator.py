@@ -30,7 +30,7 @@ except ImportError as e:
     raise SystemExit("specrs.train.mlp_speculator needs torch: pip install 'specrs[train]'") from e
 
 from .features import Shards, split
-from .loop import add_arguments, fit, simulate_greedy_drafting
+from .loop import add_arguments, conversation_tensors, fit, simulate_greedy_drafting
 from .safetensors import read_safetensors, write_safetensors
 
 
@@ -90,7 +90,7 @@ def evaluate(model: MlpSpeculator, shards: Shards, ids: list[int]) -> dict:
     correct, counted = np.zeros(model.n_predict), np.zeros(model.n_predict)
     accepted, anchors, loss_sum, loss_count = 0, 0, 0.0, 0
     for i in ids:
-        tokens, mask, _, final = conversation(shards, i)
+        tokens, mask, _, final = conversation_tensors(shards, i, with_taps=False)
         out = rows_and_inputs(model, tokens, mask, final)
         if out is None:
             continue
@@ -150,12 +150,6 @@ def build(args: argparse.Namespace, hidden: int) -> MlpSpeculator:
     return model
 
 
-def conversation(shards: Shards, i: int) -> tuple[torch.Tensor, ...]:
-    tokens, mask, taps, final = shards.get(i)
-    return (torch.from_numpy(tokens.astype(np.int64)), torch.from_numpy(np.asarray(mask)), None,
-            torch.from_numpy(final.astype(np.float32)))
-
-
 def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     shards = Shards(args.features)
@@ -165,7 +159,7 @@ def train(args: argparse.Namespace) -> dict:
     before = evaluate(model, shards, held_out) if args.init is not None and held_out else None
 
     def step_loss(i: int) -> torch.Tensor | None:
-        tokens, mask, _, final = conversation(shards, i)
+        tokens, mask, _, final = conversation_tensors(shards, i, with_taps=False)
         return loss(model, tokens, mask, final)
 
     report = fit("mlp_speculator", model, shards, train_ids, step_loss, args, clip=1.0)
