@@ -59,6 +59,9 @@ _LABEL_KEYS = {
     "draft_confidence_threshold": "threshold",
     "mask_token_id": "mask",
     "exit_layer": "exit",
+    "tree_depth": "tree_depth",
+    "tree_top_k": "top_k",
+    "speculative_token_tree": "static_tree",
 }
 
 

@@ -52,6 +52,15 @@ pub struct SpecDecodeMetrics {
     pub forward_s: f64,
     /// Seconds choosing tokens from the logits (acceptance, recovery, plain sampling).
     pub verify_s: f64,
+    /// Drafts verified as token trees (the rest of `num_drafts` were chains); with trees,
+    /// `num_accepted_tokens_per_pos` counts accepted tokens per depth.
+    pub num_tree_drafts: usize,
+    /// Nodes verified in those trees.
+    pub num_tree_draft_tokens: usize,
+    /// Tokens accepted from them (the accepted depths, summed).
+    pub num_tree_accepted_tokens: usize,
+    /// Their depths, summed.
+    pub tree_depth_sum: usize,
 }
 
 impl SpecDecodeMetrics {
@@ -68,6 +77,15 @@ impl SpecDecodeMetrics {
         }
     }
 
+    /// Records that the last draft was a tree of `num_nodes` nodes and `depth` levels, whose
+    /// accepted path was `num_accepted_tokens` deep.
+    pub fn observe_tree(&mut self, num_nodes: usize, depth: usize, num_accepted_tokens: usize) {
+        self.num_tree_drafts += 1;
+        self.num_tree_draft_tokens += num_nodes;
+        self.num_tree_accepted_tokens += num_accepted_tokens;
+        self.tree_depth_sum += depth;
+    }
+
     pub fn add(&mut self, other: &SpecDecodeMetrics) {
         self.num_drafts += other.num_drafts;
         self.num_draft_tokens += other.num_draft_tokens;
@@ -82,6 +100,10 @@ impl SpecDecodeMetrics {
         self.propose_s += other.propose_s;
         self.forward_s += other.forward_s;
         self.verify_s += other.verify_s;
+        self.num_tree_drafts += other.num_tree_drafts;
+        self.num_tree_draft_tokens += other.num_tree_draft_tokens;
+        self.num_tree_accepted_tokens += other.num_tree_accepted_tokens;
+        self.tree_depth_sum += other.tree_depth_sum;
     }
 
     /// 1 + accepted / drafts (1.0 with no drafts: every step yields one token).

@@ -10,6 +10,9 @@ use serde_json::{Map, Value};
 use crate::error::{Error, Result};
 use crate::quantize::{parse_quant_type, quant_type_name};
 
+pub mod tree;
+pub use tree::{TreeConfig, TreeMode};
+
 /// The suffix-decoding settings of a speculative config (vLLM's `suffix_decoding_*` keys).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SuffixParams {
@@ -53,7 +56,7 @@ pub const MAX_EXIT_LAYER: usize = 1024;
 pub const MAX_DRAFT_COST: f64 = 100.0;
 
 /// Every key a speculative config may hold: vLLM's, then specrs' own.
-pub const KEYS: [&str; 18] = [
+pub const KEYS: [&str; 22] = [
     "method",
     "num_speculative_tokens",
     "prompt_lookup_min",
@@ -72,6 +75,10 @@ pub const KEYS: [&str; 18] = [
     "num_speculative_tokens_schedule",
     "verify_cost_ratios",
     "draft_cost",
+    "tree",
+    "speculative_token_tree",
+    "tree_depth",
+    "tree_top_k",
 ];
 
 /// Every method a speculative config may name (besides the aliases `draft` and `[ngram]`).
@@ -191,6 +198,8 @@ pub struct SpeculativeConfig {
     /// pinned costs make draft lengths, and so seeded samples, the same on every machine, and let
     /// tests assert the policy rather than the machine's timing.
     pub costs: ConfigCosts,
+    /// Token trees (`spec_config/tree.rs`); with one, `num_speculative_tokens` is the node budget.
+    pub tree: TreeConfig,
 }
 
 /// `verify_cost_ratios` ([v(1) = 1, v(2), ...], v(n) = t(n)/t(1)) and `draft_cost` (c, drafting
@@ -288,6 +297,8 @@ impl SpeculativeConfig {
                 "num_speculative_tokens must be in 1..={MAX_SPECULATIVE_TOKENS} (got 0); try 4"
             )));
         }
+        let (mut tree, static_tree_k) = TreeConfig::parse(map, num_speculative_tokens)?;
+        let num_speculative_tokens = num_speculative_tokens.or(static_tree_k);
         let required_k = || {
             num_speculative_tokens.ok_or_else(|| {
                 Error::config(format!(
@@ -411,10 +422,24 @@ impl SpeculativeConfig {
             }
             _ => (Method::Custom, required_k()?),
         };
-        let adaptive_draft_length = match map.get("adaptive_draft_length") {
-            None | Some(Value::Null) => true,
-            Some(Value::Bool(b)) => *b,
-            Some(other) => {
+        tree.fill_depth(num_speculative_tokens);
+        // A fixed tree is verified whole; "auto" is the adaptive choice for trees, reading the
+        // same cost curve.
+        let adaptive_draft_length = match (map.get("adaptive_draft_length"), tree.mode) {
+            (None | Some(Value::Null), TreeMode::On) => false,
+            (None | Some(Value::Null), _) => true,
+            (Some(Value::Bool(true)), TreeMode::On) => {
+                return Err(Error::config(
+                    "\"tree\": true verifies whole trees; for adaptive trees set \"tree\": \"auto\" (and remove adaptive_draft_length)",
+                ))
+            }
+            (Some(Value::Bool(false)), TreeMode::Auto) => {
+                return Err(Error::config(
+                    "\"tree\": \"auto\" chooses each step's tree by cost; with adaptive_draft_length false set \"tree\": true instead",
+                ))
+            }
+            (Some(Value::Bool(b)), _) => *b,
+            (Some(other), _) => {
                 return Err(Error::config(format!("'adaptive_draft_length' must be true or false (got {other})")))
             }
         };
@@ -468,6 +493,7 @@ impl SpeculativeConfig {
             draft_confidence_threshold: draft_confidence_threshold as f32,
             schedule,
             costs,
+            tree,
         })
     }
 
@@ -489,6 +515,7 @@ impl SpeculativeConfig {
         if let Some(c) = self.costs.draft_cost {
             map.insert("draft_cost".into(), c.into());
         }
+        self.tree.to_json(&mut map);
         let draft = |d: &DraftModelParams, map: &mut Map<String, Value>| {
             map.insert("model".into(), d.model.clone().into());
             if let Some(len) = d.max_model_len {

@@ -18,6 +18,10 @@
 //! depend on its draft lengths, nor on whether it speculated at all. So a scheduler may cut the
 //! drafts of such requests by load without changing any output (engine/scheduler.rs). Drafts
 //! with probabilities keep the sequential stream: their output depends on the draft itself.
+//!
+//! Token trees are verified by `tree::verify_tree`, the same rules walked over a tree.
+
+pub mod tree;
 
 use crate::config::SamplingParams;
 use crate::error::{Error, Result};

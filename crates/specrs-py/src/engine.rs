@@ -236,6 +236,10 @@ fn spec_items(d: &Bound<'_, PyDict>, s: &SpecDecodeMetrics) -> PyResult<()> {
     d.set_item("propose_s", s.propose_s)?;
     d.set_item("forward_s", s.forward_s)?;
     d.set_item("verify_s", s.verify_s)?;
+    d.set_item("num_tree_drafts", s.num_tree_drafts)?;
+    d.set_item("num_tree_draft_tokens", s.num_tree_draft_tokens)?;
+    d.set_item("num_tree_accepted_tokens", s.num_tree_accepted_tokens)?;
+    d.set_item("tree_depth_sum", s.tree_depth_sum)?;
     Ok(())
 }
 

@@ -1,6 +1,9 @@
 //! Custom proposers written in Python: any object with `propose(context_ids, max_tokens)`
 //! returning a list of token ids, or `(token_ids, draft_probs)` with `draft_probs` array-like
-//! `[len(token_ids), vocab_size]`, and optionally `observe(num_accepted)`.
+//! `[len(token_ids), vocab_size]`, or a token tree `(token_ids, draft_probs, parents)` (`draft_probs`
+//! may be None; `parents[i]` is the index of token i's parent, -1 for the newest context token),
+//! and optionally `observe(num_accepted)`. With `"tree"` set in the config, `max_tokens` is the
+//! node budget, and a tree must stay within `tree_depth` levels and `tree_top_k` children per node.
 //!
 //! Invariant: the Python object only guesses. `Session` checks its draft's shape and values and
 //! the verifier decides what is emitted, so a buggy proposer can slow a request or fail it with a
@@ -10,7 +13,7 @@ use numpy::PyReadonlyArray2;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 use specrs_core::error::{Error, Result};
-use specrs_core::proposer::{Draft, Feedback, Proposer};
+use specrs_core::proposer::{Draft, Feedback, Proposer, TreeLimits};
 
 pub struct PyProposer {
     object: Py<PyAny>,
@@ -41,33 +44,52 @@ fn raised(method: &str, error: PyErr) -> Error {
 fn parse_draft(result: &Bound<'_, PyAny>) -> Result<Draft> {
     let shape_error = || {
         Error::Proposer(format!(
-            "the custom proposer's propose() must return a list of token ids or a (token_ids, draft_probs) \
-             tuple; it returned {}",
+            "the custom proposer's propose() must return a list of token ids, a (token_ids, draft_probs) \
+             tuple or a (token_ids, draft_probs or None, parents) tree; it returned {}",
             result.repr().map(|r| r.to_string()).unwrap_or_else(|_| "an unprintable object".into())
         ))
     };
-    let pair = result
-        .cast::<PyTuple>()
-        .ok()
-        .filter(|t| t.len() == 2 && t.get_item(0).is_ok_and(|x| !x.is_instance_of::<pyo3::types::PyInt>()));
-    let Some(pair) = pair else {
+    let parts = result.cast::<PyTuple>().ok().filter(|t| {
+        (t.len() == 2 || t.len() == 3) && t.get_item(0).is_ok_and(|x| !x.is_instance_of::<pyo3::types::PyInt>())
+    });
+    let Some(parts) = parts else {
         let token_ids: Vec<u32> = result.extract().map_err(|_| shape_error())?;
         return Ok(Draft::tokens(token_ids));
     };
-    let token_ids: Vec<u32> = pair.get_item(0).and_then(|x| x.extract()).map_err(|_| shape_error())?;
-    let py = result.py();
-    let probs = py
+    let token_ids: Vec<u32> = parts.get_item(0).and_then(|x| x.extract()).map_err(|_| shape_error())?;
+    let probs = parts.get_item(1).map_err(|_| shape_error())?;
+    let probs = if probs.is_none() { None } else { Some(parse_probs(&probs)?) };
+    let parents = match parts.get_item(2) {
+        Ok(parents) => Some(parents.extract::<Vec<i32>>().map_err(|_| {
+            Error::Proposer("the custom proposer's parents must be a list of ints (-1 for the newest context token)".into())
+        })?),
+        Err(_) => None,
+    };
+    if probs.is_none() && parents.is_none() {
+        return Err(shape_error());
+    }
+    Ok(Draft { token_ids, probs, parents })
+}
+
+/// `draft_probs` as a row-major `[len(token_ids), vocab_size]` float32 copy.
+fn parse_probs(probs: &Bound<'_, PyAny>) -> Result<Vec<f32>> {
+    let probs = probs
+        .py()
         .import("numpy")
-        .and_then(|np| np.call_method1("ascontiguousarray", (pair.get_item(1)?, "float32")))
+        .and_then(|np| np.call_method1("ascontiguousarray", (probs, "float32")))
         .map_err(|e| Error::Proposer(format!("the custom proposer's draft_probs are not array-like: {e}")))?;
     let probs: PyReadonlyArray2<f32> = probs.extract().map_err(|_| {
         Error::Proposer("the custom proposer's draft_probs must be 2-D: [len(token_ids), vocab_size]".into())
     })?;
-    let probs = probs.as_slice().map_err(|e| Error::Internal(e.to_string()))?.to_vec();
-    Ok(Draft { token_ids, probs: Some(probs) })
+    Ok(probs.as_slice().map_err(|e| Error::Internal(e.to_string()))?.to_vec())
 }
 
 impl Proposer for PyProposer {
+    /// A tree mode's node budget is the Python `max_tokens`; `Session` checks the rest.
+    fn propose_tree(&mut self, context: &[u32], _max_depth: usize, limits: TreeLimits) -> Result<Draft> {
+        self.propose(context, limits.max_nodes)
+    }
+
     fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {
         Python::attach(|py| {
             let result = self

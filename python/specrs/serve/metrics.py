@@ -45,6 +45,12 @@ class ServerMetrics:
         self.num_accepted_per_pos = Counter("specrs:spec_decode_num_accepted_tokens_per_pos",
                                             "Drafts whose token at `position` (0-based) was accepted.",
                                             spec + ["position"], registry=r)
+        self.num_tree_drafts = Counter("specrs:spec_decode_num_tree_drafts", "Drafts verified as token trees "
+                                       "(the rest were chains).", spec, registry=r)
+        self.num_tree_draft_tokens = Counter("specrs:spec_decode_num_tree_draft_tokens", "Tree nodes verified.",
+                                             spec, registry=r)
+        self.num_tree_accepted_tokens = Counter("specrs:spec_decode_num_tree_accepted_tokens", "Tokens accepted "
+                                                "from trees (accepted depths, summed).", spec, registry=r)
         self.ttft = Histogram("specrs:time_to_first_token_seconds", "Arrival to first token, queue time included.",
                               labels, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
         self.itl = Histogram("specrs:inter_token_latency_seconds", "Gap between consecutive token-producing steps.",
@@ -118,5 +124,8 @@ class ServerMetrics:
         self.num_drafts.labels(name, method).inc(metrics["num_drafts"])
         self.num_draft_tokens.labels(name, method).inc(metrics["num_draft_tokens"])
         self.num_accepted_tokens.labels(name, method).inc(metrics["num_accepted_tokens"])
+        self.num_tree_drafts.labels(name, method).inc(metrics["num_tree_drafts"])
+        self.num_tree_draft_tokens.labels(name, method).inc(metrics["num_tree_draft_tokens"])
+        self.num_tree_accepted_tokens.labels(name, method).inc(metrics["num_tree_accepted_tokens"])
         for position, count in enumerate(metrics["num_accepted_tokens_per_pos"]):
             self.num_accepted_per_pos.labels(name, method, str(position)).inc(count)

@@ -141,14 +141,14 @@ impl Engine {
                 proposer.observe_hidden(context.len() - 2, &rows(context.len() - 2, 1)?)?;
             }
             let t0 = Instant::now();
-            let input = ProposeInput { context, max_tokens: k, target_cache: &mut target_cache };
+            let input = ProposeInput { context, max_tokens: k, tree: None, target_cache: &mut target_cache };
             let draft = proposer.propose_with(input)?;
             self.model.device().synchronize()?;
             if round > 0 {
                 // The first round is a warm-up (cold weight pages).
                 times.push(t0.elapsed().as_secs_f64() / draft.token_ids.len().max(1) as f64);
             }
-            proposer.observe(&Feedback::accepted(0, &[]))?;
+            proposer.observe(&Feedback::accepted(0, &[], &[]))?;
         }
         let (per_token_s, quiet) = median_if_quiet(&times);
         let cost = per_token_s / single_step[0];

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
+use super::tree_chooser::TreeChooser;
 use super::{cache_dir, lock, Engine, PolicyCosts};
 use crate::costs::CostSource;
 use crate::draft_length::{DraftLengthPolicy, HeuristicSchedule};
@@ -23,7 +24,7 @@ use crate::proposer::pard::PardProposer;
 use crate::proposer::suffix::{SuffixCache, SuffixProposer};
 use crate::proposer::Proposer;
 use crate::quantize::{parse_quant_type, requantize_gguf};
-use crate::spec_config::{HeadMethod, Method, Schedule, SpeculativeConfig};
+use crate::spec_config::{HeadMethod, Method, Schedule, SpeculativeConfig, TreeConfig, TreeMode};
 use crate::tokenizer::TextTokenizer;
 
 /// One request's speculation: its proposer, k, and how each draft's length is chosen.
@@ -31,8 +32,12 @@ pub struct Speculation {
     pub method: &'static str,
     pub num_speculative_tokens: usize,
     pub proposer: Box<dyn Proposer>,
-    /// Cost-aware cut (None = verify every draft whole).
+    /// Cost-aware cut of chains (None = verify every draft whole, or trees).
     pub draft_length: Option<DraftLengthPolicy>,
+    /// Token trees (mode Off: chains).
+    pub tree: TreeConfig,
+    /// Tree mode "auto": picks each step's subtree by expected tokens per second.
+    pub tree_chooser: Option<TreeChooser>,
     /// transformers' heuristic k schedule (None = constant k).
     pub schedule: Option<HeuristicSchedule>,
     /// Drafts with probabilities stop after a token with q(x) below this (0 = off).
@@ -145,7 +150,15 @@ impl Engine {
             method: config.method_name(),
             num_speculative_tokens: config.num_speculative_tokens,
             proposer,
-            draft_length: costs.as_ref().map(|c| DraftLengthPolicy::new(&c.verify_cost_ratios, c.draft_cost)),
+            draft_length: costs
+                .as_ref()
+                .filter(|_| !config.tree.is_on())
+                .map(|c| DraftLengthPolicy::new(&c.verify_cost_ratios, c.draft_cost)),
+            tree: config.tree.clone(),
+            tree_chooser: costs
+                .as_ref()
+                .filter(|_| config.tree.mode == TreeMode::Auto)
+                .map(|c| TreeChooser::new(&c.verify_cost_ratios, c.draft_cost)),
             schedule: (config.schedule == Schedule::Heuristic)
                 .then(|| HeuristicSchedule::new(config.num_speculative_tokens)),
             draft_confidence_threshold: config.draft_confidence_threshold,
@@ -207,11 +220,16 @@ impl Engine {
             )?),
             (Method::Head { method, model, quantization }, None) => {
                 let head = self.head(*method, model.as_deref(), quantization.as_deref())?.head;
-                if let Some(max) = head.max_draft_tokens().filter(|&max| config.num_speculative_tokens > max) {
+                // A tree's depth is what one sub-head per token bounds; a chain's length.
+                let (depth, key) = if config.tree.is_on() {
+                    (config.tree.max_depth, "tree_depth")
+                } else {
+                    (config.num_speculative_tokens, "num_speculative_tokens")
+                };
+                if let Some(max) = head.max_draft_tokens().filter(|&max| depth > max) {
                     return Err(Error::config(format!(
-                        "num_speculative_tokens is {} but this {} head drafts at most {max} tokens (one per \
-                         sub-head); set num_speculative_tokens to at most {max}",
-                        config.num_speculative_tokens,
+                        "{key} is {depth} but this {} head drafts at most {max} tokens deep (one per \
+                         sub-head); set {key} to at most {max}",
                         method.name()
                     )));
                 }

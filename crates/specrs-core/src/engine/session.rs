@@ -27,10 +27,12 @@ use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::metrics::{EngineMetrics, RequestMetrics, RequestTimer, SpecDecodeMetrics};
 use crate::model::{CausalLm, ForwardBatch, LogitRows, SeqRows, Tap};
-use crate::proposer::{Draft, Feedback, ProposeInput};
+use crate::proposer::tree::rank_paths;
+use crate::proposer::{Draft, Feedback, ProposeInput, TreeLimits};
 use crate::sampler::Sampler;
 use crate::tokenizer::TextTokenizer;
-use crate::verify::{verify, Verification};
+use crate::verify::tree::{verify_tree, TreeVerification};
+use crate::verify::verify;
 
 impl Engine {
     /// Starts a request, speculative when `speculation` is given. Fails with `ContextLength` when
@@ -322,6 +324,13 @@ impl Session {
         let num_logit_rows = draft.token_ids.len() + 1;
         let mut rows = SeqRows::chain(input, LogitRows::All);
         rows.logit_rows = (num_unseen - 1..num_unseen - 1 + num_logit_rows).collect();
+        if let Some(parents) = &draft.parents {
+            // A tree hangs below the newest token (row num_unseen - 1).
+            let root = num_unseen as i32 - 1;
+            for (row, &parent) in rows.parents[num_unseen..].iter_mut().zip(parents) {
+                *row = if parent < 0 { root } else { root + 1 + parent };
+            }
+        }
         let kind = if is_prefill { PlanKind::Prefill } else { PlanKind::Decode };
         Ok(Some(StepPlan { rows, kind, draft, cache_len, num_unseen }))
     }
@@ -354,9 +363,25 @@ impl Session {
         let draft = &plan.draft;
         let num_draft_tokens = draft.token_ids.len();
         let verification = self.verify_step(logits, draft)?;
-        let num_accepted = verification.num_accepted_tokens;
-        // Keep [newest token, accepted drafts]; the rejected tail leaves the cache.
-        self.cache.truncate(plan.cache_len + plan.num_unseen + num_accepted);
+        let num_accepted = verification.accepted_path.len();
+        // Keep [newest token, accepted path]; the rest of the draft leaves the cache.
+        let kept_start = plan.cache_len + plan.num_unseen;
+        let hidden = if draft.parents.is_some() {
+            self.cache.keep(kept_start, &verification.accepted_path)?;
+            // The kept rows' hidden states, in the order the cache now holds them.
+            let rows: Vec<u32> = (0..plan.num_unseen)
+                .chain(verification.accepted_path.iter().map(|&node| plan.num_unseen + node))
+                .map(|row| row as u32)
+                .collect();
+            hidden
+                .iter()
+                .map(|(tap, t)| Ok((*tap, t.index_select(&Tensor::new(rows.as_slice(), t.device())?, 0)?)))
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            self.cache.truncate(kept_start + num_accepted);
+            hidden.to_vec()
+        };
+        let hidden = hidden.as_slice();
         self.observe_hidden(plan.cache_len, plan.num_unseen + num_accepted, hidden)?;
         if plan.kind == PlanKind::Decode {
             self.spec_metrics.num_decode_steps += 1;
@@ -365,15 +390,25 @@ impl Session {
         }
         if num_draft_tokens > 0 {
             self.spec_metrics.observe_draft(num_draft_tokens, num_accepted);
+            if draft.is_tree() {
+                self.spec_metrics.observe_tree(num_draft_tokens, draft.depth(), num_accepted);
+            }
             if let Some(speculation) = self.speculation.as_mut() {
                 if let Some(policy) = speculation.draft_length.as_mut() {
                     policy.observe(num_draft_tokens, num_accepted);
                 }
+                if let Some(chooser) = speculation.tree_chooser.as_mut() {
+                    chooser.observe(&draft.parents(), &verification.accepted_path);
+                }
                 if let Some(schedule) = speculation.schedule.as_mut() {
                     schedule.observe(num_draft_tokens, num_accepted);
                 }
-                let feedback =
-                    Feedback { num_accepted_tokens: num_accepted, token_ids: &verification.token_ids, hidden };
+                let feedback = Feedback {
+                    num_accepted_tokens: num_accepted,
+                    accepted_path: &verification.accepted_path,
+                    token_ids: &verification.token_ids,
+                    hidden,
+                };
                 speculation.proposer.observe(&feedback)?;
             }
         }
@@ -417,19 +452,25 @@ impl Session {
     /// acceptance kernel where the logits are, so only the counts and one token cross to the
     /// host; the rest (and the CPU) copy the logits and run `verify`. Both are exact; with one
     /// seed they consume the random stream differently, so seeded samples differ between them.
-    fn verify_step(&mut self, logits: &Tensor, draft: &Draft) -> Result<Verification> {
+    /// Trees are verified on the host (`verify_tree`).
+    fn verify_step(&mut self, logits: &Tensor, draft: &Draft) -> Result<TreeVerification> {
         #[cfg(feature = "cuda")]
-        if logits.device().is_cuda() && self.params.is_temperature_only() {
+        if logits.device().is_cuda() && self.params.is_temperature_only() && draft.parents.is_none() {
             return self.verify_on_device(logits, draft);
         }
         let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
         let vocab = self.model.info().vocab_size;
         let position = self.all_ids.len();
-        verify(&logits, vocab, &draft.token_ids, draft.probs.as_deref(), &self.params, &mut self.sampler, position)
+        let probs = draft.probs.as_deref();
+        if let Some(parents) = &draft.parents {
+            return verify_tree(&logits, vocab, &draft.token_ids, parents, probs, &self.params, &mut self.sampler, position);
+        }
+        let v = verify(&logits, vocab, &draft.token_ids, probs, &self.params, &mut self.sampler, position)?;
+        Ok(TreeVerification { accepted_path: (0..v.num_accepted_tokens).collect(), token_ids: v.token_ids })
     }
 
     #[cfg(feature = "cuda")]
-    fn verify_on_device(&mut self, logits: &Tensor, draft: &Draft) -> Result<Verification> {
+    fn verify_on_device(&mut self, logits: &Tensor, draft: &Draft) -> Result<TreeVerification> {
         let n = draft.token_ids.len();
         let vocab = self.model.info().vocab_size;
         let uniforms: Vec<f32> =
@@ -449,7 +490,7 @@ impl Session {
         let num_accepted_tokens = out.num_accepted_tokens[0] as usize;
         let mut token_ids = draft.token_ids[..num_accepted_tokens].to_vec();
         token_ids.push(out.next_token_ids[0]);
-        Ok(Verification { num_accepted_tokens, token_ids })
+        Ok(TreeVerification { accepted_path: (0..num_accepted_tokens).collect(), token_ids })
     }
 
     /// The proposer's draft for this step: at most k tokens (fewer near max_tokens so a step never
@@ -469,15 +510,37 @@ impl Session {
         if max_draft == 0 {
             return Ok(Draft::default());
         }
+        // A tree: `max_draft` nodes at most, as deep as its settings (and the tokens left) allow
+        // and, in "auto" mode, as deep as the chooser expects to pay.
+        let tree = speculation.tree.is_on().then(|| {
+            let remaining = self.params.max_tokens - (self.all_ids.len() - self.prompt_len);
+            let mut depth = speculation.tree.max_depth.min(max_draft).min(remaining.saturating_sub(1));
+            let limits = TreeLimits { max_nodes: max_draft, max_children: speculation.tree.max_children };
+            if let Some(chooser) = &speculation.tree_chooser {
+                depth = chooser.planned_depth(depth, limits.max_nodes, limits.max_children);
+            }
+            (depth, limits)
+        });
+        let max_tokens = tree.map_or(max_draft, |(depth, _)| depth);
+        if max_tokens == 0 {
+            if let Some(chooser) = speculation.tree_chooser.as_mut() {
+                chooser.skipped();
+            }
+            return Ok(Draft::default());
+        }
         let t0 = Instant::now();
         let mut draft = speculation.proposer.propose_with(ProposeInput {
             context: &self.all_ids,
-            max_tokens: max_draft,
+            max_tokens,
+            tree: tree.map(|(_, limits)| limits),
             target_cache: &mut self.cache,
         })?;
         self.spec_metrics.propose_s += t0.elapsed().as_secs_f64();
         let vocab = self.model.info().vocab_size;
-        draft.validate(max_draft, vocab, speculation.method)?;
+        draft.validate(max_tokens, tree.map(|(_, limits)| limits), vocab, speculation.method)?;
+        if draft.parents.is_some() {
+            prune_tree(speculation, &mut draft, vocab);
+        }
         if self.cache.len() != self.all_ids.len() - 1 {
             return Err(Error::Proposer(format!(
                 "the {} proposer changed the target cache length; it must leave it as it found it",
@@ -641,5 +704,19 @@ impl Session {
             finish_reason: self.finish_reason,
             metrics: self.metrics(),
         }
+    }
+}
+
+/// Cuts a tree draft to the config's static shape (`speculative_token_tree`) and, in "auto" mode,
+/// to the chooser's pick. Both keep a subtree whose siblings are a prefix of the proposer's order.
+fn prune_tree(speculation: &mut Speculation, draft: &mut Draft, vocab: usize) {
+    if let Some(shape) = &speculation.tree.static_tree {
+        let keep: Vec<usize> =
+            rank_paths(&draft.parents()).iter().enumerate().filter(|(_, path)| shape.contains(path)).map(|(i, _)| i).collect();
+        draft.keep_nodes(&keep, vocab);
+    }
+    if let Some(chooser) = &speculation.tree_chooser {
+        let choice = chooser.choose(&draft.parents());
+        draft.keep_nodes(&choice.keep, vocab);
     }
 }

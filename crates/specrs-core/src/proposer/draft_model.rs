@@ -106,7 +106,7 @@ impl DraftBuilder {
     }
 
     pub fn build(self) -> Draft {
-        Draft { token_ids: self.token_ids, probs: self.has_probs.then_some(self.probs) }
+        Draft { token_ids: self.token_ids, probs: self.has_probs.then_some(self.probs), parents: None }
     }
 }
 
@@ -284,7 +284,7 @@ mod tests {
         let with_extra = proposer.propose(&[1, 35, 2, 39], 3).unwrap();
         assert_eq!(with_extra.token_ids.len(), 3);
         assert!(with_extra.token_ids.iter().all(|&t| t < 32));
-        proposer.observe(&Feedback::accepted(0, &[])).unwrap();
+        proposer.observe(&Feedback::accepted(0, &[], &[])).unwrap();
         // The same draft as for a context holding token 0 in their place.
         let mut reference =
             DraftModelProposer::new(proposer.cache.model.clone(), None, target_vocab, 0.0, Arc::default());

@@ -52,7 +52,7 @@ impl Proposer for LayerSkipProposer {
     }
 
     fn propose_with(&mut self, input: ProposeInput<'_>) -> Result<Draft> {
-        let ProposeInput { context, max_tokens, target_cache } = input;
+        let ProposeInput { context, max_tokens, target_cache, .. } = input;
         let sampler =
             self.sampler.as_mut().ok_or_else(|| Error::Internal("draft proposer used before begin()".into()))?;
         let start = target_cache.len();

@@ -16,45 +16,111 @@ pub mod ngram;
 pub mod pard;
 pub mod suffix;
 pub mod suffix_store;
+pub mod tree;
 
 use crate::config::SamplingParams;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::model::Tap;
 use candle_core::Tensor;
+pub use tree::TreeLimits;
 
-/// Up to k guessed tokens, with the draft distribution each was drawn from when the proposer has
-/// one.
+/// Guessed tokens, as a chain (up to k tokens) or a token tree (`tree.rs`), with the draft
+/// distribution each was drawn from when the proposer has one.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Draft {
     pub token_ids: Vec<u32>,
     /// `[token_ids.len(), vocab_size]` row-major draft probabilities q; None means each token was
-    /// chosen deterministically (q is one-hot on it).
+    /// chosen deterministically (q is one-hot on it). In a tree, row i is the distribution token
+    /// i was drawn from, which its siblings share: they are drawn from it in order, without
+    /// replacement (verify.rs).
     pub probs: Option<Vec<f32>>,
+    /// `[token_ids.len()]` a token tree: each token's parent among the draft tokens, -1 for the
+    /// newest context token. None: a chain.
+    pub parents: Option<Vec<i32>>,
 }
 
 impl Draft {
     pub fn tokens(token_ids: Vec<u32>) -> Self {
-        Self { token_ids, probs: None }
+        Self { token_ids, probs: None, parents: None }
     }
 
-    /// Keeps the first `len` tokens (and their probability rows of width `vocab_size`).
+    /// A deterministic token tree; a tree that is a chain is stored as one.
+    pub fn tree(token_ids: Vec<u32>, parents: Vec<i32>) -> Self {
+        let mut draft = Self { token_ids, probs: None, parents: Some(parents) };
+        draft.normalize_chain();
+        draft
+    }
+
+    /// Each token's parent (-1: the newest context token); a chain's are `i - 1`.
+    pub fn parents(&self) -> Vec<i32> {
+        match &self.parents {
+            Some(parents) => parents.clone(),
+            None => (0..self.token_ids.len() as i32).map(|i| i - 1).collect(),
+        }
+    }
+
+    /// Whether some token has a sibling (a tree that is not a chain).
+    pub fn is_tree(&self) -> bool {
+        self.parents.as_ref().is_some_and(|parents| parents.iter().enumerate().any(|(i, &p)| p != i as i32 - 1))
+    }
+
+    /// Tree depth: the most tokens one verification can accept.
+    pub fn depth(&self) -> usize {
+        match &self.parents {
+            Some(parents) => tree::depths(parents).map_or(0, |d| d.iter().max().map_or(0, |m| m + 1)),
+            None => self.token_ids.len(),
+        }
+    }
+
+    /// Stores a tree whose parents are `i - 1` as a chain.
+    fn normalize_chain(&mut self) {
+        if self.parents.is_some() && !self.is_tree() {
+            self.parents = None;
+        }
+    }
+
+    /// Keeps the first `len` tokens (and their probability rows of width `vocab_size`); in a tree,
+    /// the first `len` tokens are a subtree (parents come first).
     pub fn truncate(&mut self, len: usize, vocab_size: usize) {
         self.token_ids.truncate(len);
         if let Some(probs) = self.probs.as_mut() {
             probs.truncate(len * vocab_size);
         }
+        if let Some(parents) = self.parents.as_mut() {
+            parents.truncate(len);
+        }
+        self.normalize_chain();
+    }
+
+    /// Keeps the tokens at `keep` (increasing, closed under parents: `tree::is_closed`).
+    pub fn keep_nodes(&mut self, keep: &[usize], vocab_size: usize) {
+        let parents = tree::subset_parents(&self.parents(), keep);
+        self.token_ids = keep.iter().map(|&k| self.token_ids[k]).collect();
+        if let Some(probs) = self.probs.as_mut() {
+            *probs = keep.iter().flat_map(|&k| probs[k * vocab_size..(k + 1) * vocab_size].to_vec()).collect();
+        }
+        self.parents = Some(parents);
+        self.normalize_chain();
     }
 
     /// Refuses a draft the verifier cannot use: more than `max_draft` tokens, ids outside the
     /// vocabulary, or probabilities that are not `[num_draft_tokens, vocab_size]` rows of
     /// distributions with q(x) > 0 for each drafted x. `method` names the proposer in the error.
-    pub fn validate(&self, max_draft: usize, vocab: usize, method: &str) -> Result<()> {
+    /// A tree must also have one parent per token, parents before children, distinct siblings,
+    /// depth at most `max_draft`, and at most `tree.max_nodes` tokens and `tree.max_children`
+    /// children per node when the proposer was asked for a tree (`tree` None: a chain was asked
+    /// for, and a tree is refused).
+    pub fn validate(&self, max_draft: usize, tree: Option<TreeLimits>, vocab: usize, method: &str) -> Result<()> {
         let n = self.token_ids.len();
-        if n > max_draft {
+        let max_nodes = tree.map_or(max_draft, |t| t.max_nodes);
+        if n > max_nodes {
             return Err(Error::Proposer(format!(
-                "the {method} proposer returned {n} tokens but was asked for at most {max_draft}; return at most max_tokens"
+                "the {method} proposer returned {n} tokens but was asked for at most {max_nodes}; return at most max_tokens"
             )));
+        }
+        if let Some(parents) = &self.parents {
+            self.validate_tree(parents, max_draft, tree, method)?;
         }
         if let Some(bad) = self.token_ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::Proposer(format!(
@@ -87,12 +153,60 @@ impl Draft {
     }
 }
 
+impl Draft {
+    fn validate_tree(&self, parents: &[i32], max_depth: usize, limits: Option<TreeLimits>, method: &str) -> Result<()> {
+        if parents.len() != self.token_ids.len() {
+            return Err(Error::Proposer(format!(
+                "the {method} proposer returned {} parents for {} tokens; give one parent per token (-1 for the newest context token)",
+                parents.len(),
+                self.token_ids.len()
+            )));
+        }
+        let depths = tree::depths(parents).map_err(|e| Error::Proposer(format!("the {method} proposer's tree: {e}")))?;
+        let Some(limits) = limits else {
+            if self.is_tree() {
+                return Err(Error::Proposer(format!(
+                    "the {method} proposer returned a token tree, but this request verifies chains; set \"tree\" in the speculative config to verify trees"
+                )));
+            }
+            return Ok(());
+        };
+        if let Some(deepest) = depths.iter().max().filter(|&&d| d + 1 > max_depth) {
+            return Err(Error::Proposer(format!(
+                "the {method} proposer returned a tree {} tokens deep but was asked for at most {max_depth}",
+                deepest + 1
+            )));
+        }
+        for (parent, kids) in tree::children(parents).iter().enumerate() {
+            if kids.len() > limits.max_children {
+                return Err(Error::Proposer(format!(
+                    "the {method} proposer gave node {} {} children; at most {} were asked for",
+                    parent as i64 - 1,
+                    kids.len(),
+                    limits.max_children
+                )));
+            }
+            let mut tokens: Vec<u32> = kids.iter().map(|&k| self.token_ids[k]).collect();
+            tokens.sort_unstable();
+            if tokens.windows(2).any(|w| w[0] == w[1]) {
+                return Err(Error::Proposer(format!(
+                    "the {method} proposer gave node {} the same token twice among its children; siblings must differ",
+                    parent as i64 - 1
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// What a proposer is given for one draft.
 pub struct ProposeInput<'a> {
     /// The prompt and every token generated so far.
     pub context: &'a [u32],
-    /// Draft at most this many tokens.
+    /// Draft at most this many tokens (in a tree: at most this deep).
     pub max_tokens: usize,
+    /// Some: a token tree may be returned, within these limits (`tree.rs`); None: a chain.
+    pub tree: Option<TreeLimits>,
     /// The target's cache, holding `context` but its last token.
     pub target_cache: &'a mut KvCache,
 }
@@ -100,8 +214,12 @@ pub struct ProposeInput<'a> {
 /// The target's verdict on one draft, with what hidden-state heads continue from.
 #[derive(Debug, Clone, Copy)]
 pub struct Feedback<'a> {
-    /// Leading draft tokens the target accepted.
+    /// Draft tokens the target accepted (a chain's leading tokens, or a tree's path).
     pub num_accepted_tokens: usize,
+    /// Indices into the draft of the accepted tokens, root's child first: `0..num_accepted_tokens`
+    /// for a chain, the accepted root-to-node path for a tree (a proposer that drafted a tree with
+    /// its own cache keeps that path).
+    pub accepted_path: &'a [usize],
     /// The tokens this step appended: the accepted draft tokens, then the target's own (the
     /// recovered token at the first rejection, or the bonus token when every draft token passed).
     pub token_ids: &'a [u32],
@@ -113,8 +231,8 @@ pub struct Feedback<'a> {
 
 impl Feedback<'_> {
     /// A verdict without hidden states (model-free callers, cost measurements).
-    pub fn accepted(num_accepted_tokens: usize, token_ids: &[u32]) -> Feedback<'_> {
-        Feedback { num_accepted_tokens, token_ids, hidden: &[] }
+    pub fn accepted<'a>(num_accepted_tokens: usize, token_ids: &'a [u32], accepted_path: &'a [usize]) -> Feedback<'a> {
+        Feedback { num_accepted_tokens, accepted_path, token_ids, hidden: &[] }
     }
 }
 
@@ -134,7 +252,16 @@ pub trait Proposer: Send {
     /// the target's own early layers (`layer_skip`). A proposer may write positions past
     /// `target_cache.len()` but must leave the length as it found it. The session calls this.
     fn propose_with(&mut self, input: ProposeInput<'_>) -> Result<Draft> {
-        self.propose(input.context, input.max_tokens)
+        match input.tree {
+            Some(limits) => self.propose_tree(input.context, input.max_tokens, limits),
+            None => self.propose(input.context, input.max_tokens),
+        }
+    }
+
+    /// A token tree (`tree.rs`) at most `max_depth` deep within `limits`, siblings best first.
+    /// Proposers that know one guess only return a chain.
+    fn propose_tree(&mut self, context: &[u32], max_depth: usize, limits: TreeLimits) -> Result<Draft> {
+        self.propose(context, max_depth.min(limits.max_nodes))
     }
 
     /// Hidden states of the target this proposer reads (EAGLE, MTP, MLP speculator, Medusa):
