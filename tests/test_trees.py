@@ -171,7 +171,8 @@ def test_tree_statistics_in_the_metrics(engine):
 @pytest.mark.parametrize("config, needle", [
     ({"method": "ngram", "num_speculative_tokens": 4, "tree": "sometimes"}, "false, true or \"auto\""),
     ({"method": "ngram", "num_speculative_tokens": 4, "tree_depth": 2}, "set \"tree\""),
-    ({"method": "ngram", "num_speculative_tokens": 4, "speculative_token_tree": "[(0,), (0,)]"}, "must be equal"),
+    ({"method": "ngram", "num_speculative_tokens": 4, "speculative_token_tree": "[(0,), (1,)]"}, "must be equal"),
+    ({"method": "ngram", "speculative_token_tree": "[(0,), (0,)]"}, "listed twice"),
     ({"method": "ngram", "speculative_token_tree": "[(1,)]"}, "higher-ranked sibling"),
     ({"method": "ngram", "num_speculative_tokens": 4, "tree": True, "adaptive_draft_length": True}, "\"auto\""),
     ({"method": "mlp_speculator", "num_speculative_tokens": 8, "tree": True, "tree_depth": 5}, "tree_depth"),
@@ -189,3 +190,15 @@ def test_a_chain_request_refuses_a_custom_tree(engine):
     with pytest.raises(specrs.ProposerError, match="set \"tree\""):
         engine.generate("Hello", SamplingParams(max_tokens=4),
                         speculative_config={"method": "custom", "num_speculative_tokens": 2}, proposer=Tree())
+
+
+def test_trees_in_a_continuous_batch(engine):
+    """The scheduler batches tree rows of several requests in one forward: outputs stay those of
+    plain decoding alone."""
+    prompts = smollm2_prompts(engine)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = [engine.generate(p, params, speculative_config=False).token_ids for p in prompts]
+    for config in ({**METHODS["ngram"], "num_speculative_tokens": 8, "tree": True},
+                   {**METHODS["eagle3"], "num_speculative_tokens": 8, "tree": "auto", "tree_depth": 4}):
+        results = engine.generate(prompts, params, speculative_config=config, progress=False)
+        assert [r.token_ids for r in results] == plain, config

@@ -72,5 +72,8 @@ def with_shipped_head(config: dict[str, Any], info: Mapping[str, Any]) -> dict[s
     head's defaults (`HEAD_METHODS`) for keys it does not set."""
     method = config.get("method")
     if method in HEAD_METHODS and "model" not in config:
-        return {**HEAD_METHODS[method], **config, "model": shipped_head(info, method)}
+        defaults = dict(HEAD_METHODS[method])
+        if "speculative_token_tree" in config:
+            defaults.pop("num_speculative_tokens", None)  # a static tree's size is its node budget
+        return {**defaults, **config, "model": shipped_head(info, method)}
     return config

@@ -563,7 +563,14 @@ impl Session {
     fn own_draft_lengths(&self) -> (usize, usize) {
         let Some(speculation) = self.speculation.as_ref() else { return (0, 0) };
         let remaining = self.params.max_tokens - self.generated_ids().len();
-        let mut settings_max = speculation.num_speculative_tokens.min(remaining.saturating_sub(1));
+        // A draft m deep emits up to m + 1 tokens. A chain's length is its depth; a tree keeps its
+        // node budget while any depth fits (`propose` caps the depth).
+        let depth_room = remaining.saturating_sub(1);
+        let mut settings_max = match speculation.tree.is_on() {
+            true if depth_room > 0 => speculation.num_speculative_tokens,
+            true => 0,
+            false => speculation.num_speculative_tokens.min(depth_room),
+        };
         if let Some(schedule) = &speculation.schedule {
             settings_max = settings_max.min(schedule.current());
         }

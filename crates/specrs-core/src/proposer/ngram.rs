@@ -23,17 +23,44 @@
 //! end with the same hash. `indexed_end` is the length of the context last seen, so the context's own
 //! final n-gram is never in the index when it is looked up (it cannot match itself), and every
 //! indexed n-gram has at least one token after it to propose.
+//!
+//! Tree (`propose_tree`): several earlier continuations of the matched n-gram, merged into a trie
+//! (`tree::ContinuationTrie`) and read out best first within the tree limits. The occurrences are
+//! the same chain walk as the chain's, continued: every n from the longest down, within one n most
+//! recent first, each position once (under its longest n, which subsumes the shorter ones), at most
+//! `MAX_TREE_OCCURRENCES` in all so the cost per call stays bounded. Each occurrence contributes
+//! the up-to-`max_depth` tokens that followed it, with weight
+//! `LENGTH_GAIN^(n - longest n) * RECENCY_DECAY^(its rank among the occurrences of its n)`:
+//! a match on more context tokens is stronger evidence that the text repeats, and recent text
+//! says more about what the model does now, but old occurrences still add up, so a continuation
+//! seen several times can outrank one seen once more recently. The chain's occurrence (the most
+//! recent one of the longest n) instead weighs more than all the others together, so every node on
+//! its path outweighs every node off it: the tree's rank-0 path starts with the chain `propose`
+//! returns (cut to `max_nodes`), so the tree never verifies less than the chain along it. It goes
+//! on past the chain only where the chain stopped short of `max_depth` at the end of the context
+//! (an occurrence just before it) and older occurrences say how the text went on from there. The
+//! other weights only order the alternatives branching off that path.
 
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 
+use super::tree::{ContinuationTrie, TreeLimits};
 use super::{Draft, Proposer};
 use crate::error::Result;
 
 /// Chain terminator in `NgramTable::previous_end`. Positions are stored as u32 to halve the index's
 /// memory; no context comes near 4G tokens.
 const NO_END: u32 = u32::MAX;
+
+/// Most earlier occurrences one tree merges: enough alternatives for any tree worth verifying,
+/// and a bound on the chain walk and trie size (occurrences times `max_depth` tokens) per call.
+const MAX_TREE_OCCURRENCES: usize = 32;
+/// Weight factor per context token an occurrence matches (relative to the longest match).
+const LENGTH_GAIN: f64 = 2.0;
+/// Weight factor per more recent occurrence of the same n: after four, an occurrence still
+/// weighs 0.41 of the most recent, so repetition counts as well as recency.
+const RECENCY_DECAY: f64 = 0.8;
 
 /// Prompt-lookup proposer for one request; see the module docs for the matching rule.
 pub struct NgramProposer {
@@ -127,25 +154,92 @@ impl NgramProposer {
     /// Where the continuation starts: the end of the most recent earlier occurrence of the longest
     /// matching suffix. Requires `index(context)` first.
     fn find_continuation(&self, context: &[u32]) -> Option<usize> {
-        let len = context.len();
-        for table in self.tables.iter().rev() {
-            let n = table.n;
-            // An earlier occurrence ends at some `end` with n <= end < len.
-            if n >= len {
+        self.occurrences(context).next().map(|occurrence| occurrence.end)
+    }
+
+    /// Every earlier occurrence of the context's suffixes, longest n first and, within one n, most
+    /// recent first. Requires `index(context)` first.
+    fn occurrences<'a>(&'a self, context: &'a [u32]) -> Occurrences<'a> {
+        Occurrences { proposer: self, context, tables_left: self.tables.len(), candidate: NO_END }
+    }
+
+    /// The trie of what followed up to `MAX_TREE_OCCURRENCES` earlier occurrences, each cut to
+    /// `max_depth` tokens and weighted as the module docs say. Requires `index(context)` first.
+    fn continuation_trie(&self, context: &[u32], max_depth: usize) -> ContinuationTrie {
+        // (end, n, weight) per kept occurrence, in the order found.
+        let mut found: Vec<(usize, usize, f64)> = Vec::with_capacity(MAX_TREE_OCCURRENCES);
+        let mut rank_within_n = 0;
+        for Occurrence { end, n } in self.occurrences(context) {
+            // A position matched by a longer n is already in, with more weight.
+            if found.iter().any(|&(kept_end, _, _)| kept_end == end) {
                 continue;
             }
-            let suffix = &context[len - n..];
-            let hash = ngram_hash(&self.prefix_hash, &self.base_pow, len - n, len);
-            let mut candidate = table.latest_end.get(&hash).copied().unwrap_or(NO_END);
-            while candidate != NO_END {
-                let end = candidate as usize;
-                if &context[end - n..end] == suffix {
-                    return Some(end);
-                }
-                candidate = table.previous_end[end];
+            let longest_n = found.first().map_or(n, |&(_, first_n, _)| first_n);
+            rank_within_n = if found.last().is_some_and(|&(_, last_n, _)| last_n == n) { rank_within_n + 1 } else { 0 };
+            let weight = LENGTH_GAIN.powi(-((longest_n - n) as i32)) * RECENCY_DECAY.powi(rank_within_n);
+            found.push((end, n, weight));
+            if found.len() == MAX_TREE_OCCURRENCES {
+                break;
             }
         }
-        None
+        let mut trie = ContinuationTrie::new();
+        if found.is_empty() {
+            return trie;
+        }
+        // The chain's occurrence outweighs all the others together (module docs); they weigh at
+        // most 1 each, so the sum is small and adding 1 keeps the inequality strict.
+        found[0].2 = 1.0 + found[1..].iter().map(|&(_, _, weight)| weight).sum::<f64>();
+        for &(end, _, weight) in &found {
+            trie.insert(&context[end..context.len().min(end + max_depth)], weight);
+        }
+        trie
+    }
+}
+
+/// One earlier occurrence of the context's last `n` tokens, ending (exclusive) at `end`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Occurrence {
+    end: usize,
+    n: usize,
+}
+
+/// Walks the `previous_end` chains of the context's final n-gram, from the longest n down,
+/// verifying each candidate's tokens (hashes may collide).
+struct Occurrences<'a> {
+    proposer: &'a NgramProposer,
+    context: &'a [u32],
+    /// Tables not yet started; the one being walked is `tables[tables_left]`.
+    tables_left: usize,
+    /// The next end to check in the table being walked, or `NO_END` to start the next table.
+    candidate: u32,
+}
+
+impl Iterator for Occurrences<'_> {
+    type Item = Occurrence;
+
+    fn next(&mut self) -> Option<Occurrence> {
+        let (proposer, context, len) = (self.proposer, self.context, self.context.len());
+        loop {
+            if self.candidate == NO_END {
+                if self.tables_left == 0 {
+                    return None;
+                }
+                self.tables_left -= 1;
+                let table = &proposer.tables[self.tables_left];
+                // An earlier occurrence ends at some `end` with n <= end < len.
+                if table.n < len {
+                    let hash = ngram_hash(&proposer.prefix_hash, &proposer.base_pow, len - table.n, len);
+                    self.candidate = table.latest_end.get(&hash).copied().unwrap_or(NO_END);
+                }
+                continue;
+            }
+            let table = &proposer.tables[self.tables_left];
+            let (end, n) = (self.candidate as usize, table.n);
+            self.candidate = table.previous_end[end];
+            if context[end - n..end] == context[len - n..] {
+                return Some(Occurrence { end, n });
+            }
+        }
     }
 }
 
@@ -161,6 +255,17 @@ impl Proposer for NgramProposer {
             None => Vec::new(),
         };
         Ok(Draft::tokens(token_ids))
+    }
+
+    /// Several earlier continuations of the matched n-gram as a tree whose rank-0 path starts
+    /// with the chain `propose` returns (module docs).
+    fn propose_tree(&mut self, context: &[u32], max_depth: usize, limits: TreeLimits) -> Result<Draft> {
+        self.index(context);
+        if max_depth == 0 || limits.max_nodes == 0 || limits.max_children == 0 {
+            return Ok(Draft::tokens(Vec::new()));
+        }
+        let (token_ids, parents) = self.continuation_trie(context, max_depth).best_first(max_depth, limits);
+        Ok(Draft::tree(token_ids, parents))
     }
 }
 
@@ -197,6 +302,7 @@ impl Hasher for MixHasher {
 
 #[cfg(test)]
 mod tests {
+    use super::super::tree::{first_path, path_to};
     use super::*;
 
     /// The matching rule, written as directly as possible: rescan the whole context.
@@ -324,6 +430,134 @@ mod tests {
         assert_eq!(propose(&mut NgramProposer::new(4, 4), &context, 5), [1, 2]);
         // A run of one token: [7, 7] last ended one token before the end.
         assert_eq!(propose(&mut NgramProposer::new(2, 2), &[7, 7, 7], 4), [7]);
+    }
+
+    /// The tokens on a tree's rank-0 path.
+    fn first_path_tokens(draft: &Draft) -> Vec<u32> {
+        first_path(&draft.parents()).iter().map(|&node| draft.token_ids[node]).collect()
+    }
+
+    /// The tokens from the root to each node.
+    fn paths(draft: &Draft) -> Vec<Vec<u32>> {
+        let parents = draft.parents();
+        (0..parents.len()).map(|node| path_to(&parents, node).iter().map(|&i| draft.token_ids[i]).collect()).collect()
+    }
+
+    fn tree(
+        proposer: &mut NgramProposer,
+        context: &[u32],
+        max_depth: usize,
+        max_nodes: usize,
+        max_children: usize,
+    ) -> Draft {
+        let limits = TreeLimits { max_nodes, max_children };
+        let draft = proposer.propose_tree(context, max_depth, limits).unwrap();
+        draft.validate(max_depth, Some(limits), 1 << 20, "ngram").unwrap();
+        assert!(draft.probs.is_none());
+        draft
+    }
+
+    /// Random growing contexts, random limits: every tree is valid, its rank-0 path starts with
+    /// the chain and goes past it only where the chain ran into the end of the context, and every
+    /// path is what followed some earlier occurrence of the context's last `min_n` tokens (the
+    /// shortest match any occurrence has). Returns how many drafts branched.
+    fn check_trees(make: impl Fn(usize, usize) -> NgramProposer) -> usize {
+        let configs = [(1, 1, 1), (1, 3, 4), (2, 4, 8), (3, 3, 5), (1, 6, 3), (2, 2, 16)];
+        let shapes = [(1, 1), (1, 4), (4, 1), (4, 2), (8, 3), (16, 4), (3, 8), (64, 64)];
+        let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+        let mut num_trees = 0;
+        for &(min_n, max_n, max_depth) in &configs {
+            for alphabet in [2u64, 3, 5, 20] {
+                for _ in 0..6 {
+                    let mut chain_proposer = make(min_n, max_n);
+                    let mut tree_proposer = make(min_n, max_n);
+                    let mut context = Vec::new();
+                    while context.len() < 300 {
+                        for _ in 0..rng.below(8) {
+                            context.push(rng.below(alphabet) as u32);
+                        }
+                        let (max_nodes, max_children) = shapes[rng.below(shapes.len() as u64) as usize];
+                        let draft = tree(&mut tree_proposer, &context, max_depth, max_nodes, max_children);
+                        let chain = propose(&mut chain_proposer, &context, max_depth.min(max_nodes));
+                        let what = format!("min {min_n} max {max_n} depth {max_depth} nodes {max_nodes} children {max_children} context {context:?}");
+                        let first = first_path_tokens(&draft);
+                        assert!(first.starts_with(&chain), "rank-0 path {first:?}, chain {chain:?}; {what}");
+                        if first.len() > chain.len() {
+                            let cut_by_the_context = chain.len() < max_depth.min(max_nodes)
+                                && (min_n..context.len()).rev().any(|end| context[end..] == chain[..]);
+                            assert!(cut_by_the_context, "rank-0 path {first:?} outgrew chain {chain:?}; {what}");
+                        }
+                        let len = context.len();
+                        for path in paths(&draft) {
+                            let followed = (min_n..len).any(|end| {
+                                context[end - min_n..end] == context[len - min_n..] && context[end..].starts_with(&path)
+                            });
+                            assert!(followed, "path {path:?} never followed a match; {what}");
+                        }
+                        num_trees += usize::from(draft.is_tree());
+                    }
+                }
+            }
+        }
+        num_trees
+    }
+
+    #[test]
+    fn tree_is_valid_starts_with_the_chain_and_follows_matches() {
+        assert!(check_trees(NgramProposer::new) > 1000);
+        // Colliding hashes: the occurrence walk must verify tokens for every n, not just the first.
+        assert!(check_trees(|min_n, max_n| NgramProposer::with_hash_base(min_n, max_n, 1)) > 1000);
+    }
+
+    #[test]
+    fn two_continuations_give_the_root_two_children() {
+        // [1, 2] was followed by [4, 8, 1, 2] most recently and by [3, 9, 1, 2] before.
+        let context = [1, 2, 3, 9, 1, 2, 4, 8, 1, 2];
+        let draft = tree(&mut NgramProposer::new(2, 2), &context, 4, 8, 4);
+        assert_eq!(draft.token_ids, [4, 8, 1, 2, 3, 9, 1, 2]);
+        assert_eq!(draft.parents, Some(vec![-1, 0, 1, 2, -1, 4, 5, 6]));
+        // Out of nodes, the chain comes first.
+        let draft = tree(&mut NgramProposer::new(2, 2), &context, 4, 5, 4);
+        assert_eq!((draft.token_ids, draft.parents), (vec![4, 8, 1, 2, 3], Some(vec![-1, 0, 1, 2, -1])));
+    }
+
+    #[test]
+    fn alternatives_rank_by_match_length_repetition_and_recency() {
+        // Recency: [1, 2] was followed by 4 (the chain), then further back by 3, then by 6.
+        let context = [1, 2, 6, 0, 1, 2, 3, 0, 1, 2, 4, 0, 1, 2];
+        assert_eq!(tree(&mut NgramProposer::new(2, 2), &context, 1, 8, 8).token_ids, [4, 3, 6]);
+        // [7, 1, 2] matched once (followed by 5): the chain, though older than every [1, 2]. Of
+        // the [1, 2]-only matches, 6 followed twice (0.5 * 0.8 + 0.5 * 0.64) and outranks 3, which
+        // followed once but most recently (0.5).
+        let context = [7, 1, 2, 5, 0, 1, 2, 6, 0, 1, 2, 6, 0, 1, 2, 3, 0, 7, 1, 2];
+        assert_eq!(propose(&mut NgramProposer::new(2, 3), &context, 1), [5]);
+        assert_eq!(tree(&mut NgramProposer::new(2, 3), &context, 1, 8, 8).token_ids, [5, 6, 3]);
+    }
+
+    #[test]
+    fn limits_of_one_degrade_to_a_chain() {
+        let context = [1, 2, 3, 9, 1, 2, 4, 8, 1, 2];
+        // One child per node: the chain, stored as one.
+        let draft = tree(&mut NgramProposer::new(2, 2), &context, 4, 8, 1);
+        assert_eq!((draft.token_ids, draft.parents), (vec![4, 8, 1, 2], None));
+        // One node: the chain's first token.
+        let draft = tree(&mut NgramProposer::new(2, 2), &context, 4, 1, 4);
+        assert_eq!((draft.token_ids, draft.parents), (vec![4], None));
+        // Depth 1: the chain's first token first, then the other first tokens beside it.
+        let draft = tree(&mut NgramProposer::new(2, 2), &context, 1, 8, 4);
+        assert_eq!((draft.depth(), draft.token_ids), (1, vec![4, 3]));
+        assert!(tree(&mut NgramProposer::new(2, 2), &context, 0, 8, 4).token_ids.is_empty());
+        assert!(tree(&mut NgramProposer::new(2, 2), &[1, 2, 3], 4, 8, 4).token_ids.is_empty());
+    }
+
+    #[test]
+    fn tree_merges_at_most_the_capped_number_of_occurrences() {
+        // [1] was followed by 100 different tokens, the most recent last.
+        let mut context: Vec<u32> = (0..100).flat_map(|i| [1, 100 + i]).collect();
+        context.push(1);
+        let draft = tree(&mut NgramProposer::new(1, 1), &context, 1, 64, 64);
+        let expected: Vec<u32> = (0..MAX_TREE_OCCURRENCES as u32).map(|i| 199 - i).collect();
+        assert_eq!(draft.token_ids, expected);
     }
 
     #[test]

@@ -9,16 +9,21 @@
 //! (`csrc/suffix_decoding/suffix_tree.cc`, `arctic_inference/suffix_decoding/cache.py`), which
 //! vLLM's `vllm/v1/spec_decode/suffix_decoding.py` calls; see [`SuffixProposer`] for the rules.
 //!
+//! Tree drafts (`propose_tree`) are SuffixDecoding's tree speculation: from the winning chain's
+//! match node, the continuations most likely under the counts, best first by cumulative
+//! probability, with the chain itself as the rank-0 path.
+//!
 //! Invariant: every node's count is the number of occurrences of its token string (a substring of
 //! at most `max_depth` tokens) in the sequences the tree currently holds, and a node exists exactly
 //! when that count is positive. So a tree's nodes depend only on the multiset of sequences it holds,
 //! never on the order they came and went in, which is what bounds the cache's memory.
 
-use std::collections::{HashMap, VecDeque};
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::{Draft, Proposer};
+use super::{Draft, Proposer, TreeLimits};
 use crate::error::Result;
 pub use crate::spec_config::SuffixParams;
 
@@ -217,21 +222,178 @@ impl NodeArena {
     /// arctic's `speculate`: `matches[m]` is the node of the context's last m tokens, for every
     /// match length m in `1..matches.len()` (index 0, the root, is skipped). arctic tries every match
     /// length, not only the longest, and keeps the draft with the highest score; ties go to the
-    /// longer match (`>=`). Leaves the winning tokens in `out` and returns its score (0 if none).
-    fn best_draft(&mut self, matches: &[u32], limits: DraftLimits, out: &mut Vec<u32>, scratch: &mut Vec<u32>) -> f32 {
+    /// longer match (`>=`). Leaves the winning tokens in `out` and returns where they came from.
+    fn best_draft(
+        &mut self,
+        matches: &[u32],
+        limits: DraftLimits,
+        out: &mut Vec<u32>,
+        scratch: &mut Vec<u32>,
+    ) -> BestMatch {
         out.clear();
-        let mut best_score = 0.0f32;
+        let mut best = BestMatch { node: ROOT, match_len: 0, score: 0.0 };
         for (match_len, &node) in matches.iter().enumerate().skip(1) {
             scratch.clear();
             let score = self.greedy_path(node, limits.for_match(match_len), limits.min_token_prob, scratch);
-            if score >= best_score {
-                best_score = score;
+            if score >= best.score {
+                best = BestMatch { node, match_len, score };
                 std::mem::swap(out, scratch);
             }
         }
-        best_score
+        best
+    }
+
+    /// The token tree below match node `start`, whose greedy path of `chain_len` tokens won the
+    /// chain comparison: that path first (draft indices `0..chain_len`, each the first child of
+    /// its parent), then the other continuations best first by cumulative probability, as
+    /// arctic's `_speculate_tree` (a child's probability is count(child) / count(parent), and the
+    /// cumulative probability multiplies along the path). A node is drafted only after its parent,
+    /// with cumulative probability at least `min_token_prob`, at depth below `depth_limit`, at most
+    /// `limits.max_children` children per node and `limits.max_nodes` in all. Ties go to the earlier
+    /// parent, then as in `beats`, so siblings come in the greedy walk's order of preference.
+    /// Returns `(token_ids, parents)` as in `Draft`.
+    fn grow_tree(
+        &mut self,
+        start: u32,
+        chain_len: usize,
+        depth_limit: usize,
+        min_token_prob: f32,
+        limits: TreeLimits,
+    ) -> (Vec<u32>, Vec<i32>) {
+        let mut token_ids = Vec::new();
+        let mut parents = Vec::new();
+        // The rank-0 path: the greedy walk again, over the same counts, so the same tokens.
+        let mut path: Vec<(u32, f32)> = Vec::with_capacity(chain_len); // (node, cumulative probability)
+        let (mut node, mut prob) = (start, 1.0f32);
+        while path.len() < chain_len.min(limits.max_nodes) {
+            let child = self.best_child(node);
+            if child == NONE {
+                break;
+            }
+            // The same expression as `greedy_path`, so the probabilities compare equal.
+            prob *= self.nodes[child as usize].count as f32 / self.nodes[node as usize].count as f32;
+            token_ids.push(self.nodes[child as usize].token);
+            parents.push(path.len() as i32 - 1);
+            path.push((child, prob));
+            node = child;
+        }
+        // Alternatives branch off the root (depth 0) and off each path node (depth i + 1). A node
+        // gets all its children pushed at once, cut to the slots left, so no parent overfills.
+        let mut frontier = BinaryHeap::new();
+        for depth in 0..=path.len() {
+            let (node, prob) = if depth == 0 { (start, 1.0) } else { path[depth - 1] };
+            if depth < depth_limit {
+                let at = Placement { parent: depth as i32 - 1, depth, min_token_prob };
+                let taken = path.get(depth).map(|&(child, _)| child);
+                let room = limits.max_children.saturating_sub(usize::from(taken.is_some()));
+                self.push_children(node, prob, at, taken, room, &mut frontier);
+            }
+        }
+        while token_ids.len() < limits.max_nodes {
+            let Some(candidate) = frontier.pop() else { break };
+            let index = token_ids.len() as i32;
+            token_ids.push(candidate.token);
+            parents.push(candidate.parent);
+            let depth = candidate.depth + 1;
+            if depth < depth_limit {
+                let at = Placement { parent: index, depth, min_token_prob };
+                self.push_children(candidate.node, candidate.prob, at, None, limits.max_children, &mut frontier);
+            }
+        }
+        (token_ids, parents)
+    }
+
+    /// Adds to `frontier` the best `room` children of `node` (cumulative probability `prob`) but
+    /// `taken`, those whose cumulative probability reaches `at.min_token_prob`. Children past the
+    /// best `room` could never be drafted (their parent's slots would be full first), so the heap
+    /// stays at most `max_nodes * max_children` long however wide the node is.
+    fn push_children(
+        &self,
+        node: u32,
+        prob: f32,
+        at: Placement,
+        taken: Option<u32>,
+        room: usize,
+        frontier: &mut BinaryHeap<Candidate>,
+    ) {
+        let parent_count = self.nodes[node as usize].count;
+        let mut children = Vec::new();
+        let mut child = self.nodes[node as usize].first_child;
+        while child != NONE {
+            let Node { count, token, next_sibling, .. } = self.nodes[child as usize];
+            let child_prob = prob * (count as f32 / parent_count as f32);
+            if Some(child) != taken && child_prob >= at.min_token_prob {
+                children.push(Candidate {
+                    prob: child_prob,
+                    parent: at.parent,
+                    count,
+                    token,
+                    node: child,
+                    depth: at.depth,
+                });
+            }
+            child = next_sibling;
+        }
+        children.sort_unstable_by(|a, b| b.cmp(a));
+        children.truncate(room);
+        frontier.extend(children);
     }
 }
+
+/// Where the winning greedy draft of one tree starts: its match node and length, and its score.
+#[derive(Debug, Clone, Copy)]
+struct BestMatch {
+    node: u32,
+    match_len: usize,
+    score: f32,
+}
+
+/// Where the children being pushed onto a tree's frontier go: their parent's draft index (-1: the
+/// root), their depth, and the cumulative probability they must reach.
+#[derive(Debug, Clone, Copy)]
+struct Placement {
+    parent: i32,
+    depth: usize,
+    min_token_prob: f32,
+}
+
+/// A node that may join a tree draft: its cumulative probability, its parent's draft index, and
+/// the trie node it stands for.
+#[derive(Debug, Clone, Copy)]
+struct Candidate {
+    prob: f32,
+    parent: i32,
+    count: u32,
+    token: u32,
+    node: u32,
+    depth: usize,
+}
+
+impl Ord for Candidate {
+    /// Greater = drafted first: higher cumulative probability, then the earlier parent, then as
+    /// in `beats` (higher count, smaller token), so the order is total and deterministic.
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.prob
+            .total_cmp(&other.prob)
+            .then_with(|| other.parent.cmp(&self.parent))
+            .then_with(|| self.count.cmp(&other.count))
+            .then_with(|| other.token.cmp(&self.token))
+    }
+}
+
+impl PartialOrd for Candidate {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl PartialEq for Candidate {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Candidate {}
 
 /// fmix64 over the packed (parent, token) edge key; the plain key would put every child of one
 /// token in the same bucket.
@@ -572,6 +734,28 @@ struct GlobalMatches {
 /// 3. Per tree keep the best-scoring draft over all m (ties: longer match); then the per-request
 ///    draft wins unless the global one scores strictly higher.
 ///
+/// A tree ([`propose_tree`](Proposer::propose_tree), at most `max_depth` deep within `TreeLimits`)
+/// starts as the chain of steps 1-3 with `max_tokens = min(max_depth, max_nodes)` and grows from
+/// that chain's match node in the winning tree (see `NodeArena::grow_tree`): the chain is its
+/// rank-0 path, then the other children of the match node and of the nodes drafted so far join
+/// best first by cumulative probability (arctic's `_speculate_tree`), up to `max_nodes` tokens,
+/// `max_children` per node, depth below min(max_depth, floor(m * max_spec_factor)), and cumulative
+/// probability at least `min_token_prob`. Differences from arctic's tree speculation, on purpose:
+/// - The chain is drafted whole before any branch, and the match length and the tree (per-request
+///   or global) are the chain's choice. arctic takes nodes purely by probability and picks the
+///   match by the tree's score, so a likelier branch can take the budget a deep node of the greedy
+///   path needed, or a different match can win; its first path can then be shorter or other than
+///   the chain. Here the tree holds the chain, so it never verifies less than the chain would, and
+///   the tree chooser cutting it to its rank-0 path gets the chain exactly.
+/// - Only one tree's counts grow the tree, not a merge of both: the two trees' counts are over
+///   different sequences (this request vs. past responses), so their ratios are not one
+///   distribution, and the chain already chose the better-scoring source.
+/// - max_spec_factor bounds the depth, where arctic bounds the token count. The token budget here
+///   is the engine's (`max_nodes`, sized to the verification cost), and a chain's length is its
+///   depth, so the factor keeps the meaning it has for chains: how far a match of m tokens is
+///   trusted to predict. Breadth is bounded by `min_token_prob` (the cumulative probabilities of
+///   one depth sum to at most 1, so at most 1 / min_token_prob nodes per depth qualify).
+///
 /// Differences from arctic: ties between equal-count children go to the smaller token (see
 /// `beats`); a response enters the global tree whole at [`finish`](Proposer::finish), where arctic
 /// streams it in while it is generated (so there a request also matches its own partial response
@@ -624,16 +808,10 @@ impl SuffixProposer {
         }
     }
 
-    /// Best draft from the global tree into `self.global_draft`; returns its score.
-    fn speculate_global(&mut self, context: &[u32], pattern_len: usize, limits: DraftLimits) -> f32 {
-        let mut cache = Self::lock_global(&self.global);
-        let cache = &mut *cache;
-        self.global_draft.clear();
-        if cache.responses.is_empty() {
-            return 0.0;
-        }
-        let state = &mut self.global_matches;
-        let tree = &mut cache.tree;
+    /// Brings `state`, this request's match nodes in `cache`'s tree, up to date with `context`
+    /// and returns them (`[len]`: the node of the context's last len tokens).
+    fn global_matches<'a>(state: &'a mut GlobalMatches, cache: &SuffixCache, context: &[u32]) -> &'a [u32] {
+        let tree = &cache.tree;
         // Only the last depth - 1 tokens decide the match nodes, so a stale or far-behind state is
         // rebuilt from those; otherwise only the new tokens are fed.
         let window = tree.max_depth.saturating_sub(1);
@@ -647,13 +825,12 @@ impl SuffixProposer {
             tree.advance_matches(&mut state.nodes, &mut state.spare, token);
         }
         state.context_len = context.len();
-        let matches = &state.nodes[..pattern_len.min(state.nodes.len())];
-        tree.arena.best_draft(matches, limits, &mut self.global_draft, &mut self.scratch)
+        &state.nodes
     }
-}
 
-impl Proposer for SuffixProposer {
-    fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {
+    /// The draft for `context`: the chain of at most `max_tokens` tokens, or with `tree`, the tree
+    /// at most `max_tokens` deep grown from the chain's match (see [`SuffixProposer`]).
+    fn speculate(&mut self, context: &[u32], max_tokens: usize, tree: Option<TreeLimits>) -> Draft {
         if context.len() < self.indexed {
             // The context must only grow; if a caller breaks that, start this request's tree over.
             self.local = SuffixTree::new(self.params.max_tree_depth);
@@ -664,23 +841,72 @@ impl Proposer for SuffixProposer {
         self.indexed = context.len();
 
         let pattern_len = context.len().min(self.params.max_tree_depth);
-        if max_tokens == 0 || pattern_len < 2 {
-            return Ok(Draft::tokens(Vec::new()));
+        // A tree's chain is what `propose` would draft within the node budget, so the tree chooser
+        // cutting the tree to its rank-0 path gets exactly the chain.
+        let chain_tokens = tree.map_or(max_tokens, |limits| max_tokens.min(limits.max_nodes));
+        if chain_tokens == 0 || pattern_len < 2 || tree.is_some_and(|limits| limits.max_children == 0) {
+            return Draft::tokens(Vec::new());
         }
         let limits = DraftLimits {
-            max_tokens,
+            max_tokens: chain_tokens,
             max_spec_factor: self.params.max_spec_factor,
             min_token_prob: self.params.min_token_prob,
         };
+        // Depth bound of the tree's other branches: the chain's rule without the node budget.
+        let depth_limits = DraftLimits { max_tokens, ..limits };
         // The local tree holds exactly the context, so its open suffixes are the match nodes for
         // every m: no lookups.
         let local = &mut self.local;
         let local_matches = &local.open_suffixes[..pattern_len];
-        let local_score = local.arena.best_draft(local_matches, limits, &mut self.local_draft, &mut self.scratch);
-        let global_score =
-            if self.params.max_cached_requests > 0 { self.speculate_global(context, pattern_len, limits) } else { 0.0 };
-        let best = if local_score >= global_score { &self.local_draft } else { &self.global_draft };
-        Ok(Draft::tokens(best.clone()))
+        let local_best = local.arena.best_draft(local_matches, limits, &mut self.local_draft, &mut self.scratch);
+        if self.params.max_cached_requests > 0 {
+            // Held until the tree is grown: another request finishing in between would change the
+            // counts the chain was chosen by.
+            let mut cache = Self::lock_global(&self.global);
+            let cache = &mut *cache;
+            if !cache.responses.is_empty() {
+                let matches = Self::global_matches(&mut self.global_matches, cache, context);
+                let matches = &matches[..pattern_len.min(matches.len())];
+                let global_best =
+                    cache.tree.arena.best_draft(matches, limits, &mut self.global_draft, &mut self.scratch);
+                if global_best.score > local_best.score {
+                    return shape_draft(&mut cache.tree.arena, global_best, &self.global_draft, tree, depth_limits);
+                }
+            }
+        }
+        shape_draft(&mut self.local.arena, local_best, &self.local_draft, tree, depth_limits)
+    }
+}
+
+/// The winning tree's draft: its chain as is, or with `tree`, the tree grown from the chain's
+/// match, at most `depth_limits.for_match(match length)` deep.
+fn shape_draft(
+    arena: &mut NodeArena,
+    best: BestMatch,
+    chain: &[u32],
+    tree: Option<TreeLimits>,
+    depth_limits: DraftLimits,
+) -> Draft {
+    let Some(tree_limits) = tree else { return Draft::tokens(chain.to_vec()) };
+    if chain.is_empty() {
+        // No match continues with probability min_token_prob or more: neither can a branch.
+        return Draft::tokens(Vec::new());
+    }
+    let depth_limit = depth_limits.for_match(best.match_len);
+    let (token_ids, parents) =
+        arena.grow_tree(best.node, chain.len(), depth_limit, depth_limits.min_token_prob, tree_limits);
+    debug_assert_eq!(token_ids[..chain.len()], *chain, "the tree's rank-0 path is the chain");
+    Draft::tree(token_ids, parents)
+}
+
+impl Proposer for SuffixProposer {
+    fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {
+        Ok(self.speculate(context, max_tokens, None))
+    }
+
+    /// SuffixDecoding's tree speculation; see [`SuffixProposer`].
+    fn propose_tree(&mut self, context: &[u32], max_depth: usize, limits: TreeLimits) -> Result<Draft> {
+        Ok(self.speculate(context, max_depth, Some(limits)))
     }
 
     fn finish(&mut self, generated: &[u32]) {
@@ -702,6 +928,7 @@ impl Proposer for SuffixProposer {
 mod tests {
     use std::collections::BTreeMap;
 
+    use super::super::tree::{first_path, path_to};
     use super::*;
 
     /// splitmix64: deterministic test data without a dependency.
@@ -1143,6 +1370,172 @@ mod tests {
             let mut proposer = SuffixProposer::new(p.clone(), cache(&p));
             assert_eq!(proposer.propose(&context, 2).unwrap().token_ids, expected, "min {min_token_prob}");
         }
+    }
+
+    /// The tokens on a tree's rank-0 path.
+    fn first_path_tokens(draft: &Draft) -> Vec<u32> {
+        first_path(&draft.parents()).iter().map(|&node| draft.token_ids[node]).collect()
+    }
+
+    /// The tokens from the root to each node.
+    fn paths(draft: &Draft) -> Vec<Vec<u32>> {
+        let parents = draft.parents();
+        (0..parents.len()).map(|node| path_to(&parents, node).iter().map(|&i| draft.token_ids[i]).collect()).collect()
+    }
+
+    fn tree(proposer: &mut SuffixProposer, context: &[u32], max_depth: usize, limits: TreeLimits) -> Draft {
+        let draft = proposer.propose_tree(context, max_depth, limits).unwrap();
+        draft.validate(max_depth, Some(limits), 1 << 20, "suffix").unwrap();
+        assert!(draft.probs.is_none());
+        draft
+    }
+
+    /// Whether `path` may grow from some match of the context in `sequences`: the match's last m
+    /// tokens followed by `path` are indexed (at most `depth` tokens), `path` is within the match's
+    /// depth limit, and its cumulative probability, count(match + path) / count(match) (the ratios
+    /// telescope), reaches min_token_prob.
+    fn grows_from_a_match(sequences: &[&[u32]], context: &[u32], path: &[u32], p: &SuffixParams) -> bool {
+        let pattern = &context[context.len() - context.len().min(p.max_tree_depth)..];
+        (1..pattern.len()).any(|m| {
+            let matched = &pattern[pattern.len() - m..];
+            let whole = [matched, path].concat();
+            let depth_limit = (f64::from(m as f32 * p.max_spec_factor) + 1e-6) as usize;
+            let (count, matched_count) = (occurrences(sequences, &whole), occurrences(sequences, matched));
+            whole.len() <= p.max_tree_depth
+                && path.len() <= depth_limit
+                && count > 0
+                && count as f32 / matched_count as f32 >= p.min_token_prob * (1.0 - 1e-5)
+        })
+    }
+
+    /// Random growing contexts with a global cache, random tree limits: every tree is valid, its
+    /// rank-0 path is the reference chain for min(depth, max_nodes) tokens, and every path grows
+    /// from a match in the request's tokens or in the cached responses. Returns how many drafts
+    /// branched.
+    fn check_trees_against_reference(p: SuffixParams, seed: u64, alphabet: usize, responses: usize) -> usize {
+        let shapes = [(1, 1), (1, 4), (5, 1), (4, 2), (8, 3), (16, 4), (3, 8), (64, 64)];
+        let mut rng = Rng(seed);
+        let global = cache(&p);
+        let mut cached: Vec<Vec<u32>> = Vec::new();
+        for _ in 0..responses {
+            let r = rng.sequence(5, 60, alphabet);
+            global.lock().unwrap().insert_response(&r);
+            cached.push(r);
+        }
+        let kept = &cached[cached.len() - cached.len().min(p.max_cached_requests)..];
+        let mut proposer = SuffixProposer::new(p.clone(), global);
+        let mut context = rng.sequence(1, 30, alphabet);
+        let mut num_trees = 0;
+        for step in 0..120 {
+            let max_depth = [0, 1, 3, 8, 30][rng.below(5)];
+            let (max_nodes, max_children) = shapes[rng.below(shapes.len())];
+            let limits = TreeLimits { max_nodes, max_children };
+            let draft = tree(&mut proposer, &context, max_depth, limits);
+            let what = format!("step {step}, params {p:?}, depth {max_depth}, limits {limits:?}");
+            let chain = reference_propose(&context, kept, &p, max_depth.min(max_nodes));
+            assert_eq!(first_path_tokens(&draft), chain, "{what}");
+            let responses: Vec<&[u32]> = kept.iter().map(Vec::as_slice).collect();
+            for path in paths(&draft) {
+                let local = grows_from_a_match(&[&context], &context, &path, &p);
+                assert!(local || grows_from_a_match(&responses, &context, &path, &p), "path {path:?}; {what}");
+            }
+            num_trees += usize::from(draft.is_tree());
+            let first = first_path_tokens(&draft);
+            let accepted = if first.is_empty() { 0 } else { rng.below(first.len() + 1) };
+            context.extend_from_slice(&first[..accepted]);
+            let fresh = 1 + rng.below(3);
+            context.extend(rng.tokens(fresh, alphabet));
+        }
+        num_trees
+    }
+
+    #[test]
+    fn tree_is_valid_starts_with_the_chain_and_grows_from_matches() {
+        let mut num_trees = 0;
+        for (i, p) in [
+            params(24, 0, 1.0, 0.1),
+            params(8, 0, 2.0, 0.0),
+            params(6, 0, 0.5, 0.3),
+            params(24, 10_000, 1.0, 0.1),
+            params(5, 3, 1.0, 0.05),
+            params(8, 2, 4.0, 0.0),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            num_trees += check_trees_against_reference(p.clone(), 80 + i as u64, 3, 6);
+            num_trees += check_trees_against_reference(p, 90 + i as u64, 8, 8);
+        }
+        assert!(num_trees > 100, "only {num_trees} drafts branched");
+    }
+
+    /// After "1 2": 3 three times, 4 twice, 5 once (and once nothing, at the end); after "1 2 x",
+    /// always 0. "9 1 2" never continues, so the match of 2 tokens wins.
+    const BRANCHING: [u32; 27] = [1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 4, 0, 1, 2, 4, 0, 1, 2, 5, 0, 9, 1, 2];
+
+    #[test]
+    fn branches_join_best_first_by_cumulative_probability() {
+        let p = params(24, 0, 4.0, 0.0);
+        let limits = |max_nodes, max_children| TreeLimits { max_nodes, max_children };
+        let mut proposer = SuffixProposer::new(p.clone(), cache(&p));
+        assert_eq!(proposer.propose(&BRANCHING, 2).unwrap().token_ids, [3, 0]);
+        // The chain 3 (3/7), 0 (3/7); then 4 (2/7) and below it 0 (2/7) before 5 (1/7).
+        let draft = tree(&mut proposer, &BRANCHING, 2, limits(4, 4));
+        assert_eq!((draft.token_ids, draft.parents), (vec![3, 0, 4, 0], Some(vec![-1, 0, -1, 2])));
+        let draft = tree(&mut proposer, &BRANCHING, 2, limits(5, 4));
+        assert_eq!((draft.token_ids, draft.parents), (vec![3, 0, 4, 0, 5], Some(vec![-1, 0, -1, 2, -1])));
+        // Two children per node: 5 never gets in.
+        let draft = tree(&mut proposer, &BRANCHING, 2, limits(8, 2));
+        assert_eq!(draft.token_ids, [3, 0, 4, 0]);
+        // 5's cumulative probability 1/7 is under min_token_prob.
+        let p = params(24, 0, 4.0, 0.2);
+        let draft = tree(&mut SuffixProposer::new(p.clone(), cache(&p)), &BRANCHING, 2, limits(8, 4));
+        assert_eq!(draft.token_ids, [3, 0, 4, 0]);
+    }
+
+    #[test]
+    fn spec_factor_bounds_the_depth_of_every_branch() {
+        // Factor 0.5: the match of 2 tokens trusts 1 token ahead, so only the first tokens.
+        let p = params(24, 0, 0.5, 0.0);
+        let draft = tree(
+            &mut SuffixProposer::new(p.clone(), cache(&p)),
+            &BRANCHING,
+            8,
+            TreeLimits { max_nodes: 8, max_children: 4 },
+        );
+        assert_eq!((draft.depth(), draft.token_ids), (1, vec![3, 4, 5]));
+    }
+
+    #[test]
+    fn tree_limits_of_one_degrade_to_a_chain() {
+        let p = params(24, 0, 4.0, 0.0);
+        let mut proposer = SuffixProposer::new(p.clone(), cache(&p));
+        let draft = tree(&mut proposer, &BRANCHING, 2, TreeLimits { max_nodes: 8, max_children: 1 });
+        assert_eq!((draft.token_ids, draft.parents), (vec![3, 0], None));
+        let draft = tree(&mut proposer, &BRANCHING, 2, TreeLimits { max_nodes: 1, max_children: 4 });
+        assert_eq!((draft.token_ids, draft.parents), (vec![3], None));
+        // Depth 1: the chain's token first, then the other first tokens beside it.
+        let draft = tree(&mut proposer, &BRANCHING, 1, TreeLimits { max_nodes: 8, max_children: 4 });
+        assert_eq!((draft.depth(), draft.token_ids), (1, vec![3, 4, 5]));
+        assert!(tree(&mut proposer, &BRANCHING, 0, TreeLimits { max_nodes: 8, max_children: 4 }).token_ids.is_empty());
+        assert!(tree(&mut proposer, &BRANCHING, 2, TreeLimits { max_nodes: 8, max_children: 0 }).token_ids.is_empty());
+    }
+
+    #[test]
+    fn tree_grows_from_the_global_cache_when_it_scores_higher() {
+        let p = SuffixParams::default();
+        let global = cache_with(&p, &[vec![50, 51, 52, 53, 54, 55, 56, 57], vec![50, 51, 52, 53, 60, 61, 62, 63]]);
+        let context = [7, 7, 8, 50, 51, 52, 53];
+        // The request's own tokens never continue "53"; the responses go on two ways (the tie
+        // goes to the smaller token), 4 tokens deep for the match of 4.
+        assert_eq!(
+            SuffixProposer::new(p.clone(), global.clone()).propose(&context, 16).unwrap().token_ids,
+            [54, 55, 56, 57]
+        );
+        let draft =
+            tree(&mut SuffixProposer::new(p, global), &context, 16, TreeLimits { max_nodes: 16, max_children: 4 });
+        assert_eq!(draft.token_ids, [54, 55, 56, 57, 60, 61, 62, 63]);
+        assert_eq!(draft.parents, Some(vec![-1, 0, 1, 2, -1, 4, 5, 6]));
     }
 
     #[test]

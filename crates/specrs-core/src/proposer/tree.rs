@@ -78,6 +78,19 @@ pub fn path_to(parents: &[i32], node: usize) -> Vec<usize> {
     path
 }
 
+/// The rank-0 path: from the root, each node's first child (the proposer's best guess at every
+/// step), root's child first. A chain keeps this path when the tree chooser cuts a tree to one.
+pub fn first_path(parents: &[i32]) -> Vec<usize> {
+    let children = children(parents);
+    let mut path = Vec::new();
+    let mut slot = 0;
+    while let Some(&first) = children[slot].first() {
+        path.push(first);
+        slot = first + 1;
+    }
+    path
+}
+
 /// Each node's path of sibling ranks from the root (`[0, 1]`: the root's first child's second
 /// child), the key vLLM's `speculative_token_tree` lists nodes by.
 pub fn rank_paths(parents: &[i32]) -> Vec<Vec<usize>> {
@@ -106,8 +119,8 @@ pub fn subset_parents(parents: &[i32], keep: &[usize]) -> Vec<i32> {
 }
 
 /// A trie of weighted continuations of the context, read out best first: the tree a model-free
-/// proposer drafts when it knows several continuations (n-gram: several earlier occurrences;
-/// suffix decoding: several branches of its suffix tree).
+/// proposer drafts when it knows several continuations (n-gram: several earlier occurrences).
+/// Suffix decoding already holds its continuations in a count trie and grows its tree there.
 #[derive(Debug)]
 pub struct ContinuationTrie {
     /// `(parent node, token) -> node`; node 0 is the root.
@@ -165,7 +178,9 @@ impl ContinuationTrie {
         while token_ids.len() < limits.max_nodes {
             // Highest weight first; ties by trie order, so the tree is deterministic.
             let Some(best) = (0..frontier.len()).max_by(|&a, &b| {
-                self.weights[frontier[a].0].total_cmp(&self.weights[frontier[b].0]).then(frontier[b].0.cmp(&frontier[a].0))
+                self.weights[frontier[a].0]
+                    .total_cmp(&self.weights[frontier[b].0])
+                    .then(frontier[b].0.cmp(&frontier[a].0))
             }) else {
                 break;
             };
@@ -185,7 +200,14 @@ impl ContinuationTrie {
         (token_ids, parents)
     }
 
-    fn push_children(&self, node: usize, draft_index: i32, depth: usize, max_depth: usize, frontier: &mut Vec<(usize, i32, usize)>) {
+    fn push_children(
+        &self,
+        node: usize,
+        draft_index: i32,
+        depth: usize,
+        max_depth: usize,
+        frontier: &mut Vec<(usize, i32, usize)>,
+    ) {
         if depth >= max_depth {
             return;
         }
@@ -205,6 +227,8 @@ mod tests {
         assert_eq!(sibling_ranks(&parents), vec![0, 1, 0, 0, 0, 1]);
         assert_eq!(children(&parents), vec![vec![0, 1], vec![2, 5], vec![3], vec![4], vec![], vec![], vec![]]);
         assert_eq!(path_to(&parents, 4), vec![0, 2, 4]);
+        assert_eq!(first_path(&parents), vec![0, 2, 4]);
+        assert_eq!(first_path(&[]), Vec::<usize>::new());
         assert_eq!(rank_paths(&parents)[5], vec![0, 1]);
         assert!(is_closed(&parents, &[0, 2, 4]));
         assert!(!is_closed(&parents, &[0, 4]));
