@@ -187,3 +187,66 @@ extern "C" __global__ void accept_kernel(
         next_token_ids[s] = next;
     }
 }
+
+// Batched tree acceptance (deterministic trees): one block per sequence. The CPU reference, with
+// the full contract, is crates/specrs-core/src/batch/tree_accept.rs. From the root (row 0; row
+// i + 1 scores the token after node i), depth d's target token is the row's argmax (temperature 0)
+// or an inverse-CDF draw from softmax(row / temperature) with uniforms[d]; the first child (in node
+// index order) carrying that token is accepted and the walk goes on from it; when none does, the
+// target token is the next token.
+extern "C" __global__ void tree_accept_kernel(
+    const float* target_logits,             // [batch, n + 1, v]
+    const unsigned int* draft_token_ids,    // [batch, n]
+    const int* parents,                     // [batch, n]; -1 = the root, parents before children
+    const unsigned int* num_nodes,          // [batch]
+    const float* temperatures,              // [batch]; 0 = greedy
+    const float* uniforms,                  // [batch, n + 1]
+    unsigned int n,
+    unsigned int v,
+    unsigned int* num_accepted_tokens,      // [batch] out
+    unsigned int* accepted_nodes,           // [batch, n] out: the path, padded with 0xffffffff
+    unsigned int* next_token_ids)           // [batch] out
+{
+    __shared__ float fscratch[BLOCK];
+    __shared__ unsigned int uscratch[BLOCK];
+    unsigned int s = blockIdx.x;
+    const float* logits = target_logits + (size_t)s * (n + 1) * v;
+    const unsigned int* drafts = draft_token_ids + (size_t)s * n;
+    const int* tree = parents + (size_t)s * n;
+    const float* u = uniforms + (size_t)s * (n + 1);
+    unsigned int* path = accepted_nodes + (size_t)s * n;
+    unsigned int count = num_nodes[s];
+    float temperature = temperatures[s];
+    float inv_t = temperature > 0.0f ? 1.0f / temperature : 0.0f;
+    int current = -1;  // the root
+    unsigned int depth = 0;
+    unsigned int next = 0;
+
+    // A tree of count nodes is at most count deep: the walk ends by depth count.
+    for (; depth <= count; depth++) {
+        const float* row = logits + (size_t)(current + 1) * v;
+        unsigned int target;
+        if (temperature <= 0.0f) {
+            target = block_argmax(row, v, fscratch, uscratch);
+        } else {
+            float m, total;
+            softmax_stats(row, v, inv_t, &m, &total, fscratch);
+            target = block_draw(row, 0, -1, v, m, inv_t, total, false, u[depth], fscratch, uscratch);
+        }
+        // The lowest-index child of `current` carrying the target token.
+        unsigned int child = 0xffffffffu;
+        for (unsigned int i = threadIdx.x; i < count; i += BLOCK) {
+            if (tree[i] == current && drafts[i] == target) { child = i; break; }
+        }
+        child = block_min_index(child, uscratch);
+        if (child == 0xffffffffu) { next = target; break; }
+        if (threadIdx.x == 0) path[depth] = child;
+        current = (int)child;
+    }
+    // Entries below depth hold the path (written by thread 0 above); the rest is padding.
+    for (unsigned int i = depth + threadIdx.x; i < n; i += BLOCK) path[i] = 0xffffffffu;
+    if (threadIdx.x == 0) {
+        num_accepted_tokens[s] = depth;
+        next_token_ids[s] = next;
+    }
+}

@@ -7,7 +7,8 @@
     q8_0 and q4_k, and greedy speculative output against plain greedy output on the device: f32
     and bf16 at k = 2, 4, 8; q8_0 and q4_k at k = 8, whose 9-row verify passes are where candle's
     quantized matmul switches from its per-row kernel to dequantize-and-multiply;
-(b) the batched acceptance and n-gram kernels against their CPU references on random inputs;
+(b) the batched acceptance (chain and tree) and n-gram kernels against their CPU references on
+    random inputs;
 (c) a Llama-3-8B-shaped bf16 model with random weights: the baseline inter-token latency against
     the HBM bound (weight bytes over the copy bandwidth measured in this run), and decode tokens/s
     with a controlled-acceptance proposer (it replays the target's recorded greedy continuation
@@ -206,6 +207,7 @@ def part_b(specrs, device: str) -> dict:
         neighbours = sum(a != b for a, b in zip(gpu[1], cpu[1]))
         out[name] = {"counts_equal": gpu[0] == cpu[0], "next_token_mismatches": neighbours,
                      "ok": gpu[0] == cpu[0] and neighbours <= 2}
+    out["tree_accept"] = compare_tree_accept(kernels, specrs.SpecrsError, device)
     rng = np.random.default_rng(5)
     histories = rng.integers(0, 4, size=(256, 2048), dtype=np.uint32)
     lengths = [int(n) for n in rng.integers(1, 2049, size=256)]
@@ -239,6 +241,52 @@ def random_accept_inputs(batch: int, k: int, vocab: int, seed: int, with_probs: 
         probs[np.arange(batch)[:, None], np.arange(k)[None, :], drafts] += 5.0
         probs /= probs.sum(axis=2, keepdims=True)
     return logits, drafts, num_draft, temperatures, uniforms, probs
+
+
+def random_tree_accept_inputs(batch: int, nodes: int, vocab: int, seed: int):
+    """Tree-acceptance inputs where walks often go deep (tests/test_kernels.py uses them too):
+    `(logits [batch, nodes + 1, vocab], drafts [batch, nodes], parents [batch, nodes], num_nodes,
+    temperatures, uniforms [batch, nodes + 1])`. Node i's parent is node i - 1 or, as often, the
+    root (-1) or any earlier node; three rows with children in four peak on one child's token, so
+    walks stop at the root, mid-tree and at leaves."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    drafts = rng.integers(0, vocab, size=(batch, nodes), dtype=np.uint32)
+    parents = (np.floor(rng.random((batch, nodes)) * (np.arange(nodes) + 1)) - 1).astype(np.int32)
+    chain_links = rng.random((batch, nodes)) < 0.5  # half the nodes continue the previous one: deeper trees
+    parents[chain_links] = np.broadcast_to(np.arange(nodes, dtype=np.int32) - 1, (batch, nodes))[chain_links]
+    num_nodes = rng.integers(0, nodes + 1, size=batch).astype(np.uint32)
+    parents[np.arange(nodes)[None, :] >= num_nodes[:, None]] = -1  # padding
+    logits = rng.standard_normal((batch, nodes + 1, vocab), dtype=np.float32) * 2.0
+    for s in range(batch):
+        for row in range(int(num_nodes[s]) + 1):
+            children = np.nonzero(parents[s, : num_nodes[s]] == row - 1)[0]
+            if len(children) and rng.random() < 0.75:
+                logits[s, row, drafts[s, rng.choice(children)]] += 16.0
+    temperatures = rng.choice([0.0, 0.5, 1.0, 1.3], size=batch).astype(np.float32)
+    uniforms = rng.random((batch, nodes + 1), dtype=np.float32)
+    return logits, drafts, parents, num_nodes, temperatures, uniforms
+
+
+def compare_tree_accept(kernels, error_type, device: str) -> dict:
+    """The tree-acceptance kernel against its CPU reference: batch 256, 16 nodes, vocab 32000.
+    Greedy sequences must agree exactly; a sampled draw within rounding of a CDF boundary may pick
+    the neighbouring token, and with it another path (at most 2 sampled sequences may differ)."""
+    import numpy as np
+
+    inputs = random_tree_accept_inputs(256, 16, 32000, seed=4)
+    temperatures = inputs[4]
+    cpu = kernels.batch_tree_accept(*inputs)
+    try:
+        gpu = kernels.batch_tree_accept(*inputs, device=device)
+    except error_type as e:
+        return {"ok": False, "error": str(e)}
+    differs = (gpu[0] != cpu[0]) | (gpu[1] != cpu[1]).any(axis=1) | (gpu[2] != cpu[2])
+    greedy = int((differs & (temperatures == 0)).sum())
+    sampled = int((differs & (temperatures > 0)).sum())
+    return {"greedy_mismatches": greedy, "sampled_mismatches": sampled,
+            "mean_accepted": float(np.mean(cpu[0])), "ok": greedy == 0 and sampled <= 2}
 
 
 class SyntheticProposer:
@@ -391,7 +439,9 @@ def failures(report: dict) -> list[str]:
         if isinstance(r, dict) and not r.get("ok", True):
             out.append(f"(b) {name} kernel: " + (r["error"] if "error" in r else
                        f"counts equal {r['counts_equal']}, next-token mismatches {r['next_token_mismatches']}"
-                       if "counts_equal" in r else "drafts differ from the CPU reference"))
+                       if "counts_equal" in r else
+                       f"{r['greedy_mismatches']} greedy and {r['sampled_mismatches']} sampled sequences differ "
+                       "from the CPU reference" if "sampled_mismatches" in r else "drafts differ from the CPU reference"))
     c = report.get("c", {})
     for r in c.get("rows", []):
         if not r["ok"]:

@@ -15,7 +15,8 @@ import specrs
 from specrs import _specrs
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
-from gpu_check import random_accept_inputs  # noqa: E402  (the GPU check uses the same inputs)
+# The GPU check uses the same inputs.
+from gpu_check import random_accept_inputs, random_tree_accept_inputs  # noqa: E402
 
 
 def test_cpu_acceptance_greedy_rows():
@@ -43,6 +44,67 @@ def test_bad_input_and_devices():
         _specrs.batch_ngram(np.zeros((1, 4), dtype=np.uint32), [4], 1, 2, 2, device="tpu")
 
 
+def _tree_walk(logits, drafts, parents, count, temperature, uniforms):
+    """The tree walk of batch/tree_accept.rs in float64: `(path, next_token, near_boundary)`, where
+    near_boundary says a sampled draw's uniform lay within rounding of a CDF boundary (there the f32
+    reference may pick the neighbouring token)."""
+    path, current, near_boundary = [], -1, False
+    while True:
+        row = logits[current + 1].astype(np.float64)
+        if temperature == 0:
+            target = int(np.argmax(row))  # the first of equal maxima, as sampler::argmax
+        else:
+            weights = np.exp((row - row.max()) / temperature)
+            cdf = np.cumsum(weights) / weights.sum()
+            u = float(uniforms[len(path)])
+            target = min(int(np.searchsorted(cdf, u, side="right")), len(row) - 1)  # first cdf > u
+            near_boundary |= bool(np.abs(cdf - u).min() < 1e-5)
+        child = next((i for i in range(count) if parents[i] == current and drafts[i] == target), None)
+        if child is None:
+            return path, target, near_boundary
+        path.append(child)
+        current = child
+
+
+@pytest.mark.parametrize("temperatures", [[0.0], [0.5, 1.0, 1.3]], ids=["greedy", "sampled"])
+def test_cpu_tree_acceptance_matches_the_walk(temperatures):
+    logits, drafts, parents, num_nodes, _, uniforms = random_tree_accept_inputs(96, 8, 50, seed=2)
+    temps = np.array([temperatures[s % len(temperatures)] for s in range(96)], dtype=np.float32)
+    accepted, paths, next_ids = _specrs.batch_tree_accept(logits, drafts, parents, num_nodes, temps, uniforms)
+    assert paths.shape == (96, 8) and accepted.dtype == paths.dtype == next_ids.dtype == np.uint32
+    endings, compared = set(), 0
+    for s in range(96):
+        count = int(num_nodes[s])
+        path, target, near_boundary = _tree_walk(logits[s], drafts[s], parents[s], count, temps[s], uniforms[s])
+        if near_boundary:
+            continue
+        compared += 1
+        assert accepted[s] == len(path), s
+        assert list(paths[s, : len(path)]) == path and (paths[s, len(path):] == 2**32 - 1).all(), s
+        assert next_ids[s] == target, s
+        has_children = (parents[s, :count] == (path[-1] if path else -1)).any()
+        endings.add(("deep" if path else "root") + (" rejected" if has_children else " leaf/empty"))
+    assert compared >= 90
+    assert endings == {"root rejected", "root leaf/empty", "deep rejected", "deep leaf/empty"}, endings
+
+
+def test_tree_acceptance_bad_input():
+    logits, drafts, parents, num_nodes, temps, uniforms = random_tree_accept_inputs(2, 3, 8, seed=0)
+    with pytest.raises(specrs.ConfigError, match="uniforms has 3 values, expected 8"):
+        _specrs.batch_tree_accept(logits, drafts, parents, num_nodes, temps, uniforms[:1, :3])
+    with pytest.raises(specrs.ConfigError, match="parents has 3 values, expected 6"):
+        _specrs.batch_tree_accept(logits, drafts, parents[:1], num_nodes, temps, uniforms)
+    bad = np.array([[-1, 1, 0], [-1, 0, 0]], dtype=np.int32)  # node 1 is its own parent
+    with pytest.raises(specrs.ConfigError, match="parent 1 of node 1 in sequence 0"):
+        _specrs.batch_tree_accept(logits, drafts, bad, [3, 3], temps, uniforms)
+    with pytest.raises(specrs.ConfigError, match="num_nodes 4 exceeds max_nodes 3"):
+        _specrs.batch_tree_accept(logits, drafts, parents, [4, 0], temps, uniforms)
+    with pytest.raises(specrs.ConfigError, match="uniforms must lie in"):
+        _specrs.batch_tree_accept(logits, drafts, parents, num_nodes, temps, uniforms + 1.0)
+    with pytest.raises(specrs.ConfigError, match="unknown device"):
+        _specrs.batch_tree_accept(logits, drafts, parents, num_nodes, temps, uniforms, device="tpu")
+
+
 def _cuda_or_skip():
     """Skips where no GPU can be used (a CPU-only build, or no device that opens). The probe is a
     device copy, which runs none of our kernels, so a kernel that fails to compile or launch on a
@@ -63,6 +125,19 @@ def test_cuda_acceptance_equals_the_cpu_reference(with_probs):
     # A sampled draw sums floats in another order; only a uniform within rounding of a CDF
     # boundary may pick the neighbouring token.
     assert sum(a != b for a, b in zip(gpu[1], cpu[1])) <= 2
+
+
+def test_cuda_tree_acceptance_equals_the_cpu_reference():
+    _cuda_or_skip()
+    inputs = random_tree_accept_inputs(256, 16, 32000, seed=4)
+    cpu = _specrs.batch_tree_accept(*inputs)
+    gpu = _specrs.batch_tree_accept(*inputs, device="cuda")
+    differs = (gpu[0] != cpu[0]) | (gpu[1] != cpu[1]).any(axis=1) | (gpu[2] != cpu[2])
+    greedy = inputs[4] == 0
+    # Greedy walks are exact; a sampled draw within rounding of a CDF boundary may pick the
+    # neighbouring token, and with it another path.
+    assert not (differs & greedy).any()
+    assert (differs & ~greedy).sum() <= 2
 
 
 def test_cuda_ngram_equals_the_cpu_reference():

@@ -18,6 +18,7 @@ __all__ = [
     "copy_bandwidth",
     "batch_accept",
     "batch_ngram",
+    "batch_tree_accept",
     "_TestingPanickingProposer",
     "_testing_panicking_proposer",
     "__version__",
@@ -162,6 +163,15 @@ def batch_accept(
 def batch_ngram(
     histories: npt.NDArray[np.uint32], lengths: list[int], min_n: int, max_n: int, k: int, device: str = "cpu"
 ) -> tuple[list[int], list[int]]: ...
+def batch_tree_accept(
+    target_logits: npt.NDArray[np.float32],
+    draft_token_ids: npt.NDArray[np.uint32],
+    parents: npt.NDArray[np.int32],
+    num_nodes: npt.NDArray[np.uint32] | list[int],
+    temperatures: npt.NDArray[np.float32] | list[float],
+    uniforms: npt.NDArray[np.float32],
+    device: str | None = None,
+) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint32], npt.NDArray[np.uint32]]: ...
 
 # Test only: a Rust proposer that panics in `hook` on call `after_calls + 1` (tests/test_bad_input.py).
 @final

@@ -197,8 +197,12 @@ class Engine:
     head: {"method": "eagle3", "model": "head_dir_or.gguf", "num_speculative_tokens": 3} (also
     "eagle", "mtp" (whose "model" defaults to the target's own checkpoint), "mlp_speculator",
     "medusa").
+    Any method drafts token trees with "tree": true (or "auto": chain or tree per step by cost),
+    "tree_depth", "tree_top_k", or vLLM's static "speculative_token_tree"; num_speculative_tokens
+    is then the node budget.
     `proposer`: a custom proposer object with `propose(context_ids, max_tokens) -> list[int]`
-    (or `(token_ids, draft_probs)`) and optionally `observe(num_accepted)`; it implies
+    (or `(token_ids, draft_probs)`, or a tree `(token_ids, draft_probs or None, parents)`) and
+    optionally `observe(num_accepted)`; it implies
     {"method": "custom", "num_speculative_tokens": 4} unless speculative_config says otherwise.
     """
 

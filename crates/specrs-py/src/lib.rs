@@ -22,6 +22,7 @@ fn _specrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(engine::copy_bandwidth, m)?)?;
     m.add_function(wrap_pyfunction!(batch::batch_accept, m)?)?;
     m.add_function(wrap_pyfunction!(batch::batch_ngram, m)?)?;
+    m.add_function(wrap_pyfunction!(batch::batch_tree_accept, m)?)?;
     // Test-only (see testing.rs): a proposer that panics on purpose.
     m.add_class::<testing::PyTestingPanickingProposer>()?;
     m.add_function(wrap_pyfunction!(testing::testing_panicking_proposer, m)?)?;

@@ -2,10 +2,11 @@
 //! compiled with NVRTC for the device's architecture on first use and launched on candle's stream,
 //! so they order correctly after the forward pass that produced the logits.
 //!
-//! Invariant: same inputs, same outputs as the CPU references `accept::accept` and
-//! `ngram::ngram_lookup`. The n-gram lookup and greedy acceptance are exact; a sampled draw sums
-//! floats in another order, so a uniform lying within rounding of a CDF boundary can pick the
-//! neighbouring token (the device check counts such cases).
+//! Invariant: same inputs, same outputs as the CPU references `accept::accept`,
+//! `tree_accept::tree_accept` and `ngram::ngram_lookup`. The n-gram lookup and greedy acceptance
+//! (chain or tree) are exact; a sampled draw sums floats in another order, so a uniform lying within
+//! rounding of a CDF boundary can pick the neighbouring token (in a tree, and so another path; the
+//! device check counts such cases).
 
 use std::sync::OnceLock;
 
@@ -17,10 +18,13 @@ use candle_core::{Device, Storage, Tensor};
 
 use super::accept::{AcceptInput, AcceptOutput};
 use super::ngram::NgramInput;
+use super::tree_accept::{TreeAcceptInput, TreeAcceptOutput};
 use crate::error::{Error, Result};
 
 const ACCEPT_SOURCE: &str = include_str!("../../../../cuda/accept.cu");
 const NGRAM_SOURCE: &str = include_str!("../../../../cuda/ngram.cu");
+/// PTX of `accept.cu` (`accept_kernel` and `tree_accept_kernel`), compiled once per process.
+static ACCEPT_PTX: OnceLock<String> = OnceLock::new();
 /// Threads per block; the kernels' `BLOCK`.
 const BLOCK: u32 = 256;
 
@@ -79,11 +83,10 @@ pub fn accept_on_device(target_logits: &Tensor, input: &AcceptInput) -> Result<A
     let logits = target_logits.to_dtype(candle_core::DType::F32)?.contiguous()?;
     let device = cuda_device(logits.device())?;
 
-    static PTX: OnceLock<String> = OnceLock::new();
     let func = device.get_or_load_custom_func(
         "accept_kernel",
         "specrs_accept",
-        ptx(device, "accept.cu", ACCEPT_SOURCE, &PTX)?,
+        ptx(device, "accept.cu", ACCEPT_SOURCE, &ACCEPT_PTX)?,
     )?;
     let stream = device.cuda_stream();
     let copy = |what: &str, e| device_error(&format!("copying {what} to the device"), e);
@@ -122,6 +125,81 @@ pub fn accept_on_device(target_logits: &Tensor, input: &AcceptInput) -> Result<A
     let back = |e| device_error("copying the results back", e);
     Ok(AcceptOutput {
         num_accepted_tokens: stream.clone_dtoh(&num_accepted).map_err(back)?,
+        next_token_ids: stream.clone_dtoh(&next_tokens).map_err(back)?,
+    })
+}
+
+/// `tree_accept::tree_accept` on the device. `target_logits` is the `[batch, n + 1, vocab]` f32
+/// tensor on a CUDA device (as the tree's verify forward leaves it); the rest of `input` comes from
+/// the host, and `input.target_logits` is ignored. The counts, paths and next tokens come back.
+pub fn tree_accept_on_device(target_logits: &Tensor, input: &TreeAcceptInput) -> Result<TreeAcceptOutput> {
+    let (b, n, v) = (input.batch, input.max_nodes, input.vocab_size);
+    if target_logits.dims() != [b, n + 1, v] {
+        return Err(Error::Internal(format!(
+            "target_logits is {:?}, expected [{b}, {}, {v}]",
+            target_logits.dims(),
+            n + 1
+        )));
+    }
+    input.check_with_logits(target_logits.elem_count())?;
+    if b == 0 {
+        // No block to launch (a grid of zero blocks is a launch error).
+        return Ok(TreeAcceptOutput { num_accepted_tokens: vec![], accepted_nodes: vec![], next_token_ids: vec![] });
+    }
+    let logits = target_logits.to_dtype(candle_core::DType::F32)?.contiguous()?;
+    let device = cuda_device(logits.device())?;
+
+    // The module of accept_kernel (one source, one PTX), whichever of the two loads it first.
+    let func = device.get_or_load_custom_func(
+        "tree_accept_kernel",
+        "specrs_accept",
+        ptx(device, "accept.cu", ACCEPT_SOURCE, &ACCEPT_PTX)?,
+    )?;
+    let stream = device.cuda_stream();
+    let copy = |what: &str, e| device_error(&format!("copying {what} to the device"), e);
+    // Zero-length device buffers are not valid pointers; n = 0 (a batch of empty trees) gets one
+    // unread element instead.
+    let or_one = |values: &[u32]| if values.is_empty() { vec![0] } else { values.to_vec() };
+    let draft_ids = stream.clone_htod(&or_one(input.draft_token_ids)).map_err(|e| copy("draft tokens", e))?;
+    let parents_host = if input.parents.is_empty() { vec![-1] } else { input.parents.to_vec() };
+    let parents = stream.clone_htod(&parents_host).map_err(|e| copy("parents", e))?;
+    let num_nodes = stream.clone_htod(input.num_nodes).map_err(|e| copy("tree sizes", e))?;
+    let temperatures = stream.clone_htod(input.temperatures).map_err(|e| copy("temperatures", e))?;
+    let uniforms = stream.clone_htod(input.uniforms).map_err(|e| copy("uniforms", e))?;
+    let mut num_accepted = stream.alloc_zeros::<u32>(b).map_err(|e| copy("outputs", e))?;
+    let mut accepted_nodes = stream.alloc_zeros::<u32>(b * n.max(1)).map_err(|e| copy("outputs", e))?;
+    let mut next_tokens = stream.alloc_zeros::<u32>(b).map_err(|e| copy("outputs", e))?;
+    let (n32, v32) = (n as u32, v as u32);
+
+    let (storage, layout) = logits.storage_and_layout();
+    let Storage::Cuda(cuda_storage) = &*storage else {
+        return Err(Error::Device("target_logits is not stored on a CUDA device".into()));
+    };
+    let logits_view = cuda_storage.as_cuda_slice::<f32>()?.slice(layout.start_offset()..);
+    let mut launch = func.builder();
+    launch
+        .arg(&logits_view)
+        .arg(&draft_ids)
+        .arg(&parents)
+        .arg(&num_nodes)
+        .arg(&temperatures)
+        .arg(&uniforms)
+        .arg(&n32)
+        .arg(&v32)
+        .arg(&mut num_accepted)
+        .arg(&mut accepted_nodes)
+        .arg(&mut next_tokens);
+    let config = LaunchConfig { grid_dim: (b as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the argument list matches tree_accept_kernel's signature, every buffer has the size
+    // `check` verified (parents valid, so the walk stays inside the tree), and the kernel writes
+    // only its three outputs.
+    unsafe { launch.launch(config) }.map_err(|e| device_error("launching tree_accept_kernel", e))?;
+    let back = |e| device_error("copying the results back", e);
+    let mut accepted_nodes = stream.clone_dtoh(&accepted_nodes).map_err(back)?;
+    accepted_nodes.truncate(b * n);
+    Ok(TreeAcceptOutput {
+        num_accepted_tokens: stream.clone_dtoh(&num_accepted).map_err(back)?,
+        accepted_nodes,
         next_token_ids: stream.clone_dtoh(&next_tokens).map_err(back)?,
     })
 }
@@ -165,13 +243,22 @@ pub fn accept_from_host(ordinal: usize, input: &AcceptInput) -> Result<AcceptOut
     accept_on_device(&logits, input)
 }
 
+/// `tree_accept_on_device` with the logits copied from the host to GPU `ordinal` first (for the
+/// device check).
+pub fn tree_accept_from_host(ordinal: usize, input: &TreeAcceptInput) -> Result<TreeAcceptOutput> {
+    let device = open(ordinal)?;
+    let shape = (input.batch, input.max_nodes + 1, input.vocab_size);
+    let logits = Tensor::from_slice(input.target_logits, shape, &device)?;
+    tree_accept_on_device(&logits, input)
+}
+
 /// `ngram_lookup_on_device` on GPU `ordinal`.
 pub fn ngram_lookup_from_host(ordinal: usize, input: &NgramInput) -> Result<(Vec<u32>, Vec<u32>)> {
     ngram_lookup_on_device(&open(ordinal)?, input)
 }
 
-/// PTX for both kernels, for an architecture such as "compute_90", without a device: what CI runs
-/// to keep the kernel sources compiling under NVRTC on machines with no GPU.
+/// PTX for both kernel sources, for an architecture such as "compute_90", without a device: what
+/// CI runs to keep the kernel sources compiling under NVRTC on machines with no GPU.
 pub fn compile_for(arch: &str) -> Result<Vec<(String, String)>> {
     [("accept.cu", ACCEPT_SOURCE), ("ngram.cu", NGRAM_SOURCE)]
         .into_iter()
@@ -183,14 +270,18 @@ pub fn compile_for(arch: &str) -> Result<Vec<(String, String)>> {
 mod tests {
     use super::super::accept::accept;
     use super::super::ngram::ngram_lookup;
+    use super::super::tree_accept::tree_accept;
     use super::*;
 
     /// Runs without a GPU: NVRTC only needs its library.
     #[test]
     fn kernels_compile_with_nvrtc() {
         for (name, ptx) in compile_for("compute_90").unwrap() {
-            let entry = if name == "accept.cu" { "accept_kernel" } else { "ngram_kernel" };
-            assert!(ptx.contains(&format!(".entry {entry}")), "{name}: no {entry} in its PTX");
+            let entries: &[&str] =
+                if name == "accept.cu" { &["accept_kernel", "tree_accept_kernel"] } else { &["ngram_kernel"] };
+            for entry in entries {
+                assert!(ptx.contains(&format!(".entry {entry}(")), "{name}: no {entry} in its PTX");
+            }
         }
     }
 
@@ -287,6 +378,70 @@ mod tests {
                 (0..b).filter(|&s| num_draft[s] > 0 && cpu.num_accepted_tokens[s] == num_draft[s]).count();
             assert!(all_accepted > 0 && all_accepted < b, "the inputs must take both paths");
         }
+    }
+
+    #[test]
+    fn tree_accept_kernel_equals_the_cpu_reference_on_a_gpu() {
+        if !gpu_present() {
+            return;
+        }
+        let (b, n, v) = (256, 16, 4096);
+        let mut rng = Lcg(13);
+        let below = |rng: &mut Lcg, m: usize| ((rng.next() * m as f32) as usize).min(m - 1);
+        let (mut logits, mut drafts, mut parents, mut num_nodes) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for s in 0..b {
+            let count = if s % 9 == 0 { 0 } else { 1 + below(&mut rng, n) };
+            num_nodes.push(count as u32);
+            // Half the nodes continue the previous one (deep paths); the others hang anywhere earlier.
+            let tree: Vec<i32> = (0..n)
+                .map(|i| match i < count {
+                    true if rng.next() < 0.5 => i as i32 - 1,
+                    true => below(&mut rng, i + 1) as i32 - 1,
+                    false => -1,
+                })
+                .collect();
+            let tokens: Vec<u32> = (0..n).map(|_| below(&mut rng, v) as u32).collect();
+            for r in 0..=n {
+                // Two rows in three peak on one child's token, so walks go deep as well as stop.
+                let kids: Vec<usize> = (0..count).filter(|&i| tree[i] == r as i32 - 1).collect();
+                let peak = (!kids.is_empty() && rng.next() < 0.67).then(|| tokens[kids[below(&mut rng, kids.len())]]);
+                logits.extend((0..v).map(|t| rng.next() * 4.0 + if peak == Some(t as u32) { 12.0 } else { 0.0 }));
+            }
+            parents.extend(tree);
+            drafts.extend(tokens);
+        }
+        let temperatures: Vec<f32> = (0..b).map(|s| [0.0, 0.5, 1.0, 1.3][s % 4]).collect();
+        let uniforms: Vec<f32> = (0..b * (n + 1)).map(|_| rng.next()).collect();
+        let input = TreeAcceptInput {
+            batch: b,
+            max_nodes: n,
+            vocab_size: v,
+            target_logits: &logits,
+            draft_token_ids: &drafts,
+            parents: &parents,
+            num_nodes: &num_nodes,
+            temperatures: &temperatures,
+            uniforms: &uniforms,
+        };
+        let cpu = tree_accept(&input).unwrap();
+        let gpu = tree_accept_from_host(0, &input)
+            .unwrap_or_else(|e| panic!("the tree acceptance kernel failed on a present GPU: {e}"));
+        // Greedy sequences are exact; a sampled draw within rounding of a CDF boundary may pick
+        // the neighbouring token, and with it another path.
+        let mut sampled_mismatches = 0;
+        for (s, &temperature) in temperatures.iter().enumerate() {
+            let same = gpu.num_accepted_tokens[s] == cpu.num_accepted_tokens[s]
+                && gpu.accepted_nodes[s * n..(s + 1) * n] == cpu.accepted_nodes[s * n..(s + 1) * n]
+                && gpu.next_token_ids[s] == cpu.next_token_ids[s];
+            if !same {
+                assert!(temperature > 0.0, "greedy sequence {s}: the device and the CPU disagree");
+                sampled_mismatches += 1;
+            }
+        }
+        assert!(sampled_mismatches <= 2, "{sampled_mismatches} sampled sequences differ");
+        let deep = (0..b).filter(|&s| cpu.num_accepted_tokens[s] > 1).count();
+        let rejected_at_root = (0..b).filter(|&s| num_nodes[s] > 0 && cpu.num_accepted_tokens[s] == 0).count();
+        assert!(deep > 0 && rejected_at_root > 0, "the inputs must take both paths");
     }
 
     #[test]
