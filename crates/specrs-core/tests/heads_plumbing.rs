@@ -4,7 +4,9 @@
 //! teacher-forced ones. With drafts that are always right, every draft token is accepted, so the
 //! paths random heads never reach (accepted positions re-read, caches kept) run at every step; and
 //! the rows a head receives must be exactly the target's hidden states of each context position,
-//! once each, in order (bitwise: the CPU backend's rows do not depend on the batch).
+//! once each, in order (bitwise: the CPU backend's rows do not depend on the batch). Both run again
+//! with token trees (EAGLE-2's dynamic tree; the right token is every node's first child), where
+//! the session gathers the accepted path's rows for the head.
 
 mod common;
 
@@ -14,11 +16,14 @@ use candle_core::{DType, Device, Tensor};
 use specrs_core::engine::Speculation;
 use specrs_core::kv_cache::{KvBytes, KvCache};
 use specrs_core::model::Tap;
+use specrs_core::proposer::heads::layer::TreeRows;
 use specrs_core::proposer::heads::{Head, HeadProposer, ParallelHead, RecurrentHead};
+use specrs_core::spec_config::{TreeConfig, TreeMode};
 use specrs_core::{Engine, Result, SamplingParams};
 
 const MAX_TOKENS: usize = 32;
 const K: usize = 3;
+const TREE_NODES: usize = 8;
 
 /// Logits `[1, vocab]` that pick `token`.
 fn one_hot(token: u32, vocab: usize) -> Result<Tensor> {
@@ -76,9 +81,40 @@ impl RecurrentHead for OracleRecurrent {
         Self::positions(position, 1)
     }
 
+    fn drafts_trees(&self) -> bool {
+        true
+    }
+
+    fn step_tree(
+        &self,
+        caches: &mut [KvCache],
+        _: &Tensor,
+        tokens: &[u32],
+        _: usize,
+        rows: &TreeRows,
+    ) -> Result<Tensor> {
+        let (n, past) = (tokens.len(), caches[0].len());
+        assert!(rows.context <= past && rows.positions.len() == n, "tree rows follow the context");
+        assert!(
+            rows.ancestors.iter().flatten().all(|&a| (rows.context..past).contains(&a)),
+            "ancestors are draft rows"
+        );
+        caches[0].reserve(n)?;
+        let zeros = Tensor::zeros((1, n, 1), DType::F32, &Device::Cpu)?;
+        caches[0].append_tensors(0, &zeros, &zeros)?;
+        caches[0].commit(n);
+        let p: Vec<f32> = rows.positions.iter().map(|&p| p as f32).collect();
+        Ok(Tensor::from_vec(p, (n, 1), &Device::Cpu)?)
+    }
+
+    /// `[n, vocab]`: row i picks the token two after its position.
     fn logits(&self, hidden: &Tensor, _: usize) -> Result<Tensor> {
-        let p = hidden.flatten_all()?.to_vec1::<f32>()?[0] as usize;
-        one_hot(self.sequence.get(p + 2).copied().unwrap_or(0), self.vocab)
+        let rows = hidden.flatten_all()?.to_vec1::<f32>()?;
+        let rows: Vec<Tensor> = rows
+            .iter()
+            .map(|&p| one_hot(self.sequence.get(p as usize + 2).copied().unwrap_or(0), self.vocab))
+            .collect::<Result<_>>()?;
+        Ok(Tensor::cat(&rows, 0)?)
     }
 }
 
@@ -107,13 +143,20 @@ impl ParallelHead for OracleParallel {
     }
 }
 
-fn speculation(head: Head, engine: &Engine) -> Speculation {
+/// Chains of K, or trees K deep of up to `TREE_NODES` nodes with 3 children per node.
+fn speculation(head: Head, engine: &Engine, tree: bool) -> Speculation {
     let vocab = engine.model().info().vocab_size;
     Speculation {
         method: "oracle",
-        num_speculative_tokens: K,
+        num_speculative_tokens: if tree { TREE_NODES } else { K },
         proposer: Box::new(HeadProposer::new(head, "oracle", vocab, 0.0, Arc::default())),
         draft_length: None,
+        tree: if tree {
+            TreeConfig { mode: TreeMode::On, max_depth: K, max_children: 3, static_tree: None }
+        } else {
+            TreeConfig::off()
+        },
+        tree_chooser: None,
         schedule: None,
         draft_confidence_threshold: 0.0,
         one_hot_drafts: false,
@@ -135,27 +178,41 @@ fn oracle_heads_get_every_draft_accepted_and_read_each_position_once() {
     let width = engine.model().info().hidden_size;
     let rows: Vec<Vec<f32>> = hidden.chunks(width).map(<[f32]>::to_vec).collect();
 
-    let recurrent = Arc::new(OracleRecurrent { sequence: sequence.clone(), vocab, seen: Mutex::default() });
-    let parallel = Arc::new(OracleParallel { sequence: sequence.clone(), hidden: rows.clone(), vocab });
-    for (name, head) in [("recurrent", Head::Recurrent(recurrent.clone())), ("parallel", Head::Parallel(parallel))] {
-        let out = engine.generate(prompt.clone(), params.clone(), Some(speculation(head, &engine))).unwrap();
-        assert_eq!(out.token_ids, plain, "{name}");
-        let spec = &out.metrics.spec;
-        assert_eq!(spec.num_accepted_tokens, spec.num_draft_tokens, "{name}: an oracle's drafts all pass");
-        // Each step keeps K + 1 tokens, so the request takes about MAX_TOKENS / (K + 1) steps.
-        assert!(spec.num_drafts <= MAX_TOKENS.div_ceil(K + 1) + 1, "{name}: {} drafts", spec.num_drafts);
-    }
-
-    // The recurrent head read positions 0.. in order, each once, each the target's own hidden state
-    // of that position paired with the token after it.
-    let mut next_position = 0;
-    for (start, flat, next) in recurrent.seen.lock().unwrap().iter() {
-        assert_eq!(*start, next_position, "rows arrive without gaps or overlap");
-        for (i, row) in flat.chunks(width).enumerate() {
-            assert!(row == rows[start + i].as_slice(), "position {}: not the target's hidden state", start + i);
-            assert_eq!(next[i], sequence[start + i + 1]);
+    for tree in [false, true] {
+        let recurrent = Arc::new(OracleRecurrent { sequence: sequence.clone(), vocab, seen: Mutex::default() });
+        let parallel = Arc::new(OracleParallel { sequence: sequence.clone(), hidden: rows.clone(), vocab });
+        for (name, head) in [("recurrent", Head::Recurrent(recurrent.clone())), ("parallel", Head::Parallel(parallel))]
+        {
+            let name = format!("{name}{}", if tree { " tree" } else { "" });
+            let out = engine.generate(prompt.clone(), params.clone(), Some(speculation(head, &engine, tree))).unwrap();
+            assert_eq!(out.token_ids, plain, "{name}");
+            let spec = &out.metrics.spec;
+            if tree {
+                // Each tree's first path is right and as deep as the tree: all of it passes.
+                assert!(spec.num_tree_drafts == spec.num_drafts && spec.num_drafts > 0, "{name}: {spec:?}");
+                assert_eq!(spec.num_tree_accepted_tokens, spec.tree_depth_sum, "{name}: {spec:?}");
+                assert!(spec.num_draft_tokens > spec.num_accepted_tokens, "{name}: the trees had siblings");
+            } else {
+                assert_eq!(spec.num_accepted_tokens, spec.num_draft_tokens, "{name}: an oracle's drafts all pass");
+            }
+            // Each step keeps K + 1 tokens, so the request takes about MAX_TOKENS / (K + 1) steps.
+            assert!(spec.num_drafts <= MAX_TOKENS.div_ceil(K + 1) + 1, "{name}: {} drafts", spec.num_drafts);
         }
-        next_position += next.len();
+
+        // The recurrent head read positions 0.. in order, each once, each the target's own hidden
+        // state of that position paired with the token after it.
+        let mut next_position = 0;
+        for (start, flat, next) in recurrent.seen.lock().unwrap().iter() {
+            assert_eq!(*start, next_position, "rows arrive without gaps or overlap (tree: {tree})");
+            for (i, row) in flat.chunks(width).enumerate() {
+                assert!(row == rows[start + i].as_slice(), "position {}: not the target's hidden state", start + i);
+                assert_eq!(next[i], sequence[start + i + 1]);
+            }
+            next_position += next.len();
+        }
+        assert!(
+            next_position >= prompt.len() + MAX_TOKENS - K - 2,
+            "the head read the whole request ({next_position})"
+        );
     }
-    assert!(next_position >= prompt.len() + MAX_TOKENS - K - 2, "the head read the whole request ({next_position})");
 }

@@ -452,11 +452,17 @@ impl Session {
     /// acceptance kernel where the logits are, so only the counts and one token cross to the
     /// host; the rest (and the CPU) copy the logits and run `verify`. Both are exact; with one
     /// seed they consume the random stream differently, so seeded samples differ between them.
-    /// Trees are verified on the host (`verify_tree`).
+    /// Deterministic trees of such requests go to the tree acceptance kernel, with the coupled
+    /// form's draws (`Sampler::uniform_at`), so they emit what the host's `verify_tree` does;
+    /// trees with draft probabilities are verified on the host.
     fn verify_step(&mut self, logits: &Tensor, draft: &Draft) -> Result<TreeVerification> {
         #[cfg(feature = "cuda")]
-        if logits.device().is_cuda() && self.params.is_temperature_only() && draft.parents.is_none() {
-            return self.verify_on_device(logits, draft);
+        if logits.device().is_cuda() && self.params.is_temperature_only() {
+            match (&draft.parents, &draft.probs) {
+                (None, _) => return self.verify_on_device(logits, draft),
+                (Some(parents), None) => return self.verify_tree_on_device(logits, draft, parents),
+                (Some(_), Some(_)) => {}
+            }
         }
         let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
         let vocab = self.model.info().vocab_size;
@@ -491,6 +497,31 @@ impl Session {
         let mut token_ids = draft.token_ids[..num_accepted_tokens].to_vec();
         token_ids.push(out.next_token_ids[0]);
         Ok(TreeVerification { accepted_path: (0..num_accepted_tokens).collect(), token_ids })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn verify_tree_on_device(&mut self, logits: &Tensor, draft: &Draft, parents: &[i32]) -> Result<TreeVerification> {
+        let n = draft.token_ids.len();
+        let vocab = self.model.info().vocab_size;
+        let position = self.all_ids.len();
+        let uniforms: Vec<f32> = (0..=n).map(|depth| self.sampler.uniform_at(position + depth)).collect();
+        let input = crate::batch::tree_accept::TreeAcceptInput {
+            batch: 1,
+            max_nodes: n,
+            vocab_size: vocab,
+            target_logits: &[],
+            draft_token_ids: &draft.token_ids,
+            parents,
+            num_nodes: &[n as u32],
+            temperatures: &[self.params.temperature],
+            uniforms: &uniforms,
+        };
+        let out = crate::batch::cuda::tree_accept_on_device(&logits.reshape((1, n + 1, vocab))?, &input)?;
+        let num_accepted = out.num_accepted_tokens[0] as usize;
+        let accepted_path: Vec<usize> = out.accepted_nodes[..num_accepted].iter().map(|&node| node as usize).collect();
+        let mut token_ids: Vec<u32> = accepted_path.iter().map(|&node| draft.token_ids[node]).collect();
+        token_ids.push(out.next_token_ids[0]);
+        Ok(TreeVerification { accepted_path, token_ids })
     }
 
     /// The proposer's draft for this step: at most k tokens (fewer near max_tokens so a step never
@@ -547,7 +578,10 @@ impl Session {
                 speculation.method
             )));
         }
-        if let Some(probs) = draft.probs.as_ref().filter(|_| speculation.draft_confidence_threshold > 0.0) {
+        // Chains only: cutting a tree by its drawn tokens' probabilities would bias the recursive
+        // rejection sampling of the siblings left (verify/tree.rs).
+        let threshold_applies = speculation.draft_confidence_threshold > 0.0 && draft.parents.is_none();
+        if let Some(probs) = draft.probs.as_ref().filter(|_| threshold_applies) {
             let threshold = speculation.draft_confidence_threshold;
             let unsure =
                 draft.token_ids.iter().enumerate().position(|(i, &x)| probs[i * vocab + x as usize] < threshold);

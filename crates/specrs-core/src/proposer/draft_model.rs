@@ -1,23 +1,32 @@
 //! The classic draft model (`"method": "draft_model"`, also used by `quantized_self`): a smaller
 //! or cheaper model with the target's tokenizer drafts k tokens autoregressively, each drawn from
-//! its own distribution q after the request's sampling settings.
+//! its own distribution q after the request's sampling settings; or, when a token tree is asked
+//! for, EAGLE-2's dynamic tree (`DynamicTree`) over its own top-k tokens, one draft forward per
+//! depth.
 //!
-//! Also home to the two pieces the other model-based drafts share: `DraftSampler` (logits -> a
-//! draft token, its q row and its confidence) and `DraftCache` (the draft model's KV cache and the
-//! tokens it holds).
+//! Also home to the pieces the other model-based drafts share: `DraftSampler` (logits -> a draft
+//! token, its q row and its confidence; or a node's top-k children), `DraftCache` (the draft
+//! model's KV cache and the tokens it holds) and `DynamicTree` (the EAGLE-2 tree search the
+//! hidden-state heads run too).
 //!
-//! Invariant: after `observe(num_accepted)`, the draft cache holds at most the context plus the
-//! accepted draft tokens, the same prefix the target keeps; the next `propose` feeds only what the
-//! draft has not seen. A request longer than the draft's `max_model_len` gets no drafts past that
-//! length (as in vLLM); the metrics show it as steps without drafts.
+//! Tree drafts are deterministic (no q rows, for greedy and sampled requests alike): the verifier
+//! then draws the target's token from p and accepts the child equal to it, which is exact for any
+//! fixed tree, so the children can be chosen by value (the most likely ones).
+//!
+//! Invariant: after `observe`, the draft cache holds at most the context plus the accepted draft
+//! tokens, the same prefix the target keeps (for a tree: the accepted path's rows, moved into
+//! place with `KvCache::keep`); the next `propose` feeds only what the draft has not seen. A
+//! request longer than the draft's `max_model_len` gets no drafts past that length (as in vLLM);
+//! the metrics show it as steps without drafts.
 
+use std::cmp::Ordering;
 use std::sync::Arc;
 
 use crate::config::SamplingParams;
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvBytes, KvCache};
-use crate::model::{CausalLm, LogitRows};
-use crate::proposer::{Draft, Feedback, Proposer};
+use crate::model::{CausalLm, ForwardBatch, LogitRows, SeqRows};
+use crate::proposer::{Draft, Feedback, Proposer, TreeLimits};
 use crate::sampler::{argmax, probabilities, Sampler};
 
 /// Mixed into the request seed so the draft's random stream differs from the verifier's.
@@ -74,6 +83,197 @@ impl DraftSampler {
         let confident = q[token_id as usize] >= self.confidence_threshold;
         q.resize(self.target_vocab, 0.0);
         DraftedToken { token_id, probs: Some(q), confident }
+    }
+
+    /// A deterministic tree node's children from its `logits` (`[draft_vocab]`): the `k` most
+    /// likely tokens under the request's settings, best first (ties: the lower id), each with
+    /// its log q and whether q reaches the confidence threshold (a node below it gets no
+    /// children, as a chain stops after such a token). Tokens with q = 0 are left out, so a node
+    /// may get fewer than `k`. A greedy request ranks by the logits (q = softmax at temperature
+    /// 1), so its rank 0 is the token `draw` picks; a sampled one by q after temperature / top-k
+    /// / top-p, the distribution `draw` samples from.
+    pub fn top_k(&self, logits: &[f32], k: usize) -> Vec<TreeChild> {
+        let logits = &logits[..self.usable_vocab];
+        if self.params.is_greedy() {
+            let best = best_k(logits, k, |l| l == f32::NEG_INFINITY);
+            let Some(&first) = best.first() else { return Vec::new() };
+            // log softmax(l) = l - max - ln(sum(exp(l - max))), the max being the rank-0 logit.
+            let max = logits[first as usize];
+            let log_total = logits.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
+            return best.into_iter().map(|t| self.child(t, logits[t as usize] - max - log_total)).collect();
+        }
+        let q = probabilities(logits, &self.params);
+        best_k(&q, k, |p| p <= 0.0).into_iter().map(|t| self.child(t, q[t as usize].ln())).collect()
+    }
+
+    fn child(&self, token_id: u32, log_q: f32) -> TreeChild {
+        TreeChild { token_id, log_q, confident: log_q.exp() >= self.confidence_threshold }
+    }
+}
+
+/// One child of a tree node (`DraftSampler::top_k`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TreeChild {
+    pub token_id: u32,
+    /// ln q(token) under the node's distribution.
+    pub log_q: f32,
+    /// q reaches the confidence threshold: the child may get children of its own.
+    pub confident: bool,
+}
+
+/// Indices of the `k` largest `values`, largest first, ties to the lower index (as `argmax`);
+/// values for which `skip` holds (and NaN) are never picked. One pass, O(vocab * k) at worst.
+fn best_k(values: &[f32], k: usize, skip: impl Fn(f32) -> bool) -> Vec<u32> {
+    let mut best: Vec<u32> = Vec::with_capacity(k + 1);
+    if k == 0 {
+        return best;
+    }
+    for (i, &v) in values.iter().enumerate() {
+        if v.is_nan() || skip(v) || (best.len() == k && v <= values[best[k - 1] as usize]) {
+            continue;
+        }
+        // After every kept value at least as large: an equal value keeps the lower index first.
+        let at = best.partition_point(|&b| values[b as usize] >= v);
+        best.insert(at, i as u32);
+        best.truncate(k);
+    }
+    best
+}
+
+/// One candidate of a dynamic draft tree.
+#[derive(Debug, Clone)]
+pub(crate) struct TreeNode {
+    pub token_id: u32,
+    /// The parent candidate's index, -1 for the root (the newest context token).
+    pub parent: i32,
+    /// 0 for a child of the root.
+    pub depth: usize,
+    /// Rank among its parent's children (0: the most likely).
+    pub rank: usize,
+    /// Sum of ln q along the path from the root: the draft's estimate of ln P(the text follows
+    /// this path).
+    pub score: f64,
+    /// Whether it may get children (its q reached the confidence threshold).
+    pub expandable: bool,
+}
+
+/// EAGLE-2's dynamic draft tree (Li et al. 2024, arXiv 2406.16858), independent of the model
+/// that scores it: the root's children are its top `max_children` tokens; at each depth the
+/// `max_children` best nodes of that depth by cumulative log q (the frontier) are expanded, each
+/// into its top `max_children` tokens (the caller runs the model over the frontier, one batched
+/// step per depth); finally every candidate is reranked by cumulative log q and the best
+/// `max_nodes` are kept.
+///
+/// Invariant: the kept set is closed under parents and keeps sibling prefixes (a node is kept
+/// only when its parent and its better siblings are), so it is a tree of the top-k children. The
+/// order "score descending, then depth, then creation" guarantees it on its own: a child's score
+/// is its parent's plus ln q <= 0 (rounding is monotone, so never above the parent's) and
+/// siblings are created best first; `select` checks it anyway.
+pub(crate) struct DynamicTree {
+    pub nodes: Vec<TreeNode>,
+    max_depth: usize,
+    limits: TreeLimits,
+}
+
+impl DynamicTree {
+    pub fn new(max_depth: usize, limits: TreeLimits) -> Self {
+        Self { nodes: Vec::new(), max_depth, limits }
+    }
+
+    /// Adds the children of `parent` (-1: the root) from the logits `[draft_vocab]` of its
+    /// distribution.
+    pub fn add_children(&mut self, sampler: &DraftSampler, parent: i32, logits: &[f32]) {
+        let (depth, base) = match parent {
+            -1 => (0, 0.0),
+            p => (self.nodes[p as usize].depth + 1, self.nodes[p as usize].score),
+        };
+        for (rank, child) in sampler.top_k(logits, self.limits.max_children).into_iter().enumerate() {
+            self.nodes.push(TreeNode {
+                token_id: child.token_id,
+                parent,
+                depth,
+                rank,
+                score: base + f64::from(child.log_q),
+                expandable: child.confident,
+            });
+        }
+    }
+
+    /// The rank order of nodes `a` and `b` (see the type's invariant): a total order.
+    fn order(&self, a: usize, b: usize) -> Ordering {
+        let (x, y) = (&self.nodes[a], &self.nodes[b]);
+        y.score.total_cmp(&x.score).then(x.depth.cmp(&y.depth)).then(a.cmp(&b))
+    }
+
+    /// The nodes of `depth` to expand next, best first: the `max_children` best that may get
+    /// children, none when their children would be deeper than `max_depth`. A node with
+    /// `max_nodes - 1` nodes or more ranked before it is skipped: its children rank after it and
+    /// after all of those, so none could be kept (and the nodes that take its place in the
+    /// frontier rank after them too), which saves steps without changing the kept tree.
+    pub fn frontier(&self, depth: usize) -> Vec<usize> {
+        if depth + 1 >= self.max_depth {
+            return Vec::new();
+        }
+        self.ranked()
+            .into_iter()
+            .take(self.limits.max_nodes.saturating_sub(1))
+            .filter(|&x| self.nodes[x].depth == depth && self.nodes[x].expandable)
+            .take(self.limits.max_children)
+            .collect()
+    }
+
+    /// Every node, best first.
+    fn ranked(&self) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.nodes.len()).collect();
+        order.sort_unstable_by(|&a, &b| self.order(a, b));
+        order
+    }
+
+    /// The nodes from the root's child to `node`, `node` last.
+    pub fn path(&self, node: usize) -> Vec<usize> {
+        let mut path = vec![node];
+        let mut at = self.nodes[node].parent;
+        while at >= 0 {
+            path.push(at as usize);
+            at = self.nodes[at as usize].parent;
+        }
+        path.reverse();
+        path
+    }
+
+    /// The child of `parent` (-1: the root) holding `token`, if drafted (siblings differ).
+    pub fn child(&self, parent: i32, token: u32) -> Option<usize> {
+        self.nodes.iter().position(|n| n.parent == parent && n.token_id == token)
+    }
+
+    /// The kept nodes, best first (parents before children, siblings best first): the
+    /// `max_nodes` best by cumulative log q.
+    pub fn select(&self) -> Vec<usize> {
+        // Per slot (0: the root, x + 1: node x) how many of its children are kept; None: not kept.
+        let mut kept_children: Vec<Option<usize>> = vec![None; self.nodes.len() + 1];
+        kept_children[0] = Some(0);
+        let mut kept = Vec::new();
+        for x in self.ranked() {
+            if kept.len() == self.limits.max_nodes {
+                break;
+            }
+            let slot = (self.nodes[x].parent + 1) as usize;
+            if kept_children[slot] == Some(self.nodes[x].rank) {
+                kept_children[slot] = Some(self.nodes[x].rank + 1);
+                kept_children[x + 1] = Some(0);
+                kept.push(x);
+            }
+        }
+        kept
+    }
+
+    /// The deterministic tree draft of the `kept` nodes (in `select`'s order).
+    pub fn draft(&self, kept: &[usize]) -> Draft {
+        let mut index = vec![-1i32; self.nodes.len()];
+        kept.iter().enumerate().for_each(|(i, &x)| index[x] = i as i32);
+        let parents =
+            kept.iter().map(|&x| if self.nodes[x].parent < 0 { -1 } else { index[self.nodes[x].parent as usize] });
+        Draft::tree(kept.iter().map(|&x| self.nodes[x].token_id).collect(), parents.collect())
     }
 }
 
@@ -176,6 +376,31 @@ impl DraftCache {
         Ok(logits.flatten_all()?.to_vec1()?)
     }
 
+    /// One draft forward over token-tree rows after the cache (`SeqRows::tree`: each row sees the
+    /// cache and its own ancestors among `tokens`): logits `[logit_rows.len(), draft_vocab]`,
+    /// row-major. The rows are not tokens of one text, so `cached_ids` does not cover them: until
+    /// `keep_path` (or a truncation) the cache holds `cached_ids` plus these rows.
+    pub fn forward_tree(&mut self, tokens: &[u32], parents: Vec<i32>, logit_rows: Vec<usize>) -> Result<Vec<f32>> {
+        let cache = self.cache.as_mut().ok_or_else(|| Error::Internal("draft proposer used before begin()".into()))?;
+        let vocab = self.model.info().vocab_size;
+        let tokens = tokens.iter().map(|&t| if (t as usize) < vocab { t } else { 0 }).collect();
+        let rows = SeqRows { tokens, parents, logit_rows };
+        let batch = ForwardBatch::new(&[rows], &[cache.len()], Vec::new())?;
+        let logits = self.model.forward_batch(&batch, &mut [cache])?.logits;
+        Ok(logits.flatten_all()?.to_vec1()?)
+    }
+
+    /// Keeps the first `start` positions and the tree rows at `offsets` past them (a path, in row
+    /// order), whose tokens are `tokens`.
+    pub fn keep_path(&mut self, start: usize, offsets: &[usize], tokens: &[u32]) -> Result<()> {
+        if let Some(cache) = self.cache.as_mut() {
+            cache.keep(start, offsets)?;
+        }
+        self.cached_ids.truncate(start);
+        self.cached_ids.extend_from_slice(tokens);
+        Ok(())
+    }
+
     /// Drops positions past `len` (tokens a later forward appended and that must not stay).
     pub fn truncate(&mut self, len: usize) {
         if let Some(cache) = self.cache.as_mut() {
@@ -204,6 +429,17 @@ pub struct DraftModelProposer {
     target_vocab: usize,
     confidence_threshold: f32,
     sampler: Option<DraftSampler>,
+    /// The last tree drafted, while its rows are in the cache (until `observe`).
+    tree: Option<HeldTree>,
+}
+
+/// A drafted tree whose rows the draft cache holds past the context.
+struct HeldTree {
+    tree: DynamicTree,
+    /// Context length: where the tree rows start.
+    start: usize,
+    /// The tree node of each row past `start`, in row order (parents before children).
+    rows: Vec<usize>,
 }
 
 impl DraftModelProposer {
@@ -219,7 +455,63 @@ impl DraftModelProposer {
             target_vocab,
             confidence_threshold,
             sampler: None,
+            tree: None,
         }
+    }
+
+    /// EAGLE-2's tree (`DynamicTree`) with the draft model: one forward for the root (the
+    /// context's unseen tokens), then one per depth over the frontier. A forward masks only among
+    /// its own rows (a row sees everything the cache held before it), so the rows of earlier
+    /// depths cannot stay in the cache while the next depth runs: each depth's forward runs the
+    /// frontier's paths afresh after the context (at most `max_children * (depth + 1)` rows, with
+    /// the same positions and ancestors as a chain run of each path). The last forward's rows stay
+    /// for `observe`, which keeps the accepted path's.
+    fn draft_tree(&mut self, context: &[u32], max_depth: usize, limits: TreeLimits) -> Result<Draft> {
+        let sampler =
+            self.sampler.as_ref().ok_or_else(|| Error::Internal("draft proposer used before begin()".into()))?;
+        let unseen = self.cache.catch_up(context);
+        let root_logits = self.cache.forward(&context[unseen..], LogitRows::Last)?; // [1, draft_vocab]
+        let start = self.cache.len();
+        let vocab = self.cache.model.info().vocab_size;
+        let mut tree = DynamicTree::new(max_depth, limits);
+        tree.add_children(sampler, -1, &root_logits);
+        let mut rows: Vec<usize> = Vec::new();
+        for depth in 0.. {
+            let frontier = tree.frontier(depth);
+            if frontier.is_empty() {
+                break;
+            }
+            // The frontier's paths, by depth then creation: parents before children, and the
+            // frontier (the deepest) last, in creation order.
+            let mut on_paths: Vec<usize> = frontier.iter().flat_map(|&x| tree.path(x)).collect();
+            on_paths.sort_unstable_by_key(|&x| (tree.nodes[x].depth, x));
+            on_paths.dedup();
+            if !self.cache.fits(start + on_paths.len()) {
+                break;
+            }
+            let mut row_of = vec![usize::MAX; tree.nodes.len()];
+            on_paths.iter().enumerate().for_each(|(row, &x)| row_of[x] = row);
+            let tokens: Vec<u32> = on_paths.iter().map(|&x| tree.nodes[x].token_id).collect();
+            let parents: Vec<i32> = on_paths
+                .iter()
+                .map(|&x| match tree.nodes[x].parent {
+                    -1 => -1,
+                    p => row_of[p as usize] as i32,
+                })
+                .collect();
+            let mut expanded = frontier.clone();
+            expanded.sort_unstable_by_key(|&x| row_of[x]);
+            let logit_rows: Vec<usize> = expanded.iter().map(|&x| row_of[x]).collect();
+            self.cache.truncate(start);
+            let logits = self.cache.forward_tree(&tokens, parents, logit_rows)?; // [frontier, draft_vocab]
+            for (row, &x) in logits.chunks(vocab).zip(&expanded) {
+                tree.add_children(sampler, x as i32, row);
+            }
+            rows = on_paths;
+        }
+        let draft = tree.draft(&tree.select());
+        self.tree = Some(HeldTree { tree, start, rows });
+        Ok(draft)
     }
 }
 
@@ -231,6 +523,7 @@ impl Proposer for DraftModelProposer {
     }
 
     fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {
+        self.tree = None;
         // The last draft token is never fed, so the draft needs context + max_tokens - 1 positions.
         if max_tokens == 0 || !self.cache.fits(context.len() + max_tokens - 1) {
             return Ok(Draft::default());
@@ -246,12 +539,36 @@ impl Proposer for DraftModelProposer {
         Ok(draft.build())
     }
 
+    fn propose_tree(&mut self, context: &[u32], max_depth: usize, limits: TreeLimits) -> Result<Draft> {
+        self.tree = None;
+        if max_depth == 0 || limits.max_nodes == 0 || limits.max_children == 0 || !self.cache.fits(context.len()) {
+            return Ok(Draft::default());
+        }
+        self.draft_tree(context, max_depth, limits)
+    }
+
     fn observe(&mut self, feedback: &Feedback<'_>) -> Result<()> {
-        self.cache.observe(feedback.num_accepted_tokens);
-        Ok(())
+        let Some(held) = self.tree.take() else {
+            self.cache.observe(feedback.num_accepted_tokens);
+            return Ok(());
+        };
+        // The accepted tokens are followed down our own tree rather than `accepted_path`, which
+        // indexes the draft as verified (the session may have pruned it); siblings differ, so the
+        // tokens name the path. Rows held past the context are the paths of the last frontier,
+        // so the accepted path's held rows are a prefix of it; the rest is fed at the next draft.
+        let (mut parent, mut offsets, mut tokens) = (-1i32, Vec::new(), Vec::new());
+        for &token in &feedback.token_ids[..feedback.num_accepted_tokens] {
+            let Some(node) = held.tree.child(parent, token) else { break };
+            let Some(row) = held.rows.iter().position(|&x| x == node) else { break };
+            offsets.push(row);
+            tokens.push(token);
+            parent = node as i32;
+        }
+        self.cache.keep_path(held.start, &offsets, &tokens)
     }
 
     fn finish(&mut self, _generated: &[u32]) {
+        self.tree = None;
         self.cache.release();
     }
 
@@ -267,6 +584,40 @@ mod tests {
     use super::*;
     use crate::model::candle::decoder::{Decoder, WeightFormat};
     use crate::model::llama_config::LlamaConfig;
+
+    /// EAGLE-2 by hand: root q = [.5, .3, .15, .05], two children per node. Node A (token 0) has
+    /// children C (token 2, .5 * .65) and D (token 1, .5 * .2); B (token 1) has E (token 0,
+    /// .3 * .9) and F (token 1, .3 * .06). Best first:
+    /// A .5, C .325, B .3, E .27, D .1, F .018.
+    #[test]
+    fn the_dynamic_tree_expands_the_best_of_each_depth_and_keeps_the_best_nodes() {
+        let params = SamplingParams::default();
+        let sampler = DraftSampler::new(&params, 4, 4, 0.0);
+        let ln = |q: [f32; 4]| q.map(f32::ln);
+        let grow = |max_depth: usize, max_nodes: usize| {
+            let mut tree = DynamicTree::new(max_depth, TreeLimits { max_nodes, max_children: 2 });
+            tree.add_children(&sampler, -1, &ln([0.5, 0.3, 0.15, 0.05]));
+            assert_eq!(tree.frontier(0), [0, 1]);
+            tree.add_children(&sampler, 0, &ln([0.1, 0.2, 0.65, 0.05]));
+            tree.add_children(&sampler, 1, &ln([0.9, 0.06, 0.04, 0.0]));
+            tree
+        };
+        let tree = grow(3, 5);
+        assert_eq!(tree.nodes.iter().map(|n| n.token_id).collect::<Vec<_>>(), [0, 1, 2, 1, 0, 1]);
+        assert_eq!(tree.frontier(1), [2, 4], "C and E, best first");
+        assert!(grow(2, 5).frontier(1).is_empty(), "their children would be too deep");
+        // With 3 nodes E (4 nodes before it) could not be kept, nor its children.
+        assert_eq!(grow(3, 3).frontier(1), [2]);
+        let draft = tree.draft(&tree.select());
+        assert_eq!((draft.token_ids, draft.parents), (vec![0, 2, 1, 0, 1], Some(vec![-1, 0, -1, 2, 0])));
+        let small = grow(3, 3);
+        assert_eq!(small.draft(&small.select()).parents, Some(vec![-1, 0, -1]));
+        // q = 0 is never a child; a confidence threshold stops expansion below it.
+        let mut tree = DynamicTree::new(3, TreeLimits { max_nodes: 8, max_children: 4 });
+        tree.add_children(&DraftSampler::new(&params, 4, 4, 0.2), -1, &ln([0.9, 0.1, 0.0, 0.0]));
+        assert_eq!(tree.nodes.len(), 2);
+        assert_eq!(tree.frontier(0), [0]);
+    }
 
     #[test]
     fn a_draft_with_a_smaller_vocabulary_reads_the_targets_extra_tokens_as_token_0() {

@@ -216,9 +216,11 @@ pub struct ProposeInput<'a> {
 pub struct Feedback<'a> {
     /// Draft tokens the target accepted (a chain's leading tokens, or a tree's path).
     pub num_accepted_tokens: usize,
-    /// Indices into the draft of the accepted tokens, root's child first: `0..num_accepted_tokens`
-    /// for a chain, the accepted root-to-node path for a tree (a proposer that drafted a tree with
-    /// its own cache keeps that path).
+    /// Indices of the accepted tokens in the draft as verified, root's child first:
+    /// `0..num_accepted_tokens` for a chain, the accepted root-to-node path for a tree. The
+    /// session may have pruned the proposer's tree (a static shape, the tree chooser) before
+    /// verifying it, so a proposer that keeps its own tree finds the path by `token_ids` (siblings
+    /// are distinct tokens).
     pub accepted_path: &'a [usize],
     /// The tokens this step appended: the accepted draft tokens, then the target's own (the
     /// recovered token at the first rejection, or the bonus token when every draft token passed).

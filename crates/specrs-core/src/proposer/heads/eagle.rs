@@ -14,14 +14,17 @@
 //! back in place of the fc output. speculators' options: `fc_norm` RMS-norms each tapped state
 //! before fc, `norm_before_fc` the concatenation, `norm_output` feeds back the normed output.
 //!
+//! EAGLE-2's dynamic tree runs the same steps batched over a depth's frontier (`step_tree`): each
+//! row attends to the context rows and its own ancestors' rows only (`layer::TreeRows`).
+//!
 //! Invariant: the head's cache holds one row per context position it read; `step` appends one
-//! row that the proposer truncates after drafting.
+//! row (`step_tree` one per frontier node) that the proposer truncates after drafting.
 
 use std::sync::Arc;
 
 use candle_core::Tensor;
 
-use super::layer::HeadLayer;
+use super::layer::{HeadLayer, Rows, TreeRows};
 use super::weights::Linear;
 use super::{embed_rows, lm_head_logits, rms, scatter_vocab, RecurrentHead};
 use crate::error::Result;
@@ -73,11 +76,11 @@ impl EagleHead {
 
     /// The layer over `embeds` `[n, hidden]` and `hidden` `[n, hidden]` (EAGLE-1: the target's
     /// hidden state or the last output; EAGLE-3: the fc output or the last output).
-    fn layer(&self, cache: &mut KvCache, embeds: &Tensor, hidden: &Tensor, position: usize) -> Result<Tensor> {
+    fn layer(&self, cache: &mut KvCache, embeds: &Tensor, hidden: &Tensor, rows: Rows) -> Result<Tensor> {
         match self.version {
             EagleVersion::One => {
                 let fused = self.fc.forward(&Tensor::cat(&[embeds, hidden], 1)?)?;
-                self.layer.forward(&fused, &fused, cache, position)
+                self.layer.forward(&fused, &fused, cache, rows)
             }
             EagleVersion::Three => {
                 let (Some(input_norm), Some(hidden_norm)) = (&self.input_norm, &self.hidden_norm) else {
@@ -86,7 +89,7 @@ impl EagleHead {
                 let normed_hidden = rms(hidden, hidden_norm, self.rms_eps)?;
                 let attn_input = Tensor::cat(&[&rms(embeds, input_norm, self.rms_eps)?, &normed_hidden], 1)?;
                 let residual = if self.norm_before_residual { &normed_hidden } else { hidden };
-                let out = self.layer.forward(&attn_input, residual, cache, position)?;
+                let out = self.layer.forward(&attn_input, residual, cache, rows)?;
                 match (&self.final_norm, self.norm_output) {
                     (Some(norm), true) => rms(&out, norm, self.rms_eps),
                     _ => Ok(out),
@@ -133,7 +136,7 @@ impl RecurrentHead for EagleHead {
                 self.fc.forward(&x)? // [n, 3 * target_hidden] -> [n, hidden]
             }
         };
-        self.layer(&mut caches[0], &embeds, &hidden, start)
+        self.layer(&mut caches[0], &embeds, &hidden, Rows::Chain(start))
     }
 
     fn step(
@@ -144,7 +147,22 @@ impl RecurrentHead for EagleHead {
         _step: usize,
         position: usize,
     ) -> Result<Tensor> {
-        self.layer(&mut caches[0], &self.embed(&[token])?, hidden, position)
+        self.layer(&mut caches[0], &self.embed(&[token])?, hidden, Rows::Chain(position))
+    }
+
+    fn drafts_trees(&self) -> bool {
+        true
+    }
+
+    fn step_tree(
+        &self,
+        caches: &mut [KvCache],
+        hidden: &Tensor,
+        tokens: &[u32],
+        _step: usize,
+        rows: &TreeRows,
+    ) -> Result<Tensor> {
+        self.layer(&mut caches[0], &self.embed(tokens)?, hidden, Rows::Tree(rows))
     }
 
     fn logits(&self, hidden: &Tensor, _step: usize) -> Result<Tensor> {

@@ -9,15 +9,20 @@
 //! residual, MTP feeds `input_norm(x)` and `x`. The post-attention norm, the MLP and both residual
 //! additions are the layer's.
 //!
+//! Rows come as a chain after the cache, or as token-tree rows (`TreeRows`: EAGLE-2's batched draft
+//! steps), where each row attends to the context rows of the cache, its own ancestors' rows and
+//! itself only (an additive mask over the keys), so it computes what a chain run of its path
+//! computes for its last row, up to summation order.
+//!
 //! Invariant: `forward` appends exactly its rows to the cache, after the rows it held, so
 //! `KvCache::truncate` rolls drafts back.
 
 use candle_core::{DType, Device, Tensor};
-use candle_nn::ops::rms_norm;
+use candle_nn::ops::{rms_norm, softmax_last_dim};
 use candle_nn::rotary_emb::{rope, rope_i};
 
 use super::weights::{HeadWeights, Linear};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kv_cache::{KvBytes, KvCache};
 use crate::model::candle::decoder::causal_attention;
 use crate::model::cpu::rope::{Pairing, Rope};
@@ -91,6 +96,67 @@ impl LayerNames {
     }
 }
 
+/// Where a forward's new rows sit, and what each attends to.
+#[derive(Debug, Clone, Copy)]
+pub enum Rows<'a> {
+    /// A chain from this position: each row sees every row the cache held and its predecessors.
+    Chain(usize),
+    /// Token-tree rows.
+    Tree(&'a TreeRows<'a>),
+}
+
+/// Token-tree rows drafted inside a head's cache: new row i sees the cache's first `context` rows
+/// (the context positions), the rows `ancestors[i]` (the draft rows of its own path) and itself;
+/// not the other draft rows the cache holds, not the other new rows.
+#[derive(Debug, Clone, Copy)]
+pub struct TreeRows<'a> {
+    pub context: usize,
+    /// `[n]` each new row's position.
+    pub positions: &'a [usize],
+    /// `[n]` each new row's ancestors' cache rows, increasing, in `context..` and before the new
+    /// rows.
+    pub ancestors: &'a [Vec<usize>],
+}
+
+impl Rows<'_> {
+    /// Positions of the `n` new rows.
+    pub fn positions(&self, n: usize) -> Vec<usize> {
+        match self {
+            Rows::Chain(first) => (*first..first + n).collect(),
+            Rows::Tree(tree) => tree.positions.to_vec(),
+        }
+    }
+}
+
+impl TreeRows<'_> {
+    /// `[n, past + n]` additive mask over the keys of a cache that held `past` rows before these
+    /// `n`: 0 where row i sees the key, -inf elsewhere.
+    fn mask(&self, n: usize, past: usize, device: &Device) -> Result<Tensor> {
+        if self.positions.len() != n || self.ancestors.len() != n || self.context > past {
+            return Err(Error::Internal(format!(
+                "tree rows: {n} rows with {} positions and {} ancestor lists over {} context rows of {past}",
+                self.positions.len(),
+                self.ancestors.len(),
+                self.context
+            )));
+        }
+        let total = past + n;
+        let mut mask = vec![f32::NEG_INFINITY; n * total];
+        for (i, (row, ancestors)) in mask.chunks_mut(total).zip(self.ancestors).enumerate() {
+            if ancestors.windows(2).any(|w| w[0] >= w[1]) || ancestors.iter().any(|&a| a < self.context || a >= past) {
+                return Err(Error::Internal(format!(
+                    "tree row {i}: ancestor rows {ancestors:?} must increase within {}..{past}",
+                    self.context
+                )));
+            }
+            row[..self.context].fill(0.0);
+            ancestors.iter().for_each(|&a| row[a] = 0.0);
+            row[past + i] = 0.0;
+        }
+        Ok(Tensor::from_vec(mask, (n, total), device)?)
+    }
+}
+
 pub struct HeadLayer {
     shape: LayerShape,
     q: Linear,
@@ -142,23 +208,18 @@ impl HeadLayer {
         Ok(cache.tracked_by(kv_bytes.clone()))
     }
 
-    /// `attn_input` `[n, attn_input_size]`, `residual` `[n, hidden_size]`, both f32, at positions
-    /// `first_position..first_position + n`: the layer's output `[n, hidden_size]` (residual
-    /// stream after attention and MLP, before any final norm). Appends the n rows to `cache`, and
-    /// each row attends to every row the cache held before plus its predecessors; keys carry their
-    /// own positions, so a cache may skip positions (MTP layers cycled over draft steps).
-    pub fn forward(
-        &self,
-        attn_input: &Tensor,
-        residual: &Tensor,
-        cache: &mut KvCache,
-        first_position: usize,
-    ) -> Result<Tensor> {
+    /// `attn_input` `[n, attn_input_size]`, `residual` `[n, hidden_size]`, both f32, at the
+    /// positions `rows` gives: the layer's output `[n, hidden_size]` (residual stream after
+    /// attention and MLP, before any final norm). Appends the n rows to `cache`; a chain row
+    /// attends to every row the cache held before plus its predecessors, a tree row to what
+    /// `TreeRows` says. Keys carry their own positions, so a cache may skip positions (MTP layers
+    /// cycled over draft steps).
+    pub fn forward(&self, attn_input: &Tensor, residual: &Tensor, cache: &mut KvCache, rows: Rows) -> Result<Tensor> {
         let s = &self.shape;
         let n = attn_input.dim(0)?;
         let past = cache.len();
         cache.reserve(n)?;
-        let positions: Vec<usize> = (first_position..first_position + n).collect();
+        let positions = rows.positions(n);
         let (cos, sin) = self.rope.tables_at(&positions);
         let half = s.head_dim / 2;
         let cos = Tensor::from_vec(cos, (n, half), &self.device)?;
@@ -184,11 +245,32 @@ impl HeadLayer {
         let v = heads(self.v.forward(attn_input)?, s.num_kv_heads, false, None)?;
         cache.append_tensors(0, &k, &v)?;
         let (k_all, v_all) = cache.layer_tensors(0, past + n)?; // [kv_heads, past + n, hd]
-        let attn = causal_attention(&q, &k_all, &v_all, past, 1.0 / (s.head_dim as f32).sqrt())?; // [n, heads * hd]
+        let scale = 1.0 / (s.head_dim as f32).sqrt();
+        let attn = match rows {
+            Rows::Chain(_) => causal_attention(&q, &k_all, &v_all, past, scale)?, // [n, heads * hd]
+            Rows::Tree(tree) => masked_attention(&q, &k_all, &v_all, &tree.mask(n, past, &self.device)?, scale)?,
+        };
         cache.commit(n);
         let x = (residual + self.o.forward(&attn)?)?;
         let h = rms_norm(&x, &self.post_attention_norm, s.rms_eps)?;
         let mlp = self.down.forward(&(self.gate.forward(&h)?.silu()? * self.up.forward(&h)?)?)?;
         Ok((x + mlp)?)
     }
+}
+
+/// Grouped-query attention in f32 under an additive `mask` `[n, total]`: `q` `[num_heads, n,
+/// head_dim]`, `k`, `v` `[num_kv_heads, total, head_dim]`; returns `[n, num_heads * head_dim]`.
+/// Query heads sharing a kv head are folded into its rows (query head h reads kv head h / groups),
+/// as `causal_attention` does. Masked keys get exp(-inf) = 0 weight, so a row's result is the one
+/// over the keys it sees alone, up to summation order.
+fn masked_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, scale: f32) -> Result<Tensor> {
+    let (num_heads, n, head_dim) = q.dims3()?;
+    let (num_kv_heads, total, _) = k.dims3()?;
+    let groups = num_heads / num_kv_heads;
+    let q = q.reshape((num_kv_heads, groups * n, head_dim))?;
+    let scores = (q.matmul(&k.t()?)? * scale as f64)?; // [kv_heads, groups * n, total]
+    let scores = scores.reshape((num_kv_heads, groups, n, total))?.broadcast_add(mask)?;
+    let scores = scores.reshape((num_kv_heads, groups * n, total))?;
+    let out = softmax_last_dim(&scores)?.matmul(v)?; // [kv_heads, groups * n, head_dim]
+    Ok(out.reshape((num_heads, n, head_dim))?.transpose(0, 1)?.reshape((n, num_heads * head_dim))?)
 }

@@ -4,6 +4,10 @@
 //! head's own, or one shared `lm_head` with vLLM's `original_lm_head`). A head with a truncated
 //! vocabulary maps its rows to target ids through `token_map`.
 //!
+//! In a token tree every node of depth i therefore gets the same children, head i's top-k: the
+//! classic Medusa tree (Cai et al.'s Cartesian product of each head's top-k), cut to the best
+//! nodes by cumulative probability.
+//!
 //! Invariant: no cache; head i reads only the target's final-normed last hidden state, so the
 //! drafted tokens do not condition on each other (each q_i is still a proper distribution, which
 //! is all rejection sampling needs).
@@ -36,7 +40,13 @@ impl ParallelHead for MedusaHead {
         self.blocks.len()
     }
 
-    fn step(&self, i: usize, state: &Tensor, _token: u32) -> Result<(Tensor, Tensor)> {
+    fn step(&self, i: usize, state: &Tensor, token: u32) -> Result<(Tensor, Tensor)> {
+        self.step_rows(i, state, &[token])
+    }
+
+    /// Every row at once (`states` `[m, hidden]`, all the target's state in a tree): the tokens
+    /// are not read.
+    fn step_rows(&self, i: usize, state: &Tensor, _tokens: &[u32]) -> Result<(Tensor, Tensor)> {
         let mut x = state.clone();
         for block in &self.blocks[i] {
             x = (&x + block.forward(&x)?.silu()?)?;

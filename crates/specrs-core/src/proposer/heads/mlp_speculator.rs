@@ -11,6 +11,9 @@
 //! `tie_weights`, every sub-head shares `emb`, `ln` and `head` of sub-head 0, and sub-heads 2..
 //! share `proj` of sub-head 1.
 //!
+//! A token tree runs sub-head i over every frontier node of depth i - 1 at once (`step_rows`):
+//! each row reads its parent's state and its own token, as a chain run of its path does.
+//!
 //! Invariant: no cache; a draft reads only the target's last hidden state and the drawn tokens.
 
 use candle_core::{DType, Tensor};
@@ -65,15 +68,20 @@ impl ParallelHead for MlpSpeculator {
     }
 
     fn step(&self, i: usize, state: &Tensor, token: u32) -> Result<(Tensor, Tensor)> {
+        self.step_rows(i, state, &[token])
+    }
+
+    /// Every row at once: the ops are row-wise (`rms_only` normalizes each row).
+    fn step_rows(&self, i: usize, states: &Tensor, tokens: &[u32]) -> Result<(Tensor, Tensor)> {
         let head = &self.heads[i];
-        let mut state = state.to_dtype(DType::F32)?;
+        let mut state = states.to_dtype(DType::F32)?; // [m, width]
         if i == 0 && self.scale_input {
             state = (rms_only(&state)? / 2f64.sqrt())?;
         }
-        let z = head.emb.index_select(&Tensor::new(&[token], state.device())?, 0)?; // [1, inner]
+        let z = head.emb.index_select(&Tensor::new(tokens, state.device())?, 0)?; // [m, inner]
         let x = (head.proj.forward(&state)? + (z * (self.emb_weight / self.state_weight))?)?;
         let x = rms_only(&x)?.broadcast_mul(&head.ln_weight)?.broadcast_add(&head.ln_bias)?;
-        let state = x.gelu_erf()?;
+        let state = x.gelu_erf()?; // [m, inner]
         Ok((head.head.forward(&state)?, state))
     }
 }

@@ -10,14 +10,22 @@
 //! - parallel heads (MLP speculator, Medusa) draft token i from the target's last hidden state
 //!   (and, for the MLP speculator, from the tokens drawn before it) with their i-th head.
 //!
-//! Every drafted token is drawn from the head's own distribution q after the request's sampling
-//! settings and goes to the same verifier as every other draft, with q, so greedy output equals
-//! plain decoding and sampling is exact rejection sampling.
+//! Every drafted token of a chain is drawn from the head's own distribution q after the request's
+//! sampling settings and goes to the same verifier as every other draft, with q, so greedy output
+//! equals plain decoding and sampling is exact rejection sampling.
+//!
+//! Token trees (`propose_tree`) are EAGLE-2's dynamic trees (`draft_model::DynamicTree`): each
+//! node's children are its top-k tokens under q, the best nodes of each depth are expanded in one
+//! batched step (recurrent heads: `RecurrentHead::step_tree`, each row attending to the context
+//! and its own ancestors only; parallel heads: `ParallelHead::step_rows`), and the best nodes by
+//! cumulative q are kept. Tree drafts are deterministic (no q), which the verifier checks exactly
+//! by drawing the target's token and accepting the child equal to it.
 //!
 //! Invariant: a head writes no target cache. Its own cache holds one position per context
 //! position whose target hidden state it has read (`fed`), and nothing past it between drafts:
-//! positions written while drafting are truncated away before `propose` returns, and the accepted
-//! tokens' positions are recomputed from the target's own hidden states at the next draft.
+//! positions written while drafting (chain or tree) are truncated away before `propose` /
+//! `propose_tree` returns, and the accepted tokens' positions are recomputed from the target's own
+//! hidden states at the next draft.
 
 pub mod eagle;
 pub mod layer;
@@ -35,8 +43,9 @@ use crate::config::SamplingParams;
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvBytes, KvCache};
 use crate::model::{CausalLm, Tap};
-use crate::proposer::draft_model::{DraftBuilder, DraftSampler, DraftedToken};
-use crate::proposer::{Draft, Proposer};
+use crate::proposer::draft_model::{DraftBuilder, DraftSampler, DraftedToken, DynamicTree};
+use crate::proposer::{Draft, Proposer, TreeLimits};
+use layer::TreeRows;
 use weights::Linear;
 
 /// A head that drafts autoregressively with its own decoder layer(s) and KV cache.
@@ -60,6 +69,31 @@ pub trait RecurrentHead: Send + Sync {
     /// token drawn from it, the next output hidden `[1, hidden_size]`.
     fn step(&self, caches: &mut [KvCache], hidden: &Tensor, token: u32, step: usize, position: usize)
         -> Result<Tensor>;
+    /// Whether `step_tree` is implemented; a head that says no gets a chain when a tree is asked
+    /// for.
+    fn drafts_trees(&self) -> bool {
+        false
+    }
+    /// The cache (index into `new_caches`' list) draft step `step` appends its rows to: the
+    /// head's one layer, or the MTP layer that step cycles to.
+    fn step_cache(&self, _step: usize) -> usize {
+        0
+    }
+    /// Draft step `step` for several tree nodes at once: from their parents' output hiddens
+    /// `[m, hidden_size]` and their `tokens` `[m]`, their output hiddens `[m, hidden_size]`,
+    /// appending m rows to cache `step_cache(step)`. Row i attends as `rows` says (the context
+    /// rows, its ancestors' rows, itself), so it equals what `step` gives at the end of a chain
+    /// run of its path, up to summation order.
+    fn step_tree(
+        &self,
+        _caches: &mut [KvCache],
+        _hidden: &Tensor,
+        _tokens: &[u32],
+        _step: usize,
+        _rows: &TreeRows,
+    ) -> Result<Tensor> {
+        Err(Error::Internal("this head drafts chains only (drafts_trees is false)".into()))
+    }
     /// Logits `[n, target_vocab]` f32 of output hidden states `[n, hidden_size]` made by draft
     /// step `step` (0: `extend`), since heads with several layers have one LM head each. A head
     /// with a draft vocabulary puts -inf on every target token outside it.
@@ -76,6 +110,19 @@ pub trait ParallelHead: Send + Sync {
     /// token before the one it drafts, logits `[1, target_vocab]` and the state sub-head `i + 1`
     /// reads.
     fn step(&self, i: usize, state: &Tensor, token: u32) -> Result<(Tensor, Tensor)>;
+    /// `step` over several rows at once (tree nodes of one depth): `states` `[m, width]`,
+    /// `tokens` `[m]`; logits `[m, target_vocab]` and next states `[m, width']`. Row by row
+    /// unless the head batches it.
+    fn step_rows(&self, i: usize, states: &Tensor, tokens: &[u32]) -> Result<(Tensor, Tensor)> {
+        let mut logits = Vec::with_capacity(tokens.len());
+        let mut next = Vec::with_capacity(tokens.len());
+        for (r, &token) in tokens.iter().enumerate() {
+            let (l, s) = self.step(i, &states.narrow(0, r, 1)?, token)?;
+            logits.push(l);
+            next.push(s);
+        }
+        Ok((Tensor::cat(&logits, 0)?, Tensor::cat(&next, 0)?))
+    }
 }
 
 /// A loaded head, shared by every request of an engine.
@@ -145,7 +192,8 @@ impl HeadProposer {
     }
 
     /// Keeps every draft step's logits from now on (`take_recorded`): what the golden tests
-    /// compare with the reference implementations.
+    /// compare with the reference implementations. A tree records every expanded node's, the
+    /// root's first, then depth by depth in frontier order.
     pub fn record_logits(&mut self) {
         self.recorded = Some(Vec::new());
     }
@@ -164,6 +212,20 @@ impl HeadProposer {
             recorded.push(logits);
         }
         Ok(token)
+    }
+
+    /// Logit rows `[n][target_vocab]` of `logits` (`[n, target_vocab]`), each recorded when
+    /// recording.
+    fn logit_rows(&mut self, logits: &Tensor) -> Result<Vec<Vec<f32>>> {
+        let rows: Vec<Vec<f32>> = logits.to_vec2()?;
+        if let Some(recorded) = self.recorded.as_mut() {
+            recorded.extend(rows.iter().cloned());
+        }
+        Ok(rows)
+    }
+
+    fn sampler(&self) -> Result<&DraftSampler> {
+        self.sampler.as_ref().ok_or_else(|| Error::Internal("head proposer used before begin()".into()))
     }
 
     fn internal(&self, what: &str) -> Error {
@@ -212,6 +274,135 @@ impl HeadProposer {
         Ok(draft.build())
     }
 
+    /// EAGLE-2's tree with a recurrent head: the root's children from the last context row's
+    /// output, then per depth one `step_tree` over the frontier (row i at the position a chain
+    /// would give its node, attending to the context and to the rows of its ancestors that the
+    /// same cache holds). The caches are cut back to the context afterwards, as for a chain.
+    fn tree_recurrent(
+        &mut self,
+        head: &Arc<dyn RecurrentHead>,
+        context: &[u32],
+        max_depth: usize,
+        limits: TreeLimits,
+    ) -> Result<Draft> {
+        let (target_hidden, start) = self.take_pending(context.len())?;
+        let n = target_hidden.dim(0)?;
+        let out = head.extend(&mut self.caches, &target_hidden, &context[start + 1..start + 1 + n], start)?; // [n, hidden]
+        self.fed = start + n;
+        let cache_lens: Vec<usize> = self.caches.iter().map(KvCache::len).collect();
+        let tree = self.grow_recurrent_tree(head, out.narrow(0, n - 1, 1)?, max_depth, limits, &cache_lens);
+        // Rows written while drafting came from the head's own guesses: drop them, even on error.
+        for (cache, &len) in self.caches.iter_mut().zip(&cache_lens) {
+            cache.truncate(len);
+        }
+        let tree = tree?;
+        Ok(tree.draft(&tree.select()))
+    }
+
+    fn grow_recurrent_tree(
+        &mut self,
+        head: &Arc<dyn RecurrentHead>,
+        root_hidden: Tensor, // [1, hidden]
+        max_depth: usize,
+        limits: TreeLimits,
+        cache_lens: &[usize],
+    ) -> Result<DynamicTree> {
+        let mut tree = DynamicTree::new(max_depth, limits);
+        let root_logits = self.logit_rows(&head.logits(&root_hidden, 0)?)?;
+        tree.add_children(self.sampler()?, -1, &root_logits[0]);
+        // The last depth's outputs `[m, hidden]`, and each expanded node's row in them.
+        let mut outputs = root_hidden;
+        let mut output_row: Vec<usize> = Vec::new();
+        // Each expanded node's row in its step's cache.
+        let mut cache_row: Vec<usize> = Vec::new();
+        for depth in 0.. {
+            let frontier = tree.frontier(depth);
+            if frontier.is_empty() {
+                break;
+            }
+            // As in a chain, draft step `depth + 1` feeds a depth-`depth` token at position
+            // fed + depth.
+            let step = depth + 1;
+            let layer = head.step_cache(step);
+            if self.caches[layer].len() + frontier.len() > self.caches[layer].max_len() {
+                break; // near the end of the context: a shallower tree, not an error
+            }
+            let parent_rows = parent_rows(&tree, &frontier, &output_row);
+            let hidden = outputs.index_select(&Tensor::new(parent_rows.as_slice(), outputs.device())?, 0)?; // [m, hidden]
+            let tokens: Vec<u32> = frontier.iter().map(|&x| tree.nodes[x].token_id).collect();
+            // A node's ancestors were all expanded; those whose step used this cache are the rows
+            // a chain run of the path would have put there.
+            let ancestors: Vec<Vec<usize>> = frontier
+                .iter()
+                .map(|&x| {
+                    let path = tree.path(x);
+                    path[..path.len() - 1]
+                        .iter()
+                        .filter(|&&a| head.step_cache(tree.nodes[a].depth + 1) == layer)
+                        .map(|&a| cache_row[a])
+                        .collect()
+                })
+                .collect();
+            let positions = vec![self.fed + depth; frontier.len()];
+            let first_row = self.caches[layer].len();
+            let rows = TreeRows { context: cache_lens[layer], positions: &positions, ancestors: &ancestors };
+            outputs = head.step_tree(&mut self.caches, &hidden, &tokens, step, &rows)?; // [m, hidden]
+            output_row.resize(tree.nodes.len(), 0);
+            cache_row.resize(tree.nodes.len(), usize::MAX);
+            for (i, &x) in frontier.iter().enumerate() {
+                output_row[x] = i;
+                cache_row[x] = first_row + i;
+            }
+            let logits = self.logit_rows(&head.logits(&outputs, step)?)?;
+            let sampler = self.sampler()?;
+            for (&x, row) in frontier.iter().zip(&logits) {
+                tree.add_children(sampler, x as i32, row);
+            }
+        }
+        Ok(tree)
+    }
+
+    /// EAGLE-2's tree with a parallel head: sub-head i expands the depth-(i - 1) frontier, each
+    /// node from its parent's output state and its own token (Medusa's sub-heads read neither,
+    /// so every node of a depth gets the same children: Medusa's own trees), at most
+    /// `num_heads` deep.
+    fn tree_parallel(
+        &mut self,
+        head: &Arc<dyn ParallelHead>,
+        context: &[u32],
+        max_depth: usize,
+        limits: TreeLimits,
+    ) -> Result<Draft> {
+        let (target_hidden, start) = self.take_pending(context.len())?;
+        self.fed = start + target_hidden.dim(0)?;
+        let state = target_hidden.narrow(0, target_hidden.dim(0)? - 1, 1)?; // [1, width]
+        let mut tree = DynamicTree::new(max_depth.min(head.num_heads()), limits);
+        let (logits, mut outputs) = head.step_rows(0, &state, &context[context.len() - 1..])?;
+        let root_logits = self.logit_rows(&logits)?;
+        tree.add_children(self.sampler()?, -1, &root_logits[0]);
+        // Each expanded node's row in `outputs` (the root's: 0).
+        let mut output_row: Vec<usize> = Vec::new();
+        for depth in 0.. {
+            let frontier = tree.frontier(depth);
+            if frontier.is_empty() {
+                break;
+            }
+            let parent_rows = parent_rows(&tree, &frontier, &output_row);
+            let states = outputs.index_select(&Tensor::new(parent_rows.as_slice(), outputs.device())?, 0)?; // [m, width]
+            let tokens: Vec<u32> = frontier.iter().map(|&x| tree.nodes[x].token_id).collect();
+            let (logits, next) = head.step_rows(depth + 1, &states, &tokens)?;
+            outputs = next;
+            output_row.resize(tree.nodes.len(), 0);
+            frontier.iter().enumerate().for_each(|(i, &x)| output_row[x] = i);
+            let logits = self.logit_rows(&logits)?;
+            let sampler = self.sampler()?;
+            for (&x, row) in frontier.iter().zip(&logits) {
+                tree.add_children(sampler, x as i32, row);
+            }
+        }
+        Ok(tree.draft(&tree.select()))
+    }
+
     fn draft_parallel(&mut self, head: &Arc<dyn ParallelHead>, context: &[u32], max_tokens: usize) -> Result<Draft> {
         let (target_hidden, start) = self.take_pending(context.len())?;
         self.fed = start + target_hidden.dim(0)?;
@@ -252,6 +443,17 @@ impl Proposer for HeadProposer {
         match self.head.clone() {
             Head::Recurrent(head) => self.draft_recurrent(&head, context, max_tokens),
             Head::Parallel(head) => self.draft_parallel(&head, context, max_tokens),
+        }
+    }
+
+    fn propose_tree(&mut self, context: &[u32], max_depth: usize, limits: TreeLimits) -> Result<Draft> {
+        if max_depth == 0 || limits.max_nodes == 0 || limits.max_children == 0 {
+            return Ok(Draft::default());
+        }
+        match self.head.clone() {
+            Head::Recurrent(head) if head.drafts_trees() => self.tree_recurrent(&head, context, max_depth, limits),
+            Head::Recurrent(_) => self.propose(context, max_depth.min(limits.max_nodes)),
+            Head::Parallel(head) => self.tree_parallel(&head, context, max_depth, limits),
         }
     }
 
@@ -298,6 +500,18 @@ impl Proposer for HeadProposer {
     fn kv_len(&self) -> Option<usize> {
         self.caches.first().map(KvCache::len)
     }
+}
+
+/// `[frontier.len()]` each frontier node's parent's row in the previous tree step's outputs
+/// (`output_row`, by node), 0 for the root's single row.
+fn parent_rows(tree: &DynamicTree, frontier: &[usize], output_row: &[usize]) -> Vec<u32> {
+    frontier
+        .iter()
+        .map(|&x| match tree.nodes[x].parent {
+            -1 => 0,
+            p => output_row[p as usize] as u32,
+        })
+        .collect()
 }
 
 /// Embedding rows `[tokens.len(), hidden]` f32 from the head's own table, or the target's.

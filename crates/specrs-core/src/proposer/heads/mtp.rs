@@ -11,14 +11,18 @@
 //! every layer reads the context, so each has a full cache; a layer's draft rows keep their own
 //! positions (a layer skips the positions the others drafted).
 //!
+//! EAGLE-2's dynamic tree runs the same steps batched over a depth's frontier (`step_tree`): step
+//! s's rows go to layer `s % num_layers`'s cache and attend to its context rows and to the rows
+//! of their ancestors that the same layer drafted, as a chain run of their path does.
+//!
 //! Invariant: as for every recurrent head (heads/mod.rs), each layer's cache holds one row per
 //! context position read, and draft rows are truncated after drafting.
 
 use std::sync::Arc;
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
-use super::layer::HeadLayer;
+use super::layer::{HeadLayer, Rows, TreeRows};
 use super::weights::Linear;
 use super::{embed_rows, lm_head_logits, rms, RecurrentHead};
 use crate::error::Result;
@@ -60,26 +64,21 @@ impl MtpHead {
         embed_rows(self.embed.as_ref(), self.target.as_ref(), tokens)
     }
 
-    /// Layer `l` over `embeds` and `hidden` (`[n, hidden]` each) at the next positions of `cache`.
-    fn run(&self, l: usize, cache: &mut KvCache, embeds: &Tensor, hidden: &Tensor, position: usize) -> Result<Tensor> {
+    /// Layer `l` over `embeds` and `hidden` (`[n, hidden]` each) as new rows of `cache`.
+    fn run(&self, l: usize, cache: &mut KvCache, embeds: &Tensor, hidden: &Tensor, rows: Rows) -> Result<Tensor> {
         let layer = &self.layers[l];
         let eps = self.rms_eps;
         let mut embeds = rms(embeds, &layer.enorm, eps)?;
-        if self.mask_position_zero && position == 0 {
-            let n = embeds.dim(0)?;
-            let keep = Tensor::cat(
-                &[
-                    Tensor::zeros((1, 1), DType::F32, embeds.device())?,
-                    Tensor::ones((n - 1, 1), DType::F32, embeds.device())?,
-                ],
-                0,
-            )?;
+        let positions = rows.positions(embeds.dim(0)?);
+        if self.mask_position_zero && positions.contains(&0) {
+            let keep: Vec<f32> = positions.iter().map(|&p| if p == 0 { 0.0 } else { 1.0 }).collect();
+            let keep = Tensor::from_vec(keep, (positions.len(), 1), embeds.device())?; // [n, 1]
             embeds = embeds.broadcast_mul(&keep)?;
         }
         let hidden = rms(hidden, &layer.hnorm, eps)?;
         let pair = if layer.hidden_first { [&hidden, &embeds] } else { [&embeds, &hidden] };
         let x = layer.eh_proj.forward(&Tensor::cat(&pair, 1)?)?; // [n, hidden]
-        let out = layer.block.forward(&rms(&x, &layer.input_norm, eps)?, &x, cache, position)?;
+        let out = layer.block.forward(&rms(&x, &layer.input_norm, eps)?, &x, cache, rows)?;
         if layer.norm_inside {
             return rms(&out, &layer.final_norm, eps);
         }
@@ -106,7 +105,7 @@ impl RecurrentHead for MtpHead {
         let embeds = self.embed(next_tokens)?;
         let mut first = None;
         for (l, cache) in caches.iter_mut().enumerate() {
-            let out = self.run(l, cache, &embeds, target_hidden, start)?;
+            let out = self.run(l, cache, &embeds, target_hidden, Rows::Chain(start))?;
             first.get_or_insert(out);
         }
         Ok(first.expect("an MTP head has at least one layer (load.rs)"))
@@ -121,7 +120,27 @@ impl RecurrentHead for MtpHead {
         position: usize,
     ) -> Result<Tensor> {
         let l = step % self.layers.len();
-        self.run(l, &mut caches[l], &self.embed(&[token])?, hidden, position)
+        self.run(l, &mut caches[l], &self.embed(&[token])?, hidden, Rows::Chain(position))
+    }
+
+    fn drafts_trees(&self) -> bool {
+        true
+    }
+
+    fn step_cache(&self, step: usize) -> usize {
+        step % self.layers.len()
+    }
+
+    fn step_tree(
+        &self,
+        caches: &mut [KvCache],
+        hidden: &Tensor,
+        tokens: &[u32],
+        step: usize,
+        rows: &TreeRows,
+    ) -> Result<Tensor> {
+        let l = step % self.layers.len();
+        self.run(l, &mut caches[l], &self.embed(tokens)?, hidden, Rows::Tree(rows))
     }
 
     fn logits(&self, hidden: &Tensor, step: usize) -> Result<Tensor> {
