@@ -42,7 +42,8 @@ pub struct Speculation {
     pub schedule: Option<HeuristicSchedule>,
     /// Drafts with probabilities stop after a token with q(x) below this (0 = off).
     pub draft_confidence_threshold: f32,
-    /// Whether every draft is deterministic (no probabilities: ngram, suffix), so a sampled
+    /// Whether every draft is deterministic (no probabilities: ngram, suffix, and the trees of
+    /// heads and draft models), so a sampled
     /// request's tokens do not depend on its draft lengths (verify.rs). A custom proposer may
     /// return probabilities, so it counts as not.
     pub one_hot_drafts: bool,
@@ -162,7 +163,10 @@ impl Engine {
             schedule: (config.schedule == Schedule::Heuristic)
                 .then(|| HeuristicSchedule::new(config.num_speculative_tokens)),
             draft_confidence_threshold: config.draft_confidence_threshold,
-            one_hot_drafts: matches!(config.method, Method::Ngram { .. } | Method::Suffix(_)),
+            // Heads and draft models draft deterministic top-k trees in tree mode.
+            one_hot_drafts: matches!(config.method, Method::Ngram { .. } | Method::Suffix(_))
+                || (config.tree.is_on()
+                    && matches!(config.method, Method::Head { .. } | Method::DraftModel(_) | Method::QuantizedSelf { .. })),
             verify_cost_source: costs.as_ref().map(|c| c.verify_cost_source),
             draft_cost_source: costs.and_then(|c| c.draft_cost_source),
         })

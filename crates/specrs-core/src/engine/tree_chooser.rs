@@ -3,8 +3,8 @@
 //! request's measured acceptance per depth and sibling rank.
 //!
 //! Model: a node at depth d with sibling rank r is accepted, given its parent was, with
-//! probability a(d, r), estimated from this request's verified trees (discounted counts with a
-//! Beta prior that favours rank 0). A node's value is the probability that verification reaches
+//! probability a(d, r), estimated from this request's verified trees (discounted counts, shrunk
+//! towards the rank's rate over all depths, whose Beta prior favours rank 0). A node's value is the probability that verification reaches
 //! it: the product of a over its path. Verifying a set S of nodes yields 1 + sum of their values
 //! tokens (one target token always) for v(|S| + 1) single-token steps (v(n) = t(n)/t(1), the
 //! forward's cost over n rows on this device). Nodes are taken best value first, each only after
@@ -39,6 +39,8 @@ pub struct TreeChooser {
 
 /// Weight old evidence keeps at each verified or skipped draft: a memory of about 10 drafts.
 const DISCOUNT: f64 = 0.9;
+/// Trials' worth of weight the rank's pooled rate has in each (depth, rank) estimate.
+const POOLED_WEIGHT: f64 = 2.0;
 
 /// What the chooser picked for one step.
 #[derive(Debug, Clone, PartialEq)]
@@ -62,14 +64,20 @@ impl TreeChooser {
         }
     }
 
-    /// The acceptance estimate a(depth, rank).
+    /// The acceptance estimate a(depth, rank): this cell's counts, shrunk towards the rank's rate
+    /// pooled over all depths (worth `POOLED_WEIGHT` trials). Pooling is what lets a request that
+    /// has only verified short drafts still value deeper nodes by what its shallow ones did (as
+    /// the chain policy's one per-token rate does), instead of keeping them at the prior forever.
     pub fn acceptance(&self, depth: usize, rank: usize) -> f64 {
-        // Prior: rank 0 passes half the time, rank r about 1 / (r + 1) of that.
+        let get = |table: &Vec<Vec<f64>>, d: usize| table.get(d).and_then(|row| row.get(rank)).copied().unwrap_or(0.0);
+        // Prior of the pooled rate: rank 0 passes half the time, rank r about 1 / (r + 1) of that.
         let prior_accepted = 1.0 / (rank as f64 + 1.0);
         let prior_rejected = 1.0;
-        let get = |table: &Vec<Vec<f64>>| table.get(depth).and_then(|row| row.get(rank)).copied().unwrap_or(0.0);
-        let (accepted, trials) = (get(&self.accepted), get(&self.trials));
-        (accepted + prior_accepted) / (trials + prior_accepted + prior_rejected)
+        let (pooled_accepted, pooled_trials) =
+            (0..self.trials.len()).fold((0.0, 0.0), |(a, t), d| (a + get(&self.accepted, d), t + get(&self.trials, d)));
+        let pooled = (pooled_accepted + prior_accepted) / (pooled_trials + prior_accepted + prior_rejected);
+        let (accepted, trials) = (get(&self.accepted, depth), get(&self.trials, depth));
+        (accepted + POOLED_WEIGHT * pooled) / (trials + POOLED_WEIGHT)
     }
 
     /// The nodes of a draft (`parents` as in `Draft::parents`) worth verifying this step.
