@@ -53,25 +53,20 @@ impl AcceptInput<'_> {
     /// `check` for target logits that live elsewhere (a device tensor) and hold `num_logits` values.
     pub fn check_with_logits(&self, num_logits: usize) -> Result<()> {
         let (b, k, v) = (self.batch, self.max_draft_tokens, self.vocab_size);
-        let mut wrong = Vec::new();
-        for (name, got, want) in [
+        let arrays = [
             ("target_logits", num_logits, b * (k + 1) * v),
             ("draft_token_ids", self.draft_token_ids.len(), b * k),
             ("num_draft_tokens", self.num_draft_tokens.len(), b),
             ("temperatures", self.temperatures.len(), b),
             ("uniforms", self.uniforms.len(), b * (k + 1)),
             ("draft_probs", self.draft_probs.map_or(b * k * v, <[f32]>::len), b * k * v),
-        ] {
-            if got != want {
-                wrong.push(format!("{name} has {got} values, expected {want}"));
-            }
-        }
-        if let Some(n) = self.num_draft_tokens.iter().find(|&&n| n as usize > k) {
-            wrong.push(format!("num_draft_tokens {n} exceeds max_draft_tokens {k}"));
-        }
-        if let Some(t) = self.draft_token_ids.iter().find(|&&t| t as usize >= v) {
-            wrong.push(format!("draft token {t} is outside the vocabulary ({v})"));
-        }
+        ];
+        let wrong = super::shape_errors(
+            &arrays,
+            ("num_draft_tokens", self.num_draft_tokens, k, "max_draft_tokens"),
+            self.draft_token_ids,
+            v,
+        );
         if wrong.is_empty() {
             Ok(())
         } else {

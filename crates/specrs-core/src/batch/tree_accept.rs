@@ -69,25 +69,16 @@ impl TreeAcceptInput<'_> {
     /// `check` for target logits that live elsewhere (a device tensor) and hold `num_logits` values.
     pub fn check_with_logits(&self, num_logits: usize) -> Result<()> {
         let (b, n, v) = (self.batch, self.max_nodes, self.vocab_size);
-        let mut wrong = Vec::new();
-        for (name, got, want) in [
+        let arrays = [
             ("target_logits", num_logits, b * (n + 1) * v),
             ("draft_token_ids", self.draft_token_ids.len(), b * n),
             ("parents", self.parents.len(), b * n),
             ("num_nodes", self.num_nodes.len(), b),
             ("temperatures", self.temperatures.len(), b),
             ("uniforms", self.uniforms.len(), b * (n + 1)),
-        ] {
-            if got != want {
-                wrong.push(format!("{name} has {got} values, expected {want}"));
-            }
-        }
-        if let Some(count) = self.num_nodes.iter().find(|&&count| count as usize > n) {
-            wrong.push(format!("num_nodes {count} exceeds max_nodes {n}"));
-        }
-        if let Some(t) = self.draft_token_ids.iter().find(|&&t| t as usize >= v) {
-            wrong.push(format!("draft token {t} is outside the vocabulary ({v})"));
-        }
+        ];
+        let mut wrong =
+            super::shape_errors(&arrays, ("num_nodes", self.num_nodes, n, "max_nodes"), self.draft_token_ids, v);
         // Parents are only read where every array above has its shape.
         if wrong.is_empty() {
             let bad_parent = (0..b).find_map(|s| {

@@ -81,6 +81,7 @@ impl Engine {
             spec_metrics: SpecDecodeMetrics::default(),
             engine_metrics: self.metrics.clone(),
             prefill_chunk: None,
+            tree_draft_timing: None,
         })
     }
 
@@ -221,6 +222,8 @@ pub struct Session {
     engine_metrics: Arc<Mutex<EngineMetrics>>,
     /// At most this many prompt tokens per step (None: the whole prompt in the first step).
     prefill_chunk: Option<usize>,
+    /// The last tree draft's drafting seconds and depth, for the tree chooser's draft cost.
+    tree_draft_timing: Option<(f64, usize)>,
 }
 
 impl Session {
@@ -399,6 +402,9 @@ impl Session {
                 }
                 if let Some(chooser) = speculation.tree_chooser.as_mut() {
                     chooser.observe(&draft.parents(), &verification.accepted_path);
+                    if let Some((draft_s, depth)) = self.tree_draft_timing.take() {
+                        chooser.observe_timing(draft_s, depth, forward_s, plan.rows.tokens.len());
+                    }
                 }
                 if let Some(schedule) = speculation.schedule.as_mut() {
                     schedule.observe(num_draft_tokens, num_accepted);
@@ -566,9 +572,11 @@ impl Session {
             tree: tree.map(|(_, limits)| limits),
             target_cache: &mut self.cache,
         })?;
-        self.spec_metrics.propose_s += t0.elapsed().as_secs_f64();
+        let draft_s = t0.elapsed().as_secs_f64();
+        self.spec_metrics.propose_s += draft_s;
         let vocab = self.model.info().vocab_size;
         draft.validate(max_tokens, tree.map(|(_, limits)| limits), vocab, speculation.method)?;
+        self.tree_draft_timing = tree.map(|_| (draft_s, draft.depth()));
         if draft.parents.is_some() {
             prune_tree(speculation, &mut draft, vocab);
         }

@@ -28,7 +28,8 @@ use crate::proposer::tree::{depths, sibling_ranks};
 pub struct TreeChooser {
     /// `[max_rows]`: v(n) = t(n) / t(1) for n = 1..=max_rows.
     cost_ratios: Vec<f64>,
-    /// Drafting time per tree level over t(1) (0 for model-free proposers).
+    /// Drafting time per tree level over t(1): the engine's per-token figure at first, then this
+    /// request's measured one (`observe_timing`); 0 for model-free proposers.
     draft_cost: f64,
     /// `[depth][rank]` discounted accepted counts and trials (the parent was accepted).
     accepted: Vec<Vec<f64>>,
@@ -41,6 +42,8 @@ pub struct TreeChooser {
 const DISCOUNT: f64 = 0.9;
 /// Trials' worth of weight the rank's pooled rate has in each (depth, rank) estimate.
 const POOLED_WEIGHT: f64 = 2.0;
+/// Weight of each new timing in the draft cost per level.
+const TIMING_WEIGHT: f64 = 0.3;
 
 /// What the chooser picked for one step.
 #[derive(Debug, Clone, PartialEq)]
@@ -137,6 +140,21 @@ impl TreeChooser {
                 self.accepted[d][r] += 1.0;
             }
         }
+    }
+
+    /// Records what drafting a tree `depth` levels deep took (`draft_s`) beside the verify forward
+    /// over `rows` rows (`forward_s`): the draft cost per level, in units of this request's own
+    /// single-row step t(1) = forward_s / v(rows), follows it (exponential average). A tree level
+    /// of a head or a draft model expands several frontier rows and ranks them on the host, which
+    /// the per-token cost measured for chains underestimates. Only speed depends on it: the trees
+    /// of such proposers are deterministic, so their outputs do not depend on their shape.
+    pub fn observe_timing(&mut self, draft_s: f64, depth: usize, forward_s: f64, rows: usize) {
+        let Some(&v) = self.cost_ratios.get(rows.saturating_sub(1)) else { return };
+        if depth == 0 || forward_s <= 0.0 || self.draft_cost <= 0.0 {
+            return; // model-free proposers keep c = 0: their drafting is noise next to a forward
+        }
+        let measured = draft_s / depth as f64 / (forward_s / v);
+        self.draft_cost = (1.0 - TIMING_WEIGHT) * self.draft_cost + TIMING_WEIGHT * measured;
     }
 
     /// Records a step that drafted nothing: the evidence ages, so drafting resumes after a while.

@@ -76,20 +76,11 @@ impl SeqRows {
                 self.tokens.len()
             )));
         }
-        let mut depths = Vec::with_capacity(self.parents.len());
-        for (row, &parent) in self.parents.iter().enumerate() {
-            let depth = match parent {
-                -1 => 0,
-                p if p >= 0 && (p as usize) < row => depths[p as usize] + 1,
-                p => {
-                    return Err(Error::config(format!(
-                        "token {row} has parent {p}; a parent is -1 (the cache) or an earlier token's index"
-                    )))
-                }
-            };
-            depths.push(depth);
-        }
-        Ok(depths)
+        crate::proposer::tree::try_depths(&self.parents).map_err(|(row, p)| {
+            Error::config(format!(
+                "token {row} has parent {p}; a parent is -1 (the cache) or an earlier token's index"
+            ))
+        })
     }
 }
 

@@ -28,16 +28,22 @@ pub struct TreeLimits {
 /// Depth of each node below the root (0 for a child of the root). Errors when a parent does not
 /// come before its child.
 pub fn depths(parents: &[i32]) -> Result<Vec<usize>> {
+    try_depths(parents).map_err(|(node, p)| {
+        Error::Proposer(format!(
+            "draft token {node} has parent {p}; a parent is -1 (the newest context token) or an earlier draft token's index"
+        ))
+    })
+}
+
+/// `depths`, or the first `(node, parent)` whose parent is neither -1 nor an earlier node (callers
+/// word the error for what the nodes are: draft tokens, a forward's rows).
+pub fn try_depths(parents: &[i32]) -> std::result::Result<Vec<usize>, (usize, i32)> {
     let mut depths = Vec::with_capacity(parents.len());
     for (node, &parent) in parents.iter().enumerate() {
         let depth = match parent {
             -1 => 0,
             p if p >= 0 && (p as usize) < node => depths[p as usize] + 1,
-            p => {
-                return Err(Error::Proposer(format!(
-                    "draft token {node} has parent {p}; a parent is -1 (the newest context token) or an earlier draft token's index"
-                )))
-            }
+            p => return Err((node, p)),
         };
         depths.push(depth);
     }
