@@ -39,7 +39,11 @@ fn assert_same_cache(a: &KvCache, b: &KvCache, num_layers: usize) {
 }
 
 /// Runs `config` to the end, checking the cache after every step; returns (tokens, metrics).
-fn run(engine: &Engine, config: &str, custom: Option<Box<dyn Proposer>>) -> (Vec<u32>, specrs_core::metrics::RequestMetrics) {
+fn run(
+    engine: &Engine,
+    config: &str,
+    custom: Option<Box<dyn Proposer>>,
+) -> (Vec<u32>, specrs_core::metrics::RequestMetrics) {
     let prompt = engine.tokenizer().encode(TEXT, false).unwrap();
     let params = SamplingParams { max_tokens: 40, ignore_eos: true, ..Default::default() };
     let config = SpeculativeConfig::from_json(config).unwrap();
@@ -90,7 +94,7 @@ impl Proposer for OracleTree {
             if tokens.len() >= limits.max_nodes {
                 break;
             }
-            let wrong = self.step % 3 == 0 && depth == 2;
+            let wrong = self.step.is_multiple_of(3) && depth == 2;
             tokens.push(if wrong { token.wrapping_add(1) % 49152 } else { token });
             parents.push(parent);
             parent = tokens.len() as i32 - 1;
@@ -104,7 +108,11 @@ impl Proposer for OracleTree {
 #[test]
 fn tree_steps_keep_the_path_cache_and_the_greedy_output() {
     let engine = engine();
-    let (plain, _) = run(&engine, r#"{"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 9, "prompt_lookup_max": 9, "adaptive_draft_length": false}"#, None);
+    let (plain, _) = run(
+        &engine,
+        r#"{"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 9, "prompt_lookup_max": 9, "adaptive_draft_length": false}"#,
+        None,
+    );
     for config in [
         r#"{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "tree": true, "tree_top_k": 3}"#,
         r#"{"method": "suffix", "num_speculative_tokens": 8, "tree": true, "tree_depth": 4}"#,
@@ -121,5 +129,9 @@ fn tree_steps_keep_the_path_cache_and_the_greedy_output() {
     assert_eq!(tokens, plain);
     assert!(metrics.spec.num_tree_drafts > 5, "{:?}", metrics.spec);
     // The right branch at ranks 1 and 2 is found, deep paths are accepted.
-    assert!(metrics.spec.num_tree_accepted_tokens as f64 / metrics.spec.num_tree_drafts as f64 > 1.5, "{:?}", metrics.spec);
+    assert!(
+        metrics.spec.num_tree_accepted_tokens as f64 / metrics.spec.num_tree_drafts as f64 > 1.5,
+        "{:?}",
+        metrics.spec
+    );
 }

@@ -61,7 +61,9 @@ fn parse_draft(result: &Bound<'_, PyAny>) -> Result<Draft> {
     let probs = if probs.is_none() { None } else { Some(parse_probs(&probs)?) };
     let parents = match parts.get_item(2) {
         Ok(parents) => Some(parents.extract::<Vec<i32>>().map_err(|_| {
-            Error::Proposer("the custom proposer's parents must be a list of ints (-1 for the newest context token)".into())
+            Error::Proposer(
+                "the custom proposer's parents must be a list of ints (-1 for the newest context token)".into(),
+            )
         })?),
         Err(_) => None,
     };

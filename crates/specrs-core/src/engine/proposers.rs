@@ -166,7 +166,10 @@ impl Engine {
             // Heads and draft models draft deterministic top-k trees in tree mode.
             one_hot_drafts: matches!(config.method, Method::Ngram { .. } | Method::Suffix(_))
                 || (config.tree.is_on()
-                    && matches!(config.method, Method::Head { .. } | Method::DraftModel(_) | Method::QuantizedSelf { .. })),
+                    && matches!(
+                        config.method,
+                        Method::Head { .. } | Method::DraftModel(_) | Method::QuantizedSelf { .. }
+                    )),
             verify_cost_source: costs.as_ref().map(|c| c.verify_cost_source),
             draft_cost_source: costs.and_then(|c| c.draft_cost_source),
         })

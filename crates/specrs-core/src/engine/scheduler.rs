@@ -163,6 +163,8 @@ pub struct SchedulerTotals {
     pub forward_s: f64,
 }
 
+// One per queued request: the unstarted variant's size (its Speculation) costs nothing per token.
+#[allow(clippy::large_enum_variant)]
 enum Waiting {
     /// Not started: its session (and KV cache) is made when admitted.
     New { id: u64, prompt_ids: Vec<u32>, params: SamplingParams, speculation: Option<Speculation> },

@@ -475,7 +475,16 @@ impl Session {
         let position = self.all_ids.len();
         let probs = draft.probs.as_deref();
         if let Some(parents) = &draft.parents {
-            return verify_tree(&logits, vocab, &draft.token_ids, parents, probs, &self.params, &mut self.sampler, position);
+            return verify_tree(
+                &logits,
+                vocab,
+                &draft.token_ids,
+                parents,
+                probs,
+                &self.params,
+                &mut self.sampler,
+                position,
+            );
         }
         let v = verify(&logits, vocab, &draft.token_ids, probs, &self.params, &mut self.sampler, position)?;
         Ok(TreeVerification { accepted_path: (0..v.num_accepted_tokens).collect(), token_ids: v.token_ids })
@@ -760,8 +769,12 @@ impl Session {
 /// to the chooser's pick. Both keep a subtree whose siblings are a prefix of the proposer's order.
 fn prune_tree(speculation: &mut Speculation, draft: &mut Draft, vocab: usize) {
     if let Some(shape) = &speculation.tree.static_tree {
-        let keep: Vec<usize> =
-            rank_paths(&draft.parents()).iter().enumerate().filter(|(_, path)| shape.contains(path)).map(|(i, _)| i).collect();
+        let keep: Vec<usize> = rank_paths(&draft.parents())
+            .iter()
+            .enumerate()
+            .filter(|(_, path)| shape.contains(path))
+            .map(|(i, _)| i)
+            .collect();
         draft.keep_nodes(&keep, vocab);
     }
     if let Some(chooser) = &speculation.tree_chooser {

@@ -100,7 +100,14 @@ impl TreeChooser {
     /// `max_nodes` nodes, `max_children` per node and `max_depth` levels: the best size on the
     /// predicted full tree, with the drafting cost per level of the deepest node taken.
     pub fn planned_depth(&self, max_depth: usize, max_nodes: usize, max_children: usize) -> usize {
-        let (parents, depths) = full_tree(max_depth, max_nodes, max_children);
+        // The predicted full tree values siblings no proposer may have (n-gram trees are mostly
+        // chains, their siblings' estimates stay near the prior), which can crowd deep rank-0 nodes
+        // out of the best set: the depth a chain alone would pay for counts too.
+        let tree = self.planned_depth_of(full_tree(max_depth, max_nodes, max_children));
+        tree.max(self.planned_depth_of(full_tree(max_depth, max_nodes, 1)))
+    }
+
+    fn planned_depth_of(&self, (parents, depths): (Vec<i32>, Vec<usize>)) -> usize {
         let ranks = sibling_ranks(&parents);
         let values = self.values(&parents, &depths, &ranks);
         let order = take_best_first(&parents, &values);
@@ -180,7 +187,13 @@ impl TreeChooser {
 
     /// The number of nodes (taken in `order`) with the best expected tokens per unit of cost
     /// (verification plus `extra_cost(n)`), and the expected tokens at it; 0 only if `may_skip`.
-    fn best_size(&self, order: &[usize], values: &[f64], may_skip: bool, extra_cost: impl Fn(usize) -> f64) -> (usize, f64) {
+    fn best_size(
+        &self,
+        order: &[usize],
+        values: &[f64],
+        may_skip: bool,
+        extra_cost: impl Fn(usize) -> f64,
+    ) -> (usize, f64) {
         // (n, rate, expected tokens); no draft yields one token per step.
         let mut best = (0usize, if may_skip { 1.0 } else { 0.0 }, 1.0);
         let mut expected = 1.0;
@@ -213,7 +226,8 @@ fn take_best_first(parents: &[i32], values: &[f64]) -> Vec<usize> {
             && previous_sibling[node].is_none_or(|s: usize| taken[s])
     };
     while order.len() < n {
-        let next = (0..n).filter(|&i| available(i, &taken)).max_by(|&a, &b| values[a].total_cmp(&values[b]).then(b.cmp(&a)));
+        let next =
+            (0..n).filter(|&i| available(i, &taken)).max_by(|&a, &b| values[a].total_cmp(&values[b]).then(b.cmp(&a)));
         let Some(next) = next else { break };
         taken[next] = true;
         order.push(next);
@@ -312,6 +326,14 @@ mod tests {
         // Node 1 needs node 0 (its higher-ranked sibling) first.
         assert!(choice.keep.contains(&1) && choice.keep.contains(&0), "{:?}", choice.keep);
         assert!(chooser.planned_depth(4, 8, 2) >= 2);
+        // Chains always accepted whole, siblings never seen: the planned depth follows the chain,
+        // not the imagined siblings' prior.
+        let gentle: Vec<f64> = (1..=17).map(|n| 1.0 + 0.08 * (n - 1) as f64).collect();
+        let mut chains = TreeChooser::new(&gentle, 0.0);
+        for _ in 0..30 {
+            chains.observe(&[-1, 0, 1, 2], &[0, 1, 2, 3]);
+        }
+        assert!(chains.planned_depth(8, 16, 4) >= 6, "{}", chains.planned_depth(8, 16, 4));
         // A draft costing a whole step per level never pays at 10% acceptance.
         let mut costly = TreeChooser::new(&[1.0, 1.3, 1.6, 1.9, 2.2], 1.0);
         for _ in 0..30 {

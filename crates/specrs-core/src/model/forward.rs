@@ -77,9 +77,7 @@ impl SeqRows {
             )));
         }
         crate::proposer::tree::try_depths(&self.parents).map_err(|(row, p)| {
-            Error::config(format!(
-                "token {row} has parent {p}; a parent is -1 (the cache) or an earlier token's index"
-            ))
+            Error::config(format!("token {row} has parent {p}; a parent is -1 (the cache) or an earlier token's index"))
         })
     }
 }

@@ -162,7 +162,8 @@ impl Draft {
                 self.token_ids.len()
             )));
         }
-        let depths = tree::depths(parents).map_err(|e| Error::Proposer(format!("the {method} proposer's tree: {e}")))?;
+        let depths =
+            tree::depths(parents).map_err(|e| Error::Proposer(format!("the {method} proposer's tree: {e}")))?;
         let Some(limits) = limits else {
             if self.is_tree() {
                 return Err(Error::Proposer(format!(

@@ -92,7 +92,8 @@ impl TreeConfig {
         }
         let Some(static_tree) = static_tree else {
             // Depth 0 = not given: `fill_depth` sets it to the budget once the method's is known.
-            let config = Self { mode, max_depth: depth.unwrap_or(0), max_children: top_k.unwrap_or(4), static_tree: None };
+            let config =
+                Self { mode, max_depth: depth.unwrap_or(0), max_children: top_k.unwrap_or(4), static_tree: None };
             return Ok((config, None));
         };
         if let Some(k) = num_speculative_tokens.filter(|&k| k != static_tree.len()) {

@@ -54,6 +54,7 @@ pub struct TreeVerification {
 /// token after node i). `draft_probs` is `[n, vocab_size]`: row i is the distribution node i and
 /// its siblings were drawn from (only the first sibling's row is read). `position` is the index
 /// (in prompt + output) of the first token this verification emits.
+#[allow(clippy::too_many_arguments)] // one per input of the rule; a struct would only rename them
 pub fn verify_tree(
     target_logits: &[f32],
     vocab_size: usize,
@@ -90,9 +91,8 @@ pub fn verify_tree(
         };
         // Greedy and coupled verification produce the target's token first; find the child equal
         // to it.
-        let chosen = chosen.or_else(|target| {
-            candidates.iter().copied().find(|&child| draft_ids[child] == target).ok_or(target)
-        });
+        let chosen =
+            chosen.or_else(|target| candidates.iter().copied().find(|&child| draft_ids[child] == target).ok_or(target));
         match chosen {
             Ok(child) => {
                 accepted_path.push(child);
@@ -208,7 +208,9 @@ mod tests {
             let mut parents = vec![-1; width];
             let mut probs: Vec<f32> = first.iter().flat_map(|_| q_row(0)).collect();
             let mut rows: Vec<f32> = scores[..VOCAB].to_vec();
-            rows.extend(first.iter().flat_map(|&a| scores[(a as usize + 1) * VOCAB..(a as usize + 2) * VOCAB].to_vec()));
+            rows.extend(
+                first.iter().flat_map(|&a| scores[(a as usize + 1) * VOCAB..(a as usize + 2) * VOCAB].to_vec()),
+            );
             for (i, &a) in first.iter().enumerate() {
                 let second: Vec<u32> = if with_probs {
                     without_replacement(&q_row(a as usize + 1), width, &mut draft_sampler)
@@ -265,7 +267,10 @@ mod tests {
                 }
                 let df = (cells - 1) as f64;
                 let critical = df * (1.0 - 2.0 / (9.0 * df) + 3.0902 * (2.0 / (9.0 * df)).sqrt()).powi(3);
-                assert!(chi2 <= critical, "{params:?} width {width} probs {with_probs}: chi2 {chi2:.1} > {critical:.1}");
+                assert!(
+                    chi2 <= critical,
+                    "{params:?} width {width} probs {with_probs}: chi2 {chi2:.1} > {critical:.1}"
+                );
             }
         }
     }
@@ -280,8 +285,9 @@ mod tests {
         // Node order: 0 = wrong at root, 1 = a0, 2 = a1 (row 3 = after node 1... scored by row 2 + 1)
         let ids = vec![wrong(a0), a0, argmax_of(2), wrong(argmax_of(2)), argmax_of(3)];
         let parents = vec![-1, -1, 1, 1, 2];
-        let v = verify_tree(&scores, VOCAB, &ids, &parents, None, &SamplingParams::default(), &mut Sampler::new(None), 0)
-            .unwrap();
+        let v =
+            verify_tree(&scores, VOCAB, &ids, &parents, None, &SamplingParams::default(), &mut Sampler::new(None), 0)
+                .unwrap();
         assert_eq!(v.accepted_path, vec![1, 2, 4]);
         assert_eq!(v.token_ids, vec![a0, argmax_of(2), argmax_of(3), argmax_of(5)]);
     }
@@ -296,7 +302,8 @@ mod tests {
         let plain0 = sampler.draw_at(&probabilities(&scores[..VOCAB], &params), 20);
         for ids in [vec![0u32, 1, 2], vec![plain0, (plain0 + 1) % 5, 3], vec![(plain0 + 1) % 5, plain0, 4]] {
             let parents = vec![-1, -1, 0];
-            let v = verify_tree(&scores, VOCAB, &ids, &parents, None, &params, &mut Sampler::new(Some(11)), 20).unwrap();
+            let v =
+                verify_tree(&scores, VOCAB, &ids, &parents, None, &params, &mut Sampler::new(Some(11)), 20).unwrap();
             assert_eq!(v.token_ids[0], plain0, "tree {ids:?}");
         }
     }
