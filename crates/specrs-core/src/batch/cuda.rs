@@ -67,18 +67,20 @@ fn cuda_device(device: &Device) -> Result<&CudaDevice> {
     }
 }
 
+/// Refuses target logits that are not `[batch, rows, vocab]`.
+fn check_dims(target_logits: &Tensor, expected: [usize; 3]) -> Result<()> {
+    if target_logits.dims() != expected {
+        return Err(Error::Internal(format!("target_logits is {:?}, expected {expected:?}", target_logits.dims())));
+    }
+    Ok(())
+}
+
 /// `accept::accept` on the device. `target_logits` is the `[batch, k + 1, vocab]` f32 tensor on a
 /// CUDA device (as the verify forward leaves it); the rest of `input` comes from the host, and
 /// `input.target_logits` is ignored. Only the per-sequence counts and tokens come back.
 pub fn accept_on_device(target_logits: &Tensor, input: &AcceptInput) -> Result<AcceptOutput> {
     let (b, k, v) = (input.batch, input.max_draft_tokens, input.vocab_size);
-    if target_logits.dims() != [b, k + 1, v] {
-        return Err(Error::Internal(format!(
-            "target_logits is {:?}, expected [{b}, {}, {v}]",
-            target_logits.dims(),
-            k + 1
-        )));
-    }
+    check_dims(target_logits, [b, k + 1, v])?;
     input.check_with_logits(target_logits.elem_count())?;
     let logits = target_logits.to_dtype(candle_core::DType::F32)?.contiguous()?;
     let device = cuda_device(logits.device())?;
@@ -134,13 +136,7 @@ pub fn accept_on_device(target_logits: &Tensor, input: &AcceptInput) -> Result<A
 /// the host, and `input.target_logits` is ignored. The counts, paths and next tokens come back.
 pub fn tree_accept_on_device(target_logits: &Tensor, input: &TreeAcceptInput) -> Result<TreeAcceptOutput> {
     let (b, n, v) = (input.batch, input.max_nodes, input.vocab_size);
-    if target_logits.dims() != [b, n + 1, v] {
-        return Err(Error::Internal(format!(
-            "target_logits is {:?}, expected [{b}, {}, {v}]",
-            target_logits.dims(),
-            n + 1
-        )));
-    }
+    check_dims(target_logits, [b, n + 1, v])?;
     input.check_with_logits(target_logits.elem_count())?;
     if b == 0 {
         // No block to launch (a grid of zero blocks is a launch error).
