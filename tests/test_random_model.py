@@ -205,9 +205,11 @@ def test_gpu_check_fails_when_the_cuda_device_cannot_be_opened(tmp_path):
 def test_gpu_check_records_kernel_failures_and_decides_on_them(monkeypatch):
     """A kernel that fails to compile or launch, or that disagrees with its CPU reference, is a
     failure of part (b) (simulated here: the device calls are replaced)."""
-    small_inputs = gpu_check.random_accept_inputs
+    small_inputs, small_trees = gpu_check.random_accept_inputs, gpu_check.random_tree_accept_inputs
     monkeypatch.setattr(gpu_check, "random_accept_inputs", lambda b, k, v, seed, p: small_inputs(16, k, 64, seed, p))
+    monkeypatch.setattr(gpu_check, "random_tree_accept_inputs", lambda b, n, v, seed: small_trees(64, n, 64, seed))
     cpu_accept, cpu_ngram = specrs._specrs.batch_accept, specrs._specrs.batch_ngram
+    cpu_tree_accept = specrs._specrs.batch_tree_accept
 
     def accept(*args, draft_probs=None, device="cpu"):
         if device != "cpu":
@@ -218,14 +220,27 @@ def test_gpu_check_records_kernel_failures_and_decides_on_them(monkeypatch):
         drafts, lengths = cpu_ngram(*args)
         return (drafts, [n + 1 for n in lengths]) if device != "cpu" else (drafts, lengths)
 
+    def tree_accept_one_too_deep_when_greedy(*args, device="cpu"):
+        """The CPU reference, but on the device every greedy sequence that accepted a node claims one more."""
+        accepted, path, next_token = cpu_tree_accept(*args)
+        if device != "cpu":
+            greedy = (args[4] == 0) & (accepted > 0)
+            accepted = accepted + greedy
+        return accepted, path, next_token
+
     monkeypatch.setattr(specrs._specrs, "batch_accept", accept)
     monkeypatch.setattr(specrs._specrs, "batch_ngram", wrong_ngram)
+    monkeypatch.setattr(specrs._specrs, "batch_tree_accept", tree_accept_one_too_deep_when_greedy)
     b = gpu_check.part_b(specrs, "cuda")
     assert b["accept"] == b["accept_with_probs"] == {"ok": False, "error": "launching accept_kernel: simulated launch failure"}
     assert b["ngram"] == {"ok": False}
+    greedy_wrong = b["tree_accept"]["greedy_mismatches"]
+    assert greedy_wrong > 0 and b["tree_accept"]["sampled_mismatches"] == 0 and not b["tree_accept"]["ok"]
     failures = gpu_check.failures({"device": "cuda", "b": b})
     assert failures == ["(b) accept kernel: launching accept_kernel: simulated launch failure",
                         "(b) accept_with_probs kernel: launching accept_kernel: simulated launch failure",
+                        f"(b) tree_accept kernel: {greedy_wrong} greedy and 0 sampled sequences differ from the CPU "
+                        "reference",
                         "(b) ngram kernel: drafts differ from the CPU reference"]
 
 
