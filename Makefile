@@ -7,11 +7,12 @@ SPEC_CONFIG ?= {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_m
 
 .PHONY: setup build stubtest test test-rust test-python run serve golden bench lint clean wheel-cuda test-cuda-build fuzz fuzz-ci
 
-# The `serve` extra (starlette, uvicorn, prometheus-client), the `train` extra (torch, gguf, tqdm:
+# The `serve` extra (starlette, uvicorn, prometheus-client), the `ray` extra (Ray Serve:
+# tests/test_serve_ray.py runs two replicas on a local Ray), the `train` extra (torch, gguf, tqdm:
 # tests/test_train_heads.py trains heads; torch from PyPI is ~3 GB with its CUDA libraries, about two
 # minutes here) and the test tools; keep in step with pyproject.toml's optional dependencies.
 DEPS := "maturin>=1.9,<2" "numpy>=1.24" "starlette>=0.37" "uvicorn>=0.29" "prometheus-client>=0.20" \
-	"torch>=2.4" "gguf>=0.10" "tqdm>=4.60" \
+	"torch>=2.4" "gguf>=0.10" "tqdm>=4.60" "ray[serve]>=2.50" \
 	"pytest>=8" "openai>=1.40" "httpx>=0.27" "mypy>=2.4,<3"
 
 $(BIN)/python:

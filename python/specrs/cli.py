@@ -4,6 +4,7 @@
     specrs bench --prompts PROMPTS.jsonl [--config JSON ...] [--json OUT] ...   (see bench.py)
     specrs requantize SRC.gguf DST.gguf [--type q4_0]   (e.g. a draft_model from the target)
     specrs serve [MODEL] [--speculative-config JSON] [--host 127.0.0.1] [--port 8000]   (OpenAI API)
+    specrs serve --ray --num-replicas N [MODEL] ...   (replicas behind one endpoint on Ray Serve)
     specrs advise PROMPTS.jsonl [--model PATH] [--json]   (which speculation pays on these prompts)
     specrs selftest [MODEL] [--speculative-config JSON ...] [--json]   (is speculation lossless here; see selftest.py)
 """
@@ -11,12 +12,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import Counter
 
 from . import advise, bench, selftest, serve
 from .engine import Engine, SamplingParams, requantize
-from .errors import SpecrsError
+from .errors import ConfigError, SpecrsError
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -82,6 +84,8 @@ def _train_head(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.ray:
+        return _serve_ray(args)
     serve.serve(args.model, speculative_config=args.speculative_config, host=args.host, port=args.port,
                 device=args.device, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
                 prefill_chunk=args.prefill_chunk or None,
@@ -90,6 +94,41 @@ def _serve(args: argparse.Namespace) -> int:
                 default_max_tokens=args.default_max_tokens, log_level=args.log_level,
                 suffix_cache=args.suffix_cache, suffix_cache_save_every=args.suffix_cache_save_every,
                 suffix_cache_start_empty_on_error=args.suffix_cache_start_empty_on_error)
+    return 0
+
+
+def _serve_ray(args: argparse.Namespace) -> int:
+    # Ray itself is imported by `run`, after it chose how the local Ray binds.
+    from .serve import ray as ray_app
+    from .serve.ray.settings import ReplicaSettings
+
+    autoscaling = None
+    if args.autoscaling_config is not None:
+        try:
+            autoscaling = json.loads(args.autoscaling_config)
+        except ValueError as e:
+            raise ConfigError(f"--autoscaling-config is not JSON ({e}); e.g. '{{\"min_replicas\": 1, "
+                              f"\"max_replicas\": 4}}'") from None
+    settings = ReplicaSettings(
+        model=args.model, speculative_config=args.speculative_config, device=args.device,
+        served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_kv_tokens=args.max_kv_tokens,
+        prefill_chunk=args.prefill_chunk or None, draft_budget=args.draft_budget,
+        max_request_body_bytes=args.max_request_body_bytes, default_max_tokens=args.default_max_tokens,
+        suffix_cache=args.suffix_cache, suffix_cache_save_every=args.suffix_cache_save_every,
+        suffix_cache_start_empty_on_error=args.suffix_cache_start_empty_on_error,
+        share_suffix_cache=not args.no_share_suffix_cache, share_interval_s=args.suffix_share_interval)
+    if settings.share_interval_s <= 0:
+        raise ConfigError(f"--suffix-share-interval must be positive seconds (got {settings.share_interval_s})")
+    if args.record_traffic is not None:
+        raise ConfigError("--record-traffic works with one `specrs serve` only (replicas would write one file "
+                          "from several processes); drop --ray to record traffic")
+    serve._check_settings(args.max_num_seqs, settings.prefill_chunk, args.max_request_body_bytes,
+                          args.default_max_tokens, args.suffix_cache_save_every, args.max_num_batched_tokens,
+                          args.max_kv_tokens, args.draft_budget)
+    ray_app.run(settings, host=args.host, port=args.port, ray_address=args.ray_address,
+                num_replicas=args.num_replicas, autoscaling_config=autoscaling, replica_cpus=args.replica_cpus,
+                max_imbalance=args.max_imbalance)
     return 0
 
 
@@ -200,6 +239,27 @@ def build_parser() -> argparse.ArgumentParser:
                           "train a head on them (`specrs train-head features --conversations DIR/traffic.jsonl`); "
                           "off by default")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    scale = srv.add_argument_group("scale-out on Ray Serve (needs `pip install 'specrs[ray]'`)")
+    scale.add_argument("--ray", action="store_true",
+                       help="serve with N engine replicas behind one endpoint as a Ray Serve application: prefix-"
+                            "affinity routing, a suffix cache shared by the replicas, restarts of dead replicas")
+    scale.add_argument("--num-replicas", type=int, default=1, help="engine replicas (default: 1)")
+    scale.add_argument("--autoscaling-config", default=None, metavar="JSON",
+                       help="Ray Serve's autoscaling instead of --num-replicas, e.g. "
+                            '\'{"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}\'')
+    scale.add_argument("--replica-cpus", type=float, default=None,
+                       help="CPUs each replica reserves and runs its forwards on (default: this machine's cores "
+                            "divided among the replicas)")
+    scale.add_argument("--ray-address", default=None,
+                       help="a running Ray cluster to join (default: start a local one bound to 127.0.0.1)")
+    scale.add_argument("--max-imbalance", type=int, default=None,
+                       help="a request goes to the replica that served its prefix unless that replica has more "
+                            "than this many requests in flight beyond the least loaded one (default: 4)")
+    scale.add_argument("--no-share-suffix-cache", action="store_true",
+                       help="keep each replica's suffix cache to itself")
+    scale.add_argument("--suffix-share-interval", type=float, default=1.0, metavar="SECONDS",
+                       help="how often each replica publishes its finished suffix responses and pulls its peers' "
+                            "(default: 1.0; a response reaches the peers within about twice this)")
     srv.set_defaults(func=_serve)
 
     train = sub.add_parser("train-head", help="train a hidden-state head on the target's own outputs: stages data, "

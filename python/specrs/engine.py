@@ -456,6 +456,19 @@ class Engine:
         the path, and changes nothing."""
         return self._inner.load_suffix_cache(os.fspath(path))
 
+    def add_suffix_responses(self, speculative_config: dict | str, responses: list[list[int]]) -> int:
+        """Caches finished responses (each the generated token ids of a request that ran with this
+        suffix config, oldest first) from another engine of the same model, exactly as if they had
+        finished here; returns how many were added. `specrs serve --ray` shares them between
+        replicas this way. A non-suffix config or a token id past the vocabulary raises ConfigError."""
+        config = speculative_config if isinstance(speculative_config, str) else json.dumps(speculative_config)
+        return self._inner.add_suffix_responses(config, [list(r) for r in responses])
+
+    def suffix_cache_responses(self) -> list[tuple[str, list[list[int]]]]:
+        """Every engine-wide suffix cache as (its suffix config's JSON, its responses oldest first):
+        what `add_suffix_responses` turns back into the same caches on a fresh engine."""
+        return self._inner.suffix_cache_responses()
+
     def memory(self) -> dict:
         """Bytes of target and draft weights (every draft loaded so far) and of the target and
         draft KV caches of requests in flight, with the peak KV bytes since load."""

@@ -619,6 +619,20 @@ impl PyEngine {
         let engine = self.inner.clone();
         run_detached(py, move || engine.load_suffix_cache(&path))
     }
+
+    /// Caches finished responses (generated token ids, oldest first) from another engine of this
+    /// model in the engine-wide suffix cache of `config_json`; returns how many were added.
+    fn add_suffix_responses(&self, py: Python<'_>, config_json: &str, responses: Vec<Vec<u32>>) -> PyResult<usize> {
+        let config = guard(|| SpeculativeConfig::from_json(config_json)).map_err(to_py)?;
+        let engine = self.inner.clone();
+        run_detached(py, move || engine.add_suffix_responses(&config, &responses))
+    }
+
+    /// Every engine-wide suffix cache as (its config's JSON, its responses oldest first).
+    fn suffix_cache_responses(&self, py: Python<'_>) -> PyResult<Vec<(String, Vec<Vec<u32>>)>> {
+        let engine = self.inner.clone();
+        run_detached(py, move || engine.suffix_cache_responses())
+    }
 }
 
 impl PyEngine {

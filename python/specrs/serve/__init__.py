@@ -116,6 +116,29 @@ def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 
                  record_traffic=None if record_traffic is None else os.fspath(record_traffic))
 
 
+def load_engine(model: str | None, speculative_config, device: str):
+    """The engine a server runs: loaded, warmed up with the default speculation (so a bad draft
+    fails now, not at the first request), its cost curves measured, and measuring inside requests
+    turned off. `specrs serve` and each replica of `specrs serve --ray` start with it."""
+    from ..engine import Engine, SamplingParams
+
+    engine = Engine(model, device=device, speculative_config=speculative_config)
+    # One short request through the default speculation loads its draft weights and measures its
+    # costs before the first client arrives.
+    engine.generate(engine.tokenizer.encode("Hello"), SamplingParams(max_tokens=4, temperature=0.0))
+    # Per-request configs read the verification curve measured here, up to k = 8 (extended past it),
+    # rather than one measured while other requests stream. ("custom" only names the length: no
+    # proposer runs.)
+    engine.prepare({"method": "custom", "num_speculative_tokens": STARTUP_CURVE_K})
+    # The draft budget's batch cost curve: forwards of 1..32 rows (read from the disk cache after
+    # the first run), measured before any request can disturb the timing.
+    engine.verify_cost_ratios(BUDGET_CURVE_ROWS)
+    # From now on no request measures a cost figure (seconds of forwards in the generation
+    # thread, stalling every stream); one nobody measured yet gets the nearest known figure.
+    engine.set_measure_on_demand(False)
+    return engine
+
+
 def serve(model: str | None = None, *, speculative_config=None, host: str = "127.0.0.1", port: int = 8000,
           device: str = "cpu", served_model_name: str | None = None, max_num_seqs: int = 16,
           prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
@@ -131,24 +154,9 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
     _require_server_packages()
     import uvicorn
 
-    from ..engine import Engine, SamplingParams
-
     _check_settings(max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens, suffix_cache_save_every,
                     max_num_batched_tokens, max_kv_tokens, draft_budget)
-    engine = Engine(model, device=device, speculative_config=speculative_config)
-    # One short request through the default speculation loads its draft weights and measures its
-    # costs before the first client arrives.
-    engine.generate(engine.tokenizer.encode("Hello"), SamplingParams(max_tokens=4, temperature=0.0))
-    # Per-request configs read the verification curve measured here, up to k = 8 (extended past it),
-    # rather than one measured while other requests stream. ("custom" only names the length: no
-    # proposer runs.)
-    engine.prepare({"method": "custom", "num_speculative_tokens": STARTUP_CURVE_K})
-    # The draft budget's batch cost curve: forwards of 1..32 rows (read from the disk cache after
-    # the first run), measured before any request can disturb the timing.
-    engine.verify_cost_ratios(BUDGET_CURVE_ROWS)
-    # From now on no request measures a cost figure (seconds of forwards in the generation
-    # thread, stalling every stream); one nobody measured yet gets the nearest known figure.
-    engine.set_measure_on_demand(False)
+    engine = load_engine(model, speculative_config, device)
     name = served_model_name or served_name(model, engine.model_path)
     # The warm-up's response went into the suffix cache; a loaded file replaces it.
     app = build_app(engine, name, max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens,
@@ -162,4 +170,4 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 
-__all__ = ["build_app", "serve", "served_name"]
+__all__ = ["build_app", "load_engine", "serve", "served_name"]

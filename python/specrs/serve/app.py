@@ -69,19 +69,24 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
               suffix_cache_save_every: int = DEFAULT_SAVE_EVERY,
               suffix_cache_start_empty_on_error: bool = False, max_num_batched_tokens: int = 2048,
               max_kv_tokens: int | None = None, draft_budget: str = "load",
-              record_traffic: str | None = None) -> Starlette:
+              record_traffic: str | None = None, suffix_cache_load: bool = True,
+              extra_hooks: tuple = ()) -> Starlette:
     """The server for `engine`; its `speculative_config` (and `proposer`) are every request's default.
     `suffix_cache`: a file the engine-wide suffix cache is loaded from now (a bad file raises
     ConfigError here, so the server never starts on it, unless `suffix_cache_start_empty_on_error`)
-    and saved to every `suffix_cache_save_every` finished requests and at shutdown."""
+    and saved to every `suffix_cache_save_every` finished requests and at shutdown (with
+    `suffix_cache_load` False it is only saved to: a replica that takes its cache from its peers).
+    `extra_hooks`: more end-of-request hooks (job, finish_reason, metrics)."""
     speculation = ServerSpeculation(engine.speculative_config, has_proposer=engine.proposer is not None,
                                     target_info=engine.info())
     metrics = ServerMetrics(served_model_name)
     store = None
     if suffix_cache is not None:
         store = SuffixCacheStore(engine, suffix_cache, suffix_cache_save_every)
-        store.load(allow_empty=suffix_cache_start_empty_on_error)
+        if suffix_cache_load:
+            store.load(allow_empty=suffix_cache_start_empty_on_error)
     hooks = [store.on_request_finished] if store is not None else []
+    hooks.extend(extra_hooks)
     if record_traffic is not None:  # opt-in: stores every prompt and output (serve/traffic.py)
         hooks.append(TrafficRecorder(record_traffic).on_request_finished)
 
@@ -228,4 +233,5 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
     )
     app.state.scheduler = scheduler  # for tests and embedding code that inspects the queue
     app.state.suffix_cache_store = store
+    app.state.metrics = metrics
     return app

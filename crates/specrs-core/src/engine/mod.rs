@@ -42,6 +42,7 @@ pub mod scheduler;
 pub mod session;
 pub mod step_together;
 pub mod suffix_persistence;
+pub mod suffix_sharing;
 pub mod tree_chooser;
 
 pub use cost_model::{ExpectedSpeedup, PolicyCosts};

@@ -247,7 +247,7 @@ impl Engine {
     }
 
     /// The engine-wide suffix cache of `config` (created on first use; see `MAX_SUFFIX_CACHES`).
-    fn suffix_cache(&self, config: &SpeculativeConfig) -> Result<Arc<Mutex<SuffixCache>>> {
+    pub(super) fn suffix_cache(&self, config: &SpeculativeConfig) -> Result<Arc<Mutex<SuffixCache>>> {
         let Method::Suffix(params) = &config.method else {
             return Err(Error::Internal("suffix_cache needs a suffix config".into()));
         };

@@ -88,13 +88,14 @@ impl Engine {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::model::llama_config::LlamaConfig;
     use crate::proposer::Proposer;
     use crate::spec_config::SpeculativeConfig;
 
-    fn engine(vocab_size: usize) -> Engine {
+    /// A one-layer random Llama with `vocab_size` token ids (suffix_sharing.rs's tests use it too).
+    pub(in crate::engine) fn engine(vocab_size: usize) -> Engine {
         let config = LlamaConfig::from_json(&format!(
             r#"{{"vocab_size": {vocab_size}, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
                 "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}}"#
@@ -113,7 +114,7 @@ mod tests {
     }
 
     /// Token ids below 40 from a fixed pattern with variation, so drafts find matches.
-    fn response(i: usize, len: usize) -> Vec<u32> {
+    pub(in crate::engine) fn response(i: usize, len: usize) -> Vec<u32> {
         (0..len).map(|j| ((j * 7 + i * (j % 3)) % 40) as u32).collect()
     }
 

@@ -1,0 +1,41 @@
+"""What every engine replica of `specrs serve --ray` runs: `specrs serve`'s settings, plus how
+often it exchanges suffix responses and reports to the coordinator. Importing it needs no Ray, so
+the command line can check a configuration before Ray starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..protocol import DEFAULT_CHAT_MAX_TOKENS
+
+# How often a replica publishes and pulls shared suffix responses (suffix_share.py), and reports its
+# health and metrics (replica_board.py).
+DEFAULT_SHARE_INTERVAL_S = 1.0
+DEFAULT_REPORT_INTERVAL_S = 1.0
+
+
+@dataclass
+class ReplicaSettings:
+    """What every engine replica runs: `specrs serve`'s settings."""
+
+    model: str | None = None
+    speculative_config: Any = None
+    device: str = "cpu"
+    served_model_name: str | None = None
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    max_kv_tokens: int | None = None
+    prefill_chunk: int | None = 64
+    draft_budget: str = "load"
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
+    suffix_cache: str | None = None
+    suffix_cache_save_every: int = 100
+    suffix_cache_start_empty_on_error: bool = False
+    share_suffix_cache: bool = True
+    share_interval_s: float = DEFAULT_SHARE_INTERVAL_S
+    report_interval_s: float = DEFAULT_REPORT_INTERVAL_S
+
+
+__all__ = ["DEFAULT_REPORT_INTERVAL_S", "DEFAULT_SHARE_INTERVAL_S", "ReplicaSettings"]
