@@ -13,7 +13,7 @@ SPEC_CONFIG ?= {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_m
 # minutes here) and the test tools; keep in step with pyproject.toml's optional dependencies.
 DEPS := "maturin>=1.9,<2" "numpy>=1.24" "starlette>=0.37" "uvicorn>=0.29" "prometheus-client>=0.20" \
 	"torch>=2.4" "gguf>=0.10" "tqdm>=4.60" "ray[serve]>=2.50" \
-	"pytest>=8" "openai>=1.40" "httpx>=0.27" "mypy>=2.4,<3"
+	"pytest>=8" "openai>=1.40" "httpx>=0.27" "mypy>=2.4,<3" "jsonschema>=4"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

@@ -43,6 +43,14 @@ fn params(u: &mut Unstructured) -> Result<SamplingParams> {
         min_p: float(u)?,
         seed: u.arbitrary()?,
         ignore_eos: u.arbitrary()?,
+        presence_penalty: float(u)?,
+        frequency_penalty: float(u)?,
+        repetition_penalty: float(u)?,
+        logit_bias: vec![(u.int_in_range(0..=8)?, float(u)?)],
+        min_tokens: u.int_in_range(0..=8)?,
+        stop_token_ids: vec![u.int_in_range(0..=8)?],
+        logprobs: u.arbitrary()?,
+        grammar: None,
     })
 }
 

@@ -44,7 +44,7 @@ pub fn exercise(model: Arc<dyn CausalLm>, tokenizer: TextTokenizer) {
     }
     if tokenizer.chat_template().is_some() {
         let messages = [ChatMessage { role: "user".into(), content: "Hi".into() }];
-        if let Ok(text) = engine.render_chat(&messages) {
+        if let Ok(text) = engine.render_chat(&messages, None) {
             let _ = tokenizer.encode(&text, true);
         }
     }

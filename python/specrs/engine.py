@@ -131,6 +131,9 @@ class GenerationResult:
     prompt_token_ids: list[int]
     finish_reason: str | None
     metrics: dict[str, Any] = field(default_factory=dict)
+    # One {"token_id", "logprob", "top_logprobs": [(token_id, logprob), ...]} per generated token
+    # when SamplingParams(logprobs=n) asked for them; None otherwise.
+    logprobs: list[dict[str, Any]] | None = None
 
     @classmethod
     def _from_dict(cls, d: dict) -> "GenerationResult":
@@ -140,6 +143,7 @@ class GenerationResult:
             prompt_token_ids=list(d["prompt_token_ids"]),
             finish_reason=d["finish_reason"],
             metrics=dict(d["metrics"]),
+            logprobs=d.get("logprobs"),
         )
 
 
@@ -287,9 +291,15 @@ class Engine:
     def info(self) -> dict:
         return self._inner.info()
 
-    def prompt_token_ids(self, prompt: Prompt) -> list[int]:
+    def check_params(self, params: SamplingParams) -> None:
+        """Raises ConfigError for what a request with `params` would be refused at its start:
+        token ids outside the vocabulary, or a grammar that does not compile (llguidance's reason)."""
+        self._inner.check_params(params)
+
+    def prompt_token_ids(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt: a string encoded as is, chat messages rendered by the model's
-        template, or token ids passed through."""
+        template (with OpenAI's `tools` list in the template's `tools` variable when given), or
+        token ids passed through."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(_text(prompt, "prompt"))
         if isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) for t in prompt):
@@ -304,7 +314,8 @@ class Engine:
             if "role" not in m or "content" not in m:
                 raise ConfigError(f"chat message {dict(m)!r} needs both 'role' and 'content'")
             messages.append((_text(str(m["role"]), "a chat role"), _text(str(m["content"]), "a chat message")))
-        return self.tokenizer.encode(self._inner.render_chat(messages))
+        tools_json = None if tools is None else json.dumps(tools)
+        return self.tokenizer.encode(self._inner.render_chat(messages, tools_json))
 
     def _speculation(self, speculative_config, proposer) -> tuple[str | None, Any]:
         """(config JSON or None, proposer object or None) for one request: None means the

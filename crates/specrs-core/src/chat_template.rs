@@ -20,6 +20,8 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// Whether the template reads a `tools` variable (a tool-calling template).
+    renders_tools: bool,
 }
 
 impl ChatTemplate {
@@ -34,12 +36,29 @@ impl ChatTemplate {
         });
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| Error::model_load(format!("the model's chat template does not compile: {e}")))?;
-        Ok(Self { env, bos_token, eos_token })
+        let renders_tools = source.contains("tools");
+        Ok(Self { env, bos_token, eos_token, renders_tools })
     }
 
     /// The prompt text for `messages`, ending with the assistant's turn opener when
     /// `add_generation_prompt` is set.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, add_generation_prompt, None)
+    }
+
+    /// Whether the template renders the `tools` of a tool-calling request itself.
+    pub fn renders_tools(&self) -> bool {
+        self.renders_tools
+    }
+
+    /// `render` with OpenAI's `tools` list (`[{"type": "function", "function": {...}}]`) in the
+    /// template's `tools` variable, as transformers passes it.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        tools: Option<&serde_json::Value>,
+    ) -> Result<String> {
         if messages.is_empty() {
             return Err(Error::config("a chat prompt needs at least one message"));
         }
@@ -50,6 +69,7 @@ impl ChatTemplate {
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
+                tools => tools.map(minijinja::Value::from_serialize),
             })
             .map_err(|e| Error::config(format!("the chat template rejected these messages: {e}")))
     }

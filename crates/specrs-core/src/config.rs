@@ -3,7 +3,11 @@
 //! Invariant: a `SamplingParams` that passed `validate()` can be handed to the sampler without
 //! further checks; every rejection names the field and the valid range.
 
+use crate::constraint::GrammarSpec;
 use crate::error::{Error, Result};
+
+/// The most alternatives `logprobs` may ask for per token (OpenAI's `top_logprobs` limit).
+pub const MAX_LOGPROBS: usize = 20;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
@@ -21,11 +25,44 @@ pub struct SamplingParams {
     pub seed: Option<u64>,
     /// Keep generating past end-of-sequence tokens (benchmarks and golden tests).
     pub ignore_eos: bool,
+    /// Subtracted once from the logit of every token the output already holds (vLLM, OpenAI).
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time the output holds it.
+    pub frequency_penalty: f32,
+    /// vLLM's: the logit of a token in the prompt or the output is divided by this when positive,
+    /// multiplied when negative; 1 disables it.
+    pub repetition_penalty: f32,
+    /// Added to the logits of these tokens (OpenAI's `logit_bias`, -100..=100).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// End-of-sequence and `stop_token_ids` cannot end the output before this many tokens.
+    pub min_tokens: usize,
+    /// Tokens that end the output like an end-of-sequence token (kept as its last token).
+    pub stop_token_ids: Vec<u32>,
+    /// Some(n): return each emitted token's log-probability and the n most likely alternatives.
+    pub logprobs: Option<usize>,
+    /// The language the output must belong to (JSON schema, regex, Lark grammar, choice).
+    pub grammar: Option<GrammarSpec>,
 }
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        Self { max_tokens: 256, temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: None, ignore_eos: false }
+        Self {
+            max_tokens: 256,
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: None,
+            ignore_eos: false,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+            min_tokens: 0,
+            stop_token_ids: Vec::new(),
+            logprobs: None,
+            grammar: None,
+        }
     }
 }
 
@@ -41,7 +78,18 @@ impl SamplingParams {
     /// The distribution is softmax(logits / temperature) alone (or greedy): no top-k, top-p or
     /// min-p filter.
     pub fn is_temperature_only(&self) -> bool {
-        self.top_k == 0 && self.top_p >= 1.0 && self.min_p <= 0.0
+        self.top_k == 0 && self.top_p >= 1.0 && self.min_p <= 0.0 && !self.changes_logits()
+    }
+
+    /// Whether the logits are changed before sampling (grammar, penalties, bias, min_tokens):
+    /// then each verified row is processed on the host (`logits_processor.rs`).
+    pub fn changes_logits(&self) -> bool {
+        self.grammar.is_some()
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+            || !self.logit_bias.is_empty()
+            || self.min_tokens > 0
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -72,6 +120,48 @@ impl SamplingParams {
         if !(0.0..=1.0).contains(&self.min_p) {
             return Err(Error::config(format!("min_p must be in [0, 1] (got {}); use 0 to disable it", self.min_p)));
         }
+        for (name, value) in
+            [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)]
+        {
+            if !(-2.0..=2.0).contains(&value) {
+                return Err(Error::config(format!("{name} must be in [-2, 2] (got {value}); use 0 to disable it")));
+            }
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return Err(Error::config(format!(
+                "repetition_penalty must be a finite number > 0 (got {}); use 1 to disable it",
+                self.repetition_penalty
+            )));
+        }
+        if let Some((token, bias)) = self.logit_bias.iter().find(|(_, bias)| !(-100.0..=100.0).contains(bias)) {
+            return Err(Error::config(format!("logit_bias of token {token} must be in [-100, 100] (got {bias})")));
+        }
+        if self.min_tokens > self.max_tokens {
+            return Err(Error::config(format!(
+                "min_tokens ({}) must not exceed max_tokens ({}); lower min_tokens or raise max_tokens",
+                self.min_tokens, self.max_tokens
+            )));
+        }
+        if let Some(n) = self.logprobs.filter(|&n| n > MAX_LOGPROBS) {
+            return Err(Error::config(format!(
+                "logprobs (top alternatives per token) must be in 0..={MAX_LOGPROBS} (got {n})"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Token ids this request names (logit_bias, stop_token_ids) outside a vocabulary of `vocab`.
+    pub fn check_token_ids(&self, vocab: usize) -> Result<()> {
+        let named = self.logit_bias.iter().map(|(t, _)| ("logit_bias", *t));
+        let named = named.chain(self.stop_token_ids.iter().map(|&t| ("stop_token_ids", t)));
+        for (field, token) in named {
+            if token as usize >= vocab {
+                return Err(Error::config(format!(
+                    "{field} names token id {token}, outside the vocabulary (ids are 0..{})",
+                    vocab - 1
+                )));
+            }
+        }
         Ok(())
     }
 }
@@ -91,6 +181,12 @@ mod tests {
             (SamplingParams { top_p: 0.0, ..Default::default() }, "top_p"),
             (SamplingParams { top_p: 1.5, ..Default::default() }, "top_p"),
             (SamplingParams { min_p: -0.1, ..Default::default() }, "min_p"),
+            (SamplingParams { presence_penalty: 2.5, ..Default::default() }, "presence_penalty"),
+            (SamplingParams { frequency_penalty: -3.0, ..Default::default() }, "frequency_penalty"),
+            (SamplingParams { repetition_penalty: 0.0, ..Default::default() }, "repetition_penalty"),
+            (SamplingParams { logit_bias: vec![(5, 101.0)], ..Default::default() }, "logit_bias"),
+            (SamplingParams { min_tokens: 300, ..Default::default() }, "min_tokens"),
+            (SamplingParams { logprobs: Some(21), ..Default::default() }, "logprobs"),
         ];
         for (params, field) in bad {
             let err = params.validate().unwrap_err();

@@ -3,14 +3,17 @@
 //! Module map: `gguf` (file access) -> `model` (CausalLm families) + `kv_cache` (O(1) rollback) ->
 //! `tokenizer` / `chat_template` / `detokenizer` (text) -> `sampler` -> `proposer` (guesses) +
 //! `verify` (lossless acceptance) + `draft_length` -> `engine` (requests, configured by
-//! `spec_config`) and `metrics`; `quantize` writes requantized GGUF copies (the `quantized_self`
-//! draft); `bandwidth` measures the memory roof decode steps are held against; `batch` holds the batched kernels (CPU references, and CUDA with the `cuda` feature).
+//! `spec_config`) and `metrics`; `constraint` holds outputs to a grammar (JSON schema, regex,
+//! Lark; llguidance); `quantize` writes requantized GGUF copies (the `quantized_self` draft);
+//! `bandwidth` measures the memory roof decode steps are held against; `batch` holds the batched
+//! kernels (CPU references, and CUDA with the `cuda` feature).
 //! The Python bindings live in `specrs-py`.
 
 pub mod bandwidth;
 pub mod batch;
 pub mod chat_template;
 pub mod config;
+pub mod constraint;
 pub mod costs;
 pub mod detokenizer;
 pub mod draft_budget;

@@ -61,6 +61,13 @@ pub struct SpecDecodeMetrics {
     pub num_tree_accepted_tokens: usize,
     /// Their depths, summed.
     pub tree_depth_sum: usize,
+    /// Draft tokens a grammar forced (requests with a grammar and `grammar_drafts`; counted in
+    /// `num_draft_tokens` too).
+    pub num_grammar_draft_tokens: usize,
+    /// Of those, accepted (counted in `num_accepted_tokens` too).
+    pub num_grammar_accepted_tokens: usize,
+    /// Proposer draft tokens cut before verification because the grammar forbids them.
+    pub num_grammar_cut_tokens: usize,
 }
 
 impl SpecDecodeMetrics {
@@ -104,6 +111,9 @@ impl SpecDecodeMetrics {
         self.num_tree_draft_tokens += other.num_tree_draft_tokens;
         self.num_tree_accepted_tokens += other.num_tree_accepted_tokens;
         self.tree_depth_sum += other.tree_depth_sum;
+        self.num_grammar_draft_tokens += other.num_grammar_draft_tokens;
+        self.num_grammar_accepted_tokens += other.num_grammar_accepted_tokens;
+        self.num_grammar_cut_tokens += other.num_grammar_cut_tokens;
     }
 
     /// 1 + accepted / drafts (1.0 with no drafts: every step yields one token).

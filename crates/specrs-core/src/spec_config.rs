@@ -56,7 +56,7 @@ pub const MAX_EXIT_LAYER: usize = 1024;
 pub const MAX_DRAFT_COST: f64 = 100.0;
 
 /// Every key a speculative config may hold: vLLM's, then specrs' own.
-pub const KEYS: [&str; 22] = [
+pub const KEYS: [&str; 23] = [
     "method",
     "num_speculative_tokens",
     "prompt_lookup_min",
@@ -79,6 +79,7 @@ pub const KEYS: [&str; 22] = [
     "speculative_token_tree",
     "tree_depth",
     "tree_top_k",
+    "grammar_drafts",
 ];
 
 /// Every method a speculative config may name (besides the aliases `draft` and `[ngram]`).
@@ -193,6 +194,9 @@ pub struct SpeculativeConfig {
     /// Drafts with probabilities stop after a token whose draft probability is below this
     /// (transformers' `assistant_confidence_threshold`; 0 = off).
     pub draft_confidence_threshold: f32,
+    /// For requests with a grammar: the tokens the grammar forces are drafted first, for free
+    /// (chains of n-gram and suffix drafts; default on).
+    pub grammar_drafts: bool,
     pub schedule: Schedule,
     /// Costs the adaptive length reads from the config instead of measuring them (specrs keys):
     /// pinned costs make draft lengths, and so seeded samples, the same on every machine, and let
@@ -461,6 +465,11 @@ impl SpeculativeConfig {
                 }
             )));
         }
+        let grammar_drafts = match map.get("grammar_drafts") {
+            None | Some(Value::Null) => true,
+            Some(Value::Bool(b)) => *b,
+            Some(other) => return Err(Error::config(format!("'grammar_drafts' must be true or false (got {other})"))),
+        };
         let costs = ConfigCosts {
             verify_cost_ratios: verify_cost_ratios(map)?,
             draft_cost: optional_number(map, "draft_cost")?,
@@ -491,6 +500,7 @@ impl SpeculativeConfig {
             num_speculative_tokens,
             adaptive_draft_length,
             draft_confidence_threshold: draft_confidence_threshold as f32,
+            grammar_drafts,
             schedule,
             costs,
             tree,
@@ -505,6 +515,9 @@ impl SpeculativeConfig {
         map.insert("adaptive_draft_length".into(), self.adaptive_draft_length.into());
         if self.draft_confidence_threshold > 0.0 {
             map.insert("draft_confidence_threshold".into(), f64::from(self.draft_confidence_threshold).into());
+        }
+        if !self.grammar_drafts {
+            map.insert("grammar_drafts".into(), false.into());
         }
         if self.schedule == Schedule::Heuristic {
             map.insert("num_speculative_tokens_schedule".into(), "heuristic".into());

@@ -388,6 +388,11 @@ impl TextTokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// The underlying `tokenizers` tokenizer (constrained decoding reads its vocabulary).
+    pub(crate) fn hf_tokenizer(&self) -> &Tokenizer {
+        &self.inner
+    }
+
     pub fn chat_template(&self) -> Option<&ChatTemplate> {
         self.chat_template.as_ref()
     }

@@ -159,6 +159,7 @@ fn speculation(head: Head, engine: &Engine, tree: bool) -> Speculation {
         tree_chooser: None,
         schedule: None,
         draft_confidence_threshold: 0.0,
+        grammar_drafts: true,
         one_hot_drafts: false,
         verify_cost_source: None,
         draft_cost_source: None,

@@ -85,7 +85,10 @@ fn one_sixteen_token_forward_equals_sixteen_single_steps() {
 fn greedy_generation_is_deterministic_and_stops() {
     let engine = engine();
     let prompt = engine
-        .render_chat(&[specrs_core::chat_template::ChatMessage { role: "user".into(), content: "What is 2+2?".into() }])
+        .render_chat(
+            &[specrs_core::chat_template::ChatMessage { role: "user".into(), content: "What is 2+2?".into() }],
+            None,
+        )
         .unwrap();
     let ids = engine.tokenizer().encode(&prompt, true).unwrap();
     let a = engine.generate(ids.clone(), SamplingParams::greedy(48), None).unwrap();

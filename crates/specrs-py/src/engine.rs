@@ -5,9 +5,10 @@ use std::sync::{Arc, Mutex};
 
 use numpy::{IntoPyArray, PyArray2};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyInt};
+use pyo3::types::{PyDict, PyInt, PyList};
 use specrs_core::chat_template::ChatMessage;
-use specrs_core::engine::Generation;
+use specrs_core::constraint::GrammarSpec;
+use specrs_core::engine::{Generation, TokenLogprobs};
 use specrs_core::metrics::{
     expected_speedup_refined, expected_speedup_textbook, verify_cost_at, RequestMetrics, SpecDecodeMetrics,
 };
@@ -88,10 +89,16 @@ impl PySamplingParams {
     #[new]
     #[pyo3(
         signature = (max_tokens=NumberArg(None), temperature=NumberArg(None), top_k=NumberArg(None),
-                     top_p=NumberArg(None), min_p=NumberArg(None), seed=None, ignore_eos=false),
-        text_signature = "(max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, ignore_eos=False)"
+                     top_p=NumberArg(None), min_p=NumberArg(None), seed=None, ignore_eos=false,
+                     presence_penalty=NumberArg(None), frequency_penalty=NumberArg(None),
+                     repetition_penalty=NumberArg(None), logit_bias=None, min_tokens=NumberArg(None),
+                     stop_token_ids=None, logprobs=None, json_schema=None, json_object=false, regex=None,
+                     grammar=None, choice=None),
+        text_signature = "(max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, ignore_eos=False, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, min_tokens=0, stop_token_ids=None, logprobs=None, json_schema=None, json_object=False, regex=None, grammar=None, choice=None)"
     )]
+    #[allow(clippy::too_many_arguments)]
     fn new(
+        py: Python<'_>,
         max_tokens: NumberArg<'_>,
         temperature: NumberArg<'_>,
         top_k: NumberArg<'_>,
@@ -99,10 +106,45 @@ impl PySamplingParams {
         min_p: NumberArg<'_>,
         seed: Option<NumberArg<'_>>,
         ignore_eos: bool,
+        presence_penalty: NumberArg<'_>,
+        frequency_penalty: NumberArg<'_>,
+        repetition_penalty: NumberArg<'_>,
+        logit_bias: Option<Bound<'_, PyDict>>,
+        min_tokens: NumberArg<'_>,
+        stop_token_ids: Option<Bound<'_, PyAny>>,
+        logprobs: Option<NumberArg<'_>>,
+        json_schema: Option<Bound<'_, PyAny>>,
+        json_object: bool,
+        regex: Option<String>,
+        grammar: Option<String>,
+        choice: Option<Vec<String>>,
     ) -> PyResult<Self> {
         let defaults = SamplingParams::default();
         let seed = match seed {
             Some(seed) => Some(seed.integer("seed", 0, u64::MAX, "pass a seed that fits in 64 bits")?),
+            None => None,
+        };
+        let logit_bias = match logit_bias {
+            None => Vec::new(),
+            Some(bias) => bias
+                .iter()
+                .map(|(token, value)| {
+                    let token = NumberArg(Some(token)).integer(
+                        "logit_bias token id",
+                        0,
+                        u64::from(u32::MAX),
+                        "keys are token ids",
+                    )? as u32;
+                    Ok((token, NumberArg(Some(value)).number("logit_bias", 0.0)?))
+                })
+                .collect::<PyResult<Vec<_>>>()?,
+        };
+        let stop_token_ids = match stop_token_ids {
+            None => Vec::new(),
+            Some(ids) => token_ids_arg(&ids, "stop_token_ids entry")?,
+        };
+        let logprobs = match logprobs {
+            Some(n) => Some(n.integer("logprobs", 0, MAX_COUNT_ARG, "ask for 0..=20 alternatives")? as usize),
             None => None,
         };
         let inner = SamplingParams {
@@ -118,6 +160,14 @@ impl PySamplingParams {
             min_p: min_p.number("min_p", defaults.min_p)?,
             seed,
             ignore_eos,
+            presence_penalty: presence_penalty.number("presence_penalty", 0.0)?,
+            frequency_penalty: frequency_penalty.number("frequency_penalty", 0.0)?,
+            repetition_penalty: repetition_penalty.number("repetition_penalty", 1.0)?,
+            logit_bias,
+            min_tokens: min_tokens.integer("min_tokens", 0, MAX_COUNT_ARG, "use 0 to disable it")? as usize,
+            stop_token_ids,
+            logprobs,
+            grammar: grammar_arg(py, json_schema, json_object, regex, grammar, choice)?,
         };
         guard(|| inner.validate()).map_err(to_py)?;
         Ok(Self { inner })
@@ -151,19 +201,136 @@ impl PySamplingParams {
     fn ignore_eos(&self) -> bool {
         self.inner.ignore_eos
     }
+    #[getter]
+    fn presence_penalty(&self) -> f32 {
+        self.inner.presence_penalty
+    }
+    #[getter]
+    fn frequency_penalty(&self) -> f32 {
+        self.inner.frequency_penalty
+    }
+    #[getter]
+    fn repetition_penalty(&self) -> f32 {
+        self.inner.repetition_penalty
+    }
+    #[getter]
+    fn logit_bias(&self) -> Vec<(u32, f32)> {
+        self.inner.logit_bias.clone()
+    }
+    #[getter]
+    fn min_tokens(&self) -> usize {
+        self.inner.min_tokens
+    }
+    #[getter]
+    fn stop_token_ids(&self) -> Vec<u32> {
+        self.inner.stop_token_ids.clone()
+    }
+    #[getter]
+    fn logprobs(&self) -> Option<usize> {
+        self.inner.logprobs
+    }
+    /// The grammar as JSON text (`{"json_schema": ...}`, `{"regex": ...}`, ...), or None.
+    #[getter]
+    fn grammar_json(&self) -> Option<String> {
+        self.inner.grammar.as_ref().map(|g| g.to_json().to_string())
+    }
 
     fn __repr__(&self) -> String {
         let p = &self.inner;
         format!(
-            "SamplingParams(max_tokens={}, temperature={}, top_k={}, top_p={}, min_p={}, seed={}, ignore_eos={})",
+            "SamplingParams(max_tokens={}, temperature={}, top_k={}, top_p={}, min_p={}, seed={}, ignore_eos={}{})",
             p.max_tokens,
             p.temperature,
             p.top_k,
             p.top_p,
             p.min_p,
             p.seed.map_or("None".to_string(), |s| s.to_string()),
-            if p.ignore_eos { "True" } else { "False" }
+            if p.ignore_eos { "True" } else { "False" },
+            extra_repr(p)
         )
+    }
+}
+
+/// The settings past the basic ones that differ from their defaults, for `__repr__`.
+fn extra_repr(p: &SamplingParams) -> String {
+    let d = SamplingParams::default();
+    let mut out = String::new();
+    for (name, value, default) in [
+        ("presence_penalty", p.presence_penalty, d.presence_penalty),
+        ("frequency_penalty", p.frequency_penalty, d.frequency_penalty),
+        ("repetition_penalty", p.repetition_penalty, d.repetition_penalty),
+    ] {
+        if value != default {
+            out.push_str(&format!(", {name}={value}"));
+        }
+    }
+    if !p.logit_bias.is_empty() {
+        let items: Vec<String> = p.logit_bias.iter().map(|(t, b)| format!("{t}: {b}")).collect();
+        out.push_str(&format!(", logit_bias={{{}}}", items.join(", ")));
+    }
+    if p.min_tokens > 0 {
+        out.push_str(&format!(", min_tokens={}", p.min_tokens));
+    }
+    if !p.stop_token_ids.is_empty() {
+        out.push_str(&format!(", stop_token_ids={:?}", p.stop_token_ids));
+    }
+    if let Some(n) = p.logprobs {
+        out.push_str(&format!(", logprobs={n}"));
+    }
+    if let Some(grammar) = &p.grammar {
+        out.push_str(&format!(", grammar={}", grammar.to_json()));
+    }
+    out
+}
+
+/// The one grammar among `SamplingParams`' grammar arguments (a ConfigError naming them when
+/// more than one is given). `json_schema` may be a dict (converted with Python's json module) or
+/// a JSON string.
+fn grammar_arg(
+    py: Python<'_>,
+    json_schema: Option<Bound<'_, PyAny>>,
+    json_object: bool,
+    regex: Option<String>,
+    grammar: Option<String>,
+    choice: Option<Vec<String>>,
+) -> PyResult<Option<GrammarSpec>> {
+    let mut given: Vec<(&str, serde_json::Value)> = Vec::new();
+    if let Some(schema) = json_schema {
+        let text: String = if let Ok(text) = schema.extract::<String>() {
+            text
+        } else {
+            py.import("json")?.call_method1("dumps", (schema,))?.extract()?
+        };
+        let value: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| to_py(specrs_core::Error::config(format!("json_schema is not valid JSON: {e}"))))?;
+        given.push(("json_schema", value));
+    }
+    if json_object {
+        given.push(("json_object", serde_json::Value::Bool(true)));
+    }
+    if let Some(regex) = regex {
+        given.push(("regex", regex.into()));
+    }
+    if let Some(grammar) = grammar {
+        given.push(("grammar", grammar.into()));
+    }
+    if let Some(choice) = choice {
+        given.push(("choice", choice.into()));
+    }
+    match given.len() {
+        0 => Ok(None),
+        1 => {
+            let (key, value) = given.pop().expect("one entry");
+            let spec = serde_json::json!({ key: value });
+            guard(|| GrammarSpec::from_json(&spec)).map(Some).map_err(to_py)
+        }
+        _ => {
+            let names: Vec<&str> = given.iter().map(|(k, _)| *k).collect();
+            Err(to_py(specrs_core::Error::config(format!(
+                "give at most one of json_schema, json_object, regex, grammar, choice (got {})",
+                names.join(", ")
+            ))))
+        }
     }
 }
 
@@ -240,7 +407,23 @@ fn spec_items(d: &Bound<'_, PyDict>, s: &SpecDecodeMetrics) -> PyResult<()> {
     d.set_item("num_tree_draft_tokens", s.num_tree_draft_tokens)?;
     d.set_item("num_tree_accepted_tokens", s.num_tree_accepted_tokens)?;
     d.set_item("tree_depth_sum", s.tree_depth_sum)?;
+    d.set_item("num_grammar_draft_tokens", s.num_grammar_draft_tokens)?;
+    d.set_item("num_grammar_accepted_tokens", s.num_grammar_accepted_tokens)?;
+    d.set_item("num_grammar_cut_tokens", s.num_grammar_cut_tokens)?;
     Ok(())
+}
+
+/// Tokens' logprobs as `[{"token_id", "logprob", "top_logprobs": [(token_id, logprob), ...]}]`.
+pub(crate) fn logprobs_list<'py>(py: Python<'py>, logprobs: &[TokenLogprobs]) -> PyResult<Bound<'py, PyList>> {
+    let list = PyList::empty(py);
+    for entry in logprobs {
+        let d = PyDict::new(py);
+        d.set_item("token_id", entry.token_id)?;
+        d.set_item("logprob", entry.logprob)?;
+        d.set_item("top_logprobs", &entry.top)?;
+        list.append(d)?;
+    }
+    Ok(list)
 }
 
 pub(crate) fn generation_dict<'py>(py: Python<'py>, g: &Generation) -> PyResult<Bound<'py, PyDict>> {
@@ -248,6 +431,10 @@ pub(crate) fn generation_dict<'py>(py: Python<'py>, g: &Generation) -> PyResult<
     d.set_item("text", &g.text)?;
     d.set_item("token_ids", &g.token_ids)?;
     d.set_item("prompt_token_ids", &g.prompt_token_ids)?;
+    match &g.logprobs {
+        Some(logprobs) => d.set_item("logprobs", logprobs_list(py, logprobs)?)?,
+        None => d.set_item("logprobs", py.None())?,
+    }
     d.set_item("finish_reason", g.finish_reason.map(|r| r.as_str()))?;
     d.set_item("metrics", metrics_dict(py, &g.metrics)?)?;
     Ok(d)
@@ -353,6 +540,17 @@ impl PyEngine {
         guard(|| Ok(PyTokenizer { inner: self.inner.tokenizer().clone() })).map_err(to_py)
     }
 
+    /// Raises ConfigError for what starting a request with `params` would refuse: bad token ids
+    /// in logit_bias / stop_token_ids, or a grammar llguidance cannot compile (its reason).
+    fn check_params(&self, py: Python<'_>, params: &PySamplingParams) -> PyResult<()> {
+        let engine = self.inner.clone();
+        let params = params.inner.clone();
+        run_detached(py, move || {
+            params.check_token_ids(engine.model().info().vocab_size)?;
+            engine.check_grammar(&params)
+        })
+    }
+
     /// Model facts: architecture, vocab_size, context_length, num_layers, weight_bytes.
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (i, weight_bytes, device) = guard(|| {
@@ -372,11 +570,30 @@ impl PyEngine {
 
     /// Prompt text for a list of {"role", "content"} messages, from the model's chat template
     /// (rendered with the GIL released: a long conversation must not hold up other threads).
-    fn render_chat(&self, py: Python<'_>, messages: Vec<(String, String)>) -> PyResult<String> {
+    #[pyo3(signature = (messages, tools_json=None))]
+    fn render_chat(
+        &self,
+        py: Python<'_>,
+        messages: Vec<(String, String)>,
+        tools_json: Option<String>,
+    ) -> PyResult<String> {
         let messages: Vec<ChatMessage> =
             messages.into_iter().map(|(role, content)| ChatMessage { role, content }).collect();
+        let tools: Option<serde_json::Value> = match tools_json {
+            Some(text) => Some(
+                serde_json::from_str(&text)
+                    .map_err(|e| to_py(specrs_core::Error::config(format!("tools is not valid JSON: {e}"))))?,
+            ),
+            None => None,
+        };
         let engine = self.inner.clone();
-        run_detached(py, move || engine.render_chat(&messages))
+        run_detached(py, move || engine.render_chat(&messages, tools.as_ref()))
+    }
+
+    /// Whether the model's chat template renders a request's tools itself.
+    #[getter]
+    fn chat_template_renders_tools(&self) -> PyResult<bool> {
+        guard(|| self.inner.chat_template_renders_tools()).map_err(to_py)
     }
 
     /// The parsed config with every default filled in, as JSON (raises ConfigError when invalid).

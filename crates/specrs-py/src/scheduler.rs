@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use specrs_core::{DraftBudget, Engine, RequestOutput, Scheduler, SchedulerConfig, SchedulerTotals, StepReport};
 
-use crate::engine::{generation_dict, token_ids_arg, PyEngine, PySamplingParams};
+use crate::engine::{generation_dict, logprobs_list, token_ids_arg, PyEngine, PySamplingParams};
 use crate::errors::{guard, lock_recovering, run_detached, to_py};
 
 #[pyclass(name = "Scheduler", module = "specrs._specrs", frozen)]
@@ -136,6 +136,7 @@ fn output_dict(py: Python<'_>, output: RequestOutput) -> PyResult<Bound<'_, PyDi
     d.set_item("request_id", output.id)?;
     d.set_item("text", &output.text)?;
     d.set_item("token_ids", &output.token_ids)?;
+    d.set_item("logprobs", logprobs_list(py, &output.logprobs)?)?;
     match &output.finished {
         Some(generation) => {
             let finished = generation_dict(py, generation)?;

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -25,9 +26,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..engine import Engine
+from .tools import parse_call
 from .metrics import ServerMetrics
-from .protocol import (APIError, GenerationRequest, ServerSpeculation, chunk_body, parse_json_body, parse_request,
-                       request_too_large, response_body, usage)
+from .protocol import (APIError, GenerationRequest, ServerSpeculation, chunk_body, logprobs_body, parse_json_body,
+                       parse_request, request_too_large, response_body, usage)
 from .scheduler import Failed, Finished, Job, Scheduler, Text
 from .suffix_store import DEFAULT_SAVE_EVERY, SuffixCacheStore
 from .traffic import TrafficRecorder
@@ -79,6 +81,17 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
     `extra_hooks`: more end-of-request hooks (job, finish_reason, metrics)."""
     speculation = ServerSpeculation(engine.speculative_config, has_proposer=engine.proposer is not None,
                                     target_info=engine.info())
+
+    def answered_call(request: GenerationRequest, text: str, finish_reason: str | None) -> dict | None:
+        """The tool call a finished answer makes (None: a text answer, or one cut by max_tokens)."""
+        if request.tools is None or finish_reason != "stop":
+            return None
+        return parse_call(text, request.tools)
+
+    @functools.lru_cache(maxsize=65536)
+    def token_text(token_id: int) -> str:
+        """One token's text for logprobs (special tokens spelled out, as vLLM shows them)."""
+        return engine.tokenizer.decode([token_id], skip_special_tokens=False)
     metrics = ServerMetrics(served_model_name)
     store = None
     if suffix_cache is not None:
@@ -133,15 +146,19 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
             if request.stream:
                 return StreamingResponse(stream_events(job, request), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
-            texts = []
+            texts, entries = [], []
             while True:
                 event = await job.events.get()
                 if isinstance(event, Text):
                     texts.append(event.text)
+                    entries.extend(event.logprobs or [])
                 elif isinstance(event, Finished):
-                    return JSONResponse(response_body(request, "".join(texts), event.finish_reason,
+                    text = "".join(texts)
+                    call = answered_call(request, text, event.finish_reason)
+                    return JSONResponse(response_body(request, text, "tool_calls" if call else event.finish_reason,
                                                       usage(len(request.prompt_ids), event.num_completion_tokens,
-                                                            event.metrics)))
+                                                            event.metrics),
+                                                      logprobs_body(request, entries, token_text), tool_call=call))
                 else:
                     return error_response(event.error)
         except asyncio.CancelledError:
@@ -152,21 +169,42 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
 
     async def stream_events(job: Job, request: GenerationRequest) -> AsyncIterator[str]:
         ended = False
+        text_offset = 0  # completions' logprobs.text_offset
         try:
             if request.kind == "chat":  # OpenAI's first chat chunk carries the role
                 running = usage(len(request.prompt_ids), 0, None) if request.continuous_usage else None
                 yield _sse(chunk_body(request, "", usage_=running, first=True))
+            held_texts, held_entries = [], []  # a tool request's answer, held until it is complete
             while True:
                 event = await job.events.get()
-                if isinstance(event, Text):
+                if isinstance(event, Text) and request.tools is not None:
+                    held_texts.append(event.text)
+                    held_entries.extend(event.logprobs or [])
+                elif isinstance(event, Text):
                     running = None
                     if request.continuous_usage:  # vLLM's continuous_usage_stats: the counts so far
                         running = usage(len(request.prompt_ids), event.num_completion_tokens, None)
-                    yield _sse(chunk_body(request, event.text, usage_=running))
+                    logprobs = logprobs_body(request, event.logprobs, token_text, text_offset)
+                    text_offset += len(event.text)
+                    yield _sse(chunk_body(request, event.text, usage_=running, logprobs=logprobs))
                 elif isinstance(event, Finished):
                     ended = True
                     usage_ = usage(len(request.prompt_ids), event.num_completion_tokens, event.metrics)
-                    yield _sse(chunk_body(request, None if request.kind == "chat" else "", event.finish_reason,
+                    finish_reason = event.finish_reason
+                    if request.tools is not None:
+                        text = "".join(held_texts)
+                        call = answered_call(request, text, finish_reason)
+                        if call is not None:  # OpenAI's deltas: id, type and name, then the arguments
+                            first_delta = {"index": 0, "id": call["id"], "type": "function",
+                                           "function": {"name": call["function"]["name"], "arguments": ""}}
+                            yield _sse(chunk_body(request, None, tool_call=first_delta))
+                            yield _sse(chunk_body(request, None, tool_call={
+                                "index": 0, "function": {"arguments": call["function"]["arguments"]}}))
+                            finish_reason = "tool_calls"
+                        elif text or held_entries:
+                            yield _sse(chunk_body(request, text, logprobs=logprobs_body(request, held_entries,
+                                                                                          token_text)))
+                    yield _sse(chunk_body(request, None if request.kind == "chat" else "", finish_reason,
                                           usage_))
                     if request.include_usage:
                         yield _sse(chunk_body(request, None, usage_=usage_, no_choices=True))

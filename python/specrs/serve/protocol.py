@@ -26,15 +26,20 @@ WEIGHT_LOADING_METHODS = {"draft_model": "model", "pard": "model", "quantized_se
 # OpenAI fields specrs accepts at their default value only: a request that relies on another value
 # gets a 400 naming the field rather than a silently different answer.
 UNSUPPORTED_UNLESS_DEFAULT = {
-    "n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
-    "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None, "tool_choice": None,
-    "response_format": None, "repetition_penalty": 1,
+    "n": 1, "best_of": 1, "echo": False, "suffix": None,
 }
 IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+# Fields that constrain the output to a grammar: OpenAI's response_format and vLLM's (at most one).
+GRAMMAR_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_grammar",
+                  "guided_choice"}
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
-                 "stream_options", "speculative", "ignore_eos"}
+                 "stream_options", "speculative", "ignore_eos", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "logprobs"} | GRAMMAR_FIELDS
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
+# OpenAI's limits on alternatives per token: completions' integer `logprobs`, chat's `top_logprobs`.
+MAX_COMPLETION_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20
 
 # OpenAI's defaults: completions stop after 16 tokens; chat runs to the end of the context, which
 # specrs caps at `default_max_tokens` (the server's --default-max-tokens): each request's KV cache
@@ -129,6 +134,8 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     request_id: str = ""
     created: int = 0
+    logprobs: bool = False  # each emitted token's logprobs go in the response
+    tools: Any = None  # tools.ToolRequest: the answer may be (or must be) a tool call
 
 
 @dataclass
@@ -214,7 +221,7 @@ def _integer(body: dict, key: str, default: int | None, low: int, high: int, fix
 def _check_fields(body: dict, allowed: set[str]) -> None:
     for key, default in UNSUPPORTED_UNLESS_DEFAULT.items():
         value = body.get(key)
-        if value is not None and value != default and not (key == "logprobs" and value is False):
+        if value is not None and value != default:
             raise APIError(400, f"{key}={value!r} is not supported by specrs serve; leave it out "
                            f"(or send its default, {default!r})", param=key)
     unknown = sorted(set(body) - allowed - set(UNSUPPORTED_UNLESS_DEFAULT) - IGNORED_FIELDS)
@@ -240,6 +247,9 @@ def _messages(body: dict) -> list[dict]:
                        param="messages")
     out = []
     for i, m in enumerate(messages):
+        if isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls") and not m.get("content"):
+            out.append({"role": "assistant", "content": "", "tool_calls": _tool_calls(m["tool_calls"], i)})
+            continue
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
             raise APIError(400, f"messages[{i}] needs a string 'role' and a 'content'", param="messages")
         content = m["content"]
@@ -253,6 +263,22 @@ def _messages(body: dict) -> list[dict]:
             raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
         out.append({"role": m["role"], "content": content})
     return out
+
+
+def _tool_calls(calls, i: int) -> list[dict]:
+    """An assistant message's earlier tool calls (OpenAI's form), checked."""
+    if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments", ""), str) for c in calls):
+        raise APIError(400, f"messages[{i}].tool_calls must be a list of {{\"id\", \"type\": \"function\", "
+                       "\"function\": {\"name\", \"arguments\": \"<JSON text>\"}}", param="messages")
+    for c in calls:
+        try:
+            json.loads(c["function"].get("arguments") or "{}")
+        except ValueError:
+            raise APIError(400, f"messages[{i}].tool_calls: the arguments of {c['function']['name']!r} are not "
+                           "JSON text", param="messages") from None
+    return calls
 
 
 def _completion_prompt(engine: Engine, body: dict) -> list[int]:
@@ -273,18 +299,112 @@ def _completion_prompt(engine: Engine, body: dict) -> list[int]:
                    "request; send a batch as separate requests)", param="prompt")
 
 
+def _grammar(body: dict) -> dict | None:
+    """The one grammar a request names, as SamplingParams keywords (`json_schema`, `regex`, ...)."""
+    given = [key for key in sorted(GRAMMAR_FIELDS) if body.get(key) is not None]
+    response_format = body.get("response_format")
+    if response_format is not None:
+        if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object",
+                                                                                             "json_schema"):
+            raise APIError(400, 'response_format must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                           '"json_schema", "json_schema": {"name": ..., "schema": {...}}}', param="response_format")
+        if response_format["type"] == "text":
+            given.remove("response_format")
+    if len(given) > 1:
+        raise APIError(400, f"give at most one of {', '.join(given)}: each constrains the whole output",
+                       param=given[1])
+    if not given:
+        return None
+    key = given[0]
+    value = body[key]
+    if key == "response_format":
+        if value["type"] == "json_object":
+            return {"json_object": True}
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+            raise APIError(400, 'response_format.json_schema must be an object {"name": ..., "schema": {...}, '
+                           '"strict": true}', param="response_format")
+        # strict or not, the output is held to the schema (what strict promises).
+        return {"json_schema": spec.get("schema", {})}
+    if key == "structured_outputs":
+        names = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                 "json_object": "json_object"}
+        if not isinstance(value, dict) or set(value) - set(names) or len([v for v in value.values() if v]) != 1:
+            raise APIError(400, "structured_outputs takes exactly one of json, regex, choice, grammar, json_object",
+                           param="structured_outputs")
+        (name, inner), = [(k, v) for k, v in value.items() if v]
+        return {names[name]: inner}
+    return {{"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar",
+             "guided_choice": "choice"}[key]: value}
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise APIError(400, 'logit_bias must map token ids to biases, e.g. {"1234": -100}', param="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise APIError(400, f"logit_bias key {_shown(key)} is not a token id", param="logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise APIError(400, f"logit_bias[{key}] must be a number in [-100, 100]", param="logit_bias")
+        out[token] = float(value)
+    return out
+
+
+def _token_ids(body: dict, key: str) -> list[int] | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                              for t in value):
+        raise APIError(400, f"{key} must be a list of token ids", param=key)
+    return value
+
+
+def _logprobs(kind: str, body: dict) -> int | None:
+    """Alternatives per token for SamplingParams(logprobs=...), None when not asked for. Chat:
+    `logprobs` true plus `top_logprobs` 0..=20; completions: `logprobs` 0..=5."""
+    if kind == "chat":
+        wanted = body.get("logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise APIError(400, "logprobs must be true or false in a chat request (alternatives: top_logprobs)",
+                           param="logprobs")
+        top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS, "ask for 0 to 20 alternatives")
+        if top is not None and not wanted:
+            raise APIError(400, "top_logprobs needs \"logprobs\": true", param="top_logprobs")
+        return (top or 0) if wanted else None
+    if isinstance(body.get("logprobs"), bool):
+        raise APIError(400, "logprobs is an integer (alternatives per token) in a completion request",
+                       param="logprobs")
+    return _integer(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS, "ask for 0 to 5 alternatives")
+
+
 def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str, speculation: ServerSpeculation,
                   default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS) -> GenerationRequest:
     """Validates a /v1/completions (kind "completion") or /v1/chat/completions ("chat") body. It
     tokenizes (and renders chat templates), so the server calls it off the event loop."""
+    from . import tools as tool_calls  # it imports this module
+
     _check_fields(body, CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS)
+    tool_request = tool_calls.parse_tools(body) if kind == "chat" else None
     model = body.get("model")
     if model is not None and model != served_model_name:
         raise APIError(404, f"the model `{model}` does not exist; this server serves `{served_model_name}` "
                        "(see /v1/models)", param="model", code="model_not_found")
 
     try:
-        prompt_ids = engine.prompt_token_ids(_messages(body)) if kind == "chat" else _completion_prompt(engine, body)
+        if kind == "chat":
+            renders_tools = tool_request is not None and engine._inner.chat_template_renders_tools
+            messages = tool_calls.tool_messages(_messages(body), tool_request, renders_tools)
+            prompt_ids = engine.prompt_token_ids(messages, tool_calls.template_tools(tool_request)
+                                                 if renders_tools else None)
+        else:
+            prompt_ids = _completion_prompt(engine, body)
     except ConfigError as e:
         raise APIError(400, str(e), param="messages" if kind == "chat" else "prompt") from None
     context = engine.info()["context_length"]
@@ -309,6 +429,14 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise APIError(400, "ignore_eos must be true or false", param="ignore_eos")
+    logprobs = _logprobs(kind, body)
+    grammar = _grammar(body)
+    schema = None if tool_request is None else tool_calls.call_schema(tool_request)
+    if schema is not None:
+        if grammar is not None:
+            raise APIError(400, "tool_choice \"required\" or a named function already constrains the answer to "
+                           "a tool call; drop the response format", param="tool_choice")
+        grammar = {"json_schema": schema}
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -319,9 +447,19 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
             min_p=_number(body, "min_p", 0.0),
             seed=seed,
             ignore_eos=ignore_eos,
+            presence_penalty=_number(body, "presence_penalty", 0.0),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0),
+            repetition_penalty=_number(body, "repetition_penalty", 1.0),
+            logit_bias=_logit_bias(body),
+            min_tokens=_integer(body, "min_tokens", 0, 0, max_tokens, f"use 0..={max_tokens} (at most max_tokens)"),
+            stop_token_ids=_token_ids(body, "stop_token_ids"),
+            logprobs=logprobs,
+            **(grammar or {}),
         )
-    except ConfigError as e:
-        raise APIError(400, str(e)) from None
+        engine.check_params(params)  # compiles the grammar: a bad one is a 400 before any answer
+    except (ConfigError, TypeError, ValueError) as e:  # TypeError: a grammar field of the wrong type
+        grammar_field = next((k for k in sorted(GRAMMAR_FIELDS) if body.get(k) is not None), None)
+        raise APIError(400, str(e), param=grammar_field if grammar is not None else None) from None
 
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -352,6 +490,8 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
         stop=_stop_strings(body),
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         created=int(time.time()),
+        logprobs=logprobs is not None,
+        tools=tool_request,
     )
 
 
@@ -370,39 +510,71 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, metrics: dict | No
     return out
 
 
+def logprobs_body(request: GenerationRequest, entries: list[dict] | None, decode, text_offset: int = 0) -> dict | None:
+    """OpenAI's `logprobs` of a choice from the engine's entries (`{"token_id", "logprob",
+    "top_logprobs"}`): chat's `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}` or
+    completions' `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`. `decode` turns one
+    token id into its text."""
+    if not request.logprobs or entries is None:
+        return None
+    if request.kind == "chat":
+        def item(token_id, logprob):
+            token = decode(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+        return {"content": [item(e["token_id"], e["logprob"]) | {"top_logprobs": [item(t, lp) for t, lp in
+                                                                                  e["top_logprobs"]]}
+                            for e in entries]}
+    tokens = [decode(e["token_id"]) for e in entries]
+    offsets, at = [], text_offset
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{decode(t): lp for t, lp in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
+
+
 def _choice(request: GenerationRequest, text: str | None, finish_reason: str | None, delta: bool,
-            first: bool = False) -> dict:
+            first: bool = False, logprobs: dict | None = None, tool_call: dict | None = None) -> dict:
     if request.kind == "completion":
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     if not delta:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text}
+        if tool_call is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": [tool_call]}
+        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     content = {} if text is None else {"content": text}
-    return {"index": 0, "delta": ({"role": "assistant"} if first else {}) | content, "logprobs": None,
+    if tool_call is not None:
+        content = {"tool_calls": [tool_call]}
+    return {"index": 0, "delta": ({"role": "assistant"} if first else {}) | content, "logprobs": logprobs,
             "finish_reason": finish_reason}
 
 
-def response_body(request: GenerationRequest, text: str, finish_reason: str | None, usage_: dict) -> dict:
-    """The whole (non-streamed) response."""
+def response_body(request: GenerationRequest, text: str, finish_reason: str | None, usage_: dict,
+                  logprobs: dict | None = None, tool_call: dict | None = None) -> dict:
+    """The whole (non-streamed) response; with `tool_call`, the answer is that call."""
     return {
         "id": request.request_id,
         "object": "chat.completion" if request.kind == "chat" else "text_completion",
         "created": request.created,
         "model": request.model,
-        "choices": [_choice(request, text, finish_reason, delta=False)],
+        "choices": [_choice(request, text, finish_reason, delta=False, logprobs=logprobs, tool_call=tool_call)],
         "usage": usage_,
     }
 
 
 def chunk_body(request: GenerationRequest, text: str | None, finish_reason: str | None = None,
-               usage_: dict | None = None, first: bool = False, no_choices: bool = False) -> dict:
-    """One streamed chunk; `no_choices` makes stream_options.include_usage's last chunk."""
+               usage_: dict | None = None, first: bool = False, no_choices: bool = False,
+               logprobs: dict | None = None, tool_call: dict | None = None) -> dict:
+    """One streamed chunk; `no_choices` makes stream_options.include_usage's last chunk;
+    `tool_call` is a delta of OpenAI's `tool_calls`."""
     body = {
         "id": request.request_id,
         "object": "chat.completion.chunk" if request.kind == "chat" else "text_completion",
         "created": request.created,
         "model": request.model,
-        "choices": [] if no_choices else [_choice(request, text, finish_reason, delta=True, first=first)],
+        "choices": [] if no_choices else [_choice(request, text, finish_reason, delta=True, first=first,
+                                                  logprobs=logprobs, tool_call=tool_call)],
     }
     if usage_ is not None:
         body["usage"] = usage_

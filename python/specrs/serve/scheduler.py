@@ -44,6 +44,7 @@ class Started:
 class Text:
     text: str
     num_completion_tokens: int = 0  # tokens generated so far (stream_options.continuous_usage_stats)
+    logprobs: list | None = None  # the engine's entries of the tokens behind `text` (when asked for)
 
 
 @dataclass
@@ -74,6 +75,8 @@ class Job:
     admitted: bool = False  # it had rows in a forward (queue time observed)
     num_completion_tokens: int = 0
     response_ids: list[int] = field(default_factory=list)  # every token the target wrote for it
+    # Logprob entries of tokens whose text a stop string still holds back (sent with that text).
+    pending_logprobs: list = field(default_factory=list)
     last_token_s: float | None = None
     ended: bool = False  # its Finished or Failed event was sent
 
@@ -279,18 +282,26 @@ class Scheduler:
                 job.last_token_s = now
                 job.num_completion_tokens += len(token_ids)
                 job.response_ids.extend(token_ids)
+            job.pending_logprobs.extend(output["logprobs"])
             emitted = job.stops.feed(output["text"])
             if emitted:
-                job.send(Text(emitted, job.num_completion_tokens))
+                job.send(Text(emitted, job.num_completion_tokens, self._take_logprobs(job)))
             if job.stops.stopped and finished is None:
                 self._abort(job, "stop")
                 return
         if finished is not None:
             if job.ending is None and not job.stops.stopped:
                 rest = job.stops.flush()
-                if rest:
-                    job.send(Text(rest, job.num_completion_tokens))
+                if rest or job.pending_logprobs:
+                    job.send(Text(rest, job.num_completion_tokens, self._take_logprobs(job)))
             self._end(job, finished, job.ending or ("stop" if job.stops.stopped else None))
+
+    @staticmethod
+    def _take_logprobs(job: Job) -> list | None:
+        if not job.request.logprobs:
+            return None
+        taken, job.pending_logprobs = job.pending_logprobs, []
+        return taken
 
     def _end(self, job: Job, result: dict, finish_reason: str | None = None) -> None:
         """Ends a job; `finish_reason` overrides the engine's (a stop string, an abort)."""

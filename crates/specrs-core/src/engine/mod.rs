@@ -4,6 +4,7 @@
 //! - `proposers.rs`: the proposer factory (`Speculation` for a config) and draft models;
 //! - `cost_model.rs`: the verify-cost curve, the draft cost, the expected speedup;
 //! - `session.rs`: one request's decoding state, stepped as plan -> forward -> commit;
+//! - `logits_processor.rs`: grammar masks, logit_bias, min_tokens and penalties on verified rows;
 //! - `step_together.rs`: steps of several sessions gathered into one forward;
 //! - `scheduler.rs`: continuous batching: requests admitted, batched, budgeted, preempted;
 //! - `direct.rs`: teacher-forced forwards (logits, hidden states, a multi-sequence batch);
@@ -20,6 +21,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::DType;
 
 use crate::chat_template::ChatMessage;
+use crate::constraint::ConstraintCompiler;
 use crate::costs::{CostTable, DiskCache};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
@@ -37,6 +39,7 @@ use crate::tokenizer::TextTokenizer;
 pub mod cost_model;
 pub mod device;
 pub mod direct;
+pub mod logits_processor;
 pub mod proposers;
 pub mod scheduler;
 pub mod session;
@@ -48,7 +51,7 @@ pub mod tree_chooser;
 pub use cost_model::{ExpectedSpeedup, PolicyCosts};
 pub use device::{cache_dir, parse_device};
 pub use proposers::{Speculation, MAX_SUFFIX_CACHES};
-pub use session::{FinishReason, Generation, PlanLimits, Session, StepOutput, StepPlan};
+pub use session::{FinishReason, Generation, PlanLimits, Session, StepOutput, StepPlan, TokenLogprobs};
 
 /// Bytes of weights and KV caches, for `Engine::memory`. KV figures count the caches of requests
 /// in flight now, and the most held at once since the engine loaded.
@@ -98,6 +101,9 @@ pub struct Engine {
     checkpoint: Option<PathBuf>,
     target_kv: Arc<KvBytes>,
     draft_kv: Arc<KvBytes>,
+    /// Grammars' token environment, built on the first constrained request (it walks the whole
+    /// vocabulary once) and shared by every later one.
+    constraint_compiler: Mutex<Option<Arc<ConstraintCompiler>>>,
 }
 
 impl Engine {
@@ -167,6 +173,7 @@ impl Engine {
             heads: Mutex::default(),
             target_kv: Arc::default(),
             draft_kv: Arc::default(),
+            constraint_compiler: Mutex::default(),
         })
     }
 
@@ -209,14 +216,34 @@ impl Engine {
         &self.tokenizer
     }
 
-    /// Prompt text for chat `messages` from the model's own template.
-    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
-        let template = self.tokenizer.chat_template().ok_or_else(|| {
+    /// The grammar compiler for this engine's tokenizer, built on first use.
+    pub fn constraint_compiler(&self) -> Result<Arc<ConstraintCompiler>> {
+        let mut slot = lock(&self.constraint_compiler)?;
+        if let Some(compiler) = slot.as_ref() {
+            return Ok(compiler.clone());
+        }
+        let compiler = Arc::new(ConstraintCompiler::new(&self.tokenizer)?);
+        *slot = Some(compiler.clone());
+        Ok(compiler)
+    }
+
+    /// Prompt text for chat `messages` from the model's own template, with OpenAI's `tools` in
+    /// the template's `tools` variable when given.
+    pub fn render_chat(&self, messages: &[ChatMessage], tools: Option<&serde_json::Value>) -> Result<String> {
+        self.chat_template()?.render_with_tools(messages, true, tools)
+    }
+
+    /// Whether the model's chat template renders a request's tools itself.
+    pub fn chat_template_renders_tools(&self) -> Result<bool> {
+        Ok(self.chat_template()?.renders_tools())
+    }
+
+    fn chat_template(&self) -> Result<&crate::chat_template::ChatTemplate> {
+        self.tokenizer.chat_template().ok_or_else(|| {
             Error::config(
                 "this model has no chat template (tokenizer.chat_template); pass the prompt as a plain string",
             )
-        })?;
-        template.render(messages, true)
+        })
     }
 }
 
@@ -226,7 +253,8 @@ impl Engine {
 /// is left inconsistent by a panic part way through its critical section:
 /// - `metrics`: sums of finished requests; at worst one request is counted in part (statistics
 ///   only, never a request's output);
-/// - `drafts`, `heads`: maps whose entries are inserted whole; `pinned_suffix_config`: replaced whole;
+/// - `drafts`, `heads`: maps whose entries are inserted whole; `pinned_suffix_config` and
+///   `constraint_compiler`: replaced whole;
 /// - `costs`: a curve is extended, and a draft cost inserted, only after its measurement finished
 ///   (a panic while measuring leaves the figures it had; the measurement runs again later);
 /// - `suffix_caches`: a list whose entry is moved to the back by a remove and a push; a panic

@@ -42,6 +42,8 @@ pub struct Speculation {
     pub schedule: Option<HeuristicSchedule>,
     /// Drafts with probabilities stop after a token with q(x) below this (0 = off).
     pub draft_confidence_threshold: f32,
+    /// Grammar-forced tokens open the drafts of requests with a grammar (`spec_config.rs`).
+    pub grammar_drafts: bool,
     /// Whether every draft is deterministic (no probabilities: ngram, suffix, and the trees of
     /// heads and draft models), so a sampled
     /// request's tokens do not depend on its draft lengths (verify.rs). A custom proposer may
@@ -163,6 +165,7 @@ impl Engine {
             schedule: (config.schedule == Schedule::Heuristic)
                 .then(|| HeuristicSchedule::new(config.num_speculative_tokens)),
             draft_confidence_threshold: config.draft_confidence_threshold,
+            grammar_drafts: config.grammar_drafts,
             // Heads and draft models draft deterministic top-k trees in tree mode.
             one_hot_drafts: matches!(config.method, Method::Ngram { .. } | Method::Suffix(_))
                 || (config.tree.is_on()

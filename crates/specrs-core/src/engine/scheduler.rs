@@ -31,7 +31,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use super::session::{Generation, PlanLimits, Session, StepPlan};
+use super::session::{Generation, PlanLimits, Session, StepPlan, TokenLogprobs};
 use super::step_together::forward_and_commit;
 use super::{Engine, FinishReason, Speculation};
 use crate::config::SamplingParams;
@@ -123,6 +123,8 @@ pub struct RequestOutput {
     pub id: u64,
     pub token_ids: Vec<u32>,
     pub text: String,
+    /// One per token of `token_ids` when the request asked for logprobs.
+    pub logprobs: Vec<TokenLogprobs>,
     /// Set when the request ended this step (finished, aborted, or failed).
     pub finished: Option<Generation>,
     /// Why the request failed, if it did (it is then finished).
@@ -281,12 +283,14 @@ impl Scheduler {
                 id,
                 token_ids: Vec::new(),
                 text: String::new(),
+                logprobs: Vec::new(),
                 finished: Some(Generation {
                     prompt_token_ids: prompt_ids,
                     token_ids: Vec::new(),
                     text: String::new(),
                     finish_reason: Some(FinishReason::Abort),
                     metrics: RequestMetrics::default(),
+                    logprobs: None,
                 }),
                 error: None,
             },
@@ -360,6 +364,7 @@ impl Scheduler {
                                     id: running.id,
                                     token_ids: step.token_ids,
                                     text: step.text,
+                                    logprobs: step.logprobs,
                                     finished: done.then(|| running.session.result()),
                                     error: None,
                                 });
@@ -430,6 +435,7 @@ impl Scheduler {
                             id,
                             token_ids: Vec::new(),
                             text: String::new(),
+                            logprobs: Vec::new(),
                             finished: None,
                             error: Some(error),
                         }),
@@ -538,5 +544,12 @@ fn end_request(id: u64, session: &mut Session, error: Option<Error>) -> RequestO
         Ok(())
     });
     let error = error.or(aborted.err());
-    RequestOutput { id, token_ids: Vec::new(), text: String::new(), finished: Some(session.result()), error }
+    RequestOutput {
+        id,
+        token_ids: Vec::new(),
+        text: String::new(),
+        logprobs: Vec::new(),
+        finished: Some(session.result()),
+        error,
+    }
 }

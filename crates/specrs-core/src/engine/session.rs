@@ -9,6 +9,11 @@
 //! A scheduler may cap a plan (`plan_with`: context rows, draft tokens) and may take a request's
 //! cache away (`preempt`); the next plans then feed the context again before decoding resumes.
 //!
+//! A request whose settings change the logits (grammar, penalties, logit_bias, min_tokens) has
+//! every verified row processed as plain decoding would process it (`logits_processor.rs`); its
+//! drafts are cut where its grammar forbids them, and the tokens its grammar forces open its
+//! chain drafts (`grammar_drafts`).
+//!
 //! Invariant: after every commit of an unfinished request that was not preempted, the cache holds
 //! exactly the prompt plus every generated token but the newest one (which the next forward
 //! consumes), so `cache.len() == all_ids.len() - 1`; rejected draft tokens never stay in the cache.
@@ -18,6 +23,7 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 
+use super::logits_processor::{path_to, LogitsProcessor};
 use super::{lock, Engine, Speculation};
 use crate::config::SamplingParams;
 use crate::costs::CostSource;
@@ -58,6 +64,11 @@ impl Engine {
         reserve: usize,
     ) -> Result<Session> {
         self.check_request(&prompt_ids, &params)?;
+        let constraint = match &params.grammar {
+            Some(spec) => Some(self.constraint_compiler()?.compile(spec)?),
+            None => None,
+        };
+        let processor = LogitsProcessor::new(&params, &prompt_ids, self.tokenizer.eos_token_ids(), constraint);
         let cache = self.model.new_cache(reserve.max(1))?.tracked_by(self.target_kv.clone());
         let timer = RequestTimer::new();
         let mut speculation = speculation;
@@ -82,6 +93,8 @@ impl Engine {
             engine_metrics: self.metrics.clone(),
             prefill_chunk: None,
             tree_draft_timing: None,
+            processor,
+            logprobs: Vec::new(),
         })
     }
 
@@ -96,6 +109,7 @@ impl Engine {
         if let Some(bad) = prompt_ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::config(format!("prompt token id {bad} is outside the vocabulary (size {vocab})")));
         }
+        params.check_token_ids(vocab)?;
         let context = self.model.info().context_length;
         let needed = prompt_ids.len() + params.max_tokens;
         if needed > context {
@@ -107,6 +121,15 @@ impl Engine {
             )));
         }
         Ok(())
+    }
+
+    /// Compiles `params`' grammar, if any, so a server can refuse a bad one before it answers
+    /// (an `Error::Config` carrying llguidance's reason).
+    pub fn check_grammar(&self, params: &SamplingParams) -> Result<()> {
+        match &params.grammar {
+            Some(spec) => self.constraint_compiler()?.compile(spec).map(drop),
+            None => Ok(()),
+        }
     }
 
     /// Runs a request to completion.
@@ -150,6 +173,21 @@ impl FinishReason {
 pub struct StepOutput {
     pub token_ids: Vec<u32>,
     pub text: String,
+    /// One per token of `token_ids` when the request asked for logprobs.
+    pub logprobs: Vec<TokenLogprobs>,
+}
+
+/// One emitted token's log-probability and the most likely alternatives at its position, from
+/// the distribution the request samples from before its top-k / top-p / min-p filters: the
+/// processed logits (grammar, bias, penalties) divided by the temperature (1 when greedy),
+/// log-softmaxed, floored at -9999 (vLLM's; JSON has no -inf). The same for an accepted,
+/// recovered or bonus token as plain decoding's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub token_id: u32,
+    pub logprob: f32,
+    /// `(token_id, logprob)`, most likely first (ties: lower id first); as many as asked for.
+    pub top: Vec<(u32, f32)>,
 }
 
 /// A finished (or stopped) request.
@@ -160,6 +198,8 @@ pub struct Generation {
     pub text: String,
     pub finish_reason: Option<FinishReason>,
     pub metrics: RequestMetrics,
+    /// One per generated token when the request asked for logprobs.
+    pub logprobs: Option<Vec<TokenLogprobs>>,
 }
 
 /// What kind of forward a plan asks for.
@@ -190,6 +230,8 @@ pub struct StepPlan {
     pub rows: SeqRows,
     kind: PlanKind,
     draft: Draft,
+    /// Leading draft tokens the grammar forced (not the proposer's).
+    num_forced: usize,
     /// Positions the cache held when planned.
     cache_len: usize,
     /// Rows of `rows` that are context (prompt or newest token), before the draft.
@@ -224,6 +266,10 @@ pub struct Session {
     prefill_chunk: Option<usize>,
     /// The last tree draft's drafting seconds and depth, for the tree chooser's draft cost.
     tree_draft_timing: Option<(f64, usize)>,
+    /// Grammar, penalties, logit_bias, min_tokens (None: the logits are sampled as they come).
+    processor: Option<LogitsProcessor>,
+    /// Every generated token's logprobs, when asked for.
+    logprobs: Vec<TokenLogprobs>,
 }
 
 impl Session {
@@ -315,12 +361,14 @@ impl Session {
                 rows: SeqRows::chain(tokens, LogitRows::None),
                 kind: PlanKind::PrefillChunk,
                 draft: Draft::default(),
+                num_forced: 0,
                 cache_len,
                 num_unseen: chunk,
             }));
         }
         // A draft needs the whole context in the cache (a layer-skip draft extends it).
-        let draft = if num_unseen > 1 { Draft::default() } else { self.propose(limits.max_draft_tokens)? };
+        let (draft, num_forced) =
+            if num_unseen > 1 { (Draft::default(), 0) } else { self.propose(limits.max_draft_tokens)? };
         let mut input = self.all_ids[cache_len..].to_vec();
         input.extend_from_slice(&draft.token_ids);
         // Logits for the newest token and every draft token: [num_draft_tokens + 1, vocab].
@@ -335,7 +383,7 @@ impl Session {
             }
         }
         let kind = if is_prefill { PlanKind::Prefill } else { PlanKind::Decode };
-        Ok(Some(StepPlan { rows, kind, draft, cache_len, num_unseen }))
+        Ok(Some(StepPlan { rows, kind, draft, num_forced, cache_len, num_unseen }))
     }
 
     /// Reads the forward's answer to `plan`: `logits` `[plan.rows.logit_rows.len(), vocab]` and
@@ -365,7 +413,7 @@ impl Session {
         let t1 = Instant::now();
         let draft = &plan.draft;
         let num_draft_tokens = draft.token_ids.len();
-        let verification = self.verify_step(logits, draft)?;
+        let (verification, host_logits) = self.verify_step(logits, draft)?;
         let num_accepted = verification.accepted_path.len();
         // Keep [newest token, accepted path]; the rest of the draft leaves the cache.
         let kept_start = plan.cache_len + plan.num_unseen;
@@ -393,12 +441,20 @@ impl Session {
         }
         if num_draft_tokens > 0 {
             self.spec_metrics.observe_draft(num_draft_tokens, num_accepted);
+            let num_forced = plan.num_forced;
+            let num_forced_accepted = verification.accepted_path.iter().filter(|&&node| node < num_forced).count();
+            self.spec_metrics.num_grammar_draft_tokens += num_forced;
+            self.spec_metrics.num_grammar_accepted_tokens += num_forced_accepted;
+            // The proposer's own part of the draft, for the policies that judge its drafts.
+            let own_draft_tokens = num_draft_tokens - num_forced;
+            let own_observation = (num_forced_accepted == num_forced && own_draft_tokens > 0)
+                .then(|| (own_draft_tokens, num_accepted - num_forced));
             if draft.is_tree() {
                 self.spec_metrics.observe_tree(num_draft_tokens, draft.depth(), num_accepted);
             }
             if let Some(speculation) = self.speculation.as_mut() {
-                if let Some(policy) = speculation.draft_length.as_mut() {
-                    policy.observe(num_draft_tokens, num_accepted);
+                if let Some((policy, (drafted, accepted))) = speculation.draft_length.as_mut().zip(own_observation) {
+                    policy.observe(drafted, accepted);
                 }
                 if let Some(chooser) = speculation.tree_chooser.as_mut() {
                     chooser.observe(&draft.parents(), &verification.accepted_path);
@@ -406,8 +462,8 @@ impl Session {
                         chooser.observe_timing(draft_s, depth, forward_s, plan.rows.tokens.len());
                     }
                 }
-                if let Some(schedule) = speculation.schedule.as_mut() {
-                    schedule.observe(num_draft_tokens, num_accepted);
+                if let Some((schedule, (drafted, accepted))) = speculation.schedule.as_mut().zip(own_observation) {
+                    schedule.observe(drafted, accepted);
                 }
                 let feedback = Feedback {
                     num_accepted_tokens: num_accepted,
@@ -420,11 +476,22 @@ impl Session {
         }
 
         let mut new_ids = Vec::with_capacity(verification.token_ids.len());
-        for &token in &verification.token_ids {
+        let mut new_logprobs = Vec::new();
+        let rows = emitted_rows(&verification.accepted_path);
+        for (&token, &row) in verification.token_ids.iter().zip(&rows) {
             self.all_ids.push(token);
             new_ids.push(token);
+            if let (Some(n), Some(logits)) = (self.params.logprobs, host_logits.as_deref()) {
+                let vocab = self.model.info().vocab_size;
+                let row = &logits[row * vocab..(row + 1) * vocab];
+                new_logprobs.push(token_logprobs(row, token, n, self.params.temperature));
+            }
+            if let Some(processor) = self.processor.as_mut() {
+                processor.accept(&[token])?;
+            }
             let is_eos = self.tokenizer.eos_token_ids().contains(&token);
-            if is_eos && !self.params.ignore_eos {
+            let grammar_done = self.processor.as_ref().is_some_and(LogitsProcessor::grammar_finished);
+            if (is_eos && !self.params.ignore_eos) || self.params.stop_token_ids.contains(&token) || grammar_done {
                 self.finish_reason = Some(FinishReason::Stop);
             } else if self.generated_ids().len() >= self.params.max_tokens {
                 self.finish_reason = Some(FinishReason::Length);
@@ -433,6 +500,7 @@ impl Session {
                 break;
             }
         }
+        self.logprobs.extend(new_logprobs.iter().cloned());
         self.timer.tokens_arrived(new_ids.len());
         let mut text = self.detokenizer.next(&self.tokenizer, &self.all_ids)?;
         if self.is_finished() {
@@ -440,7 +508,7 @@ impl Session {
             self.on_finish();
         }
         self.text.push_str(&text);
-        Ok(StepOutput { token_ids: new_ids, text })
+        Ok(StepOutput { token_ids: new_ids, text, logprobs: new_logprobs })
     }
 
     /// Hands a hidden-state head (a proposer with taps) the target's hidden rows of the `kept`
@@ -461,22 +529,39 @@ impl Session {
     /// Deterministic trees of such requests go to the tree acceptance kernel, with the coupled
     /// form's draws (`Sampler::uniform_at`), so they emit what the host's `verify_tree` does;
     /// trees with draft probabilities are verified on the host.
-    fn verify_step(&mut self, logits: &Tensor, draft: &Draft) -> Result<TreeVerification> {
+    /// Returns the host logits too when they were copied (processed, if the request processes
+    /// them), for the tokens' logprobs.
+    fn verify_step(&mut self, logits: &Tensor, draft: &Draft) -> Result<(TreeVerification, Option<Vec<f32>>)> {
         #[cfg(feature = "cuda")]
-        if logits.device().is_cuda() && self.params.is_temperature_only() {
+        if logits.device().is_cuda() && self.params.is_temperature_only() && self.params.logprobs.is_none() {
             match (&draft.parents, &draft.probs) {
-                (None, _) => return self.verify_on_device(logits, draft),
-                (Some(parents), None) => return self.verify_tree_on_device(logits, draft, parents),
+                (None, _) => return Ok((self.verify_on_device(logits, draft)?, None)),
+                (Some(parents), None) => return Ok((self.verify_tree_on_device(logits, draft, parents)?, None)),
                 (Some(_), Some(_)) => {}
             }
         }
-        let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
+        let mut logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
+        let vocab = self.model.info().vocab_size;
+        if let Some(processor) = self.processor.as_mut() {
+            // Row 0 follows the output so far; row 1 + i follows draft node i's path.
+            let parents = draft.parents();
+            let paths: Vec<Vec<u32>> = std::iter::once(Vec::new())
+                .chain((0..draft.token_ids.len()).map(|node| path_to(node, &draft.token_ids, &parents)))
+                .collect();
+            processor.process_rows(&mut logits, vocab, &paths)?;
+        }
+        let verification = self.verify_rows(&logits, draft)?;
+        Ok((verification, Some(logits)))
+    }
+
+    /// `verify_step` on host logits `[num_draft_tokens + 1, vocab]`.
+    fn verify_rows(&mut self, logits: &[f32], draft: &Draft) -> Result<TreeVerification> {
         let vocab = self.model.info().vocab_size;
         let position = self.all_ids.len();
         let probs = draft.probs.as_deref();
         if let Some(parents) = &draft.parents {
             return verify_tree(
-                &logits,
+                logits,
                 vocab,
                 &draft.token_ids,
                 parents,
@@ -486,7 +571,7 @@ impl Session {
                 position,
             );
         }
-        let v = verify(&logits, vocab, &draft.token_ids, probs, &self.params, &mut self.sampler, position)?;
+        let v = verify(logits, vocab, &draft.token_ids, probs, &self.params, &mut self.sampler, position)?;
         Ok(TreeVerification { accepted_path: (0..v.num_accepted_tokens).collect(), token_ids: v.token_ids })
     }
 
@@ -546,12 +631,85 @@ impl Session {
     /// `cap`: a scheduler's limit on top of the request's own choice; the request's own state
     /// (its cost-aware policy) evolves as it would alone, so a cut by load is never taken for
     /// the request's own decision not to draft.
-    fn propose(&mut self, cap: Option<usize>) -> Result<Draft> {
+    /// With a grammar: the grammar's forced run opens the draft (its length is returned too), and
+    /// the draft is cut where the grammar forbids it.
+    fn propose(&mut self, cap: Option<usize>) -> Result<(Draft, usize)> {
+        let forced = self.forced_run(cap);
+        let own_cap = cap.map(|cap| cap - forced.len());
+        let mut draft = self.propose_own(own_cap, &forced)?;
+        let num_forced = forced.len();
+        if num_forced > 0 {
+            if draft.probs.is_some() || draft.parents.is_some() {
+                return Err(Error::Internal(
+                    "a grammar's forced run was prepended to a tree or a draft with probabilities".into(),
+                ));
+            }
+            draft.token_ids.splice(0..0, forced);
+        }
+        self.cut_by_grammar(&mut draft);
+        Ok((draft, num_forced))
+    }
+
+    /// The tokens this request's grammar forces next, for a chain draft of a proposer that drafts
+    /// from its context alone (n-gram, suffix), within `cap` and the tokens left; empty otherwise.
+    fn forced_run(&mut self, cap: Option<usize>) -> Vec<u32> {
+        /// A forced run is cheap to draft but costs a verify row per token: JSON keys take a few.
+        const MAX_FORCED_TOKENS: usize = 16;
+        let Some(speculation) = self.speculation.as_ref() else { return Vec::new() };
+        let Some(processor) = self.processor.as_mut().filter(|p| p.has_grammar()) else { return Vec::new() };
+        if !speculation.grammar_drafts || speculation.tree.is_on() || !speculation.proposer.drafts_from_context_alone()
+        {
+            return Vec::new();
+        }
+        let remaining = self.params.max_tokens - (self.all_ids.len() - self.prompt_len);
+        let max = MAX_FORCED_TOKENS.min(remaining.saturating_sub(1)).min(cap.unwrap_or(usize::MAX));
+        processor.forced_tokens(max)
+    }
+
+    /// Cuts `draft` where the grammar forbids it. A deterministic chain stops before the first
+    /// forbidden token. A chain with draft probabilities keeps that token (it is rejected for
+    /// certain, and its rejection draws the next token from norm(max(0, p - q)), which a cut
+    /// before it would not: verify.rs). A deterministic tree loses the forbidden nodes and
+    /// their subtrees; a tree with probabilities is verified whole (its siblings are drawn
+    /// without replacement, so a removed sibling would bias the others).
+    fn cut_by_grammar(&mut self, draft: &mut Draft) {
+        let Some(processor) = self.processor.as_mut().filter(|p| p.has_grammar()) else { return };
+        let vocab = self.model.info().vocab_size;
+        let num_tokens = draft.token_ids.len();
+        match (&draft.parents, &draft.probs) {
+            (None, probs) => {
+                let valid = processor.valid_draft_len(&draft.token_ids);
+                let keep = if probs.is_some() { (valid + 1).min(num_tokens) } else { valid };
+                draft.truncate(keep, vocab);
+            }
+            (Some(parents), None) => {
+                let valid = processor.valid_tree_nodes(&draft.token_ids, parents);
+                let keep: Vec<usize> = (0..num_tokens).filter(|&node| valid[node]).collect();
+                if keep.len() < num_tokens {
+                    draft.keep_nodes(&keep, vocab);
+                }
+            }
+            (Some(_), Some(_)) => {}
+        }
+        self.spec_metrics.num_grammar_cut_tokens += num_tokens - draft.token_ids.len();
+    }
+
+    /// The proposer's draft, after `forced` (tokens the grammar forces, not yet verified: the
+    /// proposer continues the context extended by them).
+    fn propose_own(&mut self, cap: Option<usize>, forced: &[u32]) -> Result<Draft> {
         let (settings_max, own) = self.own_draft_lengths();
         let Some(speculation) = self.speculation.as_mut() else { return Ok(Draft::default()) };
         if let Some(policy) = speculation.draft_length.as_mut().filter(|_| settings_max > 0 && own == 0) {
             policy.skipped();
         }
+        // A chain after a forced run: the run's tokens count against the tokens left (trees, which
+        // keep their node budget, never follow one).
+        let own = if forced.is_empty() {
+            own
+        } else {
+            let depth_room = (self.params.max_tokens - (self.all_ids.len() - self.prompt_len)).saturating_sub(1);
+            own.min(depth_room.saturating_sub(forced.len()))
+        };
         let max_draft = cap.map_or(own, |cap| own.min(cap));
         if max_draft == 0 {
             return Ok(Draft::default());
@@ -574,9 +732,16 @@ impl Session {
             }
             return Ok(Draft::default());
         }
+        let extended: Vec<u32>;
+        let context = if forced.is_empty() {
+            &self.all_ids
+        } else {
+            extended = [self.all_ids.as_slice(), forced].concat();
+            &extended
+        };
         let t0 = Instant::now();
         let mut draft = speculation.proposer.propose_with(ProposeInput {
-            context: &self.all_ids,
+            context,
             max_tokens,
             tree: tree.map(|(_, limits)| limits),
             target_cache: &mut self.cache,
@@ -761,7 +926,48 @@ impl Session {
             text: self.text.clone(),
             finish_reason: self.finish_reason,
             metrics: self.metrics(),
+            logprobs: self.params.logprobs.map(|_| self.logprobs.clone()),
         }
+    }
+}
+
+/// The logit row of each token a verification emits: row 0 for the first, then the row after
+/// each accepted node (row 1 + node) for the next.
+fn emitted_rows(accepted_path: &[usize]) -> Vec<usize> {
+    std::iter::once(0).chain(accepted_path.iter().map(|&node| node + 1)).collect()
+}
+
+/// The lowest logprob reported (vLLM's floor): JSON has no -inf.
+const MIN_LOGPROB: f32 = -9999.0;
+
+/// `token`'s logprob and the `top` most likely tokens from one processed logit row `[vocab]`
+/// (see `TokenLogprobs`).
+fn token_logprobs(row: &[f32], token: u32, top: usize, temperature: f32) -> TokenLogprobs {
+    let inv_t = if temperature > 0.0 { 1.0 / temperature } else { 1.0 };
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    // log-sum-exp in f64: the same value whatever the row's order of summation.
+    let sum: f64 = row.iter().map(|&x| (f64::from((x - max) * inv_t)).exp()).sum();
+    let log_z = sum.ln();
+    let logprob = |x: f32| (f64::from((x - max) * inv_t) - log_z) as f32;
+    let mut ranked: Vec<u32> = Vec::new();
+    if top > 0 {
+        let mut order: Vec<u32> = (0..row.len() as u32).collect();
+        let by_logit = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
+        let top = top.min(order.len());
+        order.select_nth_unstable_by(top - 1, by_logit);
+        order.truncate(top);
+        order.sort_unstable_by(by_logit);
+        ranked = order;
+    }
+    TokenLogprobs {
+        token_id: token,
+        logprob: logprob(row[token as usize]).max(MIN_LOGPROB),
+        // Tokens the grammar or a bias of -inf rules out are no alternatives.
+        top: ranked
+            .into_iter()
+            .filter(|&t| row[t as usize] > f32::NEG_INFINITY)
+            .map(|t| (t, logprob(row[t as usize])))
+            .collect(),
     }
 }
 

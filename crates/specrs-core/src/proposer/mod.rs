@@ -239,6 +239,33 @@ impl Feedback<'_> {
     }
 }
 
+/// The newest tokens of the context a model-free proposer indexed. The session may show such a
+/// proposer tokens nobody verified yet (a grammar's forced run, `drafts_from_context_alone`) and
+/// then take them back when the target rejects them; a context that disagrees with them tells
+/// the proposer to index from scratch rather than keep tokens the output does not hold.
+#[derive(Debug, Default)]
+pub(crate) struct IndexedTail {
+    start: usize,
+    tokens: Vec<u32>,
+}
+
+impl IndexedTail {
+    /// More than the longest forced run the session shows (engine/session.rs).
+    const LEN: usize = 32;
+
+    /// Whether `context` holds the recorded tokens where it overlaps them.
+    pub(crate) fn agrees(&self, context: &[u32]) -> bool {
+        let end = (self.start + self.tokens.len()).min(context.len());
+        self.start >= end || context[self.start..end] == self.tokens[..end - self.start]
+    }
+
+    pub(crate) fn record(&mut self, context: &[u32]) {
+        self.start = context.len().saturating_sub(Self::LEN);
+        self.tokens.clear();
+        self.tokens.extend_from_slice(&context[self.start..]);
+    }
+}
+
 /// One request's proposer.
 pub trait Proposer: Send {
     /// Called once before the request's first step with its prompt and sampling parameters (draft
@@ -265,6 +292,14 @@ pub trait Proposer: Send {
     /// Proposers that know one guess only return a chain.
     fn propose_tree(&mut self, context: &[u32], max_depth: usize, limits: TreeLimits) -> Result<Draft> {
         self.propose(context, max_depth.min(limits.max_nodes))
+    }
+
+    /// Whether `propose` depends on its `context` argument alone (n-gram, suffix decoding), so the
+    /// session may ask it to continue a context extended by tokens nobody verified yet (a
+    /// grammar's forced run). Proposers that keep state per verified position (draft models,
+    /// heads) say no.
+    fn drafts_from_context_alone(&self) -> bool {
+        false
     }
 
     /// Hidden states of the target this proposer reads (EAGLE, MTP, MLP speculator, Medusa):

@@ -46,7 +46,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 
 use super::tree::{ContinuationTrie, TreeLimits};
-use super::{Draft, Proposer};
+use super::{Draft, IndexedTail, Proposer};
 use crate::error::Result;
 
 /// Chain terminator in `NgramTable::previous_end`. Positions are stored as u32 to halve the index's
@@ -76,6 +76,8 @@ pub struct NgramProposer {
     prefix_hash: Vec<u64>,
     /// The n-grams ending at every position `< indexed_end` are in `tables`.
     indexed_end: usize,
+    /// The newest indexed tokens, to notice a context that took back tokens it showed.
+    tail: IndexedTail,
 }
 
 /// The index for one n-gram length.
@@ -108,13 +110,13 @@ impl NgramProposer {
         for _ in 0..prompt_lookup_max {
             base_pow.push(base_pow[base_pow.len() - 1].wrapping_mul(base));
         }
-        Self { tables, base, base_pow, prefix_hash: vec![0], indexed_end: 0 }
+        Self { tables, base, base_pow, prefix_hash: vec![0], indexed_end: 0, tail: IndexedTail::default() }
     }
 
     /// Brings the index up to date with `context`: hashes its new tokens and indexes the n-grams
     /// ending at every position before its end.
     fn index(&mut self, context: &[u32]) {
-        if context.len() + 1 < self.prefix_hash.len() {
+        if context.len() + 1 < self.prefix_hash.len() || !self.tail.agrees(context) {
             // The context shrank, which the `Proposer` contract rules out. Rebuild rather than keep
             // positions past its end; lookups verify tokens, so even a context rewritten in place
             // yields only genuine earlier occurrences, never a panic.
@@ -140,6 +142,7 @@ impl NgramProposer {
             }
         }
         self.indexed_end = context.len();
+        self.tail.record(context);
     }
 
     fn reset(&mut self) {
@@ -244,6 +247,10 @@ impl Iterator for Occurrences<'_> {
 }
 
 impl Proposer for NgramProposer {
+    fn drafts_from_context_alone(&self) -> bool {
+        true
+    }
+
     fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {
         // Index even when no tokens are wanted, so the next call still only pays for its new tokens.
         self.index(context);
@@ -304,6 +311,19 @@ impl Hasher for MixHasher {
 mod tests {
     use super::super::tree::{first_path, path_to};
     use super::*;
+
+    #[test]
+    fn a_context_that_takes_back_shown_tokens_is_indexed_again() {
+        // The session showed [.., 7, 8] (a forced run), the target kept 9 instead of 7.
+        let base: Vec<u32> = [1, 2, 3, 9, 4, 1, 2, 3, 7, 5, 1, 2, 3].to_vec();
+        let shown = [base.as_slice(), &[7, 8]].concat();
+        let kept = [base.as_slice(), &[9, 4]].concat();
+        let mut proposer = NgramProposer::new(1, 3);
+        proposer.propose(&shown, 3).unwrap();
+        let after = proposer.propose(&kept, 3).unwrap();
+        assert_eq!(after.token_ids, NgramProposer::new(1, 3).propose(&kept, 3).unwrap().token_ids);
+        assert_eq!(after.token_ids, rescan_reference(&kept, 1, 3, 3));
+    }
 
     /// The matching rule, written as directly as possible: rescan the whole context.
     fn rescan_reference(context: &[u32], min_n: usize, max_n: usize, max_tokens: usize) -> Vec<u32> {

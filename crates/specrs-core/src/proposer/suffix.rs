@@ -23,7 +23,7 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::{Draft, Proposer, TreeLimits};
+use super::{Draft, IndexedTail, Proposer, TreeLimits};
 use crate::error::Result;
 pub use crate::spec_config::SuffixParams;
 
@@ -766,6 +766,8 @@ pub struct SuffixProposer {
     /// Per-request tree; its open sequence is `context[..indexed]`.
     local: SuffixTree,
     indexed: usize,
+    /// The newest indexed tokens, to notice a context that took back tokens it showed.
+    tail: IndexedTail,
     global_matches: GlobalMatches,
     local_draft: Vec<u32>,
     global_draft: Vec<u32>,
@@ -782,6 +784,7 @@ impl SuffixProposer {
             global,
             local,
             indexed: 0,
+            tail: IndexedTail::default(),
             global_matches: GlobalMatches::default(),
             local_draft: Vec::new(),
             global_draft: Vec::new(),
@@ -831,14 +834,16 @@ impl SuffixProposer {
     /// The draft for `context`: the chain of at most `max_tokens` tokens, or with `tree`, the tree
     /// at most `max_tokens` deep grown from the chain's match (see [`SuffixProposer`]).
     fn speculate(&mut self, context: &[u32], max_tokens: usize, tree: Option<TreeLimits>) -> Draft {
-        if context.len() < self.indexed {
-            // The context must only grow; if a caller breaks that, start this request's tree over.
+        if context.len() < self.indexed || !self.tail.agrees(context) {
+            // The context grows, or takes back tokens it showed unverified (a grammar's forced
+            // run the target rejected): then this request's tree starts over.
             self.local = SuffixTree::new(self.params.max_tree_depth);
             self.indexed = 0;
             self.global_matches = GlobalMatches::default();
         }
         self.local.extend(&context[self.indexed..]);
         self.indexed = context.len();
+        self.tail.record(context);
 
         let pattern_len = context.len().min(self.params.max_tree_depth);
         // A tree's chain is what `propose` would draft within the node budget, so the tree chooser
@@ -900,6 +905,10 @@ fn shape_draft(
 }
 
 impl Proposer for SuffixProposer {
+    fn drafts_from_context_alone(&self) -> bool {
+        true
+    }
+
     fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {
         Ok(self.speculate(context, max_tokens, None))
     }

@@ -1,0 +1,275 @@
+//! Constrained decoding: a request's output must belong to the language of a `GrammarSpec`
+//! (JSON schema, JSON object, regex, Lark grammar, or a fixed choice), enforced by llguidance.
+//!
+//! A `ConstraintCompiler` is built once per tokenizer (it holds llguidance's token trie and
+//! parser factory); `compile` turns one request's `GrammarSpec` into a `Constraint`, the request's
+//! own matcher state. Speculative decoding uses a `Constraint` as: mask the logits of the next
+//! position (`apply_to_logits` / `allowed_tokens`), cut a draft to the prefix the grammar allows
+//! (`valid_prefix_len`, no state change), `consume` the tokens the target kept, `rollback` the ones
+//! it took back, and splice in what the grammar forces anyway (`forced_tokens`).
+//!
+//! Invariants:
+//! - The matcher's state is always that after exactly the tokens consumed and not rolled back.
+//!   A failed `consume` or `rollback` changes nothing, so a bad call never poisons the request.
+//! - `consume(t)` succeeds exactly when `valid_prefix_len(t) == t.len()`, and every token of
+//!   `allowed_tokens()` passes `valid_prefix_len` alone.
+//! - An EOS token ends the output: no token after an EOS is valid. Once the grammar has ended
+//!   (`is_finished`), the mask allows EOS and nothing else.
+//! - Token ids at or past the tokenizer's vocabulary (padding rows of a model's logits) are never
+//!   allowed.
+
+pub mod grammar_spec;
+mod token_env;
+
+pub use grammar_spec::{GrammarSpec, GRAMMAR_SPEC_KEYS};
+
+use llguidance::api::StopReason;
+use llguidance::toktrie::{SimpleVob, TokEnv};
+use llguidance::{Matcher, ParserFactory};
+
+use crate::error::{catch_panic, Error, Result};
+use crate::tokenizer::TextTokenizer;
+
+/// Compiles grammars for one tokenizer. Build it once per model and share it: building it walks
+/// the whole vocabulary; `compile` does not.
+pub struct ConstraintCompiler {
+    factory: ParserFactory,
+}
+
+impl ConstraintCompiler {
+    /// The compiler for `tokenizer`'s vocabulary and EOS ids. Fails (`Error::Config`) for a
+    /// tokenizer whose token bytes cannot be known or that has no EOS token.
+    pub fn new(tokenizer: &TextTokenizer) -> Result<Self> {
+        let tok_env = token_env::token_env(tokenizer)?;
+        let mut factory = catch_panic(|| ParserFactory::new_simple(&tok_env))
+            .map_err(|panic| Error::Internal(format!("building the grammar parser factory panicked: {panic}")))?
+            .map_err(|e| Error::Internal(format!("building the grammar parser factory: {e:#}")))?;
+        // llguidance would print grammar warnings on stderr; a server reports errors, not noise.
+        factory.quiet();
+        Ok(Self { factory })
+    }
+
+    /// Number of token ids the compiled constraints know: the tokenizer's vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        self.factory.tok_env().tok_trie().vocab_size()
+    }
+
+    /// One request's constraint, at the start of the output. A malformed schema, regex or grammar
+    /// is an `Error::Config` carrying llguidance's own message.
+    pub fn compile(&self, spec: &GrammarSpec) -> Result<Constraint> {
+        let kind = spec.kind();
+        let invalid = |message: String| {
+            Error::config(format!("invalid {kind} for constrained decoding: {message}; fix the {kind} and resend"))
+        };
+        let grammar = spec.to_llguidance()?;
+        // A grammar that makes llguidance panic is still the request's: a 400 naming it, not a 500.
+        let parser = catch_panic(|| self.factory.create_parser(grammar))
+            .map_err(|panic| invalid(format!("llguidance failed on it ({panic})")))?
+            .map_err(|e| invalid(format!("{e:#}")))?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(message) = matcher.get_error() {
+            return Err(invalid(message));
+        }
+        Ok(Constraint { matcher, tok_env: self.factory.tok_env().clone(), kind, consumed: 0, eos_after_end: false })
+    }
+}
+
+/// The set of token ids a constraint allows at one position. Shape: one bit per id of the
+/// tokenizer's vocabulary; ids past it are never allowed.
+pub struct TokenMask {
+    allowed: SimpleVob,
+}
+
+impl TokenMask {
+    pub fn contains(&self, token: u32) -> bool {
+        (token as usize) < self.allowed.len() && self.allowed.is_allowed(token)
+    }
+
+    /// Number of allowed ids.
+    pub fn count(&self) -> usize {
+        self.allowed.num_set()
+    }
+
+    /// The allowed ids, ascending.
+    pub fn token_ids(&self) -> Vec<u32> {
+        self.allowed.to_list()
+    }
+
+    /// Sets every forbidden entry of `logits` (`[n]`, n >= or < the vocabulary size) to -inf,
+    /// leaving the allowed ones untouched.
+    pub fn apply_to_logits(&self, logits: &mut [f32]) {
+        const BITS: usize = 32; // SimpleVob's word size
+        let in_vocab = logits.len().min(self.allowed.len());
+        let (known, past_vocab) = logits.split_at_mut(in_vocab);
+        past_vocab.fill(f32::NEG_INFINITY);
+        for (chunk, &bits) in known.chunks_mut(BITS).zip(self.allowed.as_slice()) {
+            if bits == u32::MAX {
+                continue;
+            }
+            for (bit, logit) in chunk.iter_mut().enumerate() {
+                if bits & (1 << bit) == 0 {
+                    *logit = f32::NEG_INFINITY;
+                }
+            }
+        }
+    }
+}
+
+/// One request's position in its grammar (see the module invariants).
+pub struct Constraint {
+    matcher: Matcher,
+    tok_env: TokEnv,
+    /// `GrammarSpec::kind`, for error messages.
+    kind: &'static str,
+    /// Tokens the matcher holds: consumed and not rolled back.
+    consumed: usize,
+    /// An EOS consumed after the grammar had already ended. llguidance takes no token once its
+    /// grammar can go no further, so this one is held here, where `rollback` can undo it.
+    eos_after_end: bool,
+}
+
+// The engine moves sessions, and so their constraints, across threads; one compiler serves all.
+const _: () = {
+    const fn send<T: Send>() {}
+    const fn send_sync<T: Send + Sync>() {}
+    send::<Constraint>();
+    send_sync::<ConstraintCompiler>();
+};
+
+impl Constraint {
+    /// Number of token ids the masks cover: the tokenizer's vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        self.tok_env.tok_trie().vocab_size()
+    }
+
+    /// The tokens the grammar allows at the next position. Never empty: once the grammar has
+    /// ended (or an EOS was consumed), that is the EOS ids.
+    pub fn allowed_tokens(&mut self) -> Result<TokenMask> {
+        self.check_healthy()?;
+        let allowed = if self.is_finished() {
+            self.tok_env.tok_trie().eos_token_set()
+        } else {
+            self.matcher
+                .compute_mask()
+                .map_err(|e| Error::Internal(format!("computing the {} token mask: {e:#}", self.kind)))?
+        };
+        Ok(TokenMask { allowed })
+    }
+
+    /// Sets the logits of the tokens the grammar forbids at the next position to -inf.
+    /// `logits`: `[n]`, the model's row for that position; entries at or past the tokenizer's
+    /// vocabulary size (a model's padding rows) are always forbidden.
+    pub fn apply_to_logits(&mut self, logits: &mut [f32]) -> Result<()> {
+        self.allowed_tokens()?.apply_to_logits(logits);
+        Ok(())
+    }
+
+    /// How many leading tokens of `draft` the grammar allows from the current state, without
+    /// changing it: the longest prefix `consume` would take. A prefix ends at its first EOS (an
+    /// EOS is valid only where the grammar may end). 0 when the matcher has failed.
+    pub fn valid_prefix_len(&mut self, draft: &[u32]) -> usize {
+        if self.eos_consumed() || self.matcher.is_error() {
+            return 0;
+        }
+        if self.matcher.is_stopped() {
+            // The grammar ended without an EOS: exactly one EOS may follow.
+            return usize::from(draft.first().is_some_and(|&t| self.is_eos(t)));
+        }
+        // llguidance treats an id past its vocabulary as a fatal error; such an id is just invalid.
+        let in_vocab = draft.iter().position(|&t| t as usize >= self.vocab_size()).unwrap_or(draft.len());
+        self.matcher.validate_tokens(&draft[..in_vocab]).unwrap_or(0).min(in_vocab)
+    }
+
+    /// Advances the grammar over `tokens` (the tokens the output kept). Fails, changing nothing,
+    /// when the grammar does not allow all of them (`Error::Config` naming the first one).
+    pub fn consume(&mut self, tokens: &[u32]) -> Result<()> {
+        self.check_healthy()?;
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        let valid = self.valid_prefix_len(tokens);
+        if valid < tokens.len() {
+            let why = if self.eos_consumed() || (valid > 0 && self.is_eos(tokens[valid - 1])) {
+                "the output already ended with an EOS token"
+            } else if self.is_finished() {
+                "the grammar is complete and only an EOS token may follow"
+            } else {
+                "the grammar does not allow it there"
+            };
+            return Err(Error::config(format!(
+                "token {} (index {valid} of the {} tokens to consume) breaks the {}: {why}; consume only tokens \
+                 from allowed_tokens() or the first valid_prefix_len() tokens of a draft",
+                tokens[valid],
+                tokens.len(),
+                self.kind
+            )));
+        }
+        if self.matcher.is_stopped() {
+            // valid_prefix_len allowed exactly one EOS after the grammar's end.
+            self.eos_after_end = true;
+            return Ok(());
+        }
+        self.matcher.consume_tokens(tokens).map_err(|e| {
+            Error::Internal(format!("the {} matcher failed on tokens it had validated: {e:#}", self.kind))
+        })?;
+        self.consumed += tokens.len();
+        Ok(())
+    }
+
+    /// Undoes the last `n` consumed tokens (the draft tokens the target rejected). Fails, changing
+    /// nothing, when fewer than `n` tokens are held.
+    pub fn rollback(&mut self, n: usize) -> Result<()> {
+        self.check_healthy()?;
+        let held = self.consumed + usize::from(self.eos_after_end);
+        if n > held {
+            return Err(Error::config(format!(
+                "cannot roll back {n} tokens: the {} constraint holds only the {held} tokens consumed since it \
+                 was compiled",
+                self.kind
+            )));
+        }
+        let from_matcher = n - usize::from(self.eos_after_end && n > 0);
+        if from_matcher > 0 {
+            self.matcher
+                .rollback(from_matcher)
+                .map_err(|e| Error::Internal(format!("rolling back the {} matcher: {e:#}", self.kind)))?;
+            self.consumed -= from_matcher;
+        }
+        if n > 0 {
+            self.eos_after_end = false;
+        }
+        Ok(())
+    }
+
+    /// The tokens the grammar forces next, whatever the model says (e.g. `{"` opening a JSON
+    /// object), in the tokenizer's canonical tokenization; consuming them is always valid. Empty
+    /// when nothing is forced, when the grammar has ended, or when the matcher has failed.
+    pub fn forced_tokens(&mut self) -> Vec<u32> {
+        if self.matcher.is_stopped() {
+            return Vec::new();
+        }
+        self.matcher.compute_ff_tokens()
+    }
+
+    /// Whether the output is complete: the grammar has ended (it accepts and no token but EOS may
+    /// follow), or an EOS was consumed where the grammar accepts.
+    pub fn is_finished(&self) -> bool {
+        self.eos_after_end || (self.matcher.is_stopped() && self.matcher.stop_reason().is_ok())
+    }
+
+    fn eos_consumed(&self) -> bool {
+        self.eos_after_end || self.matcher.stop_reason() == StopReason::EndOfSentence
+    }
+
+    fn is_eos(&self, token: u32) -> bool {
+        self.tok_env.tok_trie().eos_tokens().contains(&token)
+    }
+
+    /// llguidance's matcher keeps its first internal error and fails every later call.
+    fn check_healthy(&self) -> Result<()> {
+        match self.matcher.get_error() {
+            Some(message) => Err(Error::Internal(format!("the {} matcher failed earlier: {message}", self.kind))),
+            None => Ok(()),
+        }
+    }
+}

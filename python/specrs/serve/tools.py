@@ -1,0 +1,158 @@
+"""OpenAI tool calling for `specrs serve`: `tools` and `tool_choice` on /v1/chat/completions.
+
+How a request with tools runs:
+- The prompt: a chat template that reads `tools` renders them itself; otherwise (SmolLM2's and
+  Gemma 3's templates have no tool section) the tools, with the instruction to answer a call as one
+  JSON object `{"name": ..., "arguments": {...}}`, go in the system message. Earlier turns in
+  OpenAI's form (an assistant message with `tool_calls`, a `tool` message with its result) are
+  written as text the template takes: the call's JSON, and a user turn with the result.
+- `tool_choice` "required" or a named function: the answer is constrained to the tools' call
+  schema (`call_schema`: the name as a constant, the arguments as the function's JSON schema), so
+  it always parses; "auto" (the default with tools): the model answers freely, and an answer that
+  is exactly a valid call of one tool becomes a tool call (vLLM's auto tool choice parses the same
+  way); "none": the tools are not shown and the answer is text.
+- The answer: `message.tool_calls` with `finish_reason` "tool_calls"; streamed, the call arrives
+  as OpenAI's deltas (id, type and name, then the arguments) once the answer is complete.
+
+Invariant: every refusal is an APIError naming the field; a call returned to the client always
+validates against its function's parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+import jsonschema
+
+from .protocol import APIError
+
+TOOL_INSTRUCTION = (
+    "You can call these tools (JSON schema of each function's arguments):\n{tools}\n"
+    'To call a tool, answer with only a JSON object: {{"name": <tool name>, "arguments": {{...}}}}.'
+)
+
+
+@dataclass
+class Tool:
+    name: str
+    description: str
+    parameters: dict
+
+
+@dataclass
+class ToolRequest:
+    """What a chat request asked of its tools."""
+
+    tools: list[Tool]
+    choice: str  # "auto", "required", or "named"
+    named: str | None = None  # the function tool_choice names
+
+
+def parse_tools(body: dict) -> ToolRequest | None:
+    """The request's tools and tool_choice; None when it has none or tool_choice is "none"."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools; send the functions in tools", param="tool_choice")
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise APIError(400, "tools must be a non-empty list of {\"type\": \"function\", \"function\": {...}}",
+                       param="tools")
+    parsed = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                           "\"parameters\": {...}}}}", param="tools")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise APIError(400, f"tools[{i}].function.name must be a non-empty string", param="tools")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
+        try:
+            jsonschema.Draft202012Validator.check_schema(parameters)
+        except jsonschema.SchemaError as e:
+            raise APIError(400, f"tools[{i}].function.parameters is not a valid JSON schema: {e.message}",
+                           param="tools") from None
+        parsed.append(Tool(name, str(function.get("description", "")), parameters))
+    if len({t.name for t in parsed}) != len(parsed):
+        raise APIError(400, "tools has two functions of the same name", param="tools")
+    if choice in (None, "auto"):
+        return ToolRequest(parsed, "auto")
+    if choice == "none":
+        return None
+    if choice == "required":
+        return ToolRequest(parsed, "required")
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if not isinstance(name, str) or name not in {t.name for t in parsed}:
+            raise APIError(400, f"tool_choice names the function {str(name)[:80]!r}, which is not in tools",
+                           param="tool_choice")
+        return ToolRequest(parsed, "named", name)
+    raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                   '{"name": ...}}', param="tool_choice")
+
+
+def call_schema(request: ToolRequest) -> dict | None:
+    """The JSON schema a constrained answer must follow (None for "auto")."""
+    if request.choice == "auto":
+        return None
+    tools = [t for t in request.tools if request.choice == "required" or t.name == request.named]
+    options = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def tool_messages(messages: list[dict], request: ToolRequest | None, template_renders_tools: bool) -> list[dict]:
+    """`messages` as the chat template takes them: OpenAI's tool turns written as text, and the
+    tools in the system message when the template does not render them."""
+    out = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"] or "{}")}
+                     for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": json.dumps(calls[0] if len(calls) == 1 else calls)})
+        elif m["role"] == "tool":
+            out.append({"role": "user", "content": f"Tool result: {m['content']}"})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    if request is None or template_renders_tools:
+        return out
+    listing = json.dumps([{"name": t.name, "description": t.description, "parameters": t.parameters}
+                          for t in request.tools])
+    instruction = TOOL_INSTRUCTION.format(tools=listing)
+    if out and out[0]["role"] == "system":
+        out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + instruction}
+    else:
+        out.insert(0, {"role": "system", "content": instruction})
+    return out
+
+
+def template_tools(request: ToolRequest | None) -> list[dict] | None:
+    """The tools as a chat template reads them (OpenAI's form)."""
+    if request is None:
+        return None
+    return [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                              "parameters": t.parameters}} for t in request.tools]
+
+
+def parse_call(text: str, request: ToolRequest) -> dict | None:
+    """The OpenAI tool call in an answer, or None when the answer is not exactly a valid call."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or set(value) != {"name", "arguments"}:
+        return None
+    tool = next((t for t in request.tools if t.name == value["name"]), None)
+    if tool is None or not isinstance(value["arguments"], dict):
+        return None
+    try:
+        jsonschema.validate(value["arguments"], tool.parameters)
+    except jsonschema.ValidationError:
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": tool.name, "arguments": json.dumps(value["arguments"])}}
