@@ -37,13 +37,12 @@ import platform
 import sys
 import time
 
-import jsonschema
 
 import specrs
 from specrs import SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from structured_workload import EXTRACT_SCHEMA, TASKS, load_passages  # noqa: E402  (benches/ is no package)
+from structured_workload import EXTRACT_SCHEMA, TASKS, load_passages, valid  # noqa: E402  (benches/ is no package)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
@@ -54,14 +53,6 @@ CONFIGS = {
     "suffix_checked": SUFFIX | {"grammar_drafts": False},
     "suffix_forced": SUFFIX,
 }
-
-
-def valid(text: str, schema: dict) -> bool:
-    try:
-        jsonschema.validate(json.loads(text), schema)
-        return True
-    except (ValueError, jsonschema.ValidationError):
-        return False
 
 
 def run(args) -> dict:

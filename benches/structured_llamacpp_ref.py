@@ -18,19 +18,10 @@ import os
 import sys
 import time
 
-import jsonschema
 from llama_cpp import Llama
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from structured_workload import TASKS, load_passages  # noqa: E402
-
-
-def valid(text: str, schema: dict) -> bool:
-    try:
-        jsonschema.validate(json.loads(text), schema)
-        return True
-    except (ValueError, jsonschema.ValidationError):
-        return False
+from structured_workload import TASKS, load_passages, valid  # noqa: E402
 
 
 def main() -> None:

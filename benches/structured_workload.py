@@ -1,9 +1,12 @@
 """The structured-output workload of structured_bench.py and its llama.cpp reference
 (structured_llamacpp_ref.py): JSON schemas, prompt templates, and the Spec-Bench passages they
-are filled with. Plain Python, no specrs import, so the reference runs in llama-cpp-python's venv.
+are filled with, and the validity check. No specrs import, so the reference runs in
+llama-cpp-python's venv (with jsonschema).
 """
 
 import json
+
+import jsonschema
 
 CATEGORIES = ("summarization", "rag")
 
@@ -63,3 +66,12 @@ def load_passages(path: str, per_category: int, max_chars: int) -> list[dict]:
                 passages[q["category"]].append({"question_id": q["question_id"], "category": q["category"],
                                                 "passage": q["turns"][0][:max_chars]})
     return [p for c in CATEGORIES for p in passages[c]]
+
+
+def valid(text: str, schema: dict) -> bool:
+    """Whether an output parses as JSON and validates against its schema."""
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
