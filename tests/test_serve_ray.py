@@ -276,15 +276,16 @@ def test_a_client_that_leaves_mid_stream_frees_its_replica(ray_app):
     assert _metric(ray_app, "specrs:request_success_total", finished_reason="abort", replica=replica) >= 1
 
 
-def _stream(base: str, replica: str, prompt: str, max_tokens: int, out: dict) -> None:
-    """Streams a chat answer from `replica`; `out` gets its text, and the error if the stream ended in one."""
+def _stream(base: str, replica: str, prompt: str, max_tokens: int, out: dict, ignore_eos: bool = False) -> None:
+    """Streams a chat answer from `replica`; `out` gets its text, and the error if the stream ended in one.
+    `ignore_eos`: the answer runs to max_tokens, however short the model's own answer is."""
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300,
                            default_headers={REPLICA: replica})
     texts = []
     try:
         for chunk in client.chat.completions.create(model=_model(base), messages=[{"role": "user", "content": prompt}],
                                                     max_tokens=max_tokens, temperature=0, stream=True,
-                                                    extra_body={"speculative": False}):
+                                                    extra_body={"speculative": False, "ignore_eos": ignore_eos}):
             if chunk.choices:
                 texts.append(chunk.choices[0].delta.content or "")
                 out["chunks"] = len(texts)
@@ -298,7 +299,9 @@ def test_a_killed_replica_fails_cleanly_and_is_restarted(ray_app, single):
     (victim, survivor) = replicas
     prompt = "Count from one to two hundred in words, separated by commas."
     doomed, surviving, retried = {}, {}, {}
-    threads = [threading.Thread(target=_stream, args=(ray_app, victim["replica"], prompt, 400, doomed)),
+    # The doomed stream runs to its 400 tokens (SmolLM2's own answer here is 12 tokens, which could end
+    # before the kill), so the kill always lands mid-stream.
+    threads = [threading.Thread(target=_stream, args=(ray_app, victim["replica"], prompt, 400, doomed, True)),
                threading.Thread(target=_stream, args=(ray_app, survivor["replica"], prompt, 160, surviving))]
     for t in threads:
         t.start()
