@@ -570,7 +570,10 @@ impl SpeculativeConfig {
                 }
             }
         }
-        Value::Object(map).to_string()
+        // Keys sorted, whatever serde_json's map keeps (llguidance turns on its insertion order):
+        // this string keys the suffix caches saved to disk, so it must not change between versions.
+        let sorted: std::collections::BTreeMap<String, Value> = map.into_iter().collect();
+        serde_json::to_string(&sorted).unwrap_or_default()
     }
 }
 
@@ -674,6 +677,18 @@ mod tests {
         let err = parse(text).unwrap_err();
         assert!(matches!(err, Error::Config(_)), "{err:?}");
         err.to_string()
+    }
+
+    #[test]
+    fn to_json_sorts_its_keys() {
+        // It keys suffix caches on disk: the same config must give the same string in every version.
+        let json =
+            SpeculativeConfig::from_json(r#"{"num_speculative_tokens": 4, "method": "suffix"}"#).unwrap().to_json();
+        let map: serde_json::Map<String, Value> = serde_json::from_str(&json).unwrap();
+        let keys: Vec<&String> = map.keys().collect();
+        let mut sorted = keys.clone();
+        sorted.sort();
+        assert_eq!(keys, sorted, "{json}");
     }
 
     #[test]
