@@ -14,7 +14,7 @@ import pytest
 
 from specrs import ConfigError, SamplingParams
 
-from test_speculative import assert_same_distribution
+from test_speculative import TargetGuess, assert_same_distribution
 
 PERSON_SCHEMA = {
     "type": "object",
@@ -123,27 +123,6 @@ def test_seeded_sampling_is_plain_sampling_under_a_grammar(engine):
             assert spec.token_ids == plain.token_ids, (constraint, seed)
 
 
-class SharpenedTargetProposer:
-    """A draft model stand-in with draft probabilities: the target's own next-token distribution
-    at a lower temperature, one token deep, drawn (not argmax)."""
-
-    cache: dict = {}
-
-    def __init__(self, engine, seed):
-        self.engine = engine
-        self.rng = np.random.default_rng(seed)
-
-    def propose(self, context_ids, max_tokens):
-        key = tuple(context_ids)
-        if key not in self.cache:
-            self.cache[key] = self.engine.logits(context_ids)[-1].astype(np.float64)
-        logits = self.cache[key]
-        q = np.exp((logits - logits.max()) / 0.5)
-        q /= q.sum()
-        token = int(self.rng.choice(len(q), p=q))
-        return [token], q[None, :].astype(np.float32)
-
-
 def first_tokens(results, n=3):
     return Counter(tuple(r.token_ids[:n]) for r in results)
 
@@ -164,7 +143,7 @@ def test_two_sample_distribution_with_a_grammar(engine, case):
         prompt = [{"role": "user", "content": "Name an animal and a color."}]
         extra = {"regex": r"(cat|dog|cow|fox|owl) and (red|blue|green|pink)"}
         config = {"method": "custom", "num_speculative_tokens": 1}
-        proposer = SharpenedTargetProposer(engine, 7)
+        proposer = TargetGuess(engine, 7, sharpen=True)  # draft tokens drawn, with their probabilities
     n = 300
     plain = [run(engine, prompt, params(extra, temperature=1.0, seed=s, max_tokens=4), False) for s in range(n)]
     spec = [engine.generate(prompt, params(extra, temperature=1.0, seed=10_000 + s, max_tokens=4),

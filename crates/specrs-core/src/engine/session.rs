@@ -655,14 +655,14 @@ impl Session {
     fn forced_run(&mut self, cap: Option<usize>) -> Vec<u32> {
         /// A forced run is cheap to draft but costs a verify row per token: JSON keys take a few.
         const MAX_FORCED_TOKENS: usize = 16;
+        let depth_room = self.depth_room();
         let Some(speculation) = self.speculation.as_ref() else { return Vec::new() };
         let Some(processor) = self.processor.as_mut().filter(|p| p.has_grammar()) else { return Vec::new() };
         if !speculation.grammar_drafts || speculation.tree.is_on() || !speculation.proposer.drafts_from_context_alone()
         {
             return Vec::new();
         }
-        let remaining = self.params.max_tokens - (self.all_ids.len() - self.prompt_len);
-        let max = MAX_FORCED_TOKENS.min(remaining.saturating_sub(1)).min(cap.unwrap_or(usize::MAX));
+        let max = MAX_FORCED_TOKENS.min(depth_room).min(cap.unwrap_or(usize::MAX));
         processor.forced_tokens(max)
     }
 
@@ -698,18 +698,14 @@ impl Session {
     /// proposer continues the context extended by them).
     fn propose_own(&mut self, cap: Option<usize>, forced: &[u32]) -> Result<Draft> {
         let (settings_max, own) = self.own_draft_lengths();
+        let depth_room = self.depth_room();
         let Some(speculation) = self.speculation.as_mut() else { return Ok(Draft::default()) };
         if let Some(policy) = speculation.draft_length.as_mut().filter(|_| settings_max > 0 && own == 0) {
             policy.skipped();
         }
         // A chain after a forced run: the run's tokens count against the tokens left (trees, which
         // keep their node budget, never follow one).
-        let own = if forced.is_empty() {
-            own
-        } else {
-            let depth_room = (self.params.max_tokens - (self.all_ids.len() - self.prompt_len)).saturating_sub(1);
-            own.min(depth_room.saturating_sub(forced.len()))
-        };
+        let own = if forced.is_empty() { own } else { own.min(depth_room.saturating_sub(forced.len())) };
         let max_draft = cap.map_or(own, |cap| own.min(cap));
         if max_draft == 0 {
             return Ok(Draft::default());
@@ -717,8 +713,7 @@ impl Session {
         // A tree: `max_draft` nodes at most, as deep as its settings (and the tokens left) allow
         // and, in "auto" mode, as deep as the chooser expects to pay.
         let tree = speculation.tree.is_on().then(|| {
-            let remaining = self.params.max_tokens - (self.all_ids.len() - self.prompt_len);
-            let mut depth = speculation.tree.max_depth.min(max_draft).min(remaining.saturating_sub(1));
+            let mut depth = speculation.tree.max_depth.min(max_draft).min(depth_room);
             let limits = TreeLimits { max_nodes: max_draft, max_children: speculation.tree.max_children };
             if let Some(chooser) = &speculation.tree_chooser {
                 depth = chooser.planned_depth(depth, limits.max_nodes, limits.max_children);
@@ -774,14 +769,19 @@ impl Session {
         Ok(draft)
     }
 
+    /// How deep the next draft may go: a draft m deep emits up to m + 1 tokens, so one fewer
+    /// than the tokens max_tokens leaves.
+    fn depth_room(&self) -> usize {
+        (self.params.max_tokens - self.generated_ids().len()).saturating_sub(1)
+    }
+
     /// (what the request's settings allow: k, max_tokens, the heuristic schedule; what it would
     /// draft alone: that, cut by its cost-aware policy). Both 0 without speculation.
     fn own_draft_lengths(&self) -> (usize, usize) {
         let Some(speculation) = self.speculation.as_ref() else { return (0, 0) };
-        let remaining = self.params.max_tokens - self.generated_ids().len();
-        // A draft m deep emits up to m + 1 tokens. A chain's length is its depth; a tree keeps its
-        // node budget while any depth fits (`propose` caps the depth).
-        let depth_room = remaining.saturating_sub(1);
+        // A chain's length is its depth; a tree keeps its node budget while any depth fits
+        // (`propose` caps the depth).
+        let depth_room = self.depth_room();
         let mut settings_max = match speculation.tree.is_on() {
             true if depth_room > 0 => speculation.num_speculative_tokens,
             true => 0,
