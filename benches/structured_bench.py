@@ -14,7 +14,9 @@ Configurations (speculative_config; every one constrained by the task's schema):
 - plain: no speculation (plain constrained decoding, the baseline);
 - ngram_checked / suffix_checked: n-gram (k=4) / suffix decoding drafts, cut where the grammar
   forbids them, without the grammar's forced run ("grammar_drafts": false);
-- ngram_forced / suffix_forced: the same with the grammar's forced tokens opening each draft.
+- ngram_forced / suffix_forced: the same with the grammar's forced tokens opening each draft;
+- ngram_tree_checked / ngram_tree_forced (only with --configs): n-gram token trees of 8 nodes,
+  without and with the forced run as their trunk.
 
 Figures per configuration and temperature: decode tokens/s (generated tokens over decode time,
 summed over prompts), speedup over plain on the same prompts, mean accepted tokens per draft step
@@ -46,21 +48,28 @@ from structured_workload import EXTRACT_SCHEMA, TASKS, load_passages, valid  # n
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
+NGRAM_TREE = {"method": "ngram", "num_speculative_tokens": 8, "tree": True, "prompt_lookup_min": 2,
+              "prompt_lookup_max": 4}
 CONFIGS = {
     "plain": False,
     "ngram_checked": NGRAM | {"grammar_drafts": False},
     "ngram_forced": NGRAM,
     "suffix_checked": SUFFIX | {"grammar_drafts": False},
     "suffix_forced": SUFFIX,
+    # Token trees (8 nodes), the forced run as their trunk; run with --configs.
+    "ngram_tree_checked": NGRAM_TREE | {"grammar_drafts": False},
+    "ngram_tree_forced": NGRAM_TREE,
 }
+DEFAULT_CONFIGS = ["plain", "ngram_checked", "ngram_forced", "suffix_checked", "suffix_forced"]
 
 
 def run(args) -> dict:
     passages = load_passages(args.prompts, args.num_per_category, args.passage_chars)
+    configs = {name: CONFIGS[name] for name in args.configs}
     rows = []
     for temperature in args.temperatures:
         engine = specrs.Engine(args.model)  # one per temperature: suffix decoding caches answers
-        for config in CONFIGS.values():  # warm-up: the cost curve, the grammar compiler, the caches
+        for config in configs.values():  # warm-up: the cost curve, the grammar compiler, the caches
             p = SamplingParams(max_tokens=8, temperature=temperature, seed=0, json_schema=EXTRACT_SCHEMA)
             engine.generate([{"role": "user", "content": "Warm up."}], p, speculative_config=config)
         for i, passage in enumerate(passages):
@@ -68,7 +77,7 @@ def run(args) -> dict:
                 messages = [{"role": "user", "content": template.format(passage=passage["passage"])}]
                 params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=1000 + i,
                                         json_schema=schema)
-                for name, config in CONFIGS.items():
+                for name, config in configs.items():
                     start = time.perf_counter()
                     out = engine.generate(messages, params, speculative_config=config)
                     wall = time.perf_counter() - start
@@ -86,16 +95,16 @@ def run(args) -> dict:
                     })
                 print(f"T={temperature} {i + 1}/{len(passages)} {passage['category']} done", flush=True)
         del engine
-    return {"rows": rows, "summary": summarize(rows)}
+    return {"rows": rows, "summary": summarize(rows, list(configs))}
 
 
-def summarize(rows: list[dict]) -> list[dict]:
+def summarize(rows: list[dict], names: list[str]) -> list[dict]:
     out = []
     for temperature in sorted({r["temperature"] for r in rows}):
         at_t = [r for r in rows if r["temperature"] == temperature]
         plain = {(r["question_id"], r["task"]): r for r in at_t if r["config"] == "plain"}
         plain_tps = sum(r["new_tokens"] for r in plain.values()) / sum(r["decode_s"] for r in plain.values())
-        for name in CONFIGS:
+        for name in names:
             mine = [r for r in at_t if r["config"] == name]
             tps = sum(r["new_tokens"] for r in mine) / sum(r["decode_s"] for r in mine)
             drafts = sum(r["num_drafts"] for r in mine)
@@ -125,8 +134,12 @@ def main() -> None:
     parser.add_argument("--passage-chars", type=int, default=1500)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS),
+                        help="configurations to run ('plain' is the baseline every ratio needs)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if "plain" not in args.configs:
+        parser.error("--configs needs 'plain', the baseline every ratio is taken against")
     result = run(args)
     result["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "specrs": specrs.__version__}
     result["args"] = vars(args)

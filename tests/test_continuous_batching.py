@@ -114,3 +114,94 @@ def test_streams_from_several_threads_at_once(engine):
     assert not errors, errors
     for i, prompt in enumerate(prompts):
         assert texts[i] == engine.generate(prompt, params).text
+
+
+# ---------------------------------------------------------------------------------------------
+# n > 1: samples of one prompt sharing its prefill (Engine.generate_samples, Scheduler.add_samples)
+
+SAMPLE_PROMPT = [{"role": "user", "content": "Write a short poem about the sea and the wind. " * 6}]
+
+
+@pytest.mark.parametrize("speculative_config", [False, NGRAM, {"method": "suffix", "num_speculative_tokens": 4}],
+                         ids=["off", "ngram", "suffix"])
+def test_samples_equal_each_seeded_request_alone(engine, speculative_config):
+    """Sample i is what a request with seed + i gets alone (vLLM's seeds), whatever shares its prefill."""
+    params = specrs.SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=11, n=4)
+    samples = engine.generate_samples(SAMPLE_PROMPT, params, speculative_config=speculative_config)
+    assert len(samples) == 4
+    for i, sample in enumerate(samples):
+        alone = engine.generate(SAMPLE_PROMPT, specrs.SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95,
+                                                                      seed=11 + i),
+                                speculative_config=speculative_config)
+        assert sample.token_ids == alone.token_ids and sample.text == alone.text
+        assert sample.prompt_token_ids == alone.prompt_token_ids
+    assert len({tuple(s.token_ids) for s in samples}) > 1, "four samples at T=0.9 all the same"
+
+
+def test_greedy_samples_are_all_plain_decoding(engine):
+    samples = engine.generate_samples(SAMPLE_PROMPT, specrs.SamplingParams(max_tokens=16, n=3),
+                                      speculative_config=NGRAM)
+    plain = engine.generate(SAMPLE_PROMPT, specrs.SamplingParams(max_tokens=16), speculative_config=False)
+    assert [s.token_ids for s in samples] == [plain.token_ids] * 3
+
+
+def _run(scheduler) -> dict[int, list[int]]:
+    tokens: dict[int, list[int]] = {}
+    while scheduler.has_unfinished:
+        outputs, _ = scheduler.step()
+        for output in outputs:
+            assert output["error"] is None
+            tokens.setdefault(output["request_id"], []).extend(output["token_ids"])
+    return tokens
+
+
+def test_samples_copy_the_prompt_cache_instead_of_computing_it(engine):
+    prompt = engine.prompt_token_ids(SAMPLE_PROMPT)
+    params = specrs.SamplingParams(max_tokens=8, temperature=0.7, seed=3, n=3)
+    shared = _specrs.Scheduler(engine._inner)
+    shared.add_samples([10, 11, 12], prompt, params, None, None)
+    shared_tokens = _run(shared)
+    totals = shared.totals()
+    # Samples 1 and 2 copy every prompt position but the last, which each feeds for its own first token.
+    assert totals["num_shared_prompt_tokens"] == 2 * (len(prompt) - 1)
+    alone = _specrs.Scheduler(engine._inner)
+    for i in range(3):
+        alone.add(i, prompt, specrs.SamplingParams(max_tokens=8, temperature=0.7, seed=3 + i), None, None)
+    alone_tokens = _run(alone)
+    assert [shared_tokens[10 + i] for i in range(3)] == [alone_tokens[i] for i in range(3)]
+    assert alone.totals()["num_shared_prompt_tokens"] == 0
+    assert totals["num_rows"] == alone.totals()["num_rows"] - 2 * (len(prompt) - 1)
+
+
+def test_samples_of_a_head_prefill_on_their_own(engine):
+    """A hidden-state head needs the target's hidden rows of the prompt, which a copied cache does
+    not give it: its samples are prefilled like any request (same tokens, nothing shared)."""
+    head = {"method": "eagle3", "num_speculative_tokens": 3}
+    config_json, _ = engine._speculation(head, None)
+    prompt = engine.prompt_token_ids(SAMPLE_PROMPT)
+    scheduler = _specrs.Scheduler(engine._inner)
+    scheduler.add_samples([0, 1], prompt, specrs.SamplingParams(max_tokens=8, n=2), config_json, None)
+    tokens = _run(scheduler)
+    assert scheduler.totals()["num_shared_prompt_tokens"] == 0
+    plain = engine.generate(SAMPLE_PROMPT, specrs.SamplingParams(max_tokens=8), speculative_config=False)
+    assert tokens[0] == tokens[1] == plain.token_ids
+
+
+def test_samples_are_refused_where_one_result_is_returned_and_checked_together(engine):
+    with pytest.raises(ConfigError, match="generate_samples"):
+        engine.generate("Hello", specrs.SamplingParams(n=2))
+    with pytest.raises(ConfigError, match="generate_samples"):
+        engine.generate(["Hello", "Hi"], specrs.SamplingParams(n=2), progress=False)
+    for bad in (0, 129):
+        with pytest.raises(ConfigError, match="n \\(samples"):
+            specrs.SamplingParams(n=bad)
+    assert specrs.SamplingParams(n=3).n == 3 and "n=3" in repr(specrs.SamplingParams(n=3))
+    scheduler = _specrs.Scheduler(engine._inner, max_kv_tokens=300)
+    prompt = engine.tokenizer.encode("Hello")
+    with pytest.raises(ConfigError, match="one id"):
+        scheduler.add_samples([0, 1, 2], prompt, specrs.SamplingParams(n=2), None, None)
+    with pytest.raises(ConfigError, match="already in use"):
+        scheduler.add_samples([4, 4], prompt, specrs.SamplingParams(n=2), None, None)
+    with pytest.raises(ContextLengthError, match="max_kv_tokens"):
+        scheduler.add_samples([5, 6], prompt, specrs.SamplingParams(n=2, max_tokens=1000), None, None)
+    assert not scheduler.has_unfinished  # nothing was queued by the refused calls

@@ -313,7 +313,9 @@ def test_bad_requests(server, client, model_name):
     assert error["code"] == "context_length_exceeded" and "8192" in error["message"]
     assert _error(server, chat, {"messages": messages, "max_tokens": -5}, 400)["param"] == "max_tokens"
     assert _error(server, chat, {"model": "gpt-5", "messages": messages}, 404)["code"] == "model_not_found"
-    assert _error(server, chat, {"messages": messages, "n": 2}, 400)["param"] == "n"
+    assert _error(server, chat, {"messages": messages, "n": 0}, 400)["param"] == "n"
+    assert _error(server, chat, {"messages": messages, "n": 129}, 400)["param"] == "n"
+    assert _error(server, "/v1/completions", {"prompt": "hi", "best_of": 2}, 400)["param"] == "best_of"
     assert "frobnicate" in _error(server, chat, {"messages": messages, "frobnicate": 1}, 400)["message"]
     assert _error(server, chat, {"messages": messages, "temperature": -1}, 400)["message"]
     assert _error(server, chat, {"messages": []}, 400)["param"] == "messages"

@@ -75,6 +75,17 @@ def test_named_and_required_tool_calls(client, model_name, stream):  # noqa: F81
     assert _call(client, model_name, stream, named, speculative=NGRAM)[1][0][1:] == plain
 
 
+def test_a_constrained_call_streams_its_arguments_as_they_are_generated(client, model_name):  # noqa: F811
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = client.chat.completions.create(model=model_name, messages=QUESTION, tools=[WEATHER], tool_choice=named,
+                                         max_tokens=80, temperature=0, stream=True)
+    pieces = [delta.function.arguments for chunk in out for choice in chunk.choices
+              for delta in choice.delta.tool_calls or [] if delta.function is not None and delta.function.arguments]
+    assert len(pieces) > 3, pieces  # token by token, not one piece at the end
+    # The same arguments text as the whole answer's.
+    assert "".join(pieces) == _call(client, model_name, False, named)[1][0][2]
+
+
 def test_auto_and_none(client, model_name):  # noqa: F811
     content, calls, finish = _call(client, model_name, False, "auto")
     if calls:  # the model chose to call: it must be a valid call

@@ -44,6 +44,7 @@ SPECULATIVE_CONFIGS = {
     "suffix": {"method": "suffix", "num_speculative_tokens": 6},
     "ngram_tree": {"method": "ngram", "num_speculative_tokens": 8, "tree": True, "tree_top_k": 3,
                    "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    "suffix_tree": {"method": "suffix", "num_speculative_tokens": 8, "tree": True},
     "eagle3": {"method": "eagle3", "num_speculative_tokens": 3, "adaptive_draft_length": False},
 }
 
@@ -105,6 +106,14 @@ def test_grammar_forced_drafts_are_accepted_under_greedy(engine):
     m = out.metrics
     assert m["num_grammar_draft_tokens"] >= 5, m
     assert m["num_grammar_accepted_tokens"] == m["num_grammar_draft_tokens"], m
+    # A tree grows from the end of the forced run (suffix decoding's trees may be single paths, its
+    # engine-wide cache having seen this answer in earlier tests).
+    for name in ("ngram_tree", "suffix_tree"):
+        tree = run(engine, EXTRACT_PROMPT, params({"json_schema": PERSON_SCHEMA}), SPECULATIVE_CONFIGS[name])
+        assert tree.token_ids == out.token_ids
+        t = tree.metrics
+        assert t["num_grammar_draft_tokens"] >= 5 and (t["num_tree_drafts"] > 0 or name == "suffix_tree"), t
+        assert t["num_grammar_accepted_tokens"] == t["num_grammar_draft_tokens"], t
     off = run(engine, EXTRACT_PROMPT, params({"json_schema": PERSON_SCHEMA}),
               SPECULATIVE_CONFIGS["ngram_no_grammar_drafts"])
     assert off.metrics["num_grammar_draft_tokens"] == 0

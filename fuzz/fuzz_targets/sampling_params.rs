@@ -51,6 +51,7 @@ fn params(u: &mut Unstructured) -> Result<SamplingParams> {
         stop_token_ids: vec![u.int_in_range(0..=8)?],
         logprobs: u.arbitrary()?,
         grammar: None,
+        n: if u.arbitrary()? { u.int_in_range(0..=3)? } else { u.arbitrary()? },
     })
 }
 

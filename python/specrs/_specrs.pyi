@@ -54,6 +54,7 @@ class SamplingParams:
         regex: str | None = None,
         grammar: str | None = None,
         choice: list[str] | None = None,
+        n: int = 1,
     ) -> SamplingParams: ...
     @property
     def max_tokens(self) -> int: ...
@@ -83,6 +84,8 @@ class SamplingParams:
     def stop_token_ids(self) -> list[int]: ...
     @property
     def logprobs(self) -> int | None: ...
+    @property
+    def n(self) -> int: ...
     @property
     def grammar_json(self) -> str | None: ...
 
@@ -168,6 +171,14 @@ class Scheduler:
     def add(
         self,
         request_id: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        speculative_config: str | None = None,
+        proposer: Any = None,
+    ) -> None: ...
+    def add_samples(
+        self,
+        request_ids: list[int],
         prompt_ids: list[int],
         params: SamplingParams,
         speculative_config: str | None = None,

@@ -405,26 +405,30 @@ class Engine:
         # Everything is checked before anything runs: a bad prompt fails the call, not half of it.
         for request_id, (prompt, request_params) in enumerate(zip(prompts, all_params)):
             scheduler.add(request_id, self.prompt_token_ids(prompt), request_params, config_json, proposer)
-        results: list[GenerationResult | None] = [None] * len(prompts)
-        bar = _ProgressBar(len(prompts)) if progress else None
-        try:
-            while scheduler.has_unfinished:
-                outputs, _ = scheduler.step()
-                for output in outputs:
-                    if output["error"] is not None:
-                        raise output["error"]
-                    if output["finished"] is not None:
-                        results[output["request_id"]] = GenerationResult._from_dict(output["finished"])
-                        if bar is not None:
-                            bar.advance()
-        finally:
-            if bar is not None:
-                bar.close()
-        missing = [i for i, r in enumerate(results) if r is None]
-        if missing:
-            raise SpecrsError(f"internal error: the scheduler ended without finishing requests {missing} "
-                              "(please report this bug)")
-        return [r for r in results if r is not None]
+        return _run_to_the_end(scheduler, len(prompts), progress)
+
+    def generate_samples(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        speculative_config: SpecConfig | None | bool = None,
+        proposer: Any = None,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 2048,
+        draft_budget: str = "load",
+        progress: bool = False,
+    ) -> list[GenerationResult]:
+        """`params.n` samples of one prompt (OpenAI's and vLLM's `n`), batched with continuous
+        batching and sharing the prompt's prefill: the first sample reads the prompt, the others
+        copy its cache and feed only its last token. Sample i is exactly what `generate` returns
+        for `params` with n = 1 and, when `params.seed` is set, seed + i (vLLM's seeds). Each
+        sample speculates with its own proposer state; the other arguments are `generate`'s."""
+        config_json, proposer = self._speculation(speculative_config, proposer)
+        scheduler = _specrs.Scheduler(self._inner, max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens, draft_budget=draft_budget)
+        scheduler.add_samples(list(range(params.n)), self.prompt_token_ids(prompt), params, config_json, proposer)
+        return _run_to_the_end(scheduler, params.n, progress)
 
     def stream(
         self,
@@ -531,6 +535,31 @@ class Engine:
                 )
             )
         return [SequenceForward(logits, hidden) for logits, hidden in self._inner.forward_batch(packed, list(layers))]
+
+
+def _run_to_the_end(scheduler: _specrs.Scheduler, num_requests: int, progress: bool) -> list[GenerationResult]:
+    """Steps `scheduler` until it has nothing left; the results of its requests 0..num_requests in
+    id order (an error ends the call with that error)."""
+    results: list[GenerationResult | None] = [None] * num_requests
+    bar = _ProgressBar(num_requests) if progress else None
+    try:
+        while scheduler.has_unfinished:
+            outputs, _ = scheduler.step()
+            for output in outputs:
+                if output["error"] is not None:
+                    raise output["error"]
+                if output["finished"] is not None:
+                    results[output["request_id"]] = GenerationResult._from_dict(output["finished"])
+                    if bar is not None:
+                        bar.advance()
+    finally:
+        if bar is not None:
+            bar.close()
+    missing = [i for i, r in enumerate(results) if r is None]
+    if missing:
+        raise SpecrsError(f"internal error: the scheduler ended without finishing requests {missing} "
+                          "(please report this bug)")
+    return [r for r in results if r is not None]
 
 
 def requantize(src: str, dst: str, quantization: str = "q4_0") -> list[tuple[str, str, str]]:

@@ -9,6 +9,9 @@ use crate::error::{Error, Result};
 /// The most alternatives `logprobs` may ask for per token (OpenAI's `top_logprobs` limit).
 pub const MAX_LOGPROBS: usize = 20;
 
+/// The most samples `n` may ask for (OpenAI's limit).
+pub const MAX_SAMPLES: usize = 128;
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
     /// Maximum number of tokens to generate (>= 1).
@@ -42,6 +45,9 @@ pub struct SamplingParams {
     pub logprobs: Option<usize>,
     /// The language the output must belong to (JSON schema, regex, Lark grammar, choice).
     pub grammar: Option<GrammarSpec>,
+    /// Samples of the prompt to return (OpenAI's and vLLM's `n`). A session runs one: several
+    /// are added together with `Scheduler::add_samples`, which shares their prompt's prefill.
+    pub n: usize,
 }
 
 impl Default for SamplingParams {
@@ -62,6 +68,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             logprobs: None,
             grammar: None,
+            n: 1,
         }
     }
 }
@@ -142,6 +149,12 @@ impl SamplingParams {
                 self.min_tokens, self.max_tokens
             )));
         }
+        if !(1..=MAX_SAMPLES).contains(&self.n) {
+            return Err(Error::config(format!(
+                "n (samples of the prompt) must be in 1..={MAX_SAMPLES} (got {})",
+                self.n
+            )));
+        }
         if let Some(n) = self.logprobs.filter(|&n| n > MAX_LOGPROBS) {
             return Err(Error::config(format!(
                 "logprobs (top alternatives per token) must be in 0..={MAX_LOGPROBS} (got {n})"
@@ -187,6 +200,8 @@ mod tests {
             (SamplingParams { logit_bias: vec![(5, 101.0)], ..Default::default() }, "logit_bias"),
             (SamplingParams { min_tokens: 300, ..Default::default() }, "min_tokens"),
             (SamplingParams { logprobs: Some(21), ..Default::default() }, "logprobs"),
+            (SamplingParams { n: 0, ..Default::default() }, "n (samples"),
+            (SamplingParams { n: MAX_SAMPLES + 1, ..Default::default() }, "n (samples"),
         ];
         for (params, field) in bad {
             let err = params.validate().unwrap_err();

@@ -224,6 +224,45 @@ impl KvCache {
         self.len = 0;
     }
 
+    /// Makes this cache hold the first `len` positions of `source` (a copy): how samples of one
+    /// prompt share its prefill. Both caches must be of the same model and kind, this one empty.
+    pub fn copy_prefix_from(&mut self, source: &KvCache, len: usize) -> Result<()> {
+        let same_kind = matches!(
+            (&self.storage, &source.storage),
+            (Storage::Host(_), Storage::Host(_)) | (Storage::Device { .. }, Storage::Device { .. })
+        );
+        if self.len != 0
+            || len > source.len
+            || !same_kind
+            || (self.num_layers, self.row_len) != (source.num_layers, source.row_len)
+        {
+            return Err(Error::Internal(format!(
+                "copy_prefix_from({len}): needs an empty cache of the same model and kind and at most the {} \
+                 positions the source holds (this one holds {})",
+                source.len, self.len
+            )));
+        }
+        self.reserve(len)?;
+        let values = len * self.row_len;
+        match (&mut self.storage, &source.storage) {
+            (Storage::Host(layers), Storage::Host(from)) => {
+                for (layer, from) in layers.iter_mut().zip(from) {
+                    layer.k[..values].copy_from_slice(&from.k[..values]);
+                    layer.v[..values].copy_from_slice(&from.v[..values]);
+                }
+            }
+            (Storage::Device { layers, .. }, Storage::Device { layers: from, .. }) if len > 0 => {
+                for (layer, from) in layers.iter_mut().zip(from) {
+                    layer.k.slice_set(&from.k.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+                    layer.v.slice_set(&from.v.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+                }
+            }
+            _ => {}
+        }
+        self.len = len;
+        Ok(())
+    }
+
     /// Frees the buffers (a finished request's cache); the cache is empty and can grow again.
     pub fn release(&mut self) {
         if let Some(counter) = &self.accounting {
@@ -380,6 +419,26 @@ mod tests {
     /// A tree's path (rows 1 and 3 of 4 new ones) moves down behind the kept prefix; offsets out
     /// of order or past the cache are refused.
     #[test]
+    fn copy_prefix_from_copies_the_held_rows_and_refuses_misuse() {
+        let mut source = KvCache::new(2, 4, 8, 16);
+        for layer in 0..2 {
+            let k: Vec<f32> = (0..12).map(|i| (i + 100 * layer) as f32).collect();
+            source.append(layer, &k, &k).unwrap();
+        }
+        source.commit(3);
+        let mut copy = KvCache::new(2, 4, 1, 16);
+        copy.copy_prefix_from(&source, 2).unwrap();
+        assert_eq!(copy.len(), 2);
+        for layer in 0..2 {
+            assert_eq!(copy.layer(layer).0[..8], source.layer(layer).0[..8]);
+            assert_eq!(copy.layer(layer).1[..8], source.layer(layer).1[..8]);
+        }
+        assert!(copy.copy_prefix_from(&source, 1).is_err(), "the copy is no longer empty");
+        assert!(KvCache::new(2, 4, 1, 16).copy_prefix_from(&source, 4).is_err(), "past what the source holds");
+        assert!(KvCache::new(1, 4, 1, 16).copy_prefix_from(&source, 1).is_err(), "another model's layout");
+    }
+
+    #[test]
     fn keep_compacts_the_kept_rows_and_refuses_bad_offsets() {
         let mut cache = KvCache::new(1, 4, 8, 16);
         cache.reserve(6).unwrap();
@@ -437,6 +496,12 @@ mod tests {
         cache.reserve(1).unwrap();
         cache.append_tensors(0, &rows(&[5.0; 6]), &rows(&[5.0; 6])).unwrap();
         assert!(cache.append_tensors(0, &rows(&[5.0; 12]), &rows(&[5.0; 12])).is_err(), "overflow");
+        cache.commit(1);
+        let mut copy = KvCache::on_device(2, 2, 3, 1, 16, DType::F32, &device).unwrap();
+        copy.copy_prefix_from(&cache, 1).unwrap();
+        let (k, _) = copy.layer_tensors(0, copy.len()).unwrap();
+        assert_eq!(k.flatten_all().unwrap().to_vec1::<f32>().unwrap(), [5.0; 6]);
+        assert!(KvCache::new(2, 6, 1, 16).copy_prefix_from(&cache, 1).is_err(), "a host cache from a device one");
     }
 
     #[test]

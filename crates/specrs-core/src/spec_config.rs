@@ -195,7 +195,7 @@ pub struct SpeculativeConfig {
     /// (transformers' `assistant_confidence_threshold`; 0 = off).
     pub draft_confidence_threshold: f32,
     /// For requests with a grammar: the tokens the grammar forces are drafted first, for free
-    /// (chains of n-gram and suffix drafts; default on).
+    /// (n-gram and suffix drafts, chains and trees; default on).
     pub grammar_drafts: bool,
     pub schedule: Schedule,
     /// Costs the adaptive length reads from the config instead of measuring them (specrs keys):

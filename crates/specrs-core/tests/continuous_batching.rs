@@ -277,3 +277,75 @@ fn bad_scheduler_settings_are_refused_by_name() {
     }
     assert!(DraftBudget::parse("sometimes").unwrap_err().to_string().contains("'load' or 'off'"));
 }
+
+/// Runs `n` samples of `prompt_ids` (ids 0..n) through a scheduler made with `config`, calling
+/// `before_step` first; each sample's tokens as streamed, and the scheduler's totals.
+fn run_samples(
+    engine: &Arc<Engine>,
+    config: SchedulerConfig,
+    prompt_ids: &[u32],
+    params: &SamplingParams,
+    spec: Option<&str>,
+    mut before_step: impl FnMut(usize, &mut Scheduler),
+) -> (Vec<Vec<u32>>, specrs_core::SchedulerTotals) {
+    let mut scheduler = Scheduler::new(engine.clone(), config).unwrap();
+    let ids: Vec<u64> = (0..params.n as u64).collect();
+    let speculations = ids.iter().map(|_| speculation(engine, spec)).collect();
+    scheduler.add_samples(&ids, prompt_ids.to_vec(), params.clone(), speculations).unwrap();
+    let mut tokens = vec![Vec::new(); params.n];
+    let mut step = 0;
+    while scheduler.has_unfinished() {
+        before_step(step, &mut scheduler);
+        let (outputs, _) = scheduler.step().unwrap();
+        for o in outputs {
+            assert!(o.error.is_none(), "sample {} failed: {:?}", o.id, o.error);
+            tokens[o.id as usize].extend(&o.token_ids);
+        }
+        step += 1;
+        assert!(step < 10_000, "the scheduler does not finish");
+    }
+    (tokens, scheduler.totals())
+}
+
+#[test]
+fn samples_share_the_prompt_through_chunked_prefill_and_preemption_and_prefill_alone_when_the_first_is_gone() {
+    let engine = load();
+    let prompt_ids = engine.tokenizer().encode(&PROMPTS[2].repeat(10), true).unwrap();
+    let num_prompt = prompt_ids.len();
+    let params = SamplingParams { n: 4, ..sampled(30, 7) };
+    let spec = METHODS[1];
+    // Sample i is the request seeded 7 + i, alone.
+    let expected: Vec<Vec<u32>> = (0..4)
+        .map(|i| engine.generate(prompt_ids.clone(), sampled(30, 7 + i), speculation(&engine, spec)).unwrap().token_ids)
+        .collect();
+    let no_hook = |_: usize, _: &mut Scheduler| {};
+
+    // The first sample's prompt is read in chunks; the others wait for all of it, then copy it.
+    let chunked = SchedulerConfig { prefill_chunk: Some(32), ..SchedulerConfig::default() };
+    let (tokens, totals) = run_samples(&engine, chunked, &prompt_ids, &params, spec, no_hook);
+    assert_eq!(tokens, expected);
+    assert_eq!(totals.num_shared_prompt_tokens, 3 * (num_prompt - 1));
+
+    // A KV budget for two prompts and 30 tokens: the others wait, and growing samples are preempted.
+    let tight = SchedulerConfig { max_kv_tokens: Some(2 * num_prompt + 30), ..SchedulerConfig::default() };
+    let (tokens, totals) = run_samples(&engine, tight, &prompt_ids, &params, spec, no_hook);
+    assert_eq!(tokens, expected);
+    assert!(totals.num_shared_prompt_tokens >= num_prompt - 1 && totals.num_preemptions > 0, "{totals:?}");
+
+    // One at a time: the first has ended (its cache freed) before the others start.
+    let one = SchedulerConfig { max_num_seqs: 1, ..SchedulerConfig::default() };
+    let (tokens, totals) = run_samples(&engine, one, &prompt_ids, &params, spec, no_hook);
+    assert_eq!(tokens, expected);
+    assert_eq!(totals.num_shared_prompt_tokens, 0);
+
+    // The first is aborted before it ran: the others are prefilled like any request.
+    let abort_first = |step: usize, s: &mut Scheduler| {
+        if step == 0 {
+            assert!(s.abort(0));
+        }
+    };
+    let (tokens, totals) = run_samples(&engine, SchedulerConfig::default(), &prompt_ids, &params, spec, abort_first);
+    assert!(tokens[0].is_empty());
+    assert_eq!(tokens[1..], expected[1..]);
+    assert_eq!(totals.num_shared_prompt_tokens, 0);
+}

@@ -93,8 +93,8 @@ impl PySamplingParams {
                      presence_penalty=NumberArg(None), frequency_penalty=NumberArg(None),
                      repetition_penalty=NumberArg(None), logit_bias=None, min_tokens=NumberArg(None),
                      stop_token_ids=None, logprobs=None, json_schema=None, json_object=false, regex=None,
-                     grammar=None, choice=None),
-        text_signature = "(max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, ignore_eos=False, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, min_tokens=0, stop_token_ids=None, logprobs=None, json_schema=None, json_object=False, regex=None, grammar=None, choice=None)"
+                     grammar=None, choice=None, n=NumberArg(None)),
+        text_signature = "(max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, ignore_eos=False, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, min_tokens=0, stop_token_ids=None, logprobs=None, json_schema=None, json_object=False, regex=None, grammar=None, choice=None, n=1)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -118,6 +118,7 @@ impl PySamplingParams {
         regex: Option<String>,
         grammar: Option<String>,
         choice: Option<Vec<String>>,
+        n: NumberArg<'_>,
     ) -> PyResult<Self> {
         let defaults = SamplingParams::default();
         let seed = match seed {
@@ -168,6 +169,7 @@ impl PySamplingParams {
             stop_token_ids,
             logprobs,
             grammar: grammar_arg(py, json_schema, json_object, regex, grammar, choice)?,
+            n: n.integer("n", 1, MAX_COUNT_ARG, "ask for 1..=128 samples")? as usize,
         };
         guard(|| inner.validate()).map_err(to_py)?;
         Ok(Self { inner })
@@ -229,6 +231,10 @@ impl PySamplingParams {
     fn logprobs(&self) -> Option<usize> {
         self.inner.logprobs
     }
+    #[getter]
+    fn n(&self) -> usize {
+        self.inner.n
+    }
     /// The grammar as JSON text (`{"json_schema": ...}`, `{"regex": ...}`, ...), or None.
     #[getter]
     fn grammar_json(&self) -> Option<String> {
@@ -276,6 +282,9 @@ fn extra_repr(p: &SamplingParams) -> String {
     }
     if let Some(n) = p.logprobs {
         out.push_str(&format!(", logprobs={n}"));
+    }
+    if p.n != 1 {
+        out.push_str(&format!(", n={}", p.n));
     }
     if let Some(grammar) = &p.grammar {
         out.push_str(&format!(", grammar={}", grammar.to_json()));

@@ -74,6 +74,29 @@ impl PyScheduler {
         self.locked(py, move |s| s.add(request_id, prompt_ids, params, speculation))
     }
 
+    /// Queues `params.n` samples of one prompt under `request_ids` (one each), sharing its
+    /// prefill; sample i is seeded with seed + i when `params.seed` is set. Each sample gets its
+    /// own proposer state from `speculative_config` (and `proposer`, shared as with `add`).
+    #[pyo3(signature = (request_ids, prompt_ids, params, speculative_config=None, proposer=None))]
+    fn add_samples(
+        &self,
+        py: Python<'_>,
+        request_ids: Vec<u64>,
+        prompt_ids: &Bound<'_, PyAny>,
+        params: &PySamplingParams,
+        speculative_config: Option<&str>,
+        proposer: Option<Py<PyAny>>,
+    ) -> PyResult<()> {
+        let prompt_ids = token_ids_arg(prompt_ids, "prompt token id")?;
+        let engine = self.engine.get();
+        let speculations = request_ids
+            .iter()
+            .map(|_| engine.speculation(py, speculative_config, proposer.as_ref().map(|p| p.clone_ref(py))))
+            .collect::<PyResult<Vec<_>>>()?;
+        let params = params.inner.clone();
+        self.locked(py, move |s| s.add_samples(&request_ids, prompt_ids, params, speculations))
+    }
+
     /// Stops a request: the next step returns its end (finish_reason "abort"). False if no
     /// unfinished request has that id.
     fn abort(&self, py: Python<'_>, request_id: u64) -> PyResult<bool> {
@@ -164,6 +187,7 @@ fn report_dict<'py>(py: Python<'py>, r: &StepReport) -> PyResult<Bound<'py, PyDi
     d.set_item("num_draft_tokens", r.num_draft_tokens)?;
     d.set_item("num_accepted_tokens", r.num_accepted_tokens)?;
     d.set_item("num_admitted", r.num_admitted)?;
+    d.set_item("num_shared_prompt_tokens", r.num_shared_prompt_tokens)?;
     d.set_item("num_preempted", r.num_preempted)?;
     d.set_item("num_waiting", r.num_waiting)?;
     d.set_item("num_running", r.num_running)?;
@@ -179,6 +203,7 @@ fn totals_dict<'py>(py: Python<'py>, t: &SchedulerTotals) -> PyResult<Bound<'py,
     d.set_item("num_draft_tokens", t.num_draft_tokens)?;
     d.set_item("num_accepted_tokens", t.num_accepted_tokens)?;
     d.set_item("num_preemptions", t.num_preemptions)?;
+    d.set_item("num_shared_prompt_tokens", t.num_shared_prompt_tokens)?;
     d.set_item("forward_s", t.forward_s)?;
     Ok(d)
 }

@@ -26,10 +26,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..engine import Engine
-from .tools import parse_call
+from .tools import CallStream, parse_call
 from .metrics import ServerMetrics
-from .protocol import (APIError, GenerationRequest, ServerSpeculation, chunk_body, logprobs_body, parse_json_body,
-                       parse_request, request_too_large, response_body, usage)
+from .protocol import (APIError, GenerationRequest, ServerSpeculation, answer_choice, chunk_body, logprobs_body,
+                       merged_metrics, parse_json_body, parse_request, request_too_large, response_body, usage)
 from .scheduler import Failed, Finished, Job, Scheduler, Text
 from .suffix_store import DEFAULT_SAVE_EVERY, SuffixCacheStore
 from .traffic import TrafficRecorder
@@ -117,11 +117,20 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
     metrics.report_queue(lambda: scheduler.num_running, lambda: scheduler.num_waiting)
     context_length = engine.info()["context_length"]
 
-    async def cancel_on_disconnect(job: Job, http_request: Request) -> None:
-        """Cancels `job` once its client goes away; the scheduler then ends it with an abort."""
+    def cancel(samples: list[Job]) -> None:
+        for job in samples:
+            scheduler.cancel(job)
+
+    async def cancel_on_disconnect(samples: list[Job], http_request: Request) -> None:
+        """Cancels a request's samples once its client goes away; the scheduler then ends them."""
         while not await http_request.is_disconnected():
             await asyncio.sleep(DISCONNECT_POLL_S)
-        scheduler.cancel(job)
+        cancel(samples)
+
+    def final_usage(request: GenerationRequest, ended: dict[int, Finished]) -> dict:
+        """The usage of the samples that ended: the prompt once, their tokens and acceptance summed."""
+        return usage(len(request.prompt_ids), sum(e.num_completion_tokens for e in ended.values()),
+                     merged_metrics([e.metrics for e in ended.values()]))
 
     async def generate(http_request: Request, kind: str) -> Response:
         try:
@@ -133,91 +142,119 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
             return error_response(e)
         except ClientDisconnect:  # gone while sending its body: nobody to answer
             return Response(status_code=499)
-        job = Job(request, asyncio.get_running_loop())
-        scheduler.submit(job)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()  # every sample's events, each naming its sample
+        samples = [Job(request, loop, events, index=i) for i in range(request.n)]
+        scheduler.submit(samples)
         # Until the response starts (a stream's body watches for disconnects itself).
-        watcher = asyncio.create_task(cancel_on_disconnect(job, http_request))
+        watcher = asyncio.create_task(cancel_on_disconnect(samples, http_request))
         try:
-            event = await job.events.get()
+            event = await events.get()
             if isinstance(event, Failed):
                 return error_response(event.error)
             if isinstance(event, Finished):  # cancelled while queued: nobody is listening
                 return Response(status_code=499)
             if request.stream:
-                return StreamingResponse(stream_events(job, request), media_type="text/event-stream",
+                return StreamingResponse(stream_events(samples, events, request), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
-            texts, entries = [], []
-            while True:
-                event = await job.events.get()
+            texts: list[list[str]] = [[] for _ in samples]
+            entries: list[list] = [[] for _ in samples]
+            ended: dict[int, Finished] = {}
+            while len(ended) < len(samples):
+                event = await events.get()
                 if isinstance(event, Text):
-                    texts.append(event.text)
-                    entries.extend(event.logprobs or [])
+                    texts[event.index].append(event.text)
+                    entries[event.index].extend(event.logprobs or [])
                 elif isinstance(event, Finished):
-                    text = "".join(texts)
-                    call = answered_call(request, text, event.finish_reason)
-                    return JSONResponse(response_body(request, text, "tool_calls" if call else event.finish_reason,
-                                                      usage(len(request.prompt_ids), event.num_completion_tokens,
-                                                            event.metrics),
-                                                      logprobs_body(request, entries, token_text), tool_call=call))
-                else:
+                    ended[event.index] = event
+                else:  # one sample failed: so does the request
+                    cancel(samples)
                     return error_response(event.error)
+            choices = []
+            for index, done in sorted(ended.items()):
+                text = "".join(texts[index])
+                call = answered_call(request, text, done.finish_reason)
+                choices.append(answer_choice(request, index, text, "tool_calls" if call else done.finish_reason,
+                                             logprobs_body(request, entries[index], token_text), tool_call=call))
+            return JSONResponse(response_body(request, choices, final_usage(request, ended)))
         except asyncio.CancelledError:
-            scheduler.cancel(job)
+            cancel(samples)
             raise
         finally:
             watcher.cancel()
 
-    async def stream_events(job: Job, request: GenerationRequest) -> AsyncIterator[str]:
-        ended = False
-        text_offset = 0  # completions' logprobs.text_offset
+    async def stream_events(samples: list[Job], events: asyncio.Queue,
+                            request: GenerationRequest) -> AsyncIterator[str]:
+        """The chunks of every sample as they come (each names its choice `index`); one sample's
+        end is its finish chunk, the last one's also carries the usage of all."""
+        done = False
+        ended: dict[int, Finished] = {}
+        text_offsets = [0] * len(samples)  # completions' logprobs.text_offset
+        num_tokens = [0] * len(samples)  # for continuous_usage_stats
+        held: list[tuple[list, list]] = [([], []) for _ in samples]  # "auto" tool answers, held until complete
+        constrained = request.tools is not None and request.tools.choice != "auto"
+        calls = [CallStream() if constrained else None for _ in samples]  # constrained calls, streamed
         try:
-            if request.kind == "chat":  # OpenAI's first chat chunk carries the role
+            if request.kind == "chat":  # OpenAI's first chat chunk (of each choice) carries the role
                 running = usage(len(request.prompt_ids), 0, None) if request.continuous_usage else None
-                yield _sse(chunk_body(request, "", usage_=running, first=True))
-            held_texts, held_entries = [], []  # a tool request's answer, held until it is complete
-            while True:
-                event = await job.events.get()
-                if isinstance(event, Text) and request.tools is not None:
-                    held_texts.append(event.text)
-                    held_entries.extend(event.logprobs or [])
+                for index in range(len(samples)):
+                    yield _sse(chunk_body(request, "", usage_=running, first=True, index=index))
+            while len(ended) < len(samples):
+                event = await events.get()
+                index = event.index
+                call_stream = calls[index]
+                if isinstance(event, Text) and call_stream is not None:
+                    for delta in call_stream.feed(event.text):
+                        yield _sse(chunk_body(request, None, tool_call=delta, index=index))
+                elif isinstance(event, Text) and request.tools is not None:
+                    held[index][0].append(event.text)
+                    held[index][1].extend(event.logprobs or [])
                 elif isinstance(event, Text):
+                    num_tokens[index] = event.num_completion_tokens
                     running = None
                     if request.continuous_usage:  # vLLM's continuous_usage_stats: the counts so far
-                        running = usage(len(request.prompt_ids), event.num_completion_tokens, None)
-                    logprobs = logprobs_body(request, event.logprobs, token_text, text_offset)
-                    text_offset += len(event.text)
-                    yield _sse(chunk_body(request, event.text, usage_=running, logprobs=logprobs))
+                        running = usage(len(request.prompt_ids), sum(num_tokens), None)
+                    logprobs = logprobs_body(request, event.logprobs, token_text, text_offsets[index])
+                    text_offsets[index] += len(event.text)
+                    yield _sse(chunk_body(request, event.text, usage_=running, logprobs=logprobs, index=index))
                 elif isinstance(event, Finished):
-                    ended = True
-                    usage_ = usage(len(request.prompt_ids), event.num_completion_tokens, event.metrics)
+                    ended[index] = event
                     finish_reason = event.finish_reason
-                    if request.tools is not None:
-                        text = "".join(held_texts)
+                    if call_stream is not None and call_stream.started:
+                        complete = answered_call(request, call_stream.text, finish_reason) is not None
+                        for delta in call_stream.finish(complete):
+                            yield _sse(chunk_body(request, None, tool_call=delta, index=index))
+                        finish_reason = "tool_calls" if complete else finish_reason
+                    elif call_stream is not None and call_stream.text:  # cut before it named a function
+                        yield _sse(chunk_body(request, call_stream.text, index=index))
+                    elif request.tools is not None:
+                        text, entries = "".join(held[index][0]), held[index][1]
                         call = answered_call(request, text, finish_reason)
                         if call is not None:  # OpenAI's deltas: id, type and name, then the arguments
                             first_delta = {"index": 0, "id": call["id"], "type": "function",
                                            "function": {"name": call["function"]["name"], "arguments": ""}}
-                            yield _sse(chunk_body(request, None, tool_call=first_delta))
+                            yield _sse(chunk_body(request, None, tool_call=first_delta, index=index))
                             yield _sse(chunk_body(request, None, tool_call={
-                                "index": 0, "function": {"arguments": call["function"]["arguments"]}}))
+                                "index": 0, "function": {"arguments": call["function"]["arguments"]}}, index=index))
                             finish_reason = "tool_calls"
-                        elif text or held_entries:
-                            yield _sse(chunk_body(request, text, logprobs=logprobs_body(request, held_entries,
-                                                                                          token_text)))
+                        elif text or entries:
+                            yield _sse(chunk_body(request, text, logprobs=logprobs_body(request, entries, token_text),
+                                                  index=index))
                     yield _sse(chunk_body(request, None if request.kind == "chat" else "", finish_reason,
-                                          usage_))
-                    if request.include_usage:
-                        yield _sse(chunk_body(request, None, usage_=usage_, no_choices=True))
-                    yield _sse("[DONE]")
-                    return
+                                          final_usage(request, ended), index=index))
                 else:  # the status line went out with the first chunk: the error is an event, as in vLLM
-                    ended = True
+                    done = True
+                    cancel(samples)
                     yield _sse(event.error.body())
                     yield _sse("[DONE]")
                     return
+            done = True
+            if request.include_usage:
+                yield _sse(chunk_body(request, None, usage_=final_usage(request, ended), no_choices=True))
+            yield _sse("[DONE]")
         finally:
-            if not ended:  # the client went away mid-stream
-                scheduler.cancel(job)
+            if not done:  # the client went away mid-stream
+                cancel(samples)
 
     async def completions(http_request: Request) -> Response:
         return await generate(http_request, "completion")

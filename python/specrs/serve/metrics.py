@@ -112,11 +112,13 @@ class ServerMetrics:
         self.itl.observe(gap_s)
 
     def request_finished(self, job, finish_reason: str, metrics: dict | None) -> None:
-        """`job` is a scheduler Job; `metrics` the engine's for it (None: it never started)."""
+        """`job` is a scheduler Job; `metrics` the engine's for it (None: it never started). Each
+        sample of an `n` > 1 request counts as a request; its prompt counts once (sample 0)."""
         name = self.model_name
         self.e2e.observe(time.perf_counter() - job.arrival_s)
         self.request_success.labels(name, finish_reason).inc()
-        self.prompt_tokens.labels(name).inc(len(job.request.prompt_ids))
+        if job.index == 0:
+            self.prompt_tokens.labels(name).inc(len(job.request.prompt_ids))
         self.generation_tokens.labels(name).inc(job.num_completion_tokens)
         if not metrics or not metrics.get("spec_method"):
             return

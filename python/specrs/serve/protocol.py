@@ -26,13 +26,13 @@ WEIGHT_LOADING_METHODS = {"draft_model": "model", "pard": "model", "quantized_se
 # OpenAI fields specrs accepts at their default value only: a request that relies on another value
 # gets a 400 naming the field rather than a silently different answer.
 UNSUPPORTED_UNLESS_DEFAULT = {
-    "n": 1, "best_of": 1, "echo": False, "suffix": None,
+    "best_of": 1, "echo": False, "suffix": None,
 }
 IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 # Fields that constrain the output to a grammar: OpenAI's response_format and vLLM's (at most one).
 GRAMMAR_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_grammar",
                   "guided_choice"}
-COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
+COMMON_FIELDS = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
                  "stream_options", "speculative", "ignore_eos", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "logprobs"} | GRAMMAR_FIELDS
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
@@ -40,6 +40,8 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprob
 # OpenAI's limits on alternatives per token: completions' integer `logprobs`, chat's `top_logprobs`.
 MAX_COMPLETION_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
+# OpenAI's limit on `n`, samples per request (each a sequence of its own in the batch).
+MAX_SAMPLES = 128
 
 # OpenAI's defaults: completions stop after 16 tokens; chat runs to the end of the context, which
 # specrs caps at `default_max_tokens` (the server's --default-max-tokens): each request's KV cache
@@ -136,6 +138,7 @@ class GenerationRequest:
     created: int = 0
     logprobs: bool = False  # each emitted token's logprobs go in the response
     tools: Any = None  # tools.ToolRequest: the answer may be (or must be) a tool call
+    n: int = 1  # samples (choices) to return
 
 
 @dataclass
@@ -425,6 +428,7 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
                        f"were requested ({len(prompt_ids)} in the prompt, {max_tokens} in {max_key}); shorten the "
                        f"prompt or lower {max_key}", param=max_key, code="context_length_exceeded")
     seed = _integer(body, "seed", None, 0, SEED_MAX, "pass a seed that fits in 64 bits")
+    n = _integer(body, "n", 1, 1, MAX_SAMPLES, f"ask for 1 to {MAX_SAMPLES} choices")
     top_k = _integer(body, "top_k", 0, -1, TOP_K_MAX, "use -1 or 0 to disable top-k")
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
@@ -454,6 +458,7 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
             min_tokens=_integer(body, "min_tokens", 0, 0, max_tokens, f"use 0..={max_tokens} (at most max_tokens)"),
             stop_token_ids=_token_ids(body, "stop_token_ids"),
             logprobs=logprobs,
+            n=n,
             **(grammar or {}),
         )
         engine.check_params(params)  # compiles the grammar: a bad one is a 400 before any answer
@@ -492,6 +497,7 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
         created=int(time.time()),
         logprobs=logprobs is not None,
         tools=tool_request,
+        n=n,
     )
 
 
@@ -508,6 +514,29 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, metrics: dict | No
             "num_speculative_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
             "num_accepted_tokens_per_pos", "acceptance_rate", "acceptance_rate_per_pos", "mean_acceptance_length")}
     return out
+
+
+def merged_metrics(samples: list[dict]) -> dict | None:
+    """One request's acceptance from its samples' metrics (n > 1): the counts summed, the rates
+    recomputed from the sums as the engine defines them."""
+    samples = [m for m in samples if m and m.get("spec_method")]
+    if len(samples) <= 1:
+        return samples[0] if samples else None
+    num_drafts = sum(m["num_drafts"] for m in samples)
+    num_draft_tokens = sum(m["num_draft_tokens"] for m in samples)
+    num_accepted = sum(m["num_accepted_tokens"] for m in samples)
+    width = max(len(m["num_accepted_tokens_per_pos"]) for m in samples)
+    per_pos = [sum(m["num_accepted_tokens_per_pos"][i] for m in samples if i < len(m["num_accepted_tokens_per_pos"]))
+               for i in range(width)]
+    return {
+        "spec_method": samples[0]["spec_method"],
+        "num_speculative_tokens": max(m["num_speculative_tokens"] for m in samples),
+        "num_drafts": num_drafts, "num_draft_tokens": num_draft_tokens, "num_accepted_tokens": num_accepted,
+        "num_accepted_tokens_per_pos": per_pos,
+        "acceptance_rate": num_accepted / num_draft_tokens if num_draft_tokens else 0.0,
+        "acceptance_rate_per_pos": [count / num_drafts if num_drafts else 0.0 for count in per_pos],
+        "mean_acceptance_length": 1.0 + num_accepted / num_drafts if num_drafts else 1.0,
+    }
 
 
 def logprobs_body(request: GenerationRequest, entries: list[dict] | None, decode, text_offset: int = 0) -> dict | None:
@@ -534,46 +563,51 @@ def logprobs_body(request: GenerationRequest, entries: list[dict] | None, decode
             "text_offset": offsets}
 
 
-def _choice(request: GenerationRequest, text: str | None, finish_reason: str | None, delta: bool,
+def _choice(request: GenerationRequest, index: int, text: str | None, finish_reason: str | None, delta: bool,
             first: bool = False, logprobs: dict | None = None, tool_call: dict | None = None) -> dict:
     if request.kind == "completion":
-        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     if not delta:
         message = {"role": "assistant", "content": text}
         if tool_call is not None:
             message = {"role": "assistant", "content": None, "tool_calls": [tool_call]}
-        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     content = {} if text is None else {"content": text}
     if tool_call is not None:
         content = {"tool_calls": [tool_call]}
-    return {"index": 0, "delta": ({"role": "assistant"} if first else {}) | content, "logprobs": logprobs,
+    return {"index": index, "delta": ({"role": "assistant"} if first else {}) | content, "logprobs": logprobs,
             "finish_reason": finish_reason}
 
 
-def response_body(request: GenerationRequest, text: str, finish_reason: str | None, usage_: dict,
+def answer_choice(request: GenerationRequest, index: int, text: str, finish_reason: str | None,
                   logprobs: dict | None = None, tool_call: dict | None = None) -> dict:
-    """The whole (non-streamed) response; with `tool_call`, the answer is that call."""
+    """One sample's choice of a whole (non-streamed) response; with `tool_call`, the answer is that call."""
+    return _choice(request, index, text, finish_reason, delta=False, logprobs=logprobs, tool_call=tool_call)
+
+
+def response_body(request: GenerationRequest, choices: list[dict], usage_: dict) -> dict:
+    """The whole (non-streamed) response: `answer_choice` per sample, in index order."""
     return {
         "id": request.request_id,
         "object": "chat.completion" if request.kind == "chat" else "text_completion",
         "created": request.created,
         "model": request.model,
-        "choices": [_choice(request, text, finish_reason, delta=False, logprobs=logprobs, tool_call=tool_call)],
+        "choices": choices,
         "usage": usage_,
     }
 
 
 def chunk_body(request: GenerationRequest, text: str | None, finish_reason: str | None = None,
                usage_: dict | None = None, first: bool = False, no_choices: bool = False,
-               logprobs: dict | None = None, tool_call: dict | None = None) -> dict:
-    """One streamed chunk; `no_choices` makes stream_options.include_usage's last chunk;
-    `tool_call` is a delta of OpenAI's `tool_calls`."""
+               logprobs: dict | None = None, tool_call: dict | None = None, index: int = 0) -> dict:
+    """One streamed chunk of sample `index`; `no_choices` makes stream_options.include_usage's
+    last chunk; `tool_call` is a delta of OpenAI's `tool_calls`."""
     body = {
         "id": request.request_id,
         "object": "chat.completion.chunk" if request.kind == "chat" else "text_completion",
         "created": request.created,
         "model": request.model,
-        "choices": [] if no_choices else [_choice(request, text, finish_reason, delta=True, first=first,
+        "choices": [] if no_choices else [_choice(request, index, text, finish_reason, delta=True, first=first,
                                                   logprobs=logprobs, tool_call=tool_call)],
     }
     if usage_ is not None:

@@ -6,9 +6,14 @@ chunks of prompts still being read), with drafts budgeted by load (`specrs_core:
 engine/scheduler.rs; policy in its header). The step runs in Rust with the GIL released, which
 keeps the HTTP event loop (health, metrics, new requests) responsive meanwhile.
 
+A request with `n` > 1 is one `Job` per sample, submitted together: the core runs them as
+separate requests sharing the prompt's prefill (`Scheduler.add_samples`), and every event names
+its sample (`index`), in one queue the handler reads.
+
 Invariants: a request's tokens are exactly those it would get alone (batching changes no logits
-and the budget only cuts drafts that cannot change a request's tokens); every submitted request
-ends with one `Finished` or `Failed` event; a cancelled request is aborted in the core before its
+and the budget only cuts drafts that cannot change a request's tokens); every submitted sample
+ends with one `Finished` or `Failed` event (a request refused or cancelled before it was added
+gets one for all its samples); a cancelled request is aborted in the core before its
 next step, which frees its caches. Nothing one request does stops the others: a failure in one
 request's admission or step ends that request alone with a 500 and `finished_reason="error"` (a bad
 setting only the engine can see is a 400), and the loop goes on. Should the loop itself ever die,
@@ -35,9 +40,11 @@ from .stop_strings import StopStrings
 logger = logging.getLogger("specrs.serve")
 
 
+# Every event carries `index`, the sample it is about (`Job.send` sets it; 0 unless n > 1).
 @dataclass
 class Started:
     """The request was accepted by the scheduler: the HTTP response may begin."""
+    index: int = 0
 
 
 @dataclass
@@ -45,6 +52,7 @@ class Text:
     text: str
     num_completion_tokens: int = 0  # tokens generated so far (stream_options.continuous_usage_stats)
     logprobs: list | None = None  # the engine's entries of the tokens behind `text` (when asked for)
+    index: int = 0
 
 
 @dataclass
@@ -52,20 +60,24 @@ class Finished:
     finish_reason: str
     num_completion_tokens: int
     metrics: dict
+    index: int = 0
 
 
 @dataclass
 class Failed:
     error: APIError
+    index: int = 0
 
 
 @dataclass
 class Job:
-    """A request on its way through the scheduler; events reach the handler's asyncio queue."""
+    """One sample of a request on its way through the scheduler; events reach the handler's asyncio
+    queue (one queue for all the samples of a request)."""
 
     request: GenerationRequest
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    index: int = 0  # which of the request's n samples
     arrival_s: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
     request_id: int | None = None  # its id in the core scheduler once added
@@ -81,6 +93,7 @@ class Job:
     ended: bool = False  # its Finished or Failed event was sent
 
     def send(self, event: Any) -> None:
+        event.index = self.index
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop has closed (server shutdown): nobody is listening
@@ -112,7 +125,7 @@ class Scheduler:
         # store saves every N); whatever it raises is logged, never the request's or the loop's end.
         self.on_request_finished = on_request_finished
         self._ids = itertools.count()
-        self._submitted: deque[Job] = deque()  # not yet added to the core
+        self._submitted: deque[list[Job]] = deque()  # requests (their samples) not yet added to the core
         self._jobs: dict[int, Job] = {}  # in the core, by request id
         self._num_running = 0
         self._num_waiting = 0
@@ -140,15 +153,17 @@ class Scheduler:
     def num_running(self) -> int:
         return self._num_running
 
-    def submit(self, job: Job) -> None:
+    def submit(self, samples: list[Job]) -> None:
+        """Queues a request: its samples' jobs (one unless n > 1), added to the core together."""
         with self._wake:
             if self.failure is None:
-                self._submitted.append(job)
+                self._submitted.append(samples)
                 self._wake.notify()
                 return
-        job.ended = True
-        job.send(Failed(APIError(503, f"the server cannot generate: its generation loop stopped ({self.failure}); "
-                                 "restart it", code="service_unavailable")))
+        for job in samples:
+            job.ended = True
+        samples[0].send(Failed(APIError(503, "the server cannot generate: its generation loop stopped "
+                                        f"({self.failure}); restart it", code="service_unavailable")))
 
     def cancel(self, job: Job) -> None:
         """Stops `job` before its next step (the client went away)."""
@@ -162,7 +177,7 @@ class Scheduler:
         except BaseException as e:  # a bug outside any one request: say so on /health, fail everyone
             with self._wake:
                 self.failure = f"{type(e).__name__}: {e}"
-                jobs = list(self._jobs.values()) + list(self._submitted)
+                jobs = list(self._jobs.values()) + [samples[0] for samples in self._submitted]
                 self._jobs.clear()
                 self._submitted.clear()
             logger.exception("specrs serve: the generation loop stopped; /health now answers 503")
@@ -178,15 +193,15 @@ class Scheduler:
                 while self.core.has_unfinished:  # returns the aborted requests' ends
                     self._step()
                 return
-            for job in submitted:
-                self._guarded(job, self._add)
+            for samples in submitted:
+                self._guarded(samples[0], lambda _: self._add(samples))
             for job in list(self._jobs.values()):
                 if job.cancelled:
                     self._guarded(job, lambda j: self._abort(j, "abort"))
             if self.core.has_unfinished:
                 self._step()
 
-    def _next_submissions(self) -> list[Job] | None:
+    def _next_submissions(self) -> list[list[Job]] | None:
         """Waits for work; the jobs submitted since the last step (None: the server is stopping)."""
         with self._wake:
             while not self._submitted and not self._jobs and not self._stopping:
@@ -230,22 +245,29 @@ class Scheduler:
         if job.request_id is not None:
             self._jobs.pop(job.request_id, None)
 
-    def _add(self, job: Job) -> None:
-        if job.cancelled:  # its client left while it waited
-            self.metrics.request_finished(job, "abort", None)
-            job.ended = True
-            job.send(Finished("abort", 0, {}))
+    def _add(self, samples: list[Job]) -> None:
+        """Adds a request's samples to the core; one `Started` (or one refusal) answers them all."""
+        first = samples[0]
+        if any(job.cancelled for job in samples):  # its client left while it waited
+            self.metrics.request_finished(first, "abort", None)
+            for job in samples:
+                job.ended = True
+            first.send(Finished("abort", 0, {}))
             return
-        request = job.request
-        request_id = next(self._ids)
+        request = first.request
+        request_ids = [next(self._ids) for _ in samples]
         # An exception here is a bad setting only the engine can see (a 400, e.g. exit_layer out of
         # range, a prompt over max_kv_tokens) or an internal fault (a 500); `_guarded` sends it.
         config_json, proposer = self.engine._speculation(request.speculative_config or False, None)
-        self.core.add(request_id, request.prompt_ids, request.params, config_json, proposer)
-        job.request_id = request_id
-        job.stops = StopStrings(request.stop)
-        self._jobs[request_id] = job
-        job.send(Started())
+        if len(samples) > 1:
+            self.core.add_samples(request_ids, request.prompt_ids, request.params, config_json, proposer)
+        else:
+            self.core.add(request_ids[0], request.prompt_ids, request.params, config_json, proposer)
+        for job, request_id in zip(samples, request_ids):
+            job.request_id = request_id
+            job.stops = StopStrings(request.stop)
+            self._jobs[request_id] = job
+        first.send(Started())
 
     def _abort(self, job: Job, reason: str) -> None:
         """Asks the core to end `job`; its end (with its metrics) comes back from the next step."""

@@ -12,7 +12,9 @@ How a request with tools runs:
   is exactly a valid call of one tool becomes a tool call (vLLM's auto tool choice parses the same
   way); "none": the tools are not shown and the answer is text.
 - The answer: `message.tool_calls` with `finish_reason` "tool_calls"; streamed, the call arrives
-  as OpenAI's deltas (id, type and name, then the arguments) once the answer is complete.
+  as OpenAI's deltas: id, type and name, then the arguments. A constrained call (`CallStream`)
+  streams its arguments as they are generated (its form is the grammar's, so the name is known
+  once written); an "auto" answer is sent once complete, since only then is it known to be a call.
 
 Invariant: every refusal is an APIError naming the field; a call returned to the client always
 validates against its function's parameters.
@@ -21,12 +23,16 @@ validates against its function's parameters.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 
 import jsonschema
 
 from .protocol import APIError
+
+# How a call answer opens, up to the first character of its arguments: `{"name": "<name>", "arguments": `.
+CALL_OPENING = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
 
 TOOL_INSTRUCTION = (
     "You can call these tools (JSON schema of each function's arguments):\n{tools}\n"
@@ -154,5 +160,64 @@ def parse_call(text: str, request: ToolRequest) -> dict | None:
         jsonschema.validate(value["arguments"], tool.parameters)
     except jsonschema.ValidationError:
         return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": tool.name, "arguments": json.dumps(value["arguments"])}}
+    return {"id": _call_id(), "type": "function",
+            "function": {"name": tool.name, "arguments": _arguments_text(text, value["arguments"])}}
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _arguments_text(text: str, arguments: dict) -> str:
+    """The arguments as the model wrote them (what a stream sends), else as JSON text."""
+    opening, body = CALL_OPENING.match(text), text.rstrip()
+    if opening is not None and body.endswith("}"):
+        raw = body[opening.end():-1].rstrip()
+        try:
+            if json.loads(raw) == arguments:
+                return raw
+        except ValueError:
+            pass
+    return json.dumps(arguments)
+
+
+class CallStream:
+    """OpenAI's `tool_calls` deltas of a constrained call ("required" or a named function: the
+    grammar holds the answer to `{"name": ..., "arguments": {...}}`) as its text is generated: id,
+    type and name once the name is written, then each piece of the arguments. The answer's last
+    character is held back until the end, since it may be the call's own closing brace."""
+
+    def __init__(self):
+        self.text = ""
+        self.arguments_start: int | None = None
+        self.sent = 0  # characters of `text` sent
+
+    def feed(self, text: str) -> list[dict]:
+        self.text += text
+        deltas = []
+        if self.arguments_start is None:
+            opening = CALL_OPENING.match(self.text)
+            if opening is None:
+                return []
+            self.arguments_start = self.sent = opening.end()
+            deltas.append({"index": 0, "id": _call_id(), "type": "function",
+                           "function": {"name": json.loads(opening.group(1)), "arguments": ""}})
+        return deltas + self._arguments_up_to(len(self.text.rstrip()) - 1)
+
+    def finish(self, complete: bool) -> list[dict]:
+        """The rest of the arguments: without the call's closing brace when the answer is
+        `complete`, all of it when it was cut (max_tokens)."""
+        if self.arguments_start is None:
+            return []
+        body = self.text.rstrip()
+        return self._arguments_up_to(len(body) - 1 if complete and body.endswith("}") else len(self.text))
+
+    @property
+    def started(self) -> bool:
+        return self.arguments_start is not None
+
+    def _arguments_up_to(self, end: int) -> list[dict]:
+        if end <= self.sent:
+            return []
+        piece, self.sent = self.text[self.sent:end], end
+        return [{"index": 0, "function": {"arguments": piece}}]

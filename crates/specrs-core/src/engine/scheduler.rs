@@ -9,7 +9,12 @@
 //!    sampler and proposer; when readmitted it feeds its context again, chunked like a prompt.
 //! 2. **Admit** waiting requests in arrival order (preempted ones first) while fewer than
 //!    `max_num_seqs` run and the context of all of them, plus one row each, fits `max_kv_tokens`.
-//!    A request that does not fit blocks the ones behind it (first come, first served).
+//!    A request that does not fit blocks the ones behind it (first come, first served). Samples
+//!    of one prompt (`add_samples`) share its prefill: the first is prefilled; each other one
+//!    waits (holding the queue behind it) until the first's cache holds the prompt, starts with
+//!    a copy of all its positions but the last, and feeds that last row itself (its first token
+//!    is its own sample). Should the first end before that, or read the target's hidden states
+//!    (a head, which a copied cache cannot feed), the others are prefilled like any request.
 //! 3. **Rows** within `max_num_batched_tokens` (and the KV positions left): one decode row per
 //!    decoding request, with the whole draft of pinned requests; then prompt (or recompute)
 //!    chunks, oldest request first, at most `prefill_chunk` rows each (vLLM V1's chunked prefill
@@ -147,6 +152,8 @@ pub struct StepReport {
     pub num_draft_tokens: usize,
     pub num_accepted_tokens: usize,
     pub num_admitted: usize,
+    /// Prompt positions admitted samples copied from their first sample instead of computing.
+    pub num_shared_prompt_tokens: usize,
     pub num_preempted: usize,
     pub num_waiting: usize,
     pub num_running: usize,
@@ -162,14 +169,22 @@ pub struct SchedulerTotals {
     pub num_draft_tokens: usize,
     pub num_accepted_tokens: usize,
     pub num_preemptions: usize,
+    pub num_shared_prompt_tokens: usize,
     pub forward_s: f64,
 }
 
 // One per queued request: the unstarted variant's size (its Speculation) costs nothing per token.
 #[allow(clippy::large_enum_variant)]
 enum Waiting {
-    /// Not started: its session (and KV cache) is made when admitted.
-    New { id: u64, prompt_ids: Vec<u32>, params: SamplingParams, speculation: Option<Speculation> },
+    /// Not started: its session (and KV cache) is made when admitted. `first_sample`: the request
+    /// whose prompt cache it copies (`add_samples`).
+    New {
+        id: u64,
+        prompt_ids: Vec<u32>,
+        params: SamplingParams,
+        speculation: Option<Speculation>,
+        first_sample: Option<u64>,
+    },
     /// Preempted: keeps everything but its target KV cache.
     Preempted { id: u64, session: Box<Session> },
 }
@@ -248,7 +263,55 @@ impl Scheduler {
         if self.contains(id) {
             return Err(Error::config(format!("request id {id} is already in the scheduler; use a new id")));
         }
-        self.engine.check_request(&prompt_ids, &params)?;
+        self.check_new(&prompt_ids, &params)?;
+        self.waiting.push_back(Waiting::New { id, prompt_ids, params, speculation, first_sample: None });
+        Ok(())
+    }
+
+    /// Queues `params.n` samples of one prompt under `ids` (one each, with a speculation each),
+    /// as vLLM runs `n`: each is a request of its own with n = 1 and, when `params.seed` is set,
+    /// seed + its index; they share the prompt's prefill (see the module header). All are
+    /// checked before any is queued.
+    pub fn add_samples(
+        &mut self,
+        ids: &[u64],
+        prompt_ids: Vec<u32>,
+        params: SamplingParams,
+        speculations: Vec<Option<Speculation>>,
+    ) -> Result<()> {
+        if ids.len() != params.n || speculations.len() != params.n {
+            return Err(Error::config(format!(
+                "add_samples needs one id and one speculation per sample: n = {}, got {} ids and {} speculations",
+                params.n,
+                ids.len(),
+                speculations.len()
+            )));
+        }
+        if let Some(id) = ids.iter().enumerate().find(|(i, id)| self.contains(**id) || ids[..*i].contains(id)) {
+            return Err(Error::config(format!("request id {} is already in use; give each sample a new id", id.1)));
+        }
+        params.validate()?;
+        let sample_params =
+            |i: usize| SamplingParams { n: 1, seed: params.seed.map(|s| s.wrapping_add(i as u64)), ..params.clone() };
+        self.check_new(&prompt_ids, &sample_params(0))?;
+        for (i, (&id, speculation)) in ids.iter().zip(speculations).enumerate() {
+            let first_sample = (i > 0).then_some(ids[0]);
+            let prompt_ids = prompt_ids.clone();
+            self.waiting.push_back(Waiting::New {
+                id,
+                prompt_ids,
+                params: sample_params(i),
+                speculation,
+                first_sample,
+            });
+        }
+        Ok(())
+    }
+
+    /// What `add` checks of a new request: its settings, prompt and context (`check_request`),
+    /// and that prompt + max_tokens fits `max_kv_tokens` (or it could never finish).
+    fn check_new(&self, prompt_ids: &[u32], params: &SamplingParams) -> Result<()> {
+        self.engine.check_request(prompt_ids, params)?;
         if let Some(max_kv) = self.config.max_kv_tokens {
             let needed = prompt_ids.len() + params.max_tokens;
             if needed > max_kv {
@@ -261,7 +324,6 @@ impl Scheduler {
                 )));
             }
         }
-        self.waiting.push_back(Waiting::New { id, prompt_ids, params, speculation });
         Ok(())
     }
 
@@ -424,13 +486,35 @@ impl Scheduler {
             if committed + front.num_context_tokens() + 1 > kv_budget {
                 return;
             }
+            let shares_with = match front {
+                Waiting::New { first_sample: Some(first), prompt_ids, speculation, .. } => {
+                    match self.prompt_share(*first, prompt_ids, speculation.as_ref()) {
+                        PromptShare::Later => return,
+                        PromptShare::Now(index) => Some(index),
+                        PromptShare::Never => None,
+                    }
+                }
+                _ => None,
+            };
             match self.waiting.pop_front().expect("the queue has a front") {
                 Waiting::Preempted { id, session } => self.running.push(Running { id, session: *session }),
-                Waiting::New { id, prompt_ids, params, speculation } => {
+                Waiting::New { id, prompt_ids, params, speculation, .. } => {
                     let reserve = prompt_ids.len() + RESERVE_SLACK;
                     let engine = &self.engine;
-                    match guard(|| engine.start_reserving(prompt_ids, params, speculation, reserve)) {
-                        Ok(session) => self.running.push(Running { id, session }),
+                    let running = &self.running;
+                    let started = guard(|| {
+                        let mut session = engine.start_reserving(prompt_ids, params, speculation, reserve)?;
+                        let shared = match shares_with {
+                            Some(index) => session.share_prompt_from(&running[index].session)?,
+                            None => 0,
+                        };
+                        Ok((session, shared))
+                    });
+                    match started {
+                        Ok((session, shared)) => {
+                            report.num_shared_prompt_tokens += shared;
+                            self.running.push(Running { id, session })
+                        }
                         Err(error) => outputs.push(RequestOutput {
                             id,
                             token_ids: Vec::new(),
@@ -443,6 +527,24 @@ impl Scheduler {
                 }
             }
             report.num_admitted += 1;
+        }
+    }
+
+    /// Whether a sample may start now with a copy of its first sample's prompt cache (the index
+    /// of that running request), must wait for it, or will be prefilled on its own (the first
+    /// ended, or the proposer reads hidden states a copied cache cannot give it).
+    fn prompt_share(&self, first: u64, prompt_ids: &[u32], speculation: Option<&Speculation>) -> PromptShare {
+        if prompt_ids.len() < 2 || speculation.is_some_and(|s| !s.proposer.taps().is_empty()) {
+            return PromptShare::Never;
+        }
+        if let Some(index) = self.running.iter().position(|r| r.id == first) {
+            let fed = self.running[index].session.kv_lens().0;
+            return if fed + 1 >= prompt_ids.len() { PromptShare::Now(index) } else { PromptShare::Later };
+        }
+        if self.waiting.iter().any(|w| w.id() == first) {
+            PromptShare::Later
+        } else {
+            PromptShare::Never
         }
     }
 
@@ -526,7 +628,18 @@ impl Scheduler {
         t.num_draft_tokens += report.num_draft_tokens;
         t.num_accepted_tokens += report.num_accepted_tokens;
         t.num_preemptions += report.num_preempted;
+        t.num_shared_prompt_tokens += report.num_shared_prompt_tokens;
     }
+}
+
+/// What a waiting sample does about its first sample's prompt cache (`Scheduler::prompt_share`).
+enum PromptShare {
+    /// Copy it from the running request at this index.
+    Now(usize),
+    /// Wait: the first sample is queued or still reading its prompt.
+    Later,
+    /// Be prefilled like any request.
+    Never,
 }
 
 /// KV positions a running request needs for its next step: what it holds, one row, and the whole

@@ -11,8 +11,8 @@
 //!
 //! A request whose settings change the logits (grammar, penalties, logit_bias, min_tokens) has
 //! every verified row processed as plain decoding would process it (`logits_processor.rs`); its
-//! drafts are cut where its grammar forbids them, and the tokens its grammar forces open its
-//! chain drafts (`grammar_drafts`).
+//! drafts are cut where its grammar forbids them, and the tokens its grammar forces open the
+//! drafts (chains and trees) of proposers that draft from the context alone (`grammar_drafts`).
 //!
 //! Invariant: after every commit of an unfinished request that was not preempted, the cache holds
 //! exactly the prompt plus every generated token but the newest one (which the next forward
@@ -98,10 +98,18 @@ impl Engine {
         })
     }
 
-    /// What `start` refuses before allocating anything: bad sampling parameters, an empty prompt,
-    /// token ids outside the vocabulary, or prompt + max_tokens past the context.
+    /// What `start` refuses before allocating anything: bad sampling parameters, n > 1 (a session
+    /// is one sample), an empty prompt, token ids outside the vocabulary, or prompt + max_tokens
+    /// past the context.
     pub fn check_request(&self, prompt_ids: &[u32], params: &SamplingParams) -> Result<()> {
         params.validate()?;
+        if params.n > 1 {
+            return Err(Error::config(format!(
+                "n = {} asks for {} samples, but a request here yields one; add them together with \
+                 Scheduler::add_samples (Python: Engine.generate_samples), which shares their prompt's prefill",
+                params.n, params.n
+            )));
+        }
         if prompt_ids.is_empty() {
             return Err(Error::config("the prompt is empty; pass at least one token"));
         }
@@ -456,8 +464,10 @@ impl Session {
                 if let Some((policy, (drafted, accepted))) = speculation.draft_length.as_mut().zip(own_observation) {
                     policy.observe(drafted, accepted);
                 }
-                if let Some(chooser) = speculation.tree_chooser.as_mut() {
-                    chooser.observe(&draft.parents(), &verification.accepted_path);
+                let own_tree = own_part(&draft.parents(), &verification.accepted_path, num_forced)
+                    .filter(|(parents, _)| !parents.is_empty());
+                if let Some((chooser, (parents, accepted_path))) = speculation.tree_chooser.as_mut().zip(own_tree) {
+                    chooser.observe(&parents, &accepted_path);
                     if let Some((draft_s, depth)) = self.tree_draft_timing.take() {
                         chooser.observe_timing(draft_s, depth, forward_s, plan.rows.tokens.len());
                     }
@@ -639,27 +649,27 @@ impl Session {
         let mut draft = self.propose_own(own_cap, &forced)?;
         let num_forced = forced.len();
         if num_forced > 0 {
-            if draft.probs.is_some() || draft.parents.is_some() {
+            if draft.probs.is_some() {
                 return Err(Error::Internal(
-                    "a grammar's forced run was prepended to a tree or a draft with probabilities".into(),
+                    "a grammar's forced run was prepended to a draft with probabilities".into(),
                 ));
             }
-            draft.token_ids.splice(0..0, forced);
+            draft = after_forced_run(forced, draft);
         }
         self.cut_by_grammar(&mut draft);
         Ok((draft, num_forced))
     }
 
-    /// The tokens this request's grammar forces next, for a chain draft of a proposer that drafts
-    /// from its context alone (n-gram, suffix), within `cap` and the tokens left; empty otherwise.
+    /// The tokens this request's grammar forces next, for the draft (chain or tree) of a proposer
+    /// that drafts from its context alone (n-gram, suffix), within `cap` and the tokens left;
+    /// empty otherwise.
     fn forced_run(&mut self, cap: Option<usize>) -> Vec<u32> {
         /// A forced run is cheap to draft but costs a verify row per token: JSON keys take a few.
         const MAX_FORCED_TOKENS: usize = 16;
         let depth_room = self.depth_room();
         let Some(speculation) = self.speculation.as_ref() else { return Vec::new() };
         let Some(processor) = self.processor.as_mut().filter(|p| p.has_grammar()) else { return Vec::new() };
-        if !speculation.grammar_drafts || speculation.tree.is_on() || !speculation.proposer.drafts_from_context_alone()
-        {
+        if !speculation.grammar_drafts || !speculation.proposer.drafts_from_context_alone() {
             return Vec::new();
         }
         let max = MAX_FORCED_TOKENS.min(depth_room).min(cap.unwrap_or(usize::MAX));
@@ -695,17 +705,17 @@ impl Session {
     }
 
     /// The proposer's draft, after `forced` (tokens the grammar forces, not yet verified: the
-    /// proposer continues the context extended by them).
+    /// proposer continues the context extended by them, and its draft grows from their end).
     fn propose_own(&mut self, cap: Option<usize>, forced: &[u32]) -> Result<Draft> {
         let (settings_max, own) = self.own_draft_lengths();
-        let depth_room = self.depth_room();
+        let depth_room = self.depth_room().saturating_sub(forced.len());
         let Some(speculation) = self.speculation.as_mut() else { return Ok(Draft::default()) };
         if let Some(policy) = speculation.draft_length.as_mut().filter(|_| settings_max > 0 && own == 0) {
             policy.skipped();
         }
-        // A chain after a forced run: the run's tokens count against the tokens left (trees, which
-        // keep their node budget, never follow one).
-        let own = if forced.is_empty() { own } else { own.min(depth_room.saturating_sub(forced.len())) };
+        // After a forced run, the run's tokens count against the tokens left: a chain's length is
+        // its depth; a tree keeps its node budget and its depth is capped below.
+        let own = if forced.is_empty() || speculation.tree.is_on() { own } else { own.min(depth_room) };
         let max_draft = cap.map_or(own, |cap| own.min(cap));
         if max_draft == 0 {
             return Ok(Draft::default());
@@ -849,6 +859,37 @@ impl Session {
         }
     }
 
+    /// The prompt's token ids.
+    pub fn prompt_ids(&self) -> &[u32] {
+        &self.all_ids[..self.prompt_len]
+    }
+
+    /// Prompt positions `share_prompt_from(source)` would copy now: all but the last (whose row
+    /// yields this sample's own first token) of what `source`'s cache holds of the same prompt;
+    /// 0 when nothing can be shared (this session was fed already, the prompts differ, or the
+    /// proposer reads the target's hidden states, which a copied cache does not give it).
+    pub fn prompt_positions_shareable_from(&self, source: &Session) -> usize {
+        if !self.cache.is_empty() || self.all_ids.len() != self.prompt_len || !self.taps().is_empty() {
+            return 0;
+        }
+        if source.prompt_ids() != self.prompt_ids() {
+            return 0;
+        }
+        source.cache.len().min(self.prompt_len - 1)
+    }
+
+    /// Starts this session's cache as a copy of `source`'s prompt positions (see
+    /// `prompt_positions_shareable_from`), so its prefill feeds only the rest. Rows are computed
+    /// independently of what else is in a forward, so the copy equals what this session would
+    /// have computed itself: its tokens are unchanged. Returns the positions copied.
+    pub fn share_prompt_from(&mut self, source: &Session) -> Result<usize> {
+        let len = self.prompt_positions_shareable_from(source);
+        if len > 0 {
+            self.cache.copy_prefix_from(&source.cache, len)?;
+        }
+        Ok(len)
+    }
+
     /// Tokens of prompt + output so far; once the context is fed, the cache holds all but the newest.
     pub fn num_context_tokens(&self) -> usize {
         self.all_ids.len()
@@ -931,6 +972,34 @@ impl Session {
     }
 }
 
+/// `own` (a chain or a tree) drafted after the grammar's `forced` run: the run as a trunk from
+/// the newest token, `own` growing from its end.
+fn after_forced_run(forced: Vec<u32>, own: Draft) -> Draft {
+    let num_forced = forced.len() as i32;
+    let parents = own.parents.as_ref().map(|parents| {
+        let trunk = (0..num_forced).map(|i| i - 1);
+        trunk.chain(parents.iter().map(|&p| if p < 0 { num_forced - 1 } else { p + num_forced })).collect()
+    });
+    let token_ids = [forced, own.token_ids].concat();
+    match parents {
+        Some(parents) => Draft::tree(token_ids, parents),
+        None => Draft::tokens(token_ids),
+    }
+}
+
+/// The proposer's own part of a draft that opened with `num_forced` forced tokens: its parents
+/// and the accepted path within it, for the policies that judge its drafts. None when the forced
+/// run was not accepted whole (the proposer's part was never reached).
+fn own_part(parents: &[i32], accepted_path: &[usize], num_forced: usize) -> Option<(Vec<i32>, Vec<usize>)> {
+    if accepted_path.iter().filter(|&&node| node < num_forced).count() < num_forced {
+        return None;
+    }
+    let last_forced = num_forced as i32 - 1;
+    let own_parents = parents[num_forced..].iter().map(|&p| if p == last_forced { -1 } else { p - num_forced as i32 });
+    let own_path = accepted_path.iter().filter(|&&node| node >= num_forced).map(|&node| node - num_forced);
+    Some((own_parents.collect(), own_path.collect()))
+}
+
 /// The logit row of each token a verification emits: row 0 for the first, then the row after
 /// each accepted node (row 1 + node) for the next.
 fn emitted_rows(accepted_path: &[usize]) -> Vec<usize> {
@@ -986,5 +1055,28 @@ fn prune_tree(speculation: &mut Speculation, draft: &mut Draft, vocab: usize) {
     if let Some(chooser) = &speculation.tree_chooser {
         let choice = chooser.choose(&draft.parents());
         draft.keep_nodes(&choice.keep, vocab);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_forced_run_is_the_trunk_a_chain_or_tree_grows_from() {
+        let chain = after_forced_run(vec![7, 8], Draft::tokens(vec![1, 2]));
+        assert_eq!((chain.token_ids.clone(), chain.parents), (vec![7, 8, 1, 2], None));
+        // 1 -> {2, 3}, 2 -> 4 after the run: every root of the tree hangs from the run's last token.
+        let tree = after_forced_run(vec![7, 8], Draft::tree(vec![1, 5, 2, 3], vec![-1, -1, 0, 0]));
+        assert_eq!(tree.token_ids, [7, 8, 1, 5, 2, 3]);
+        assert_eq!(tree.parents, Some(vec![-1, 0, 1, 1, 2, 2]));
+    }
+
+    #[test]
+    fn the_proposers_own_part_is_judged_only_when_the_forced_run_was_accepted() {
+        let parents = [-1, 0, 1, 1, 2];
+        assert_eq!(own_part(&parents, &[0, 1, 2, 4], 2), Some((vec![-1, -1, 0], vec![0, 2])));
+        assert_eq!(own_part(&parents, &[0], 2), None, "the run was cut: the own part was never reached");
+        assert_eq!(own_part(&parents, &[0, 1], 0), Some((parents.to_vec(), vec![0, 1])));
     }
 }
