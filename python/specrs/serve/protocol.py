@@ -136,9 +136,17 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     request_id: str = ""
     created: int = 0
-    logprobs: bool = False  # each emitted token's logprobs go in the response
     tools: Any = None  # tools.ToolRequest: the answer may be (or must be) a tool call
-    n: int = 1  # samples (choices) to return
+
+    @property
+    def logprobs(self) -> bool:
+        """Each emitted token's logprobs go in the response."""
+        return self.params.logprobs is not None
+
+    @property
+    def n(self) -> int:
+        """Samples (choices) to return."""
+        return self.params.n
 
 
 @dataclass
@@ -495,9 +503,7 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
         stop=_stop_strings(body),
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         created=int(time.time()),
-        logprobs=logprobs is not None,
         tools=tool_request,
-        n=n,
     )
 
 

@@ -19,6 +19,7 @@ use std::collections::{HashMap, HashSet};
 use crate::config::SamplingParams;
 use crate::constraint::Constraint;
 use crate::error::{Error, Result};
+use crate::proposer::tree::path_tokens;
 
 pub struct LogitsProcessor {
     constraint: Option<Constraint>,
@@ -159,7 +160,7 @@ impl LogitsProcessor {
         for node in 0..token_ids.len() {
             let parent_ok = parents[node] < 0 || valid[parents[node] as usize];
             let ok = parent_ok && {
-                let path = path_to(node, token_ids, parents);
+                let path = path_tokens(token_ids, parents, node);
                 constraint.valid_prefix_len(&path) == path.len()
             };
             valid.push(ok);
@@ -192,18 +193,6 @@ impl LogitsProcessor {
     pub fn grammar_finished(&self) -> bool {
         self.constraint.as_ref().is_some_and(Constraint::is_finished)
     }
-}
-
-/// The tokens from the root to `node` (inclusive) of a tree draft.
-pub fn path_to(node: usize, token_ids: &[u32], parents: &[i32]) -> Vec<u32> {
-    let mut path = vec![token_ids[node]];
-    let mut at = parents[node];
-    while at >= 0 {
-        path.push(token_ids[at as usize]);
-        at = parents[at as usize];
-    }
-    path.reverse();
-    path
 }
 
 #[cfg(test)]
@@ -264,14 +253,5 @@ mod tests {
         let mut row = vec![1.0, 1.0, 1.0];
         p.process_row(&mut row, &[]).unwrap();
         assert_eq!(row, vec![-0.5, 1.0, 101.0]);
-    }
-
-    #[test]
-    fn tree_paths() {
-        // 0 -> {a, b}; a -> c
-        let tokens = [10, 11, 12];
-        let parents = [-1, -1, 0];
-        assert_eq!(path_to(2, &tokens, &parents), vec![10, 12]);
-        assert_eq!(path_to(1, &tokens, &parents), vec![11]);
     }
 }

@@ -23,7 +23,7 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 
-use super::logits_processor::{path_to, LogitsProcessor};
+use super::logits_processor::LogitsProcessor;
 use super::{lock, Engine, Speculation};
 use crate::config::SamplingParams;
 use crate::costs::CostSource;
@@ -33,7 +33,7 @@ use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::metrics::{EngineMetrics, RequestMetrics, RequestTimer, SpecDecodeMetrics};
 use crate::model::{CausalLm, ForwardBatch, LogitRows, SeqRows, Tap};
-use crate::proposer::tree::rank_paths;
+use crate::proposer::tree::{path_tokens, rank_paths};
 use crate::proposer::{Draft, Feedback, ProposeInput, TreeLimits};
 use crate::sampler::Sampler;
 use crate::tokenizer::TextTokenizer;
@@ -454,9 +454,10 @@ impl Session {
             self.spec_metrics.num_grammar_draft_tokens += num_forced;
             self.spec_metrics.num_grammar_accepted_tokens += num_forced_accepted;
             // The proposer's own part of the draft, for the policies that judge its drafts.
-            let own_draft_tokens = num_draft_tokens - num_forced;
-            let own_observation = (num_forced_accepted == num_forced && own_draft_tokens > 0)
-                .then(|| (own_draft_tokens, num_accepted - num_forced));
+            let own_tree = own_part(&draft.parents(), &verification.accepted_path, num_forced)
+                .filter(|(parents, _)| !parents.is_empty());
+            let own_observation =
+                own_tree.as_ref().map(|(parents, accepted_path)| (parents.len(), accepted_path.len()));
             if draft.is_tree() {
                 self.spec_metrics.observe_tree(num_draft_tokens, draft.depth(), num_accepted);
             }
@@ -464,8 +465,6 @@ impl Session {
                 if let Some((policy, (drafted, accepted))) = speculation.draft_length.as_mut().zip(own_observation) {
                     policy.observe(drafted, accepted);
                 }
-                let own_tree = own_part(&draft.parents(), &verification.accepted_path, num_forced)
-                    .filter(|(parents, _)| !parents.is_empty());
                 if let Some((chooser, (parents, accepted_path))) = speculation.tree_chooser.as_mut().zip(own_tree) {
                     chooser.observe(&parents, &accepted_path);
                     if let Some((draft_s, depth)) = self.tree_draft_timing.take() {
@@ -556,7 +555,7 @@ impl Session {
             // Row 0 follows the output so far; row 1 + i follows draft node i's path.
             let parents = draft.parents();
             let paths: Vec<Vec<u32>> = std::iter::once(Vec::new())
-                .chain((0..draft.token_ids.len()).map(|node| path_to(node, &draft.token_ids, &parents)))
+                .chain((0..draft.token_ids.len()).map(|node| path_tokens(&draft.token_ids, &parents, node)))
                 .collect();
             processor.process_rows(&mut logits, vocab, &paths)?;
         }
@@ -864,26 +863,19 @@ impl Session {
         &self.all_ids[..self.prompt_len]
     }
 
-    /// Prompt positions `share_prompt_from(source)` would copy now: all but the last (whose row
-    /// yields this sample's own first token) of what `source`'s cache holds of the same prompt;
-    /// 0 when nothing can be shared (this session was fed already, the prompts differ, or the
-    /// proposer reads the target's hidden states, which a copied cache does not give it).
-    pub fn prompt_positions_shareable_from(&self, source: &Session) -> usize {
-        if !self.cache.is_empty() || self.all_ids.len() != self.prompt_len || !self.taps().is_empty() {
-            return 0;
-        }
-        if source.prompt_ids() != self.prompt_ids() {
-            return 0;
-        }
-        source.cache.len().min(self.prompt_len - 1)
-    }
-
-    /// Starts this session's cache as a copy of `source`'s prompt positions (see
-    /// `prompt_positions_shareable_from`), so its prefill feeds only the rest. Rows are computed
-    /// independently of what else is in a forward, so the copy equals what this session would
-    /// have computed itself: its tokens are unchanged. Returns the positions copied.
+    /// Starts this session's cache as a copy of what `source`'s cache holds of the same prompt,
+    /// all but its last position (whose row yields this sample's own first token), so its
+    /// prefill feeds only the rest. Rows are computed independently of what else is in a
+    /// forward, so the copy equals what this session would have computed itself: its tokens are
+    /// unchanged. Returns the positions copied: 0 when nothing can be shared (this session was
+    /// fed already, the prompts differ, or the proposer reads the target's hidden states, which
+    /// a copied cache does not give it).
     pub fn share_prompt_from(&mut self, source: &Session) -> Result<usize> {
-        let len = self.prompt_positions_shareable_from(source);
+        let fresh = self.cache.is_empty() && self.all_ids.len() == self.prompt_len;
+        if !fresh || !self.taps().is_empty() || source.prompt_ids() != self.prompt_ids() {
+            return Ok(0);
+        }
+        let len = source.cache.len().min(self.prompt_len - 1);
         if len > 0 {
             self.cache.copy_prefix_from(&source.cache, len)?;
         }

@@ -309,7 +309,7 @@ impl Hasher for MixHasher {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tree::{first_path, path_to};
+    use super::super::tree::{first_path, path_tokens};
     use super::*;
 
     #[test]
@@ -460,7 +460,7 @@ mod tests {
     /// The tokens from the root to each node.
     fn paths(draft: &Draft) -> Vec<Vec<u32>> {
         let parents = draft.parents();
-        (0..parents.len()).map(|node| path_to(&parents, node).iter().map(|&i| draft.token_ids[i]).collect()).collect()
+        (0..parents.len()).map(|node| path_tokens(&draft.token_ids, &parents, node)).collect()
     }
 
     fn tree(

@@ -937,7 +937,7 @@ impl Proposer for SuffixProposer {
 mod tests {
     use std::collections::BTreeMap;
 
-    use super::super::tree::{first_path, path_to};
+    use super::super::tree::{first_path, path_tokens};
     use super::*;
 
     /// splitmix64: deterministic test data without a dependency.
@@ -1389,7 +1389,7 @@ mod tests {
     /// The tokens from the root to each node.
     fn paths(draft: &Draft) -> Vec<Vec<u32>> {
         let parents = draft.parents();
-        (0..parents.len()).map(|node| path_to(&parents, node).iter().map(|&i| draft.token_ids[i]).collect()).collect()
+        (0..parents.len()).map(|node| path_tokens(&draft.token_ids, &parents, node)).collect()
     }
 
     fn tree(proposer: &mut SuffixProposer, context: &[u32], max_depth: usize, limits: TreeLimits) -> Draft {

@@ -84,6 +84,11 @@ pub fn path_to(parents: &[i32], node: usize) -> Vec<usize> {
     path
 }
 
+/// The tokens from the root to `node` (inclusive) of a draft with `token_ids` and `parents`.
+pub fn path_tokens(token_ids: &[u32], parents: &[i32], node: usize) -> Vec<u32> {
+    path_to(parents, node).into_iter().map(|i| token_ids[i]).collect()
+}
+
 /// The rank-0 path: from the root, each node's first child (the proposer's best guess at every
 /// step), root's child first. A chain keeps this path when the tree chooser cuts a tree to one.
 pub fn first_path(parents: &[i32]) -> Vec<usize> {
@@ -233,6 +238,7 @@ mod tests {
         assert_eq!(sibling_ranks(&parents), vec![0, 1, 0, 0, 0, 1]);
         assert_eq!(children(&parents), vec![vec![0, 1], vec![2, 5], vec![3], vec![4], vec![], vec![], vec![]]);
         assert_eq!(path_to(&parents, 4), vec![0, 2, 4]);
+        assert_eq!(path_tokens(&[10, 11, 12, 13, 14, 15], &parents, 4), vec![10, 12, 14]);
         assert_eq!(first_path(&parents), vec![0, 2, 4]);
         assert_eq!(first_path(&[]), Vec::<usize>::new());
         assert_eq!(rank_paths(&parents)[5], vec![0, 1]);
