@@ -61,8 +61,10 @@ class _Errors(logging.Handler):
 def live():
     engine = specrs.Engine(speculative_config=SERVER_SPEC,
                            proposer=_specrs._testing_panicking_proposer(PANICS_AFTER_CALLS))
+    # No load budget: it is timed, and it could grant the panicking request no draft (so no call)
+    # while another request streams beside it.
     app = build_app(engine, MODEL, max_num_seqs=4, max_request_body_bytes=BODY_LIMIT,
-                    default_max_tokens=DEFAULT_MAX_TOKENS)
+                    default_max_tokens=DEFAULT_MAX_TOKENS, draft_budget="off")
     port = _free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     errors = _Errors()  # after the Config: it (re)configures uvicorn's loggers

@@ -227,10 +227,18 @@ def _accepted_per_draft(body: dict) -> float:
 
 def test_a_response_learned_on_one_replica_speeds_up_the_other(ray_app):
     a, b = [r["replica"] for r in _replicas(ray_app)]
+    received_before = {r["replica"]: r["suffix_share"] for r in _replicas(ray_app)}[b]["num_received"]
     messages = [{"role": "user", "content": "Write a short story about a lighthouse keeper named Ada."}]
     cold, served = _chat(ray_app, messages, max_tokens=96, replica=a)
     assert served == a
-    time.sleep(2.5)  # a few exchange intervals: A publishes, B pulls
+    # A publishes, B pulls (every exchange interval): wait until B has received it (earlier tests'
+    # responses count too), rather than a fixed time.
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        shares = {r["replica"]: r["suffix_share"] for r in _replicas(ray_app)}
+        if shares[b]["num_received"] > received_before:
+            break
+        time.sleep(0.25)
     warm, served = _chat(ray_app, messages, max_tokens=96, replica=b)
     assert served == b
     assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
@@ -265,15 +273,15 @@ def test_a_client_that_leaves_mid_stream_frees_its_replica(ray_app):
             for i, _ in enumerate(response.iter_lines()):
                 if i >= 4:
                     break
-    time.sleep(1.5)  # the replica reports every second
+    # The replica reports every second: wait for a report that has it idle and the request aborted.
     deadline = time.time() + 30
     while True:
         running = [r for r in _replicas(ray_app) if r["replica"] == replica][0]["num_requests_running"]
-        if running == 0:
+        aborted = _metric(ray_app, "specrs:request_success_total", finished_reason="abort", replica=replica)
+        if running == 0 and aborted >= 1:
             break
-        assert time.time() < deadline, "the abandoned request still runs"
+        assert time.time() < deadline, f"the abandoned request still runs ({running} running, {aborted} aborted)"
         time.sleep(0.5)
-    assert _metric(ray_app, "specrs:request_success_total", finished_reason="abort", replica=replica) >= 1
 
 
 def _stream(base: str, replica: str, prompt: str, max_tokens: int, out: dict, ignore_eos: bool = False) -> None:

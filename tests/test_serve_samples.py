@@ -38,8 +38,31 @@ def test_chat_choices_are_each_seeded_request_alone(engine, client, model_name):
     prompt_tokens = len(engine.prompt_token_ids(MESSAGES))
     total = sum(len(_alone(engine, MESSAGES, 5 + i).token_ids) for i in range(3))
     assert out.usage.prompt_tokens == prompt_tokens and out.usage.completion_tokens == total
-    speculative = out.usage.model_extra["speculative"]  # the three samples' acceptance, summed
-    assert speculative["method"] == "suffix" and speculative["num_drafts"] > 0
+    # The three samples' acceptance, summed (merged_metrics, tested below). How many drafts they
+    # made depends on the server's load budget, which is timed: only consistency is certain.
+    speculative = out.usage.model_extra["speculative"]
+    assert speculative["method"] == "suffix"
+    assert sum(speculative["num_accepted_tokens_per_pos"]) == speculative["num_accepted_tokens"]
+    assert speculative["num_accepted_tokens"] <= speculative["num_draft_tokens"]
+
+
+def test_merged_metrics_sum_the_samples_counts(engine):
+    """A request's `speculative` usage over n samples: counts summed, rates recomputed from the sums."""
+    from specrs.serve.protocol import merged_metrics
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    prompts = ["one two three four one two three four one two three", "a b c d e a b c d e a b c d"]
+    samples = [engine.generate(p, specrs.SamplingParams(max_tokens=24, ignore_eos=True), speculative_config=ngram).metrics
+               for p in prompts]
+    assert all(m["num_drafts"] > 0 for m in samples)  # model-free drafts on repeated text, untimed
+    merged = merged_metrics(samples)
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert merged[key] == samples[0][key] + samples[1][key], key
+    assert merged["num_accepted_tokens_per_pos"] == [a + b for a, b in zip(samples[0]["num_accepted_tokens_per_pos"],
+                                                                          samples[1]["num_accepted_tokens_per_pos"])]
+    assert merged["acceptance_rate"] == pytest.approx(merged["num_accepted_tokens"] / merged["num_draft_tokens"])
+    assert merged["mean_acceptance_length"] == pytest.approx(1 + merged["num_accepted_tokens"] / merged["num_drafts"])
+    assert merged_metrics([samples[0], {}]) is samples[0] and merged_metrics([{}, {}]) is None
 
 
 @pytest.mark.parametrize("stream", [False, True])

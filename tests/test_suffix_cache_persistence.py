@@ -17,7 +17,8 @@ import pytest
 import specrs
 from specrs.errors import ConfigError
 
-SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
+# A fixed draft length: the cost-aware one reads each engine's own timed cost curve, which may differ.
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "adaptive_draft_length": False}
 GREEDY = specrs.SamplingParams(max_tokens=24, temperature=0.0)
 PROMPTS = ["List the days of the week.", "Count from one to ten in words."]
 START_EMPTY_FLAG = "--suffix-cache-start-empty-on-error"

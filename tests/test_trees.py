@@ -187,9 +187,12 @@ def test_a_chain_request_refuses_a_custom_tree(engine):
         def propose(self, context_ids, max_tokens):
             return [1, 2], None, [-1, -1]
 
+    # A fixed draft length: the cost-aware one depends on this proposer's measured cost and may ask
+    # for fewer tokens (or none) than the tree has.
     with pytest.raises(specrs.ProposerError, match="set \"tree\""):
-        engine.generate("Hello", SamplingParams(max_tokens=4),
-                        speculative_config={"method": "custom", "num_speculative_tokens": 2}, proposer=Tree())
+        engine.generate("Hello", SamplingParams(max_tokens=4), proposer=Tree(),
+                        speculative_config={"method": "custom", "num_speculative_tokens": 2,
+                                            "adaptive_draft_length": False})
 
 
 def test_trees_in_a_continuous_batch(engine):

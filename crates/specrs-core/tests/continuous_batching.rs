@@ -128,7 +128,14 @@ fn sixteen_mixed_requests_batched_yield_what_they_yield_alone() {
     let engine = load();
     let requests = mixed_requests(&engine, 16);
     let expected = alone(&engine, &requests);
-    let config = SchedulerConfig { max_num_seqs: 16, prefill_chunk: Some(64), ..SchedulerConfig::default() };
+    // A flat pinned cost curve: the load budget grants every wish, whatever this machine's timing
+    // (a measured steep one may cut every draft of a full batch).
+    let config = SchedulerConfig {
+        max_num_seqs: 16,
+        prefill_chunk: Some(64),
+        cost_curve_s: Some(vec![0.01; 32]),
+        ..SchedulerConfig::default()
+    };
     let mut scheduler = Scheduler::new(engine.clone(), config).unwrap();
     let run = batched(&mut scheduler, &engine, &requests, |_, _| {});
     assert_same(&expected, &run, &[]);

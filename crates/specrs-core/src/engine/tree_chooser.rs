@@ -89,8 +89,11 @@ impl TreeChooser {
         let ranks = sibling_ranks(parents);
         let values = self.values(parents, &depths, &ranks);
         let order = take_best_first(parents, &values);
-        // Drafting is done by now: only verification costs.
-        let (n, expected_tokens) = self.best_size(&order, &values, true, |_| 0.0);
+        // Drafting is done by now: only verification costs. Before its first verified tree a
+        // free proposer's tree is tried whatever the costs say (as `planned_depth` planned it):
+        // dropping it would leave the chooser nothing to learn from, and on a steep cost curve
+        // the request would never draft.
+        let (n, expected_tokens) = self.best_size(&order, &values, self.may_skip(), |_| 0.0);
         let mut keep: Vec<usize> = order[..n].to_vec();
         keep.sort_unstable();
         Choice { keep, expected_tokens }
@@ -114,8 +117,7 @@ impl TreeChooser {
         let deepest = |n: usize| order[..n].iter().map(|&i| depths[i] + 1).max().unwrap_or(0);
         // Before any evidence, a free proposer tries its best positive size (as the chain policy
         // does): the prior alone knows nothing of this request's text.
-        let may_skip = self.observed || self.draft_cost > 0.0;
-        let (n, _) = self.best_size(&order, &values, may_skip, |n| self.draft_cost * deepest(n) as f64);
+        let (n, _) = self.best_size(&order, &values, self.may_skip(), |n| self.draft_cost * deepest(n) as f64);
         deepest(n)
     }
 
@@ -167,6 +169,12 @@ impl TreeChooser {
     /// Records a step that drafted nothing: the evidence ages, so drafting resumes after a while.
     pub fn skipped(&mut self) {
         self.forget();
+    }
+
+    /// Whether no draft may be the best choice: once this request has a verified tree, or when
+    /// drafting costs time. Before that a free proposer's tree is always tried.
+    fn may_skip(&self) -> bool {
+        self.observed || self.draft_cost > 0.0
     }
 
     fn forget(&mut self) {
@@ -340,5 +348,21 @@ mod tests {
             costly.observe(&[-1, 0], &[]);
         }
         assert_eq!(costly.planned_depth(4, 4, 1), 0);
+    }
+
+    #[test]
+    fn a_free_proposers_first_tree_is_verified_on_any_cost_curve() {
+        // So steep that the prior's tree never pays: the first tree is still verified (something
+        // to learn from), and once it was, skipping is allowed again.
+        let steep: Vec<f64> = (1..=9).map(|n| 1.0 + 2.0 * (n - 1) as f64).collect();
+        let mut chooser = TreeChooser::new(&steep, 0.0);
+        let parents = vec![-1, -1, 0, 1];
+        assert!(!chooser.choose(&parents).keep.is_empty());
+        assert!(chooser.planned_depth(4, 8, 2) > 0);
+        chooser.observe(&parents, &[]);
+        assert!(chooser.choose(&parents).keep.is_empty());
+        assert_eq!(chooser.planned_depth(4, 8, 2), 0);
+        // A costly proposer planned by the prior alone: skipping stays allowed.
+        assert_eq!(TreeChooser::new(&steep, 1.0).planned_depth(4, 8, 2), 0);
     }
 }

@@ -112,15 +112,16 @@ impl Draft {
     /// children per node when the proposer was asked for a tree (`tree` None: a chain was asked
     /// for, and a tree is refused).
     pub fn validate(&self, max_draft: usize, tree: Option<TreeLimits>, vocab: usize, method: &str) -> Result<()> {
+        // The draft's shape first: a tree returned for a chain is refused for that, whatever its size.
+        if let Some(parents) = &self.parents {
+            self.validate_tree(parents, max_draft, tree, method)?;
+        }
         let n = self.token_ids.len();
         let max_nodes = tree.map_or(max_draft, |t| t.max_nodes);
         if n > max_nodes {
             return Err(Error::Proposer(format!(
                 "the {method} proposer returned {n} tokens but was asked for at most {max_nodes}; return at most max_tokens"
             )));
-        }
-        if let Some(parents) = &self.parents {
-            self.validate_tree(parents, max_draft, tree, method)?;
         }
         if let Some(bad) = self.token_ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::Proposer(format!(
