@@ -314,6 +314,9 @@ def _stream(base: str, replica: str, prompt: str, max_tokens: int, out: dict, ig
     out["text"] = "".join(texts)
 
 
+RETRIED_LENGTH = {"max_tokens": 240, "ignore_eos": True}
+
+
 def test_a_killed_replica_fails_cleanly_and_is_restarted(ray_app, single):
     replicas = _replicas(ray_app)
     (victim, survivor) = replicas
@@ -330,12 +333,13 @@ def test_a_killed_replica_fails_cleanly_and_is_restarted(ray_app, single):
         assert time.time() < deadline, (doomed, surviving)
         time.sleep(0.05)
 
-    # A non-streamed request on the victim, still generating when it dies: nothing was sent, so the
-    # ingress retries it on the survivor.
+    # A non-streamed request on the victim, still generating when it dies (it runs to its 240 tokens,
+    # seconds next to the doomed stream, where 24 tokens could end before the kill): nothing was
+    # sent, so the ingress retries it on the survivor.
     def non_streamed():
         try:
-            retried["body"] = _chat(ray_app, [{"role": "user", "content": PROMPTS[6]}], max_tokens=24,
-                                    replica=victim["replica"])
+            retried["body"] = _chat(ray_app, [{"role": "user", "content": PROMPTS[6]}], replica=victim["replica"],
+                                    **RETRIED_LENGTH)
         except AssertionError as e:
             retried["error"] = e
     waiter = threading.Thread(target=non_streamed)
@@ -352,7 +356,7 @@ def test_a_killed_replica_fails_cleanly_and_is_restarted(ray_app, single):
     assert "error" not in retried, retried
     body, replica = retried["body"]
     assert replica != victim["replica"]
-    reference, _ = _chat(single, [{"role": "user", "content": PROMPTS[6]}], max_tokens=24)
+    reference, _ = _chat(single, [{"role": "user", "content": PROMPTS[6]}], **RETRIED_LENGTH)
     assert body["choices"][0]["message"]["content"] == reference["choices"][0]["message"]["content"]
 
     # /health shows the loss until Ray Serve has restarted the replica, then two healthy ones again.
