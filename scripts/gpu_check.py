@@ -19,6 +19,13 @@
     (temperature 1, verified by the acceptance kernel on the device) is timed with and without
     the proposer.
 
+(d) requests whose logits are processed before sampling (issue 24; verified on the host on CUDA,
+    since the acceptance kernel takes softmax(logits / T) only): penalties, logit_bias and
+    logprobs, greedy and seeded at temperature 0.8, speculative against plain on the device (same
+    tokens, logprobs within LOGPROB_TOLERANCE), f32 so that no near-tie is expected; and `n`
+    samples sharing the prompt's prefill (the KV cache copied on the device) against each
+    seeded request alone.
+
 The exit status is 1 when anything fails: a device that cannot be opened, logits outside their
 tolerance, a kernel that disagrees with its CPU reference or fails to compile or launch, greedy
 speculative output that is not plain greedy output, a replayed run that does not match the
@@ -164,6 +171,40 @@ def part_a(specrs, device: str) -> dict:
     return out
 
 
+# Largest |logprob| difference allowed between speculative and plain decoding in (d) (f32 weights:
+# the verify pass and the single step differ by summation order only).
+LOGPROB_TOLERANCE = 1e-3
+
+
+def part_d(specrs, device: str) -> dict:
+    """Processed requests (penalties, logit_bias, logprobs) and `n` samples on the device."""
+    vocab = SMALL["vocab_size"]
+    engine = specrs.Engine.random(SMALL, seed=SEED, dtype="f32", device=device)
+    prompt = fixed_ids(24, vocab, salt=2)
+    processing = dict(max_tokens=48, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2,
+                      logit_bias={t: 4.0 for t in fixed_ids(16, vocab, salt=3)}, logprobs=3)
+    out = {}
+    for name, sampling in (("greedy", dict(temperature=0.0)), ("sampled", dict(temperature=0.8, seed=11))):
+        params = specrs.SamplingParams(**processing, **sampling)
+        plain = engine.generate(prompt, params)
+        proposer = SyntheticProposer(plain.token_ids, len(prompt), 0.8, vocab, seed=3)
+        config = {"method": "custom", "num_speculative_tokens": 4, "adaptive_draft_length": False}
+        spec = engine.generate(prompt, params, speculative_config=config, proposer=proposer)
+        same = spec.token_ids == plain.token_ids
+        gap = max((abs(a["logprob"] - b["logprob"]) for a, b in zip(plain.logprobs, spec.logprobs)), default=0.0)
+        out[name] = {"identical": same, "first_difference": first_difference(plain.token_ids, spec.token_ids),
+                     "num_drafts": spec.metrics["num_drafts"], "max_logprob_diff": gap,
+                     "ok": same and spec.metrics["num_drafts"] > 0 and gap <= LOGPROB_TOLERANCE}
+    params = specrs.SamplingParams(max_tokens=32, temperature=0.8, seed=5, n=3)
+    samples = [r.token_ids for r in engine.generate_samples(prompt, params, speculative_config=False)]
+    alone = [engine.generate(prompt, specrs.SamplingParams(max_tokens=32, temperature=0.8, seed=5 + i)).token_ids
+             for i in range(3)]
+    out["samples"] = {"num_equal": sum(a == b for a, b in zip(samples, alone)), "n": 3,
+                      "ok": samples == alone}
+    print(f"(d) processed requests and samples on {device}: {out}", flush=True)
+    return out
+
+
 def first_difference(expected: list[int], actual: list[int]) -> int | None:
     """Index of the first differing token (a length difference counts), or None."""
     at = next((i for i, (x, y) in enumerate(zip(expected, actual)) if x != y), None)
@@ -196,17 +237,14 @@ def part_b(specrs, device: str) -> dict:
     out = {}
     for with_probs in (False, True):
         name = "accept_with_probs" if with_probs else "accept"
-        logits, drafts, num_draft, temperatures, uniforms, probs = random_accept_inputs(512, 4, 32000, 3, with_probs)
-        args = (logits, drafts, num_draft, temperatures, uniforms)
-        cpu = kernels.batch_accept(*args, draft_probs=probs)
+        inputs = random_accept_inputs(512, 4, 32000, 3, with_probs)
+        cpu = kernels.batch_accept(*inputs[:5], draft_probs=inputs[5])
         try:
-            gpu = kernels.batch_accept(*args, draft_probs=probs, device=device)
+            gpu = kernels.batch_accept(*inputs[:5], draft_probs=inputs[5], device=device)
         except specrs.SpecrsError as e:
             out[name] = {"ok": False, "error": str(e)}
             continue
-        neighbours = sum(a != b for a, b in zip(gpu[1], cpu[1]))
-        out[name] = {"counts_equal": gpu[0] == cpu[0], "next_token_mismatches": neighbours,
-                     "ok": gpu[0] == cpu[0] and neighbours <= 2}
+        out[name] = explain_accept_mismatches(inputs, cpu, gpu)
     out["tree_accept"] = compare_tree_accept(kernels, specrs.SpecrsError, device)
     rng = np.random.default_rng(5)
     histories = rng.integers(0, 4, size=(256, 2048), dtype=np.uint32)
@@ -218,6 +256,82 @@ def part_b(specrs, device: str) -> dict:
         out["ngram"] = {"ok": False, "error": str(e)}
     print(f"(b) kernels vs CPU references: {out}", flush=True)
     return out
+
+
+# A sampled draw on the device sums its floats in another order than the CPU reference, so where
+# the uniform lies within rounding of a CDF boundary the two may pick neighbouring tokens (on the
+# H200, 7 of 512 chain and 4 of 256 tree sequences at vocabulary 32000). Such a mismatch is
+# explained when, in the exact (float64) distribution, the uniform lies within DRAW_TOLERANCE (a
+# share of the draw's mass) of both tokens' CDF intervals, or, for an accept test, within
+# DRAW_TOLERANCE of p(x) / q(x). Any other mismatch, a greedy one, or mismatches in more than
+# MAX_MISMATCH_SHARE of the sampled sequences (an off-by-one would hit most of them) fail.
+DRAW_TOLERANCE = 1e-4
+MAX_MISMATCH_SHARE = 0.05
+
+
+def draw_margin(weights, uniform: float, token: int) -> float:
+    """How far `uniform` lies from `token`'s interval of the inverse CDF of `weights` (float64,
+    unnormalized), as a share of their mass; 0 inside it."""
+    import numpy as np
+
+    cdf = np.cumsum(weights)
+    mass = float(cdf[-1])
+    target = float(uniform) * mass
+    low, high = float(cdf[token] - weights[token]), float(cdf[token])
+    if low <= target < high:
+        return 0.0
+    return min(abs(target - low), abs(target - high)) / mass
+
+
+def target_probs(row, temperature: float):
+    """softmax(row / temperature) in float64."""
+    import numpy as np
+
+    x = row.astype(np.float64) / temperature
+    p = np.exp(x - x.max())
+    return p / p.sum()
+
+
+def mismatch_report(margins: list[float], num_greedy: int, num_sampled: int) -> dict:
+    share = len(margins) / max(num_sampled, 1)
+    return {"greedy_mismatches": num_greedy, "sampled_mismatches": len(margins), "sampled_sequences": num_sampled,
+            "max_margin": max(margins, default=0.0),
+            "ok": num_greedy == 0 and share <= MAX_MISMATCH_SHARE and all(m <= DRAW_TOLERANCE for m in margins)}
+
+
+def explain_accept_mismatches(inputs, cpu, gpu) -> dict:
+    """The chain-acceptance kernel's results against the CPU reference's (see DRAW_TOLERANCE): for
+    each sampled mismatch, the margin of the accept test or of the recovered/bonus draw where
+    they part (batch/accept.rs: uniform i decides draft i, the next one draws the token)."""
+    import numpy as np
+
+    logits, drafts, num_draft, temperatures, uniforms, probs = inputs
+    margins, num_greedy = [], 0
+    for s, temperature in enumerate(temperatures):
+        if (cpu[0][s], cpu[1][s]) == (gpu[0][s], gpu[1][s]):
+            continue
+        if temperature == 0:
+            num_greedy += 1
+            continue
+        accepted, n = int(min(cpu[0][s], gpu[0][s])), num_draft[s]
+        if cpu[0][s] != gpu[0][s]:  # they part at draft `accepted`'s accept test: u q(x) < p(x)
+            x = int(drafts[s, accepted])
+            p_x = target_probs(logits[s, accepted], temperature)[x]
+            q_x = 1.0 if probs is None else float(probs[s, accepted, x])
+            margins.append(abs(float(uniforms[s, accepted]) * q_x - p_x) / q_x)
+            continue
+        p = target_probs(logits[s, accepted], temperature)
+        if accepted < n:  # recovered: from max(0, p - q), q one-hot on the draft without probabilities
+            q = np.zeros_like(p) if probs is None else probs[s, accepted].astype(np.float64)
+            if probs is None:
+                q[int(drafts[s, accepted])] = 1.0
+            residual = np.maximum(p - q, 0.0)
+            weights, uniform = (residual if residual.sum() > 0 else p), uniforms[s, accepted + 1]
+        else:  # bonus: from p
+            weights, uniform = p, uniforms[s, n]
+        margins.append(max(draw_margin(weights, uniform, int(cpu[1][s])), draw_margin(weights, uniform, int(gpu[1][s]))))
+    num_sampled = sum(t > 0 for t in temperatures)
+    return mismatch_report(margins, num_greedy, num_sampled)
 
 
 def random_accept_inputs(batch: int, k: int, vocab: int, seed: int, with_probs: bool):
@@ -271,22 +385,42 @@ def random_tree_accept_inputs(batch: int, nodes: int, vocab: int, seed: int):
 
 def compare_tree_accept(kernels, error_type, device: str) -> dict:
     """The tree-acceptance kernel against its CPU reference: batch 256, 16 nodes, vocab 32000.
-    Greedy sequences must agree exactly; a sampled draw within rounding of a CDF boundary may pick
-    the neighbouring token, and with it another path (at most 2 sampled sequences may differ)."""
-    import numpy as np
-
+    Greedy sequences must agree exactly; a sampled mismatch must be explained (DRAW_TOLERANCE)."""
     inputs = random_tree_accept_inputs(256, 16, 32000, seed=4)
-    temperatures = inputs[4]
     cpu = kernels.batch_tree_accept(*inputs)
     try:
         gpu = kernels.batch_tree_accept(*inputs, device=device)
     except error_type as e:
         return {"ok": False, "error": str(e)}
-    differs = (gpu[0] != cpu[0]) | (gpu[1] != cpu[1]).any(axis=1) | (gpu[2] != cpu[2])
-    greedy = int((differs & (temperatures == 0)).sum())
-    sampled = int((differs & (temperatures > 0)).sum())
-    return {"greedy_mismatches": greedy, "sampled_mismatches": sampled,
-            "mean_accepted": float(np.mean(cpu[0])), "ok": greedy == 0 and sampled <= 2}
+    return explain_tree_mismatches(inputs, cpu, gpu)
+
+
+def explain_tree_mismatches(inputs, cpu, gpu) -> dict:
+    """For each sampled sequence whose walk differs, the margin of the draw at the first depth
+    where the two walks part (batch/tree_accept.rs: depth d draws from its node's row with
+    uniform d; the token picks the child, or is the next token)."""
+    logits, drafts, parents, num_nodes, temperatures, uniforms = inputs
+    margins, num_greedy = [], 0
+    for s, temperature in enumerate(temperatures):
+        cpu_path, gpu_path = list(cpu[1][s, : cpu[0][s]]), list(gpu[1][s, : gpu[0][s]])
+        if cpu_path == gpu_path and cpu[2][s] == gpu[2][s]:
+            continue
+        if temperature == 0:
+            num_greedy += 1
+            continue
+        depth = next((d for d, (a, b) in enumerate(zip(cpu_path, gpu_path)) if a != b), min(len(cpu_path), len(gpu_path)))
+        row = int(cpu_path[depth - 1]) + 1 if depth else 0
+        tokens = [int(drafts[s, path[depth]]) if depth < len(path) else int(ends[2][s])
+                  for path, ends in ((cpu_path, cpu), (gpu_path, gpu))]
+        if tokens[0] == tokens[1]:  # same token, another child or ending: not a rounding difference
+            margins.append(float("inf"))
+            continue
+        p = target_probs(logits[s, row], float(temperature))
+        margins.append(max(draw_margin(p, uniforms[s, depth], t) for t in tokens))
+    num_sampled = int((temperatures > 0).sum())
+    report = mismatch_report(margins, num_greedy, num_sampled)
+    report["mean_accepted"] = float(cpu[0].mean())
+    return report
 
 
 class SyntheticProposer:
@@ -425,7 +559,7 @@ def part_c(specrs, device: str, num_tokens: int) -> dict:
 
 def failures(report: dict) -> list[str]:
     """Everything that decides the exit status, one line each."""
-    out = [f"({part}) raised {report[part]['error']}" for part in "abc" if "error" in report.get(part, {})]
+    out = [f"({part}) raised {report[part]['error']}" for part in "abcd" if "error" in report.get(part, {})]
     for fmt, r in report.get("a", {}).items():
         if fmt in FORMAT_TOLERANCES and not r["ok"]:
             out.append(f"(a) {fmt} logits {report['device']} vs cpu: relative max difference {r['rel_max_diff']:.3g} "
@@ -438,10 +572,11 @@ def failures(report: dict) -> list[str]:
     for name, r in report.get("b", {}).items():
         if isinstance(r, dict) and not r.get("ok", True):
             out.append(f"(b) {name} kernel: " + (r["error"] if "error" in r else
-                       f"counts equal {r['counts_equal']}, next-token mismatches {r['next_token_mismatches']}"
-                       if "counts_equal" in r else
-                       f"{r['greedy_mismatches']} greedy and {r['sampled_mismatches']} sampled sequences differ "
-                       "from the CPU reference" if "sampled_mismatches" in r else "drafts differ from the CPU reference"))
+                       f"{r['greedy_mismatches']} greedy and {r['sampled_mismatches']} of {r['sampled_sequences']} "
+                       "sampled sequences differ from the CPU reference" + (
+                           f" (the sampled ones up to {r['max_margin']:.3g} of the mass from a CDF boundary; tolerance "
+                           f"{DRAW_TOLERANCE:g}, at most {MAX_MISMATCH_SHARE:.0%} of them)" if r["sampled_mismatches"] else "")
+                       if "sampled_mismatches" in r else "drafts differ from the CPU reference"))
     c = report.get("c", {})
     for r in c.get("rows", []):
         if not r["ok"]:
@@ -451,6 +586,16 @@ def failures(report: dict) -> list[str]:
         out.append(f"(c) sampled run: {c['sampled']['num_tokens']} tokens, {c['sampled']['num_drafts']} drafts")
     if "baseline_again_matches" in c and not c["baseline_again_matches"]:
         out.append("(c) the baseline repeated at the end gave other greedy tokens")
+    d = report.get("d", {})
+    for name in ("greedy", "sampled"):
+        if name in d and not d[name]["ok"]:
+            r = d[name]
+            out.append(f"(d) {name} with penalties, logit_bias and logprobs: " + (
+                "no draft was made" if not r["num_drafts"] else
+                f"speculative diverged from plain at token {r['first_difference']}" if not r["identical"] else
+                f"logprobs differ by {r['max_logprob_diff']:.3g} (tolerance {LOGPROB_TOLERANCE:g})"))
+    if "samples" in d and not d["samples"]["ok"]:
+        out.append(f"(d) n = 3 samples: {d['samples']['num_equal']} of 3 equal their seeded request alone")
     return out
 
 
@@ -497,6 +642,7 @@ def table(report: dict) -> str:
     a, b = report.get("a", {}), report.get("b", {})
     checks = [("a", fmt, r["ok"]) for fmt, r in a.items() if fmt in FORMAT_TOLERANCES]
     checks += [("b", name, r["ok"]) for name, r in b.items() if isinstance(r, dict) and "ok" in r]
+    checks += [("d", name, r["ok"]) for name, r in report.get("d", {}).items() if isinstance(r, dict) and "ok" in r]
     greedy = a.get("greedy_identity", {})
     identical = sum(g["identical"] for g in greedy.values())
     lines.append("checks: " + ", ".join(f"({p}) {n} {'PASS' if ok else 'FAIL'}" for p, n, ok in checks)
@@ -532,8 +678,9 @@ def main() -> int:
             print(f"FAIL: cannot open {device}: {e}\n(--device cpu runs this script's CPU mode, which checks the "
                   "script, not CUDA)", flush=True)
             return 1
+    # (c), the longest, runs last.
     for part, run in (("a", lambda: part_a(specrs, device)), ("b", lambda: part_b(specrs, device)),
-                      ("c", lambda: part_c(specrs, device, args.tokens))):
+                      ("d", lambda: part_d(specrs, device)), ("c", lambda: part_c(specrs, device, args.tokens))):
         try:
             report[part] = run()
         except specrs.SpecrsError as e:  # recorded, so the other parts still run in this one call

@@ -183,6 +183,8 @@ def test_gpu_check_script_runs_its_cpu_parts(tmp_path):
     assert all(r["matches_baseline"] and r["ok"] and r["timed_tokens"] == 23 for r in rows)
     sampled = report["c"]["sampled"]
     assert sampled["ok"] and sampled["num_drafts"] > 0 and sampled["temperature"] > 0
+    processed = report["d"]
+    assert list(processed) == ["greedy", "sampled", "samples"] and all(r["ok"] for r in processed.values()), processed
     lines = run.stdout.rstrip().splitlines()
     assert lines[-2].startswith("checks:") and lines[-1] == "gpu_check PASS on cpu: 0 failures, 0 near-ties"
 
@@ -239,8 +241,8 @@ def test_gpu_check_records_kernel_failures_and_decides_on_them(monkeypatch):
     failures = gpu_check.failures({"device": "cuda", "b": b})
     assert failures == ["(b) accept kernel: launching accept_kernel: simulated launch failure",
                         "(b) accept_with_probs kernel: launching accept_kernel: simulated launch failure",
-                        f"(b) tree_accept kernel: {greedy_wrong} greedy and 0 sampled sequences differ from the CPU "
-                        "reference",
+                        f"(b) tree_accept kernel: {greedy_wrong} greedy and 0 of {b['tree_accept']['sampled_sequences']} "
+                        "sampled sequences differ from the CPU reference",
                         "(b) ngram kernel: drafts differ from the CPU reference"]
 
 
