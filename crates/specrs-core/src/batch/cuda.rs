@@ -5,8 +5,9 @@
 //! Invariant: same inputs, same outputs as the CPU references `accept::accept`,
 //! `tree_accept::tree_accept` and `ngram::ngram_lookup`. The n-gram lookup and greedy acceptance
 //! (chain or tree) are exact; a sampled draw sums floats in another order, so a uniform lying within
-//! rounding of a CDF boundary can pick the neighbouring token (in a tree, and so another path; the
-//! device check counts such cases).
+//! rounding of a CDF boundary can pick the neighbouring token (in a tree, and so another path; on
+//! an H200, 7 of 400 sampled chain sequences at vocabulary 32000, each within 2e-5 of the mass of
+//! a boundary: scripts/gpu_check.py measures each such case's distance from its boundary).
 
 use std::sync::OnceLock;
 
