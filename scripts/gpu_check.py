@@ -25,6 +25,10 @@
     tokens, logprobs within LOGPROB_TOLERANCE), f32 so that no near-tie is expected; and `n`
     samples sharing the prompt's prefill (the KV cache copied on the device) against each
     seeded request alone.
+(e) token trees through the engine on the device (the tree kernel verifies temperature-only
+    requests): a proposer replaying the recorded continuation as a binary tree (at each depth the
+    right token and a wrong one, the right one first with probability a), greedy and seeded at
+    temperature 0.8: the same tokens as plain decoding, trees drafted and walks past rank 0.
 
 The exit status is 1 when anything fails: a device that cannot be opened, logits outside their
 tolerance, a kernel that disagrees with its CPU reference or fails to compile or launch, greedy
@@ -202,6 +206,50 @@ def part_d(specrs, device: str) -> dict:
     out["samples"] = {"num_equal": sum(a == b for a, b in zip(samples, alone)), "n": 3,
                       "ok": samples == alone}
     print(f"(d) processed requests and samples on {device}: {out}", flush=True)
+    return out
+
+
+class TreeReplay:
+    """A binary token tree around the target's recorded continuation: depth d's two children hang
+    under depth d - 1's right token; the right token ranks first with probability `acceptance`,
+    else second behind a wrong one (so walks take rank 1 too)."""
+
+    def __init__(self, reference: list[int], prompt_len: int, acceptance: float, vocab: int, seed: int):
+        self.reference, self.prompt_len, self.acceptance, self.vocab = reference, prompt_len, acceptance, vocab
+        self.rng = random.Random(seed)
+
+    def propose(self, context_ids, max_tokens):
+        start = len(context_ids) - self.prompt_len
+        tokens, parents, right_node = [], [], -1
+        for token in self.reference[start:start + max_tokens // 2]:
+            wrong = (token + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+            first = self.rng.random() < self.acceptance
+            tokens += [token, wrong] if first else [wrong, token]
+            parents += [right_node, right_node]
+            right_node = len(tokens) - (2 if first else 1)
+        return tokens, None, parents
+
+
+def part_e(specrs, device: str) -> dict:
+    """Token trees verified on the device against plain decoding, greedy and sampled."""
+    vocab = SMALL["vocab_size"]
+    engine = specrs.Engine.random(SMALL, seed=SEED, dtype="f32", device=device)
+    prompt = fixed_ids(24, vocab, salt=4)
+    config = {"method": "custom", "num_speculative_tokens": 8, "tree": True}
+    out = {}
+    for name, sampling in (("greedy", dict(temperature=0.0)), ("sampled", dict(temperature=0.8, seed=21))):
+        params = specrs.SamplingParams(max_tokens=64, **sampling)
+        plain = engine.generate(prompt, params).token_ids
+        spec = engine.generate(prompt, params, speculative_config=config,
+                               proposer=TreeReplay(plain, len(prompt), 0.7, vocab, seed=5))
+        m = spec.metrics
+        result = {"identical": spec.token_ids == plain, "first_difference": first_difference(plain, spec.token_ids),
+                  "num_tree_drafts": m["num_tree_drafts"], "num_accepted_tokens": m["num_accepted_tokens"],
+                  "num_drafts": m["num_drafts"]}
+        # Walks deeper than the rank-0 chain would go: more tokens accepted than rank 0 alone offered.
+        result["ok"] = result["identical"] and m["num_tree_drafts"] > 0 and m["num_accepted_tokens"] > m["num_drafts"]
+        out[name] = result
+    print(f"(e) token trees on {device}: {out}", flush=True)
     return out
 
 
@@ -559,7 +607,7 @@ def part_c(specrs, device: str, num_tokens: int) -> dict:
 
 def failures(report: dict) -> list[str]:
     """Everything that decides the exit status, one line each."""
-    out = [f"({part}) raised {report[part]['error']}" for part in "abcd" if "error" in report.get(part, {})]
+    out = [f"({part}) raised {report[part]['error']}" for part in "abcde" if "error" in report.get(part, {})]
     for fmt, r in report.get("a", {}).items():
         if fmt in FORMAT_TOLERANCES and not r["ok"]:
             out.append(f"(a) {fmt} logits {report['device']} vs cpu: relative max difference {r['rel_max_diff']:.3g} "
@@ -596,6 +644,12 @@ def failures(report: dict) -> list[str]:
                 f"logprobs differ by {r['max_logprob_diff']:.3g} (tolerance {LOGPROB_TOLERANCE:g})"))
     if "samples" in d and not d["samples"]["ok"]:
         out.append(f"(d) n = 3 samples: {d['samples']['num_equal']} of 3 equal their seeded request alone")
+    for name, r in report.get("e", {}).items():
+        if isinstance(r, dict) and not r.get("ok", True):
+            out.append(f"(e) {name} token trees: " + (
+                f"diverged from plain at token {r['first_difference']}" if not r["identical"] else
+                f"{r['num_tree_drafts']} trees drafted, {r['num_accepted_tokens']} tokens accepted in "
+                f"{r['num_drafts']} drafts"))
     return out
 
 
@@ -642,7 +696,8 @@ def table(report: dict) -> str:
     a, b = report.get("a", {}), report.get("b", {})
     checks = [("a", fmt, r["ok"]) for fmt, r in a.items() if fmt in FORMAT_TOLERANCES]
     checks += [("b", name, r["ok"]) for name, r in b.items() if isinstance(r, dict) and "ok" in r]
-    checks += [("d", name, r["ok"]) for name, r in report.get("d", {}).items() if isinstance(r, dict) and "ok" in r]
+    checks += [(part, name, r["ok"]) for part in "de" for name, r in report.get(part, {}).items()
+               if isinstance(r, dict) and "ok" in r]
     greedy = a.get("greedy_identity", {})
     identical = sum(g["identical"] for g in greedy.values())
     lines.append("checks: " + ", ".join(f"({p}) {n} {'PASS' if ok else 'FAIL'}" for p, n, ok in checks)
@@ -680,7 +735,8 @@ def main() -> int:
             return 1
     # (c), the longest, runs last.
     for part, run in (("a", lambda: part_a(specrs, device)), ("b", lambda: part_b(specrs, device)),
-                      ("d", lambda: part_d(specrs, device)), ("c", lambda: part_c(specrs, device, args.tokens))):
+                      ("d", lambda: part_d(specrs, device)), ("e", lambda: part_e(specrs, device)),
+                      ("c", lambda: part_c(specrs, device, args.tokens))):
         try:
             report[part] = run()
         except specrs.SpecrsError as e:  # recorded, so the other parts still run in this one call

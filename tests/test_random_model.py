@@ -185,6 +185,8 @@ def test_gpu_check_script_runs_its_cpu_parts(tmp_path):
     assert sampled["ok"] and sampled["num_drafts"] > 0 and sampled["temperature"] > 0
     processed = report["d"]
     assert list(processed) == ["greedy", "sampled", "samples"] and all(r["ok"] for r in processed.values()), processed
+    trees = report["e"]
+    assert list(trees) == ["greedy", "sampled"] and all(r["ok"] for r in trees.values()), trees
     lines = run.stdout.rstrip().splitlines()
     assert lines[-2].startswith("checks:") and lines[-1] == "gpu_check PASS on cpu: 0 failures, 0 near-ties"
 

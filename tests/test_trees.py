@@ -195,6 +195,32 @@ def test_a_chain_request_refuses_a_custom_tree(engine):
                                             "adaptive_draft_length": False})
 
 
+def test_a_custom_tree_deeper_than_the_planned_depth_is_cut_to_it(engine):
+    """A Python proposer is told the node budget, not the depth the engine plans for the step: its
+    deeper tokens are dropped, not refused, and the output stays plain decoding's."""
+    prompt = engine.tokenizer.encode("The capital of France is")
+    params = SamplingParams(max_tokens=24)
+    plain = engine.generate(prompt, params, speculative_config=False).token_ids
+
+    class DeepTree:
+        """The plain continuation as a 5-deep path, with a wrong sibling beside its first token."""
+
+        def propose(self, context_ids, max_tokens):
+            right = plain[len(context_ids) - len(prompt):][:max_tokens - 1]
+            if not right:
+                return []
+            # r0 and its wrong sibling under the newest token, r1 under r0 (node 0), r_j under r_(j-1) (node j).
+            parents = [-1, -1] + [0] * (len(right) > 1) + list(range(2, len(right)))
+            return [right[0], (right[0] + 1) % 1000, *right[1:]], None, parents
+
+    config = {"method": "custom", "num_speculative_tokens": 6, "tree": True, "tree_depth": 2}
+    out = engine.generate(prompt, params, speculative_config=config, proposer=DeepTree())
+    m = out.metrics
+    assert out.token_ids == plain
+    assert m["num_tree_drafts"] > 0 and m["tree_depth_sum"] <= 2 * m["num_tree_drafts"], m
+    assert m["num_accepted_tokens"] >= m["num_tree_drafts"], m
+
+
 def test_trees_in_a_continuous_batch(engine):
     """The scheduler batches tree rows of several requests in one forward: outputs stay those of
     plain decoding alone."""

@@ -87,9 +87,14 @@ fn parse_probs(probs: &Bound<'_, PyAny>) -> Result<Vec<f32>> {
 }
 
 impl Proposer for PyProposer {
-    /// A tree mode's node budget is the Python `max_tokens`; `Session` checks the rest.
-    fn propose_tree(&mut self, context: &[u32], _max_depth: usize, limits: TreeLimits) -> Result<Draft> {
-        self.propose(context, limits.max_nodes)
+    /// A tree mode's node budget is the Python `max_tokens`; `Session` checks the rest. The depth
+    /// the engine plans for this step (from the tokens left and each level's measured cost) can be
+    /// below the configured one and is not passed to Python, so deeper tokens are cut here, not
+    /// refused.
+    fn propose_tree(&mut self, context: &[u32], max_depth: usize, limits: TreeLimits) -> Result<Draft> {
+        let mut draft = self.propose(context, limits.max_nodes)?;
+        draft.cut_to_depth(max_depth);
+        Ok(draft)
     }
 
     fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {

@@ -531,20 +531,26 @@ impl Session {
     }
 
     /// The target's verdict on `draft` from `logits` `[num_draft_tokens + 1, vocab]`. On a GPU,
-    /// requests whose distribution is softmax(logits / temperature) alone are decided by the
-    /// acceptance kernel where the logits are, so only the counts and one token cross to the
-    /// host; the rest (and the CPU) copy the logits and run `verify`. Both are exact; with one
-    /// seed they consume the random stream differently, so seeded samples differ between them.
-    /// Deterministic trees of such requests go to the tree acceptance kernel, with the coupled
-    /// form's draws (`Sampler::uniform_at`), so they emit what the host's `verify_tree` does;
-    /// trees with draft probabilities are verified on the host.
+    /// requests whose distribution is softmax(logits / temperature) alone are decided where the
+    /// logits are, so only the counts and the tokens cross to the host; the rest (and the CPU) copy
+    /// the logits and run `verify`. Deterministic drafts (a chain, a tree, or none: plain
+    /// decoding) go to the tree acceptance kernel, a chain as a one-path tree, with the coupled
+    /// form's draws (`Sampler::uniform_at`): a seeded request emits the tokens plain sampling
+    /// emits, on the device as on the host, whatever the draft (the H200 showed chains verified
+    /// by the acceptance kernel, which draws from the sequential stream, parting from plain
+    /// sampling at the first token). Chains with draft probabilities go to the acceptance kernel
+    /// (exact rejection sampling on the sequential stream); trees with probabilities to the host.
     /// Returns the host logits too when they were copied (processed, if the request processes
     /// them), for the tokens' logprobs.
     fn verify_step(&mut self, logits: &Tensor, draft: &Draft) -> Result<(TreeVerification, Option<Vec<f32>>)> {
         #[cfg(feature = "cuda")]
         if logits.device().is_cuda() && self.params.is_temperature_only() && self.params.logprobs.is_none() {
             match (&draft.parents, &draft.probs) {
-                (None, _) => return Ok((self.verify_on_device(logits, draft)?, None)),
+                (None, None) => {
+                    let chain: Vec<i32> = (0..draft.token_ids.len() as i32).map(|i| i - 1).collect();
+                    return Ok((self.verify_tree_on_device(logits, draft, &chain)?, None));
+                }
+                (None, Some(_)) => return Ok((self.verify_on_device(logits, draft)?, None)),
                 (Some(parents), None) => return Ok((self.verify_tree_on_device(logits, draft, parents)?, None)),
                 (Some(_), Some(_)) => {}
             }

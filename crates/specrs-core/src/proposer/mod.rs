@@ -104,6 +104,25 @@ impl Draft {
         self.normalize_chain();
     }
 
+    /// Drops the tokens deeper than `max_depth` (a chain keeps its first `max_depth`); a draft
+    /// whose parents are malformed is left for `validate` to refuse.
+    pub fn cut_to_depth(&mut self, max_depth: usize) {
+        let n = self.token_ids.len();
+        let vocab_size = self.probs.as_ref().map_or(0, |probs| probs.len() / n.max(1));
+        let Some(parents) = &self.parents else {
+            if n > max_depth {
+                self.truncate(max_depth, vocab_size);
+            }
+            return;
+        };
+        let Ok(depths) = tree::try_depths(parents) else { return };
+        if depths.len() != n || depths.iter().all(|&d| d < max_depth) {
+            return;
+        }
+        let keep: Vec<usize> = (0..n).filter(|&i| depths[i] < max_depth).collect();
+        self.keep_nodes(&keep, vocab_size);
+    }
+
     /// Refuses a draft the verifier cannot use: more than `max_draft` tokens, ids outside the
     /// vocabulary, or probabilities that are not `[num_draft_tokens, vocab_size]` rows of
     /// distributions with q(x) > 0 for each drafted x. `method` names the proposer in the error.
@@ -335,5 +354,34 @@ pub trait Proposer: Send {
     /// Positions held by the proposer's own KV cache, for proposers with one (rollback checks).
     fn kv_len(&self) -> Option<usize> {
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cut_to_depth_keeps_the_shallow_subtree_and_its_probability_rows() {
+        // 10 -> {11 -> 13, 12}: depths 0, 1, 1, 2.
+        let mut draft = Draft { token_ids: vec![10, 11, 12, 13], probs: None, parents: Some(vec![-1, 0, 0, 1]) };
+        draft.probs = Some((0..4).flat_map(|i| [i as f32, 1.0 - i as f32]).collect());
+        draft.cut_to_depth(2);
+        assert_eq!(draft.token_ids, vec![10, 11, 12]);
+        assert_eq!(draft.parents, Some(vec![-1, 0, 0]));
+        assert_eq!(draft.probs, Some(vec![0.0, 1.0, 1.0, 0.0, 2.0, -1.0]));
+        // Cut to one level, a single token is a chain.
+        draft.cut_to_depth(1);
+        assert_eq!((draft.token_ids.clone(), draft.parents.clone()), (vec![10], None));
+        let mut chain = Draft::tokens(vec![1, 2, 3]);
+        chain.cut_to_depth(2);
+        assert_eq!(chain.token_ids, vec![1, 2]);
+        // Malformed parents are left for validate to name.
+        let mut bad = Draft { token_ids: vec![1, 2], probs: None, parents: Some(vec![-1, 5]) };
+        bad.cut_to_depth(1);
+        assert_eq!(bad.token_ids, vec![1, 2]);
+        let mut short = Draft { token_ids: vec![1, 2, 3], probs: None, parents: Some(vec![-1, 0]) };
+        short.cut_to_depth(1);
+        assert_eq!(short.token_ids, vec![1, 2, 3]);
     }
 }
