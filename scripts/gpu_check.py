@@ -209,6 +209,11 @@ def part_d(specrs, device: str) -> dict:
     return out
 
 
+def other_token(token: int, vocab: int, rng: random.Random) -> int:
+    """A uniformly random token of the vocabulary other than `token` (a replayed draft's corruption)."""
+    return (token + 1 + rng.randrange(vocab - 1)) % vocab
+
+
 class TreeReplay:
     """A binary token tree around the target's recorded continuation: depth d's two children hang
     under depth d - 1's right token; the right token ranks first with probability `acceptance`,
@@ -222,7 +227,7 @@ class TreeReplay:
         start = len(context_ids) - self.prompt_len
         tokens, parents, right_node = [], [], -1
         for token in self.reference[start:start + max_tokens // 2]:
-            wrong = (token + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+            wrong = other_token(token, self.vocab, self.rng)
             first = self.rng.random() < self.acceptance
             tokens += [token, wrong] if first else [wrong, token]
             parents += [right_node, right_node]
@@ -484,7 +489,7 @@ class SyntheticProposer:
         draft = []
         for token in self.reference[start:start + max_tokens]:
             if self.rng.random() >= self.acceptance:
-                token = (token + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab  # never the right one
+                token = other_token(token, self.vocab, self.rng)
             draft.append(token)
         return draft
 

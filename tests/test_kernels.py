@@ -21,6 +21,7 @@ from gpu_check import (  # noqa: E402
     explain_tree_mismatches,
     random_accept_inputs,
     random_tree_accept_inputs,
+    target_probs,
 )
 
 
@@ -59,8 +60,7 @@ def _tree_walk(logits, drafts, parents, count, temperature, uniforms):
         if temperature == 0:
             target = int(np.argmax(row))  # the first of equal maxima, as sampler::argmax
         else:
-            weights = np.exp((row - row.max()) / temperature)
-            cdf = np.cumsum(weights) / weights.sum()
+            cdf = np.cumsum(target_probs(row, temperature))
             u = float(uniforms[len(path)])
             target = min(int(np.searchsorted(cdf, u, side="right")), len(row) - 1)  # first cdf > u
             near_boundary |= bool(np.abs(cdf - u).min() < 1e-5)
