@@ -12,6 +12,15 @@ from) across restarts: loaded at startup, written atomically every `--suffix-cac
 requests (default 100) and at shutdown. A file that cannot be used (corrupt, truncated, from
 another model) stops startup unless `--suffix-cache-start-empty-on-error` is given.
 
+`--api-key KEY` (or `SPECRS_API_KEY`): every route but /health requires `Authorization: Bearer KEY`
+(/metrics too, unless `--metrics-public`); a request without it gets a 401.
+
+Connections: a client must send its request line and headers within `--header-timeout` seconds
+(default 10) and its body within `--body-timeout` seconds after them (default 60), else it gets a
+408 and its connection is closed; at most `--max-connections` connections are open at once (default
+1000; one more gets a 503 and is closed); an idle keep-alive connection is closed after
+`--timeout-keep-alive` seconds (default 5).
+
 Needs the `serve` extra: `pip install 'specrs[serve]'` (starlette, uvicorn, prometheus-client).
 """
 
@@ -21,6 +30,9 @@ import os
 import sys
 
 from ..errors import ConfigError
+from .auth import resolve_api_key
+from .connections import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+                          DEFAULT_MAX_CONNECTIONS)
 from .protocol import DEFAULT_CHAT_MAX_TOKENS
 from .suffix_store import DEFAULT_SAVE_EVERY as DEFAULT_SUFFIX_CACHE_SAVE_EVERY
 
@@ -71,6 +83,29 @@ def _check_settings(max_num_seqs: int, prefill_chunk: int | None, max_request_bo
         raise ConfigError(f"suffix_cache_save_every must be at least 1 finished request (got {suffix_cache_save_every})")
 
 
+def _check_connection_settings(header_timeout_s: float, body_timeout_s: float | None, max_connections: int,
+                               keep_alive_timeout_s: float) -> None:
+    for name, value in (("header_timeout", header_timeout_s), ("body_timeout", body_timeout_s),
+                        ("timeout_keep_alive", keep_alive_timeout_s)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{name} must be a positive number of seconds (got {value})")
+    if max_connections < 1:
+        raise ConfigError(f"max_connections must be at least 1 (got {max_connections})")
+
+
+def uvicorn_settings(host: str, port: int, log_level: str = "info",
+                     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+                     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                     keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S) -> dict:
+    """uvicorn's keyword arguments for serving: the address, and the connection limits
+    (connections.py) in its HTTP protocol."""
+    from .connections import limited_protocol
+
+    _check_connection_settings(header_timeout_s, None, max_connections, keep_alive_timeout_s)
+    return {"host": host, "port": port, "log_level": log_level, "timeout_keep_alive": keep_alive_timeout_s,
+            "http": limited_protocol(header_timeout_s, max_connections)}
+
+
 def served_name(model: str | None, model_path: str) -> str:
     """The name clients pass as `model`: the model argument as given (as vLLM does), or the default
     model's file name without its extension."""
@@ -91,7 +126,9 @@ def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 
               suffix_cache_save_every: int = DEFAULT_SUFFIX_CACHE_SAVE_EVERY,
               suffix_cache_start_empty_on_error: bool = False,
               max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_kv_tokens: int | None = None,
-              draft_budget: str = "load", record_traffic: str | os.PathLike[str] | None = None):
+              draft_budget: str = "load", record_traffic: str | os.PathLike[str] | None = None,
+              api_key: str | None = None, metrics_public: bool = False,
+              body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S):
     """The Starlette app serving `engine` (run it with any ASGI server); `engine.speculative_config`
     and `engine.proposer` are every request's default. `max_request_body_bytes`: larger bodies get
     a 413; `default_max_tokens`: a chat request without max_tokens generates at most this many
@@ -101,19 +138,26 @@ def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 
     requests and at shutdown. `max_num_seqs`, `max_num_batched_tokens`, `max_kv_tokens`,
     `prefill_chunk` and `draft_budget` set the continuous-batching scheduler (serve/scheduler.py).
     `record_traffic`: a directory where every finished request's prompt and output are stored
-    (serve/traffic.py; off by default)."""
+    (serve/traffic.py; off by default). `api_key`: every route but /health (and /metrics with
+    `metrics_public`) requires `Authorization: Bearer <api_key>` (None: no authentication; the
+    environment is not read here, `serve` does). `body_timeout_s`: a request body must arrive
+    within this many seconds (408 after; None: no limit)."""
     _require_server_packages()
     from .app import build_app as build
 
     _check_settings(max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens, suffix_cache_save_every,
                     max_num_batched_tokens, max_kv_tokens, draft_budget)
+    _check_connection_settings(DEFAULT_HEADER_TIMEOUT_S, body_timeout_s, 1, DEFAULT_KEEP_ALIVE_TIMEOUT_S)
+    if api_key is not None:
+        api_key = resolve_api_key(api_key)  # refuses an empty key
     return build(engine, served_model_name or served_name(None, engine.model_path), max_num_seqs, prefill_chunk,
                  max_request_body_bytes, default_max_tokens,
                  suffix_cache=None if suffix_cache is None else os.fspath(suffix_cache),
                  suffix_cache_save_every=suffix_cache_save_every,
                  suffix_cache_start_empty_on_error=suffix_cache_start_empty_on_error,
                  max_num_batched_tokens=max_num_batched_tokens, max_kv_tokens=max_kv_tokens, draft_budget=draft_budget,
-                 record_traffic=None if record_traffic is None else os.fspath(record_traffic))
+                 record_traffic=None if record_traffic is None else os.fspath(record_traffic), api_key=api_key,
+                 metrics_public=metrics_public, body_timeout_s=body_timeout_s)
 
 
 def load_engine(model: str | None, speculative_config, device: str):
@@ -147,15 +191,21 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
           suffix_cache: str | None = None, suffix_cache_save_every: int = DEFAULT_SUFFIX_CACHE_SAVE_EVERY,
           suffix_cache_start_empty_on_error: bool = False,
           max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_kv_tokens: int | None = None,
-          draft_budget: str = "load", record_traffic: str | None = None) -> None:
+          draft_budget: str = "load", record_traffic: str | None = None, api_key: str | None = None,
+          metrics_public: bool = False, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+          body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+          keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S) -> None:
     """Loads the model, warms it up with the default speculation (so a bad draft fails now, not at
     the first request), stops the engine measuring costs inside requests, loads the suffix cache
-    file if one is given (a bad one fails now), and serves until interrupted."""
+    file if one is given (a bad one fails now), and serves until interrupted. `api_key` None reads
+    `$SPECRS_API_KEY` (still None: no authentication)."""
     _require_server_packages()
     import uvicorn
 
     _check_settings(max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens, suffix_cache_save_every,
                     max_num_batched_tokens, max_kv_tokens, draft_budget)
+    _check_connection_settings(header_timeout_s, body_timeout_s, max_connections, keep_alive_timeout_s)
+    api_key = resolve_api_key(api_key)
     engine = load_engine(model, speculative_config, device)
     name = served_model_name or served_name(model, engine.model_path)
     # The warm-up's response went into the suffix cache; a loaded file replaces it.
@@ -163,11 +213,15 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
                     suffix_cache=suffix_cache, suffix_cache_save_every=suffix_cache_save_every,
                     suffix_cache_start_empty_on_error=suffix_cache_start_empty_on_error,
                     max_num_batched_tokens=max_num_batched_tokens, max_kv_tokens=max_kv_tokens,
-                    draft_budget=draft_budget, record_traffic=record_traffic)
+                    draft_budget=draft_budget, record_traffic=record_traffic, api_key=api_key,
+                    metrics_public=metrics_public, body_timeout_s=body_timeout_s)
     spec = engine.speculative_config["method"] if engine.speculative_config else "off"
+    auth = "off" if api_key is None else "API key" + (", /metrics public" if metrics_public else "")
     print(f"specrs serve: `{name}` on http://{host}:{port}/v1 (speculation: {spec}, up to {max_num_seqs} "
-          f"requests batched per step, draft budget: {draft_budget})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+          f"requests batched per step, draft budget: {draft_budget}, authentication: {auth})", file=sys.stderr,
+          flush=True)
+    uvicorn.run(app, **uvicorn_settings(host, port, log_level, header_timeout_s, max_connections,
+                                        keep_alive_timeout_s))
 
 
-__all__ = ["build_app", "load_engine", "serve", "served_name"]
+__all__ = ["build_app", "load_engine", "serve", "served_name", "uvicorn_settings"]
