@@ -294,19 +294,28 @@ def _read_until_closed(sock: socket.socket) -> bytes:
 
 
 def test_slow_headers_and_slow_bodies_are_cut_while_others_are_served(served):
-    """A client that sends nothing, one that stops half way through its headers, and one that
-    stops half way through its body each get a 408 and a closed connection once the deadline
-    passed (2 s here); meanwhile a normal request is answered."""
+    """A client that sends nothing, one that stops half way through its headers (on a new or a
+    kept-alive connection), and one that stops half way through its body each get a 408 and a
+    closed connection once the deadline passed (2 s here); meanwhile a normal request is answered."""
     idle = socket.create_connection(("127.0.0.1", served.port))
     slow_headers = socket.create_connection(("127.0.0.1", served.port))
     slow_headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: appl")
+    # On a kept-alive connection, the next request's headers have their own deadline.
+    kept_alive = socket.create_connection(("127.0.0.1", served.port))
+    kept_alive.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n")
+    first = b""
+    while b"\r\n\r\n" not in first or len(first.partition(b"\r\n\r\n")[2]) < int(
+            re.search(rb"content-length: (\d+)", first.partition(b"\r\n\r\n")[0].lower()).group(1)):
+        first += kept_alive.recv(65536)
+    assert first.startswith(b"HTTP/1.1 200"), first
+    kept_alive.sendall(b"GET /hea")
     slow_body = socket.create_connection(("127.0.0.1", served.port))
     slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 100\r\n\r\n{\"prompt\": \"Hel")
     ok = _post(served.base, "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0})
     assert ok.status_code == 200, ok.text
     for sock, words in ((idle, b"request line and headers"), (slow_headers, b"request line and headers"),
-                        (slow_body, b"request body")):
+                        (kept_alive, b"request line and headers"), (slow_body, b"request body")):
         with sock:
             answer = _read_until_closed(sock)
         assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
@@ -411,3 +420,18 @@ def test_serve_reads_the_api_key_flag_and_environment(engine, monkeypatch):
     with pytest.raises(specrs.ConfigError, match="header_timeout"):
         args = build_parser().parse_args(["serve", "--header-timeout", "0"])
         args.func(args)
+
+
+def test_ray_refuses_the_connection_flags_it_cannot_honour():
+    """With --ray, Ray Serve's HTTP proxy holds the connections: the flags that would limit ours
+    are refused rather than silently ignored; the key and the body timeout reach the ingress."""
+    from specrs.cli import build_parser
+
+    for flags in (["--header-timeout", "3"], ["--max-connections", "9"], ["--timeout-keep-alive", "9"]):
+        args = build_parser().parse_args(["serve", "--ray", *flags])
+        with pytest.raises(specrs.ConfigError, match="without --ray"):
+            args.func(args)
+    for flags, words in ((["--body-timeout", "0"], "body_timeout"), (["--api-key", " "], "empty")):
+        args = build_parser().parse_args(["serve", "--ray", *flags])
+        with pytest.raises(specrs.ConfigError, match=words):
+            args.func(args)

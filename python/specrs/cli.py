@@ -145,6 +145,7 @@ def _serve_ray(args: argparse.Namespace) -> int:
     serve._check_settings(args.max_num_seqs, settings.prefill_chunk, args.max_request_body_bytes,
                           args.default_max_tokens, args.suffix_cache_save_every, args.max_num_batched_tokens,
                           args.max_kv_tokens, args.draft_budget)
+    serve._check_seconds("body_timeout", settings.body_timeout_s)
     ray_app.run(settings, host=args.host, port=args.port, ray_address=args.ray_address,
                 num_replicas=args.num_replicas, autoscaling_config=autoscaling, replica_cpus=args.replica_cpus,
                 max_imbalance=args.max_imbalance)
@@ -266,8 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with an API key, let /metrics answer without it (for a Prometheus scraper)")
     access.add_argument("--header-timeout", type=float, default=None, metavar="SECONDS",
                         help="a client must send its request line and headers within this many seconds of "
-                             f"connecting (or of its previous response), else 408 and closed (default: "
-                             f"{serve.DEFAULT_HEADER_TIMEOUT_S:g})")
+                             "connecting (or of starting its next request on a kept-alive connection), else 408 "
+                             f"and closed (default: {serve.DEFAULT_HEADER_TIMEOUT_S:g})")
     access.add_argument("--body-timeout", type=float, default=None, metavar="SECONDS",
                         help="a request body must arrive within this many seconds after its headers, else 408 and "
                              f"closed (default: {serve.DEFAULT_BODY_TIMEOUT_S:g})")

@@ -83,12 +83,16 @@ def _check_settings(max_num_seqs: int, prefill_chunk: int | None, max_request_bo
         raise ConfigError(f"suffix_cache_save_every must be at least 1 finished request (got {suffix_cache_save_every})")
 
 
+def _check_seconds(name: str, value: float | None) -> None:
+    if value is not None and not value > 0:  # NaN too
+        raise ConfigError(f"{name} must be a positive number of seconds (got {value})")
+
+
 def _check_connection_settings(header_timeout_s: float, body_timeout_s: float | None, max_connections: int,
                                keep_alive_timeout_s: float) -> None:
-    for name, value in (("header_timeout", header_timeout_s), ("body_timeout", body_timeout_s),
-                        ("timeout_keep_alive", keep_alive_timeout_s)):
-        if value is not None and not value > 0:
-            raise ConfigError(f"{name} must be a positive number of seconds (got {value})")
+    _check_seconds("header_timeout", header_timeout_s)
+    _check_seconds("body_timeout", body_timeout_s)
+    _check_seconds("timeout_keep_alive", keep_alive_timeout_s)
     if max_connections < 1:
         raise ConfigError(f"max_connections must be at least 1 (got {max_connections})")
 
@@ -147,7 +151,7 @@ def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 
 
     _check_settings(max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens, suffix_cache_save_every,
                     max_num_batched_tokens, max_kv_tokens, draft_budget)
-    _check_connection_settings(DEFAULT_HEADER_TIMEOUT_S, body_timeout_s, 1, DEFAULT_KEEP_ALIVE_TIMEOUT_S)
+    _check_seconds("body_timeout", body_timeout_s)
     if api_key is not None:
         api_key = resolve_api_key(api_key)  # refuses an empty key
     return build(engine, served_model_name or served_name(None, engine.model_path), max_num_seqs, prefill_chunk,

@@ -6,9 +6,10 @@ accepts every connection, so 300 clients dribbling a header byte now and then he
 open indefinitely. `limited_protocol` subclasses uvicorn's HTTP protocol (h11's or httptools',
 whichever uvicorn picks) with:
 
-- a header deadline: armed when a connection opens and again after each response (for the next
-  request on a keep-alive connection), disarmed once a request's headers are complete; when it
-  passes, the client gets a 408 with OpenAI's error body and the connection is closed;
+- a header deadline: armed when a connection opens, and on a kept-alive connection when the first
+  bytes of its next request arrive (until then uvicorn's keep-alive timeout closes it, silently);
+  disarmed once a request's headers are complete; when it passes, the client gets a 408 with
+  OpenAI's error body and the connection is closed;
 - a connection limit: a connection beyond `max_connections` gets a 503 at once and is closed,
   so it holds nothing; the connections already open (running streams) are untouched.
 
@@ -82,17 +83,13 @@ def limited_protocol(header_timeout_s: float, max_connections: int) -> type[asyn
                 self.transport.close()
 
         def data_received(self, data: bytes) -> None:
+            # Bytes while no request is being served start the next one: its headers have a deadline.
+            if self._header_deadline is None and self.cycle is not None and self.cycle.response_complete:
+                self._arm()
             super().data_received(data)
             # Complete headers start a new request cycle: from then on the request is the app's.
             if self._header_deadline is not None and self.cycle is not self._armed_after:
                 self._disarm()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            # The next request on this keep-alive connection gets its own deadline, unless a
-            # pipelined one already started (its headers are in).
-            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
-                self._arm()
 
         def connection_lost(self, exc) -> None:
             self._disarm()
