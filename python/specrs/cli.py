@@ -16,7 +16,7 @@ import json
 import sys
 from collections import Counter
 
-from . import advise, bench, selftest, serve
+from . import advise, bench, extras, selftest, serve
 from .engine import Engine, SamplingParams, requantize
 from .errors import ConfigError, SpecrsError
 
@@ -80,6 +80,8 @@ def _train_head(args: argparse.Namespace) -> int:
 
     module = {"data": "selfinstruct", "features": "features", "eagle3": "eagle3",
               "mlp_speculator": "mlp_speculator", "ship": "ship"}[args.stage]
+    if args.stage in ("eagle3", "mlp_speculator"):  # the trainers import torch, gguf and tqdm
+        extras.require("train", f"specrs train-head {args.stage}")
     return importlib.import_module(f"specrs.train.{module}").main(args.rest)
 
 

@@ -12,7 +12,8 @@ from) across restarts: loaded at startup, written atomically every `--suffix-cac
 requests (default 100) and at shutdown. A file that cannot be used (corrupt, truncated, from
 another model) stops startup unless `--suffix-cache-start-empty-on-error` is given.
 
-Needs the `serve` extra: `pip install 'specrs[serve]'` (starlette, uvicorn, prometheus-client).
+Needs the `serve` extra: `pip install 'specrs[serve]'` (starlette, uvicorn, prometheus-client,
+jsonschema), checked before the model loads (extras.py).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from __future__ import annotations
 import os
 import sys
 
+from .. import extras
 from ..errors import ConfigError
 from .protocol import DEFAULT_CHAT_MAX_TOKENS
 from .suffix_store import DEFAULT_SAVE_EVERY as DEFAULT_SUFFIX_CACHE_SAVE_EVERY
 
-SERVE_INSTALL = "pip install 'specrs[serve]'"
 # Prompt tokens per step while other requests are generating. On the 2-core CI machine a 64-token
 # chunk prefills as fast as a whole 769-token prompt did and stalls the other streams for 0.3 s
 # instead of 3.7 s (benches/README.md).
@@ -35,17 +36,6 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 # Rows in one batched forward (vLLM's max_num_batched_tokens default for its V1 scheduler).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DRAFT_BUDGETS = ("load", "off")
-
-
-def _require_server_packages() -> None:
-    missing = []
-    for module in ("starlette", "uvicorn", "prometheus_client"):
-        try:
-            __import__(module)
-        except ImportError:
-            missing.append(module)
-    if missing:
-        raise ConfigError(f"specrs serve needs {', '.join(missing)}: run `{SERVE_INSTALL}`")
 
 
 def _check_settings(max_num_seqs: int, prefill_chunk: int | None, max_request_body_bytes: int,
@@ -102,7 +92,7 @@ def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 
     `prefill_chunk` and `draft_budget` set the continuous-batching scheduler (serve/scheduler.py).
     `record_traffic`: a directory where every finished request's prompt and output are stored
     (serve/traffic.py; off by default)."""
-    _require_server_packages()
+    extras.require("serve", "specrs serve")
     from .app import build_app as build
 
     _check_settings(max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens, suffix_cache_save_every,
@@ -151,7 +141,7 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
     """Loads the model, warms it up with the default speculation (so a bad draft fails now, not at
     the first request), stops the engine measuring costs inside requests, loads the suffix cache
     file if one is given (a bad one fails now), and serves until interrupted."""
-    _require_server_packages()
+    extras.require("serve", "specrs serve")  # before the model loads: minutes, on a big one
     import uvicorn
 
     _check_settings(max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens, suffix_cache_save_every,

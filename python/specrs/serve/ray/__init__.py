@@ -12,7 +12,8 @@ request to the replica that served its conversation or prompt before unless that
 Serve, and its requests end with a clean error or are retried on another replica when nothing was
 streamed yet. Without an address, Ray starts a local instance bound to 127.0.0.1; `--ray-address`
 joins a running cluster (`ray start --head` on one node, `ray start --address=HEAD:6379` on the
-others). Needs the `ray` extra: `pip install 'specrs[ray]'`.
+others). Needs the `ray` extra: `pip install 'specrs[ray]'` (Ray Serve and the `serve` packages,
+which every replica imports), checked before Ray starts (extras.py).
 """
 
 from __future__ import annotations
@@ -21,19 +22,18 @@ import os
 import sys
 from typing import Any
 
+from ... import extras
 from ...errors import ConfigError
 
-RAY_INSTALL = "pip install 'specrs[ray]'"
+RAY_INSTALL = extras.install_command("ray")
 APP_NAME = "specrs"
 LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def require_ray() -> None:
-    try:
-        import ray  # noqa: F401
-        from ray import serve  # noqa: F401
-    except ImportError:
-        raise ConfigError(f"specrs serve --ray needs Ray Serve: run `{RAY_INSTALL}`") from None
+    """Every package a replica imports, checked here, before Ray starts and any replica loads a
+    model (imports Ray: call it after choosing how a local Ray binds)."""
+    extras.require("ray", "specrs serve --ray")
 
 
 def build(settings, num_replicas: int = 1, autoscaling_config: dict | None = None, replica_cpus: float | None = None,
