@@ -49,8 +49,9 @@ test-python: build stubtest
 test: test-rust test-python
 
 # The wheel in dist/ installed from PyPI into clean venvs, one per extra (none, serve, ray, train),
-# each running its commands briefly (tests/test_install_extras.py). Downloads ~4 GB the first time
-# (torch with its CUDA libraries; pip's cache keeps them for later runs). CI runs it after `test`.
+# each running its commands briefly (tests/test_install_extras.py). Downloads ~4 GB (torch with its
+# CUDA libraries) unless pip's cache has them; ~9 minutes on the 2-core CI machine, loaded. CI runs
+# it after `test`.
 test-install: build
 	SPECRS_WHEEL="$$(ls dist/specrs-*.whl)" $(BIN)/python -m pytest tests/test_install_extras.py -q --run-install
 

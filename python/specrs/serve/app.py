@@ -291,9 +291,13 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
     async def lifespan(_: Starlette):
         scheduler.start()
         yield
-        scheduler.stop()
-        if store is not None:  # after the last request ended, so the file has every response
+        # What must persist first, then the teardown: a shutdown cut short (a second Ctrl-C, a Ray
+        # replica killed past its grace period) then loses nothing that ended before it began. The
+        # server drained its requests before this (uvicorn and Ray Serve both do), so the file has
+        # every response; the save is atomic (a temporary file renamed over the old one).
+        if store is not None:
             await asyncio.to_thread(store.save)
+        scheduler.stop()
 
     app = Starlette(
         routes=[
