@@ -12,7 +12,7 @@ request to the replica that served its conversation or prompt before unless that
 Serve, and its requests end with a clean error or are retried on another replica when nothing was
 streamed yet. Without an address, Ray starts a local instance bound to 127.0.0.1; `--ray-address`
 joins a running cluster (`ray start --head` on one node, `ray start --address=HEAD:6379` on the
-others). Needs the `ray` extra: `pip install 'specrs[ray]'`.
+others). Needs the `ray` extra's packages: `pip install 'ray[serve]' starlette uvicorn prometheus-client`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 from ...errors import ConfigError
 
-RAY_INSTALL = "pip install 'specrs[ray]'"
+RAY_INSTALL = "pip install 'ray[serve]' starlette uvicorn prometheus-client"
 APP_NAME = "specrs"
 LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
