@@ -100,7 +100,7 @@ def test_the_parser_reads_marks_and_fences():
             "<!-- readme-test: continues -->\n\n```bash\necho hi\n```\n```\nplain\n```\n")
     gpu, bash, plain = parse(text)
     assert (gpu.line, gpu.language, gpu.code, gpu.mark, gpu.reason) == (2, "python", "x = 1\n", "skip", "needs a GPU")
-    assert (bash.line, bash.language, bash.mark) == (7, "bash", "continues")
+    assert (bash.line, bash.language, bash.mark) == (8, "bash", "continues")
     assert (plain.language, plain.mark) == ("", None)
 
 

@@ -25,8 +25,8 @@ from test_serve import _free_port
 
 openai = pytest.importorskip("openai")
 
-# Past 512 + 32 tokens, so the costs measured at startup are those of the uncapped model (a 512-token
-# context) and the shared disk cache of cost figures serves.
+# Large enough that the cost curves measured at startup are the uncapped model's (on a 512-token
+# context, which needs 512 + 65 positions), so the shared disk cache of cost figures serves them.
 MAX_MODEL_LEN = 1024
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 SERVED = "smol"
