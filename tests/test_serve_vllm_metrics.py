@@ -1,4 +1,5 @@
-"""`specrs serve` as a vLLM drop-in: `--max-model-len` caps the context, and /metrics carries
+"""`specrs serve` as a vLLM drop-in: `--max-model-len` caps the context,
+`--generation-config`/`--override-generation-config` give request defaults, and /metrics carries
 vLLM's own series names and labels, so vLLM's published Grafana dashboards work unchanged.
 
 DASHBOARD_SERIES are the series that vLLM's dashboards query, with the labels they filter on:
@@ -12,6 +13,7 @@ length, per-position acceptance, token flow, inter-token latency; its template v
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -30,6 +32,8 @@ openai = pytest.importorskip("openai")
 MAX_MODEL_LEN = 1024
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 SERVED = "smol"
+# Requests without these fields take them (vLLM's generation-config fields).
+GENERATION_DEFAULTS = {"max_new_tokens": 5, "temperature": 0}
 # Series (as exposed: counters with _total, histograms by their _bucket/_sum/_count) and the labels
 # the dashboards select on, besides model_name and engine.
 DASHBOARD_SERIES = {
@@ -72,7 +76,8 @@ def server(tmp_path_factory):
     log = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "specrs.cli", "serve", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
-         "--served-model-name", SERVED, "--speculative-config", json.dumps(NGRAM), "--log-level", "warning"],
+         "--served-model-name", SERVED, "--speculative-config", json.dumps(NGRAM), "--log-level", "warning",
+         "--override-generation-config", json.dumps(GENERATION_DEFAULTS)],
         stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
@@ -170,3 +175,34 @@ def test_engine_max_model_len():
     for bad in (0, -1, "1k", 2.5):
         with pytest.raises(specrs.ConfigError, match=rf"max_model_len must be a positive number of tokens \(got {bad!r}\)"):
             specrs.Engine(max_model_len=bad)
+
+
+def test_generation_config_fields_are_request_defaults(client):
+    ask = {"model": SERVED, "messages": [{"role": "user", "content": "Tell me a long story about a dragon."}]}
+    out = client.chat.completions.create(**ask)
+    assert (out.usage.completion_tokens, out.choices[0].finish_reason) == (5, "length")
+    greedy = client.chat.completions.create(**ask, temperature=0, max_tokens=5)
+    assert out.choices[0].message.content == greedy.choices[0].message.content
+    assert client.chat.completions.create(**ask, max_tokens=7).usage.completion_tokens == 7  # the request wins
+    assert client.chat.completions.create(**ask, max_completion_tokens=6).usage.completion_tokens == 6
+
+
+def test_generation_config_sources(tmp_path):
+    from specrs.serve import generation_config
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 100, "eos_token_id": 2}))
+    expected = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 100}
+    assert generation_config.load("auto", str(tmp_path)) == expected  # a Hugging Face directory's own file
+    assert generation_config.load(str(tmp_path), "model.gguf") == expected
+    assert generation_config.load("vllm", str(tmp_path)) == {}
+    assert generation_config.load("auto", os.path.join(str(tmp_path), "model.gguf")) == {}  # a GGUF has none
+    assert generation_config.load("auto", str(tmp_path), '{"temperature": 0}')["temperature"] == 0
+    for source, overrides, message in [
+        (str(tmp_path / "nowhere"), None, "neither 'auto', 'vllm' nor a directory"),
+        ("vllm", "{bad", "--override-generation-config is not JSON"),
+        ("vllm", '{"temperatur": 1}', "takes an object of temperature, top_p"),
+        ("vllm", '{"top_k": 2.5}', "top_k must be an integer"),
+    ]:
+        with pytest.raises(specrs.ConfigError, match=message):
+            generation_config.load(source, None, overrides)

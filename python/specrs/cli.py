@@ -111,7 +111,8 @@ def _serve(args: argparse.Namespace) -> int:
                 draft_budget=args.draft_budget, record_traffic=args.record_traffic, max_request_body_bytes=args.max_request_body_bytes,
                 default_max_tokens=args.default_max_tokens, log_level=args.log_level,
                 suffix_cache=args.suffix_cache, suffix_cache_save_every=args.suffix_cache_save_every,
-                suffix_cache_start_empty_on_error=args.suffix_cache_start_empty_on_error)
+                suffix_cache_start_empty_on_error=args.suffix_cache_start_empty_on_error,
+                generation_config=args.generation_config, override_generation_config=args.override_generation_config)
     return 0
 
 
@@ -129,7 +130,9 @@ def _serve_ray(args: argparse.Namespace) -> int:
                               f"\"max_replicas\": 4}}'") from None
     settings = ReplicaSettings(
         model=args.model, speculative_config=args.speculative_config, device=args.device,
-        max_model_len=args.max_model_len, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
+        served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_kv_tokens=args.max_kv_tokens,
         prefill_chunk=args.prefill_chunk or None, draft_budget=args.draft_budget,
         max_request_body_bytes=args.max_request_body_bytes, default_max_tokens=args.default_max_tokens,
@@ -220,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                      help="cap the context (prompt + output) at this many tokens, as `vllm serve --max-model-len` "
                           "does (default: the model's own context)")
+    srv.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                     help="request defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) "
+                          "from generation_config.json, as vLLM: auto (the model's, when MODEL is a Hugging Face "
+                          "directory), vllm (none), or a directory holding the file")
+    srv.add_argument("--override-generation-config", default=None, metavar="JSON",
+                     help='fields on top of --generation-config, e.g. \'{"temperature": 0.5, "max_new_tokens": 256}\'')
     srv.add_argument("--speculative-config", default=None, metavar="JSON",
                      help="every request's default speculation, as `vllm serve --speculative-config` takes it; "
                           'a request may override it with "speculative"')

@@ -294,8 +294,8 @@ def not_found(model: str) -> ModelLoadError:
     return ModelLoadError(
         f"model not found: {model!r} is neither a file, a directory nor a model name specrs knows. specrs never "
         "downloads from a model hub (a hub id such as 'meta-llama/Llama-3.2-1B' is looked up only as a local "
-        "path): pass the path of a .gguf file, or of a Hugging Face directory (config.json, *.safetensors, "
-        "tokenizer.json), or one of these names (`specrs models` lists them):\n" + listing())
+        "path): pass the path of an existing .gguf file or Hugging Face directory (config.json, "
+        "*.safetensors, tokenizer.json), or one of these names (`specrs models` lists them):\n" + listing())
 
 
 def resolve_model(model: str | os.PathLike[str] | None) -> str:

@@ -3,7 +3,8 @@
     specrs selftest [MODEL] [--speculative-config JSON ...] [--device cpu] [--num-seeds 300]
                     [--quick] [--json]
 
-MODEL is a .gguf path or a named model ("smollm2-135m", the default, or "gemma3-270m"). Every
+MODEL is a .gguf path, a Hugging Face directory or a name from `specrs models` ("smollm2-135m",
+the default, "gemma3-270m", ...). Every
 `--speculative-config` is checked; without one, the model-free methods are:
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     {"method": "suffix", "num_speculative_tokens": 4}
@@ -481,7 +482,8 @@ def format_report(report: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
-                        help='a .gguf path or a named model ("smollm2-135m", the default, or "gemma3-270m")')
+                        help='a .gguf path, a Hugging Face directory or a name from `specrs models` '
+                             '("smollm2-135m", the default, "gemma3-270m", ...)')
     parser.add_argument("--speculative-config", action="append", default=[], metavar="JSON",
                         help="a config to check, as `vllm serve --speculative-config` takes it; repeatable "
                              "(default: ngram k=4 min=2 max=4 and suffix k=4)")

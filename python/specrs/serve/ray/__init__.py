@@ -100,7 +100,8 @@ def app_builder(args: dict[str, str]):
 
     def value(key: str, raw: Any) -> Any:
         if not isinstance(raw, str) or key in ("model", "device", "served_model_name", "suffix_cache",
-                                               "draft_budget", "speculative_config"):
+                                               "draft_budget", "speculative_config", "generation_config",
+                                               "override_generation_config"):
             return raw
         try:
             return json.loads(raw)
