@@ -8,14 +8,15 @@ How a request with tools runs:
   written as text the template takes: the call's JSON, and a user turn with the result.
 - `tool_choice` "required" or a named function: the answer is constrained to the tools' call
   schema (`call_schema`: the name as a constant, the arguments as the function's JSON schema), so
-  it always parses and validates. The schema is held as written, as OpenAI holds a function
-  without `"strict": true` to it: keys it does not declare are allowed unless it says
-  `"additionalProperties": false`. With `"strict": true` (OpenAI's Structured Outputs for
-  functions) every object in the parameters gets `"additionalProperties": false` where it does not
-  say otherwise, so a call carries exactly the declared keys; an object that sets
-  `additionalProperties` to anything else is refused, as OpenAI refuses it under strict; "auto" (the default with tools): the model answers freely, and an answer that
-  is exactly a valid call of one tool becomes a tool call (vLLM's auto tool choice parses the same
-  way); "none": the tools are not shown and the answer is text.
+  it always parses and validates; "auto" (the default with tools): the model answers freely, and
+  an answer that is exactly a valid call of one tool becomes a tool call (vLLM's auto tool choice
+  parses the same way); "none": the tools are not shown and the answer is text.
+- Strict: a function's schema is held as written, as OpenAI holds one without `"strict": true`:
+  keys it does not declare are allowed unless it says `"additionalProperties": false`. With
+  `"strict": true` (OpenAI's Structured Outputs for functions) every object in its parameters
+  gets `"additionalProperties": false` where it does not say otherwise (`_closed`), so a call
+  carries exactly the declared keys; an object that allows other keys is refused, as OpenAI
+  refuses it under strict.
 - The answer: `message.tool_calls` with `finish_reason` "tool_calls"; streamed, the call arrives
   as OpenAI's deltas: id, type and name, then the arguments. A constrained call (`CallStream`)
   streams its arguments as they are generated (its form is the grammar's, so the name is known
