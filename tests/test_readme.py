@@ -37,7 +37,7 @@ MARK = re.compile(r"^<!--\s*readme-test:\s*([a-z-]+)\s*(?:\((.*)\))?\s*-->$")
 MARKS = ("skip", "continues", "serves", "server")
 FENCE = re.compile(r"^```(\S*)\s*$")
 LANGUAGES = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "shell": "bash"}
-SERVER_START_TIMEOUT_S = 180
+SERVER_START_TIMEOUT_S = 300
 BASH_TIMEOUT_S = 900
 
 
