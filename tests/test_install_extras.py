@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from specrs import extras
+
 pytestmark = pytest.mark.install
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,7 +101,7 @@ def _refused(v: Venv, extra: str, *args: str) -> None:
     """`specrs ARGS` exits 2 naming the extra to install, before touching the (missing) model."""
     done = v.specrs(*args, check=False)
     assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
-    assert f"pip install 'specrs[{extra}]'" in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert extras.install_command(extra) in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
 
 
 def test_plain_install_generates_and_names_the_extra_each_other_command_needs(venv):

@@ -15,6 +15,7 @@ __all__ = [
     "Tokenizer",
     "expected_speedup",
     "requantize",
+    "cache_dir",
     "copy_bandwidth",
     "batch_accept",
     "batch_ngram",
@@ -100,6 +101,7 @@ class Tokenizer:
     @property
     def bos_token_id(self) -> int | None: ...
 
+def cache_dir() -> str: ...
 def copy_bandwidth(device: str = "cpu", num_bytes: int = 1 << 30, repeats: int = 10) -> float: ...
 def requantize(src: str, dst: str, quantization: str) -> list[tuple[str, str, str]]: ...
 
@@ -116,7 +118,7 @@ class Stream:
 
 @final
 class Engine:
-    def __new__(cls, model_path: str, device: str = "cpu") -> Engine: ...
+    def __new__(cls, model_path: str, device: str = "cpu", max_model_len: int | None = None) -> Engine: ...
     @staticmethod
     def random_llama(config_json: str, seed: int = 0, dtype: str = "bf16", device: str = "cpu") -> Engine: ...
     @property

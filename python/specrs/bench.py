@@ -591,7 +591,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompts are cut (user text, by characters) so prompt + max tokens fit here")
     parser.add_argument("--json", default=None, metavar="OUT", help="write everything to this JSON file")
     parser.add_argument("--plot", default=None, metavar="OUT.png",
-                        help="speedup and acceptance plot (needs matplotlib: `pip install 'specrs[plot]'`)")
+                        help="speedup and acceptance plot (needs matplotlib: `pip install matplotlib`)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 

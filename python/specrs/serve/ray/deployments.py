@@ -118,13 +118,14 @@ class Coordinator:
 class EngineReplica:
     async def __init__(self, settings: ReplicaSettings, coordinator):
         from .. import load_engine, served_name
+        from .. import generation_config as generation
         from ..app import build_app
 
         self.settings, self.coordinator = settings, coordinator
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.save_round = 0  # the newest save round this replica joined
         self.engine = await asyncio.to_thread(load_engine, settings.model, settings.speculative_config,
-                                              settings.device)
+                                              settings.device, settings.max_model_len)
         name = settings.served_model_name or served_name(settings.model, self.engine.model_path)
         self.share = None
         role = "seed"  # without sharing, the replica loads its own file as `specrs serve` does
@@ -140,7 +141,9 @@ class EngineReplica:
             suffix_cache_start_empty_on_error=settings.suffix_cache_start_empty_on_error,
             max_num_batched_tokens=settings.max_num_batched_tokens, max_kv_tokens=settings.max_kv_tokens,
             draft_budget=settings.draft_budget, suffix_cache_load=role == "seed",
-            extra_hooks=(self.share.on_request_finished,) if self.share is not None else ())
+            extra_hooks=(self.share.on_request_finished,) if self.share is not None else (),
+            generation_defaults=generation.load(settings.generation_config, self.engine.model_path,
+                                                settings.override_generation_config))
         if self.share is not None:
             if role == "seed" and settings.suffix_cache is not None:
                 caches = [(config, [suffix_share.pack(r) for r in responses])

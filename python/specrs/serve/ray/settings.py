@@ -22,6 +22,9 @@ class ReplicaSettings:
     model: str | None = None
     speculative_config: Any = None
     device: str = "cpu"
+    max_model_len: int | None = None
+    generation_config: str = "auto"
+    override_generation_config: Any = None
     served_model_name: str | None = None
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
