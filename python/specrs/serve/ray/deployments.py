@@ -102,7 +102,7 @@ class EngineReplica:
         self.settings, self.coordinator = settings, coordinator
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.engine = await asyncio.to_thread(load_engine, settings.model, settings.speculative_config,
-                                              settings.device)
+                                              settings.device, settings.allow_special_tokens_in_content)
         name = settings.served_model_name or served_name(settings.model, self.engine.model_path)
         self.share = None
         role = "seed"  # without sharing, the replica loads its own file as `specrs serve` does
