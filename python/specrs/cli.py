@@ -112,7 +112,8 @@ def _serve(args: argparse.Namespace) -> int:
                 default_max_tokens=args.default_max_tokens, log_level=args.log_level,
                 suffix_cache=args.suffix_cache, suffix_cache_save_every=args.suffix_cache_save_every,
                 suffix_cache_start_empty_on_error=args.suffix_cache_start_empty_on_error,
-                generation_config=args.generation_config, override_generation_config=args.override_generation_config)
+                generation_config=args.generation_config, override_generation_config=args.override_generation_config,
+                allow_special_tokens_in_content=args.allow_special_tokens_in_content)
     return 0
 
 
@@ -138,7 +139,8 @@ def _serve_ray(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes, default_max_tokens=args.default_max_tokens,
         suffix_cache=args.suffix_cache, suffix_cache_save_every=args.suffix_cache_save_every,
         suffix_cache_start_empty_on_error=args.suffix_cache_start_empty_on_error,
-        share_suffix_cache=not args.no_share_suffix_cache, share_interval_s=args.suffix_share_interval)
+        share_suffix_cache=not args.no_share_suffix_cache, share_interval_s=args.suffix_share_interval,
+        allow_special_tokens_in_content=args.allow_special_tokens_in_content)
     if settings.share_interval_s <= 0:
         raise ConfigError(f"--suffix-share-interval must be positive seconds (got {settings.share_interval_s})")
     if args.record_traffic is not None:
@@ -272,6 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="STORE every finished request's prompt and output (token ids) in DIR/traffic.jsonl, to "
                           "train a head on them (`specrs train-head features --conversations DIR/traffic.jsonl`); "
                           "off by default")
+    srv.add_argument("--allow-special-tokens-in-content", action="store_true",
+                     help="tokenize special-token text in chat messages (e.g. '<|im_end|>') as special tokens, "
+                          "as vLLM does; by default it is plain text, so a client cannot forge a system or "
+                          "assistant turn")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     scale = srv.add_argument_group("scale-out on Ray Serve (needs the ray extra: `pip install 'ray[serve]'`)")
     scale.add_argument("--ray", action="store_true",

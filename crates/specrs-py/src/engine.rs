@@ -586,7 +586,7 @@ impl PyEngine {
         Ok(d)
     }
 
-    /// Prompt text for a list of {"role", "content"} messages, from the model's chat template
+    /// Prompt text for a list of (role, content) messages, from the model's chat template
     /// (rendered with the GIL released: a long conversation must not hold up other threads).
     #[pyo3(signature = (messages, tools_json=None))]
     fn render_chat(
@@ -595,17 +595,25 @@ impl PyEngine {
         messages: Vec<(String, String)>,
         tools_json: Option<String>,
     ) -> PyResult<String> {
-        let messages: Vec<ChatMessage> =
-            messages.into_iter().map(|(role, content)| ChatMessage { role, content }).collect();
-        let tools: Option<serde_json::Value> = match tools_json {
-            Some(text) => Some(
-                serde_json::from_str(&text)
-                    .map_err(|e| to_py(specrs_core::Error::config(format!("tools is not valid JSON: {e}"))))?,
-            ),
-            None => None,
-        };
+        let (messages, tools) = chat_args(messages, tools_json)?;
         let engine = self.inner.clone();
         run_detached(py, move || engine.render_chat(&messages, tools.as_ref()))
+    }
+
+    /// Prompt token ids for a list of (role, content) messages: the chat template's text,
+    /// tokenized with special-token text in the messages and tools read as plain text unless
+    /// `allow_special_tokens_in_content` (`Engine::chat_prompt_ids`).
+    #[pyo3(signature = (messages, tools_json=None, allow_special_tokens_in_content=false))]
+    fn chat_prompt_ids(
+        &self,
+        py: Python<'_>,
+        messages: Vec<(String, String)>,
+        tools_json: Option<String>,
+        allow_special_tokens_in_content: bool,
+    ) -> PyResult<Vec<u32>> {
+        let (messages, tools) = chat_args(messages, tools_json)?;
+        let engine = self.inner.clone();
+        run_detached(py, move || engine.chat_prompt_ids(&messages, tools.as_ref(), allow_special_tokens_in_content))
     }
 
     /// Whether the model's chat template renders a request's tools itself.
@@ -931,6 +939,22 @@ fn taps_arg(layers: &[Bound<'_, PyAny>]) -> PyResult<Vec<Tap>> {
             }
         })
         .collect()
+}
+
+/// Chat messages and the tools list (JSON text) as the engine takes them.
+fn chat_args(
+    messages: Vec<(String, String)>,
+    tools_json: Option<String>,
+) -> PyResult<(Vec<ChatMessage>, Option<serde_json::Value>)> {
+    let messages = messages.into_iter().map(|(role, content)| ChatMessage { role, content }).collect();
+    let tools = match tools_json {
+        Some(text) => Some(
+            serde_json::from_str(&text)
+                .map_err(|e| to_py(specrs_core::Error::config(format!("tools is not valid JSON: {e}"))))?,
+        ),
+        None => None,
+    };
+    Ok((messages, tools))
 }
 
 /// Token ids from a Python list; an int outside 0..2^32 is a ConfigError naming it (PyO3's own

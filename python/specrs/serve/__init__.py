@@ -16,6 +16,10 @@ from) across restarts: loaded at startup, written atomically every `--suffix-cac
 requests (default 100) and at shutdown. A file that cannot be used (corrupt, truncated, from
 another model) stops startup unless `--suffix-cache-start-empty-on-error` is given.
 
+Special-token text in chat messages (e.g. "<|im_end|>") is tokenized as plain text, so a client
+cannot forge a system or assistant turn; `--allow-special-tokens-in-content` makes it special
+tokens, as vLLM does.
+
 Needs the `serve` extra's packages (starlette, uvicorn, prometheus-client, jsonschema), checked
 before the model loads (extras.py).
 """
@@ -119,14 +123,17 @@ def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 
                  generation_defaults=defaults)
 
 
-def load_engine(model: str | None, speculative_config, device: str, max_model_len: int | None = None):
+def load_engine(model: str | None, speculative_config, device: str, max_model_len: int | None = None,
+                allow_special_tokens_in_content: bool = False):
     """The engine a server runs: loaded (its context capped at `max_model_len`), warmed up with the
     default speculation (so a bad draft fails now, not at the first request), its cost curves
     measured, and measuring inside requests turned off. `specrs serve` and each replica of
-    `specrs serve --ray` start with it."""
+    `specrs serve --ray` start with it. `allow_special_tokens_in_content`: the engine's setting
+    (`Engine.prompt_token_ids`)."""
     from ..engine import Engine, SamplingParams
 
-    engine = Engine(model, device=device, speculative_config=speculative_config, max_model_len=max_model_len)
+    engine = Engine(model, device=device, speculative_config=speculative_config, max_model_len=max_model_len,
+                    allow_special_tokens_in_content=allow_special_tokens_in_content)
     # One short request through the default speculation loads its draft weights and measures its
     # costs before the first client arrives.
     engine.generate(engine.tokenizer.encode("Hello"), SamplingParams(max_tokens=4, temperature=0.0))
@@ -152,16 +159,20 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
           suffix_cache_start_empty_on_error: bool = False,
           max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_kv_tokens: int | None = None,
           draft_budget: str = "load", record_traffic: str | None = None, max_model_len: int | None = None,
-          generation_config: str = "auto", override_generation_config: str | None = None) -> None:
-    """Loads the model (its context capped at `max_model_len` tokens, vLLM's --max-model-len), warms it up with the default speculation (so a bad draft fails now, not at
-    the first request), stops the engine measuring costs inside requests, loads the suffix cache
-    file if one is given (a bad one fails now), and serves until interrupted."""
+          generation_config: str = "auto", override_generation_config: str | None = None,
+          allow_special_tokens_in_content: bool = False) -> None:
+    """Loads the model (its context capped at `max_model_len` tokens, vLLM's --max-model-len), warms
+    it up with the default speculation (so a bad draft fails now, not at the first request), stops
+    the engine measuring costs inside requests, loads the suffix cache file if one is given (a bad
+    one fails now), and serves until interrupted. `allow_special_tokens_in_content`: chat messages'
+    special-token text becomes special tokens (vLLM's behaviour) instead of plain text
+    (`Engine.prompt_token_ids`)."""
     extras.require("serve", "specrs serve")  # before the model loads: minutes, on a big one
     import uvicorn
 
     _check_settings(max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens, suffix_cache_save_every,
                     max_num_batched_tokens, max_kv_tokens, draft_budget, max_model_len=max_model_len)
-    engine = load_engine(model, speculative_config, device, max_model_len)
+    engine = load_engine(model, speculative_config, device, max_model_len, allow_special_tokens_in_content)
     name = served_model_name or served_name(model, engine.model_path)
     # The warm-up's response went into the suffix cache; a loaded file replaces it.
     app = build_app(engine, name, max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens,

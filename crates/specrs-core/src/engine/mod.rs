@@ -237,20 +237,23 @@ impl Engine {
     /// Prompt text for chat `messages` from the model's own template, with OpenAI's `tools` in
     /// the template's `tools` variable when given.
     pub fn render_chat(&self, messages: &[ChatMessage], tools: Option<&serde_json::Value>) -> Result<String> {
-        self.chat_template()?.render_with_tools(messages, true, tools)
+        self.tokenizer.require_chat_template()?.render_with_tools(messages, true, tools)
+    }
+
+    /// Prompt token ids for chat `messages` (`TextTokenizer::encode_chat`): special-token text in
+    /// the messages and tools is plain text unless `allow_special_tokens_in_content`.
+    pub fn chat_prompt_ids(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        allow_special_tokens_in_content: bool,
+    ) -> Result<Vec<u32>> {
+        self.tokenizer.encode_chat(messages, tools, allow_special_tokens_in_content)
     }
 
     /// Whether the model's chat template renders a request's tools itself.
     pub fn chat_template_renders_tools(&self) -> Result<bool> {
-        Ok(self.chat_template()?.renders_tools())
-    }
-
-    fn chat_template(&self) -> Result<&crate::chat_template::ChatTemplate> {
-        self.tokenizer.chat_template().ok_or_else(|| {
-            Error::config(
-                "this model has no chat template (tokenizer.chat_template); pass the prompt as a plain string",
-            )
-        })
+        Ok(self.tokenizer.require_chat_template()?.renders_tools())
     }
 }
 

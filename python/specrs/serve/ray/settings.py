@@ -39,6 +39,7 @@ class ReplicaSettings:
     share_suffix_cache: bool = True
     share_interval_s: float = DEFAULT_SHARE_INTERVAL_S
     report_interval_s: float = DEFAULT_REPORT_INTERVAL_S
+    allow_special_tokens_in_content: bool = False
 
 
 __all__ = ["DEFAULT_REPORT_INTERVAL_S", "DEFAULT_SHARE_INTERVAL_S", "ReplicaSettings"]
