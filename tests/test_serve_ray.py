@@ -61,6 +61,20 @@ def _start(args: list[str], log_path, health_ok) -> tuple[subprocess.Popen, str]
         time.sleep(0.5)
 
 
+def _wait_for_line(log_path, text: str, proc: subprocess.Popen) -> None:
+    deadline = time.time() + START_TIMEOUT_S
+    while text not in log_path.read_text():
+        if proc.poll() is not None or time.time() > deadline:
+            pytest.fail(f"no {text!r} in the server's log:\n{_specrs_lines(log_path)}")
+        time.sleep(0.2)
+
+
+def _specrs_lines(log_path) -> str:
+    """The log's lines from specrs itself and its errors (Ray's per-call INFO lines drown them)."""
+    return "\n".join(line for line in log_path.read_text().splitlines()
+                     if "specrs serve" in line or "Error" in line or "WARNING" in line)[-5000:]
+
+
 def _stop(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGINT)  # the Ray app shuts down on Ctrl-C
     try:
@@ -419,6 +433,8 @@ def test_the_shared_suffix_cache_survives_a_restart_of_the_whole_app(tmp_path):
             "--suffix-cache", str(cache), "--speculative-config", json.dumps(SERVER_SPEC)]
     messages = [{"role": "user", "content": "Describe a rainy afternoon in a small fishing village."}]
     proc, base = _start(args, tmp_path / "first.log", _healthy(2))
+    # The handle for the save at shutdown is taken in the background once the coordinator answers.
+    _wait_for_line(tmp_path / "first.log", "the coordinator answers", proc)
     ray_processes = _descendants(proc.pid)
     try:
         cold, _ = _chat(base, messages, max_tokens=64, **FIXED_LENGTH)
@@ -429,7 +445,7 @@ def test_the_shared_suffix_cache_survives_a_restart_of_the_whole_app(tmp_path):
         deadline = time.time() + SAVE_AT_SHUTDOWN_S
         while not cache.exists():
             assert time.time() < deadline, "no suffix cache file %d s after Ctrl-C:\n%s" % (
-                SAVE_AT_SHUTDOWN_S, (tmp_path / "first.log").read_text()[-5000:])
+                SAVE_AT_SHUTDOWN_S, _specrs_lines(tmp_path / "first.log"))
             time.sleep(0.2)
     finally:
         proc.kill()  # hard, mid-shutdown

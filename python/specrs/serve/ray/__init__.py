@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -144,16 +145,16 @@ def run(settings, *, host: str = "127.0.0.1", port: int = 8000, ray_address: str
     # SIGTERM (a service manager's stop) shuts down like Ctrl-C instead of ending the process at once.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     serve.start(http_options={"host": host, "port": port})
-    coordinator = None
-    # Ctrl-C may come while `serve.run` still waits for the app to be declared ready (it answers
-    # before that, and on a loaded machine long before): the shutdown below runs then too.
+    # The handle the save at shutdown goes through, taken as soon as the coordinator answers: Ctrl-C
+    # may come while `serve.run` still waits for the app to be declared ready (it serves before
+    # that, and on a loaded machine long before), when a handle taken only then would need Ray
+    # Serve's controller, which may be the slow part.
+    coordinator: dict[str, Any] = {}
+    if settings.suffix_cache is not None:
+        threading.Thread(target=_take_coordinator_handle, args=(coordinator,), daemon=True,
+                         name="specrs-coordinator-handle").start()
     try:
         serve.run(app, name=APP_NAME, route_prefix="/")
-        if settings.suffix_cache is not None:
-            try:
-                coordinator = coordinator_handle()
-            except Exception as e:  # the save at shutdown tries again
-                logger.warning("specrs serve --ray: no handle to the coordinator yet: %r", e)
         print(f"specrs serve --ray: {num_replicas if autoscaling_config is None else autoscaling_config} replica(s) "
               f"on http://{host}:{port}/v1 (speculation: "
               f"{settings.speculative_config if settings.speculative_config else 'off'})", file=sys.stderr, flush=True)
@@ -163,9 +164,23 @@ def run(settings, *, host: str = "127.0.0.1", port: int = 8000, ray_address: str
         pass
     finally:
         if settings.suffix_cache is not None:
-            save_suffix_caches(coordinator)
+            save_suffix_caches(coordinator.get("handle"))
         serve.shutdown()
         ray.shutdown()
+
+
+def _take_coordinator_handle(into: dict[str, Any], retry_s: float = 0.5) -> None:
+    """Puts a working coordinator handle in `into["handle"]` once the coordinator answers (before
+    the app exists, getting one fails: it tries again every `retry_s`), and says so on stderr."""
+    while True:
+        try:
+            into["handle"] = coordinator_handle()
+        except Exception:  # the app or its coordinator is not up yet
+            time.sleep(retry_s)
+            continue
+        print("specrs serve --ray: the coordinator answers; a save at shutdown goes through it", file=sys.stderr,
+              flush=True)
+        return
 
 
 def coordinator_handle(timeout_s: float = SAVE_TIMEOUT_S):
