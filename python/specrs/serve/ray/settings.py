@@ -23,6 +23,9 @@ class ReplicaSettings:
     model: str | None = None
     speculative_config: Any = None
     device: str = "cpu"
+    max_model_len: int | None = None
+    generation_config: str = "auto"
+    override_generation_config: Any = None
     served_model_name: str | None = None
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
@@ -42,6 +45,7 @@ class ReplicaSettings:
     api_key: str | None = None
     metrics_public: bool = False
     body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S
+    allow_special_tokens_in_content: bool = False
 
 
 __all__ = ["DEFAULT_REPORT_INTERVAL_S", "DEFAULT_SHARE_INTERVAL_S", "ReplicaSettings"]
