@@ -112,14 +112,27 @@ def _serve(args: argparse.Namespace) -> int:
                 default_max_tokens=args.default_max_tokens, log_level=args.log_level,
                 suffix_cache=args.suffix_cache, suffix_cache_save_every=args.suffix_cache_save_every,
                 suffix_cache_start_empty_on_error=args.suffix_cache_start_empty_on_error,
+                api_key=args.api_key, metrics_public=args.metrics_public,
+                body_timeout_s=args.body_timeout if args.body_timeout is not None else serve.DEFAULT_BODY_TIMEOUT_S,
                 generation_config=args.generation_config, override_generation_config=args.override_generation_config,
-                allow_special_tokens_in_content=args.allow_special_tokens_in_content)
+                allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+                **_connection_limits(args))
     return 0
+
+
+# The connection limits uvicorn enforces for `specrs serve` (left out: the defaults).
+CONNECTION_FLAGS = {"header_timeout": "header_timeout_s", "max_connections": "max_connections",
+                    "timeout_keep_alive": "keep_alive_timeout_s"}
+
+
+def _connection_limits(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, flag) for flag, name in CONNECTION_FLAGS.items() if getattr(args, flag) is not None}
 
 
 def _serve_ray(args: argparse.Namespace) -> int:
     # Ray itself is imported by `run`, after it chose how the local Ray binds.
     from .serve import ray as ray_app
+    from .serve.auth import resolve_api_key
     from .serve.ray.settings import ReplicaSettings
 
     autoscaling = None
@@ -140,15 +153,22 @@ def _serve_ray(args: argparse.Namespace) -> int:
         suffix_cache=args.suffix_cache, suffix_cache_save_every=args.suffix_cache_save_every,
         suffix_cache_start_empty_on_error=args.suffix_cache_start_empty_on_error,
         share_suffix_cache=not args.no_share_suffix_cache, share_interval_s=args.suffix_share_interval,
+        api_key=resolve_api_key(args.api_key), metrics_public=args.metrics_public,
+        body_timeout_s=args.body_timeout if args.body_timeout is not None else serve.DEFAULT_BODY_TIMEOUT_S,
         allow_special_tokens_in_content=args.allow_special_tokens_in_content)
     if settings.share_interval_s <= 0:
         raise ConfigError(f"--suffix-share-interval must be positive seconds (got {settings.share_interval_s})")
     if args.record_traffic is not None:
         raise ConfigError("--record-traffic works with one `specrs serve` only (replicas would write one file "
                           "from several processes); drop --ray to record traffic")
+    given = [f"--{flag.replace('_', '-')}" for flag in CONNECTION_FLAGS if getattr(args, flag) is not None]
+    if given:  # Ray Serve's HTTP proxy holds the connections, not a uvicorn of ours
+        raise ConfigError(f"{', '.join(given)} apply to `specrs serve` without --ray; with --ray, Ray Serve's HTTP "
+                          "proxy accepts the connections (its own http_options)")
     serve._check_settings(args.max_num_seqs, settings.prefill_chunk, args.max_request_body_bytes,
                           args.default_max_tokens, args.suffix_cache_save_every, args.max_num_batched_tokens,
                           args.max_kv_tokens, args.draft_budget, max_model_len=args.max_model_len)
+    serve._check_seconds("body_timeout", settings.body_timeout_s)
     ray_app.run(settings, host=args.host, port=args.port, ray_address=args.ray_address,
                 num_replicas=args.num_replicas, autoscaling_config=autoscaling, replica_cpus=args.replica_cpus,
                 max_imbalance=args.max_imbalance)
@@ -279,6 +299,25 @@ def build_parser() -> argparse.ArgumentParser:
                           "as vLLM does; by default it is plain text, so a client cannot forge a system or "
                           "assistant turn")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    access = srv.add_argument_group("access and connections")
+    access.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require `Authorization: Bearer KEY` on every route but /health (401 otherwise); "
+                             "default: $SPECRS_API_KEY, or no authentication")
+    access.add_argument("--metrics-public", action="store_true",
+                        help="with an API key, let /metrics answer without it (for a Prometheus scraper)")
+    access.add_argument("--header-timeout", type=float, default=None, metavar="SECONDS",
+                        help="a client must send its request line and headers within this many seconds of "
+                             "connecting (or of starting its next request on a kept-alive connection), else 408 "
+                             f"and closed (default: {serve.DEFAULT_HEADER_TIMEOUT_S:g})")
+    access.add_argument("--body-timeout", type=float, default=None, metavar="SECONDS",
+                        help="a request body must arrive within this many seconds after its headers, else 408 and "
+                             f"closed (default: {serve.DEFAULT_BODY_TIMEOUT_S:g})")
+    access.add_argument("--max-connections", type=int, default=None, metavar="N",
+                        help="connections open at once; one more gets a 503 and is closed, the open ones (running "
+                             f"streams) go on (default: {serve.DEFAULT_MAX_CONNECTIONS})")
+    access.add_argument("--timeout-keep-alive", type=float, default=None, metavar="SECONDS",
+                        help="close an idle keep-alive connection after this many seconds (uvicorn's; default: "
+                             f"{serve.DEFAULT_KEEP_ALIVE_TIMEOUT_S})")
     scale = srv.add_argument_group("scale-out on Ray Serve (needs the ray extra: `pip install 'ray[serve]'`)")
     scale.add_argument("--ray", action="store_true",
                        help="serve with N engine replicas behind one endpoint as a Ray Serve application: prefix-"

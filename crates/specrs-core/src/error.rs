@@ -68,3 +68,60 @@ pub fn panic_error(message: &str) -> Error {
 pub fn guard<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
     catch_panic(f).unwrap_or_else(|message| Err(panic_error(&message)))
 }
+
+/// `message` without the Rust backtraces in it: with `RUST_BACKTRACE` set, candle appends the
+/// backtrace of where its error was made ("   0: candle_core::...\n             at /src/...rs:1:2")
+/// to the error's text, which then reaches a Python exception or an HTTP error body. Those frames
+/// are for a debugger, not for whoever reads the message (and they show the build's file paths).
+pub fn without_backtraces(message: &str) -> String {
+    let mut kept: Vec<&str> = Vec::new();
+    let mut in_backtrace = false;
+    for line in message.split('\n') {
+        let text = line.trim_start();
+        let indented = text.len() < line.len();
+        let frame = indented
+            && text.split_once(':').is_some_and(|(n, _)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+        if frame && (in_backtrace || text.starts_with("0:")) {
+            in_backtrace = true;
+            continue;
+        }
+        if in_backtrace && indented && text.starts_with("at ") {
+            continue;
+        }
+        if matches!(text, "disabled backtrace" | "unsupported backtrace") {
+            continue;
+        }
+        // A backtrace's text ends with a line break: the empty line after it is its own.
+        let ends_backtrace = in_backtrace && line.is_empty();
+        in_backtrace = false;
+        if ends_backtrace {
+            continue;
+        }
+        kept.push(line);
+    }
+    // The line break that introduced a backtrace at the end goes with it.
+    kept.join("\n").trim_end().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backtraces_leave_the_message() {
+        let backtrace = std::backtrace::Backtrace::force_capture().to_string();
+        assert!(backtrace.lines().count() > 2, "{backtrace}");
+        let inner = format!("shape mismatch in matmul\n{backtrace}");
+        assert_eq!(without_backtraces(&inner), "shape mismatch in matmul");
+        // Wrapped in another message that goes on after it.
+        let wrapped = format!("cannot load head.safetensors: {inner}\nsee the head's config.json");
+        assert_eq!(
+            without_backtraces(&wrapped),
+            "cannot load head.safetensors: shape mismatch in matmul\nsee the head's config.json"
+        );
+        // Text that merely looks a little like a frame stays.
+        for text in ["0: first\n1: second", "a\n  note: 12 tokens", "line one\n  at the end"] {
+            assert_eq!(without_backtraces(text), text);
+        }
+    }
+}

@@ -132,6 +132,22 @@ pub enum Method {
     Head { method: HeadMethod, model: Option<String>, quantization: Option<String> },
 }
 
+impl Method {
+    /// The config keys naming the weights this method loads besides the target's: a draft's or a
+    /// head's file ("model"), the target requantized or a head quantized at load
+    /// ("quantization"); empty for the methods that load none. The match is exhaustive on purpose:
+    /// a new method must say what it loads, since `specrs serve` lets a request use only weights
+    /// it already holds (`SpeculativeConfig::weights`, serve/protocol.py).
+    pub fn weight_keys(&self) -> &'static [&'static str] {
+        match self {
+            Method::Ngram { .. } | Method::Suffix(_) | Method::Custom | Method::LayerSkip { .. } => &[],
+            Method::DraftModel(_) | Method::Pard { .. } => &["model"],
+            Method::QuantizedSelf { .. } => &["quantization"],
+            Method::Head { .. } => &["model", "quantization"],
+        }
+    }
+}
+
 /// The hidden-state heads, by vLLM's method names (`proposer/heads/`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum HeadMethod {
@@ -237,7 +253,8 @@ impl SpeculativeConfig {
         for key in map.keys() {
             if !KEYS.contains(&key.as_str()) {
                 return Err(Error::config(format!(
-                    "unknown speculative_config key '{key}'; did you mean '{}'? (valid keys: {})",
+                    "unknown speculative_config key '{}'; did you mean '{}'? (valid keys: {})",
+                    shown(key),
                     closest(key, &KEYS),
                     KEYS.join(", ")
                 )));
@@ -247,7 +264,10 @@ impl SpeculativeConfig {
             None => return Err(Error::config("speculative_config needs \"method\": one of ngram, suffix, custom")),
             Some(Value::String(m)) => m.as_str(),
             Some(other) => {
-                return Err(Error::config(format!("\"method\" must be a string such as \"ngram\" (got {other})")))
+                return Err(Error::config(format!(
+                    "\"method\" must be a string such as \"ngram\" (got {})",
+                    shown(&other.to_string())
+                )))
             }
         };
         let method = match method {
@@ -257,7 +277,8 @@ impl SpeculativeConfig {
         };
         if !METHODS.contains(&method) {
             return Err(Error::config(format!(
-                "unknown speculative method '{method}'; did you mean '{}'? (methods: {})",
+                "unknown speculative method '{}'; did you mean '{}'? (methods: {})",
+                shown(method),
                 closest(method, &METHODS),
                 METHODS.join(", ")
             )));
@@ -390,7 +411,8 @@ impl SpeculativeConfig {
                     Some(Value::String(q)) => quant_type_name(parse_quant_type(q)?),
                     Some(other) => {
                         return Err(Error::config(format!(
-                            "'quantization' must be a string such as \"q4_0\" (got {other})"
+                            "'quantization' must be a string such as \"q4_0\" (got {})",
+                            shown(&other.to_string())
                         )))
                     }
                 };
@@ -417,8 +439,9 @@ impl SpeculativeConfig {
                     }
                     Some(other) => {
                         return Err(Error::config(format!(
-                            "a head's 'quantization' is \"q8_0\" or \"q4_0\" (got {other}); leave it out to keep the \
-                             head's weights in f32"
+                            "a head's 'quantization' is \"q8_0\" or \"q4_0\" (got {}); leave it out to keep the \
+                             head's weights in f32",
+                            shown(&other.to_string())
                         )))
                     }
                 };
@@ -444,7 +467,7 @@ impl SpeculativeConfig {
             }
             (Some(Value::Bool(b)), _) => *b,
             (Some(other), _) => {
-                return Err(Error::config(format!("'adaptive_draft_length' must be true or false (got {other})")))
+                return Err(Error::config(format!("'adaptive_draft_length' must be true or false (got {})", shown(&other.to_string()))))
             }
         };
         let draft_confidence_threshold = optional_number(map, "draft_confidence_threshold")?.unwrap_or(0.0);
@@ -468,7 +491,12 @@ impl SpeculativeConfig {
         let grammar_drafts = match map.get("grammar_drafts") {
             None | Some(Value::Null) => true,
             Some(Value::Bool(b)) => *b,
-            Some(other) => return Err(Error::config(format!("'grammar_drafts' must be true or false (got {other})"))),
+            Some(other) => {
+                return Err(Error::config(format!(
+                    "'grammar_drafts' must be true or false (got {})",
+                    shown(&other.to_string())
+                )))
+            }
         };
         let costs = ConfigCosts {
             verify_cost_ratios: verify_cost_ratios(map)?,
@@ -491,7 +519,8 @@ impl SpeculativeConfig {
             Some(Value::String(s)) if s == "heuristic" => Schedule::Heuristic,
             Some(other) => {
                 return Err(Error::config(format!(
-                    "'num_speculative_tokens_schedule' must be \"constant\" or \"heuristic\" (got {other})"
+                    "'num_speculative_tokens_schedule' must be \"constant\" or \"heuristic\" (got {})",
+                    shown(&other.to_string())
                 )))
             }
         };
@@ -507,8 +536,34 @@ impl SpeculativeConfig {
         })
     }
 
+    /// The weights this config loads besides the target's: `{"method": ..., key: value}` for each
+    /// of its method's `weight_keys` (null where the method's default applies, e.g. MTP reading
+    /// the target's own checkpoint); None when it loads none. Configs with equal weights load the
+    /// same weights (the engine's draft and head caches are keyed by these values), so a server
+    /// can tell a request that reuses its weights from one that would load new ones.
+    pub fn weights(&self) -> Option<Map<String, Value>> {
+        let keys = self.method.weight_keys();
+        if keys.is_empty() {
+            return None;
+        }
+        let all = self.to_map();
+        let mut weights = Map::new();
+        weights.insert("method".into(), self.method_name().into());
+        for key in keys {
+            weights.insert((*key).into(), all.get(*key).cloned().unwrap_or(Value::Null));
+        }
+        Some(weights)
+    }
+
     /// The config as vLLM-style JSON, every default spelled out.
     pub fn to_json(&self) -> String {
+        // Keys sorted, whatever serde_json's map keeps (llguidance turns on its insertion order):
+        // this string keys the suffix caches saved to disk, so it must not change between versions.
+        let sorted: std::collections::BTreeMap<String, Value> = self.to_map().into_iter().collect();
+        serde_json::to_string(&sorted).unwrap_or_default()
+    }
+
+    fn to_map(&self) -> Map<String, Value> {
         let mut map = Map::new();
         map.insert("method".into(), self.method_name().into());
         map.insert("num_speculative_tokens".into(), self.num_speculative_tokens.into());
@@ -570,10 +625,7 @@ impl SpeculativeConfig {
                 }
             }
         }
-        // Keys sorted, whatever serde_json's map keeps (llguidance turns on its insertion order):
-        // this string keys the suffix caches saved to disk, so it must not change between versions.
-        let sorted: std::collections::BTreeMap<String, Value> = map.into_iter().collect();
-        serde_json::to_string(&sorted).unwrap_or_default()
+        map
     }
 }
 
@@ -594,7 +646,9 @@ fn optional_count(map: &Map<String, Value>, key: &str) -> Result<Option<usize>> 
     match map.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Number(n)) if n.as_u64().is_some() => Ok(n.as_u64().map(|v| v as usize)),
-        Some(other) => Err(Error::config(format!("'{key}' must be a whole number >= 0 (got {other})"))),
+        Some(other) => {
+            Err(Error::config(format!("'{key}' must be a whole number >= 0 (got {})", shown(&other.to_string()))))
+        }
     }
 }
 
@@ -612,7 +666,7 @@ fn optional_number(map: &Map<String, Value>, key: &str) -> Result<Option<f64>> {
     match map.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Number(n)) => Ok(n.as_f64()),
-        Some(other) => Err(Error::config(format!("'{key}' must be a number (got {other})"))),
+        Some(other) => Err(Error::config(format!("'{key}' must be a number (got {})", shown(&other.to_string())))),
     }
 }
 
@@ -645,9 +699,24 @@ fn verify_cost_ratios(map: &Map<String, Value>) -> Result<Option<Vec<f64>>> {
     Ok(Some(ratios))
 }
 
-/// The candidate with the smallest edit distance to `word`.
+/// How much of a client's text an error message quotes: a config may come from anyone (a server's
+/// request), and a megabyte key must not come back as a megabyte message.
+pub const MAX_QUOTED_CHARS: usize = 80;
+
+/// `text` for an error message: whole when short, else its first `MAX_QUOTED_CHARS` characters
+/// and how long it was.
+pub(crate) fn shown(text: &str) -> String {
+    match text.char_indices().nth(MAX_QUOTED_CHARS) {
+        None => text.to_string(),
+        Some((end, _)) => format!("{}... ({} characters)", &text[..end], text.chars().count()),
+    }
+}
+
+/// The candidate with the smallest edit distance to `word` (its first few characters: no valid
+/// name is longer, and the distance costs their product).
 fn closest<'a>(word: &str, candidates: &[&'a str]) -> &'a str {
-    candidates.iter().copied().min_by_key(|c| edit_distance(word, c)).unwrap_or("")
+    let word: String = word.chars().take(MAX_QUOTED_CHARS).collect();
+    candidates.iter().copied().min_by_key(|c| edit_distance(&word, c)).unwrap_or("")
 }
 
 fn edit_distance(a: &str, b: &str) -> usize {
@@ -835,6 +904,90 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(ngram.method, Method::Ngram { prompt_lookup_min: 64, prompt_lookup_max: 64 });
+    }
+
+    #[test]
+    fn weights_name_what_a_config_loads() {
+        let weights = |text: &str| parse(text).unwrap().weights().map(|w| Value::Object(w).to_string());
+        for text in [
+            r#"{"method": "ngram", "num_speculative_tokens": 4}"#,
+            r#"{"method": "suffix"}"#,
+            r#"{"method": "custom", "num_speculative_tokens": 4}"#,
+            r#"{"method": "layer_skip", "exit_layer": 8, "num_speculative_tokens": 2}"#,
+        ] {
+            assert_eq!(weights(text), None, "{text}");
+        }
+        assert_eq!(
+            weights(r#"{"method": "draft", "model": "d.gguf", "max_model_len": 512, "num_speculative_tokens": 4}"#),
+            Some(r#"{"method":"draft_model","model":"d.gguf"}"#.into())
+        );
+        assert_eq!(
+            weights(r#"{"method": "pard", "model": "p.gguf", "mask_token_id": 7, "num_speculative_tokens": 4}"#),
+            Some(r#"{"method":"pard","model":"p.gguf"}"#.into())
+        );
+        // The default quantization is spelled out: it is what gets built.
+        assert_eq!(
+            weights(r#"{"method": "quantized_self", "num_speculative_tokens": 4}"#),
+            Some(r#"{"method":"quantized_self","quantization":"q4_0"}"#.into())
+        );
+        for head in HeadMethod::ALL {
+            let text = format!(r#"{{"method": "{}", "model": "h", "num_speculative_tokens": 3}}"#, head.name());
+            let expected = format!(r#"{{"method":"{}","model":"h","quantization":null}}"#, head.name());
+            assert_eq!(weights(&text), Some(expected));
+        }
+        assert_eq!(
+            weights(r#"{"method": "mtp", "quantization": "Q8_0", "num_speculative_tokens": 1}"#),
+            Some(r#"{"method":"mtp","model":null,"quantization":"q8_0"}"#.into())
+        );
+        // Settings beside the weights do not change them.
+        assert_eq!(
+            weights(r#"{"method": "eagle3", "model": "h", "num_speculative_tokens": 2, "tree": true}"#),
+            weights(r#"{"method": "eagle3", "model": "h", "num_speculative_tokens": 5}"#)
+        );
+    }
+
+    #[test]
+    fn every_method_that_takes_a_model_or_quantization_loads_weights() {
+        // The keys that name files or quantizations (METHOD_KEYS) and `Method::weight_keys` agree
+        // for every method, so no method can take a path the server would not see as weights.
+        for method in METHODS {
+            let mut map: Map<String, Value> = serde_json::from_str(&format!(
+                r#"{{"method": "{method}", "num_speculative_tokens": 2, "exit_layer": 2, "mask_token_id": 1}}"#
+            ))
+            .unwrap();
+            map.retain(|key, _| METHOD_KEYS.iter().all(|(owned, owners)| owned != key || owners.contains(&method)));
+            for (key, owners) in METHOD_KEYS {
+                if ["model", "quantization"].contains(&key) && owners.contains(&method) {
+                    map.insert(key.into(), if key == "model" { "weights.gguf" } else { "q8_0" }.into());
+                }
+            }
+            let config = SpeculativeConfig::from_map(&map).unwrap_or_else(|e| panic!("{method}: {e}"));
+            let named: Vec<&str> = METHOD_KEYS
+                .iter()
+                .filter(|(key, owners)| ["model", "quantization"].contains(key) && owners.contains(&method))
+                .map(|(key, _)| *key)
+                .collect();
+            assert_eq!(config.method.weight_keys(), named.as_slice(), "{method}");
+            assert_eq!(config.weights().is_some(), !named.is_empty(), "{method}");
+        }
+    }
+
+    #[test]
+    fn messages_quote_client_text_shortened() {
+        let long = "k".repeat(100_000);
+        for text in [
+            format!(r#"{{"method": "suffix", "{long}": 1}}"#),
+            format!(r#"{{"method": "{long}"}}"#),
+            format!(r#"{{"method": ["{long}"]}}"#),
+            format!(r#"{{"method": "suffix", "adaptive_draft_length": "{long}"}}"#),
+            format!(r#"{{"method": "suffix", "tree": "{long}"}}"#),
+            format!(r#"{{"method": "ngram", "num_speculative_tokens": "{long}"}}"#),
+        ] {
+            let message = error(&text);
+            assert!(message.len() < 1000 && message.contains("characters)"), "{message}");
+        }
+        assert_eq!(shown("short"), "short");
+        assert_eq!(shown(&"é".repeat(MAX_QUOTED_CHARS)), "é".repeat(MAX_QUOTED_CHARS));
     }
 
     #[test]

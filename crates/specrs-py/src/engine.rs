@@ -628,6 +628,22 @@ impl PyEngine {
         guard(|| SpeculativeConfig::from_json(config_json)).map(|c| c.to_json()).map_err(to_py)
     }
 
+    /// The weights a config loads besides the target's, as JSON `{"method", and each key naming
+    /// them}` (`SpeculativeConfig::weights`), or None for a method that loads none; raises
+    /// ConfigError when the config is invalid.
+    #[staticmethod]
+    fn speculative_weights(config_json: &str) -> PyResult<Option<String>> {
+        guard(|| SpeculativeConfig::from_json(config_json))
+            .map(|c| c.weights().map(|w| serde_json::Value::Object(w).to_string()))
+            .map_err(to_py)
+    }
+
+    /// Every speculative method a config may name.
+    #[staticmethod]
+    fn speculative_methods() -> Vec<&'static str> {
+        specrs_core::spec_config::METHODS.to_vec()
+    }
+
     #[pyo3(signature = (prompt_ids, params, speculative_config=None, proposer=None))]
     fn generate<'py>(
         &self,

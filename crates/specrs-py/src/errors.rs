@@ -3,12 +3,14 @@
 //! The exception classes live in `specrs/errors.py` (so they can inherit from both `SpecrsError`
 //! and builtins such as `ValueError`); this file only picks the class for each error kind.
 //! Invariant: every PyO3 entry point runs its Rust work through `guard` (or `run_detached`), so a
-//! Rust panic surfaces as a `SpecrsError`, never as PyO3's `PanicException`.
+//! Rust panic surfaces as a `SpecrsError`, never as PyO3's `PanicException`; and a message never
+//! carries a Rust backtrace (`error::without_backtraces`).
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
+use specrs_core::error::without_backtraces;
 use specrs_core::Error;
 
 fn class_name(error: &Error) -> &'static str {
@@ -25,7 +27,7 @@ fn class_name(error: &Error) -> &'static str {
 
 pub fn to_py(error: Error) -> PyErr {
     Python::attach(|py| {
-        let message = error.to_string();
+        let message = without_backtraces(&error.to_string());
         match py.import("specrs.errors").and_then(|m| m.getattr(class_name(&error))) {
             Ok(class) => match class.call1((message,)) {
                 Ok(instance) => PyErr::from_value(instance),

@@ -1,5 +1,8 @@
 //! Test-only: a proposer that panics on purpose, so the tests can check that a Rust panic inside
-//! one request's step ends that request alone (`tests/test_serve_abuse.py`). It is not part of the
+//! one request's step ends that request alone (`tests/test_serve_abuse.py`); or that fails the way
+//! a candle error does under `RUST_BACKTRACE`, its message followed by a backtrace, so the tests can
+//! check that no backtrace reaches an exception or an error body (`tests/test_serve_hardening.py`).
+//! It is not part of the
 //! public API: it is reachable only as `specrs._specrs._testing_panicking_proposer(...)`, passed
 //! as the `proposer=` of a "custom" config, and nothing else in specrs creates or looks for it.
 //!
@@ -26,11 +29,19 @@ enum Hook {
     Finish,
     /// `kv_len`, read by `Stream.kv_lens()`.
     KvLen,
+    /// `propose` returns an error carrying a backtrace (when `RUST_BACKTRACE` enables one) instead
+    /// of panicking.
+    ProposeError,
 }
 
 impl Hook {
-    const NAMES: [(&'static str, Hook); 4] =
-        [("propose", Hook::Propose), ("observe", Hook::Observe), ("finish", Hook::Finish), ("kv_len", Hook::KvLen)];
+    const NAMES: [(&'static str, Hook); 5] = [
+        ("propose", Hook::Propose),
+        ("observe", Hook::Observe),
+        ("finish", Hook::Finish),
+        ("kv_len", Hook::KvLen),
+        ("propose_error", Hook::ProposeError),
+    ];
 }
 
 /// The Python handle: `_testing_panicking_proposer(after_calls, hook="propose")`.
@@ -55,7 +66,8 @@ impl PyTestingPanickingProposer {
 }
 
 /// TEST ONLY. A custom proposer whose `hook` ("propose", "observe", "finish" or "kv_len") panics
-/// in Rust on call number `after_calls + 1` of that hook within a request.
+/// in Rust on call number `after_calls + 1` of that hook within a request ("propose_error": the
+/// propose call fails with an error whose message ends in a backtrace, as candle's do).
 #[pyfunction]
 #[pyo3(name = "_testing_panicking_proposer", signature = (after_calls, hook="propose"))]
 pub fn testing_panicking_proposer(after_calls: usize, hook: &str) -> PyResult<PyTestingPanickingProposer> {
@@ -87,6 +99,11 @@ impl PanickingProposer {
 impl Proposer for PanickingProposer {
     fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {
         self.called(Hook::Propose);
+        if self.hook == Hook::ProposeError && self.calls.fetch_add(1, Ordering::Relaxed) >= self.after_calls {
+            // candle's `Error::bt`: the message, then the backtrace captured as RUST_BACKTRACE allows.
+            let backtrace = std::backtrace::Backtrace::capture();
+            return Err(specrs_core::Error::Internal(format!("testing tensor error\n{backtrace}")));
+        }
         Ok(Draft::tokens(vec![context.last().copied().unwrap_or(0); max_tokens]))
     }
 

@@ -67,11 +67,19 @@ def shipped_head(info: Mapping[str, Any], method: str) -> str:
     return str(HEADS_DIR / relative)
 
 
+def shipped_heads(info: Mapping[str, Any]) -> dict[str, str]:
+    """Directory of every head specrs ships for the target `info` describes, by method."""
+    target = shipped_target(info)
+    heads = SHIPPED[target]["heads"] if target is not None else {}
+    return {method: str(HEADS_DIR / relative) for method, relative in heads.items()
+            if (HEADS_DIR / relative / "config.json").is_file()}
+
+
 def with_shipped_head(config: dict[str, Any], info: Mapping[str, Any]) -> dict[str, Any]:
     """`config` with "model" set to the shipped head when it is a head method without one, and the
     head's defaults (`HEAD_METHODS`) for keys it does not set."""
     method = config.get("method")
-    if method in HEAD_METHODS and "model" not in config:
+    if isinstance(method, str) and method in HEAD_METHODS and "model" not in config:
         defaults = dict(HEAD_METHODS[method])
         if "speculative_token_tree" in config:
             defaults.pop("num_speculative_tokens", None)  # a static tree's size is its node budget

@@ -16,6 +16,15 @@ from) across restarts: loaded at startup, written atomically every `--suffix-cac
 requests (default 100) and at shutdown. A file that cannot be used (corrupt, truncated, from
 another model) stops startup unless `--suffix-cache-start-empty-on-error` is given.
 
+`--api-key KEY` (or `SPECRS_API_KEY`): every route but /health requires `Authorization: Bearer KEY`
+(/metrics too, unless `--metrics-public`); a request without it gets a 401.
+
+Connections: a client must send its request line and headers within `--header-timeout` seconds
+(default 10) and its body within `--body-timeout` seconds after them (default 60), else it gets a
+408 and its connection is closed; at most `--max-connections` connections are open at once (default
+1000; one more gets a 503 and is closed); an idle keep-alive connection is closed after
+`--timeout-keep-alive` seconds (default 5).
+
 Special-token text in chat messages (e.g. "<|im_end|>") is tokenized as plain text, so a client
 cannot forge a system or assistant turn; `--allow-special-tokens-in-content` makes it special
 tokens, as vLLM does.
@@ -32,6 +41,9 @@ import sys
 from .. import extras
 from ..errors import ConfigError
 from . import generation_config as generation
+from .auth import resolve_api_key
+from .connections import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+                          DEFAULT_MAX_CONNECTIONS)
 from .protocol import DEFAULT_CHAT_MAX_TOKENS
 from .suffix_store import DEFAULT_SAVE_EVERY as DEFAULT_SUFFIX_CACHE_SAVE_EVERY
 
@@ -73,6 +85,33 @@ def _check_settings(max_num_seqs: int, prefill_chunk: int | None, max_request_bo
         raise ConfigError(f"suffix_cache_save_every must be at least 1 finished request (got {suffix_cache_save_every})")
 
 
+def _check_seconds(name: str, value: float | None) -> None:
+    if value is not None and not value > 0:  # NaN too
+        raise ConfigError(f"{name} must be a positive number of seconds (got {value})")
+
+
+def _check_connection_settings(header_timeout_s: float, body_timeout_s: float | None, max_connections: int,
+                               keep_alive_timeout_s: float) -> None:
+    _check_seconds("header_timeout", header_timeout_s)
+    _check_seconds("body_timeout", body_timeout_s)
+    _check_seconds("timeout_keep_alive", keep_alive_timeout_s)
+    if max_connections < 1:
+        raise ConfigError(f"max_connections must be at least 1 (got {max_connections})")
+
+
+def uvicorn_settings(host: str, port: int, log_level: str = "info",
+                     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+                     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                     keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S) -> dict:
+    """uvicorn's keyword arguments for serving: the address, and the connection limits
+    (connections.py) in its HTTP protocol."""
+    from .connections import limited_protocol
+
+    _check_connection_settings(header_timeout_s, None, max_connections, keep_alive_timeout_s)
+    return {"host": host, "port": port, "log_level": log_level, "timeout_keep_alive": keep_alive_timeout_s,
+            "http": limited_protocol(header_timeout_s, max_connections)}
+
+
 def served_name(model: str | None, model_path: str) -> str:
     """The name clients pass as `model`: the model argument as given (as vLLM does), or the default
     model's file name without its extension."""
@@ -94,6 +133,8 @@ def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 
               suffix_cache_start_empty_on_error: bool = False,
               max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_kv_tokens: int | None = None,
               draft_budget: str = "load", record_traffic: str | os.PathLike[str] | None = None,
+              api_key: str | None = None, metrics_public: bool = False,
+              body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
               generation_config: str = "auto", override_generation_config: str | dict | None = None):
     """The Starlette app serving `engine` (run it with any ASGI server); `engine.speculative_config`
     and `engine.proposer` are every request's default. `max_request_body_bytes`: larger bodies get
@@ -104,7 +145,10 @@ def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 
     requests and at shutdown. `max_num_seqs`, `max_num_batched_tokens`, `max_kv_tokens`,
     `prefill_chunk` and `draft_budget` set the continuous-batching scheduler (serve/scheduler.py).
     `record_traffic`: a directory where every finished request's prompt and output are stored
-    (serve/traffic.py; off by default). `generation_config` ("auto": the model's
+    (serve/traffic.py; off by default). `api_key`: every route but /health (and /metrics with
+    `metrics_public`) requires `Authorization: Bearer <api_key>` (None: no authentication; the
+    environment is not read here, `serve` does). `body_timeout_s`: a request body must arrive
+    within this many seconds (408 after; None: no limit). `generation_config` ("auto": the model's
     generation_config.json, "vllm": none, or a directory) and `override_generation_config` give
     the defaults of requests' sampling fields, as vLLM's flags of those names do."""
     extras.require("serve", "specrs serve")
@@ -112,6 +156,9 @@ def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 
 
     _check_settings(max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens, suffix_cache_save_every,
                     max_num_batched_tokens, max_kv_tokens, draft_budget)
+    _check_seconds("body_timeout", body_timeout_s)
+    if api_key is not None:
+        api_key = resolve_api_key(api_key)  # refuses an empty key
     defaults = generation.load(generation_config, engine.model_path, override_generation_config)
     return build(engine, served_model_name or served_name(None, engine.model_path), max_num_seqs, prefill_chunk,
                  max_request_body_bytes, default_max_tokens,
@@ -119,8 +166,8 @@ def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 
                  suffix_cache_save_every=suffix_cache_save_every,
                  suffix_cache_start_empty_on_error=suffix_cache_start_empty_on_error,
                  max_num_batched_tokens=max_num_batched_tokens, max_kv_tokens=max_kv_tokens, draft_budget=draft_budget,
-                 record_traffic=None if record_traffic is None else os.fspath(record_traffic),
-                 generation_defaults=defaults)
+                 record_traffic=None if record_traffic is None else os.fspath(record_traffic), api_key=api_key,
+                 metrics_public=metrics_public, body_timeout_s=body_timeout_s, generation_defaults=defaults)
 
 
 def load_engine(model: str | None, speculative_config, device: str, max_model_len: int | None = None,
@@ -160,18 +207,24 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
           max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_kv_tokens: int | None = None,
           draft_budget: str = "load", record_traffic: str | None = None, max_model_len: int | None = None,
           generation_config: str = "auto", override_generation_config: str | None = None,
-          allow_special_tokens_in_content: bool = False) -> None:
+          allow_special_tokens_in_content: bool = False, api_key: str | None = None,
+          metrics_public: bool = False, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+          body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+          keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S) -> None:
     """Loads the model (its context capped at `max_model_len` tokens, vLLM's --max-model-len), warms
     it up with the default speculation (so a bad draft fails now, not at the first request), stops
     the engine measuring costs inside requests, loads the suffix cache file if one is given (a bad
     one fails now), and serves until interrupted. `allow_special_tokens_in_content`: chat messages'
     special-token text becomes special tokens (vLLM's behaviour) instead of plain text
-    (`Engine.prompt_token_ids`)."""
+    (`Engine.prompt_token_ids`). `api_key` None reads `$SPECRS_API_KEY` (still None: no
+    authentication)."""
     extras.require("serve", "specrs serve")  # before the model loads: minutes, on a big one
     import uvicorn
 
     _check_settings(max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens, suffix_cache_save_every,
                     max_num_batched_tokens, max_kv_tokens, draft_budget, max_model_len=max_model_len)
+    _check_connection_settings(header_timeout_s, body_timeout_s, max_connections, keep_alive_timeout_s)
+    api_key = resolve_api_key(api_key)
     engine = load_engine(model, speculative_config, device, max_model_len, allow_special_tokens_in_content)
     name = served_model_name or served_name(model, engine.model_path)
     # The warm-up's response went into the suffix cache; a loaded file replaces it.
@@ -179,12 +232,16 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
                     suffix_cache=suffix_cache, suffix_cache_save_every=suffix_cache_save_every,
                     suffix_cache_start_empty_on_error=suffix_cache_start_empty_on_error,
                     max_num_batched_tokens=max_num_batched_tokens, max_kv_tokens=max_kv_tokens,
-                    draft_budget=draft_budget, record_traffic=record_traffic, generation_config=generation_config,
-                    override_generation_config=override_generation_config)
+                    draft_budget=draft_budget, record_traffic=record_traffic, api_key=api_key,
+                    metrics_public=metrics_public, body_timeout_s=body_timeout_s,
+                    generation_config=generation_config, override_generation_config=override_generation_config)
     spec = engine.speculative_config["method"] if engine.speculative_config else "off"
+    auth = "off" if api_key is None else "API key" + (", /metrics public" if metrics_public else "")
     print(f"specrs serve: `{name}` on http://{host}:{port}/v1 (speculation: {spec}, up to {max_num_seqs} "
-          f"requests batched per step, draft budget: {draft_budget})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+          f"requests batched per step, draft budget: {draft_budget}, authentication: {auth})", file=sys.stderr,
+          flush=True)
+    uvicorn.run(app, **uvicorn_settings(host, port, log_level, header_timeout_s, max_connections,
+                                        keep_alive_timeout_s))
 
 
-__all__ = ["build_app", "load_engine", "serve", "served_name"]
+__all__ = ["build_app", "load_engine", "serve", "served_name", "uvicorn_settings"]

@@ -4,8 +4,11 @@ Invariants: a request's HTTP status is decided before any body is sent (the hand
 scheduler admits it, so a setting only the engine can check still gets a 400); every error body is
 OpenAI's; a client that goes away, while queued, waiting or mid-stream, cancels its generation.
 Nothing a request sends runs unbounded on the event loop: its body is read up to
-`max_request_body_bytes` (413 past it), and parsing, tokenization and chat-template rendering run
-in a worker thread, so /health answers while a huge prompt is tokenized.
+`max_request_body_bytes` (413 past it) within `body_timeout_s` (408 past it, and the connection is
+closed), and parsing, tokenization and chat-template rendering run in a worker thread, so /health
+answers while a huge prompt is tokenized. With an `api_key`, every route but /health (and /metrics
+with `metrics_public`) answers 401 to a request without it (auth.py). Error bodies carry a message
+and never a backtrace or the server's paths; /v1/models names the served model, not its file.
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ from typing import AsyncIterator
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..engine import Engine
+from .auth import ApiKeyMiddleware, public_paths
+from .connections import DEFAULT_BODY_TIMEOUT_S
 from .generation_config import with_defaults
 from .tools import CallStream, parse_call
 from .metrics import ServerMetrics
@@ -42,29 +48,40 @@ DISCONNECT_POLL_S = 0.25
 
 
 def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    # After a 408 the rest of the body may still be on its way: the connection is not reused.
+    headers = {"Connection": "close"} if error.status == 408 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 def _sse(body: dict | str) -> str:
     return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
 
 
-async def read_body(http_request: Request, limit: int) -> bytes:
+async def read_body(http_request: Request, limit: int, timeout_s: float | None = None) -> bytes:
     """The body, refused with a 413 once it is over `limit` bytes: a declared Content-Length over it
-    before anything is read, and a body without one (chunked) as soon as its bytes pass it."""
+    before anything is read, and a body without one (chunked) as soon as its bytes pass it; and
+    with a 408 when all of it has not arrived `timeout_s` seconds after the handler began reading."""
     declared = http_request.headers.get("content-length")
     if declared is not None:
-        if not declared.isdigit():
+        if not (declared.isascii() and declared.isdigit()):
             raise APIError(400, f"Content-Length must be a number of bytes (got {declared[:40]!r})")
         if int(declared) > limit:
-            raise request_too_large(limit, f"{declared} bytes")
-    chunks, size = [], 0
-    async for chunk in http_request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise request_too_large(limit, f"over {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+            raise request_too_large(limit, f"{declared[:40]} bytes")
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in http_request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise request_too_large(limit, f"over {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s; send it at once "
+                       "(`specrs serve --body-timeout`)", code="request_timeout") from None
 
 
 def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill_chunk: int | None,
@@ -73,14 +90,18 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
               suffix_cache_start_empty_on_error: bool = False, max_num_batched_tokens: int = 2048,
               max_kv_tokens: int | None = None, draft_budget: str = "load",
               record_traffic: str | None = None, suffix_cache_load: bool = True,
-              extra_hooks: tuple = (), generation_defaults: dict | None = None) -> Starlette:
+              extra_hooks: tuple = (), api_key: str | None = None, metrics_public: bool = False,
+              body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
+              generation_defaults: dict | None = None) -> Starlette:
     """The server for `engine`; its `speculative_config` (and `proposer`) are every request's default.
     `suffix_cache`: a file the engine-wide suffix cache is loaded from now (a bad file raises
     ConfigError here, so the server never starts on it, unless `suffix_cache_start_empty_on_error`)
     and saved to every `suffix_cache_save_every` finished requests and at shutdown (with
     `suffix_cache_load` False it is only saved to: a replica that takes its cache from its peers).
-    `extra_hooks`: more end-of-request hooks (job, finish_reason, metrics). `generation_defaults`:
-    request fields a request without them takes (generation_config.py)."""
+    `extra_hooks`: more end-of-request hooks (job, finish_reason, metrics). `api_key`: the key every
+    route but /health (and /metrics with `metrics_public`) requires as `Authorization: Bearer`.
+    `body_timeout_s`: a request body must arrive within this many seconds (None: no limit).
+    `generation_defaults`: request fields a request without them takes (generation_config.py)."""
     speculation = ServerSpeculation(engine.speculative_config, has_proposer=engine.proposer is not None,
                                     target_info=engine.info())
 
@@ -136,7 +157,8 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
 
     async def generate(http_request: Request, kind: str) -> Response:
         try:
-            body = with_defaults(parse_json_body(await read_body(http_request, max_request_body_bytes)),
+            body = with_defaults(parse_json_body(await read_body(http_request, max_request_body_bytes,
+                                                                 body_timeout_s)),
                                  generation_defaults or {})
             # Tokenizing a long prompt (or rendering a long chat) takes a while: not on the event loop.
             request = await asyncio.to_thread(parse_request, kind, body, engine, served_model_name, speculation,
@@ -268,7 +290,8 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
     async def models(_: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
             "id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "specrs",
-            "root": engine.model_path, "max_model_len": context_length,
+            # vLLM's "root" is the model's path; here the name, so no client learns the file system.
+            "root": served_model_name, "max_model_len": context_length,
         }]})
 
     async def health(_: Request) -> Response:
@@ -312,6 +335,8 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
         ],
         exception_handlers={HTTPException: http_error, Exception: internal_error},
         lifespan=lifespan,
+        middleware=[] if api_key is None else [Middleware(ApiKeyMiddleware, api_key=api_key,
+                                                          public=public_paths(metrics_public))],
     )
     app.state.scheduler = scheduler  # for tests and embedding code that inspects the queue
     app.state.suffix_cache_store = store

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import _specrs
 from ..engine import Engine, SamplingParams, _config_json
 from ..errors import ConfigError, ContextLengthError, SpecrsError
-
-# Methods whose config names weights to load: a request may use them only as the server was
-# started with them, since loading (or requantizing) a model per request would stall every other
-# request and let a client read any file on the server.
-WEIGHT_LOADING_METHODS = {"draft_model": "model", "pard": "model", "quantized_self": "quantization"}
+from ..heads import shipped_heads
 
 # OpenAI fields specrs accepts at their default value only: a request that relies on another value
 # gets a 400 naming the field rather than a silently different answer.
@@ -54,12 +52,21 @@ DEFAULT_CHAT_MAX_TOKENS = 2048
 SEED_MAX = 2**64 - 1
 TOP_K_MAX = 2**63 - 1
 
+# The most characters of a client's value an error message quotes (`_shown`), and of a whole error
+# message: a megabyte field must not come back as a megabyte answer (or log line).
+MAX_QUOTED_CHARS = 80
+MAX_ERROR_MESSAGE_CHARS = 2000
+
 
 class APIError(Exception):
     """A request the server refuses: HTTP status plus OpenAI's error body."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type: str | None = None):
+        if len(message) > MAX_ERROR_MESSAGE_CHARS:  # every quote is short; this bounds what nobody foresaw
+            message = message[:MAX_ERROR_MESSAGE_CHARS - 3] + "..."
+        if param is not None and len(param) > MAX_QUOTED_CHARS:
+            param = param[:MAX_QUOTED_CHARS - 3] + "..."
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or ("invalid_request_error" if status < 500 else "internal_error")
@@ -149,13 +156,37 @@ class GenerationRequest:
         return self.params.n
 
 
+def speculative_weights(config: dict) -> dict | None:
+    """The weights a parsed speculative config loads besides the target's (`{"method", and the
+    keys naming them}`, the core's `SpeculativeConfig::weights`), None for a method that loads none."""
+    weights = _specrs.Engine.speculative_weights(json.dumps(config))
+    return None if weights is None else json.loads(weights)
+
+
 @dataclass
 class ServerSpeculation:
-    """The server's startup speculation, the default of every request."""
+    """The server's startup speculation, the default of every request.
+
+    A request may use only weights the server holds: its startup config's, or a head specrs ships
+    for the loaded model (any quantization of it). Loading anything else per request would stall
+    every other stream, keep the weights in memory for good, and let a client probe and parse any
+    path on the server; the core says which configs load weights, so no method can be forgotten."""
 
     config: dict | None  # parsed with every default filled in; None = off
     has_proposer: bool = False  # the engine holds a custom Python proposer
     target_info: dict | None = None  # Engine.info(): a head method without "model" gets the shipped head
+    held_weights: list[dict] = field(init=False, default_factory=list)
+    shipped: dict[str, str] = field(init=False, default_factory=dict)  # method -> the shipped head's path
+
+    def __post_init__(self):
+        startup = None if self.config is None else speculative_weights(self.config)
+        self.held_weights = [] if startup is None else [startup]
+        self.shipped = {} if self.target_info is None else shipped_heads(self.target_info)
+
+    def holds(self, weights: dict) -> bool:
+        """Whether `weights` (`speculative_weights`) are the server's own or a shipped head."""
+        shipped = self.shipped.get(weights["method"])
+        return weights in self.held_weights or (shipped is not None and shipped == weights.get("model"))
 
     def for_request(self, value: Any) -> str | None:
         """The engine config JSON for a request's `speculative` field: absent, null or true = the
@@ -186,23 +217,30 @@ class ServerSpeculation:
         if method == "custom" and not self.has_proposer:
             raise APIError(400, "speculative method 'custom' needs a Python proposer object, which cannot be sent "
                            "over HTTP; serve it with specrs.serve.build_app(Engine(proposer=...))", param="speculative")
-        weights_key = WEIGHT_LOADING_METHODS.get(method)
-        if weights_key is not None:
-            started = self.config or {}
-            if started.get("method") != method or started.get(weights_key) != config.get(weights_key):
-                raise APIError(
-                    400, f"speculative method {method!r} with {weights_key}={config.get(weights_key)!r} loads weights, "
-                    "which this server does only at startup; start it with --speculative-config naming them, "
-                    "or use a method without weights (ngram, suffix, layer_skip)", param="speculative")
+        weights = speculative_weights(config)
+        if weights is not None and not self.holds(weights):
+            # The message never quotes the values: whether a path exists must not show.
+            keys = " and ".join(f'"{key}"' for key in weights if key != "method")
+            shipped = f" or a head specrs ships (leave \"model\" out: {', '.join(sorted(self.shipped))})" \
+                if self.shipped else ""
+            raise APIError(
+                400, f"speculative method {method!r} with this {keys} loads weights, which this server does only at "
+                f"startup; use the server's own (start it with --speculative-config naming them){shipped}, or a "
+                "method without weights (ngram, suffix, layer_skip)", param="speculative")
         return json.dumps(config)
 
 
 def _shown(value) -> str:
-    """A value for an error message, short even for a 4000-digit integer."""
+    """A client's value for an error message: at most MAX_QUOTED_CHARS characters, even for a
+    4000-digit integer or a megabyte string."""
     if isinstance(value, int) and value.bit_length() > 128:
         return f"an integer of {value.bit_length()} bits"
+    if isinstance(value, str) and len(value) > MAX_QUOTED_CHARS:
+        return repr(value[:MAX_QUOTED_CHARS - 3]) + f"... ({len(value)} characters)"
+    if isinstance(value, (list, dict)) and len(value) > MAX_QUOTED_CHARS:  # repr() of it all would be large
+        return f"a {type(value).__name__} of {len(value)} items"
     text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return text if len(text) <= MAX_QUOTED_CHARS else text[:MAX_QUOTED_CHARS - 3] + "..."
 
 
 def _number(body: dict, key: str, default, kind=float):
@@ -212,12 +250,15 @@ def _number(body: dict, key: str, default, kind=float):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise APIError(400, f"{key} must be {'an integer' if kind is int else 'a number'} (got {_shown(value)})",
                        param=key)
-    if kind is int:
-        return value
-    # A JSON integer has no size limit, so float() may overflow; inf and nan are refused here too.
+    return value if kind is int else _finite(value, key, key)
+
+
+def _finite(value: int | float, what: str, param: str) -> float:
+    """A JSON number as a float: a JSON integer has no size limit, so float() may overflow; inf and
+    nan (Python's JSON reads 1e400 as inf, and takes NaN) are refused too."""
     number = float(value) if isinstance(value, float) or abs(value) < 2**1000 else math.inf
     if not math.isfinite(number):
-        raise APIError(400, f"{key} must be a finite number (got {_shown(value)})", param=key)
+        raise APIError(400, f"{what} must be a finite number (got {_shown(value)})", param=param)
     return number
 
 
@@ -233,11 +274,13 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
     for key, default in UNSUPPORTED_UNLESS_DEFAULT.items():
         value = body.get(key)
         if value is not None and value != default:
-            raise APIError(400, f"{key}={value!r} is not supported by specrs serve; leave it out "
+            raise APIError(400, f"{key}={_shown(value)} is not supported by specrs serve; leave it out "
                            f"(or send its default, {default!r})", param=key)
     unknown = sorted(set(body) - allowed - set(UNSUPPORTED_UNLESS_DEFAULT) - IGNORED_FIELDS)
     if unknown:
-        raise APIError(400, f"unknown request field(s) {unknown}; this endpoint takes: {', '.join(sorted(allowed))}",
+        named = ", ".join(_shown(key) for key in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5
+                                                                 else "")
+        raise APIError(400, f"unknown request field(s) {named}; this endpoint takes: {', '.join(sorted(allowed))}",
                        param=unknown[0])
 
 
@@ -357,13 +400,14 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
         raise APIError(400, 'logit_bias must map token ids to biases, e.g. {"1234": -100}', param="logit_bias")
     out = {}
     for key, value in bias.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
-            raise APIError(400, f"logit_bias key {_shown(key)} is not a token id", param="logit_bias") from None
+        # JSON keys are strings; int() would also take "+5", " 5" and "5_000", and 5000 digits raise.
+        if not (key.isascii() and key.isdigit() and len(key) <= 20):
+            raise APIError(400, f"logit_bias key {_shown(key)} is not a token id (a string of digits, e.g. \"1234\")",
+                           param="logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise APIError(400, f"logit_bias[{key}] must be a number in [-100, 100]", param="logit_bias")
-        out[token] = float(value)
+            raise APIError(400, f"logit_bias[{key}] must be a number in [-100, 100] (got {_shown(value)})",
+                           param="logit_bias")
+        out[int(key)] = _finite(value, f"logit_bias[{key}]", "logit_bias")
     return out
 
 
@@ -374,7 +418,9 @@ def _token_ids(body: dict, key: str) -> list[int] | None:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                               for t in value):
         raise APIError(400, f"{key} must be a list of token ids", param=key)
-    return value
+    # Each generated token is checked against the list: repeats would only make that slower (the
+    # engine refuses ids outside the vocabulary, so at most a vocabulary's worth remain).
+    return list(dict.fromkeys(value))
 
 
 def _logprobs(kind: str, body: dict) -> int | None:
@@ -395,6 +441,22 @@ def _logprobs(kind: str, body: dict) -> int | None:
     return _integer(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS, "ask for 0 to 5 alternatives")
 
 
+# Request fields the engine's SamplingParams checks; each of its errors starts with the field's name.
+SAMPLING_FIELDS = {"temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "n"}
+
+
+def _sampling_field(message: str, kind: str, max_key: str) -> str | None:
+    """The request field a SamplingParams error is about, from the name it starts with."""
+    match = re.match(r"[a-z_]+", message)
+    name = match.group(0) if match else None
+    if name == "max_tokens":
+        return max_key
+    if name == "logprobs":
+        return "top_logprobs" if kind == "chat" else "logprobs"
+    return name if name in SAMPLING_FIELDS else None
+
+
 def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str, speculation: ServerSpeculation,
                   default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS) -> GenerationRequest:
     """Validates a /v1/completions (kind "completion") or /v1/chat/completions ("chat") body. It
@@ -404,8 +466,11 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
     _check_fields(body, CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS)
     tool_request = tool_calls.parse_tools(body) if kind == "chat" else None
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise APIError(400, f"model must be a string, the served model's name `{served_model_name}` (got "
+                       f"{_shown(model)})", param="model")
     if model is not None and model != served_model_name:
-        raise APIError(404, f"the model `{model}` does not exist; this server serves `{served_model_name}` "
+        raise APIError(404, f"the model {_shown(model)} does not exist; this server serves `{served_model_name}` "
                        "(see /v1/models)", param="model", code="model_not_found")
 
     try:
@@ -472,7 +537,8 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
         engine.check_params(params)  # compiles the grammar: a bad one is a 400 before any answer
     except (ConfigError, TypeError, ValueError) as e:  # TypeError: a grammar field of the wrong type
         grammar_field = next((k for k in sorted(GRAMMAR_FIELDS) if body.get(k) is not None), None)
-        raise APIError(400, str(e), param=grammar_field if grammar is not None else None) from None
+        param = _sampling_field(str(e), kind, max_key) or (grammar_field if grammar is not None else None)
+        raise APIError(400, str(e), param=param) from None
 
     stream = body.get("stream", False)
     if not isinstance(stream, bool):

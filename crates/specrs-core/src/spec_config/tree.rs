@@ -11,7 +11,7 @@
 
 use serde_json::{Map, Value};
 
-use super::{bounded_count, MAX_SPECULATIVE_TOKENS};
+use super::{bounded_count, shown, MAX_SPECULATIVE_TOKENS};
 use crate::error::{Error, Result};
 
 /// The most children one node may get.
@@ -69,7 +69,10 @@ impl TreeConfig {
             Some(Value::Bool(true)) => TreeMode::On,
             Some(Value::String(s)) if s == "auto" => TreeMode::Auto,
             Some(other) => {
-                return Err(Error::config(format!("'tree' must be false, true or \"auto\" (got {other})")));
+                return Err(Error::config(format!(
+                    "'tree' must be false, true or \"auto\" (got {})",
+                    shown(&other.to_string())
+                )));
             }
         };
         let depth = bounded_count(map, "tree_depth", MAX_SPECULATIVE_TOKENS)?;

@@ -52,7 +52,8 @@ def build(settings, num_replicas: int = 1, autoscaling_config: dict | None = Non
     deployments.ReplicaSettings (every `specrs serve` setting). `num_replicas` engine replicas, or
     `autoscaling_config` (Ray Serve's: min_replicas, max_replicas, target_ongoing_requests, ...);
     `replica_cpus`: CPUs each replica reserves and uses for its forwards (default: this machine's
-    cores shared among the replicas)."""
+    cores shared among the replicas). The ingress enforces `settings.api_key` (and
+    `metrics_public`, `body_timeout_s`) for the whole app."""
     require_ray()
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -88,16 +89,20 @@ def build(settings, num_replicas: int = 1, autoscaling_config: dict | None = Non
                                        max_shared_tokens or suffix_share.DEFAULT_MAX_TOKENS)
     return ingress.bind(replica.bind(settings, coordinator_app), coordinator_app, expected,
                         settings.max_request_body_bytes,
-                        deployments.DEFAULT_RETRIES if retries is None else retries)
+                        deployments.DEFAULT_RETRIES if retries is None else retries,
+                        api_key=settings.api_key, metrics_public=settings.metrics_public,
+                        body_timeout_s=settings.body_timeout_s)
 
 
 def app_builder(args: dict[str, str]):
     """`serve run specrs.serve.ray:app_builder key=value ...` and Ray Serve config files
     (`applications: - import_path: specrs.serve.ray:app_builder, args: {...}`): every
     deployments.ReplicaSettings field plus num_replicas, autoscaling_config (JSON),
-    replica_cpus, max_imbalance, retries."""
+    replica_cpus, max_imbalance, retries. Without an api_key argument, `$SPECRS_API_KEY` of this
+    process is the key (none: no authentication)."""
     import json
 
+    from ..auth import resolve_api_key
     from .settings import ReplicaSettings
 
     fields = ReplicaSettings.__dataclass_fields__
@@ -109,8 +114,8 @@ def app_builder(args: dict[str, str]):
 
     def value(key: str, raw: Any) -> Any:
         if not isinstance(raw, str) or key in ("model", "device", "served_model_name", "suffix_cache",
-                                               "draft_budget", "speculative_config", "generation_config",
-                                               "override_generation_config"):
+                                               "draft_budget", "speculative_config", "api_key",
+                                               "generation_config", "override_generation_config"):
             return raw
         try:
             return json.loads(raw)
@@ -119,6 +124,7 @@ def app_builder(args: dict[str, str]):
                               f"null or JSON objects)") from None
 
     values = {key: value(key, raw) for key, raw in args.items()}
+    values["api_key"] = resolve_api_key(values.get("api_key"))
     extra = {key: values.pop(key) for key in list(values) if key not in fields}
     return build(ReplicaSettings(**values), **extra)
 

@@ -7,9 +7,10 @@ coordinator.
   (suffix_share.py), reports its health and metrics to the coordinator every second
   (replica_board.py), and fails Ray Serve's health check once its generation loop died, so Ray
   restarts it.
-- `Ingress` (the HTTP entry point): forwards each request, body and headers as they came, to a
-  replica chosen by prefix affinity (router.py); answers /health and /metrics for the whole app
-  from the coordinator's board.
+- `Ingress` (the HTTP entry point): checks the API key (auth.py; /health is public, /metrics too
+  with metrics_public), forwards each request, body and headers as they came, to a replica chosen
+  by prefix affinity (router.py); answers /health and /metrics for the whole app from the
+  coordinator's board.
 - `Coordinator` (1): holds the shared suffix log and the replica board; Ray restarts it if it dies
   (both start empty again: replicas keep their own caches and report again within a second).
 
@@ -42,6 +43,7 @@ from ray.exceptions import RayActorError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ..auth import admits, public_paths, unauthorized
 from ..protocol import APIError
 from . import replica_board, suffix_share
 from .asgi_call import Lifespan, call_app, http_scope
@@ -268,14 +270,19 @@ class ForwardedResponse(Response):
 
 class Ingress:
     def __init__(self, replicas, coordinator, expected_replicas: int, max_request_body_bytes: int,
-                 retries: int = DEFAULT_RETRIES):
+                 retries: int = DEFAULT_RETRIES, api_key: str | None = None, metrics_public: bool = False,
+                 body_timeout_s: float | None = None):
         self.replicas, self.coordinator = replicas, coordinator
         self.expected_replicas = expected_replicas
         self.max_request_body_bytes = max_request_body_bytes
         self.retries = retries
+        self.api_key, self.public = api_key, public_paths(metrics_public)
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
+        if not admits(request.method, path, request.headers.raw, self.api_key, self.public):
+            return unauthorized()
         if path == "/health" and request.method == "GET":
             status, body = await self.coordinator.board_health.remote(self.expected_replicas)
             return JSONResponse(body, status_code=status)
@@ -287,7 +294,7 @@ class Ingress:
         from ..app import error_response, read_body
 
         try:
-            body = await read_body(request, self.max_request_body_bytes)
+            body = await read_body(request, self.max_request_body_bytes, self.body_timeout_s)
         except APIError as e:
             return error_response(e)
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..connections import DEFAULT_BODY_TIMEOUT_S
 from ..protocol import DEFAULT_CHAT_MAX_TOKENS
 
 # How often a replica publishes and pulls shared suffix responses (suffix_share.py), and reports its
@@ -17,7 +18,7 @@ DEFAULT_REPORT_INTERVAL_S = 1.0
 
 @dataclass
 class ReplicaSettings:
-    """What every engine replica runs: `specrs serve`'s settings."""
+    """What every engine replica runs: `specrs serve`'s settings (the HTTP ones are the ingress's)."""
 
     model: str | None = None
     speculative_config: Any = None
@@ -39,6 +40,11 @@ class ReplicaSettings:
     share_suffix_cache: bool = True
     share_interval_s: float = DEFAULT_SHARE_INTERVAL_S
     report_interval_s: float = DEFAULT_REPORT_INTERVAL_S
+    # Enforced by the ingress (deployments.Ingress), the one HTTP entry point; replicas are reached
+    # through it only.
+    api_key: str | None = None
+    metrics_public: bool = False
+    body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S
     allow_special_tokens_in_content: bool = False
 
 
