@@ -135,6 +135,9 @@ def _schemas() -> list[Attack]:
     """Items 1 and 3: JSON schemas through every field that takes one: `$ref` chains around
     MAX_SCHEMA_DEPTH, `$ref` cycles, nesting around MAX_JSON_NESTING (in tool parameters too)."""
     depth, nesting = LIMITS["MAX_SCHEMA_DEPTH"], LIMITS["MAX_JSON_NESTING"]
+    # A chain of n `$ref`s measures n + 4 levels (the document, its `$defs`, the last definition's
+    # own levels): the longest chain served is depth - 4, and one more hop is refused.
+    longest = depth - 4
     fields = {"response_format": lambda s: {"response_format": _json_schema(s)},
               "guided_json": lambda s: {"guided_json": s},
               "structured_outputs": lambda s: {"structured_outputs": {"json": s}}}
@@ -142,9 +145,9 @@ def _schemas() -> list[Attack]:
     attacks = []
     for field, wrap in fields.items():
         attacks += [
-            Attack(f"{field} $ref chain {depth - 4}", _chat(**wrap(ref_chain_schema(depth - 4))), 200,
+            Attack(f"{field} $ref chain {longest}", _chat(**wrap(ref_chain_schema(longest))), 200,
                    check=string_answer),
-            Attack(f"{field} $ref chain {depth + 1}", _chat(**wrap(ref_chain_schema(depth + 1))), 400,
+            Attack(f"{field} $ref chain {longest + 1}", _chat(**wrap(ref_chain_schema(longest + 1))), 400,
                    ("MAX_SCHEMA_DEPTH",), field),
             Attack(f"{field} $ref chain 5000", _chat(**wrap(deep_ref_chain_schema(5000))), 400, ("MAX_SCHEMA_DEPTH",),
                    field),
@@ -196,17 +199,24 @@ def _schemas() -> list[Attack]:
 def _grammars() -> list[Attack]:
     """Items 1 and 3: Lark rule chains around MAX_LARK_DEPTH, regex repetitions around
     MAX_REGEX_REPEAT, choices around MAX_CHOICES and MAX_CHOICE_BYTES."""
-    lark_depth, repeat = LIMITS["MAX_LARK_DEPTH"], LIMITS["MAX_REGEX_REPEAT"]
-    most, most_bytes = LIMITS["MAX_CHOICES"], LIMITS["MAX_CHOICE_BYTES"]
+    lark_depth, lark_rules = LIMITS["MAX_LARK_DEPTH"], LIMITS["MAX_LARK_RULES"]
+    repeat, most, most_bytes = LIMITS["MAX_REGEX_REPEAT"], LIMITS["MAX_CHOICES"], LIMITS["MAX_CHOICE_BYTES"]
+    # A chain of n rules measures n + 2 levels (its start rule and its last): the longest chain
+    # served is MAX_LARK_DEPTH - 2, and one more rule is refused.
+    longest = lark_depth - 2
     x_answer = _content_is(lambda c: c == "x", 'the one string the grammar allows, "x"')
     only_a = _content_is(lambda c: c and set(c) == {"a"}, "a run of a")
     inner = 100  # (x{inner}){outer}: the product is what counts
     long_choices = lambda n, size: [f"{i:04d}" + "y" * (size - 4) for i in range(n)]  # noqa: E731
     attacks = [
-        Attack(f"guided_grammar rule chain {lark_depth - 2}", _chat(guided_grammar=lark_rule_chain(lark_depth - 2)),
-               200, check=x_answer),
-        Attack(f"guided_grammar rule chain {lark_depth + 1}", _chat(guided_grammar=lark_rule_chain(lark_depth + 1)),
-               400, ("MAX_LARK_DEPTH",), "guided_grammar"),
+        Attack(f"guided_grammar rule chain {longest}", _chat(guided_grammar=lark_rule_chain(longest)), 200,
+               check=x_answer),
+        Attack(f"guided_grammar rule chain {longest + 1}", _chat(guided_grammar=lark_rule_chain(longest + 1)), 400,
+               ("MAX_LARK_DEPTH",), "guided_grammar"),
+        Attack(f"guided_grammar of {lark_rules} rules", _chat(guided_grammar=_wide_grammar(lark_rules - 1)), 200,
+               check=x_answer),
+        Attack(f"guided_grammar of {lark_rules + 1} rules", _chat(guided_grammar=_wide_grammar(lark_rules)), 400,
+               ("MAX_LARK_RULES",), "guided_grammar"),
         Attack("guided_grammar rule chain 5000", _chat(guided_grammar=lark_rule_chain(5000)), 400,
                ("MAX_LARK_DEPTH",), "guided_grammar"),
         Attack("guided_grammar bracketed rule chain", _chat(guided_grammar=lark_rule_chain(lark_depth // 2, 2)), 400,
@@ -237,6 +247,12 @@ def _grammars() -> list[Attack]:
                400, ("MAX_CHOICE_BYTES",), "guided_choice"),
     ]
     return attacks
+
+
+def _wide_grammar(rules: int) -> str:
+    """A Lark grammar of a start rule and `rules` more side by side (no chain): its rule count
+    counts, not its depth."""
+    return "start: r0\n" + "".join(f'r{i}: "x"\n' for i in range(rules))
 
 
 def _edges(engine) -> list[Attack]:
