@@ -147,6 +147,8 @@ def abuse_kinds(vocab_size: int, bounded_configs: list[str], secret_dir: str) ->
             return f"{response.status_code}+leak" if leaked else response.status_code
         return send
 
+    from specrs.serve.protocol import MAX_SAMPLES
+
     with_field = lambda raw_field: json.dumps(chat("Hi", 4))[:-1] + ", " + raw_field + "}"  # noqa: E731
     big = json.dumps(chat("word " * (BODY_LIMIT // 3), 4)).encode()
 
@@ -189,7 +191,7 @@ def abuse_kinds(vocab_size: int, bounded_configs: list[str], secret_dir: str) ->
         "chunked_body_over_limit": (chunked, 413),
         "prompt_over_context": (post({"model": MODEL, "prompt": "word " * 9000, "max_tokens": 4}, "/v1/completions"),
                                 400),
-        "n_2": (post(chat("Hi", 4, n=2)), 400),
+        f"n_{MAX_SAMPLES + 1}": (post(chat("Hi", 4, n=MAX_SAMPLES + 1)), 400),  # n itself is served now
         "continuous_usage_without_include_usage": (
             post(chat("Hi", 4, stream=True, stream_options={"continuous_usage_stats": True})), 400),
         "unknown_speculative_key": (post(chat("Hi", 4, speculative={"method": "ngram", "bogus": 1})), 400),
