@@ -28,7 +28,8 @@ from attack_inputs import (LIMITS, assistant_tool_call, choices, deep_json_text,
                            self_containing_schema, self_ref_schema, tool)
 
 pytest.importorskip("uvicorn")
-from specrs.serve.protocol import MAX_BODY_NESTING  # noqa: E402  (needs the serve extra, checked above)
+from specrs.serve import DEFAULT_MAX_REQUEST_BODY_BYTES  # noqa: E402  (needs the serve extra, checked above)
+from specrs.serve.protocol import MAX_BODY_NESTING  # noqa: E402
 from test_serve_abuse import GOOD_PROMPT, MODEL, _chat_body, _metric, _post  # noqa: E402
 from test_serve_hardening import CHAT, REQUIRED_KEYS, head_copies, served  # noqa: E402,F401  (fixtures)
 
@@ -37,7 +38,6 @@ from test_serve_hardening import CHAT, REQUIRED_KEYS, head_copies, served  # noq
 HEAD_METHODS = ["eagle", "eagle3", "mtp", "mlp_speculator", "medusa", "draft_model", "pard", "quantized_self"]
 SECRET = "s3cr3t"  # in head_copies' planted config.json; no answer may echo it
 PASSWD = "root:x:0:0"  # /etc/passwd's first line
-MAX_BODY_BYTES = 8 * 1024 * 1024  # build_app's default, which the `served` fixture keeps
 ERROR_COUNTERS = ["specrs:request_success_total", "vllm:request_success_total"]
 
 
@@ -50,7 +50,6 @@ class Attack:
     words: tuple[str, ...] = ()  # what a 4xx message must name (the limit, or the field)
     param: str | None | type(Ellipsis) = ...  # a 4xx's `param` (...: not checked)
     check: Callable[[dict], None] | None = None  # what a 200 answer must satisfy
-    path: str = CHAT
 
 
 def _chat(max_tokens: int = 4, prompt: str = "Say hi.", **fields) -> dict:
@@ -279,8 +278,10 @@ def _edges(engine) -> list[Attack]:
                ("MAX_JSON_NESTING",), None),
         Attack("guided_json default nested 200",
                _chat(guided_json={"type": "array", "default": nested_json_value(200)}), 400, ("MAX_JSON_NESTING",)),
-        Attack("body over the size limit", json.dumps(_chat(prompt="word " * (MAX_BODY_BYTES // 5 + 10))), 413,
-               (str(MAX_BODY_BYTES),)),
+        # The `served` fixture keeps build_app's default body limit.
+        Attack("body over the size limit",
+               json.dumps(_chat(prompt="word " * (DEFAULT_MAX_REQUEST_BODY_BYTES // 5 + 10))), 413,
+               (str(DEFAULT_MAX_REQUEST_BODY_BYTES),)),
         Attack("special-token text in content", _chat(messages=messages), 200, check=prompt_as_text),
         Attack("stop list of 4", _chat(stop=["a" * 10_000, "b", "c", "d"]), 200),
         Attack("stop list of 5", _chat(stop=["a", "b", "c", "d", "e"]), 400, ("stop",), "stop"),
@@ -351,7 +352,7 @@ def test_the_attack_corpus(served, head_copies, capsys):
     problems: list[str] = []
     for attack in attacks:
         try:
-            response = _post(served.base, attack.path, attack.body)
+            response = _post(served.base, CHAT, attack.body)
         except httpx.HTTPError as e:  # a dropped connection: the server may be gone
             outcomes[f"exception {type(e).__name__}"] += 1
             problems.append(f"{attack.name}: {type(e).__name__}: {e}")
