@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from ..errors import ConfigError
 from .protocol import DEFAULT_CHAT_MAX_TOKENS
@@ -77,10 +78,9 @@ def served_name(model: str | None, model_path: str) -> str:
     return model if model is not None else os.path.splitext(os.path.basename(model_path))[0]
 
 
-# The verification curve `serve` measures at startup covers drafts of up to this many tokens.
-STARTUP_CURVE_K = 8
-# ... and the draft budget's batch cost curve covers forwards of up to this many rows (the core's
-# BUDGET_CURVE_ROWS; extended along its last slope past it).
+# The verification curve `serve` queues at startup covers forwards of up to this many rows: the
+# draft budget's batch cost curve (the core's BUDGET_CURVE_ROWS; extended along its last slope
+# past it), and drafts of up to 31 tokens.
 BUDGET_CURVE_ROWS = 32
 
 
@@ -118,24 +118,31 @@ def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 
 
 def load_engine(model: str | None, speculative_config, device: str):
     """The engine a server runs: loaded, warmed up with the default speculation (so a bad draft
-    fails now, not at the first request), its cost curves measured, and measuring inside requests
-    turned off. `specrs serve` and each replica of `specrs serve --ray` start with it."""
+    fails now, not at the first request), with the verification curves its requests and draft
+    budget read queued for the engine's background thread. No cost is measured here: the server
+    starts on the figures its disk cache holds, or the prior, and the background thread measures
+    the rest while no request runs. Each wait is named in the log. `specrs serve` and each replica
+    of `specrs serve --ray` start with it."""
     from ..engine import Engine, SamplingParams
+    from ..log import logger
 
     engine = Engine(model, device=device, speculative_config=speculative_config)
-    # One short request through the default speculation loads its draft weights and measures its
-    # costs before the first client arrives.
+    # One short request through the default speculation runs its proposer once before the first
+    # client arrives (the weights themselves were loaded above).
+    start_s = time.perf_counter()
+    logger.info("warming up: one 4-token request")
     engine.generate(engine.tokenizer.encode("Hello"), SamplingParams(max_tokens=4, temperature=0.0))
-    # Per-request configs read the verification curve measured here, up to k = 8 (extended past it),
-    # rather than one measured while other requests stream. ("custom" only names the length: no
-    # proposer runs.)
-    engine.prepare({"method": "custom", "num_speculative_tokens": STARTUP_CURVE_K})
-    # The draft budget's batch cost curve: forwards of 1..32 rows (read from the disk cache after
-    # the first run), measured before any request can disturb the timing.
-    engine.verify_cost_ratios(BUDGET_CURVE_ROWS)
-    # From now on no request measures a cost figure (seconds of forwards in the generation
-    # thread, stalling every stream); one nobody measured yet gets the nearest known figure.
-    engine.set_measure_on_demand(False)
+    logger.info("warmed up in %.1f s", time.perf_counter() - start_s)
+    # Per-request configs read the verification curve (extended past its end), and the draft
+    # budget reads the same curve as its batch cost curve, forwards of 1..32 rows: queued for the
+    # background thread now ("custom" only names the length: no proposer runs), measured before
+    # any request if none arrives first, and read from the disk cache by later runs.
+    engine.prepare({"method": "custom", "num_speculative_tokens": BUDGET_CURVE_ROWS - 1})
+    status = engine.cost_status()
+    if status["pending"]:
+        logger.info("serving on the cost figures at hand (%s) while measuring in the background: %s",
+                    ", ".join(f"{f['what']}: {f['source']}" for f in status["figures"]) or "priors",
+                    "; ".join(status["pending"]))
     return engine
 
 
@@ -149,8 +156,8 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
           max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_kv_tokens: int | None = None,
           draft_budget: str = "load", record_traffic: str | None = None) -> None:
     """Loads the model, warms it up with the default speculation (so a bad draft fails now, not at
-    the first request), stops the engine measuring costs inside requests, loads the suffix cache
-    file if one is given (a bad one fails now), and serves until interrupted."""
+    the first request), queues the cost measurements for the engine's background thread, loads the
+    suffix cache file if one is given (a bad one fails now), and serves until interrupted."""
     _require_server_packages()
     import uvicorn
 

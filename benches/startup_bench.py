@@ -1,0 +1,295 @@
+"""Time to the first token, and how much `specrs bench` speedups spread (issue 39, items 3 and 4).
+
+Part 1, first token: the time from `Engine(model, speculative_config=...)` (`api`) or from
+starting `specrs serve` (`serve`) to the first token of the first request, in a fresh process per
+run, for each of
+- cache `cold` (an empty `$SPECRS_CACHE_DIR`) and `warm` (a directory a priming process filled:
+  it built the engine, ran one request and waited for its cost measurements, where the engine
+  has `wait_for_costs`; before it, building the engine measured in the foreground);
+- load `quiet` and `busy` (one busy-loop process per core, `os.cpu_count()`, running beside it).
+Each cell is `--runs` fresh processes (default 3): min, median and max seconds, with what the
+engine says it measured in the foreground by then (`cost_status()` where it exists) and the
+first request's cost sources. `serve` reads the first token from a streamed chat completion.
+
+Part 2, bench spread: `specrs bench` run `--bench-runs` times (default 5) in fresh processes on the
+same prompts and configs, `--repeats 1` each where the option exists (so each run is one figure);
+per config, the overall speedup of each run and their min, median and max. Runs quiet, and beside
+the busy loop too with `--bench-busy`.
+
+Run it on the code before and after a change (the JSON records `specrs.__version__` and the
+commit, if in a git checkout), e.g. (after `make build`):
+
+    .venv/bin/python benches/startup_bench.py --out bench-results/startup.json
+    .venv/bin/python benches/startup_bench.py --parts first_token --modes api --runs 5
+
+Output: a table on stdout and, with `--out`, JSON: {"settings", "machine", "first_token":
+{"<mode>/<cache>/<load>": {"seconds": [...], "min", "median", "max", "runs": [...]}},
+"bench_spread": {"<load>": {"<config>": {"speedups": [...], "min", "median", "max"}}}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+DEFAULT_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+PROMPT = "Repeat this list twice: red, green, blue, yellow, purple, orange."
+
+
+# --- the child processes -----------------------------------------------------------------------
+
+
+def child_api(config: dict, max_tokens: int) -> dict:
+    """One process: Engine(...) to the first streamed token; prints the JSON result."""
+    start = time.perf_counter()
+    import specrs
+
+    engine = specrs.Engine(speculative_config=config)
+    built_s = time.perf_counter() - start
+    stream = engine.stream([{"role": "user", "content": PROMPT}], specrs.SamplingParams(max_tokens=max_tokens))
+    first_s = None
+    status_at_first = None
+    for chunk in stream:
+        if first_s is None and chunk:
+            first_s = time.perf_counter() - start
+            status_at_first = engine.cost_status() if hasattr(engine, "cost_status") else None
+    metrics = stream.result.metrics
+    return {"first_token_s": first_s, "engine_built_s": built_s, "status_at_first_token": status_at_first,
+            "verify_cost_source": metrics.get("verify_cost_source"), "num_drafts": metrics.get("num_drafts"),
+            "idle_reason": metrics.get("idle_reason")}
+
+
+def child_prime(config: dict) -> dict:
+    """Fills the cache directory: builds the engine, runs one request, waits for its measurements."""
+    import specrs
+
+    engine = specrs.Engine(speculative_config=config)
+    engine.generate(PROMPT, specrs.SamplingParams(max_tokens=8))
+    waited = engine.wait_for_costs() if hasattr(engine, "wait_for_costs") else None
+    return {"waited_for_costs": waited}
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+@contextmanager
+def busy_loops(enabled: bool):
+    """One busy-loop process per core while the block runs."""
+    procs = []
+    if enabled:
+        procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
+def run_child(kind: str, config: dict, max_tokens: int, env: dict) -> dict:
+    cmd = [sys.executable, __file__, "--child", kind, "--config", json.dumps(config), "--max-tokens", str(max_tokens)]
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_first_token(config: dict, max_tokens: int, env: dict, log_dir: Path) -> dict:
+    """Starts `specrs serve`, sends one streamed chat completion as soon as /health answers, and
+    returns the time from the start of the process to its first content token."""
+    import httpx
+
+    port = free_port()
+    log_path = log_dir / f"serve-{port}.log"
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "specrs.cli", "serve", "--port", str(port),
+                                 "--speculative-config", json.dumps(config), "--log-level", "warning"],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            while True:
+                try:
+                    if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if proc.poll() is not None:
+                    raise RuntimeError(f"specrs serve exited:\n{log_path.read_text()}")
+                time.sleep(0.05)
+            ready_s = time.perf_counter() - start
+            body = {"model": httpx.get(f"{base}/v1/models").json()["data"][0]["id"],
+                    "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens, "stream": True}
+            first_s, metrics_at_first = None, None
+            with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=600) as response:
+                for line in response.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: "):])
+                    choices = chunk.get("choices") or []
+                    if first_s is None and choices and (choices[0].get("delta") or {}).get("content"):
+                        first_s = time.perf_counter() - start
+                        metrics_at_first = httpx.get(f"{base}/metrics").text
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    foreground = None
+    for line in (metrics_at_first or "").splitlines():
+        if line.startswith("specrs:cost_measurements{") and 'thread="foreground"' in line:
+            foreground = float(line.rsplit(" ", 1)[1])
+    startup_log = [line for line in log_path.read_text().splitlines() if line.startswith("specrs")]
+    return {"first_token_s": first_s, "ready_s": ready_s, "foreground_measurements_at_first_token": foreground,
+            "startup_log": startup_log}
+
+
+def spread(values: list[float]) -> dict:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"min": None, "median": None, "max": None}
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+# --- the parts ---------------------------------------------------------------------------------
+
+
+def first_token_part(args, config: dict) -> dict:
+    results = {}
+    for mode in args.modes:
+        for load in args.loads:
+            with tempfile.TemporaryDirectory() as warm_dir:
+                # The warm directory is primed once, quiet, before the cells that read it.
+                prime_env = dict(os.environ, SPECRS_CACHE_DIR=warm_dir)
+                run_child("prime", config, args.max_tokens, prime_env)
+                for cache in args.caches:
+                    runs = []
+                    with busy_loops(load == "busy"):
+                        for _ in range(args.runs):
+                            if cache == "warm":
+                                env = prime_env
+                                runs.append(one_first_token(mode, config, args.max_tokens, env))
+                            else:
+                                with tempfile.TemporaryDirectory() as cold_dir:
+                                    env = dict(os.environ, SPECRS_CACHE_DIR=cold_dir)
+                                    runs.append(one_first_token(mode, config, args.max_tokens, env))
+                    key = f"{mode}/{cache}/{load}"
+                    seconds = [r["first_token_s"] for r in runs]
+                    results[key] = {"seconds": seconds, **spread(seconds), "runs": runs}
+                    s = results[key]
+                    print(f"{key:<22} first token {s['min']:.2f} / {s['median']:.2f} / {s['max']:.2f} s "
+                          f"(min / median / max of {len(runs)})", flush=True)
+    return results
+
+
+def one_first_token(mode: str, config: dict, max_tokens: int, env: dict) -> dict:
+    if mode == "api":
+        return run_child("api", config, max_tokens, env)
+    with tempfile.TemporaryDirectory() as log_dir:
+        return serve_first_token(config, max_tokens, env, Path(log_dir))
+
+
+def bench_spread_part(args, config: dict) -> dict:
+    import specrs.bench as bench
+
+    prompts = args.prompts or getattr(bench, "SHIPPED_PROMPTS", None)
+    if prompts is None:
+        raise SystemExit("this specrs ships no prompt set: pass --prompts PROMPTS.jsonl")
+    help_text = subprocess.run([sys.executable, "-m", "specrs.cli", "bench", "--help"], capture_output=True,
+                               text=True, check=True).stdout
+    out = {}
+    for load in (["quiet", "busy"] if args.bench_busy else ["quiet"]):
+        speedups: dict[str, list] = {}
+        with tempfile.TemporaryDirectory() as tmp, busy_loops(load == "busy"):
+            for i in range(args.bench_runs):
+                path = Path(tmp) / f"bench-{i}.json"
+                cmd = [sys.executable, "-m", "specrs.cli", "bench", "--prompts", str(prompts), "--config",
+                       json.dumps(config), "--max-tokens", str(args.bench_max_tokens), "--json", str(path),
+                       "--no-progress"]
+                if args.bench_num_per_category:
+                    cmd += ["--num-per-category", str(args.bench_num_per_category)]
+                if "--repeats" in help_text:
+                    cmd += ["--repeats", "1"]
+                subprocess.run(cmd, check=True, capture_output=True, text=True)
+                overall = json.loads(path.read_text())["overall"]
+                for label, agg in overall.items():
+                    if label == "baseline":
+                        continue
+                    stats = agg.get("speedup_stats")
+                    # Newer specrs: the median even when it is flagged as noise; older: the ratio.
+                    speedups.setdefault(label, []).append(stats["median"] if stats else agg["speedup"])
+        out[load] = {label: {"speedups": values, **spread(values)} for label, values in speedups.items()}
+        for label, s in out[load].items():
+            print(f"bench {load:<5} {label:<40} speedup {s['min']:.2f} / {s['median']:.2f} / {s['max']:.2f} "
+                  f"(min / median / max of {len(s['speedups'])} runs)", flush=True)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", nargs="+", default=["first_token", "bench_spread"], choices=["first_token", "bench_spread"])
+    ap.add_argument("--modes", nargs="+", default=["api", "serve"], choices=["api", "serve"])
+    ap.add_argument("--caches", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
+    ap.add_argument("--loads", nargs="+", default=["quiet", "busy"], choices=["quiet", "busy"])
+    ap.add_argument("--runs", type=int, default=3, help="fresh processes per first-token cell")
+    ap.add_argument("--config", default=json.dumps(DEFAULT_CONFIG), help="the speculative config (JSON)")
+    ap.add_argument("--max-tokens", type=int, default=16, help="tokens of the first request")
+    ap.add_argument("--prompts", default=None, help="prompts for part 2 (default: the set specrs ships)")
+    ap.add_argument("--bench-runs", type=int, default=5)
+    ap.add_argument("--bench-max-tokens", type=int, default=64)
+    ap.add_argument("--bench-num-per-category", type=int, default=1)
+    ap.add_argument("--bench-busy", action="store_true", help="part 2 beside the busy loop too")
+    ap.add_argument("--out", default=None, help="write the results as JSON")
+    ap.add_argument("--child", choices=["api", "prime"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    config = json.loads(args.config)
+    if args.child == "api":
+        print(json.dumps(child_api(config, args.max_tokens)))
+        return 0
+    if args.child == "prime":
+        print(json.dumps(child_prime(config)))
+        return 0
+
+    import specrs
+
+    report = {"settings": {k: v for k, v in vars(args).items() if k != "child"},
+              "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                          "python": platform.python_version()},
+              "specrs": specrs.__version__, "commit": commit()}
+    if "first_token" in args.parts:
+        report["first_token"] = first_token_part(args, config)
+    if "bench_spread" in args.parts:
+        report["bench_spread"] = bench_spread_part(args, config)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
