@@ -3,11 +3,13 @@ measurements (verification cost curve, draft cost, a quantized_self draft's requ
 inside its own latency?
 
 Three ways to reach the same first request, each in a fresh process:
-- `on_demand`: `Engine(model)` with no config; the first request names the config, so its costs
-  are measured inside that request (what every first request paid before `Engine.prepare`);
-- `prepared`: `Engine(model, speculative_config=cfg)` measures them when the Engine is built;
+- `on_demand`: `Engine(model)` with no config; the first request names the config;
+- `prepared`: `Engine(model, speculative_config=cfg)`;
 - `cached`: the same, in a later process sharing `prepared`'s cache directory, which reads them
   from `$SPECRS_CACHE_DIR/costs/`.
+Before the engine measured its costs in a background thread (engine/cost_worker.rs), `on_demand`
+measured them inside the first request and `prepared` while building the engine; now neither
+does (both start on the prior; `benches/startup_bench.py` times the way to the first token).
 
 `on_demand` and `prepared` start from an empty cache directory. Every process first runs one
 unrelated plain request (the process's own warm-up, the same in every mode), then per prompt a

@@ -137,7 +137,7 @@ def load_engine(model: str | None, speculative_config, device: str):
     # budget reads the same curve as its batch cost curve, forwards of 1..32 rows: queued for the
     # background thread now ("custom" only names the length: no proposer runs), measured before
     # any request if none arrives first, and read from the disk cache by later runs.
-    engine.prepare({"method": "custom", "num_speculative_tokens": BUDGET_CURVE_ROWS - 1})
+    engine._inner.prepare(engine.config_json({"method": "custom", "num_speculative_tokens": BUDGET_CURVE_ROWS - 1}))
     status = engine.cost_status()
     if status["pending"]:
         logger.info("serving on the cost figures at hand (%s) while measuring in the background: %s",
