@@ -3,10 +3,12 @@ a handful of tokens per request."""
 
 import json
 import os
+import re
+import sys
 
 import pytest
 
-from specrs import ConfigError, bench, cli
+from specrs import ConfigError, bench, cli, extras
 from specrs.speedup import Speedup
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
@@ -137,16 +139,7 @@ def test_bench_runs_the_prompts_specrs_ships_and_marks_each_bar_of_its_plot(tmp_
     assert notes[-1].endswith("noise") == (stats["verdict"] != "speedup")
 
 
-def test_plot_needs_the_plot_extra(prompts_file, monkeypatch):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def no_matplotlib(name, *args, **kwargs):
-        if name == "matplotlib":
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    with pytest.raises(ConfigError, match=r"pip install 'specrs\[plot\]'"):
+def test_plot_needs_the_plot_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    with pytest.raises(ConfigError, match=re.escape(extras.install_command("plot"))):
         bench.write_plot({"categories": {}, "overall": {}}, "unused.png")

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from . import _specrs
+from . import _specrs, extras
 from .engine import Engine, SamplingParams
 from .errors import ConfigError
 from .speedup import ABOVE_CEILING, NO_DRAFTS, SPEEDUP, Speedup
@@ -57,7 +57,6 @@ from .speedup import ABOVE_CEILING, NO_DRAFTS, SPEEDUP, Speedup
 # The prompts `specrs bench` and `specrs advise` run without --prompts: shipped in the package.
 SHIPPED_PROMPTS = os.path.join(os.path.dirname(__file__), "data", "prompts.jsonl")
 DEFAULT_REPEATS = 3
-PLOT_INSTALL = "pip install 'specrs[plot]'"
 
 # Prompt + generated tokens must fit here; 2048 is the n_ctx the anchor harness gave llama.cpp.
 DEFAULT_MAX_CONTEXT = 2048
@@ -572,10 +571,9 @@ def write_plot(summary: dict, path: str | os.PathLike) -> list[str]:
     error bar, and each bar marked with its runs and decode tokens; a figure that is noise is an
     empty bar marked so), and acceptance rate per draft position. Returns the notes written on the
     bars, configuration by configuration, category by category (overall last)."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ConfigError(f"--plot needs matplotlib: `{PLOT_INSTALL}`") from None
+    extras.require("plot", "specrs bench --plot")
+    import matplotlib
+
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
 
@@ -674,7 +672,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompts are cut (user text, by characters) so prompt + max tokens fit here")
     parser.add_argument("--json", default=None, metavar="OUT", help="write everything to this JSON file")
     parser.add_argument("--plot", default=None, metavar="OUT.png",
-                        help=f"speedup and acceptance plot (needs matplotlib: `{PLOT_INSTALL}`)")
+                        help="speedup and acceptance plot, each bar marked with its runs, tokens and "
+                             f"spread (needs matplotlib: `{extras.install_command('plot')}`)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -683,10 +682,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be at least 1 (got {args.repeats}); 3 or more give a spread")
     if args.plot:
-        try:
-            import matplotlib  # noqa: F401  (fail now, not after the whole run)
-        except ImportError:
-            raise ConfigError(f"--plot needs matplotlib: `{PLOT_INSTALL}`") from None
+        extras.require("plot", "specrs bench --plot")  # now, not after the whole run
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     prompts_path = args.prompts or SHIPPED_PROMPTS
     prompts = load_prompts(prompts_path, categories, args.num_per_category)
