@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -121,13 +122,15 @@ def test_advise_cli_json(prompts_file):
     assert "reason" in report["recommendation"] and report["repeats"] == 1
 
 
-def test_advise_runs_on_the_prompts_specrs_ships():
-    """No repository path needed: the CLI in a subprocess, without a prompts argument."""
+def test_advise_runs_on_the_prompts_specrs_ships(tmp_path):
+    """No repository path needed: the CLI in a subprocess, without a prompts argument, run from a
+    directory outside the repository; the prompts come from the installed package."""
     out = subprocess.run([sys.executable, "-m", "specrs.cli", "advise", "--methods", "ngram", "--max-k", "2",
                           "--max-tokens", "8", "--num-prompts", "2", "--json", "--no-progress", "--repeats", "1"],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True, check=True, cwd=tmp_path)
     report = json.loads(out.stdout)
-    assert report["prompts"].endswith("prompts.jsonl") and report["num_prompts"] == 2
+    package = os.path.dirname(os.path.abspath(specrs.__file__))
+    assert report["prompts"] == os.path.join(package, "data", "prompts.jsonl") and report["num_prompts"] == 2
 
 
 def test_advise_bad_input(tmp_path, prompts_file):

@@ -122,8 +122,10 @@ def test_a_speedup_carries_its_spread_and_tokens_and_noise_is_never_a_speedup():
     assert Speedup(runs=[1.2], num_tokens=10, num_drafts=3, num_steps=8).describe().startswith("1.20x (1 run, no spread")
 
 
-def test_bench_runs_the_prompts_specrs_ships_and_marks_each_bar_of_its_plot(tmp_path):
+def test_bench_runs_the_prompts_specrs_ships_and_marks_each_bar_of_its_plot(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)  # no repository path: the prompts come from the installed package
+    assert os.path.dirname(os.path.dirname(bench.SHIPPED_PROMPTS)) == os.path.dirname(os.path.abspath(bench.__file__))
     assert os.path.isfile(bench.SHIPPED_PROMPTS)
     shipped = bench.load_prompts(bench.SHIPPED_PROMPTS)
     assert len(shipped) >= 16 and len({p["category"] for p in shipped}) >= 8
