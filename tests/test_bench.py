@@ -56,6 +56,10 @@ def test_bench_writes_baseline_and_config_for_each_category(prompts_file, tmp_pa
         assert table[ngram]["speedup"] == (stats["median"] if stats["verdict"] == "speedup" else None)
         assert len(table[ngram]["acceptance_rate_per_pos"]) == 3
     assert set(report["categories"]) == {"translation", "qa"}
+    # The printed table carries each speedup's spread and tokens (or says why it is noise).
+    cell = bench.format_speedup(report["overall"][ngram])
+    assert f"| {ngram} | {cell} |" in printed
+    assert "2 runs)" in cell or cell.startswith(("noise:", "no drafts; timing noise only")), cell
     assert report["overall"][ngram]["time_breakdown"]["propose_frac"] >= 0
     assert set(report["overall"][ngram]["expected_speedup"]) >= {"textbook", "refined"}
     assert len(report["verify_cost_ratios"]) >= 4 and report["verify_cost_ratios"][0] == pytest.approx(1.0)
@@ -120,6 +124,17 @@ def test_a_speedup_carries_its_spread_and_tokens_and_noise_is_never_a_speedup():
     assert idle.verdict == "no_drafts" and idle.value is None
     assert idle.describe().startswith("no drafts; timing noise only")
     assert Speedup(runs=[1.2], num_tokens=10, num_drafts=3, num_steps=8).describe().startswith("1.20x (1 run, no spread")
+
+
+def test_a_table_cell_shows_the_spread_or_why_the_figure_is_noise():
+    base = [[_run(33, 1.1)], [_run(33, 1.3)], [_run(33, 1.2)]]
+    good = Speedup.of([[_run(33, 0.7, drafts=10, steps=16)]] * 3, base, k=4)
+    cell = bench.format_speedup({"speedup": good.value, "speedup_stats": good.to_dict()})
+    assert cell == f"{good.median:.2f}x ({min(good.runs):.2f}-{max(good.runs):.2f}, 3 runs)"
+    idle = Speedup.of([[_run(33, 0.6)]] * 3, base, k=6)
+    assert bench.format_speedup({"speedup": None, "speedup_stats": idle.to_dict()}) == "no drafts; timing noise only"
+    noisy = Speedup(runs=[6.5], num_tokens=80, num_drafts=5, num_steps=10, k=4)  # above k + 1 = 5
+    assert bench.format_speedup({"speedup": None, "speedup_stats": noisy.to_dict()}) == "noise: 6.50x > 5.00x ceiling"
 
 
 def test_bench_runs_the_prompts_specrs_ships_and_marks_each_bar_of_its_plot(tmp_path, monkeypatch):
