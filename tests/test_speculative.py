@@ -246,6 +246,7 @@ def test_stream_with_speculation_yields_the_same_text(engine):
 def test_engine_metrics_sum_requests_and_report_expected_speedup(model_path):
     engine = specrs.Engine(model_path, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
     results = [engine.generate(chat(PROMPTS[n]), SamplingParams(max_tokens=24)) for n in ("rag", "extraction")]
+    assert engine.wait_for_costs()  # the curve the expected speedup reads, measured in the background
     m = engine.metrics()
     assert m["num_requests"] == 2
     for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
@@ -257,7 +258,7 @@ def test_engine_metrics_sum_requests_and_report_expected_speedup(model_path):
     # Verifying k+1 tokens never costs less than one step (the curve is non-decreasing), so the
     # refined prediction is never above the textbook one. (How much more it costs is the machine's.)
     assert m["verify_cost_ratio"] >= 1 and m["expected_speedup_refined"] <= m["expected_speedup_textbook"]
-    assert m["verify_cost_source"] in ("measured", "disturbed", "cached")
+    assert m["verify_cost_source"] in ("measured", "cached")
     engine.reset_metrics()
     assert engine.metrics()["num_requests"] == 0
 

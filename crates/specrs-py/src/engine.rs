@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyList};
 use specrs_core::chat_template::ChatMessage;
 use specrs_core::constraint::GrammarSpec;
+use specrs_core::costs::Spread;
 use specrs_core::engine::{Generation, TokenLogprobs};
 use specrs_core::metrics::{
     expected_speedup_refined, expected_speedup_textbook, verify_cost_at, RequestMetrics, SpecDecodeMetrics,
@@ -395,6 +396,7 @@ fn metrics_dict<'py>(py: Python<'py>, m: &RequestMetrics) -> PyResult<Bound<'py,
     d.set_item("num_speculative_tokens", m.num_speculative_tokens)?;
     d.set_item("verify_cost_source", m.verify_cost_source)?;
     d.set_item("draft_cost_source", m.draft_cost_source)?;
+    d.set_item("idle_reason", m.idle_reason.as_deref())?;
     spec_items(&d, &m.spec)?;
     Ok(d)
 }
@@ -419,7 +421,26 @@ fn spec_items(d: &Bound<'_, PyDict>, s: &SpecDecodeMetrics) -> PyResult<()> {
     d.set_item("num_grammar_draft_tokens", s.num_grammar_draft_tokens)?;
     d.set_item("num_grammar_accepted_tokens", s.num_grammar_accepted_tokens)?;
     d.set_item("num_grammar_cut_tokens", s.num_grammar_cut_tokens)?;
+    // Decode steps with speculation on that verified no draft, and why (`IdleReason`).
+    d.set_item("num_idle_steps", s.num_idle_steps())?;
+    let idle = PyDict::new(d.py());
+    for (reason, count) in s.idle_steps_by_reason() {
+        idle.set_item(reason, count)?;
+    }
+    d.set_item("idle_steps", idle)?;
     Ok(())
+}
+
+/// A figure's spread as `{"ratio", "tries"}` (None: not timed).
+fn spread_dict<'py>(py: Python<'py>, spread: Option<Spread>) -> PyResult<Option<Bound<'py, PyDict>>> {
+    spread
+        .map(|s| {
+            let d = PyDict::new(py);
+            d.set_item("ratio", s.ratio)?;
+            d.set_item("tries", s.tries)?;
+            Ok(d)
+        })
+        .transpose()
 }
 
 /// Tokens' logprobs as `[{"token_id", "logprob", "top_logprobs": [(token_id, logprob), ...]}]`.
@@ -684,7 +705,7 @@ impl PyEngine {
     }
 
     /// Sums over every finished request: vLLM's acceptance counters, TTFT/ITL/tokens/s, and the
-    /// expected-speedup model (which measures the verification cost curve on first use).
+    /// expected-speedup model on the verification cost curve as it is now (never measured here).
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let engine = self.inner.clone();
         let (m, expected) = run_detached(py, move || {
@@ -740,9 +761,10 @@ impl PyEngine {
         Ok(costs.iter().map(|t| t / costs[0]).collect())
     }
 
-    /// Loads what `config_json` needs and measures its adaptive-length costs now (or reads them
-    /// from the disk cache), so its first request does not pay for them: a dict of the costs
-    /// (`verify_cost_ratios`, `draft_cost`) and their sources.
+    /// Loads what `config_json` needs (draft weights) and queues its adaptive-length costs for the
+    /// background thread unless known (the disk cache), so its first request pays for neither: a
+    /// dict of the costs a request reads now (`verify_cost_ratios`, `draft_cost`), their sources
+    /// and spreads.
     fn prepare<'py>(&self, py: Python<'py>, config_json: &str) -> PyResult<Bound<'py, PyDict>> {
         let config = guard(|| SpeculativeConfig::from_json(config_json)).map_err(to_py)?;
         let engine = self.inner.clone();
@@ -750,19 +772,68 @@ impl PyEngine {
         let d = PyDict::new(py);
         d.set_item("verify_cost_ratios", costs.verify_cost_ratios)?;
         d.set_item("verify_cost_source", costs.verify_cost_source.as_str())?;
+        d.set_item("verify_cost_spread", spread_dict(py, costs.verify_cost_spread)?)?;
         d.set_item("draft_cost", costs.draft_cost)?;
         d.set_item("draft_cost_source", costs.draft_cost_source.map(|s| s.as_str()))?;
+        d.set_item("draft_cost_spread", spread_dict(py, costs.draft_cost_spread)?)?;
         Ok(d)
     }
 
-    /// Whether a request may measure a cost figure nobody measured yet (default true); off, it
-    /// gets the nearest figure (an extrapolated curve, a prior draft cost), marked in its metrics.
+    /// Whether figures nobody measured yet are measured in the background (default true); off,
+    /// they stay the nearest figure (an extrapolated curve, a prior draft cost), marked in metrics.
     fn set_measure_on_demand(&self, on: bool) -> PyResult<()> {
         guard(|| {
             self.inner.set_measure_on_demand(on);
             Ok(())
         })
         .map_err(to_py)
+    }
+
+    /// Whether the background cost thread writes a stderr line for each figure it measures.
+    fn set_log_measurements(&self, on: bool) -> PyResult<()> {
+        guard(|| {
+            self.inner.set_log_measurements(on);
+            Ok(())
+        })
+        .map_err(to_py)
+    }
+
+    /// The engine's cost measurements: how many ran in a caller's thread and in the background,
+    /// how many failed, what is still queued, and every figure with its source and spread.
+    fn cost_status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let status = guard(|| Ok(self.inner.cost_status())).map_err(to_py)?;
+        let d = PyDict::new(py);
+        d.set_item("num_foreground_measurements", status.num_foreground)?;
+        d.set_item("num_background_measurements", status.num_background)?;
+        d.set_item("num_failed_measurements", status.num_failed)?;
+        d.set_item("pending", status.pending)?;
+        let figures = PyList::empty(py);
+        for (what, source, spread) in status.figures {
+            let f = PyDict::new(py);
+            f.set_item("what", what)?;
+            f.set_item("source", source)?;
+            f.set_item("spread", spread_dict(py, spread)?)?;
+            figures.append(f)?;
+        }
+        d.set_item("figures", figures)?;
+        Ok(d)
+    }
+
+    /// Waits (without the GIL) until the background thread measured everything queued, at most
+    /// `timeout_s` seconds (None: no limit); returns whether it did.
+    #[pyo3(signature = (timeout_s=None))]
+    fn wait_for_costs(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<bool> {
+        let timeout = match timeout_s {
+            Some(t) if !(t.is_finite() && t >= 0.0) => {
+                return Err(to_py(specrs_core::Error::config(format!(
+                    "timeout_s must be a non-negative number of seconds, or None to wait as long as it takes (got {t})"
+                ))))
+            }
+            Some(t) => Some(std::time::Duration::from_secs_f64(t)),
+            None => None,
+        };
+        let engine = self.inner.clone();
+        run_detached(py, move || Ok(engine.wait_for_costs(timeout)))
     }
 
     /// Teacher-forced logits `[len(ids), vocab_size]`: one forward pass, or one forward per entry

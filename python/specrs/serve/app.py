@@ -138,6 +138,7 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
                           max_num_batched_tokens=max_num_batched_tokens, max_kv_tokens=max_kv_tokens,
                           draft_budget=draft_budget)
     metrics.report_queue(lambda: scheduler.num_running, lambda: scheduler.num_waiting)
+    metrics.report_costs(engine.cost_status)
     context_length = engine.info()["context_length"]
 
     def cancel(samples: list[Job]) -> None:

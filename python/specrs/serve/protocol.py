@@ -584,7 +584,8 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, metrics: dict | No
     if metrics and metrics.get("spec_method"):
         out["speculative"] = {"method": metrics["spec_method"]} | {key: metrics[key] for key in (
             "num_speculative_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-            "num_accepted_tokens_per_pos", "acceptance_rate", "acceptance_rate_per_pos", "mean_acceptance_length")}
+            "num_accepted_tokens_per_pos", "acceptance_rate", "acceptance_rate_per_pos", "mean_acceptance_length",
+            "num_idle_steps", "idle_steps", "idle_reason")}
     return out
 
 
@@ -608,6 +609,10 @@ def merged_metrics(samples: list[dict]) -> dict | None:
         "acceptance_rate": num_accepted / num_draft_tokens if num_draft_tokens else 0.0,
         "acceptance_rate_per_pos": [count / num_drafts if num_drafts else 0.0 for count in per_pos],
         "mean_acceptance_length": 1.0 + num_accepted / num_drafts if num_drafts else 1.0,
+        "num_idle_steps": sum(m["num_idle_steps"] for m in samples),
+        "idle_steps": {reason: sum(m["idle_steps"][reason] for m in samples) for reason in samples[0]["idle_steps"]},
+        # The sample that stood idle most says why.
+        "idle_reason": max(samples, key=lambda m: m["num_idle_steps"])["idle_reason"],
     }
 
 

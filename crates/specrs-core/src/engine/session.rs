@@ -29,9 +29,10 @@ use crate::config::SamplingParams;
 use crate::costs::CostSource;
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::draft_budget::DraftWish;
+use crate::draft_length::Verdict;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
-use crate::metrics::{EngineMetrics, RequestMetrics, RequestTimer, SpecDecodeMetrics};
+use crate::metrics::{EngineMetrics, IdleReason, RequestMetrics, RequestTimer, SpecDecodeMetrics};
 use crate::model::{CausalLm, ForwardBatch, LogitRows, SeqRows, Tap};
 use crate::proposer::tree::{path_tokens, rank_paths};
 use crate::proposer::{Draft, Feedback, ProposeInput, TreeLimits};
@@ -95,6 +96,7 @@ impl Engine {
             tree_draft_timing: None,
             processor,
             logprobs: Vec::new(),
+            cost_idle: None,
         })
     }
 
@@ -244,6 +246,8 @@ pub struct StepPlan {
     cache_len: usize,
     /// Rows of `rows` that are context (prompt or newest token), before the draft.
     num_unseen: usize,
+    /// Why a speculating request's decode plan has no draft.
+    idle: Option<IdleReason>,
 }
 
 impl StepPlan {
@@ -278,6 +282,17 @@ pub struct Session {
     processor: Option<LogitsProcessor>,
     /// Every generated token's logprobs, when asked for.
     logprobs: Vec<TokenLogprobs>,
+    /// The cost judgement of the last step that drafted nothing for cost, for `idle_reason`.
+    cost_idle: Option<CostIdle>,
+}
+
+/// Why the last step idle for cost judged no draft to pay.
+#[derive(Debug, Clone, Copy)]
+enum CostIdle {
+    /// The chain policy's best length and its predicted speedup.
+    Chain(Verdict),
+    /// The tree chooser planned no level (its estimates are per depth and sibling rank).
+    Tree,
 }
 
 impl Session {
@@ -372,11 +387,12 @@ impl Session {
                 num_forced: 0,
                 cache_len,
                 num_unseen: chunk,
+                idle: None,
             }));
         }
         // A draft needs the whole context in the cache (a layer-skip draft extends it).
-        let (draft, num_forced) =
-            if num_unseen > 1 { (Draft::default(), 0) } else { self.propose(limits.max_draft_tokens)? };
+        let (draft, num_forced, idle) =
+            if num_unseen > 1 { (Draft::default(), 0, None) } else { self.propose(limits.max_draft_tokens)? };
         let mut input = self.all_ids[cache_len..].to_vec();
         input.extend_from_slice(&draft.token_ids);
         // Logits for the newest token and every draft token: [num_draft_tokens + 1, vocab].
@@ -391,7 +407,7 @@ impl Session {
             }
         }
         let kind = if is_prefill { PlanKind::Prefill } else { PlanKind::Decode };
-        Ok(Some(StepPlan { rows, kind, draft, num_forced, cache_len, num_unseen }))
+        Ok(Some(StepPlan { rows, kind, draft, num_forced, cache_len, num_unseen, idle }))
     }
 
     /// Reads the forward's answer to `plan`: `logits` `[plan.rows.logit_rows.len(), vocab]` and
@@ -444,6 +460,9 @@ impl Session {
         self.observe_hidden(plan.cache_len, plan.num_unseen + num_accepted, hidden)?;
         if plan.kind == PlanKind::Decode {
             self.spec_metrics.num_decode_steps += 1;
+            if num_draft_tokens == 0 && self.speculation.is_some() {
+                self.spec_metrics.observe_idle(plan.idle.unwrap_or(IdleReason::NoDraft));
+            }
             self.spec_metrics.forward_s += forward_s;
             self.spec_metrics.verify_s += t1.elapsed().as_secs_f64();
         }
@@ -647,11 +666,11 @@ impl Session {
     /// (its cost-aware policy) evolves as it would alone, so a cut by load is never taken for
     /// the request's own decision not to draft.
     /// With a grammar: the grammar's forced run opens the draft (its length is returned too), and
-    /// the draft is cut where the grammar forbids it.
-    fn propose(&mut self, cap: Option<usize>) -> Result<(Draft, usize)> {
+    /// the draft is cut where the grammar forbids it. An empty draft comes with why.
+    fn propose(&mut self, cap: Option<usize>) -> Result<(Draft, usize, Option<IdleReason>)> {
         let forced = self.forced_run(cap);
         let own_cap = cap.map(|cap| cap - forced.len());
-        let mut draft = self.propose_own(own_cap, &forced)?;
+        let (mut draft, mut idle) = self.propose_own(own_cap, &forced)?;
         let num_forced = forced.len();
         if num_forced > 0 {
             if draft.probs.is_some() {
@@ -661,8 +680,12 @@ impl Session {
             }
             draft = after_forced_run(forced, draft);
         }
+        let proposed = draft.token_ids.len();
         self.cut_by_grammar(&mut draft);
-        Ok((draft, num_forced))
+        if proposed > 0 && draft.token_ids.is_empty() {
+            idle = Some(IdleReason::Grammar);
+        }
+        Ok((draft, num_forced, idle))
     }
 
     /// The tokens this request's grammar forces next, for the draft (chain or tree) of a proposer
@@ -710,12 +733,16 @@ impl Session {
     }
 
     /// The proposer's draft, after `forced` (tokens the grammar forces, not yet verified: the
-    /// proposer continues the context extended by them, and its draft grows from their end).
-    fn propose_own(&mut self, cap: Option<usize>, forced: &[u32]) -> Result<Draft> {
+    /// proposer continues the context extended by them, and its draft grows from their end); an
+    /// empty one comes with why.
+    fn propose_own(&mut self, cap: Option<usize>, forced: &[u32]) -> Result<(Draft, Option<IdleReason>)> {
         let (settings_max, own) = self.own_draft_lengths();
         let depth_room = self.depth_room().saturating_sub(forced.len());
-        let Some(speculation) = self.speculation.as_mut() else { return Ok(Draft::default()) };
+        let Some(speculation) = self.speculation.as_mut() else { return Ok((Draft::default(), None)) };
         if let Some(policy) = speculation.draft_length.as_mut().filter(|_| settings_max > 0 && own == 0) {
+            if let Some(verdict) = policy.verdict(settings_max) {
+                self.cost_idle = Some(CostIdle::Chain(verdict));
+            }
             policy.skipped();
         }
         // After a forced run, the run's tokens count against the tokens left: a chain's length is
@@ -723,7 +750,12 @@ impl Session {
         let own = if forced.is_empty() || speculation.tree.is_on() { own } else { own.min(depth_room) };
         let max_draft = cap.map_or(own, |cap| own.min(cap));
         if max_draft == 0 {
-            return Ok(Draft::default());
+            let idle = match (settings_max, own) {
+                (0, _) => IdleReason::MaxTokens,
+                (_, 0) => IdleReason::Cost,
+                _ => IdleReason::Load,
+            };
+            return Ok((Draft::default(), Some(idle)));
         }
         // A tree: `max_draft` nodes at most, as deep as its settings (and the tokens left) allow
         // and, in "auto" mode, as deep as the chooser expects to pay.
@@ -737,10 +769,15 @@ impl Session {
         });
         let max_tokens = tree.map_or(max_draft, |(depth, _)| depth);
         if max_tokens == 0 {
-            if let Some(chooser) = speculation.tree_chooser.as_mut() {
-                chooser.skipped();
-            }
-            return Ok(Draft::default());
+            let idle = match speculation.tree_chooser.as_mut() {
+                Some(chooser) if depth_room > 0 => {
+                    chooser.skipped();
+                    self.cost_idle = Some(CostIdle::Tree);
+                    IdleReason::Cost
+                }
+                _ => IdleReason::MaxTokens,
+            };
+            return Ok((Draft::default(), Some(idle)));
         }
         let extended: Vec<u32>;
         let context = if forced.is_empty() {
@@ -761,8 +798,14 @@ impl Session {
         let vocab = self.model.info().vocab_size;
         draft.validate(max_tokens, tree.map(|(_, limits)| limits), vocab, speculation.method)?;
         self.tree_draft_timing = tree.map(|_| (draft_s, draft.depth()));
+        let mut pruned_by_chooser = false;
         if draft.parents.is_some() {
+            let before = draft.token_ids.len();
             prune_tree(speculation, &mut draft, vocab);
+            pruned_by_chooser = before > 0 && draft.token_ids.is_empty() && speculation.tree_chooser.is_some();
+            if pruned_by_chooser {
+                self.cost_idle = Some(CostIdle::Tree);
+            }
         }
         if self.cache.len() != self.all_ids.len() - 1 {
             return Err(Error::Proposer(format!(
@@ -781,7 +824,14 @@ impl Session {
                 draft.truncate(i + 1, vocab);
             }
         }
-        Ok(draft)
+        // A tree the chooser pruned to nothing was judged not to pay; any other empty draft is
+        // the proposer's own (no match).
+        let idle = match (draft.token_ids.is_empty(), pruned_by_chooser) {
+            (false, _) => None,
+            (true, true) => Some(IdleReason::Cost),
+            (true, false) => Some(IdleReason::NoDraft),
+        };
+        Ok((draft, idle))
     }
 
     /// How deep the next draft may go: a draft m deep emits up to m + 1 tokens, so one fewer
@@ -951,11 +1001,56 @@ impl Session {
         m.num_speculative_tokens = self.speculation.as_ref().map_or(0, |s| s.num_speculative_tokens);
         m.verify_cost_source = self.speculation.as_ref().and_then(|s| s.verify_cost_source).map(CostSource::as_str);
         m.draft_cost_source = self.speculation.as_ref().and_then(|s| s.draft_cost_source).map(CostSource::as_str);
+        m.idle_reason = self.idle_reason();
         m.spec = self.spec_metrics.clone();
         if m.spec.num_accepted_tokens_per_pos.len() < m.num_speculative_tokens {
             m.spec.num_accepted_tokens_per_pos.resize(m.num_speculative_tokens, 0);
         }
         m
+    }
+
+    /// Why speculation stood idle in most of this request's idle steps, in words with the figures
+    /// the decision rested on.
+    fn idle_reason(&self) -> Option<String> {
+        let speculation = self.speculation.as_ref()?;
+        let reason = self.spec_metrics.main_idle_reason()?;
+        let sources = format!(
+            "verify cost {}{}",
+            speculation.verify_cost_source.map_or("-", CostSource::as_str),
+            speculation.draft_cost_source.map_or_else(String::new, |s| format!(", draft cost {}", s.as_str()))
+        );
+        Some(match (reason, self.cost_idle) {
+            (IdleReason::Cost, Some(CostIdle::Chain(v))) => format!(
+                "predicted speedup {:.2}x < 1 at {} acceptance {:.2} (best draft length {}: verify cost v({}) = {:.2}, \
+                 draft cost c = {:.2}; {sources})",
+                v.predicted_speedup,
+                if v.observed { "measured" } else { "the prior's" },
+                v.acceptance,
+                v.length,
+                v.length + 1,
+                v.verify_cost_ratio,
+                v.draft_cost
+            ),
+            (IdleReason::Cost, _) => {
+                format!(
+                    "the tree chooser predicted no tree or chain pays at its measured acceptance per depth ({sources})"
+                )
+            }
+            (IdleReason::NoDraft, _) => match speculation.method {
+                "ngram" => "the ngram proposer found no earlier occurrence of the context's last tokens \
+                            (prompt_lookup_min to prompt_lookup_max of them) to copy"
+                    .into(),
+                "suffix" => "the suffix proposer found no match of the context's end in the prompt, the output or \
+                             earlier responses"
+                    .into(),
+                method => format!("the {method} proposer drafted nothing"),
+            },
+            (IdleReason::Load, _) => {
+                "the load budget granted no draft rows (in a full batch a draft row costs more than it buys)".into()
+            }
+            (IdleReason::MaxTokens, _) => "too few tokens left before max_tokens for a draft".into(),
+            (IdleReason::Grammar, _) => "the grammar forbade every drafted token".into(),
+        })
     }
 
     pub fn result(&self) -> Generation {
