@@ -43,7 +43,7 @@ WARM_UP_PROMPT = "Name three colours."
 def child(mode: str, method: str, prompts: list[str], max_tokens: int) -> dict:
     """One process's measurements (SPECRS_CACHE_DIR is set by the parent)."""
     cfg = CONFIGS[method]
-    params = specrs.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = specrs.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     engine = specrs.Engine() if mode == "on_demand" else specrs.Engine(speculative_config=cfg)
     build_s = time.perf_counter() - start

@@ -45,7 +45,7 @@ def test_an_engine_measures_its_methods_costs_when_built_and_later_processes_reu
     # A new process reads the figures instead of measuring them: the same curve, labelled "cached",
     # in its requests' metrics too.
     engine = specrs.Engine(model_path, speculative_config=NGRAM)
-    r = engine.generate(PROMPT, SamplingParams(max_tokens=24))
+    r = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24))
     assert r.metrics["verify_cost_source"] == "cached" and r.metrics["draft_cost_source"] is None
     assert engine.prepare(NGRAM)["verify_cost_ratios"] == pytest.approx(first["verify_cost_ratios"], rel=1e-12)
     assert first["verify_cost_ratios"] == pytest.approx([t / stored[0] for t in stored[:3]], rel=1e-12)
@@ -89,14 +89,14 @@ def test_without_measuring_on_demand_a_request_gets_the_nearest_figures(cache_di
     generation loop; the curve is extended and a draft's cost is a prior from its size."""
     engine = specrs.Engine(model_path)
     engine.set_measure_on_demand(False)
-    prior = engine.generate(PROMPT, SamplingParams(max_tokens=8), speculative_config=NGRAM)
+    prior = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8), speculative_config=NGRAM)
     assert prior.metrics["verify_cost_source"] == "prior"
     assert not list(cache_dir.glob("costs/*.json")), "nothing was measured"
     engine.prepare(NGRAM)  # the server's own config, measured at startup: 3 points
-    longer = engine.generate(PROMPT, SamplingParams(max_tokens=8), speculative_config={**NGRAM, "num_speculative_tokens": 6})
+    longer = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8), speculative_config={**NGRAM, "num_speculative_tokens": 6})
     assert longer.metrics["verify_cost_source"] == "extrapolated"
     skip = {"method": "layer_skip", "exit_layer": 15, "num_speculative_tokens": 2}
-    layer_skip = engine.generate(PROMPT, SamplingParams(max_tokens=8), speculative_config=skip)
+    layer_skip = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8), speculative_config=skip)
     assert layer_skip.metrics["draft_cost_source"] == "prior"
     assert engine.verify_cost_ratios(3) == engine.prepare(NGRAM)["verify_cost_ratios"]
     # Measured at startup, then read: a measured draft cost is "measured".
@@ -107,11 +107,11 @@ def test_without_measuring_on_demand_a_request_gets_the_nearest_figures(cache_di
 def test_suffix_caches_are_bounded_and_the_engines_own_is_kept(model_path):
     default = {"method": "suffix", "num_speculative_tokens": 8}
     engine = specrs.Engine(model_path, speculative_config=default)
-    params = SamplingParams(max_tokens=32)
+    params = SamplingParams(temperature=0, max_tokens=32)
     first = engine.generate(PROMPT, params)
     # Ten other suffix configs, one request each: each gets a cache, the oldest go.
     for depth in range(10, 20):
-        engine.generate(PROMPT, SamplingParams(max_tokens=4),
+        engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4),
                         speculative_config={"method": "suffix", "suffix_decoding_max_tree_depth": depth})
     memory = engine.memory()
     assert memory["num_suffix_caches"] == 8

@@ -110,7 +110,7 @@ impl Engine {
         let vocab = self.model.info().vocab_size as u64;
         let context: Vec<u32> = (0..128u64).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
         let mut proposer = self.proposer(config, None)?;
-        proposer.begin(&context, &SamplingParams { max_tokens: k + 1, ..SamplingParams::default() })?;
+        proposer.begin(&context, &SamplingParams::greedy(k + 1))?;
         let mut target_cache = self.model.new_cache(context.len() + k)?;
         if matches!(config.method, Method::LayerSkip { .. }) {
             // Only the layer-skip draft reads the target's cache.
