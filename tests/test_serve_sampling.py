@@ -117,6 +117,7 @@ def test_special_tokens_are_written_when_not_skipped(engine):
     ("include_stop_str_in_output", "yes"), ("skip_special_tokens", 1), ("spaces_between_special_tokens", None),
     ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -5), ("bad_words", "cat"), ("bad_words", [" "]),
     ("allowed_token_ids", []), ("allowed_token_ids", [10**6]), ("allowed_token_ids", "1"), ("stop", [""]),
+    ("prompt_logprobs", 1),
 ])
 def test_bad_values_are_400s_naming_the_field(client, model_name, field, value):  # noqa: F811
     if value is None:  # null is the default; a list is not a bool

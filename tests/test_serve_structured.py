@@ -48,7 +48,8 @@ def _chat(client, model_name, content, stream=False, max_tokens=80, **extra):  #
 
 def _local(engine, content, max_tokens=80, **settings):
     return engine.generate([{"role": "user", "content": content}],
-                           specrs.SamplingParams(max_tokens=max_tokens, **settings), speculative_config=False)
+                           specrs.SamplingParams(temperature=0, max_tokens=max_tokens, **settings),
+                           speculative_config=False)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -27,7 +27,7 @@ WEIGHT_LOADING_METHODS = {"draft_model": "model", "pard": "model", "quantized_se
 # OpenAI fields specrs accepts at their default value only: a request that relies on another value
 # gets a 400 naming the field rather than a silently different answer.
 UNSUPPORTED_UNLESS_DEFAULT = {
-    "best_of": 1, "echo": False, "suffix": None,
+    "best_of": 1, "echo": False, "suffix": None, "prompt_logprobs": None,
 }
 IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 # Fields that constrain the output to a grammar: OpenAI's response_format and vLLM's (at most one).

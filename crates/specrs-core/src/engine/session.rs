@@ -15,10 +15,10 @@
 //! proposer's `finish` see exactly plain decoding's tokens.
 //!
 //! A request whose settings change the logits (grammar, allowed_token_ids, bad_words, penalties,
-//! logit_bias, min_tokens) has
-//! every verified row processed as plain decoding would process it (`logits_processor.rs`); its
-//! drafts are cut where its grammar forbids them, and the tokens its grammar forces open the
-//! drafts (chains and trees) of proposers that draft from the context alone (`grammar_drafts`).
+//! logit_bias, min_tokens) has every verified row processed as plain decoding would process it
+//! (`logits_processor.rs`); its drafts are cut where its grammar forbids them, and the tokens its
+//! grammar forces open the drafts (chains and trees) of proposers that draft from the context
+//! alone (`grammar_drafts`).
 //!
 //! Invariant: after every commit of an unfinished request that was not preempted, the cache holds
 //! exactly the prompt plus every generated token but the newest one (which the next forward
