@@ -6,6 +6,8 @@ engine's for the same settings; bad values are 400s naming the field."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import specrs
@@ -127,3 +129,53 @@ def test_bad_values_are_400s_naming_the_field(client, model_name, field, value):
     error = info.value.body
     assert error["param"] == field, error
     assert field in error["message"] or field == "stop", error
+
+
+def _sse_completion(body: str) -> tuple[str, str | None]:
+    """(text, stop_reason) of a streamed completion's server-sent events."""
+    chunks = [json.loads(line[len("data: "):]) for line in body.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    choices = [chunk["choices"][0] for chunk in chunks if chunk.get("choices")]
+    finished = [choice for choice in choices if choice.get("finish_reason") is not None]
+    return "".join(choice["text"] for choice in choices), finished[-1]["stop_reason"]
+
+
+def test_the_servers_suffix_cache_learns_only_the_emitted_tokens(engine, model_path):
+    """A stop string ends the request in the core, so the server's suffix cache (what the next
+    requests draft from) holds exactly the tokens the client got, streamed or not, also when the
+    stop string completed inside an accepted draft: the server once aborted the request after the
+    step that showed the stop string, and the cache learned that step's tokens past it."""
+    from starlette.testclient import TestClient
+
+    from specrs.serve import build_app
+
+    config = {"method": "suffix", "num_speculative_tokens": 6, "adaptive_draft_length": False}
+    serving = specrs.Engine(model_path, speculative_config=config)
+    # The same requests in the same order on an engine of its own, whose suffix cache hence drafts
+    # as the server's does: its metrics show where a stop string completed inside a draft.
+    mirror = specrs.Engine(model_path, speculative_config=config)
+    full = _local(engine, ignore_eos=True).text
+    stops = [full[start:start + 4] for start in (30, 34, 38, 45, 52)]
+    num_cut_inside_a_draft = 0
+    # draft_budget "off": every draft as proposed, as Engine.generate runs it (no batch to share rows with).
+    with TestClient(build_app(serving, "m", draft_budget="off")) as http:
+        for i, stop in enumerate(stops):
+            expected = mirror.generate(PROMPT, specrs.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=[stop],
+                                                                     ignore_eos=True))
+            assert expected.text == full[:full.index(stop)]
+            m = expected.metrics
+            num_cut_inside_a_draft += m["num_generated_tokens"] < 1 + m["num_decode_steps"] + m["num_accepted_tokens"]
+            stream = i % 2 == 1
+            response = http.post("/v1/completions", json={
+                "model": "m", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stop": [stop],
+                "ignore_eos": True, "stream": stream})
+            assert response.status_code == 200, response.text
+            if stream:
+                assert _sse_completion(response.text) == (expected.text, stop)
+            else:
+                choice, usage = response.json()["choices"][0], response.json()["usage"]
+                assert (choice["text"], choice["stop_reason"]) == (expected.text, stop)
+                assert usage["completion_tokens"] == len(expected.token_ids)
+            [(_, responses)] = serving.suffix_cache_responses()
+            assert len(responses) == i + 1 and responses[-1] == expected.token_ids, stop
+    assert num_cut_inside_a_draft > 0

@@ -104,13 +104,28 @@ def test_a_batch_runs_each_requests_own_stop_strings(engine, plain):
         assert result.stop_reason == (stop if stop in full else None)
 
 
+def cut_inside_a_draft(result) -> bool:
+    """Whether a stop string ended `result` inside an accepted draft: every step emits its
+    accepted draft tokens and one more, so fewer tokens than that mean the step was cut short."""
+    m = result.metrics
+    return m["num_generated_tokens"] < 1 + m["num_decode_steps"] + m["num_accepted_tokens"]
+
+
 def test_the_suffix_cache_learns_only_the_emitted_tokens(model_path, plain):
+    """The suffix cache (what the next requests draft from) holds exactly each request's output,
+    also when the stop string completed inside an accepted draft, whose tokens past it a request
+    stopped outside the core (aborted after the step) would have committed and taught it."""
     engine = specrs.Engine(model_path, speculative_config=SUFFIX)
-    stop = plain["repeat"].text[30:34]
-    out = engine.generate(REPEAT, greedy(stop=stop, ignore_eos=True))
-    assert out.finish_reason == "stop" and len(out.token_ids) < len(plain["repeat"].token_ids)
+    full = plain["repeat"].text
+    outputs = []
+    for start in (30, 34, 38, 45, 52):
+        out = engine.generate(REPEAT, greedy(stop=full[start:start + 4], ignore_eos=True))
+        assert out.finish_reason == "stop" and len(out.token_ids) < len(plain["repeat"].token_ids)
+        assert out.token_ids == plain["repeat"].token_ids[:len(out.token_ids)]
+        outputs.append(out)
+    assert any(cut_inside_a_draft(out) for out in outputs), [out.metrics for out in outputs]
     [(config, responses)] = engine.suffix_cache_responses()
-    assert responses == [out.token_ids]
+    assert responses == [out.token_ids for out in outputs]
 
 
 def test_include_stop_str_and_skip_special_tokens(engine):
