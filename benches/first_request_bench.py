@@ -57,7 +57,7 @@ def child_api(config: dict, max_tokens: int) -> dict:
 
     engine = specrs.Engine(speculative_config=config)
     built_s = time.perf_counter() - start
-    stream = engine.stream([{"role": "user", "content": PROMPT}], specrs.SamplingParams(max_tokens=max_tokens))
+    stream = engine.stream([{"role": "user", "content": PROMPT}], specrs.SamplingParams(temperature=0, max_tokens=max_tokens))
     first_s = None
     status_at_first = None
     for chunk in stream:
@@ -77,7 +77,7 @@ def child_prime(config: dict) -> dict:
     import specrs
 
     engine = specrs.Engine(speculative_config=config)
-    engine.generate(PROMPT, specrs.SamplingParams(max_tokens=8))
+    engine.generate(PROMPT, specrs.SamplingParams(temperature=0, max_tokens=8))
     waited = engine.wait_for_costs() if hasattr(engine, "wait_for_costs") else None
     return {"waited_for_costs": waited}
 

@@ -37,7 +37,7 @@ def test_an_engine_starts_on_the_prior_measures_in_the_background_and_later_engi
     assert status["num_foreground_measurements"] == 0
     assert any("verification cost curve" in p for p in status["pending"]), status
     # A request reads what is there now; it never measures.
-    r = engine.generate(PROMPT, SamplingParams(max_tokens=16))
+    r = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16))
     assert r.metrics["verify_cost_source"] == "prior"
     assert engine.cost_status()["num_foreground_measurements"] == 0
     # Idle, the background thread measures the curve and stores it with its spread.
@@ -59,7 +59,7 @@ def test_an_engine_starts_on_the_prior_measures_in_the_background_and_later_engi
     cached = later.prepare(NGRAM)
     assert cached["verify_cost_source"] == "cached" and later.cost_status()["pending"] == []
     assert cached["verify_cost_ratios"] == pytest.approx(measured["verify_cost_ratios"], rel=1e-12)
-    r = later.generate(PROMPT, SamplingParams(max_tokens=16))
+    r = later.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16))
     assert r.metrics["verify_cost_source"] == "cached"
 
 
@@ -75,7 +75,7 @@ def test_the_background_thread_measures_only_while_no_request_is_in_flight(cache
     """A request in flight (a stream not yet finished holds its KV cache) keeps the measurement
     from completing, however long it waits; once it ends, the measurement lands."""
     engine = specrs.Engine(model_path)
-    stream = engine.stream(PROMPT, SamplingParams(max_tokens=8), speculative_config=NGRAM)  # queues the curve
+    stream = engine.stream(PROMPT, SamplingParams(temperature=0, max_tokens=8), speculative_config=NGRAM)  # queues the curve
     assert engine.cost_status()["pending"]
     assert not engine.wait_for_costs(timeout_s=1.0)
     assert engine.cost_status()["num_background_measurements"] == 0
@@ -131,7 +131,7 @@ def test_without_measuring_on_demand_a_request_gets_the_nearest_figures(cache_di
     and a draft's cost is a prior from its size."""
     engine = specrs.Engine(model_path)
     engine.set_measure_on_demand(False)
-    prior = engine.generate(PROMPT, SamplingParams(max_tokens=8), speculative_config=NGRAM)
+    prior = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8), speculative_config=NGRAM)
     assert prior.metrics["verify_cost_source"] == "prior"
     assert engine.cost_status()["pending"] == []
     assert not list(cache_dir.glob("costs/*.json")), "nothing was measured"
@@ -139,10 +139,10 @@ def test_without_measuring_on_demand_a_request_gets_the_nearest_figures(cache_di
     engine.prepare(NGRAM)  # 3 points, measured in the background
     assert engine.wait_for_costs()
     engine.set_measure_on_demand(False)
-    longer = engine.generate(PROMPT, SamplingParams(max_tokens=8), speculative_config={**NGRAM, "num_speculative_tokens": 6})
+    longer = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8), speculative_config={**NGRAM, "num_speculative_tokens": 6})
     assert longer.metrics["verify_cost_source"] == "extrapolated"
     skip = {"method": "layer_skip", "exit_layer": 15, "num_speculative_tokens": 2}
-    layer_skip = engine.generate(PROMPT, SamplingParams(max_tokens=8), speculative_config=skip)
+    layer_skip = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8), speculative_config=skip)
     assert layer_skip.metrics["draft_cost_source"] == "prior"
     assert engine.cost_status()["pending"] == []
     # Measuring on: the draft's cost is measured in the background, then read.
@@ -157,11 +157,11 @@ def test_without_measuring_on_demand_a_request_gets_the_nearest_figures(cache_di
 def test_suffix_caches_are_bounded_and_the_engines_own_is_kept(model_path):
     default = {"method": "suffix", "num_speculative_tokens": 8}
     engine = specrs.Engine(model_path, speculative_config=default)
-    params = SamplingParams(max_tokens=32)
+    params = SamplingParams(temperature=0, max_tokens=32)
     first = engine.generate(PROMPT, params)
     # Ten other suffix configs, one request each: each gets a cache, the oldest go.
     for depth in range(10, 20):
-        engine.generate(PROMPT, SamplingParams(max_tokens=4),
+        engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4),
                         speculative_config={"method": "suffix", "suffix_decoding_max_tree_depth": depth})
     memory = engine.memory()
     assert memory["num_suffix_caches"] == 8

@@ -27,7 +27,7 @@ def test_drafts_predicted_not_to_pay_say_so_with_the_figures(engine):
     # A steep verification curve, pinned (the policy is tested, not the machine): after a few
     # rejected drafts no draft length pays at the acceptance the request measured.
     config = {"method": "custom", "num_speculative_tokens": 4, "verify_cost_ratios": [1.0, 1.4, 1.6, 2.0, 2.4]}
-    r = engine.generate(_chat("Name the planets of the solar system."), SamplingParams(max_tokens=40, ignore_eos=True),
+    r = engine.generate(_chat("Name the planets of the solar system."), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
                         speculative_config=config, proposer=AlwaysWrong())
     m = r.metrics
     assert set(m["idle_steps"]) == REASONS
@@ -44,7 +44,7 @@ def test_a_proposer_that_finds_nothing_says_so(engine):
     # vLLM's default prompt_lookup_min of 5 needs a 5-token repeat; this prompt and its short
     # answer have none (the README's serve example made 0 drafts this way).
     config = {"method": "ngram", "num_speculative_tokens": 6}
-    r = engine.generate(_chat("Write a haiku about autumn leaves."), SamplingParams(max_tokens=16),
+    r = engine.generate(_chat("Write a haiku about autumn leaves."), SamplingParams(temperature=0, max_tokens=16),
                         speculative_config=config)
     m = r.metrics
     assert m["num_drafts"] == 0 and m["idle_steps"]["no_draft"] > 0
@@ -57,11 +57,11 @@ def test_the_last_step_before_max_tokens_is_idle_for_lack_of_room_and_plain_deco
     # Every draft rejected: one token per step, so the step after the 11th token has no room left.
     config = {"method": "custom", "num_speculative_tokens": 4, "adaptive_draft_length": False}
     prompt = _chat("Repeat exactly: one two three four five six seven eight.")
-    r = engine.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True), speculative_config=config,
+    r = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), speculative_config=config,
                         proposer=AlwaysWrong())
     assert r.metrics["idle_steps"]["max_tokens"] == 1 and r.metrics["num_idle_steps"] == 1
     assert r.metrics["idle_reason"] == "too few tokens left before max_tokens for a draft"
-    plain = engine.generate(prompt, SamplingParams(max_tokens=12), speculative_config=False)
+    plain = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=12), speculative_config=False)
     assert plain.metrics["num_idle_steps"] == 0 and plain.metrics["idle_reason"] is None
     assert idle_report(plain.metrics) is None
 
@@ -75,7 +75,7 @@ def test_a_grammar_that_forbids_the_draft_says_so(engine):
         def propose(self, context_ids, max_tokens):
             return [digits] * max_tokens
 
-    params = SamplingParams(max_tokens=12, ignore_eos=True, regex="[a-z ]{12,40}")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, regex="[a-z ]{12,40}")
     config = {"method": "custom", "num_speculative_tokens": 2, "adaptive_draft_length": False,
               "grammar_drafts": False}
     r = engine.generate(_chat("Describe the sky."), params, speculative_config=config, proposer=Digits())

@@ -52,7 +52,7 @@ def test_merged_metrics_sum_the_samples_counts(engine):
 
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     prompts = ["one two three four one two three four one two three", "a b c d e a b c d e a b c d"]
-    samples = [engine.generate(p, specrs.SamplingParams(max_tokens=24, ignore_eos=True), speculative_config=ngram).metrics
+    samples = [engine.generate(p, specrs.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), speculative_config=ngram).metrics
                for p in prompts]
     assert all(m["num_drafts"] > 0 for m in samples)  # model-free drafts on repeated text, untimed
     merged = merged_metrics(samples)

@@ -130,7 +130,7 @@ def test_the_batch_progress_bar_covers_the_whole_call(engine, capsys, monkeypatc
 
     monkeypatch.setattr(specrs.engine._specrs, "Scheduler", scheduler)
     monkeypatch.setattr(specrs.engine._ProgressBar, "REDRAW_S", 0.0)  # every step, for the test
-    engine.generate(["Count to five.", "Name a color."], specrs.SamplingParams(max_tokens=6))
+    engine.generate(["Count to five.", "Name a color."], specrs.SamplingParams(temperature=0, max_tokens=6))
     assert drawn_before_scheduler == [True]
     lines = capsys.readouterr().err.split("\r")
     assert any(" 0/2 requests, " in line and " 0 tokens" not in line for line in lines), lines

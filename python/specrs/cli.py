@@ -42,6 +42,7 @@ def _generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         min_p=args.min_p,
         seed=args.seed,
+        stop=args.stop,
     )
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     stream = engine.stream(prompt, params)
@@ -232,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                     help="end the output before this string (repeatable; vLLM's stop)")
     gen.add_argument("--device", default="cpu")
     gen.add_argument(
         "--no-baseline",

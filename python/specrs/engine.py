@@ -145,12 +145,16 @@ class GenerationResult:
 
     text: str
     token_ids: list[int]
+    # The prompt the request ran on (after SamplingParams(truncate_prompt_tokens=...)).
     prompt_token_ids: list[int]
     finish_reason: str | None
     metrics: dict[str, Any] = field(default_factory=dict)
     # One {"token_id", "logprob", "top_logprobs": [(token_id, logprob), ...]} per generated token
     # when SamplingParams(logprobs=n) asked for them; None otherwise.
     logprobs: list[dict[str, Any]] | None = None
+    # vLLM's stop_reason: the stop string (str) or stop token id (int) that ended the request;
+    # None when it ended otherwise (an end-of-sequence token, max_tokens, ...).
+    stop_reason: str | int | None = None
 
     @classmethod
     def _from_dict(cls, d: dict) -> "GenerationResult":
@@ -161,6 +165,7 @@ class GenerationResult:
             finish_reason=d["finish_reason"],
             metrics=dict(d["metrics"]),
             logprobs=d.get("logprobs"),
+            stop_reason=d.get("stop_reason"),
         )
 
 

@@ -13,7 +13,7 @@ import math
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .. import _specrs
@@ -24,15 +24,19 @@ from ..heads import shipped_heads
 # OpenAI fields specrs accepts at their default value only: a request that relies on another value
 # gets a 400 naming the field rather than a silently different answer.
 UNSUPPORTED_UNLESS_DEFAULT = {
-    "best_of": 1, "echo": False, "suffix": None,
+    "best_of": 1, "echo": False, "suffix": None, "prompt_logprobs": None,
 }
 IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 # Fields that constrain the output to a grammar: OpenAI's response_format and vLLM's (at most one).
 GRAMMAR_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_grammar",
                   "guided_choice"}
+# vLLM's extra sampling fields (its OpenAI server takes them in the body, `extra_body` in the client).
+VLLM_SAMPLING_FIELDS = {"include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                        "truncate_prompt_tokens", "bad_words", "allowed_token_ids"}
 COMMON_FIELDS = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
                  "stream_options", "speculative", "ignore_eos", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "logprobs"} | GRAMMAR_FIELDS
+                 "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "logprobs"} | GRAMMAR_FIELDS \
+    | VLLM_SAMPLING_FIELDS
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
 # OpenAI's limits on alternatives per token: completions' integer `logprobs`, chat's `top_logprobs`.
@@ -140,7 +144,6 @@ class GenerationRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with only the usage
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
-    stop: list[str] = field(default_factory=list)
     request_id: str = ""
     created: int = 0
     tools: Any = None  # tools.ToolRequest: the answer may be (or must be) a tool call
@@ -292,6 +295,44 @@ def _stop_strings(body: dict) -> list[str]:
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
         raise APIError(400, "stop must be a non-empty string or a list of at most 4 non-empty strings", param="stop")
     return stops
+
+
+def _flag(body: dict, key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(400, f"{key} must be true or false (got {_shown(value)})", param=key)
+    return value
+
+
+def _strings(body: dict, key: str) -> list[str] | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise APIError(400, f"{key} must be a list of strings", param=key)
+    return value
+
+
+def _field_named(message: str, body: dict) -> str | None:
+    """The request field an engine message opens with ("allowed_token_ids is empty, ..."), if any."""
+    word = re.match(r"\w+", message)
+    return word.group(0) if word is not None and word.group(0) in body else None
+
+
+def _truncated_prompt(engine: Engine, body: dict, prompt_ids: list[int]) -> list[int]:
+    """The prompt after vLLM's `truncate_prompt_tokens` (the engine's truncation), before the
+    context checks, as vLLM truncates when it tokenizes."""
+    key = "truncate_prompt_tokens"
+    value = _integer(body, key, None, -1, TOP_K_MAX, "keep the last N >= 1 prompt tokens, or -1 for as many as "
+                     "the context holds")
+    if value is None:
+        return prompt_ids
+    try:
+        return engine._inner.request_prompt(prompt_ids, SamplingParams(truncate_prompt_tokens=value))
+    except ConfigError as e:
+        raise APIError(400, str(e), param=key) from None
 
 
 def _messages(body: dict) -> list[dict]:
@@ -483,6 +524,7 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
             prompt_ids = _completion_prompt(engine, body)
     except ConfigError as e:
         raise APIError(400, str(e), param="messages" if kind == "chat" else "prompt") from None
+    prompt_ids = _truncated_prompt(engine, body, prompt_ids)
     context = engine.info()["context_length"]
     max_key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
     if len(prompt_ids) >= context:
@@ -530,6 +572,13 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
             logit_bias=_logit_bias(body),
             min_tokens=_integer(body, "min_tokens", 0, 0, max_tokens, f"use 0..={max_tokens} (at most max_tokens)"),
             stop_token_ids=_token_ids(body, "stop_token_ids"),
+            stop=_stop_strings(body),
+            include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
+            skip_special_tokens=_flag(body, "skip_special_tokens", True),
+            spaces_between_special_tokens=_flag(body, "spaces_between_special_tokens", True),
+            truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
+            bad_words=_strings(body, "bad_words"),
+            allowed_token_ids=_token_ids(body, "allowed_token_ids"),
             logprobs=logprobs,
             n=n,
             **(grammar or {}),
@@ -537,7 +586,8 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
         engine.check_params(params)  # compiles the grammar: a bad one is a 400 before any answer
     except (ConfigError, TypeError, ValueError) as e:  # TypeError: a grammar field of the wrong type
         grammar_field = next((k for k in sorted(GRAMMAR_FIELDS) if body.get(k) is not None), None)
-        param = _sampling_field(str(e), kind, max_key) or (grammar_field if grammar is not None else None)
+        param = (_sampling_field(str(e), kind, max_key) or _field_named(str(e), body)
+                 or (grammar_field if grammar is not None else None))
         raise APIError(400, str(e), param=param) from None
 
     stream = body.get("stream", False)
@@ -566,7 +616,6 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous_usage,
-        stop=_stop_strings(body),
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         created=int(time.time()),
         tools=tool_request,
@@ -641,25 +690,31 @@ def logprobs_body(request: GenerationRequest, entries: list[dict] | None, decode
 
 
 def _choice(request: GenerationRequest, index: int, text: str | None, finish_reason: str | None, delta: bool,
-            first: bool = False, logprobs: dict | None = None, tool_call: dict | None = None) -> dict:
+            first: bool = False, logprobs: dict | None = None, tool_call: dict | None = None,
+            stop_reason: str | int | None = None) -> dict:
+    """One choice; `stop_reason` is vLLM's (the stop string or stop token id that ended it)."""
     if request.kind == "completion":
-        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
     if not delta:
         message = {"role": "assistant", "content": text}
         if tool_call is not None:
             message = {"role": "assistant", "content": None, "tool_calls": [tool_call]}
-        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
     content = {} if text is None else {"content": text}
     if tool_call is not None:
         content = {"tool_calls": [tool_call]}
     return {"index": index, "delta": ({"role": "assistant"} if first else {}) | content, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+            "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
 def answer_choice(request: GenerationRequest, index: int, text: str, finish_reason: str | None,
-                  logprobs: dict | None = None, tool_call: dict | None = None) -> dict:
+                  logprobs: dict | None = None, tool_call: dict | None = None,
+                  stop_reason: str | int | None = None) -> dict:
     """One sample's choice of a whole (non-streamed) response; with `tool_call`, the answer is that call."""
-    return _choice(request, index, text, finish_reason, delta=False, logprobs=logprobs, tool_call=tool_call)
+    return _choice(request, index, text, finish_reason, delta=False, logprobs=logprobs, tool_call=tool_call,
+                   stop_reason=stop_reason)
 
 
 def response_body(request: GenerationRequest, choices: list[dict], usage_: dict) -> dict:
@@ -676,7 +731,8 @@ def response_body(request: GenerationRequest, choices: list[dict], usage_: dict)
 
 def chunk_body(request: GenerationRequest, text: str | None, finish_reason: str | None = None,
                usage_: dict | None = None, first: bool = False, no_choices: bool = False,
-               logprobs: dict | None = None, tool_call: dict | None = None, index: int = 0) -> dict:
+               logprobs: dict | None = None, tool_call: dict | None = None, index: int = 0,
+               stop_reason: str | int | None = None) -> dict:
     """One streamed chunk of sample `index`; `no_choices` makes stream_options.include_usage's
     last chunk; `tool_call` is a delta of OpenAI's `tool_calls`."""
     body = {
@@ -685,7 +741,7 @@ def chunk_body(request: GenerationRequest, text: str | None, finish_reason: str 
         "created": request.created,
         "model": request.model,
         "choices": [] if no_choices else [_choice(request, index, text, finish_reason, delta=True, first=first,
-                                                  logprobs=logprobs, tool_call=tool_call)],
+                                                  logprobs=logprobs, tool_call=tool_call, stop_reason=stop_reason)],
     }
     if usage_ is not None:
         body["usage"] = usage_

@@ -534,7 +534,7 @@ impl CostBook {
         let Some(mut step_cache) = self.filled_cache(policy_context_len, 1, gate)? else { return Ok(None) };
         let context = probe_tokens(self.model.info().vocab_size, 0, DRAFT_CONTEXT_LEN + MAX_ROUNDS + 1);
         let full = &context[..DRAFT_CONTEXT_LEN];
-        proposer.begin(full, &SamplingParams { max_tokens: k + 1, ..SamplingParams::default() })?;
+        proposer.begin(full, &SamplingParams::greedy(k + 1))?;
         let mut target_cache = self.model.new_cache(context.len() + k)?;
         if reads_target_cache {
             // Only the layer-skip draft reads the target's cache.

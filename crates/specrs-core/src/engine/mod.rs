@@ -5,7 +5,9 @@
 //! - `cost_model.rs`: the verify-cost curve, the draft cost, the expected speedup;
 //! - `cost_worker.rs`: the cost figures and the background thread that measures them;
 //! - `session.rs`: one request's decoding state, stepped as plan -> forward -> commit;
-//! - `logits_processor.rs`: grammar masks, logit_bias, min_tokens and penalties on verified rows;
+//! - `logits_processor.rs`: grammar masks, allowed_token_ids, bad_words, logit_bias, min_tokens
+//!   and penalties on verified rows;
+//! - `output_text.rs`: a request's text as tokens are committed, stop strings, what a stream shows;
 //! - `step_together.rs`: steps of several sessions gathered into one forward;
 //! - `scheduler.rs`: continuous batching: requests admitted, batched, budgeted, preempted;
 //! - `direct.rs`: teacher-forced forwards (logits, hidden states, a multi-sequence batch);
@@ -42,6 +44,7 @@ pub mod cost_worker;
 pub mod device;
 pub mod direct;
 pub mod logits_processor;
+pub mod output_text;
 pub mod proposers;
 pub mod scheduler;
 pub mod session;
@@ -54,7 +57,7 @@ pub use cost_model::{ExpectedSpeedup, PolicyCosts};
 pub use cost_worker::CostStatus;
 pub use device::{cache_dir, parse_device};
 pub use proposers::{Speculation, MAX_SUFFIX_CACHES};
-pub use session::{FinishReason, Generation, PlanLimits, Session, StepOutput, StepPlan, TokenLogprobs};
+pub use session::{FinishReason, Generation, PlanLimits, Session, StepOutput, StepPlan, StopReason, TokenLogprobs};
 
 /// Bytes of weights and KV caches, for `Engine::memory`. KV figures count the caches of requests
 /// in flight now, and the most held at once since the engine loaded.

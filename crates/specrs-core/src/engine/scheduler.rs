@@ -270,6 +270,7 @@ impl Scheduler {
         if self.contains(id) {
             return Err(Error::config(format!("request id {id} is already in the scheduler; use a new id")));
         }
+        let prompt_ids = self.engine.request_prompt(&prompt_ids, &params).to_vec();
         self.check_new(&prompt_ids, &params)?;
         self.waiting.push_back(Waiting::New { id, prompt_ids, params, speculation, first_sample: None });
         Ok(())
@@ -298,6 +299,7 @@ impl Scheduler {
             return Err(Error::config(format!("request id {} is already in use; give each sample a new id", id.1)));
         }
         params.validate()?;
+        let prompt_ids = self.engine.request_prompt(&prompt_ids, &params).to_vec();
         let sample_params =
             |i: usize| SamplingParams { n: 1, seed: params.seed.map(|s| s.wrapping_add(i as u64)), ..params.clone() };
         self.check_new(&prompt_ids, &sample_params(0))?;
@@ -358,6 +360,7 @@ impl Scheduler {
                     token_ids: Vec::new(),
                     text: String::new(),
                     finish_reason: Some(FinishReason::Abort),
+                    stop_reason: None,
                     metrics: RequestMetrics::default(),
                     logprobs: None,
                 }),

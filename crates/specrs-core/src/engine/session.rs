@@ -9,10 +9,16 @@
 //! A scheduler may cap a plan (`plan_with`: context rows, draft tokens) and may take a request's
 //! cache away (`preempt`); the next plans then feed the context again before decoding resumes.
 //!
-//! A request whose settings change the logits (grammar, penalties, logit_bias, min_tokens) has
-//! every verified row processed as plain decoding would process it (`logits_processor.rs`); its
-//! drafts are cut where its grammar forbids them, and the tokens its grammar forces open the
-//! drafts (chains and trees) of proposers that draft from the context alone (`grammar_drafts`).
+//! Each emitted token's text is decoded as it is committed (`output_text.rs`): a stop string ends
+//! the request at the token that completes it, whichever step (and draft) that token came in,
+//! and the tokens verified after it are never emitted, so the output, the suffix cache and the
+//! proposer's `finish` see exactly plain decoding's tokens.
+//!
+//! A request whose settings change the logits (grammar, allowed_token_ids, bad_words, penalties,
+//! logit_bias, min_tokens) has every verified row processed as plain decoding would process it
+//! (`logits_processor.rs`); its drafts are cut where its grammar forbids them, and the tokens its
+//! grammar forces open the drafts (chains and trees) of proposers that draft from the context
+//! alone (`grammar_drafts`).
 //!
 //! Invariant: after every commit of an unfinished request that was not preempted, the cache holds
 //! exactly the prompt plus every generated token but the newest one (which the next forward
@@ -23,7 +29,8 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 
-use super::logits_processor::LogitsProcessor;
+use super::logits_processor::{bad_words_token_ids, LogitsProcessor};
+use super::output_text::OutputText;
 use super::{lock, Engine, Speculation};
 use crate::config::SamplingParams;
 use crate::costs::CostSource;
@@ -43,14 +50,15 @@ use crate::verify::verify;
 
 impl Engine {
     /// Starts a request, speculative when `speculation` is given. Fails with `ContextLength` when
-    /// prompt + max_tokens exceeds the context. Its KV cache reserves room for the whole request.
+    /// prompt (after `truncate_prompt_tokens`) + max_tokens exceeds the context. Its KV cache
+    /// reserves room for the whole request.
     pub fn start(
         &self,
         prompt_ids: Vec<u32>,
         params: SamplingParams,
         speculation: Option<Speculation>,
     ) -> Result<Session> {
-        let needed = prompt_ids.len() + params.max_tokens;
+        let needed = self.request_prompt(&prompt_ids, &params).len() + params.max_tokens;
         self.start_reserving(prompt_ids, params, speculation, needed)
     }
 
@@ -64,12 +72,15 @@ impl Engine {
         speculation: Option<Speculation>,
         reserve: usize,
     ) -> Result<Session> {
+        let prompt_ids = self.request_prompt(&prompt_ids, &params).to_vec();
         self.check_request(&prompt_ids, &params)?;
         let constraint = match &params.grammar {
             Some(spec) => Some(self.constraint_compiler()?.compile(spec)?),
             None => None,
         };
-        let processor = LogitsProcessor::new(&params, &prompt_ids, self.tokenizer.eos_token_ids(), constraint);
+        let bad_words = self.bad_words_token_ids(&params)?;
+        let eos = self.tokenizer.eos_token_ids();
+        let processor = LogitsProcessor::new(&params, &prompt_ids, eos, constraint, bad_words);
         let cache = self.model.new_cache(reserve.max(1))?.tracked_by(self.target_kv.clone());
         let timer = RequestTimer::new();
         let mut speculation = speculation;
@@ -81,14 +92,19 @@ impl Engine {
             tokenizer: self.tokenizer.clone(),
             cache,
             prompt_len: prompt_ids.len(),
-            detokenizer: IncrementalDetokenizer::new(prompt_ids.len()),
+            detokenizer: IncrementalDetokenizer::new(
+                prompt_ids.len(),
+                params.skip_special_tokens,
+                params.spaces_between_special_tokens,
+            ),
+            output: OutputText::new(params.stop.clone(), params.include_stop_str_in_output),
             all_ids: prompt_ids,
             sampler: Sampler::new(params.seed),
             params,
             timer,
             num_forward_passes: 0,
-            text: String::new(),
             finish_reason: None,
+            stop_reason: None,
             speculation,
             spec_metrics: SpecDecodeMetrics::default(),
             engine_metrics: self.metrics.clone(),
@@ -98,6 +114,18 @@ impl Engine {
             logprobs: Vec::new(),
             cost_idle: None,
         })
+    }
+
+    /// The prompt a request with `params` runs on: `prompt_ids`, cut to its last
+    /// `truncate_prompt_tokens` tokens when asked (vLLM's left truncation).
+    pub fn request_prompt<'a>(&self, prompt_ids: &'a [u32], params: &SamplingParams) -> &'a [u32] {
+        params.truncated_prompt(prompt_ids, self.model.info().context_length)
+    }
+
+    /// The token sequences `params.bad_words` ban (`logits_processor::bad_words_token_ids`); a
+    /// word that tokenizes to nothing is a ConfigError.
+    pub fn bad_words_token_ids(&self, params: &SamplingParams) -> Result<Vec<Vec<u32>>> {
+        bad_words_token_ids(&params.bad_words, |word| self.tokenizer.encode(word, false))
     }
 
     /// What `start` refuses before allocating anything: bad sampling parameters, n > 1 (a session
@@ -160,7 +188,8 @@ impl Engine {
 /// Why a request stopped, with vLLM's names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
-    /// An end-of-sequence token was generated.
+    /// An end-of-sequence or stop token was generated, a stop string completed, or the grammar
+    /// ended.
     Stop,
     /// max_tokens was reached.
     Length,
@@ -176,6 +205,16 @@ impl FinishReason {
             FinishReason::Abort => "abort",
         }
     }
+}
+
+/// What ended a request that stopped on a stop string or a stop token (vLLM's `stop_reason`;
+/// None for an end-of-sequence token, the grammar's end, max_tokens or an abort).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    /// A string of `SamplingParams::stop`.
+    Text(String),
+    /// A token of `SamplingParams::stop_token_ids`.
+    TokenId(u32),
 }
 
 /// What one step produced.
@@ -207,6 +246,8 @@ pub struct Generation {
     pub token_ids: Vec<u32>,
     pub text: String,
     pub finish_reason: Option<FinishReason>,
+    /// The stop string or stop token that ended it, if one did.
+    pub stop_reason: Option<StopReason>,
     pub metrics: RequestMetrics,
     /// One per generated token when the request asked for logprobs.
     pub logprobs: Option<Vec<TokenLogprobs>>,
@@ -267,10 +308,12 @@ pub struct Session {
     params: SamplingParams,
     sampler: Sampler,
     detokenizer: IncrementalDetokenizer,
+    /// The output's text: emitted, and held back while it may begin a stop string.
+    output: OutputText,
     timer: RequestTimer,
     num_forward_passes: usize,
-    text: String,
     finish_reason: Option<FinishReason>,
+    stop_reason: Option<StopReason>,
     speculation: Option<Speculation>,
     spec_metrics: SpecDecodeMetrics,
     engine_metrics: Arc<Mutex<EngineMetrics>>,
@@ -517,26 +560,51 @@ impl Session {
             if let Some(processor) = self.processor.as_mut() {
                 processor.accept(&[token])?;
             }
-            let is_eos = self.tokenizer.eos_token_ids().contains(&token);
-            let grammar_done = self.processor.as_ref().is_some_and(LogitsProcessor::grammar_finished);
-            if (is_eos && !self.params.ignore_eos) || self.params.stop_token_ids.contains(&token) || grammar_done {
-                self.finish_reason = Some(FinishReason::Stop);
-            } else if self.generated_ids().len() >= self.params.max_tokens {
-                self.finish_reason = Some(FinishReason::Length);
-            }
+            // The tokens verified after one that ends the request are never emitted.
+            self.take_token(token)?;
             if self.is_finished() {
                 break;
             }
         }
         self.logprobs.extend(new_logprobs.iter().cloned());
         self.timer.tokens_arrived(new_ids.len());
-        let mut text = self.detokenizer.next(&self.tokenizer, &self.all_ids)?;
+        let text = self.output.release(self.is_finished());
         if self.is_finished() {
-            text.push_str(&self.detokenizer.finish(&self.tokenizer, &self.all_ids)?);
             self.on_finish();
         }
-        self.text.push_str(&text);
         Ok(StepOutput { token_ids: new_ids, text, logprobs: new_logprobs })
+    }
+
+    /// Adds the text of `token`, just appended to the output, and ends the request there when it
+    /// should end, in vLLM's order: an end-of-sequence or stop token (whose text is left out
+    /// unless `include_stop_str_in_output`), a stop string completed by its text (not within the
+    /// first `min_tokens` tokens), the grammar's end, max_tokens.
+    fn take_token(&mut self, token: u32) -> Result<()> {
+        let is_eos = !self.params.ignore_eos && self.tokenizer.eos_token_ids().contains(&token);
+        if is_eos || self.params.stop_token_ids.contains(&token) {
+            self.finish_reason = Some(FinishReason::Stop);
+            self.stop_reason = (!is_eos).then_some(StopReason::TokenId(token));
+            let text_end = self.all_ids.len() - usize::from(!self.params.include_stop_str_in_output);
+            let rest = self.detokenizer.finish(&self.tokenizer, &self.all_ids[..text_end])?;
+            self.output.push(&rest, false);
+            return Ok(());
+        }
+        let grammar_done = self.processor.as_ref().is_some_and(LogitsProcessor::grammar_finished);
+        let at_length = self.generated_ids().len() >= self.params.max_tokens;
+        let mut text = self.detokenizer.next(&self.tokenizer, &self.all_ids)?;
+        if grammar_done || at_length {
+            text.push_str(&self.detokenizer.finish(&self.tokenizer, &self.all_ids)?);
+        }
+        let may_stop = self.generated_ids().len() > self.params.min_tokens;
+        if let Some(stop) = self.output.push(&text, may_stop) {
+            self.finish_reason = Some(FinishReason::Stop);
+            self.stop_reason = Some(StopReason::Text(stop));
+        } else if grammar_done {
+            self.finish_reason = Some(FinishReason::Stop);
+        } else if at_length {
+            self.finish_reason = Some(FinishReason::Length);
+        }
+        Ok(())
     }
 
     /// Hands a hidden-state head (a proposer with taps) the target's hidden rows of the `kept`
@@ -987,10 +1055,12 @@ impl Session {
         }
     }
 
-    /// Stops the request early (a cancelled stream); its result keeps what was generated.
+    /// Stops the request early (a cancelled stream); its result keeps what was generated (the
+    /// text held back for a possible stop string included: none can complete now).
     pub fn abort(&mut self) {
         if self.finish_reason.is_none() {
             self.finish_reason = Some(FinishReason::Abort);
+            self.output.release(true);
             self.on_finish();
         }
     }
@@ -1057,8 +1127,9 @@ impl Session {
         Generation {
             prompt_token_ids: self.all_ids[..self.prompt_len].to_vec(),
             token_ids: self.generated_ids().to_vec(),
-            text: self.text.clone(),
+            text: self.output.emitted().to_string(),
             finish_reason: self.finish_reason,
+            stop_reason: self.stop_reason.clone(),
             metrics: self.metrics(),
             logprobs: self.params.logprobs.map(|_| self.logprobs.clone()),
         }
