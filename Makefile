@@ -5,15 +5,16 @@ BIN := $(VENV)/bin
 PROMPT ?= Summarize in one paragraph: Speculative decoding makes a language model faster without changing its output. A cheap proposer guesses the next few tokens, and the model checks all of the guesses in one forward pass. The model keeps the guesses that match its own choices, so the output is exactly what the model would have written by itself.
 SPEC_CONFIG ?= {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
-.PHONY: setup build stubtest test test-rust test-python run serve golden bench lint clean wheel-cuda test-cuda-build fuzz fuzz-ci
+.PHONY: setup build stubtest test test-rust test-python test-install run serve golden bench lint clean wheel-cuda test-cuda-build fuzz fuzz-ci
 
-# The `serve` extra (starlette, uvicorn, prometheus-client), the `ray` extra (Ray Serve:
+# The `serve` extra (starlette, uvicorn, prometheus-client, jsonschema), the `ray` extra (Ray Serve:
 # tests/test_serve_ray.py runs two replicas on a local Ray), the `train` extra (torch, gguf, tqdm:
 # tests/test_train_heads.py trains heads; torch from PyPI is ~3 GB with its CUDA libraries, about two
-# minutes here) and the test tools; keep in step with pyproject.toml's optional dependencies.
+# minutes here), the `plot` extra (matplotlib) and the test tools; keep in step with pyproject.toml's
+# optional dependencies (tests/test_extras.py checks the code against those, not this list).
 DEPS := "maturin>=1.9,<2" "numpy>=1.24" "starlette>=0.37" "uvicorn>=0.29" "prometheus-client>=0.20" \
-	"torch>=2.4" "gguf>=0.10" "tqdm>=4.60" "ray[serve]>=2.50" \
-	"pytest>=8" "openai>=1.40" "httpx>=0.27" "mypy>=2.4,<3" "jsonschema>=4"
+	"jsonschema>=4" "torch>=2.4" "gguf>=0.10" "tqdm>=4.60" "ray[serve]>=2.50" "matplotlib>=3.5" \
+	"pytest>=8" "openai>=1.40" "httpx>=0.27" "mypy>=2.4,<3"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +47,13 @@ test-python: build stubtest
 	$(BIN)/python -m pytest tests -q
 
 test: test-rust test-python
+
+# The wheel in dist/ installed from PyPI into clean venvs, one per extra (none, serve, ray, train),
+# each running its commands briefly (tests/test_install_extras.py). Downloads ~4 GB (torch with its
+# CUDA libraries) unless pip's cache has them; ~9 minutes on the 2-core CI machine, loaded. CI runs
+# it after `test`.
+test-install: build
+	SPECRS_WHEEL="$$(ls dist/specrs-*.whl)" $(BIN)/python -m pytest tests/test_install_extras.py -q --run-install
 
 # Speculative generation on the default model: text, latency, acceptance report, and the same
 # request without speculation for the measured speedup.

@@ -99,9 +99,9 @@ def stats(xs: list[float]) -> dict:
 
 
 def bench_model(name: str, path: str, args, Llama) -> dict:
-    from specrs.models import NAMED_MODELS
+    from specrs.models import resolve_model
 
-    gguf_path = NAMED_MODELS[path]() if path in NAMED_MODELS else path
+    gguf_path = resolve_model(path)
     engine = specrs.Engine(gguf_path)
     common = dict(model_path=gguf_path, n_ctx=2048, n_batch=512, n_threads=args.threads,
                   n_threads_batch=args.threads, verbose=False, seed=0)

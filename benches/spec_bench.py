@@ -11,6 +11,8 @@ Workload (as the anchor harness, shared/anchors/common.py):
 - SmolLM2's chat template (the GGUF's own, default system message included); prompts cut by
   characters of the user text to fit 2048 - max_tokens tokens (specrs.bench.truncate_content).
 - greedy, 128 new tokens, stop at EOS.
+- any other prompt file (the code workload, benches/code_workload.jsonl): its own categories,
+  `--num-per-category` prompts each (`select_prompts`).
 
 Configurations:
 - specrs: baseline; ngram k in {2, 4, 8} for each --ngram-window MIN:MAX (default 2:4, see
@@ -46,7 +48,12 @@ LLAMA_MAX_NGRAM = 2
 
 
 def select_prompts(path: str, num_per_category: int, mt_bench: str) -> list[dict]:
-    """The workload above: mt_bench first, then the Spec-Bench categories (the anchors' order)."""
+    """The workload above: mt_bench first, then the Spec-Bench categories (the anchors' order).
+    A file with none of Spec-Bench's or MT-bench's categories (benches/code_workload.jsonl) gives
+    the first `num_per_category` prompts of each of its own categories, in file order."""
+    own_categories = {p["orig_category"] for p in bench.load_prompts(path)}
+    if not own_categories & set(SPEC_BENCH_CATEGORIES + MT_BENCH_CATEGORIES):
+        return bench.load_prompts(path, num_per_category=num_per_category)
     if mt_bench == "split":
         mt = bench.load_prompts(path, groups={c: [c] for c in MT_BENCH_CATEGORIES}, num_per_category=num_per_category)
     else:
@@ -198,7 +205,7 @@ def parse_window(text: str) -> tuple[int, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", required=True, help="Spec-Bench question.jsonl")
+    ap.add_argument("--prompts", required=True, help="Spec-Bench question.jsonl, or benches/code_workload.jsonl")
     ap.add_argument("--out", default="bench-results/spec_bench.json", help="JSON output path")
     ap.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--num-per-category", type=int, default=10)

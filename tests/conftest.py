@@ -18,3 +18,17 @@ def model_path() -> str:
 
 def pytest_report_header(config):
     return f"specrs {specrs.__version__}, RAYON/CANDLE threads: {os.environ.get('CANDLE_NUM_THREADS', 'auto')}"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-install", action="store_true",
+                     help="run the tests marked `install` (clean venvs from PyPI: minutes, GBs; make test-install)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-install"):
+        return
+    skip = pytest.mark.skip(reason="installs from PyPI into clean venvs: run with --run-install (make test-install)")
+    for item in items:
+        if "install" in item.keywords:
+            item.add_marker(skip)

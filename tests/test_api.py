@@ -116,13 +116,13 @@ def test_generation_releases_the_gil(engine):
 
     t = threading.Thread(target=count)
     t.start()
-    start = time.perf_counter()
     engine.generate(CHAT, SamplingParams(max_tokens=32, ignore_eos=True))
-    elapsed = time.perf_counter() - start
+    ticks_during_generation = ticks
     done.set()
     t.join()
-    # With the GIL held for the whole call the counter could not advance at all.
-    assert ticks > elapsed / 0.01
+    # With the GIL held for the whole call the counter could not advance past its first tick; how
+    # many ticks it gets is up to the machine's load, so only "it ran" is asserted.
+    assert ticks_during_generation >= 5
 
 
 def test_tokenizer_round_trip(engine):

@@ -6,8 +6,10 @@ one thing broken, so the unbroken copy loading is the control."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import specrs
 from specrs import _specrs
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gguf_writer import FLOAT32, UINT32, GgufModel  # noqa: E402
+from gguf_writer import ALIGNMENT, FLOAT32, STRING, UINT32, GgufModel  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "golden"
 Q8_0_ROW = 2 * 34  # a 64-value row of Q8_0: two 34-byte blocks
@@ -134,6 +136,75 @@ def test_rows_that_do_not_split_into_quantization_blocks(tmp_path):
     with pytest.raises(specrs.ModelLoadError, match=r"'blk\.1\.ffn_down\.weight' has rows of 48 values, which do not "
                        r"split into Q8_0 blocks of 32"):
         specrs.Engine(write(model, tmp_path))
+
+
+def test_a_tensor_shifted_off_the_alignment_names_it_and_the_alignment(tmp_path):
+    # Issue 38: one byte off, the tensor loaded as garbage weights and the model generated "".
+    model = golden_gguf("llama")
+    name = "blk.0.attn_q.weight"
+    index = next(i for i, t in enumerate(model.tensors) if t.name == name)
+    offset = sum(-(-len(t.data) // ALIGNMENT) * ALIGNMENT for t in model.tensors[:index])  # as the writer lays them out
+    specrs.Engine(write(model, tmp_path, offsets={name: offset}))  # the control: its own offset loads
+    with pytest.raises(specrs.ModelLoadError, match=rf"tensor '{re.escape(name)}' starts at byte {offset + 1} of the "
+                       rf"tensor data, which is not a multiple of the file's alignment 32"):
+        specrs.Engine(write(model, tmp_path, offsets={name: offset + 1}))
+
+
+def test_tensors_sharing_bytes_are_refused(tmp_path):
+    model = golden_gguf("llama")
+    first, second = model.tensors[3].name, model.tensors[4].name
+    with pytest.raises(specrs.ModelLoadError, match=rf"tensors '.+' .* and '.+' .* overlap"):
+        specrs.Engine(write(model, tmp_path, offsets={second: 0, first: 0}))
+
+
+# Loops 10^12 times when `condition` holds; the chat template comes from the model file.
+LOOPING_TEMPLATE = ("{{% for message in messages %}}{{% if {condition} %}}{{% for i in range(10000) %}}"
+                    "{{% for j in range(10000) %}}{{% for k in range(10000) %}}{{{{ '' }}}}{{% endfor %}}{{% endfor %}}"
+                    "{{% endfor %}}{{% endif %}}{{{{ message.content }}}}{{% endfor %}}")
+
+
+def with_chat_template(tmp_path, template: str) -> str:
+    model = golden_gguf("llama")
+    model.metadata["tokenizer.chat_template"] = (STRING, template)
+    return write(model, tmp_path)
+
+
+def run_isolated(code: str, timeout_s: float = 300) -> str:
+    """`code`'s output, run in its own Python: a render that never ends fails the test at the
+    timeout instead of hanging the suite (it is not a timing check: the fuel ends it in seconds)."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_chat_template_that_loops_on_every_chat_is_refused_at_load(tmp_path):
+    # Issue 38: the file loaded, then its first chat request rendered for hours holding a worker.
+    path = with_chat_template(tmp_path, LOOPING_TEMPLATE.format(condition="true"))
+    out = run_isolated(f"""
+import specrs
+try:
+    engine = specrs.Engine({path!r})
+except specrs.ModelLoadError as e:
+    print("ModelLoadError:", e)
+else:
+    engine.prompt_token_ids([{{"role": "user", "content": "hi"}}])
+""")
+    assert re.search(r"ModelLoadError: the model's chat template \(tokenizer\.chat_template\) did not finish within "
+                     r"20000000 steps .* one user message", out), out
+
+
+def test_a_chat_template_that_loops_on_some_chats_is_a_config_error_for_them(tmp_path):
+    path = with_chat_template(tmp_path, LOOPING_TEMPLATE.format(condition="message.content == 'loop'"))
+    out = run_isolated(f"""
+import specrs
+engine = specrs.Engine({path!r})
+engine.prompt_token_ids([{{"role": "user", "content": "hi"}}])
+try:
+    engine.prompt_token_ids([{{"role": "user", "content": "loop"}}])
+except specrs.ConfigError as e:
+    print("ConfigError:", e)
+""")
+    assert "ConfigError: the model's chat template did not finish within 20000000 steps" in out, out
 
 
 # --- Hugging Face directories -------------------------------------------------------------------

@@ -172,7 +172,9 @@ def test_gpu_check_script_runs_its_cpu_parts(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["device"] == "cpu" and report["b"] == {"skipped": "no CUDA device"}
-    assert report["failures"] == [] and report["near_ties"] == []
+    # The one near-tie the CPU may show: (d)'s seeded draw on a CDF boundary (gpu_check.draw_near_tie;
+    # candle's dense f32 gemm rounds the verify pass and the single step differently).
+    assert report["failures"] == [] and all(t.startswith("(d) sampled:") for t in report["near_ties"])
     assert all(r["ok"] for fmt, r in report["a"].items() if fmt != "greedy_identity")
     greedy = report["a"]["greedy_identity"]
     assert list(greedy) == ["f32 k=2", "f32 k=4", "f32 k=8", "bf16 k=2", "bf16 k=4", "bf16 k=8", "q8_0 k=8", "q4_k k=8"]
@@ -188,7 +190,8 @@ def test_gpu_check_script_runs_its_cpu_parts(tmp_path):
     trees = report["e"]
     assert list(trees) == ["greedy", "sampled"] and all(r["ok"] for r in trees.values()), trees
     lines = run.stdout.rstrip().splitlines()
-    assert lines[-2].startswith("checks:") and lines[-1] == "gpu_check PASS on cpu: 0 failures, 0 near-ties"
+    assert lines[-2 - len(report["near_ties"])].startswith("checks:")
+    assert lines[-1] == f"gpu_check PASS on cpu: 0 failures, {len(report['near_ties'])} near-ties"
 
 
 def test_gpu_check_fails_when_the_cuda_device_cannot_be_opened(tmp_path):

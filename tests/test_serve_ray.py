@@ -17,6 +17,7 @@ interface, which the namespace keeps off the machine's network. Needs root and `
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -57,6 +59,20 @@ def _start(args: list[str], log_path, health_ok) -> tuple[subprocess.Popen, str]
             proc.kill()
             pytest.fail(f"{' '.join(args)} did not start:\n{log_path.read_text()[-5000:]}")
         time.sleep(0.5)
+
+
+def _wait_for_line(log_path, text: str, proc: subprocess.Popen) -> None:
+    deadline = time.time() + START_TIMEOUT_S
+    while text not in log_path.read_text():
+        if proc.poll() is not None or time.time() > deadline:
+            pytest.fail(f"no {text!r} in the server's log:\n{_specrs_lines(log_path)}")
+        time.sleep(0.2)
+
+
+def _specrs_lines(log_path) -> str:
+    """The log's lines from specrs itself and its errors (Ray's per-call INFO lines drown them)."""
+    return "\n".join(line for line in log_path.read_text().splitlines()
+                     if "specrs serve" in line or "Error" in line or "WARNING" in line)[-5000:]
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -378,20 +394,66 @@ def test_a_killed_replica_fails_cleanly_and_is_restarted(ray_app, single):
         assert served == replica
 
 
+# After Ctrl-C, how long the save round may take before the app is killed: seconds when quiet.
+SAVE_AT_SHUTDOWN_S = 45
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (the Ray processes a `specrs serve --ray` started)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def test_the_shared_suffix_cache_survives_a_restart_of_the_whole_app(tmp_path):
-    """With --suffix-cache, each replica saves its cache (which holds its peers' responses too) at
-    shutdown; after a restart, the first replica seeds the shared log from the file and the other
-    takes it from the log, so both draft the old response again."""
+    """With --suffix-cache, Ctrl-C first has every replica save its cache (which holds its peers'
+    responses too), then tears the app down: even a shutdown that cannot proceed (Ray Serve's
+    controller stopped here, as a loaded machine stalls it) and is then killed hard leaves the file.
+    After a restart, the first replica seeds the shared log from the file and the other takes it
+    from the log, so both draft the old response again; that app's own Ctrl-C saves the file again."""
     cache = tmp_path / "suffix.bin"
     args = ["specrs.serve.ray", "--num-replicas", "2", "--replica-cpus", "1", "--suffix-share-interval", "0.5",
             "--suffix-cache", str(cache), "--speculative-config", json.dumps(SERVER_SPEC)]
     messages = [{"role": "user", "content": "Describe a rainy afternoon in a small fishing village."}]
     proc, base = _start(args, tmp_path / "first.log", _healthy(2))
+    # The handle for the save at shutdown is taken in the background once the coordinator answers.
+    _wait_for_line(tmp_path / "first.log", "the coordinator answers", proc)
+    ray_processes = _descendants(proc.pid)
     try:
         cold, _ = _chat(base, messages, max_tokens=64, **FIXED_LENGTH)
+        controllers = [pid for pid in ray_processes if "ServeController" in _cmdline(pid)]
+        assert len(controllers) == 1, [_cmdline(pid) for pid in ray_processes]
+        os.kill(controllers[0], signal.SIGSTOP)  # the teardown now waits for it (30 s, then kills)
+        proc.send_signal(signal.SIGINT)
+        deadline = time.time() + SAVE_AT_SHUTDOWN_S
+        while not cache.exists():
+            assert time.time() < deadline, "no suffix cache file %d s after Ctrl-C:\n%s" % (
+                SAVE_AT_SHUTDOWN_S, _specrs_lines(tmp_path / "first.log"))
+            time.sleep(0.2)
     finally:
-        _stop(proc)
-    assert cache.exists()
+        proc.kill()  # hard, mid-shutdown
+        proc.wait()
+        for pid in ray_processes:  # the stopped controller too
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    saved_at = cache.stat().st_mtime_ns
     proc, base = _start(args, tmp_path / "second.log", _healthy(2))
     try:
         for replica in [r["replica"] for r in _replicas(base)]:
@@ -401,3 +463,4 @@ def test_the_shared_suffix_cache_survives_a_restart_of_the_whole_app(tmp_path):
             assert _accepted_per_draft(warm) >= 3.0, (replica, warm["usage"], cold["usage"])
     finally:
         _stop(proc)
+    assert cache.stat().st_mtime_ns > saved_at, "the second app's Ctrl-C did not save the file"

@@ -115,6 +115,30 @@ def test_merged_metrics_name_each_family_once_with_replica_labels():
     assert 'specrs:replicas{state="healthy"} 2.0' in out
 
 
+def test_a_save_round_waits_for_every_live_replica_to_publish_then_save():
+    now = [0.0]
+    board = ReplicaBoard(clock=lambda: now[0])
+    assert board.report(_report("a")) == 0 and board.report(_report("b")) == 0  # no round yet
+    first = board.open_save_round()
+    assert board.report(_report("a")) == first  # each replica learns of it from its next report
+    assert board.save_waiting_for(first, "published") == ["a", "b"]
+    board.save_done("a", first, "published")
+    assert board.save_waiting_for(first, "published") == ["b"]
+    board.save_done("b", first, "saved")  # saved implies published
+    assert board.save_waiting_for(first, "published") == []
+    assert board.save_waiting_for(first, "saved") == ["a"]
+    board.save_done("a", first, "saved")
+    assert board.save_waiting_for(first, "saved") == []
+    second = board.open_save_round()
+    assert second > first and board.save_waiting_for(second, "saved") == ["a", "b"]
+    board.save_done("a", first, "saved")  # a late report of an older round does not count
+    assert board.save_waiting_for(second, "saved") == ["a", "b"]
+    now[0] += 3
+    board.report(_report("a"))
+    now[0] += 3  # b fell silent (killed): no round waits for it
+    assert board.save_waiting_for(second, "saved") == ["a"]
+
+
 def test_an_asgi_call_streams_and_tells_the_app_its_client_left():
     events = []
 

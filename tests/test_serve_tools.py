@@ -123,3 +123,44 @@ def test_bad_tools(server, model_name):  # noqa: F811
     error = _error(server, chat, {"messages": messages, "tools": [WEATHER], "tool_choice": "required",
                                   "response_format": {"type": "json_object"}}, 400)
     assert error["param"] == "tool_choice"
+
+
+# A schema that declares `city` and does not forbid other keys: the question invites a `unit`.
+OPEN_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                   "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_strict_tool_call_carries_only_declared_keys(client, model_name, stream):  # noqa: F811
+    """OpenAI's strict mode: `"strict": true` closes every object of the parameters, so a
+    required call carries exactly the declared keys; without it the schema is held as written
+    (the model adds a `unit` here, which the open schema allows)."""
+    _, (loose,), _ = _call(client, model_name, stream, "required", tools=(OPEN_WEATHER,))
+    _check(loose, OPEN_WEATHER)
+    assert set(json.loads(loose[2])) > {"city"}, "the open schema lets the model add keys (so strict matters)"
+    strict = {"type": "function", "function": {**OPEN_WEATHER["function"], "strict": True}}
+    _, (call,), finish = _call(client, model_name, stream, "required", tools=(strict,))
+    assert finish == "tool_calls"
+    _check(call, strict)
+    assert set(json.loads(call[2])) == {"city"}
+
+
+def test_strict_refuses_a_schema_open_to_other_keys(server, model_name):  # noqa: F811
+    import httpx
+
+    def tool(parameters, strict=True):
+        return {"type": "function", "function": {"name": "f", "parameters": parameters, "strict": strict}}
+
+    for tools, message in [
+        ([tool({"type": "object", "properties": {}, "additionalProperties": True})],
+         "tools[0].function.parameters allows keys it does not declare"),
+        ([tool({"type": "object", "properties": {"a": {"type": "object", "additionalProperties": {"type": "string"}}}})],
+         "tools[0].function.parameters.properties.a allows keys it does not declare"),
+        ([tool({"type": "object"}, strict="yes")], "tools[0].function.strict must be true or false"),
+    ]:
+        r = httpx.post(f"{server}/v1/chat/completions", json={"model": model_name, "messages": QUESTION,
+                                                               "tools": tools, "max_tokens": 8})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+        assert message in r.json()["error"]["message"], r.text

@@ -156,6 +156,30 @@ def test_serve_saves_every_n_requests_and_at_shutdown(serving_engine, tmp_path):
     assert restarted.save_suffix_cache(tmp_path / "copy.bin") == 3
 
 
+def test_shutdown_saves_before_it_stops_the_generation_loop(serving_engine, tmp_path):
+    """What must persist comes first: a shutdown cut short while the generation loop stops (a
+    second Ctrl-C, a Ray replica killed past its grace period) has already written every response
+    that ended before it."""
+    from starlette.testclient import TestClient
+
+    from specrs.serve import build_app
+
+    path = tmp_path / "cache.bin"
+    app = build_app(serving_engine, "m", suffix_cache=path, suffix_cache_save_every=100)
+    scheduler = app.state.scheduler
+    stop, seen = scheduler.stop, {}
+
+    def stop_and_look():
+        seen["file"] = specrs.Engine(speculative_config=SUFFIX).load_suffix_cache(path) if path.exists() else None
+        stop()
+
+    scheduler.stop = stop_and_look
+    with TestClient(app) as http:
+        _ask(http, 3)
+        assert not path.exists()  # no periodic save yet
+    assert seen["file"] == 3
+
+
 class _FailingEngine:
     """Saves always fail; loads count calls."""
 

@@ -1,6 +1,6 @@
 //! What a user does with a model file, run on fuzzed input: open, build the tokenizer and the
-//! model, wrap them in an `Engine`, tokenize, render the chat template and generate two tokens
-//! (greedy and sampled).
+//! model, wrap them in an `Engine`, tokenize, render the chat template, tokenize a chat that spells
+//! special tokens, and generate two tokens (greedy and sampled).
 //!
 //! Invariant: every failure must come back as an `Err`; a panic, an abort or an allocation past
 //! libFuzzer's `-rss_limit_mb` / `-malloc_limit_mb` is the bug the loader targets look for.
@@ -47,6 +47,11 @@ pub fn exercise(model: Arc<dyn CausalLm>, tokenizer: TextTokenizer) {
         if let Ok(text) = engine.render_chat(&messages, None) {
             let _ = tokenizer.encode(&text, true);
         }
+        // A message spelling the model's end-of-turn tokens: the escaped path and the allowed one.
+        let spelled: String = tokenizer.eos_token_ids().iter().filter_map(|&id| tokenizer.token_text(id)).collect();
+        let messages = [ChatMessage { role: "user".into(), content: format!("a{spelled}b") }];
+        let _ = engine.chat_prompt_ids(&messages, None, false);
+        let _ = engine.chat_prompt_ids(&messages, None, true);
     }
     prompt.truncate(8);
     if prompt.is_empty() {

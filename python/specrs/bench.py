@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from . import _specrs
+from . import _specrs, extras
 from .engine import Engine, SamplingParams
 from .errors import ConfigError
 
@@ -511,10 +511,9 @@ def machine_info() -> dict:
 
 def write_plot(summary: dict, path: str | os.PathLike) -> None:
     """Speedup per category per configuration, and acceptance rate per draft position."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ConfigError("--plot needs matplotlib: `pip install matplotlib`") from None
+    extras.require("plot", "specrs bench --plot")
+    import matplotlib
+
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
 
@@ -591,17 +590,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT,
                         help="prompts are cut (user text, by characters) so prompt + max tokens fit here")
     parser.add_argument("--json", default=None, metavar="OUT", help="write everything to this JSON file")
-    parser.add_argument("--plot", default=None, metavar="OUT.png", help="speedup and acceptance plot (needs matplotlib)")
+    parser.add_argument("--plot", default=None, metavar="OUT.png",
+                        help="speedup and acceptance plot (needs matplotlib: `pip install matplotlib`)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     configs = [parse_config(text) for text in args.config]
     if args.plot:
-        try:
-            import matplotlib  # noqa: F401  (fail now, not after the whole run)
-        except ImportError:
-            raise ConfigError("--plot needs matplotlib: `pip install matplotlib`") from None
+        extras.require("plot", "specrs bench --plot")  # now, not after the whole run
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     prompts = load_prompts(args.prompts, categories, args.num_per_category)
     if not prompts:

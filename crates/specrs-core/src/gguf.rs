@@ -3,8 +3,9 @@
 //!
 //! Invariant: `GgufFile::open` (and `from_bytes`, the same checks on bytes in memory) only
 //! succeeds when the header parses and every tensor's data lies inside the file (sizes computed
-//! without overflow, rows made of whole quantization blocks, no empty tensor), so a truncated
-//! download fails at load time, not mid-generation. Shapes against the model's config are checked
+//! without overflow, rows made of whole quantization blocks, no empty tensor), starts at a multiple
+//! of the file's alignment and overlaps no other tensor's data, as llama.cpp's loader requires; so a
+//! truncated download or a misplaced tensor fails at load time, not as garbage output. Shapes against the model's config are checked
 //! by `model/gguf_layout.rs`.
 
 use std::collections::HashMap;
@@ -63,10 +64,15 @@ impl GgufFile {
                 "{shown} is not a valid GGUF file ({e}); re-download it or convert the model to GGUF"
             ))
         })?;
+        let alignment = data_alignment(&content.metadata);
+        let mut extents = Vec::with_capacity(content.tensor_infos.len());
         for (name, info) in &content.tensor_infos {
-            check_tensor_extent(info, content.tensor_data_offset, file_size)
+            let num_bytes = check_tensor_extent(info, content.tensor_data_offset, file_size)
+                .and_then(|num_bytes| check_tensor_alignment(info, alignment).map(|()| num_bytes))
                 .map_err(|why| Error::model_load(format!("{shown}: tensor '{name}' {why}")))?;
+            extents.push((info.offset, info.offset + num_bytes, name.as_str()));
         }
+        check_no_overlap(&mut extents).map_err(|why| Error::model_load(format!("{shown}: {why}")))?;
         Ok(Self { path, content, reader })
     }
 
@@ -284,10 +290,61 @@ fn integer_tensor_infos(r: &mut dyn Source) -> std::io::Result<Vec<IntegerTensor
     Ok(found)
 }
 
-/// Why tensor `info` cannot be read from a file of `file_size` bytes whose tensor data starts at
-/// `data_offset`, if it cannot: a row that does not split into whole quantization blocks, a size
-/// whose arithmetic overflows, or data that runs past the end of the file.
-fn check_tensor_extent(info: &TensorInfo, data_offset: u64, file_size: u64) -> std::result::Result<(), String> {
+/// The alignment of the tensor data, as candle's reader takes it (`Content::read`): an integer
+/// `general.alignment` of up to 32 bits that is not negative, else GGUF's default of 32.
+fn data_alignment(metadata: &HashMap<String, Value>) -> u64 {
+    match metadata.get("general.alignment") {
+        Some(Value::U8(v)) => u64::from(*v),
+        Some(Value::U16(v)) => u64::from(*v),
+        Some(Value::U32(v)) => u64::from(*v),
+        Some(Value::I8(v)) if *v >= 0 => *v as u64,
+        Some(Value::I16(v)) if *v >= 0 => *v as u64,
+        Some(Value::I32(v)) if *v >= 0 => *v as u64,
+        _ => DEFAULT_ALIGNMENT,
+    }
+}
+
+/// GGUF's alignment when the file sets none (candle's and llama.cpp's `GGUF_DEFAULT_ALIGNMENT`).
+const DEFAULT_ALIGNMENT: u64 = 32;
+
+/// Why tensor `info` is misplaced, if it is: every writer starts each tensor's data at a multiple
+/// of the alignment (llama.cpp refuses other files), so an offset off by a few bytes means the
+/// file is corrupt, and reading it as is would give garbage weights and silently wrong output.
+fn check_tensor_alignment(info: &TensorInfo, alignment: u64) -> std::result::Result<(), String> {
+    if info.offset.is_multiple_of(alignment) {
+        return Ok(());
+    }
+    Err(format!(
+        "starts at byte {} of the tensor data, which is not a multiple of the file's alignment {alignment} \
+         (general.alignment, {DEFAULT_ALIGNMENT} when unset): its data is misplaced and the file is corrupt; \
+         re-download it or convert the model again",
+        info.offset
+    ))
+}
+
+/// Why the tensors' data ranges `(start, end, name)` (relative to the data section) are not
+/// disjoint, if they are not: two tensors sharing bytes is no writer's output (llama.cpp lays them
+/// out one after the other and refuses anything else), so at least one of them is misplaced.
+fn check_no_overlap(extents: &mut [(u64, u64, &str)]) -> std::result::Result<(), String> {
+    extents.sort_unstable();
+    for pair in extents.windows(2) {
+        let ((start, end, first), (next_start, _, second)) = (pair[0], pair[1]);
+        if next_start < end {
+            return Err(format!(
+                "the data of tensors '{first}' (bytes {start}..{end} of the tensor data) and '{second}' (from byte \
+                 {next_start}) overlap: at least one is misplaced and the file is corrupt; re-download it or \
+                 convert the model again"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The size in bytes of tensor `info`, if it can be read from a file of `file_size` bytes whose
+/// tensor data starts at `data_offset`; else why not: a row that does not split into whole
+/// quantization blocks, a size whose arithmetic overflows, or data that runs past the end of the
+/// file.
+fn check_tensor_extent(info: &TensorInfo, data_offset: u64, file_size: u64) -> std::result::Result<u64, String> {
     let dims = info.shape.dims(); // candle's order: GGUF's ne[0] (the row length) is last
     let (block, dtype) = (info.ggml_dtype.block_size(), info.ggml_dtype);
     let row = dims.last().copied().unwrap_or(1);
@@ -311,7 +368,7 @@ fn check_tensor_extent(info: &TensorInfo, data_offset: u64, file_size: u64) -> s
     }
     let end = data_offset.checked_add(info.offset).and_then(|start| start.checked_add(num_bytes as u64));
     match end {
-        Some(end) if end <= file_size => Ok(()),
+        Some(end) if end <= file_size => Ok(num_bytes as u64),
         _ => Err(format!(
             "({dims:?} {dtype:?}, {num_bytes} bytes at offset {}) ends past the end of the file ({file_size} \
              bytes); the file is truncated or corrupt (an incomplete download?): fetch it again",
@@ -435,26 +492,34 @@ mod tests {
     /// A GGUF v3 file: `kvs` as (key, type id, value bytes), one f32 tensor of GGUF dims `dims`
     /// with `data` bytes of data.
     fn gguf_bytes(kvs: &[(&str, u32, Vec<u8>)], dims: &[u64], data: usize) -> Vec<u8> {
+        gguf_with_tensors(kvs, &[("t.weight", dims, 0)], data)
+    }
+
+    /// A GGUF v3 file: `kvs` as (key, type id, value bytes), f32 tensors (name, GGUF dims, offset
+    /// in the tensor data), and `data` bytes of tensor data.
+    fn gguf_with_tensors(kvs: &[(&str, u32, Vec<u8>)], tensors: &[(&str, &[u64], u64)], data: usize) -> Vec<u8> {
         let string = |out: &mut Vec<u8>, s: &str| {
             out.extend((s.len() as u64).to_le_bytes());
             out.extend(s.as_bytes());
         };
         let mut out = b"GGUF".to_vec();
         out.extend(3u32.to_le_bytes());
-        out.extend(1u64.to_le_bytes());
+        out.extend((tensors.len() as u64).to_le_bytes());
         out.extend((kvs.len() as u64).to_le_bytes());
         for (key, value_type, value) in kvs {
             string(&mut out, key);
             out.extend(value_type.to_le_bytes());
             out.extend(value);
         }
-        string(&mut out, "t.weight");
-        out.extend((dims.len() as u32).to_le_bytes());
-        for d in dims {
-            out.extend(d.to_le_bytes());
+        for (name, dims, offset) in tensors {
+            string(&mut out, name);
+            out.extend((dims.len() as u32).to_le_bytes());
+            for d in *dims {
+                out.extend(d.to_le_bytes());
+            }
+            out.extend(0u32.to_le_bytes()); // f32
+            out.extend(offset.to_le_bytes());
         }
-        out.extend(0u32.to_le_bytes()); // f32
-        out.extend(0u64.to_le_bytes()); // offset
         out.resize(out.len().next_multiple_of(32) + data, 0);
         out
     }
@@ -490,6 +555,33 @@ mod tests {
         // A valid alignment still loads, and the scan leaves the reader where candle expects it.
         let bytes = gguf_bytes(&[("general.alignment", 4, 32u32.to_le_bytes().to_vec())], &[4], 16);
         GgufFile::from_bytes("t.gguf", bytes).unwrap();
+    }
+
+    // Issue 38: a tensor whose offset was shifted by one byte loaded and generated "".
+    #[test]
+    fn a_tensor_off_the_alignment_is_an_error_naming_it_and_the_alignment() {
+        let tensors = |b_offset| [("a.weight", &[8u64][..], 0), ("b.weight", &[8u64][..], b_offset)];
+        GgufFile::from_bytes("t.gguf", gguf_with_tensors(&[], &tensors(32), 64)).unwrap();
+        let err = load_error(gguf_with_tensors(&[], &tensors(33), 96));
+        assert!(err.contains("tensor 'b.weight' starts at byte 33"), "{err}");
+        assert!(err.contains("not a multiple of the file's alignment 32"), "{err}");
+        // The alignment is the file's own: 16 allows what 32 refuses, and 64 refuses what 32 allows.
+        let alignment = |a: u32| vec![("general.alignment", 4, a.to_le_bytes().to_vec())];
+        GgufFile::from_bytes("t.gguf", gguf_with_tensors(&alignment(16), &tensors(48), 96)).unwrap();
+        let err = load_error(gguf_with_tensors(&alignment(64), &tensors(32), 96));
+        assert!(err.contains("tensor 'b.weight' starts at byte 32") && err.contains("alignment 64"), "{err}");
+    }
+
+    #[test]
+    fn tensors_sharing_bytes_are_an_error() {
+        // 'a' holds 16 f32 values (64 bytes); 'b' at byte 32 starts inside it.
+        let tensors = [("a.weight", &[16u64][..], 0), ("b.weight", &[8u64][..], 32)];
+        let err = load_error(gguf_with_tensors(&[], &tensors, 128));
+        assert!(
+            err.contains("tensors 'a.weight' (bytes 0..64 of the tensor data) and 'b.weight' (from byte 32) overlap")
+        );
+        let apart = [("a.weight", &[16u64][..], 0), ("b.weight", &[8u64][..], 64)];
+        GgufFile::from_bytes("t.gguf", gguf_with_tensors(&[], &apart, 128)).unwrap();
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! specrs-core: a speculative-decoding inference engine on candle, with no Python in it.
 //!
 //! Module map: `gguf` (file access) -> `model` (CausalLm families) + `kv_cache` (O(1) rollback) ->
-//! `tokenizer` / `chat_template` / `detokenizer` (text) -> `sampler` -> `proposer` (guesses) +
+//! `tokenizer` / `chat_template` / `special_text` / `detokenizer` (text) -> `sampler` -> `proposer` (guesses) +
 //! `verify` (lossless acceptance) + `draft_length` -> `engine` (requests, configured by
 //! `spec_config`) and `metrics`; `constraint` holds outputs to a grammar (JSON schema, regex,
 //! Lark; llguidance); `quantize` writes requantized GGUF copies (the `quantized_self` draft);
@@ -28,6 +28,7 @@ pub mod proposer;
 pub mod quantize;
 pub mod sampler;
 pub mod spec_config;
+mod special_text;
 pub mod tokenizer;
 pub mod verify;
 

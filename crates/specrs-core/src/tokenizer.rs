@@ -8,7 +8,9 @@
 //!   merged tokens, with byte fallback for characters outside the vocabulary.
 //!
 //! Invariant: control and user-defined tokens in the text are matched as single tokens (the chat
-//! template relies on it); decoding with `skip_special_tokens` drops control tokens.
+//! template relies on it); decoding with `skip_special_tokens` drops control tokens. A chat's own
+//! strings are the exception: `encode_chat` reads special-token text in them as plain text unless
+//! asked not to (`special_text.rs`).
 
 use candle_core::quantized::gguf_file::Value;
 use tokenizers::decoders::byte_fallback::ByteFallback;
@@ -27,9 +29,10 @@ use tokenizers::{
     AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer,
 };
 
-use crate::chat_template::ChatTemplate;
+use crate::chat_template::{ChatMessage, ChatTemplate};
 use crate::error::{Error, Result};
 use crate::gguf::{value_as_i64, GgufFile};
+use crate::special_text::SpecialText;
 
 // llama.cpp's token types (llama_token_type in gguf).
 const TOKEN_TYPE_NORMAL: i64 = 1;
@@ -66,6 +69,8 @@ pub struct TextTokenizer {
     /// Tokens that end generation.
     eos_token_ids: Vec<u32>,
     chat_template: Option<ChatTemplate>,
+    /// The special tokens, to keep their text in a chat's strings plain (`encode_chat`).
+    special_text: SpecialText,
     vocab_size: usize,
 }
 
@@ -150,7 +155,8 @@ impl TextTokenizer {
             Some(source) => Some(ChatTemplate::new(source, token_text(bos_token_id), token_text(eos_token_id))?),
             None => None,
         };
-        Ok(Self { inner, bos_token_id, add_bos, eos_token_ids, chat_template, vocab_size })
+        let special_text = SpecialText::new(&inner)?;
+        Ok(Self { inner, bos_token_id, add_bos, eos_token_ids, chat_template, special_text, vocab_size })
     }
 
     /// The tokenizer of a Hugging Face model directory: `tokenizer.json`, with BOS/EOS and the
@@ -218,7 +224,8 @@ impl TextTokenizer {
             }
             None => None,
         };
-        Ok(Self { inner, bos_token_id, add_bos, eos_token_ids, chat_template, vocab_size })
+        let special_text = SpecialText::new(&inner)?;
+        Ok(Self { inner, bos_token_id, add_bos, eos_token_ids, chat_template, special_text, vocab_size })
     }
 
     /// For models without a tokenizer (seeded random weights): token i is the word `t{i}`, and
@@ -233,12 +240,14 @@ impl TextTokenizer {
             .map_err(|e| Error::Internal(format!("building the numbered vocabulary: {e}")))?;
         let mut inner = Tokenizer::new(model);
         inner.with_pre_tokenizer(Some(Whitespace {}));
+        let special_text = SpecialText::new(&inner)?;
         Ok(Self {
             inner,
             bos_token_id: None,
             add_bos: false,
             eos_token_ids: Vec::new(),
             chat_template: None,
+            special_text,
             vocab_size,
         })
     }
@@ -354,15 +363,40 @@ impl TextTokenizer {
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         let encoding =
             self.inner.encode_fast(text, false).map_err(|e| Error::Internal(format!("tokenization failed: {e}")))?;
-        let mut ids = encoding.get_ids().to_vec();
-        if add_special_tokens && self.add_bos {
-            if let Some(bos) = self.bos_token_id {
-                if ids.first() != Some(&bos) {
-                    ids.insert(0, bos);
-                }
+        let ids = encoding.get_ids().to_vec();
+        Ok(if add_special_tokens { self.with_bos(ids) } else { ids })
+    }
+
+    /// `ids` with BOS in front when the model asks for it and they do not already start with it.
+    fn with_bos(&self, mut ids: Vec<u32>) -> Vec<u32> {
+        if let (true, Some(bos)) = (self.add_bos, self.bos_token_id) {
+            if ids.first() != Some(&bos) {
+                ids.insert(0, bos);
             }
         }
-        Ok(ids)
+        ids
+    }
+
+    /// Token ids of chat `messages` (and OpenAI's `tools`, in the template's `tools` variable)
+    /// rendered by the model's chat template with the assistant's turn opened, BOS added as
+    /// `encode` adds it. Special-token text in the messages' roles and contents and in the tools
+    /// is read as plain text (`special_text.rs`), so a user message cannot forge a turn; with
+    /// `allow_special_tokens_in_content` it becomes special tokens, as in vLLM and transformers.
+    /// A chat without such text gets the same ids either way.
+    pub fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        allow_special_tokens_in_content: bool,
+    ) -> Result<Vec<u32>> {
+        let template = self.require_chat_template()?;
+        if !allow_special_tokens_in_content {
+            if let Some((messages, tools)) = self.special_text.escape_chat(messages, tools)? {
+                let marked = template.render_with_tools(&messages, true, tools.as_ref())?;
+                return Ok(self.with_bos(self.special_text.encode(&self.inner, &marked)?));
+            }
+        }
+        self.encode(&template.render_with_tools(messages, true, tools)?, true)
     }
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
@@ -395,6 +429,15 @@ impl TextTokenizer {
 
     pub fn chat_template(&self) -> Option<&ChatTemplate> {
         self.chat_template.as_ref()
+    }
+
+    /// The chat template, or the error a chat prompt gets for a model without one.
+    pub fn require_chat_template(&self) -> Result<&ChatTemplate> {
+        self.chat_template.as_ref().ok_or_else(|| {
+            Error::config(
+                "this model has no chat template (tokenizer.chat_template); pass the prompt as a plain string",
+            )
+        })
     }
 
     /// A draft model may propose for this (target) tokenizer only if its vocabulary is the same

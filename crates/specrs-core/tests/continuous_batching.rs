@@ -20,11 +20,18 @@ const PROMPTS: [&str; 4] = [
     "List three colors: red, green,",
 ];
 
+/// Each config pins the costs its adaptive draft length weighs (`verify_cost_ratios`, and the
+/// layer-skip draft's `draft_cost`): a seeded request drafting from a model (layer skip) samples its
+/// draft, so other draft lengths draw other tokens, and two engines that each timed their own costs
+/// (on a loaded machine, each its own noise) chose other lengths for request 7. Flat enough that the
+/// layer-skip draft pays at the prior acceptance, so the sampled request drafts.
 const METHODS: [Option<&str>; 4] = [
     None,
-    Some(r#"{"method": "ngram", "num_speculative_tokens": 4}"#),
-    Some(r#"{"method": "suffix", "num_speculative_tokens": 5}"#),
-    Some(r#"{"method": "layer_skip", "num_speculative_tokens": 3, "exit_layer": 20}"#),
+    Some(r#"{"method": "ngram", "num_speculative_tokens": 4, "verify_cost_ratios": [1.0, 1.1, 1.2, 1.3, 1.4]}"#),
+    Some(r#"{"method": "suffix", "num_speculative_tokens": 5, "verify_cost_ratios": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5]}"#),
+    Some(
+        r#"{"method": "layer_skip", "num_speculative_tokens": 3, "exit_layer": 20, "verify_cost_ratios": [1.0, 1.1, 1.2, 1.3], "draft_cost": 0.1}"#,
+    ),
 ];
 
 struct Request {
@@ -112,8 +119,9 @@ fn assert_same(alone: &[Generation], batched: &Batched, skip: &[usize]) {
     }
 }
 
-/// SmolLM2 with every method's costs measured (or read from the disk cache) now and none measured
-/// later: a request's adaptive draft length then reads the same figures alone and batched.
+/// SmolLM2 with every method prepared (its draft weights loaded; its costs are the config's) and
+/// nothing measured later (the load budget's batch curve, where a test does not pin one, is the
+/// nearest figure, which only shortens drafts that do not change tokens).
 fn load() -> Arc<Engine> {
     let engine = Engine::load(common::smollm2_path(), "cpu").unwrap();
     for config in METHODS.iter().flatten() {
@@ -254,6 +262,10 @@ fn the_off_budget_drafts_what_each_request_would_alone() {
     let engine = load();
     let requests = mixed_requests(&engine, 8);
     let expected = alone(&engine, &requests);
+    // Request 7 samples with a layer-skip draft: its tokens follow its draft lengths, which the two
+    // engines here (alone, batched) read from the pinned costs, not from their own timings.
+    assert!(requests[7].params.seed.is_some() && requests[7].config.is_some_and(|c| c.contains("layer_skip")));
+    assert!(expected[7].metrics.spec.num_draft_tokens > 0, "the sampled layer-skip request never drafted");
     let config = SchedulerConfig { draft_budget: DraftBudget::Off, ..SchedulerConfig::default() };
     assert_every_wish_granted(config, &requests, &expected);
 }

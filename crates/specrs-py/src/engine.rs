@@ -514,6 +514,13 @@ pub fn requantize(
     Ok(report.into_iter().map(|t| (t.name, name(t.from), name(t.to))).collect())
 }
 
+/// Where specrs keeps what it writes for later processes (cost curves, quantized drafts,
+/// assembled models): `$SPECRS_CACHE_DIR`, else `$XDG_CACHE_HOME/specrs`, else `~/.cache/specrs`.
+#[pyfunction]
+pub fn cache_dir() -> String {
+    specrs_core::engine::cache_dir().display().to_string()
+}
+
 /// Device-to-device copy bandwidth in bytes per second (read plus write), median of `repeats`.
 #[pyfunction]
 #[pyo3(signature = (device="cpu", num_bytes=1 << 30, repeats=10))]
@@ -532,10 +539,10 @@ pub struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model_path, device="cpu"))]
-    fn new(py: Python<'_>, model_path: String, device: &str) -> PyResult<Self> {
+    #[pyo3(signature = (model_path, device="cpu", max_model_len=None))]
+    fn new(py: Python<'_>, model_path: String, device: &str, max_model_len: Option<usize>) -> PyResult<Self> {
         let device = device.to_string();
-        let engine = run_detached(py, move || Engine::load(&model_path, &device))?;
+        let engine = run_detached(py, move || Engine::load_capped(&model_path, &device, max_model_len))?;
         Ok(Self { inner: Arc::new(engine) })
     }
 
@@ -572,7 +579,8 @@ impl PyEngine {
         })
     }
 
-    /// Model facts: architecture, vocab_size, context_length, num_layers, weight_bytes.
+    /// Model facts: architecture, vocab_size, context_length (after any max_model_len cap),
+    /// num_layers, weight_bytes, device, has_chat_template.
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (i, weight_bytes, device) = guard(|| {
             let model = self.inner.model();
@@ -586,10 +594,11 @@ impl PyEngine {
         d.set_item("num_layers", i.num_layers)?;
         d.set_item("weight_bytes", weight_bytes)?;
         d.set_item("device", device)?;
+        d.set_item("has_chat_template", self.inner.tokenizer().chat_template().is_some())?;
         Ok(d)
     }
 
-    /// Prompt text for a list of {"role", "content"} messages, from the model's chat template
+    /// Prompt text for a list of (role, content) messages, from the model's chat template
     /// (rendered with the GIL released: a long conversation must not hold up other threads).
     #[pyo3(signature = (messages, tools_json=None))]
     fn render_chat(
@@ -598,17 +607,25 @@ impl PyEngine {
         messages: Vec<(String, String)>,
         tools_json: Option<String>,
     ) -> PyResult<String> {
-        let messages: Vec<ChatMessage> =
-            messages.into_iter().map(|(role, content)| ChatMessage { role, content }).collect();
-        let tools: Option<serde_json::Value> = match tools_json {
-            Some(text) => Some(
-                serde_json::from_str(&text)
-                    .map_err(|e| to_py(specrs_core::Error::config(format!("tools is not valid JSON: {e}"))))?,
-            ),
-            None => None,
-        };
+        let (messages, tools) = chat_args(messages, tools_json)?;
         let engine = self.inner.clone();
         run_detached(py, move || engine.render_chat(&messages, tools.as_ref()))
+    }
+
+    /// Prompt token ids for a list of (role, content) messages: the chat template's text,
+    /// tokenized with special-token text in the messages and tools read as plain text unless
+    /// `allow_special_tokens_in_content` (`Engine::chat_prompt_ids`).
+    #[pyo3(signature = (messages, tools_json=None, allow_special_tokens_in_content=false))]
+    fn chat_prompt_ids(
+        &self,
+        py: Python<'_>,
+        messages: Vec<(String, String)>,
+        tools_json: Option<String>,
+        allow_special_tokens_in_content: bool,
+    ) -> PyResult<Vec<u32>> {
+        let (messages, tools) = chat_args(messages, tools_json)?;
+        let engine = self.inner.clone();
+        run_detached(py, move || engine.chat_prompt_ids(&messages, tools.as_ref(), allow_special_tokens_in_content))
     }
 
     /// Whether the model's chat template renders a request's tools itself.
@@ -934,6 +951,22 @@ fn taps_arg(layers: &[Bound<'_, PyAny>]) -> PyResult<Vec<Tap>> {
             }
         })
         .collect()
+}
+
+/// Chat messages and the tools list (JSON text) as the engine takes them.
+fn chat_args(
+    messages: Vec<(String, String)>,
+    tools_json: Option<String>,
+) -> PyResult<(Vec<ChatMessage>, Option<serde_json::Value>)> {
+    let messages = messages.into_iter().map(|(role, content)| ChatMessage { role, content }).collect();
+    let tools = match tools_json {
+        Some(text) => Some(
+            serde_json::from_str(&text)
+                .map_err(|e| to_py(specrs_core::Error::config(format!("tools is not valid JSON: {e}"))))?,
+        ),
+        None => None,
+    };
+    Ok((messages, tools))
 }
 
 /// Token ids from a Python list; an int outside 0..2^32 is a ConfigError naming it (PyO3's own

@@ -20,6 +20,7 @@ fn _specrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(engine::expected_speedup, m)?)?;
     m.add_function(wrap_pyfunction!(engine::requantize, m)?)?;
     m.add_function(wrap_pyfunction!(engine::copy_bandwidth, m)?)?;
+    m.add_function(wrap_pyfunction!(engine::cache_dir, m)?)?;
     m.add_function(wrap_pyfunction!(batch::batch_accept, m)?)?;
     m.add_function(wrap_pyfunction!(batch::batch_ngram, m)?)?;
     m.add_function(wrap_pyfunction!(batch::batch_tree_accept, m)?)?;

@@ -1,6 +1,10 @@
 """`specrs serve`: an OpenAI-compatible HTTP server over one Engine.
 
-    specrs serve [MODEL] [--speculative-config JSON] [--host 127.0.0.1] [--port 8000]
+    specrs serve [MODEL] [--speculative-config JSON] [--max-model-len N] [--host 127.0.0.1] [--port 8000]
+
+Its flags are `vllm serve`'s where they mean the same (MODEL, --speculative-config,
+--max-model-len, --served-model-name, --max-num-seqs, --max-num-batched-tokens, --host, --port,
+--generation-config, --override-generation-config); an unknown flag is an error.
 
 Routes: POST /v1/completions and /v1/chat/completions (streaming SSE or not), GET /v1/models,
 /health (with the queue depth) and /metrics (Prometheus). A request may carry `"speculative"`:
@@ -12,7 +16,12 @@ from) across restarts: loaded at startup, written atomically every `--suffix-cac
 requests (default 100) and at shutdown. A file that cannot be used (corrupt, truncated, from
 another model) stops startup unless `--suffix-cache-start-empty-on-error` is given.
 
-Needs the `serve` extra: `pip install 'specrs[serve]'` (starlette, uvicorn, prometheus-client).
+Special-token text in chat messages (e.g. "<|im_end|>") is tokenized as plain text, so a client
+cannot forge a system or assistant turn; `--allow-special-tokens-in-content` makes it special
+tokens, as vLLM does.
+
+Needs the `serve` extra's packages (starlette, uvicorn, prometheus-client, jsonschema), checked
+before the model loads (extras.py).
 """
 
 from __future__ import annotations
@@ -20,11 +29,12 @@ from __future__ import annotations
 import os
 import sys
 
+from .. import extras
 from ..errors import ConfigError
+from . import generation_config as generation
 from .protocol import DEFAULT_CHAT_MAX_TOKENS
 from .suffix_store import DEFAULT_SAVE_EVERY as DEFAULT_SUFFIX_CACHE_SAVE_EVERY
 
-SERVE_INSTALL = "pip install 'specrs[serve]'"
 # Prompt tokens per step while other requests are generating. On the 2-core CI machine a 64-token
 # chunk prefills as fast as a whole 769-token prompt did and stalls the other streams for 0.3 s
 # instead of 3.7 s (benches/README.md).
@@ -37,21 +47,13 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DRAFT_BUDGETS = ("load", "off")
 
 
-def _require_server_packages() -> None:
-    missing = []
-    for module in ("starlette", "uvicorn", "prometheus_client"):
-        try:
-            __import__(module)
-        except ImportError:
-            missing.append(module)
-    if missing:
-        raise ConfigError(f"specrs serve needs {', '.join(missing)}: run `{SERVE_INSTALL}`")
-
-
 def _check_settings(max_num_seqs: int, prefill_chunk: int | None, max_request_body_bytes: int,
                     default_max_tokens: int, suffix_cache_save_every: int = DEFAULT_SUFFIX_CACHE_SAVE_EVERY,
                     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_kv_tokens: int | None = None,
-                    draft_budget: str = "load", record_traffic: str | None = None) -> None:
+                    draft_budget: str = "load", record_traffic: str | None = None,
+                    max_model_len: int | None = None) -> None:
+    if max_model_len is not None and max_model_len < 1:
+        raise ConfigError(f"max_model_len must be at least 1 token, or None for the model's context (got {max_model_len})")
     if max_num_seqs < 1:
         raise ConfigError(f"max_num_seqs must be at least 1 (got {max_num_seqs})")
     if max_num_batched_tokens < max_num_seqs:
@@ -91,7 +93,8 @@ def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 
               suffix_cache_save_every: int = DEFAULT_SUFFIX_CACHE_SAVE_EVERY,
               suffix_cache_start_empty_on_error: bool = False,
               max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_kv_tokens: int | None = None,
-              draft_budget: str = "load", record_traffic: str | os.PathLike[str] | None = None):
+              draft_budget: str = "load", record_traffic: str | os.PathLike[str] | None = None,
+              generation_config: str = "auto", override_generation_config: str | dict | None = None):
     """The Starlette app serving `engine` (run it with any ASGI server); `engine.speculative_config`
     and `engine.proposer` are every request's default. `max_request_body_bytes`: larger bodies get
     a 413; `default_max_tokens`: a chat request without max_tokens generates at most this many
@@ -101,28 +104,36 @@ def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 
     requests and at shutdown. `max_num_seqs`, `max_num_batched_tokens`, `max_kv_tokens`,
     `prefill_chunk` and `draft_budget` set the continuous-batching scheduler (serve/scheduler.py).
     `record_traffic`: a directory where every finished request's prompt and output are stored
-    (serve/traffic.py; off by default)."""
-    _require_server_packages()
+    (serve/traffic.py; off by default). `generation_config` ("auto": the model's
+    generation_config.json, "vllm": none, or a directory) and `override_generation_config` give
+    the defaults of requests' sampling fields, as vLLM's flags of those names do."""
+    extras.require("serve", "specrs serve")
     from .app import build_app as build
 
     _check_settings(max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens, suffix_cache_save_every,
                     max_num_batched_tokens, max_kv_tokens, draft_budget)
+    defaults = generation.load(generation_config, engine.model_path, override_generation_config)
     return build(engine, served_model_name or served_name(None, engine.model_path), max_num_seqs, prefill_chunk,
                  max_request_body_bytes, default_max_tokens,
                  suffix_cache=None if suffix_cache is None else os.fspath(suffix_cache),
                  suffix_cache_save_every=suffix_cache_save_every,
                  suffix_cache_start_empty_on_error=suffix_cache_start_empty_on_error,
                  max_num_batched_tokens=max_num_batched_tokens, max_kv_tokens=max_kv_tokens, draft_budget=draft_budget,
-                 record_traffic=None if record_traffic is None else os.fspath(record_traffic))
+                 record_traffic=None if record_traffic is None else os.fspath(record_traffic),
+                 generation_defaults=defaults)
 
 
-def load_engine(model: str | None, speculative_config, device: str):
-    """The engine a server runs: loaded, warmed up with the default speculation (so a bad draft
-    fails now, not at the first request), its cost curves measured, and measuring inside requests
-    turned off. `specrs serve` and each replica of `specrs serve --ray` start with it."""
+def load_engine(model: str | None, speculative_config, device: str, max_model_len: int | None = None,
+                allow_special_tokens_in_content: bool = False):
+    """The engine a server runs: loaded (its context capped at `max_model_len`), warmed up with the
+    default speculation (so a bad draft fails now, not at the first request), its cost curves
+    measured, and measuring inside requests turned off. `specrs serve` and each replica of
+    `specrs serve --ray` start with it. `allow_special_tokens_in_content`: the engine's setting
+    (`Engine.prompt_token_ids`)."""
     from ..engine import Engine, SamplingParams
 
-    engine = Engine(model, device=device, speculative_config=speculative_config)
+    engine = Engine(model, device=device, speculative_config=speculative_config, max_model_len=max_model_len,
+                    allow_special_tokens_in_content=allow_special_tokens_in_content)
     # One short request through the default speculation loads its draft weights and measures its
     # costs before the first client arrives.
     engine.generate(engine.tokenizer.encode("Hello"), SamplingParams(max_tokens=4, temperature=0.0))
@@ -147,23 +158,29 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
           suffix_cache: str | None = None, suffix_cache_save_every: int = DEFAULT_SUFFIX_CACHE_SAVE_EVERY,
           suffix_cache_start_empty_on_error: bool = False,
           max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_kv_tokens: int | None = None,
-          draft_budget: str = "load", record_traffic: str | None = None) -> None:
-    """Loads the model, warms it up with the default speculation (so a bad draft fails now, not at
-    the first request), stops the engine measuring costs inside requests, loads the suffix cache
-    file if one is given (a bad one fails now), and serves until interrupted."""
-    _require_server_packages()
+          draft_budget: str = "load", record_traffic: str | None = None, max_model_len: int | None = None,
+          generation_config: str = "auto", override_generation_config: str | None = None,
+          allow_special_tokens_in_content: bool = False) -> None:
+    """Loads the model (its context capped at `max_model_len` tokens, vLLM's --max-model-len), warms
+    it up with the default speculation (so a bad draft fails now, not at the first request), stops
+    the engine measuring costs inside requests, loads the suffix cache file if one is given (a bad
+    one fails now), and serves until interrupted. `allow_special_tokens_in_content`: chat messages'
+    special-token text becomes special tokens (vLLM's behaviour) instead of plain text
+    (`Engine.prompt_token_ids`)."""
+    extras.require("serve", "specrs serve")  # before the model loads: minutes, on a big one
     import uvicorn
 
     _check_settings(max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens, suffix_cache_save_every,
-                    max_num_batched_tokens, max_kv_tokens, draft_budget)
-    engine = load_engine(model, speculative_config, device)
+                    max_num_batched_tokens, max_kv_tokens, draft_budget, max_model_len=max_model_len)
+    engine = load_engine(model, speculative_config, device, max_model_len, allow_special_tokens_in_content)
     name = served_model_name or served_name(model, engine.model_path)
     # The warm-up's response went into the suffix cache; a loaded file replaces it.
     app = build_app(engine, name, max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens,
                     suffix_cache=suffix_cache, suffix_cache_save_every=suffix_cache_save_every,
                     suffix_cache_start_empty_on_error=suffix_cache_start_empty_on_error,
                     max_num_batched_tokens=max_num_batched_tokens, max_kv_tokens=max_kv_tokens,
-                    draft_budget=draft_budget, record_traffic=record_traffic)
+                    draft_budget=draft_budget, record_traffic=record_traffic, generation_config=generation_config,
+                    override_generation_config=override_generation_config)
     spec = engine.speculative_config["method"] if engine.speculative_config else "off"
     print(f"specrs serve: `{name}` on http://{host}:{port}/v1 (speculation: {spec}, up to {max_num_seqs} "
           f"requests batched per step, draft budget: {draft_budget})", file=sys.stderr, flush=True)

@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..engine import Engine
+from .generation_config import with_defaults
 from .tools import CallStream, parse_call
 from .metrics import ServerMetrics
 from .protocol import (APIError, GenerationRequest, ServerSpeculation, answer_choice, chunk_body, logprobs_body,
@@ -72,13 +73,14 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
               suffix_cache_start_empty_on_error: bool = False, max_num_batched_tokens: int = 2048,
               max_kv_tokens: int | None = None, draft_budget: str = "load",
               record_traffic: str | None = None, suffix_cache_load: bool = True,
-              extra_hooks: tuple = ()) -> Starlette:
+              extra_hooks: tuple = (), generation_defaults: dict | None = None) -> Starlette:
     """The server for `engine`; its `speculative_config` (and `proposer`) are every request's default.
     `suffix_cache`: a file the engine-wide suffix cache is loaded from now (a bad file raises
     ConfigError here, so the server never starts on it, unless `suffix_cache_start_empty_on_error`)
     and saved to every `suffix_cache_save_every` finished requests and at shutdown (with
     `suffix_cache_load` False it is only saved to: a replica that takes its cache from its peers).
-    `extra_hooks`: more end-of-request hooks (job, finish_reason, metrics)."""
+    `extra_hooks`: more end-of-request hooks (job, finish_reason, metrics). `generation_defaults`:
+    request fields a request without them takes (generation_config.py)."""
     speculation = ServerSpeculation(engine.speculative_config, has_proposer=engine.proposer is not None,
                                     target_info=engine.info())
 
@@ -134,7 +136,8 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
 
     async def generate(http_request: Request, kind: str) -> Response:
         try:
-            body = parse_json_body(await read_body(http_request, max_request_body_bytes))
+            body = with_defaults(parse_json_body(await read_body(http_request, max_request_body_bytes)),
+                                 generation_defaults or {})
             # Tokenizing a long prompt (or rendering a long chat) takes a while: not on the event loop.
             request = await asyncio.to_thread(parse_request, kind, body, engine, served_model_name, speculation,
                                               default_max_tokens)
@@ -291,9 +294,13 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
     async def lifespan(_: Starlette):
         scheduler.start()
         yield
-        scheduler.stop()
-        if store is not None:  # after the last request ended, so the file has every response
+        # What must persist first, then the teardown: a shutdown cut short (a second Ctrl-C, a Ray
+        # replica killed past its grace period) then loses nothing that ended before it began. The
+        # server drained its requests before this (uvicorn and Ray Serve both do), so the file has
+        # every response; the save is atomic (a temporary file renamed over the old one).
+        if store is not None:
             await asyncio.to_thread(store.save)
+        scheduler.stop()
 
     app = Starlette(
         routes=[

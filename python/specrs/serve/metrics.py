@@ -7,7 +7,8 @@ seen from the client: TTFT counts from arrival (queue time included); ITL is the
 consecutive steps that produced tokens (a speculative step delivers several tokens at once).
 
 Invariant: counters advance when a request ends (finished, stopped or aborted), so a cancelled
-request's partial work shows up too.
+request's partial work shows up too. vLLM's own names for the series that mean the same are
+exported too (vllm_metrics.py), fed from the same calls.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .vllm_metrics import VllmMetrics
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -80,11 +83,13 @@ class ServerMetrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r).labels(model_name)
         self.queue_time = Histogram("specrs:request_queue_time_seconds", "Arrival to admission.",
                                     labels, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.vllm = VllmMetrics(r, model_name, TTFT_BUCKETS, ITL_BUCKETS, E2E_BUCKETS)
 
     def report_queue(self, num_running: Callable[[], int], num_waiting: Callable[[], int]) -> None:
         """The gauges read the scheduler's queue whenever /metrics is scraped."""
         self.num_running.set_function(num_running)
         self.num_waiting.set_function(num_waiting)
+        self.vllm.report_queue(num_running, num_waiting)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -101,19 +106,23 @@ class ServerMetrics:
         self.draft_verified.inc(report["num_draft_tokens"])
         self.draft_accepted.inc(report["num_accepted_tokens"])
         self.num_preemptions.inc(report["num_preempted"])
+        self.vllm.preempted(report["num_preempted"])
 
     def request_admitted(self, queue_s: float) -> None:
         self.queue_time.observe(queue_s)
 
     def first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
+        self.vllm.first_token(ttft_s)
 
     def next_tokens(self, gap_s: float) -> None:
         self.itl.observe(gap_s)
+        self.vllm.next_tokens(gap_s)
 
     def request_finished(self, job, finish_reason: str, metrics: dict | None) -> None:
         """`job` is a scheduler Job; `metrics` the engine's for it (None: it never started). Each
         sample of an `n` > 1 request counts as a request; its prompt counts once (sample 0)."""
+        self.vllm.request_finished(job, finish_reason, metrics)
         name = self.model_name
         self.e2e.observe(time.perf_counter() - job.arrival_s)
         self.request_success.labels(name, finish_reason).inc()

@@ -85,6 +85,8 @@ class Job:
     # Why it is being ended early ("abort", "stop"): the core's abort comes back on the next step.
     ending: str | None = None
     admitted: bool = False  # it had rows in a forward (queue time observed)
+    admitted_s: float | None = None  # when it first had rows in a forward
+    first_token_s: float | None = None  # when its first token came
     num_completion_tokens: int = 0
     response_ids: list[int] = field(default_factory=list)  # every token the target wrote for it
     # Logprob entries of tokens whose text a stop string still holds back (sent with that text).
@@ -292,12 +294,13 @@ class Scheduler:
             self._fail(job, output["error"], metrics=(output["finished"] or {}).get("metrics"))
             return
         if not job.admitted:
-            job.admitted = True
+            job.admitted, job.admitted_s = True, now
             self.metrics.request_admitted(now - job.arrival_s)
         token_ids, finished = output["token_ids"], output["finished"]
         if job.ending is None:
             if token_ids:
                 if job.last_token_s is None:
+                    job.first_token_s = now
                     self.metrics.first_token(now - job.arrival_s)
                 else:
                     self.metrics.next_tokens(now - job.last_token_s)

@@ -1,7 +1,9 @@
 """`specrs serve --suffix-cache PATH`: the engine-wide suffix cache kept across restarts.
 
 The server loads the file before it serves (so a bad file stops startup, not a request), saves it
-every `save_every` finished requests and once more at shutdown. The engine writes the file
+every `save_every` finished requests and once more at shutdown, before anything is torn down
+(serve/app.py's lifespan), so a shutdown cut short loses at most what ended after the last save.
+The engine writes the file
 atomically (a temporary file beside it, synced, renamed over it: `Engine.save_suffix_cache`), so a
 crash mid-save leaves the previous file.
 

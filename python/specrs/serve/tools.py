@@ -8,9 +8,15 @@ How a request with tools runs:
   written as text the template takes: the call's JSON, and a user turn with the result.
 - `tool_choice` "required" or a named function: the answer is constrained to the tools' call
   schema (`call_schema`: the name as a constant, the arguments as the function's JSON schema), so
-  it always parses; "auto" (the default with tools): the model answers freely, and an answer that
-  is exactly a valid call of one tool becomes a tool call (vLLM's auto tool choice parses the same
-  way); "none": the tools are not shown and the answer is text.
+  it always parses and validates; "auto" (the default with tools): the model answers freely, and
+  an answer that is exactly a valid call of one tool becomes a tool call (vLLM's auto tool choice
+  parses the same way); "none": the tools are not shown and the answer is text.
+- Strict: a function's schema is held as written, as OpenAI holds one without `"strict": true`:
+  keys it does not declare are allowed unless it says `"additionalProperties": false`. With
+  `"strict": true` (OpenAI's Structured Outputs for functions) every object in its parameters
+  gets `"additionalProperties": false` where it does not say otherwise (`_closed`), so a call
+  carries exactly the declared keys; an object that allows other keys is refused, as OpenAI
+  refuses it under strict.
 - The answer: `message.tool_calls` with `finish_reason` "tool_calls"; streamed, the call arrives
   as OpenAI's deltas: id, type and name, then the arguments. A constrained call (`CallStream`)
   streams its arguments as they are generated (its form is the grammar's, so the name is known
@@ -84,6 +90,13 @@ def parse_tools(body: dict) -> ToolRequest | None:
             raise APIError(400, f"tools[{i}].function.parameters nests arrays and objects {depth} or more levels deep, "
                            f"over specrs' limit MAX_JSON_NESTING = {MAX_JSON_NESTING}; flatten the schema (e.g. "
                            "name repeated parts in $defs and use $ref)", param="tools")
+        strict = function.get("strict", False)
+        if strict is None:
+            strict = False
+        if not isinstance(strict, bool):
+            raise APIError(400, f"tools[{i}].function.strict must be true or false", param="tools")
+        if strict:
+            parameters = _closed(parameters, f"tools[{i}].function.parameters")
         try:
             jsonschema.Draft202012Validator.check_schema(parameters)
         except jsonschema.SchemaError as e:
@@ -106,6 +119,40 @@ def parse_tools(body: dict) -> ToolRequest | None:
         return ToolRequest(parsed, "named", name)
     raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                    '{"name": ...}}', param="tool_choice")
+
+
+# Keywords whose value is one subschema, a list of them, or a map of name -> subschema.
+_ONE_SCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+               "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _closed(schema, where: str):
+    """`schema` with `"additionalProperties": false` on every object schema in it that does not
+    set it (OpenAI's strict mode); an object that allows other keys is an APIError naming it."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"]) \
+        or "properties" in out
+    if is_object:
+        if "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        elif out["additionalProperties"] is not False:
+            raise APIError(400, f"{where} allows keys it does not declare (additionalProperties), which "
+                           "\"strict\": true forbids; drop strict or set additionalProperties to false",
+                           param="tools")
+    for key in _ONE_SCHEMA:
+        if key in out:
+            out[key] = _closed(out[key], f"{where}.{key}")
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(s, f"{where}.{key}[{j}]") for j, s in enumerate(out[key])]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed(s, f"{where}.{key}.{name}") for name, s in out[key].items()}
+    return out
 
 
 def call_schema(request: ToolRequest) -> dict | None:

@@ -1,6 +1,6 @@
 """Trains an EAGLE-3 head (Li et al. 2025, arXiv 2503.01840) on cached target features
 (features.py) and writes it in speculators' format, which specrs, vLLM and SGLang load
-(`{"method": "eagle3", "model": DIR}`). Needs torch (`pip install 'specrs[train]'`).
+(`{"method": "eagle3", "model": DIR}`). Needs torch (the `train` extra: `pip install torch gguf tqdm`).
 
 The head (what crates/specrs-core/src/proposer/heads/eagle.rs runs): `fc` maps the target's
 three tapped hidden states `[3H]` to `[H]`; one Llama decoder layer whose attention reads
@@ -35,10 +35,11 @@ try:
     import torch
     import torch.nn.functional as F
 except ImportError as e:  # the training extra is optional: say how to get it
-    raise SystemExit("specrs.train.eagle3 needs torch: pip install 'specrs[train]'") from e
+    raise SystemExit("specrs train-head eagle3 needs torch: pip install torch gguf tqdm (the train extra)") from e
 
 from .features import Shards, split
-from .loop import add_arguments, conversation_tensors, fit, simulate_greedy_drafting
+from . import arguments as command_lines
+from .loop import conversation_tensors, fit, simulate_greedy_drafting
 from .safetensors import read_safetensors, write_safetensors
 
 
@@ -305,21 +306,7 @@ def evaluate(head: Eagle3Head, shards: Shards, ids: list[int], steps: int) -> di
 
 
 def arguments() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser, lr=3e-4)
-    parser.add_argument("--target", required=True, help="the target's GGUF or Hugging Face directory "
-                        "(its embedding and LM head are read)")
-    parser.add_argument("--init", default=None, help="an EAGLE-3 head directory to fine-tune (its shape and draft "
-                        "vocabulary are kept)")
-    parser.add_argument("--draft-vocab", type=int, default=8192)
-    parser.add_argument("--heads", type=int, default=9)
-    parser.add_argument("--kv-heads", type=int, default=3)
-    parser.add_argument("--ffn", type=int, default=1536)
-    parser.add_argument("--rope-theta", type=float, default=100000.0)
-    parser.add_argument("--ttt-steps", type=int, default=4)
-    parser.add_argument("--fc-norm", action="store_true", help="RMS-norm each tapped layer before fc (speculators' "
-                        "fc_norm; for targets whose layers differ in scale, such as Gemma 3)")
-    return parser
+    return command_lines.eagle3()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -171,7 +171,8 @@ def held_out_every(held_out: float) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="specrs train-head features", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--conversations", required=True, help="conversations.jsonl from specrs.train.selfinstruct")
     parser.add_argument("--out", required=True)

@@ -23,21 +23,6 @@ from tqdm import tqdm
 from .features import Shards
 
 
-def add_arguments(parser: argparse.ArgumentParser, lr: float) -> None:
-    """The options every trainer takes."""
-    parser.add_argument("--features", required=True, help="directory from `specrs train-head features`")
-    parser.add_argument("--out", required=True, help="head directory to write (and its checkpoint.pt)")
-    parser.add_argument("--epochs", type=float, default=1.0)
-    parser.add_argument("--lr", type=float, default=lr)
-    parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--held-out", type=float, default=0.05,
-                        help="fraction of conversations (every k-th) kept out of training for evaluation")
-    parser.add_argument("--save-every", type=int, default=500, help="steps between checkpoints")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-bf16", dest="bf16", action="store_false",
-                        help="train in float32 (default: bfloat16 autocast, ~2x faster on CPUs with AVX512-BF16)")
-
-
 def fit(name: str, model: torch.nn.Module, shards: Shards, train_ids: list[int],
         step_loss: Callable[[int], torch.Tensor | None], args: argparse.Namespace, clip: float) -> dict:
     """Trains `model` for `args.epochs` passes over `train_ids`; `step_loss(i)` is conversation i's

@@ -1,6 +1,6 @@
 """Trains IBM's MLP speculator (Wertheimer et al. 2024, arXiv 2404.19124) on cached target features
 (features.py) and writes it in the format fms-extras, vLLM and specrs load (`{"method":
-"mlp_speculator", "model": DIR}`). Needs torch (`pip install 'specrs[train]'`).
+"mlp_speculator", "model": DIR}`). Needs torch (the `train` extra: `pip install torch gguf tqdm`).
 
 The head (crates/specrs-core/src/proposer/heads/mlp_speculator.rs): sub-head i turns the running
 state s and the token before the one it drafts into s' = GELU(ln_i(proj_i(s) + (emb_weight /
@@ -27,10 +27,11 @@ try:
     import torch
     import torch.nn.functional as F
 except ImportError as e:
-    raise SystemExit("specrs.train.mlp_speculator needs torch: pip install 'specrs[train]'") from e
+    raise SystemExit("specrs train-head mlp_speculator needs torch: pip install torch gguf tqdm (the train extra)") from e
 
 from .features import Shards, split
-from .loop import add_arguments, conversation_tensors, fit, simulate_greedy_drafting
+from . import arguments as command_lines
+from .loop import conversation_tensors, fit, simulate_greedy_drafting
 from .safetensors import read_safetensors, write_safetensors
 
 
@@ -173,13 +174,7 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def arguments() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser, lr=1e-3)
-    parser.add_argument("--init", default=None, help="an MLP speculator directory to fine-tune (its shape is kept)")
-    parser.add_argument("--vocab", type=int, default=49152, help="the target's vocabulary size")
-    parser.add_argument("--inner", type=int, default=256)
-    parser.add_argument("--n-predict", type=int, default=3)
-    return parser
+    return command_lines.mlp_speculator()
 
 
 def main(argv: list[str] | None = None) -> int:

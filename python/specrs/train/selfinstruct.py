@@ -166,7 +166,8 @@ def generate(engine: Engine, out_dir: str, num_conversations: int, batch_size: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="specrs train-head data", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="GGUF path or named model (default SmolLM2-135M-Instruct)")
     parser.add_argument("--out", required=True, help="directory for conversations.jsonl and recipe.json")
     parser.add_argument("--num-conversations", type=int, default=2000)

@@ -38,7 +38,8 @@ def ship(head_dir: str, out_dir: str, training: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="specrs train-head ship", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--head", required=True, help="a head directory written by a trainer")
     parser.add_argument("--out", required=True, help="where the shipped copy goes (python/specrs/heads/MODEL/METHOD)")
     parser.add_argument("--training-json", default=None,

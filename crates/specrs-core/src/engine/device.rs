@@ -37,8 +37,9 @@ pub fn parse_device(device: &str) -> Result<Device> {
     })
 }
 
-/// Where `quantized_self` drafts are written: `$SPECRS_CACHE_DIR`, else `$XDG_CACHE_HOME/specrs`,
-/// else `~/.cache/specrs`.
+/// Where specrs keeps files for later processes (`quantized_self` drafts, cost curves, models
+/// assembled from part packages by `specrs models install`): `$SPECRS_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/specrs`, else `~/.cache/specrs`.
 pub fn cache_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("SPECRS_CACHE_DIR") {
         return PathBuf::from(dir);

@@ -109,17 +109,24 @@ pub struct Engine {
 impl Engine {
     /// A GGUF file, or a Hugging Face directory (config.json, *.safetensors, tokenizer.json).
     pub fn load(path: impl AsRef<Path>, device: &str) -> Result<Self> {
+        Self::load_capped(path, device, None)
+    }
+
+    /// `load`, with the context capped at `max_model_len` tokens (vLLM's `--max-model-len`;
+    /// `model::loader::cap_context`): prompts and KV caches never pass it.
+    pub fn load_capped(path: impl AsRef<Path>, device: &str, max_model_len: Option<usize>) -> Result<Self> {
         let device = parse_device(device)?;
         let path = path.as_ref();
         if path.is_dir() {
-            let (config, mut weights) = model::hf_dir::open(path, &device)?;
+            let (mut config, mut weights) = model::hf_dir::open(path, &device)?;
+            model::loader::cap_context(&mut config, max_model_len, &path.display().to_string())?;
             let model = Decoder::from_hf(&mut weights, config)?;
             let mut engine = Self::from_model(Arc::new(model), TextTokenizer::from_hf_dir(path)?, None)?;
             engine.checkpoint = Some(path.to_path_buf());
             return Ok(engine);
         }
         let mut gguf = GgufFile::open(path)?;
-        let model: Arc<dyn CausalLm> = Arc::from(model::loader::load(&mut gguf, &device)?);
+        let model: Arc<dyn CausalLm> = Arc::from(model::loader::load_capped(&mut gguf, &device, max_model_len)?);
         let tokenizer = TextTokenizer::from_gguf(&gguf)?;
         Self::from_model(model, tokenizer, Some(gguf.path.clone()))
     }
@@ -230,20 +237,23 @@ impl Engine {
     /// Prompt text for chat `messages` from the model's own template, with OpenAI's `tools` in
     /// the template's `tools` variable when given.
     pub fn render_chat(&self, messages: &[ChatMessage], tools: Option<&serde_json::Value>) -> Result<String> {
-        self.chat_template()?.render_with_tools(messages, true, tools)
+        self.tokenizer.require_chat_template()?.render_with_tools(messages, true, tools)
+    }
+
+    /// Prompt token ids for chat `messages` (`TextTokenizer::encode_chat`): special-token text in
+    /// the messages and tools is plain text unless `allow_special_tokens_in_content`.
+    pub fn chat_prompt_ids(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        allow_special_tokens_in_content: bool,
+    ) -> Result<Vec<u32>> {
+        self.tokenizer.encode_chat(messages, tools, allow_special_tokens_in_content)
     }
 
     /// Whether the model's chat template renders a request's tools itself.
     pub fn chat_template_renders_tools(&self) -> Result<bool> {
-        Ok(self.chat_template()?.renders_tools())
-    }
-
-    fn chat_template(&self) -> Result<&crate::chat_template::ChatTemplate> {
-        self.tokenizer.chat_template().ok_or_else(|| {
-            Error::config(
-                "this model has no chat template (tokenizer.chat_template); pass the prompt as a plain string",
-            )
-        })
+        Ok(self.tokenizer.require_chat_template()?.renders_tools())
     }
 }
 

@@ -12,28 +12,37 @@ request to the replica that served its conversation or prompt before unless that
 Serve, and its requests end with a clean error or are retried on another replica when nothing was
 streamed yet. Without an address, Ray starts a local instance bound to 127.0.0.1; `--ray-address`
 joins a running cluster (`ray start --head` on one node, `ray start --address=HEAD:6379` on the
-others). Needs the `ray` extra: `pip install 'specrs[ray]'`.
+others). Needs the `ray` extra's packages (Ray Serve and the `serve` packages, which every replica
+imports): `pip install 'ray[serve]' starlette uvicorn prometheus-client jsonschema`, checked before
+Ray starts (extras.py).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import sys
+import threading
+import time
 from typing import Any
 
+from ... import extras
 from ...errors import ConfigError
 
-RAY_INSTALL = "pip install 'specrs[ray]'"
+RAY_INSTALL = extras.install_command("ray")
 APP_NAME = "specrs"
+# How long shutdown waits for the replicas' save round (`save_suffix_caches`).
+SAVE_TIMEOUT_S = 30.0
+
+logger = logging.getLogger("specrs.serve")
 LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def require_ray() -> None:
-    try:
-        import ray  # noqa: F401
-        from ray import serve  # noqa: F401
-    except ImportError:
-        raise ConfigError(f"specrs serve --ray needs Ray Serve: run `{RAY_INSTALL}`") from None
+    """Every package a replica imports, checked here, before Ray starts and any replica loads a
+    model (imports Ray: call it after choosing how a local Ray binds)."""
+    extras.require("ray", "specrs serve --ray")
 
 
 def build(settings, num_replicas: int = 1, autoscaling_config: dict | None = None, replica_cpus: float | None = None,
@@ -100,7 +109,8 @@ def app_builder(args: dict[str, str]):
 
     def value(key: str, raw: Any) -> Any:
         if not isinstance(raw, str) or key in ("model", "device", "served_model_name", "suffix_cache",
-                                               "draft_budget", "speculative_config"):
+                                               "draft_budget", "speculative_config", "generation_config",
+                                               "override_generation_config"):
             return raw
         try:
             return json.loads(raw)
@@ -116,15 +126,14 @@ def app_builder(args: dict[str, str]):
 def run(settings, *, host: str = "127.0.0.1", port: int = 8000, ray_address: str | None = None,
         num_replicas: int = 1, autoscaling_config: dict | None = None, replica_cpus: float | None = None,
         max_imbalance: int | None = None) -> None:
-    """Starts (or joins) Ray, runs the app on http://host:port until interrupted, then shuts it down
-    (each replica saves its suffix cache file)."""
+    """Starts (or joins) Ray, runs the app on http://host:port until interrupted (Ctrl-C or
+    SIGTERM), then, with `--suffix-cache`, has every replica save the file (`save_suffix_caches`)
+    before it shuts the app down."""
     if ray_address is None:
         # Ray's local-only mode (its default on macOS and Windows): every Ray process binds to the
         # loopback address instead of this node's network address. Read when Ray is imported.
         os.environ.setdefault(LOCAL_ONLY_ENV, "0")
     require_ray()
-    import time
-
     import ray
     from ray import serve
 
@@ -133,19 +142,86 @@ def run(settings, *, host: str = "127.0.0.1", port: int = 8000, ray_address: str
         ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
     else:
         ray.init(address=ray_address)
+    # SIGTERM (a service manager's stop) shuts down like Ctrl-C instead of ending the process at once.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(app, name=APP_NAME, route_prefix="/")
-    print(f"specrs serve --ray: {num_replicas if autoscaling_config is None else autoscaling_config} replica(s) "
-          f"on http://{host}:{port}/v1 (speculation: "
-          f"{settings.speculative_config if settings.speculative_config else 'off'})", file=sys.stderr, flush=True)
+    # The handle the save at shutdown goes through, taken as soon as the coordinator answers: Ctrl-C
+    # may come while `serve.run` still waits for the app to be declared ready (it serves before
+    # that, and on a loaded machine long before), when a handle taken only then would need Ray
+    # Serve's controller, which may be the slow part.
+    coordinator: dict[str, Any] = {}
+    if settings.suffix_cache is not None:
+        threading.Thread(target=_take_coordinator_handle, args=(coordinator,), daemon=True,
+                         name="specrs-coordinator-handle").start()
     try:
+        serve.run(app, name=APP_NAME, route_prefix="/")
+        print(f"specrs serve --ray: {num_replicas if autoscaling_config is None else autoscaling_config} replica(s) "
+              f"on http://{host}:{port}/v1 (speculation: "
+              f"{settings.speculative_config if settings.speculative_config else 'off'})", file=sys.stderr, flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
+        if settings.suffix_cache is not None:
+            save_suffix_caches(coordinator.get("handle"))
         serve.shutdown()
         ray.shutdown()
 
 
-__all__ = ["APP_NAME", "RAY_INSTALL", "app_builder", "build", "require_ray", "run"]
+def _take_coordinator_handle(into: dict[str, Any], retry_s: float = 0.5) -> None:
+    """Puts a working coordinator handle in `into["handle"]` once the coordinator answers (before
+    the app exists, getting one fails: it tries again every `retry_s`), and says so on stderr."""
+    while True:
+        try:
+            into["handle"] = coordinator_handle()
+        except Exception:  # the app or its coordinator is not up yet
+            time.sleep(retry_s)
+            continue
+        print("specrs serve --ray: the coordinator answers; a save at shutdown goes through it", file=sys.stderr,
+              flush=True)
+        return
+
+
+def coordinator_handle(timeout_s: float = SAVE_TIMEOUT_S):
+    """A handle to the app's coordinator, its routing already known (one call made): a save at
+    shutdown through it needs no more from Ray Serve's controller, which shutdown takes down first
+    (and which a loaded machine slows)."""
+    from ray import serve
+
+    coordinator = serve.get_deployment_handle("Coordinator", app_name=APP_NAME)
+    coordinator.share_stats.remote().result(timeout_s=timeout_s)
+    return coordinator
+
+
+def save_suffix_caches(coordinator=None, timeout_s: float = SAVE_TIMEOUT_S) -> list[str]:
+    """Has every live replica save its suffix cache file now, before the app is torn down (Ray Serve
+    stops replicas and kills one slow to stop, and this process may be killed too): one save round
+    through the coordinator's board (replica_board.py), waited for up to `timeout_s`. Returns the
+    replicas that did not report their save in time (logged; they save again when Ray Serve stops
+    them)."""
+    print("specrs serve --ray: saving the suffix cache before shutting down", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + timeout_s
+
+    def left() -> float:
+        return max(0.1, deadline - time.monotonic())
+
+    try:
+        coordinator = coordinator or coordinator_handle(timeout_s)
+        save_round = coordinator.board_open_save_round.remote().result(timeout_s=left())
+        while True:
+            waiting = coordinator.board_save_waiting_for.remote(save_round, "saved").result(timeout_s=left())
+            if not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    except Exception as e:  # the app is going down anyway
+        logger.warning("specrs serve --ray: the save round before shutdown failed: %r", e)
+        return []
+    if waiting:
+        logger.warning("specrs serve --ray: replicas %s did not save the suffix cache within %.0f s", ", ".join(waiting),
+                       timeout_s)
+    return waiting
+
+
+__all__ = ["APP_NAME", "RAY_INSTALL", "app_builder", "build", "coordinator_handle", "require_ray", "run",
+           "save_suffix_caches"]

@@ -13,6 +13,14 @@ coordinator.
 - `Coordinator` (1): holds the shared suffix log and the replica board; Ray restarts it if it dies
   (both start empty again: replicas keep their own caches and report again within a second).
 
+Shutdown (`--suffix-cache`): the file is saved before anything is torn down. The driver first runs
+a save round through the board (replica_board.py): each replica publishes what it finished, pulls
+what its peers finished and saves, so whichever replica writes the file last, it holds every
+response that ended before the round. Then Ray Serve drains each replica and calls `__del__`,
+which saves again (the app's lifespan: the file first, then the generation loop) before its calls
+to the coordinator, each bounded, so a replica Ray kills past `graceful_shutdown_timeout_s`, or a
+driver killed mid-shutdown, loses at most what ended after the last save.
+
 Faults: when the replica serving a request dies before the response started, the ingress retries
 the request on another replica (`retries` times), since nothing reached the client; once a stream
 started, its client gets OpenAI's error event (type `replica_died`) and `[DONE]`; other requests
@@ -44,6 +52,10 @@ logger = logging.getLogger("specrs.serve")
 
 REPLICA_HEADER = b"x-specrs-replica"
 DEFAULT_RETRIES = 2
+# How long a replica in a save round waits for its peers to publish before it saves what it has.
+SAVE_ROUND_PUBLISH_WAIT_S = 10.0
+# Bound on each call to the coordinator while a replica shuts down (the coordinator may be gone).
+TEARDOWN_CALL_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -81,8 +93,17 @@ class Coordinator:
     def share_stats(self) -> dict:
         return self.shared.stats()
 
-    def board_report(self, report: replica_board.Report) -> None:
-        self.board.report(report)
+    def board_report(self, report: replica_board.Report) -> int:
+        return self.board.report(report)
+
+    def board_open_save_round(self) -> int:
+        return self.board.open_save_round()
+
+    def board_save_done(self, replica: str, save_round: int, stage: str) -> None:
+        self.board.save_done(replica, save_round, stage)
+
+    def board_save_waiting_for(self, save_round: int, stage: str) -> list[str]:
+        return self.board.save_waiting_for(save_round, stage)
 
     def board_leave(self, replica: str) -> None:
         self.board.leave(replica)
@@ -97,12 +118,15 @@ class Coordinator:
 class EngineReplica:
     async def __init__(self, settings: ReplicaSettings, coordinator):
         from .. import load_engine, served_name
+        from .. import generation_config as generation
         from ..app import build_app
 
         self.settings, self.coordinator = settings, coordinator
         self.replica = serve.get_replica_context().replica_id.unique_id
+        self.save_round = 0  # the newest save round this replica joined
         self.engine = await asyncio.to_thread(load_engine, settings.model, settings.speculative_config,
-                                              settings.device)
+                                              settings.device, settings.max_model_len,
+                                              settings.allow_special_tokens_in_content)
         name = settings.served_model_name or served_name(settings.model, self.engine.model_path)
         self.share = None
         role = "seed"  # without sharing, the replica loads its own file as `specrs serve` does
@@ -118,7 +142,9 @@ class EngineReplica:
             suffix_cache_start_empty_on_error=settings.suffix_cache_start_empty_on_error,
             max_num_batched_tokens=settings.max_num_batched_tokens, max_kv_tokens=settings.max_kv_tokens,
             draft_budget=settings.draft_budget, suffix_cache_load=role == "seed",
-            extra_hooks=(self.share.on_request_finished,) if self.share is not None else ())
+            extra_hooks=(self.share.on_request_finished,) if self.share is not None else (),
+            generation_defaults=generation.load(settings.generation_config, self.engine.model_path,
+                                                settings.override_generation_config))
         if self.share is not None:
             if role == "seed" and settings.suffix_cache is not None:
                 caches = [(config, [suffix_share.pack(r) for r in responses])
@@ -144,10 +170,33 @@ class EngineReplica:
     async def _report_loop(self) -> None:
         while True:
             try:
-                await self.coordinator.board_report.remote(self._report())
+                save_round = await self.coordinator.board_report.remote(self._report())
+                if save_round > self.save_round:
+                    self.save_round = save_round
+                    self.tasks.append(asyncio.create_task(self._save_round(save_round)))
             except Exception as e:
                 logger.warning("specrs serve: reporting to the coordinator failed: %s", e)
             await asyncio.sleep(self.settings.report_interval_s)
+
+    async def _save_round(self, save_round: int) -> None:
+        """The driver's save at shutdown: publish what ended here, wait until every live peer has,
+        pull theirs, save the suffix cache file (a replica without one only takes part)."""
+        try:
+            if self.share is not None:
+                await self.share.exchange()
+                await self.coordinator.board_save_done.remote(self.replica, save_round, "published")
+                deadline = asyncio.get_running_loop().time() + SAVE_ROUND_PUBLISH_WAIT_S
+                while (await self.coordinator.board_save_waiting_for.remote(save_round, "published")
+                       and asyncio.get_running_loop().time() < deadline):
+                    await asyncio.sleep(0.1)
+                await self.share.exchange()
+            store = self.app.state.suffix_cache_store
+            if store is not None:
+                await asyncio.to_thread(store.save)
+        except Exception as e:  # the driver stops waiting for this replica after its timeout
+            logger.error("specrs serve: the save round at shutdown failed on this replica: %s", e)
+            return
+        await self.coordinator.board_save_done.remote(self.replica, save_round, "saved")
 
     async def handle(self, request: Forwarded) -> AsyncIterator[dict]:
         """The ASGI messages of the app's response; the start names this replica."""
@@ -165,17 +214,19 @@ class EngineReplica:
             raise RuntimeError(f"the generation loop stopped: {failure}")
 
     async def __del__(self) -> None:
+        """Ray Serve drained this replica's requests; it kills the replica if this outlasts
+        graceful_shutdown_timeout_s, so the file comes first and every coordinator call is bounded."""
         for task in getattr(self, "tasks", []):
             task.cancel()
-        if getattr(self, "share", None) is not None:
-            try:  # what finished since the last exchange still reaches the peers
-                await self.share.exchange()
-            except Exception as e:
-                logger.warning("specrs serve: last suffix exchange failed: %s", e)
         if hasattr(self, "lifespan"):
-            await self.lifespan.shutdown()  # ends the scheduler, saves the suffix cache file
+            await self.lifespan.shutdown()  # saves the suffix cache file, then ends the generation loop
+        if getattr(self, "share", None) is not None:
+            try:  # what ended since the last exchange still reaches the peers that outlive this replica
+                await asyncio.wait_for(self.share.exchange(), TEARDOWN_CALL_TIMEOUT_S)
+            except Exception as e:
+                logger.warning("specrs serve: last suffix exchange failed: %r", e)
         try:
-            await self.coordinator.board_leave.remote(self.replica)
+            await asyncio.wait_for(self.coordinator.board_leave.remote(self.replica), TEARDOWN_CALL_TIMEOUT_S)
         except Exception:
             pass
 

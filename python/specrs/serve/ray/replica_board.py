@@ -6,9 +6,15 @@ and the ingress reads the board: /health counts the replicas heard from within
 `STALE_AFTER_S`, /metrics merges their series with a `replica` label (vLLM's names, as one
 `specrs serve` shows them), beside `specrs:replicas` per state.
 
+The board also runs the save rounds of `--suffix-cache` at shutdown (ray/__init__.py's `run`):
+the driver opens a round, every replica learns of it from its next report's answer, publishes what
+it finished to its peers, waits until every live replica has, pulls theirs and saves; the driver
+waits for every live replica's save before it tears the app down.
+
 Invariants: a replica that stops reporting (killed) leaves the board after `STALE_AFTER_S` and
-never counts as healthy again; the merged exposition names each metric family once (Prometheus
-rejects repeated HELP/TYPE lines) and gives every sample its replica's id.
+never counts as healthy again, nor is waited for by a save round; the merged exposition names each
+metric family once (Prometheus rejects repeated HELP/TYPE lines) and gives every sample its
+replica's id; a round's stages only advance (a replica's saved round implies its published one).
 """
 
 from __future__ import annotations
@@ -38,14 +44,38 @@ class Report:
     seen_s: float = 0.0
 
 
+# The stages of a save round, in order.
+SAVE_STAGES = ("published", "saved")
+
+
 class ReplicaBoard:
     def __init__(self, clock=time.monotonic):
         self.clock = clock
         self.reports: dict[str, Report] = {}
+        self.save_round = 0  # the newest round the driver opened (0: none)
+        # Per stage, per replica: the newest round it completed that stage of.
+        self.save_progress: dict[str, dict[str, int]] = {stage: {} for stage in SAVE_STAGES}
 
-    def report(self, report: Report) -> None:
+    def report(self, report: Report) -> int:
+        """Records `report`; returns the newest save round, which the replica joins if it is new to it."""
         report.seen_s = self.clock()
         self.reports[report.replica] = report
+        return self.save_round
+
+    def open_save_round(self) -> int:
+        self.save_round += 1
+        return self.save_round
+
+    def save_done(self, replica: str, save_round: int, stage: str) -> None:
+        """`replica` completed `stage` of `save_round` (and so every earlier stage of it)."""
+        for s in SAVE_STAGES[:SAVE_STAGES.index(stage) + 1]:
+            done = self.save_progress[s]
+            done[replica] = max(done.get(replica, 0), save_round)
+
+    def save_waiting_for(self, save_round: int, stage: str) -> list[str]:
+        """The live replicas that have not completed `stage` of `save_round` yet."""
+        done = self.save_progress[stage]
+        return [r.replica for r in self.live() if done.get(r.replica, 0) < save_round]
 
     def leave(self, replica: str) -> None:
         """A replica shutting down cleanly."""
@@ -107,4 +137,4 @@ def merge_metrics(texts: list[tuple[str, str]], replica_states: dict[str, int]) 
     return generate_latest(registry)
 
 
-__all__ = ["Report", "ReplicaBoard", "STALE_AFTER_S", "merge_metrics"]
+__all__ = ["Report", "ReplicaBoard", "SAVE_STAGES", "STALE_AFTER_S", "merge_metrics"]

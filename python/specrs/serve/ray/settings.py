@@ -22,6 +22,9 @@ class ReplicaSettings:
     model: str | None = None
     speculative_config: Any = None
     device: str = "cpu"
+    max_model_len: int | None = None
+    generation_config: str = "auto"
+    override_generation_config: Any = None
     served_model_name: str | None = None
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
@@ -36,6 +39,7 @@ class ReplicaSettings:
     share_suffix_cache: bool = True
     share_interval_s: float = DEFAULT_SHARE_INTERVAL_S
     report_interval_s: float = DEFAULT_REPORT_INTERVAL_S
+    allow_special_tokens_in_content: bool = False
 
 
 __all__ = ["DEFAULT_REPORT_INTERVAL_S", "DEFAULT_SHARE_INTERVAL_S", "ReplicaSettings"]

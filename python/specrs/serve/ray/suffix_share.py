@@ -161,6 +161,9 @@ class ShareClient:
         self.cursor = 0
         self._outbox: list[tuple[str, bytes]] = []
         self._lock = threading.Lock()
+        # One exchange at a time (the periodic one, a save round's): two at once would pull the same
+        # responses from one cursor and add them twice.
+        self._exchanging = asyncio.Lock()
         self.num_published = 0
         self.num_received = 0
         self.num_missed = 0
@@ -175,6 +178,10 @@ class ShareClient:
     async def exchange(self) -> int:
         """One publish-and-pull; returns how many responses it added to the engine. On failure the
         outbox is kept for the next call."""
+        async with self._exchanging:
+            return await self._exchange()
+
+    async def _exchange(self) -> int:
         with self._lock:
             outbox, self._outbox = self._outbox, []
         try:
