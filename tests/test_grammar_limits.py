@@ -120,6 +120,9 @@ CASES = [
     ("$ref to itself", {"response_format": _json_schema(self_ref_schema())}, "allows no output", "response_format"),
     ("$ref cycle", {"guided_json": ref_cycle_schema()}, "allows no output", "guided_json"),
     ("object containing itself", {"guided_json": self_containing_schema()}, "cannot be followed", "guided_json"),
+    # Found by the grammar_compile fuzz target: compiled, then an internal error mid-output (a 500).
+    ("%ignore beside a %json grammar", {"guided_grammar": 'start: "bab" r1\nr1: %json {"type": "object"} | "end"\n'
+                                                          '%ignore /[ \\t]+/\n'}, "%ignore", "guided_grammar"),
     ("schema one level too deep", {"guided_json": nested_schema(MAX_JSON_NESTING)}, "MAX_JSON_NESTING",
      "guided_json"),
     ("tool schema one level too deep", {"tools": [tool(nested_schema(MAX_JSON_NESTING))]}, "MAX_JSON_NESTING",

@@ -46,9 +46,26 @@ fn compiler() -> &'static ConstraintCompiler {
     static COMPILER: OnceLock<ConstraintCompiler> = OnceLock::new();
     COMPILER.get_or_init(|| {
         let merges = [
-            ("{", "\""), ("\"", ":"), ("\":", "Ġ"), (",", "Ġ"), (",Ġ", "\""), ("\"", "}"), ("a", "a"), ("aa", "aa"),
-            ("aaaa", "aaaa"), ("0", "0"), ("1", "2"), ("t", "r"), ("tr", "u"), ("tru", "e"), ("n", "u"), ("nu", "l"),
-            ("nul", "l"), ("x", "x"), ("[", "\""), ("\"", "]"),
+            ("{", "\""),
+            ("\"", ":"),
+            ("\":", "Ġ"),
+            (",", "Ġ"),
+            (",Ġ", "\""),
+            ("\"", "}"),
+            ("a", "a"),
+            ("aa", "aa"),
+            ("aaaa", "aaaa"),
+            ("0", "0"),
+            ("1", "2"),
+            ("t", "r"),
+            ("tr", "u"),
+            ("tru", "e"),
+            ("n", "u"),
+            ("nu", "l"),
+            ("nul", "l"),
+            ("x", "x"),
+            ("[", "\""),
+            ("\"", "]"),
         ];
         let mut vocab = serde_json::Map::new();
         for b in 0..=255u8 {
@@ -109,7 +126,7 @@ fuzz_target!(|data: &[u8]| {
     let mut constraint = match compiler().compile_with_stack(&spec, COMPILE_STACK_BYTES / 4) {
         Ok(constraint) => constraint,
         Err(Error::Config(_)) => return,
-        Err(other) => panic!("the {kind} was refused with a non-config error: {other:?}"),
+        Err(other) => panic!("the {kind} was refused with a non-config error: {other:?}\n{spec:?}"),
     };
     // Walk: the forced tokens, else one the input's last bytes pick from the mask.
     let mut picks = data.iter().rev();
@@ -117,13 +134,13 @@ fuzz_target!(|data: &[u8]| {
     while taken < WALK_TOKENS && !constraint.is_finished() {
         let forced = constraint.forced_tokens();
         let step = if forced.is_empty() {
-            let allowed = constraint.allowed_tokens().unwrap_or_else(|e| panic!("the {kind} compiled, then: {e}"));
+            let allowed = constraint.allowed_tokens().unwrap_or_else(|e| panic!("the {kind} compiled, then: {e}\n{spec:?}"));
             let ids = allowed.token_ids();
             vec![ids[usize::from(*picks.next().unwrap_or(&0)) % ids.len()]]
         } else {
             forced
         };
-        constraint.consume(&step).unwrap_or_else(|e| panic!("the {kind} compiled, then consuming {step:?}: {e}"));
+        constraint.consume(&step).unwrap_or_else(|e| panic!("the {kind} compiled, then consuming {step:?}: {e}\n{spec:?}"));
         taken += step.len();
     }
 });

@@ -82,10 +82,12 @@ pub fn schema(u: &mut Unstructured, depth: usize, defs: usize) -> Result<Value> 
             for i in 0..n {
                 properties.insert(format!("p{i}"), schema(u, depth + 1, defs)?);
             }
-            let required: Vec<String> = (0..n).filter(|_| u.ratio(1, 2).unwrap_or(false)).map(|i| format!("p{i}")).collect();
+            let required: Vec<String> =
+                (0..n).filter(|_| u.ratio(1, 2).unwrap_or(false)).map(|i| format!("p{i}")).collect();
             let mut object = json!({"type": "object", "properties": properties, "required": required});
             if u.ratio(1, 3)? {
-                object["additionalProperties"] = if u.arbitrary()? { schema(u, depth + 1, defs)? } else { json!(false) };
+                object["additionalProperties"] =
+                    if u.arbitrary()? { schema(u, depth + 1, defs)? } else { json!(false) };
             }
             object
         }
@@ -121,13 +123,17 @@ pub fn schema(u: &mut Unstructured, depth: usize, defs: usize) -> Result<Value> 
             string
         }
         9 => json!({"enum": (0..size(u, &[1000, 60_000])?).map(|i| json!(format!("e{i}"))).collect::<Vec<_>>()}),
-        10 => json!({"const": *u.choose(&[json!("x"), json!(1), json!(null), json!([1, {"a": 2}]), json!("a".repeat(300))])?}),
+        10 => {
+            json!({"const": *u.choose(&[json!("x"), json!(1), json!(null), json!([1, {"a": 2}]), json!("a".repeat(300))])?})
+        }
         11 => {
             let low = *u.choose(&[-1e300, -5.0, 0.0, 1.5, 1e18])?;
             json!({"type": u.choose(&["integer", "number"])?, "minimum": low, "maximum": low + *u.choose(&[0.0, 1.0, 1e6])?,
                    "multipleOf": *u.choose(&[1.0, 0.5, 3.0, 1e-9])?})
         }
-        12 if !leaf => json!({"type": "array", "prefixItems": [schema(u, depth + 1, defs)?], "items": schema(u, depth + 1, defs)?}),
+        12 if !leaf => {
+            json!({"type": "array", "prefixItems": [schema(u, depth + 1, defs)?], "items": schema(u, depth + 1, defs)?})
+        }
         13 if !leaf => json!({"type": "object", "patternProperties": {regex(u, 0)?: schema(u, depth + 1, defs)?}}),
         14 => Value::Bool(u.arbitrary()?),
         _ => nested(u, json!({"type": "string"}))?,

@@ -296,6 +296,19 @@ fn ref_cycles_and_schemas_without_an_instance_are_config_errors() {
     walk(compiles(schema(json!({"anyOf": [{"$ref": "#"}, {"type": "null"}]}))));
 }
 
+/// Found by the `grammar_compile` fuzz target (`fuzz/regressions/grammar_compile/`): llguidance
+/// compiled this, then its matcher panicked mid-output ("grammar stack empty for non-root
+/// grammar"), an internal error at a token; now refused when compiling.
+#[test]
+fn ignore_beside_a_nested_json_grammar_is_refused_when_compiling() {
+    let body =
+        "start: r0\nr0: /bab/ r1 r1\nr1: %json {\"type\":\"object\",\"properties\":{\"p0\":{\"type\":\"string\"}},\
+                \"required\":[\"p0\"],\"additionalProperties\":false} | \"end\"\n";
+    let message = refused(GrammarSpec::Lark(format!("{body}%ignore /[ \\t]+/\n")), "%ignore");
+    assert!(message.contains("nested grammar"), "{message}");
+    walk(compiles(GrammarSpec::Lark(body.to_string())));
+}
+
 #[test]
 fn every_limit_is_listed_once() {
     let names: Vec<&str> = specrs_core::constraint::limits::ALL.iter().map(|(name, _)| *name).collect();

@@ -12,7 +12,10 @@
 //!   after its enclosing grammar, from the same frame, so each block is measured on its own;
 //! - repetitions: counts of `~ n..m` times what they repeat (a group's or a regex's own counts) and
 //!   every `/regex/`'s counted repetitions (`MAX_REGEX_REPEAT`);
-//! - each `%json` schema, with the JSON schema limits.
+//! - each `%json` schema, with the JSON schema limits;
+//! - `%ignore` beside a nested grammar (`%json`, `%llguidance`, `%lark { ... }`) in one grammar:
+//!   llguidance compiles it, then its matcher panics mid-output ("grammar stack empty for non-root
+//!   grammar", found by the `grammar_compile` fuzz target), so it is refused up front.
 //!
 //! Where the scan cannot follow the text (an unterminated string, bad JSON after `%json`),
 //! llguidance's lexer fails on it too, before compiling anything, so the scan stops there.
@@ -23,14 +26,14 @@ use super::depth_graph::DepthGraph;
 use super::json_schema;
 use super::regex::Repetition;
 use super::{too_many, MAX_LARK_DEPTH, MAX_LARK_RULES};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 pub(super) fn check(text: &str) -> Result<()> {
     let mut scan = Scan { bytes: text.as_bytes(), text, pos: 0, definitions: 0, scopes: vec![Scope::default()] };
     scan.run()?;
     // Blocks left open are llguidance's parse errors; measure what was seen anyway.
     while let Some(scope) = scan.scopes.pop() {
-        scope.check_depth()?;
+        scope.check_scope()?;
     }
     Ok(())
 }
@@ -64,6 +67,9 @@ struct Scope {
     /// Braces open in this scope (template parameters), so a `}` ends a `%lark` block only
     /// when it matches the block's `{`.
     braces: usize,
+    /// An `%ignore` directive, and a nested grammar, seen in this scope (see the module header).
+    ignores: bool,
+    nested_grammar: bool,
 }
 
 impl Default for Scope {
@@ -79,6 +85,8 @@ impl Default for Scope {
             line_starts_with_name: false,
             at_line_start: true,
             braces: 0,
+            ignores: false,
+            nested_grammar: false,
         }
     }
 }
@@ -153,6 +161,18 @@ impl Scope {
         self.line.clear();
         self.line_starts_with_name = false;
         self.at_line_start = true;
+    }
+
+    /// The checks of a whole scope: `%ignore` beside a nested grammar, then the depth.
+    fn check_scope(self) -> Result<()> {
+        if self.ignores && self.nested_grammar {
+            return Err(Error::config(
+                "the Lark grammar has an %ignore directive and a nested grammar (%json, %llguidance or %lark) \
+                 in the same grammar, which llguidance's matcher fails on while generating; drop the %ignore \
+                 and write the whitespace the grammar allows into its rules",
+            ));
+        }
+        self.check_depth()
     }
 
     fn check_depth(mut self) -> Result<()> {
@@ -237,13 +257,18 @@ impl Scan<'_> {
                     self.scope().token();
                     match keyword {
                         "json" | "llguidance" | "regex" => {
+                            self.scope().nested_grammar |= keyword != "regex";
                             let Some(value) = self.json_value() else { return Ok(()) };
                             if keyword == "json" {
                                 json_schema::check(&value, "the %json schema in the Lark grammar")?;
                             }
                             self.scope().atom(1);
                         }
-                        "lark" => pending_lark_block = true,
+                        "lark" => {
+                            self.scope().nested_grammar = true;
+                            pending_lark_block = true;
+                        }
+                        "ignore" => self.scope().ignores = true,
                         "import" => self.import()?,
                         _ => {}
                     }
@@ -267,7 +292,7 @@ impl Scan<'_> {
                         scope.braces -= 1;
                     } else if self.scopes.len() > 1 {
                         let block = self.scopes.pop().expect("checked");
-                        block.check_depth()?;
+                        block.check_scope()?;
                         self.scope().atom(1);
                     }
                 }
@@ -489,6 +514,20 @@ mod tests {
         .unwrap();
         check("start: %json {\"type\": \"object\"}\n").unwrap();
         check("start: %lark {\n  start: \"a\"\n}\n").unwrap();
+    }
+
+    #[test]
+    fn ignore_beside_a_nested_grammar_is_refused() {
+        let json = "r1: %json {\"type\": \"object\"} | \"end\"\n";
+        let lark = "r1: %lark {\nstart: \"a\"\n} | \"end\"\n";
+        for nested in [json, lark] {
+            let message = refused(&format!("start: \"bab\" r1\n{nested}%ignore /[ \\t]+/\n"));
+            assert!(message.contains("%ignore") && message.contains("nested grammar"), "{message}");
+            check(&format!("start: \"bab\" r1\n{nested}")).unwrap();
+        }
+        // Each on its own is fine, and so is an %ignore inside a block without a nested grammar.
+        check("start: \"a\" \"b\"\n%ignore /[ \\t]+/\n").unwrap();
+        check("start: %lark {\nstart: \"a\" \"b\"\n%ignore \" \"\n}\n").unwrap();
     }
 
     #[test]
