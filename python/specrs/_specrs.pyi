@@ -7,6 +7,8 @@ import numpy as np
 import numpy.typing as npt
 
 __version__: str
+# The grammar limits (specrs_core::constraint::limits) by their constants' names.
+GRAMMAR_LIMITS: dict[str, int]
 __all__ = [
     "Engine",
     "SamplingParams",
@@ -23,6 +25,7 @@ __all__ = [
     "_TestingPanickingProposer",
     "_testing_panicking_proposer",
     "__version__",
+    "GRAMMAR_LIMITS",
 ]
 
 def expected_speedup(

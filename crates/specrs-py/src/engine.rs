@@ -466,7 +466,19 @@ fn grammar_arg(
         let text: String = if let Ok(text) = schema.extract::<String>() {
             text
         } else {
-            py.import("json")?.call_method1("dumps", (schema,))?.extract()?
+            // Python's encoder recurses (with a recursion check) once per level.
+            let dumped = py.import("json")?.call_method1("dumps", (schema,)).map_err(|e| {
+                if e.is_instance_of::<pyo3::exceptions::PyRecursionError>(py) {
+                    let limit = specrs_core::constraint::limits::MAX_JSON_NESTING;
+                    to_py(specrs_core::Error::config(format!(
+                        "json_schema nests arrays and objects too deeply for Python's JSON encoder, far past \
+                         specrs' limit MAX_JSON_NESTING = {limit}; flatten it"
+                    )))
+                } else {
+                    e
+                }
+            })?;
+            dumped.extract()?
         };
         let value: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| to_py(specrs_core::Error::config(format!("json_schema is not valid JSON: {e}"))))?;

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _specrs
+from .._specrs import GRAMMAR_LIMITS
 from ..engine import Engine, SamplingParams, _config_json
 from ..errors import ConfigError, ContextLengthError, SpecrsError
 from ..heads import shipped_heads
@@ -51,6 +52,12 @@ MAX_SAMPLES = 128
 # context for every chat request that leaves max_tokens out.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 2048
+
+# JSON nesting: the engine's limit for a schema (it owns the number), and for a whole request body
+# that plus the levels a request puts around a schema (tools[i].function.parameters: 5). Deeper
+# input is refused before anything recursive (json.dumps, repr, the JSON Schema validator) runs on it.
+MAX_JSON_NESTING = GRAMMAR_LIMITS["MAX_JSON_NESTING"]
+MAX_BODY_NESTING = MAX_JSON_NESTING + 8
 
 # Integer ranges of the sampling fields (what the engine's SamplingParams takes).
 SEED_MAX = 2**64 - 1
@@ -97,15 +104,19 @@ def request_too_large(limit: int, size: str) -> APIError:
 
 
 def parse_json_body(raw: bytes) -> dict:
+    too_deep = APIError(400, f"the request body nests JSON arrays or objects too deeply (past {MAX_BODY_NESTING} "
+                        f"levels: specrs' limit MAX_JSON_NESTING = {MAX_JSON_NESTING} for a schema, plus the request's "
+                        "own levels around it); send flatter JSON")
     try:
         body = json.loads(raw)
-    except RecursionError:
-        raise APIError(400, "the request body nests JSON arrays or objects too deeply; send a flat JSON "
-                       "object") from None
+    except RecursionError:  # the C parser's own check, far past the limit below
+        raise too_deep from None
     except ValueError as e:  # JSONDecodeError, bad UTF-8, integer literals over Python's digit limit
         raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(body).__name__}")
+    if json_nesting_past(body, MAX_BODY_NESTING) is not None:
+        raise too_deep
     bad = _lone_surrogate(body)
     if bad is not None:
         raise APIError(400, f"the request body holds the string {bad!r} with a lone UTF-16 surrogate (a \\ud800-"
@@ -129,6 +140,43 @@ def _lone_surrogate(value) -> str | None:
                 v.encode("utf-8")
             except UnicodeEncodeError:
                 return v[:40]
+    return None
+
+
+def json_nesting_past(value, limit: int) -> int | None:
+    """How deep a parsed JSON value nests arrays and objects (`[]` is 1) when that is past `limit`,
+    else None. Iterative, so depth costs no stack."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict):
+            children = v.values()
+        elif isinstance(v, list):
+            children = v
+        else:
+            continue
+        if depth + 1 > limit:
+            return depth + 1
+        stack.extend((child, depth + 1) for child in children)
+    return None
+
+
+# A JSON string (or the unterminated rest of one) or a bracket: the tokens that decide nesting.
+_JSON_NESTING_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]')
+
+
+def json_text_nesting_past(text: str, limit: int) -> int | None:
+    """How deep JSON text nests arrays and objects when that is past `limit`, else None, read
+    without parsing it (Python's parser recurses once per level)."""
+    depth = 0
+    for token in _JSON_NESTING_TOKENS.finditer(text):
+        bracket = token.group()
+        if bracket in ("[", "{"):
+            depth += 1
+            if depth > limit:
+                return depth
+        elif bracket in ("]", "}"):
+            depth -= 1
     return None
 
 
@@ -368,8 +416,13 @@ def _tool_calls(calls, i: int) -> list[dict]:
         raise APIError(400, f"messages[{i}].tool_calls must be a list of {{\"id\", \"type\": \"function\", "
                        "\"function\": {\"name\", \"arguments\": \"<JSON text>\"}}", param="messages")
     for c in calls:
+        arguments = c["function"].get("arguments") or "{}"
+        if json_text_nesting_past(arguments, MAX_JSON_NESTING) is not None:
+            raise APIError(400, f"messages[{i}].tool_calls: the arguments of {c['function']['name'][:80]!r} nest JSON "
+                           f"arrays or objects past specrs' limit MAX_JSON_NESTING = {MAX_JSON_NESTING}; send "
+                           "flatter arguments", param="messages")
         try:
-            json.loads(c["function"].get("arguments") or "{}")
+            json.loads(arguments)
         except ValueError:
             raise APIError(400, f"messages[{i}].tool_calls: the arguments of {c['function']['name']!r} are not "
                            "JSON text", param="messages") from None
@@ -585,7 +638,8 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
         )
         engine.check_params(params)  # compiles the grammar: a bad one is a 400 before any answer
     except (ConfigError, TypeError, ValueError) as e:  # TypeError: a grammar field of the wrong type
-        grammar_field = next((k for k in sorted(GRAMMAR_FIELDS) if body.get(k) is not None), None)
+        grammar_field = next((k for k in sorted(GRAMMAR_FIELDS) if body.get(k) is not None),
+                             "tools" if schema is not None else None)
         param = (_sampling_field(str(e), kind, max_key) or _field_named(str(e), body)
                  or (grammar_field if grammar is not None else None))
         raise APIError(400, str(e), param=param) from None
