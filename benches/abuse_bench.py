@@ -81,7 +81,7 @@ def serve_child(port: int) -> None:
     from specrs.serve import build_app
 
     engine = specrs.Engine(speculative_config=SERVER_SPEC, proposer=_specrs._testing_panicking_proposer(2))
-    engine.generate(engine.tokenizer.encode("Hello"), specrs.SamplingParams(max_tokens=4))
+    engine.generate(engine.tokenizer.encode("Hello"), specrs.SamplingParams(temperature=0, max_tokens=4))
     app = build_app(engine, MODEL, max_num_seqs=8, max_request_body_bytes=BODY_LIMIT)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 

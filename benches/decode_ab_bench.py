@@ -26,8 +26,8 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 WORKER = """
 import json, sys, specrs
 engine = specrs.Engine(sys.argv[1])
-params = specrs.SamplingParams(max_tokens=int(sys.argv[3]), ignore_eos=True)
-engine.generate(sys.argv[2], specrs.SamplingParams(max_tokens=8), speculative_config=False)  # warm-up
+params = specrs.SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), ignore_eos=True)
+engine.generate(sys.argv[2], specrs.SamplingParams(temperature=0, max_tokens=8), speculative_config=False)  # warm-up
 out = engine.generate(sys.argv[2], params, speculative_config=False)
 print(json.dumps({"decode_tokens_per_s": out.metrics["decode_tokens_per_s"], "tokens": out.token_ids}))
 """

@@ -1,22 +1,31 @@
-"""First-request benchmark: does a user's first speculative request pay the one-time cost
-measurements (verification cost curve, draft cost, a quantized_self draft's requantization)
-inside its own latency?
+"""First-request benchmark: how long from `Engine(model, speculative_config=...)` (`api`), or
+from starting `specrs serve` (`serve`), to the first token of the first request (issue 39 item 3:
+no silent waits, a few seconds at most before the first token).
 
-Three ways to reach the same first request, each in a fresh process:
-- `on_demand`: `Engine(model)` with no config; the first request names the config, so its costs
-  are measured inside that request (what every first request paid before `Engine.prepare`);
-- `prepared`: `Engine(model, speculative_config=cfg)` measures them when the Engine is built;
-- `cached`: the same, in a later process sharing `prepared`'s cache directory, which reads them
-  from `$SPECRS_CACHE_DIR/costs/`.
+Each run is a fresh process, for each of
+- cache `cold` (an empty `$SPECRS_CACHE_DIR`) and `warm` (a directory a priming process filled:
+  it built the engine, ran one request and waited for its cost measurements where the engine has
+  `wait_for_costs`; before the background cost thread, building the engine measured them);
+- load `quiet` and, with `--busy`, `busy` (one busy-loop process per core, `os.cpu_count()`,
+  running beside it: what a laptop or a shared CI machine looks like).
+Each cell is `--runs` processes (default 3): min, median and max seconds, with what the engine
+says it measured in the foreground by the first token (`cost_status()`, or the server's
+`specrs:cost_measurements{thread="foreground"}`), the first request's cost source and
+`idle_reason`, and the server's startup log lines. `serve` reads the first token from a streamed
+chat completion sent as soon as /health answers.
 
-`on_demand` and `prepared` start from an empty cache directory. Every process first runs one
-unrelated plain request (the process's own warm-up, the same in every mode), then per prompt a
-plain request and the speculative one, alternating which goes first. The figure is the speedup,
-plain time over speculative time, of the first prompt and over all prompts, beside the build time.
+It runs on older specrs too (no `cost_status`: those fields are null), so the same script gives
+the before and after of a change. After `make build`:
 
-Usage (after `make build`):
-    .venv/bin/python benches/first_request_bench.py --spec-bench ../shared/data/spec_bench/question.jsonl \
-        --out bench-results/first_request.json
+    .venv/bin/python benches/first_request_bench.py --busy --out bench-results/first_request.json
+    .venv/bin/python benches/first_request_bench.py --modes api --caches cold --runs 1   # a smoke run
+
+(Until issue 39 this script measured whether the first speculative request paid the cost
+measurements inside its own latency; that version is at commit eedf5da, its results in
+benches/README.md. The background cost thread took the measurements out of every request.)
+
+Output: a table on stdout and, with `--out`, JSON: {"settings", "machine", "specrs", "commit",
+"first_token": {"<mode>/<cache>/<load>": {"seconds": [...], "min", "median", "max", "runs": [...]}}}.
 """
 
 from __future__ import annotations
@@ -24,90 +33,224 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
-import specrs
-
-MODES = ["on_demand", "prepared", "cached"]
-CONFIGS = {
-    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
-    "layer_skip": {"method": "layer_skip", "exit_layer": 8, "num_speculative_tokens": 4},
-    "quantized_self": {"method": "quantized_self", "num_speculative_tokens": 4},
-}
-WARM_UP_PROMPT = "Name three colours."
+DEFAULT_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+PROMPT = "Repeat this list twice: red, green, blue, yellow, purple, orange."
 
 
-def child(mode: str, method: str, prompts: list[str], max_tokens: int) -> dict:
-    """One process's measurements (SPECRS_CACHE_DIR is set by the parent)."""
-    cfg = CONFIGS[method]
-    params = specrs.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+# --- the child processes -----------------------------------------------------------------------
+
+
+def child_api(config: dict, max_tokens: int) -> dict:
+    """One process: Engine(...) to the first streamed token; prints the JSON result."""
     start = time.perf_counter()
-    engine = specrs.Engine() if mode == "on_demand" else specrs.Engine(speculative_config=cfg)
-    build_s = time.perf_counter() - start
-    engine.generate(WARM_UP_PROMPT, params, speculative_config=False)
-    rows = []
-    for i, prompt in enumerate(prompts):
-        times, cost_sources = {}, None
-        order = ["plain", "spec"] if i % 2 else ["spec", "plain"]  # the first prompt: speculation first
-        for which in order:
-            t0 = time.perf_counter()
-            if which == "plain":
-                engine.generate(prompt, params, speculative_config=False)
-            else:
-                out = engine.generate(prompt, params, speculative_config=cfg)
-                cost_sources = (out.metrics.get("verify_cost_source"), out.metrics.get("draft_cost_source"))
-            times[which] = time.perf_counter() - t0
-        rows.append({"plain_s": times["plain"], "spec_s": times["spec"], "cost_sources": cost_sources})
-    return {"build_s": build_s, "rows": rows}
+    import specrs
+
+    engine = specrs.Engine(speculative_config=config)
+    built_s = time.perf_counter() - start
+    stream = engine.stream([{"role": "user", "content": PROMPT}], specrs.SamplingParams(temperature=0, max_tokens=max_tokens))
+    first_s = None
+    status_at_first = None
+    for chunk in stream:
+        if first_s is None and chunk:
+            first_s = time.perf_counter() - start
+            status_at_first = engine.cost_status() if hasattr(engine, "cost_status") else None
+    metrics = stream.result.metrics
+    return {"first_token_s": first_s, "engine_built_s": built_s,
+            "foreground_measurements_at_first_token":
+                None if status_at_first is None else status_at_first["num_foreground_measurements"],
+            "verify_cost_source": metrics.get("verify_cost_source"), "num_drafts": metrics.get("num_drafts"),
+            "idle_reason": metrics.get("idle_reason")}
 
 
-def run_child(mode: str, method: str, cache_dir: str, args) -> dict:
-    env = dict(os.environ, SPECRS_CACHE_DIR=cache_dir)
-    cmd = [sys.executable, __file__, "--child", mode, method, "--spec-bench", args.spec_bench,
-           "--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens)]
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+def child_prime(config: dict) -> dict:
+    """Fills the cache directory: builds the engine, runs one request, waits for its measurements."""
+    import specrs
+
+    engine = specrs.Engine(speculative_config=config)
+    engine.generate(PROMPT, specrs.SamplingParams(temperature=0, max_tokens=8))
+    waited = engine.wait_for_costs() if hasattr(engine, "wait_for_costs") else None
+    return {"waited_for_costs": waited}
 
 
-def select_prompts(path: str, count: int) -> list[str]:
-    rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
-    return [r["turns"][0] for r in rows if r["category"] == "summarization"][:count]
+# --- helpers -----------------------------------------------------------------------------------
+
+
+@contextmanager
+def busy_loops(enabled: bool):
+    """One busy-loop process per core while the block runs."""
+    procs = []
+    if enabled:
+        procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
+def run_child(kind: str, config: dict, max_tokens: int, env: dict) -> dict:
+    cmd = [sys.executable, __file__, "--child", kind, "--config", json.dumps(config), "--max-tokens", str(max_tokens)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"the {kind} child failed:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_first_token(config: dict, max_tokens: int, env: dict, log_dir: Path) -> dict:
+    """Starts `specrs serve`, sends one streamed chat completion as soon as /health answers, and
+    returns the time from the start of the process to its first content token."""
+    import httpx
+
+    port = free_port()
+    log_path = log_dir / f"serve-{port}.log"
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "specrs.cli", "serve", "--port", str(port),
+                                 "--speculative-config", json.dumps(config), "--log-level", "warning"],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            while True:
+                try:
+                    if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if proc.poll() is not None:
+                    raise RuntimeError(f"specrs serve exited:\n{log_path.read_text()}")
+                time.sleep(0.05)
+            ready_s = time.perf_counter() - start
+            body = {"model": httpx.get(f"{base}/v1/models").json()["data"][0]["id"],
+                    "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens, "stream": True}
+            first_s, metrics_at_first = None, None
+            with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=600) as response:
+                for line in response.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: "):])
+                    choices = chunk.get("choices") or []
+                    if first_s is None and choices and (choices[0].get("delta") or {}).get("content"):
+                        first_s = time.perf_counter() - start
+                        metrics_at_first = httpx.get(f"{base}/metrics").text
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    foreground = None
+    for line in (metrics_at_first or "").splitlines():
+        if line.startswith("specrs:cost_measurements{") and 'thread="foreground"' in line:
+            foreground = float(line.rsplit(" ", 1)[1])
+    startup_log = [line for line in log_path.read_text().splitlines() if line.startswith("specrs")]
+    return {"first_token_s": first_s, "ready_s": ready_s, "foreground_measurements_at_first_token": foreground,
+            "startup_log": startup_log}
+
+
+def spread(values: list[float]) -> dict:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"min": None, "median": None, "max": None}
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+# --- the measurement ---------------------------------------------------------------------------
+
+
+def one_first_token(mode: str, config: dict, max_tokens: int, env: dict) -> dict:
+    if mode == "api":
+        return run_child("api", config, max_tokens, env)
+    with tempfile.TemporaryDirectory() as log_dir:
+        return serve_first_token(config, max_tokens, env, Path(log_dir))
+
+
+def first_token(args, config: dict) -> dict:
+    results = {}
+    loads = ["quiet", "busy"] if args.busy else ["quiet"]
+    with tempfile.TemporaryDirectory() as warm_dir:
+        warm_env = dict(os.environ, SPECRS_CACHE_DIR=warm_dir)
+        if "warm" in args.caches:  # primed once, quiet, before the cells that read it
+            run_child("prime", config, args.max_tokens, warm_env)
+        for mode in args.modes:
+            for load in loads:
+                for cache in args.caches:
+                    runs = []
+                    with busy_loops(load == "busy"):
+                        for _ in range(args.runs):
+                            if cache == "warm":
+                                runs.append(one_first_token(mode, config, args.max_tokens, warm_env))
+                            else:
+                                with tempfile.TemporaryDirectory() as cold_dir:
+                                    env = dict(os.environ, SPECRS_CACHE_DIR=cold_dir)
+                                    runs.append(one_first_token(mode, config, args.max_tokens, env))
+                    key = f"{mode}/{cache}/{load}"
+                    seconds = [r["first_token_s"] for r in runs]
+                    results[key] = {"seconds": seconds, **spread(seconds), "runs": runs}
+                    s = results[key]
+                    foreground = [r.get("foreground_measurements_at_first_token") for r in runs]
+                    print(f"{key:<22} first token {s['min']:.2f} / {s['median']:.2f} / {s['max']:.2f} s "
+                          f"(min / median / max of {len(runs)}); foreground cost measurements by then: {foreground}",
+                          flush=True)
+    return results
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--spec-bench", required=True, help="Spec-Bench question.jsonl")
-    ap.add_argument("--methods", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    ap.add_argument("--prompts", type=int, default=3, help="summarization prompts per process")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--out", help="write the results as JSON")
-    ap.add_argument("--child", nargs=2, metavar=("MODE", "METHOD"), help=argparse.SUPPRESS)
+    ap.add_argument("--modes", nargs="+", default=["api", "serve"], choices=["api", "serve"])
+    ap.add_argument("--caches", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
+    ap.add_argument("--busy", action="store_true", help="each cell beside a busy loop on every core too")
+    ap.add_argument("--runs", type=int, default=3, help="fresh processes per cell")
+    ap.add_argument("--config", default=json.dumps(DEFAULT_CONFIG), help="the speculative config (JSON)")
+    ap.add_argument("--max-tokens", type=int, default=16, help="tokens of the first request")
+    ap.add_argument("--out", default=None, help="write the results as JSON")
+    ap.add_argument("--child", choices=["api", "prime"], help=argparse.SUPPRESS)
     args = ap.parse_args()
-    prompts = select_prompts(args.spec_bench, args.prompts)
-    if args.child:
-        print(json.dumps(child(args.child[0], args.child[1], prompts, args.max_tokens)))
+    config = json.loads(args.config)
+    if args.child == "api":
+        print(json.dumps(child_api(config, args.max_tokens)))
         return 0
+    if args.child == "prime":
+        print(json.dumps(child_prime(config)))
+        return 0
+    if args.runs < 1:
+        ap.error("--runs must be at least 1")
 
-    results = {}
-    print(f"{'method':<15}{'mode':<11}{'build s':>9}{'first x':>9}{'all x':>8}  first request's cost sources")
-    for method in args.methods:
-        with tempfile.TemporaryDirectory() as on_demand_dir, tempfile.TemporaryDirectory() as prepared_dir:
-            dirs = {"on_demand": on_demand_dir, "prepared": prepared_dir, "cached": prepared_dir}
-            for mode in MODES:
-                r = run_child(mode, method, dirs[mode], args)
-                first = r["rows"][0]
-                r["first_speedup"] = first["plain_s"] / first["spec_s"]
-                r["speedup"] = sum(x["plain_s"] for x in r["rows"]) / sum(x["spec_s"] for x in r["rows"])
-                results[f"{method}/{mode}"] = r
-                print(f"{method:<15}{mode:<11}{r['build_s']:>9.2f}{r['first_speedup']:>8.2f}x"
-                      f"{r['speedup']:>7.2f}x  {first['cost_sources']}")
+    import specrs
+
+    report = {"settings": {k: v for k, v in vars(args).items() if k != "child"},
+              "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                          "python": platform.python_version()},
+              "specrs": specrs.__version__, "commit": commit(), "first_token": first_token(args, config)}
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"prompts": args.prompts, "max_tokens": args.max_tokens, "results": results}, f, indent=1)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
 

@@ -72,7 +72,7 @@ def llama_decode(llm, ctx: list[int]) -> tuple[float, float]:
 
 
 def specrs_decode(engine, ctx: list[int]) -> tuple[float, float]:
-    out = engine.generate(ctx, specrs.SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    out = engine.generate(ctx, specrs.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     return CONTEXT / out.metrics["ttft_s"], out.metrics["decode_tokens_per_s"]
 
 

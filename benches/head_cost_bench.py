@@ -64,7 +64,7 @@ def main() -> int:
     engine = specrs.Engine()
     prompts = bench.tokenize_prompts(engine, select_prompts(args.prompts, args.num_per_category, "spread"),
                                      args.max_tokens, chat=True)
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     with tempfile.TemporaryDirectory() as tmp:
         configs = {name: {**c, "num_speculative_tokens": K, "adaptive_draft_length": False}
                    for name, c in heads(Path(tmp)).items()}

@@ -18,7 +18,7 @@ cd "$(dirname "$0")"
 FUZZ_DIR=$(pwd)
 REPO=$(cd .. && pwd)
 SECONDS_PER_TARGET=${FUZZ_SECONDS:-60}
-TARGETS=${FUZZ_TARGETS:-"gguf_reader gguf_loader gguf_edits hf_dir spec_config sampling_params tokenizer protocol"}
+TARGETS=${FUZZ_TARGETS:-"gguf_reader gguf_loader gguf_edits hf_dir spec_config sampling_params tokenizer grammar_compile protocol"}
 WORK=${FUZZ_WORK_DIR:-$HOME/.cache/specrs-fuzz}
 TARGET_DIR=${FUZZ_TARGET_DIR:-$HOME/.cache/specrs-fuzz-target}
 PYTHON=${PYTHON:-$REPO/.venv/bin/python}

@@ -14,7 +14,7 @@ CHAT = [{"role": "user", "content": "Name three primary colors."}]
 
 
 def test_generate_returns_text_ids_and_metrics(engine):
-    out = engine.generate(CHAT, SamplingParams(max_tokens=24))
+    out = engine.generate(CHAT, SamplingParams(temperature=0, max_tokens=24))
     assert out.text.strip()
     assert 0 < len(out.token_ids) <= 24
     assert out.prompt_token_ids[:1] == engine.tokenizer.encode("<|im_start|>")
@@ -35,15 +35,15 @@ def test_chat_template_matches_the_chatml_format(engine):
 
 
 def test_greedy_is_deterministic_and_stops_at_eos(engine):
-    a = engine.generate(CHAT, SamplingParams(max_tokens=64))
-    b = engine.generate(CHAT, SamplingParams(max_tokens=64))
+    a = engine.generate(CHAT, SamplingParams(temperature=0, max_tokens=64))
+    b = engine.generate(CHAT, SamplingParams(temperature=0, max_tokens=64))
     assert a.token_ids == b.token_ids
     if a.finish_reason == "stop":
         assert a.token_ids[-1] in engine.tokenizer.eos_token_ids
 
 
 def test_max_tokens_and_ignore_eos(engine):
-    out = engine.generate(CHAT, SamplingParams(max_tokens=40, ignore_eos=True))
+    out = engine.generate(CHAT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     assert len(out.token_ids) == 40 and out.finish_reason == "length"
 
 
@@ -56,7 +56,7 @@ def test_seeded_sampling_is_reproducible(engine):
 
 
 def test_stream_yields_the_same_text_as_generate(engine):
-    params = SamplingParams(max_tokens=48)
+    params = SamplingParams(temperature=0, max_tokens=48)
     stream = engine.stream(CHAT, params)
     chunks = list(stream)
     assert len(chunks) > 1
@@ -70,7 +70,7 @@ def test_chunked_prefill_gives_the_same_output(engine):
     whole-prompt prefill yields, with and without speculation."""
     prompt = [{"role": "user", "content": "Repeat this list: red, green, blue, cyan, magenta, yellow, black."}]
     num_prompt = len(engine.prompt_token_ids(prompt))
-    params = SamplingParams(max_tokens=32)
+    params = SamplingParams(temperature=0, max_tokens=32)
     for spec in (False, {"method": "ngram", "num_speculative_tokens": 3}):
         stream = engine.stream(prompt, params, speculative_config=spec, prefill_chunk=7)
         steps = []
@@ -88,14 +88,14 @@ def test_chunked_prefill_gives_the_same_output(engine):
 
 def test_stream_is_utf8_safe_on_multibyte_text(engine):
     prompt = [{"role": "user", "content": "Write 中文 and emoji 🌈🎉 back to me: 中文 🌈🎉"}]
-    stream = engine.stream(prompt, SamplingParams(max_tokens=40))
+    stream = engine.stream(prompt, SamplingParams(temperature=0, max_tokens=40))
     chunks = list(stream)
     assert all("\ufffd" not in c for c in chunks[:-1])
     assert "".join(chunks) == stream.result.text
 
 
 def test_stream_cancel_keeps_what_was_generated(engine):
-    stream = engine.stream(CHAT, SamplingParams(max_tokens=200, ignore_eos=True))
+    stream = engine.stream(CHAT, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     first = next(stream)
     stream.cancel()
     assert list(stream) == []
@@ -116,7 +116,7 @@ def test_generation_releases_the_gil(engine):
 
     t = threading.Thread(target=count)
     t.start()
-    engine.generate(CHAT, SamplingParams(max_tokens=32, ignore_eos=True))
+    engine.generate(CHAT, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     ticks_during_generation = ticks
     done.set()
     t.join()
@@ -136,7 +136,7 @@ def test_logits_are_teacher_forced_for_every_position(engine):
     ids = engine.tokenizer.encode("The capital of France is Paris.")
     logits = engine.logits(ids)
     assert logits.shape == (len(ids), 49152)
-    out = engine.generate(ids[:-2], SamplingParams(max_tokens=1))
+    out = engine.generate(ids[:-2], SamplingParams(temperature=0, max_tokens=1))
     assert int(logits[len(ids) - 3].argmax()) == out.token_ids[0]
 
 

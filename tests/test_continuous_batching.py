@@ -46,9 +46,9 @@ def test_generate_a_list_matches_each_alone_in_order(engine, capsys, speculative
 
 def test_generate_a_list_takes_one_params_for_all_and_refuses_a_wrong_count(engine, capsys):
     ids = [engine.tokenizer.encode(p) for p in ("Hello", "One, two, three,")]
-    results = engine.generate(ids, specrs.SamplingParams(max_tokens=6), progress=False)
-    assert [r.token_ids for r in results] == [engine.generate(i, specrs.SamplingParams(max_tokens=6)).token_ids
-                                              for i in ids]
+    results = engine.generate(ids, specrs.SamplingParams(temperature=0, max_tokens=6), progress=False)
+    greedy = specrs.SamplingParams(temperature=0, max_tokens=6)
+    assert [r.token_ids for r in results] == [engine.generate(i, greedy).token_ids for i in ids]
     assert capsys.readouterr().err == ""
     with pytest.raises(ConfigError, match="2 prompts"):
         engine.generate(["a", "b"], [specrs.SamplingParams()] * 3)
@@ -57,7 +57,8 @@ def test_generate_a_list_takes_one_params_for_all_and_refuses_a_wrong_count(engi
     with pytest.raises(ConfigError, match="draft budget"):
         engine.generate(["a", "b"], draft_budget="sometimes")
     # A list of ints (or of chat messages) is one prompt, not a batch.
-    assert isinstance(engine.generate(ids[0], specrs.SamplingParams(max_tokens=2)), specrs.GenerationResult)
+    one = engine.generate(ids[0], specrs.SamplingParams(temperature=0, max_tokens=2))
+    assert isinstance(one, specrs.GenerationResult)
 
 
 def test_the_scheduler_binding_adds_aborts_and_steps(engine):
@@ -139,9 +140,10 @@ def test_samples_equal_each_seeded_request_alone(engine, speculative_config):
 
 
 def test_greedy_samples_are_all_plain_decoding(engine):
-    samples = engine.generate_samples(SAMPLE_PROMPT, specrs.SamplingParams(max_tokens=16, n=3),
+    samples = engine.generate_samples(SAMPLE_PROMPT, specrs.SamplingParams(temperature=0, max_tokens=16, n=3),
                                       speculative_config=NGRAM)
-    plain = engine.generate(SAMPLE_PROMPT, specrs.SamplingParams(max_tokens=16), speculative_config=False)
+    plain = engine.generate(SAMPLE_PROMPT, specrs.SamplingParams(temperature=0, max_tokens=16),
+                            speculative_config=False)
     assert [s.token_ids for s in samples] == [plain.token_ids] * 3
 
 
@@ -180,10 +182,10 @@ def test_samples_of_a_head_prefill_on_their_own(engine):
     config_json, _ = engine._speculation(head, None)
     prompt = engine.prompt_token_ids(SAMPLE_PROMPT)
     scheduler = _specrs.Scheduler(engine._inner)
-    scheduler.add_samples([0, 1], prompt, specrs.SamplingParams(max_tokens=8, n=2), config_json, None)
+    scheduler.add_samples([0, 1], prompt, specrs.SamplingParams(temperature=0, max_tokens=8, n=2), config_json, None)
     tokens = _run(scheduler)
     assert scheduler.totals()["num_shared_prompt_tokens"] == 0
-    plain = engine.generate(SAMPLE_PROMPT, specrs.SamplingParams(max_tokens=8), speculative_config=False)
+    plain = engine.generate(SAMPLE_PROMPT, specrs.SamplingParams(temperature=0, max_tokens=8), speculative_config=False)
     assert tokens[0] == tokens[1] == plain.token_ids
 
 

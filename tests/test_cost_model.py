@@ -1,12 +1,11 @@
-"""The costs behind the adaptive draft length (crates/specrs-core/src/costs.rs): measured when the
-engine is built for its method (not inside a request), kept on disk across processes, given in the
-config, extended rather than re-measured, never measured once a server turns that off, and always
-labelled with where they came from. Also the engine-wide suffix caches' bound."""
+"""The costs behind the adaptive draft length (crates/specrs-core/src/costs.rs,
+engine/cost_worker.rs): an engine starts on the figures its disk cache holds (else the prior),
+measures the rest in a background thread while no request runs, never inside a request, keeps
+what it measured on disk for later processes, takes the costs a config gives, extends rather than
+re-measures, and labels every figure with where it came from. Also the engine-wide suffix caches'
+bound."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -19,57 +18,100 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
-    """A private cost cache, so these tests measure (and read back) their own figures. Every timing
-    counts as quiet, so what the engine measures is stored whatever else the machine is doing (the
-    screening of disturbed timings is costs.rs's unit tests')."""
+    """A private, empty cost cache, so these tests measure (and read back) their own figures. Every
+    timing counts as quiet, so no engine re-measures a figure an earlier one stored whatever else
+    the machine is doing (the screening of disturbed timings is costs.rs's unit tests')."""
     monkeypatch.setenv("SPECRS_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("SPECRS_MAX_QUIET_SPREAD", "1e300")
     return tmp_path
 
 
-def _prepare_in_new_process(model_path, cache_dir, **env):
-    code = ("import json, specrs; e = specrs.Engine(%r, speculative_config=%r); "
-            "print(json.dumps(e.prepare(%r)))" % (model_path, NGRAM, NGRAM))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "SPECRS_CACHE_DIR": str(cache_dir), **env})
-    return json.loads(out.stdout)
-
-
-def test_an_engine_measures_its_methods_costs_when_built_and_later_processes_reuse_them(cache_dir, model_path):
-    first = _prepare_in_new_process(model_path, cache_dir)
-    assert first["verify_cost_source"] == "measured" and first["draft_cost_source"] is None
-    files = list((cache_dir / "costs").glob("*.json"))
-    assert len(files) == 1, "building the engine measured the curve and stored it"
-    stored = json.loads(files[0].read_text())["verify_costs_s"]["512"]
-    assert len(stored) >= 3 and stored == sorted(stored) and stored[0] > 0
-    # A new process reads the figures instead of measuring them: the same curve, labelled "cached",
-    # in its requests' metrics too.
+def test_an_engine_starts_on_the_prior_measures_in_the_background_and_later_engines_read_the_cache(cache_dir,
+                                                                                               model_path):
     engine = specrs.Engine(model_path, speculative_config=NGRAM)
-    r = engine.generate(PROMPT, SamplingParams(max_tokens=24))
-    assert r.metrics["verify_cost_source"] == "cached" and r.metrics["draft_cost_source"] is None
-    assert engine.prepare(NGRAM)["verify_cost_ratios"] == pytest.approx(first["verify_cost_ratios"], rel=1e-12)
-    assert first["verify_cost_ratios"] == pytest.approx([t / stored[0] for t in stored[:3]], rel=1e-12)
-    # SPECRS_COST_CACHE=0: measured afresh, nothing read.
-    assert _prepare_in_new_process(model_path, cache_dir, SPECRS_COST_CACHE="0")["verify_cost_source"] == "measured"
+    # Built at once: nothing was cached, so its figures are the prior, and the curve is queued.
+    first = engine.prepare(NGRAM)
+    assert first["verify_cost_source"] == "prior" and first["verify_cost_spread"] is None
+    assert first["draft_cost_source"] is None
+    status = engine.cost_status()
+    assert status["num_foreground_measurements"] == 0
+    assert any("verification cost curve" in p for p in status["pending"]), status
+    # A request reads what is there now; it never measures.
+    r = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16))
+    assert r.metrics["verify_cost_source"] == "prior"
+    assert engine.cost_status()["num_foreground_measurements"] == 0
+    # Idle, the background thread measures the curve and stores it with its spread.
+    assert engine.wait_for_costs()
+    status = engine.cost_status()
+    assert status["pending"] == [] and status["num_background_measurements"] >= 1
+    assert status["num_foreground_measurements"] == 0 and status["num_failed_measurements"] == 0
+    measured = engine.prepare(NGRAM)
+    assert measured["verify_cost_source"] == "measured" and measured["verify_cost_spread"]["tries"] >= 5
+    assert measured["verify_cost_spread"]["ratio"] >= 1.0
+    files = list((cache_dir / "costs").glob("*.json"))
+    assert len(files) == 1
+    stored = json.loads(files[0].read_text())["verify_costs_s"]["512"]
+    assert stored["costs_s"] == sorted(stored["costs_s"]) and stored["costs_s"][0] > 0 and stored["tries"] >= 5
+    assert measured["verify_cost_ratios"] == pytest.approx([t / stored["costs_s"][0] for t in stored["costs_s"][:3]],
+                                                           rel=1e-12)
+    # A later engine starts on the cached figures: nothing to measure, the same curve.
+    later = specrs.Engine(model_path, speculative_config=NGRAM)
+    cached = later.prepare(NGRAM)
+    assert cached["verify_cost_source"] == "cached" and later.cost_status()["pending"] == []
+    assert cached["verify_cost_ratios"] == pytest.approx(measured["verify_cost_ratios"], rel=1e-12)
+    r = later.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16))
+    assert r.metrics["verify_cost_source"] == "cached"
+
+
+def test_without_the_disk_cache_every_engine_starts_on_the_prior(cache_dir, model_path, monkeypatch):
+    monkeypatch.setenv("SPECRS_COST_CACHE", "0")
+    engine = specrs.Engine(model_path, speculative_config=NGRAM)
+    assert engine.prepare(NGRAM)["verify_cost_source"] == "prior"
+    assert engine.wait_for_costs() and engine.prepare(NGRAM)["verify_cost_source"] == "measured"
+    assert not list(cache_dir.glob("costs/*.json")), "nothing was stored"
+
+
+def test_the_background_thread_measures_only_while_no_request_is_in_flight(cache_dir, model_path):
+    """A request in flight (a stream not yet finished holds its KV cache) keeps the measurement
+    from completing, however long it waits; once it ends, the measurement lands."""
+    engine = specrs.Engine(model_path)
+    stream = engine.stream(PROMPT, SamplingParams(temperature=0, max_tokens=8), speculative_config=NGRAM)  # queues the curve
+    assert engine.cost_status()["pending"]
+    assert not engine.wait_for_costs(timeout_s=1.0)
+    assert engine.cost_status()["num_background_measurements"] == 0
+    assert "".join(stream)  # the request runs to its end
+    assert stream.result.metrics["verify_cost_source"] == "prior"
+    assert engine.wait_for_costs() and engine.cost_status()["num_background_measurements"] >= 1
+    with pytest.raises(specrs.ConfigError, match="timeout_s"):
+        engine.wait_for_costs(timeout_s=-1)
 
 
 def test_a_larger_k_extends_the_curve_and_never_changes_what_smaller_ks_read(cache_dir, model_path):
-    """The README's reproducibility claim: a later request with a larger k must not change an
-    earlier request's draft lengths, so the curve's first points never move."""
+    """The README's reproducibility claim: once the figures are measured, a later request with a
+    larger k must not change an earlier request's draft lengths, so the curve's first points never
+    move."""
     engine = specrs.Engine(model_path)
-    # A seeded sampled request, then one with a larger k (measured on demand: the curve grows),
-    # then the first again: same tokens, same draft lengths.
     params = SamplingParams(max_tokens=32, temperature=0.8, seed=11)
     config = {**NGRAM, "num_speculative_tokens": 2}
+    engine.prepare(config)
+    assert engine.wait_for_costs()
+    # A seeded sampled request, then one with a larger k (its curve grows in the background), then
+    # the first again: same tokens, same draft lengths.
     first = engine.generate(PROMPT, params, speculative_config=config)
     short = engine.verify_cost_ratios(3)
     engine.generate(PROMPT, params, speculative_config={**NGRAM, "num_speculative_tokens": 6})
+    assert engine.wait_for_costs()
     longer = engine.verify_cost_ratios(7)
     again = engine.generate(PROMPT, params, speculative_config=config)
     assert again.token_ids == first.token_ids
     assert again.metrics["num_draft_tokens"] == first.metrics["num_draft_tokens"] > 0
     assert longer[:3] == short  # bitwise: extended, not re-measured
     assert engine.prepare(config)["verify_cost_ratios"] == short
+    # Every figure came from the background thread: the curves asked for were already there.
+    assert engine.cost_status()["num_foreground_measurements"] == 0
+    # A curve at another context length is measured when a program asks for it, in its thread.
+    assert len(engine.verify_cost_ratios(2, context_len=64)) == 2
+    assert engine.cost_status()["num_foreground_measurements"] == 1
 
 
 def test_costs_given_in_the_config_are_used_as_they_are(engine):
@@ -85,33 +127,41 @@ def test_costs_given_in_the_config_are_used_as_they_are(engine):
 
 
 def test_without_measuring_on_demand_a_request_gets_the_nearest_figures(cache_dir, model_path):
-    """What `specrs serve` does once it serves: a per-request config never measures inside the
-    generation loop; the curve is extended and a draft's cost is a prior from its size."""
+    """Measuring off: nothing is queued; a per-request config gets the curve extended past its end
+    and a draft's cost is a prior from its size."""
     engine = specrs.Engine(model_path)
     engine.set_measure_on_demand(False)
-    prior = engine.generate(PROMPT, SamplingParams(max_tokens=8), speculative_config=NGRAM)
+    prior = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8), speculative_config=NGRAM)
     assert prior.metrics["verify_cost_source"] == "prior"
+    assert engine.cost_status()["pending"] == []
     assert not list(cache_dir.glob("costs/*.json")), "nothing was measured"
-    engine.prepare(NGRAM)  # the server's own config, measured at startup: 3 points
-    longer = engine.generate(PROMPT, SamplingParams(max_tokens=8), speculative_config={**NGRAM, "num_speculative_tokens": 6})
+    engine.set_measure_on_demand(True)
+    engine.prepare(NGRAM)  # 3 points, measured in the background
+    assert engine.wait_for_costs()
+    engine.set_measure_on_demand(False)
+    longer = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8), speculative_config={**NGRAM, "num_speculative_tokens": 6})
     assert longer.metrics["verify_cost_source"] == "extrapolated"
     skip = {"method": "layer_skip", "exit_layer": 15, "num_speculative_tokens": 2}
-    layer_skip = engine.generate(PROMPT, SamplingParams(max_tokens=8), speculative_config=skip)
+    layer_skip = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8), speculative_config=skip)
     assert layer_skip.metrics["draft_cost_source"] == "prior"
-    assert engine.verify_cost_ratios(3) == engine.prepare(NGRAM)["verify_cost_ratios"]
-    # Measured at startup, then read: a measured draft cost is "measured".
+    assert engine.cost_status()["pending"] == []
+    # Measuring on: the draft's cost is measured in the background, then read.
     engine.set_measure_on_demand(True)
-    assert engine.prepare(skip)["draft_cost_source"] in ("measured", "disturbed")
+    assert engine.prepare(skip)["draft_cost_source"] == "prior"
+    assert engine.wait_for_costs()
+    costs = engine.prepare(skip)
+    assert costs["draft_cost_source"] == "measured" and costs["draft_cost"] > 0
+    assert costs["draft_cost_spread"]["tries"] >= 1
 
 
 def test_suffix_caches_are_bounded_and_the_engines_own_is_kept(model_path):
     default = {"method": "suffix", "num_speculative_tokens": 8}
     engine = specrs.Engine(model_path, speculative_config=default)
-    params = SamplingParams(max_tokens=32)
+    params = SamplingParams(temperature=0, max_tokens=32)
     first = engine.generate(PROMPT, params)
     # Ten other suffix configs, one request each: each gets a cache, the oldest go.
     for depth in range(10, 20):
-        engine.generate(PROMPT, SamplingParams(max_tokens=4),
+        engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4),
                         speculative_config={"method": "suffix", "suffix_decoding_max_tree_depth": depth})
     memory = engine.memory()
     assert memory["num_suffix_caches"] == 8

@@ -52,7 +52,7 @@ def config(method, k, draft, **extra):
 def baselines(engine):
     out = {}
     for name, text in PROMPTS.items():
-        r = engine.generate(chat(text), SamplingParams(max_tokens=MAX_TOKENS), speculative_config=False)
+        r = engine.generate(chat(text), SamplingParams(temperature=0, max_tokens=MAX_TOKENS), speculative_config=False)
         out[name] = r.token_ids
     return out
 
@@ -60,7 +60,7 @@ def baselines(engine):
 def check_identity(engine, baselines, spec, require_drafts=True):
     num_drafts = num_accepted = 0
     for name, text in PROMPTS.items():
-        r = engine.generate(chat(text), SamplingParams(max_tokens=MAX_TOKENS), speculative_config=spec)
+        r = engine.generate(chat(text), SamplingParams(temperature=0, max_tokens=MAX_TOKENS), speculative_config=spec)
         assert r.token_ids == baselines[name], f"{spec} diverged on {name}"
         num_drafts += r.metrics["num_drafts"]
         num_accepted += r.metrics["num_accepted_tokens"]
@@ -97,7 +97,8 @@ def test_draft_of_the_target_itself_accepts_everything(engine, model_path):
     """The target as its own draft: every greedy draft token must pass, so any slip in the draft
     cache (a missed rollback, an off-by-one position) shows up as a rejection."""
     r = engine.generate(
-        chat(PROMPTS["writing"]), SamplingParams(max_tokens=32), speculative_config=config("draft_alias", 3, model_path)
+        chat(PROMPTS["writing"]), SamplingParams(temperature=0, max_tokens=32),
+        speculative_config=config("draft_alias", 3, model_path),
     )
     assert r.metrics["num_draft_tokens"] > 0
     assert r.metrics["num_accepted_tokens"] == r.metrics["num_draft_tokens"]
@@ -132,7 +133,7 @@ def test_rollback_keeps_draft_and_target_caches_on_the_kept_prefix(engine, draft
     """After every step that rejected part of its draft, both caches hold exactly the prompt plus
     every token but the newest: the accepted prefix."""
     spec = config("quantized_self", 4, draft_path)  # ~50% acceptance: plenty of partial rejections
-    stream = engine.stream(chat(PROMPTS["stem"]), SamplingParams(max_tokens=48), speculative_config=spec)
+    stream = engine.stream(chat(PROMPTS["stem"]), SamplingParams(temperature=0, max_tokens=48), speculative_config=spec)
     inner = stream._inner
     checked = 0
     while not inner.finished:
@@ -157,7 +158,7 @@ def test_memory_reports_weights_and_kv(model_path, draft_path):
     assert e.memory()["draft_weight_bytes"] == 0
     spec = {"method": "draft_model", "model": draft_path, "num_speculative_tokens": 4, "max_model_len": 256,
             "adaptive_draft_length": False}
-    stream = e.stream(chat(PROMPTS["qa"]), SamplingParams(max_tokens=16), speculative_config=spec)
+    stream = e.stream(chat(PROMPTS["qa"]), SamplingParams(temperature=0, max_tokens=16), speculative_config=spec)
     next(stream)
     live = e.memory()
     assert live["target_weight_bytes"] == e.info()["weight_bytes"]
@@ -172,10 +173,10 @@ def test_memory_reports_weights_and_kv(model_path, draft_path):
 def test_draft_max_model_len_bounds_the_draft_cache(engine, draft_path):
     """Past the draft's max_model_len the request continues without drafts, output unchanged."""
     prompt = chat(PROMPTS["summarization"])
-    plain = engine.generate(prompt, SamplingParams(max_tokens=24), speculative_config=False)
+    plain = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=24), speculative_config=False)
     limit = len(plain.prompt_token_ids) + 8
     spec = config("draft_model", 4, draft_path, max_model_len=limit)
-    r = engine.generate(prompt, SamplingParams(max_tokens=24), speculative_config=spec)
+    r = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=24), speculative_config=spec)
     assert r.token_ids == plain.token_ids
     assert 0 < r.metrics["num_draft_tokens"] <= 8
 
@@ -183,11 +184,11 @@ def test_draft_max_model_len_bounds_the_draft_cache(engine, draft_path):
 def test_heuristic_schedule_shrinks_k_when_drafts_fail(engine, draft_path):
     """layer_skip at exit 4 is almost never right: the heuristic schedule walks k down to 1."""
     fixed = engine.generate(
-        chat(PROMPTS["writing"]), SamplingParams(max_tokens=24), speculative_config=config("layer_skip", 8, None, exit_layer=4)
+        chat(PROMPTS["writing"]), SamplingParams(temperature=0, max_tokens=24), speculative_config=config("layer_skip", 8, None, exit_layer=4)
     )
     heuristic = engine.generate(
         chat(PROMPTS["writing"]),
-        SamplingParams(max_tokens=24),
+        SamplingParams(temperature=0, max_tokens=24),
         speculative_config=config("layer_skip", 8, None, exit_layer=4, num_speculative_tokens_schedule="heuristic"),
     )
     assert heuristic.token_ids == fixed.token_ids
@@ -200,7 +201,7 @@ def test_heuristic_schedule_shrinks_k_when_drafts_fail(engine, draft_path):
 def test_confidence_threshold_stops_drafts_early(engine, draft_path):
     run = lambda threshold: engine.generate(  # noqa: E731
         chat(PROMPTS["writing"]),
-        SamplingParams(max_tokens=24),
+        SamplingParams(temperature=0, max_tokens=24),
         speculative_config=config("layer_skip", 8, None, draft_confidence_threshold=threshold),
     ).metrics
     off, strict = run(0.0), run(0.99)
@@ -232,7 +233,7 @@ def test_mismatched_draft_tokenizer_names_the_first_differing_token(engine, tmp_
     path = tiny_tokenizer_gguf(tmp_path / "tiny.gguf", first_target_tokens(engine, 2) + ["zzz-not-in-target"])
     spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 4}
     with pytest.raises(specrs.TokenizerMismatchError, match=r"token id 2 is \"zzz-not-in-target\" in the draft"):
-        engine.generate("Hi", SamplingParams(max_tokens=4), speculative_config=spec)
+        engine.generate("Hi", SamplingParams(temperature=0, max_tokens=4), speculative_config=spec)
     assert issubclass(specrs.TokenizerMismatchError, specrs.ModelLoadError)
 
 
@@ -242,7 +243,7 @@ def test_draft_vocabulary_that_is_a_prefix_of_the_targets_passes_the_check(engin
     path = tiny_tokenizer_gguf(tmp_path / "prefix.gguf", first_target_tokens(engine, 3))
     spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 4}
     with pytest.raises(specrs.ModelLoadError) as info:
-        engine.generate("Hi", SamplingParams(max_tokens=4), speculative_config=spec)
+        engine.generate("Hi", SamplingParams(temperature=0, max_tokens=4), speculative_config=spec)
     assert not isinstance(info.value, specrs.TokenizerMismatchError), info.value
 
 
@@ -261,7 +262,7 @@ def test_draft_vocabulary_that_is_a_prefix_of_the_targets_passes_the_check(engin
 def test_bad_draft_configs_name_the_fix(engine, model_path, spec, fix):
     spec = {k: (model_path if v == "MODEL" else v) for k, v in spec.items()}
     with pytest.raises(specrs.SpecrsError, match=fix):
-        engine.generate("Hi", SamplingParams(max_tokens=4), speculative_config=spec)
+        engine.generate("Hi", SamplingParams(temperature=0, max_tokens=4), speculative_config=spec)
 
 
 def test_requantize_cli_writes_a_loadable_model(model_path, tmp_path, capsys):

@@ -50,7 +50,7 @@ def test_logits_agree_with_llamacpp(family):
 
 def test_greedy_speculation_is_identical(family):
     name, golden, engine = family
-    params = specrs.SamplingParams(max_tokens=16, ignore_eos=True)
+    params = specrs.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompt = golden["input_ids"][:6] * 3  # repeats, so the suffix tree has drafts to offer
     plain = engine.generate(prompt, params, speculative_config=False).token_ids
     config = {"method": "suffix", "num_speculative_tokens": 4, "adaptive_draft_length": False}

@@ -55,7 +55,7 @@ def teacher_forced(model):
 def greedy(model):
     """specrs's greedy continuation of each prompt (EOS ignored)."""
     _, golden, engine = model
-    params = specrs.SamplingParams(max_tokens=golden["num_new_tokens"], ignore_eos=True)
+    params = specrs.SamplingParams(temperature=0, max_tokens=golden["num_new_tokens"], ignore_eos=True)
     return {p["name"]: engine.generate(p["prompt_ids"], params).token_ids for p in golden["prompts"]}
 
 

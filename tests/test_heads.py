@@ -45,7 +45,8 @@ def spec(method, model, k, **extra):
 @pytest.fixture(scope="module")
 def baselines(engine):
     return {
-        name: engine.generate(chat(text), SamplingParams(max_tokens=MAX_TOKENS), speculative_config=False).token_ids
+        name: engine.generate(chat(text), SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                              speculative_config=False).token_ids
         for name, text in PROMPTS.items()
     }
 
@@ -54,7 +55,7 @@ def baselines(engine):
 def test_greedy_identity_with_every_head(engine, baselines, heads, method):
     k = 3
     for name, text in PROMPTS.items():
-        stream = engine.stream(chat(text), SamplingParams(max_tokens=MAX_TOKENS), speculative_config=spec(method, heads[method], k))
+        stream = engine.stream(chat(text), SamplingParams(temperature=0, max_tokens=MAX_TOKENS), speculative_config=spec(method, heads[method], k))
         for _ in stream:
             target_len, head_len = stream.kv_lens()
             if head_len is not None and method in ("eagle", "eagle3", "mtp"):
@@ -70,7 +71,7 @@ def test_greedy_identity_with_quantized_heads(engine, baselines, heads, method, 
     """Head weights quantized at load change only the drafts, never the output."""
     name, text = next(iter(PROMPTS.items()))
     config = {**spec(method, heads[method], 3), "quantization": quantization}
-    r = engine.generate(chat(text), SamplingParams(max_tokens=MAX_TOKENS), speculative_config=config)
+    r = engine.generate(chat(text), SamplingParams(temperature=0, max_tokens=MAX_TOKENS), speculative_config=config)
     assert r.token_ids == baselines[name]
     assert r.metrics["num_drafts"] > 0
     assert engine.memory()["draft_weight_bytes"] > 0
@@ -87,16 +88,20 @@ def test_greedy_identity_with_quantized_heads(engine, baselines, heads, method, 
 def test_dynamic_draft_length_with_a_head(engine, baselines, heads, extra):
     name, text = next(iter(PROMPTS.items()))
     config = {**spec("eagle3", heads["eagle3"], 3), **extra}
-    r = engine.generate(chat(text), SamplingParams(max_tokens=MAX_TOKENS), speculative_config=config)
+    r = engine.generate(chat(text), SamplingParams(temperature=0, max_tokens=MAX_TOKENS), speculative_config=config)
     assert r.token_ids == baselines[name]
     assert r.metrics["num_drafts"] > 0
 
 
 def test_head_draft_cost_is_measured_when_prepared(engine, heads):
-    """The adaptive length's draft cost c for a head is measured at prepare (a head step after a
-    context whose hidden states it has read), not guessed."""
-    costs = engine.prepare({"method": "eagle3", "model": heads["eagle3"], "num_speculative_tokens": 3})
-    assert costs["draft_cost_source"] in ("measured", "disturbed", "cached")
+    """The adaptive length's draft cost c for a head is queued at prepare and measured by the
+    engine's background thread (a head step after a context whose hidden states it has read), not
+    guessed."""
+    config = {"method": "eagle3", "model": heads["eagle3"], "num_speculative_tokens": 3}
+    engine.prepare(config)
+    assert engine.wait_for_costs()
+    costs = engine.prepare(config)
+    assert costs["draft_cost_source"] in ("measured", "cached")
     assert 0.0 < costs["draft_cost"] < 5.0
 
 
@@ -104,7 +109,8 @@ def test_confidence_threshold_cuts_head_drafts(engine, heads):
     """Heads give probabilities, so the threshold applies: at 0.99 a random head's drafts stop
     after their first token."""
     config = {**spec("eagle", heads["eagle"], 4), "draft_confidence_threshold": 0.99}
-    r = engine.generate(chat(PROMPTS["writing"]), SamplingParams(max_tokens=16), speculative_config=config)
+    r = engine.generate(chat(PROMPTS["writing"]), SamplingParams(temperature=0, max_tokens=16),
+                        speculative_config=config)
     assert r.metrics["num_drafts"] > 0
     assert r.metrics["num_draft_tokens"] == r.metrics["num_drafts"]
 
@@ -161,7 +167,8 @@ def edited(src: str, dst: Path, **changes) -> str:
 def test_bad_heads_name_the_fix(engine, heads, tmp_path):
     def refused(error, match, method, model, k=3):
         with pytest.raises(error, match=match):
-            engine.generate("hi", SamplingParams(max_tokens=4), speculative_config=spec(method, model, k))
+            engine.generate("hi", SamplingParams(temperature=0, max_tokens=4),
+                            speculative_config=spec(method, model, k))
 
     tiny = dict(SMOLLM2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128)
     # Another target's head: hidden size and vocabulary.
@@ -179,7 +186,7 @@ def test_bad_heads_name_the_fix(engine, heads, tmp_path):
     refused(ConfigError, r"rope_scaling", "eagle", edited(heads["eagle"], tmp_path / "rope", rope_scaling={"rope_type": "llama3", "factor": 8.0}))
     # MTP asked of a model without MTP layers (the default model's own file), or of a head dir without them.
     with pytest.raises(ModelLoadError, match=r"no MTP layers.*eagle3"):
-        engine.generate("hi", SamplingParams(max_tokens=4),
+        engine.generate("hi", SamplingParams(temperature=0, max_tokens=4),
                         speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     # Parallel heads draft at most one token per sub-head.
     refused(ConfigError, r"at most 3 tokens.*num_speculative_tokens to at most 3", "medusa", heads["medusa"], k=5)
@@ -196,4 +203,4 @@ def test_bad_heads_name_the_fix(engine, heads, tmp_path):
 )
 def test_bad_head_configs(engine, config, match):
     with pytest.raises(ConfigError, match=match):
-        engine.generate("hi", SamplingParams(max_tokens=4), speculative_config=config)
+        engine.generate("hi", SamplingParams(temperature=0, max_tokens=4), speculative_config=config)

@@ -109,7 +109,7 @@ def test_bad_random_configs_name_the_fix():
         specrs.Engine.random({**TINY, "num_attention_heads": 7})
     with pytest.raises(specrs.ConfigError, match="quantized_self"):
         specrs.Engine.random(TINY, dtype="f32").generate(
-            PROMPT, specrs.SamplingParams(max_tokens=4), speculative_config={"method": "quantized_self"}
+            PROMPT, specrs.SamplingParams(temperature=0, max_tokens=4), speculative_config={"method": "quantized_self"}
         )
     with pytest.raises(specrs.ConfigError, match="cuda:N"):
         specrs.Engine.random(TINY, device="cuda:x")

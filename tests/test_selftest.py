@@ -200,7 +200,7 @@ def test_a_changed_token_fails_the_greedy_check(engine):
     # A fixed-length check where nothing drafted proves nothing.
     never = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 5, "adaptive_draft_length": False}
     unique = {"unique": engine.prompt_token_ids("Name one colour.")}
-    base = {"unique": engine.generate(unique["unique"], specrs.SamplingParams(max_tokens=3), speculative_config=False).token_ids}
+    base = {"unique": engine.generate(unique["unique"], specrs.SamplingParams(temperature=0, max_tokens=3), speculative_config=False).token_ids}
     idle = selftest.check_greedy_identity(engine, never, True, unique, base, 3)
     assert idle["num_drafts"] == 0 and idle["status"] == "FAIL" and "proves nothing" in idle["detail"]
 

@@ -52,12 +52,16 @@ def test_merged_metrics_sum_the_samples_counts(engine):
 
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     prompts = ["one two three four one two three four one two three", "a b c d e a b c d e a b c d"]
-    samples = [engine.generate(p, specrs.SamplingParams(max_tokens=24, ignore_eos=True), speculative_config=ngram).metrics
+    samples = [engine.generate(p, specrs.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), speculative_config=ngram).metrics
                for p in prompts]
     assert all(m["num_drafts"] > 0 for m in samples)  # model-free drafts on repeated text, untimed
     merged = merged_metrics(samples)
-    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_idle_steps"):
         assert merged[key] == samples[0][key] + samples[1][key], key
+    assert merged["idle_steps"] == {r: samples[0]["idle_steps"][r] + samples[1]["idle_steps"][r]
+                                    for r in samples[0]["idle_steps"]}
+    idlest = max(samples, key=lambda m: m["num_idle_steps"])
+    assert merged["idle_reason"] == idlest["idle_reason"]
     assert merged["num_accepted_tokens_per_pos"] == [a + b for a, b in zip(samples[0]["num_accepted_tokens_per_pos"],
                                                                           samples[1]["num_accepted_tokens_per_pos"])]
     assert merged["acceptance_rate"] == pytest.approx(merged["num_accepted_tokens"] / merged["num_draft_tokens"])

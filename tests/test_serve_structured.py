@@ -48,7 +48,8 @@ def _chat(client, model_name, content, stream=False, max_tokens=80, **extra):  #
 
 def _local(engine, content, max_tokens=80, **settings):
     return engine.generate([{"role": "user", "content": content}],
-                           specrs.SamplingParams(max_tokens=max_tokens, **settings), speculative_config=False)
+                           specrs.SamplingParams(temperature=0, max_tokens=max_tokens, **settings),
+                           speculative_config=False)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -103,7 +104,7 @@ def test_completion_logprobs(engine, client, model_name):  # noqa: F811
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == out.usage.completion_tokens
     assert all(len(top) <= 3 and tok in top for tok, top in zip(lp.tokens, lp.top_logprobs))
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
-    local = engine.generate("The capital of France is", specrs.SamplingParams(max_tokens=8, logprobs=3),
+    local = engine.generate("The capital of France is", specrs.SamplingParams(temperature=0, max_tokens=8, logprobs=3),
                             speculative_config=False)
     assert [round(x, 4) for x in lp.token_logprobs] == [round(e["logprob"], 4) for e in local.logprobs]
 
@@ -120,7 +121,11 @@ def test_penalties_bias_min_tokens_stop_ids(engine, client, model_name):  # noqa
     text, finish, _ = _chat(client, model_name, "Say hi.", max_tokens=48, min_tokens=len(short.token_ids) + 6)
     assert text == _local(engine, "Say hi.", max_tokens=48, min_tokens=len(short.token_ids) + 6).text
     first = short.token_ids[0]
+    # As in vLLM, the stop token ends the answer without its text, unless include_stop_str_in_output.
     text, finish, _ = _chat(client, model_name, "Say hi.", max_tokens=48, stop_token_ids=[first])
+    assert finish == "stop" and text == ""
+    text, finish, _ = _chat(client, model_name, "Say hi.", max_tokens=48, stop_token_ids=[first],
+                            include_stop_str_in_output=True)
     assert finish == "stop" and text == engine.tokenizer.decode([first])
 
 

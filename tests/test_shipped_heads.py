@@ -99,7 +99,7 @@ def test_sampling_with_a_shipped_head_matches_plain_sampling(engine, method):
 def test_no_shipped_head_for_another_model_names_what_ships():
     engine = specrs.Engine(str(ROOT / "tests" / "golden" / "hf" / "llama"))
     with pytest.raises(ConfigError, match=r"no eagle3 head ships for the loaded model.*specrs ships: eagle3 for smollm2-135m"):
-        engine.generate([1, 2, 3], SamplingParams(max_tokens=4), speculative_config={"method": "eagle3"})
+        engine.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=4), speculative_config={"method": "eagle3"})
     with pytest.raises(ConfigError, match="no mlp_speculator head ships for the loaded model.*pass \"model\""):
         engine.config_json({"method": "mlp_speculator"})
 

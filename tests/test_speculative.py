@@ -43,7 +43,7 @@ def baselines(engine):
     """Plain greedy decoding of every prompt: prompt ids -> generated ids."""
     out = {}
     for name, text in PROMPTS.items():
-        r = engine.generate(chat(text), SamplingParams(max_tokens=MAX_TOKENS), speculative_config=False)
+        r = engine.generate(chat(text), SamplingParams(temperature=0, max_tokens=MAX_TOKENS), speculative_config=False)
         assert r.metrics["num_drafts"] == 0 and r.metrics["spec_method"] is None
         out[name] = (r.prompt_token_ids, r.token_ids)
     return out
@@ -91,7 +91,7 @@ def test_greedy_identity(engine, baselines, method, k, adaptive):
             proposer = NoisyOracle(len(prompt_ids), expected, engine.tokenizer.vocab_size, seed)
         r = engine.generate(
             prompt_ids,
-            SamplingParams(max_tokens=MAX_TOKENS),
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
             speculative_config={**SPEC_CONFIGS[method](k), "adaptive_draft_length": adaptive},
             proposer=proposer,
         )
@@ -225,7 +225,7 @@ def test_engine_default_override_and_off(model_path):
     engine = specrs.Engine(model_path, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
     assert engine.speculative_config["prompt_lookup_min"] == 5  # vLLM's default filled in
     text = chat(PROMPTS["rag"])
-    params = SamplingParams(max_tokens=24)
+    params = SamplingParams(temperature=0, max_tokens=24)
     assert engine.generate(text, params).metrics["spec_method"] == "ngram"
     assert engine.generate(text, params, speculative_config=False).metrics["spec_method"] is None
     r = engine.generate(text, params, speculative_config={"method": "suffix"})
@@ -235,8 +235,8 @@ def test_engine_default_override_and_off(model_path):
 def test_stream_with_speculation_yields_the_same_text(engine):
     config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
     text = chat(PROMPTS["extraction"])
-    whole = engine.generate(text, SamplingParams(max_tokens=40), speculative_config=config)
-    stream = engine.stream(text, SamplingParams(max_tokens=40), speculative_config=config)
+    whole = engine.generate(text, SamplingParams(temperature=0, max_tokens=40), speculative_config=config)
+    stream = engine.stream(text, SamplingParams(temperature=0, max_tokens=40), speculative_config=config)
     chunks = list(stream)
     assert "".join(chunks) == whole.text
     assert stream.result.token_ids == whole.token_ids
@@ -245,7 +245,8 @@ def test_stream_with_speculation_yields_the_same_text(engine):
 
 def test_engine_metrics_sum_requests_and_report_expected_speedup(model_path):
     engine = specrs.Engine(model_path, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
-    results = [engine.generate(chat(PROMPTS[n]), SamplingParams(max_tokens=24)) for n in ("rag", "extraction")]
+    results = [engine.generate(chat(PROMPTS[n]), SamplingParams(temperature=0, max_tokens=24)) for n in ("rag", "extraction")]
+    assert engine.wait_for_costs()  # the curve the expected speedup reads, measured in the background
     m = engine.metrics()
     assert m["num_requests"] == 2
     for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
@@ -257,7 +258,7 @@ def test_engine_metrics_sum_requests_and_report_expected_speedup(model_path):
     # Verifying k+1 tokens never costs less than one step (the curve is non-decreasing), so the
     # refined prediction is never above the textbook one. (How much more it costs is the machine's.)
     assert m["verify_cost_ratio"] >= 1 and m["expected_speedup_refined"] <= m["expected_speedup_textbook"]
-    assert m["verify_cost_source"] in ("measured", "disturbed", "cached")
+    assert m["verify_cost_source"] in ("measured", "cached")
     engine.reset_metrics()
     assert engine.metrics()["num_requests"] == 0
 
@@ -277,8 +278,8 @@ def test_expected_speedup_formulas():
 def test_suffix_decoding_learns_from_previous_responses(model_path):
     engine = specrs.Engine(model_path, speculative_config={"method": "suffix", "num_speculative_tokens": 8})
     text = chat(PROMPTS["writing"])
-    first = engine.generate(text, SamplingParams(max_tokens=48))
-    second = engine.generate(text, SamplingParams(max_tokens=48))
+    first = engine.generate(text, SamplingParams(temperature=0, max_tokens=48))
+    second = engine.generate(text, SamplingParams(temperature=0, max_tokens=48))
     assert second.token_ids == first.token_ids
     # The global tree holds the first response, so the repeat is drafted almost entirely.
     assert second.metrics["num_accepted_tokens"] > first.metrics["num_accepted_tokens"]
@@ -296,7 +297,7 @@ class AlwaysWrong:
 
 def test_adaptive_draft_length_backs_off_when_drafts_fail(engine):
     prompt = chat(PROMPTS["qa"])
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     # The verify cost SmolLM2 measures on 2 cores, pinned: the policy is tested, not the machine
     # (a measured curve moves with the machine's load, and the back-off with it).
     config = {"method": "custom", "num_speculative_tokens": 4, "verify_cost_ratios": [1.0, 1.4, 1.6, 2.0, 2.4]}
@@ -342,20 +343,22 @@ class TooMany:
 )
 def test_bad_custom_proposers_raise_proposer_error(engine, proposer, message):
     with pytest.raises(specrs.ProposerError, match=message):
-        engine.generate("Hello", SamplingParams(max_tokens=8), proposer=proposer)
+        engine.generate("Hello", SamplingParams(temperature=0, max_tokens=8), proposer=proposer)
 
 
 def test_proposer_with_a_builtin_method_is_refused_not_ignored(engine):
     ngram = {"method": "ngram", "num_speculative_tokens": 2}
     with pytest.raises(specrs.ConfigError, match="use \"method\": \"custom\""):
-        engine.generate("Hello", SamplingParams(max_tokens=4), speculative_config=ngram, proposer=TooMany())
+        engine.generate("Hello", SamplingParams(temperature=0, max_tokens=4), speculative_config=ngram,
+                        proposer=TooMany())
     with pytest.raises(specrs.ConfigError, match="speculative_config=False"):
-        engine.generate("Hello", SamplingParams(max_tokens=4), speculative_config=False, proposer=TooMany())
+        engine.generate("Hello", SamplingParams(temperature=0, max_tokens=4), speculative_config=False,
+                        proposer=TooMany())
 
 
 def test_proposer_without_propose_is_a_config_error(engine):
     with pytest.raises(specrs.ConfigError, match="propose"):
-        engine.generate("Hello", SamplingParams(max_tokens=4), proposer=object())
+        engine.generate("Hello", SamplingParams(temperature=0, max_tokens=4), proposer=object())
 
 
 @pytest.mark.parametrize(
@@ -373,7 +376,7 @@ def test_proposer_without_propose_is_a_config_error(engine):
 )
 def test_bad_speculative_config_names_the_fix(engine, config, fix):
     with pytest.raises(specrs.ConfigError, match=fix):
-        engine.generate("Hello", SamplingParams(max_tokens=4), speculative_config=config)
+        engine.generate("Hello", SamplingParams(temperature=0, max_tokens=4), speculative_config=config)
 
 
 def test_bad_engine_config_fails_at_construction(model_path):

@@ -62,7 +62,7 @@ CONSTRAINTS = {
 
 
 def params(extra, **kw):
-    return SamplingParams(**({"max_tokens": 60} | kw | extra))
+    return SamplingParams(**({"max_tokens": 60, "temperature": 0} | kw | extra))
 
 
 def run(engine, prompt, p, config):

@@ -56,7 +56,7 @@ def tree_configs(method, budget):
 
 
 def assert_greedy_identity(engine, prompts, config):
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     num_drafts = 0
     for prompt in prompts:
         plain = engine.generate(prompt, params, speculative_config=False).token_ids
@@ -71,7 +71,7 @@ def assert_greedy_identity(engine, prompts, config):
 def test_greedy_identity_with_trees_on_smollm2(engine, method, budget):
     num_tree_drafts = 0
     for config in tree_configs(method, budget):
-        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         for prompt in smollm2_prompts(engine):
             plain = engine.generate(prompt, params, speculative_config=False).token_ids
             r = engine.generate(prompt, params, speculative_config=config)
@@ -160,7 +160,8 @@ def test_sampled_deterministic_trees_emit_the_plain_tokens(engine, method):
 
 def test_tree_statistics_in_the_metrics(engine):
     config = {**METHODS["ngram"], "num_speculative_tokens": 8, "tree": True, "tree_top_k": 4}
-    r = engine.generate(smollm2_prompts(engine)[0], SamplingParams(max_tokens=64), speculative_config=config)
+    r = engine.generate(smollm2_prompts(engine)[0], SamplingParams(temperature=0, max_tokens=64),
+                        speculative_config=config)
     m = r.metrics
     assert 0 < m["num_tree_drafts"] <= m["num_drafts"]
     assert m["num_tree_draft_tokens"] <= m["num_draft_tokens"] <= 8 * m["num_drafts"]
@@ -179,7 +180,7 @@ def test_tree_statistics_in_the_metrics(engine):
 ])
 def test_bad_tree_configs_say_what_to_change(engine, config, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
-        engine.generate("Hello", SamplingParams(max_tokens=4), speculative_config=config)
+        engine.generate("Hello", SamplingParams(temperature=0, max_tokens=4), speculative_config=config)
 
 
 def test_a_chain_request_refuses_a_custom_tree(engine):
@@ -190,7 +191,7 @@ def test_a_chain_request_refuses_a_custom_tree(engine):
     # A fixed draft length: the cost-aware one depends on this proposer's measured cost and may ask
     # for fewer tokens (or none) than the tree has.
     with pytest.raises(specrs.ProposerError, match="set \"tree\""):
-        engine.generate("Hello", SamplingParams(max_tokens=4), proposer=Tree(),
+        engine.generate("Hello", SamplingParams(temperature=0, max_tokens=4), proposer=Tree(),
                         speculative_config={"method": "custom", "num_speculative_tokens": 2,
                                             "adaptive_draft_length": False})
 
@@ -199,7 +200,7 @@ def test_a_custom_tree_deeper_than_the_planned_depth_is_cut_to_it(engine):
     """A Python proposer is told the node budget, not the depth the engine plans for the step: its
     deeper tokens are dropped, not refused, and the output stays plain decoding's."""
     prompt = engine.tokenizer.encode("The capital of France is")
-    params = SamplingParams(max_tokens=24)
+    params = SamplingParams(temperature=0, max_tokens=24)
     plain = engine.generate(prompt, params, speculative_config=False).token_ids
 
     class DeepTree:
@@ -225,7 +226,7 @@ def test_trees_in_a_continuous_batch(engine):
     """The scheduler batches tree rows of several requests in one forward: outputs stay those of
     plain decoding alone."""
     prompts = smollm2_prompts(engine)
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     plain = [engine.generate(p, params, speculative_config=False).token_ids for p in prompts]
     for config in ({**METHODS["ngram"], "num_speculative_tokens": 8, "tree": True},
                    {**METHODS["eagle3"], "num_speculative_tokens": 8, "tree": "auto", "tree_depth": 4}):

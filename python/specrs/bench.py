@@ -1,5 +1,6 @@
 """`specrs bench`: speculative decoding against plain decoding on a JSONL file of prompts.
 
+    specrs bench --config '{"method": "ngram", "num_speculative_tokens": 4}'     # the prompts specrs ships
     specrs bench --prompts ../shared/data/spec_bench/question.jsonl --num-per-category 5 \\
         --config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}' \\
         --config '{"method": "suffix", "num_speculative_tokens": 4}' --json bench-results/bench.json
@@ -7,13 +8,23 @@
 How it measures:
 - Prompts: one JSON object per line in Spec-Bench's shape (`question_id`, `category`, `turns`); the
   first turn of each is the prompt, wrapped in the model's chat template unless `--no-chat`.
+  Without `--prompts`, the small set shipped inside the package (`specrs/data/prompts.jsonl`:
+  writing, code, summarization, extraction, rewriting, math, translation, QA).
 - Truncation (`truncate_content`), as in the anchor harness (shared/anchors/common.py): when the
   prompt plus `--max-tokens` does not fit in `--max-context` tokens, the user text is cut to its
   longest character prefix that fits, so the chat template stays intact. Each record says whether
   its prompt was cut.
 - One process, one Engine. The baseline (no speculation) always runs, and every configuration runs
   on every prompt before the next prompt starts, in an order rotated per prompt, so machine drift
-  and warm caches affect all configurations alike. One unrecorded warm-up pass runs first.
+  and warm caches affect all configurations alike. One unrecorded warm-up pass runs first, then
+  the engine's cost measurements are waited for (so every recorded request reads the same
+  adaptive-length figures).
+- Repeats (`--repeats`, default 3): the whole pass runs again, each time on a fresh engine (suffix
+  decoding caches responses across requests, and a repeat must not find the answers there). Every
+  speedup is the median over the repeats with its min and max, beside the decode tokens behind it,
+  and is printed as a speedup only when it is one (specrs.speedup): a configuration that never
+  drafted, or a figure above the tokens per step its drafts yielded (at most k + 1), is timing
+  noise and printed as such.
 - Decode tokens/s is (n - 1) / (last token time - first token time): TTFT is excluded. Category
   and overall figures are ratios of sums (all decode tokens / all decode seconds), and the speedup
   is a configuration's decode tokens/s over the baseline's on the same prompts.
@@ -41,6 +52,11 @@ from typing import Any, Callable, Sequence
 from . import _specrs, extras
 from .engine import Engine, SamplingParams
 from .errors import ConfigError
+from .speedup import ABOVE_CEILING, NO_DRAFTS, SPEEDUP, Speedup
+
+# The prompts `specrs bench` and `specrs advise` run without --prompts: shipped in the package.
+SHIPPED_PROMPTS = os.path.join(os.path.dirname(__file__), "data", "prompts.jsonl")
+DEFAULT_REPEATS = 3
 
 # Prompt + generated tokens must fit here; 2048 is the n_ctx the anchor harness gave llama.cpp.
 DEFAULT_MAX_CONTEXT = 2048
@@ -272,8 +288,9 @@ def _clock(seconds: float) -> str:
 
 
 def run_benchmark(prompts: list[dict], runners: list[Runner], max_tokens: int, greedy: bool,
-                  progress: bool = True, warmup_tokens: int = 8) -> list[dict]:
-    """Every runner on every prompt; returns one record per (prompt, runner).
+                  progress: bool = True, warmup_tokens: int = 8, repeat: int = 0,
+                  settle: Callable[[], Any] | None = None) -> list[dict]:
+    """Every runner on every prompt; returns one record per (prompt, runner), marked `repeat`.
 
     The runners of one prompt all finish before the next prompt starts, and their order rotates
     by one per prompt, so slow drift of the machine and order effects spread over all of them.
@@ -281,11 +298,14 @@ def run_benchmark(prompts: list[dict], runners: list[Runner], max_tokens: int, g
     rejects a bad configuration before any time is spent. It continues only the first 16 tokens
     of the first prompt (the chat template's preamble): suffix decoding keeps every response in a
     cache shared by later requests of the same config, and the warm-up must not hand it the
-    answer to a measured prompt.
+    answer to a measured prompt. `settle()` runs after it (the engine's `wait_for_costs`, so
+    every recorded request reads the cost figures the warm-up queued, measured).
     """
     warmup_prompt = dict(prompts[0], token_ids=prompts[0]["token_ids"][:16])
     for runner in runners:
         runner.run(warmup_prompt, warmup_tokens)
+    if settle is not None:
+        settle()
     bar = ProgressBar(len(prompts) * len(runners), enabled=progress, line_every=len(runners))
     records = []
     for i, prompt in enumerate(prompts):
@@ -296,6 +316,7 @@ def run_benchmark(prompts: list[dict], runners: list[Runner], max_tokens: int, g
             metrics, token_ids, finish_reason = runner.run(prompt, max_tokens)
             outputs[runner.label] = token_ids
             records.append({
+                "repeat": repeat,
                 "question_id": prompt["question_id"],
                 "category": prompt["category"],
                 "orig_category": prompt["orig_category"],
@@ -409,9 +430,12 @@ def summarize(records: list[dict], runners: list[Runner],
               verify_cost_ratios: dict[str, Sequence[float]] | None = None) -> dict:
     """{"categories": {category: {label: aggregate}}, "overall": {label: aggregate}}.
 
-    Each aggregate also gets `speedup` (decode tokens/s over its engine's baseline on the same
-    prompts), `expected_speedup` and `num_matching_baseline` (greedy outputs equal to the baseline's).
-    `verify_cost_ratios` maps an engine name to its v(1..max_n).
+    Each aggregate also gets `speedup_stats` (specrs.speedup.Speedup.to_dict: per repeat, decode
+    tokens/s over its engine's baseline on the same prompts in the same repeat; their median, min,
+    max, the tokens behind them and whether the figure is a speedup or noise), `speedup` (the
+    median when it is a speedup, else None; 1.0 for a baseline), `expected_speedup` and
+    `num_matching_baseline` (greedy outputs equal to the baseline's). `verify_cost_ratios` maps an
+    engine name to its v(1..max_n).
     """
     verify_cost_ratios = verify_cost_ratios or {}
     baseline_of = {r.engine_name: r.label for r in runners if r.is_baseline}
@@ -428,12 +452,19 @@ def summarize(records: list[dict], runners: list[Runner],
             matches = [r["matches_baseline"] for r in mine if r.get("matches_baseline") is not None]
             agg["num_matching_baseline"] = sum(matches) if matches else None
             rows[runner.label] = agg
+        runner_of = {runner.label: runner for runner in runners}
         for label, agg in rows.items():
             base = rows.get(baseline_of.get(agg["engine"]))
             if base is None or not base["decode_tokens_per_s"]:
-                agg["speedup"], agg["expected_speedup"] = None, {"textbook": None, "refined": None}
+                agg["speedup"], agg["speedup_stats"] = None, None
+                agg["expected_speedup"] = {"textbook": None, "refined": None}
                 continue
-            agg["speedup"] = agg["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+            if runner_of[label].is_baseline:
+                agg["speedup"], agg["speedup_stats"] = 1.0, None
+            else:
+                stats = _speedup_over_repeats(selected, label, baseline_of[agg["engine"]],
+                                              runner_of[label].num_speculative_tokens)
+                agg["speedup"], agg["speedup_stats"] = stats.value, stats.to_dict()
             agg["expected_speedup"] = expected_speedups(agg, base["itl_s_mean"], verify_cost_ratios.get(agg["engine"]))
         return rows
 
@@ -441,6 +472,14 @@ def summarize(records: list[dict], runners: list[Runner],
         "categories": {c: table([r for r in records if r["category"] == c]) for c in categories},
         "overall": table(records),
     }
+
+
+def _speedup_over_repeats(records: list[dict], label: str, baseline: str, k: int) -> Speedup:
+    """`label`'s speedup over `baseline` in each repeat of `records` (both on the same prompts)."""
+    repeats = sorted({r.get("repeat", 0) for r in records})
+    runs = [([r["metrics"] for r in records if r["config"] == label and r.get("repeat", 0) == i],
+             [r["metrics"] for r in records if r["config"] == baseline and r.get("repeat", 0) == i]) for i in repeats]
+    return Speedup.of([spec for spec, _ in runs], [base for _, base in runs], k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,17 +491,35 @@ def fmt(value: Any, spec: str, suffix: str = "", missing: str = "-") -> str:
     return missing if value is None else format(value, spec) + suffix
 
 
+def format_speedup(agg: dict) -> str:
+    """A table cell: the median speedup with its min-max and runs, or what the figure is instead."""
+    stats = agg.get("speedup_stats")
+    if stats is None:
+        return fmt(agg.get("speedup"), ".2f", "x")
+    runs = len(stats["runs"])
+    if stats["verdict"] == SPEEDUP:
+        spread = f"{stats['min']:.2f}-{stats['max']:.2f}, {runs} runs" if runs > 1 else "1 run, no spread"
+        return f"{stats['median']:.2f}x ({spread})"
+    if stats["verdict"] == NO_DRAFTS:
+        return "no drafts; timing noise only"
+    if stats["verdict"] == ABOVE_CEILING:
+        return f"noise: {stats['median']:.2f}x > {stats['ceiling']:.2f}x ceiling"
+    return "-"
+
+
 def format_tables(summary: dict) -> str:
     """Markdown tables: per category and overall figures, expected speedups, time breakdown."""
-    lines = ["| category | config | decode tok/s | speedup | mean acc. len | acc. rate | ITL mean ms |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| category | config | decode tok/s | speedup (min-max over runs) | decode tokens | mean acc. len | "
+             "acc. rate | ITL mean ms |",
+             "|---|---|---|---|---|---|---|---|"]
     blocks = list(summary["categories"].items()) + [("**overall**", summary["overall"])]
     for category, rows in blocks:
         for i, (label, agg) in enumerate(rows.items()):
             speculative = agg["num_speculative_tokens"] > 0
+            stats = agg.get("speedup_stats") or {}
             lines.append(
                 f"| {category if i == 0 else ''} | {label} | {agg['decode_tokens_per_s']:.1f} | "
-                f"{fmt(agg['speedup'], '.2f', 'x')} | "
+                f"{format_speedup(agg)} | {stats.get('num_tokens', '-')} | "
                 f"{fmt(agg['mean_acceptance_length'] if speculative else None, '.2f')} | "
                 f"{fmt(agg['acceptance_rate'] if speculative else None, '.2f')} | {agg['itl_s_mean'] * 1e3:.1f} |")
 
@@ -475,7 +532,7 @@ def format_tables(summary: dict) -> str:
         per_pos = " ".join(f"{r:.2f}" for r in agg["acceptance_rate_per_pos"]) or "-"
         matching = agg.get("num_matching_baseline")
         lines.append(
-            f"| {label} | {fmt(agg['speedup'], '.2f', 'x')} | {fmt(expected.get('textbook'), '.2f', 'x')} | "
+            f"| {label} | {format_speedup(agg)} | {fmt(expected.get('textbook'), '.2f', 'x')} | "
             f"{fmt(expected.get('refined'), '.2f', 'x')} | {fmt(expected.get('mean_draft_length'), '.2f')} | "
             f"{fmt(expected.get('verify_cost_ratio'), '.2f')} | {fmt(expected.get('draft_cost'), '.4f')} | {per_pos} | "
             f"{'-' if matching is None else str(matching) + '/' + str(agg['num_requests'])} |")
@@ -509,8 +566,11 @@ def machine_info() -> dict:
     return info
 
 
-def write_plot(summary: dict, path: str | os.PathLike) -> None:
-    """Speedup per category per configuration, and acceptance rate per draft position."""
+def write_plot(summary: dict, path: str | os.PathLike) -> list[str]:
+    """Speedup per category per configuration (the median over the repeats, its min-max as an
+    error bar, and each bar marked with its runs and decode tokens; a figure that is noise is an
+    empty bar marked so), and acceptance rate per draft position. Returns the notes written on the
+    bars, configuration by configuration, category by category (overall last)."""
     extras.require("plot", "specrs bench --plot")
     import matplotlib
 
@@ -519,16 +579,32 @@ def write_plot(summary: dict, path: str | os.PathLike) -> None:
 
     categories = list(summary["categories"]) + ["overall"]
     tables = [summary["categories"][c] for c in summary["categories"]] + [summary["overall"]]
-    labels = [label for label, agg in summary["overall"].items() if agg["speedup"] is not None and agg["num_speculative_tokens"]]
+    labels = [label for label, agg in summary["overall"].items() if agg.get("speedup_stats")]
     fig, (ax_speed, ax_pos) = plt.subplots(1, 2, figsize=(15, 5), gridspec_kw={"width_ratios": [2, 1]})
     width = 0.8 / max(len(labels), 1)
+    notes = []
     for i, label in enumerate(labels):
-        values = [(t.get(label) or {}).get("speedup") or 0.0 for t in tables]
-        ax_speed.bar([x + i * width for x in range(len(categories))], values, width, label=label)
+        xs = [x + i * width for x in range(len(categories))]
+        stats = [(t.get(label) or {}).get("speedup_stats") or {} for t in tables]
+        medians = [s.get("median") or 0.0 for s in stats]
+        errors = [[m - (s.get("min") or m) for m, s in zip(medians, stats)],
+                  [(s.get("max") or m) - m for m, s in zip(medians, stats)]]
+        bars = ax_speed.bar(xs, medians, width, yerr=errors, capsize=2, label=label)
+        for bar, s in zip(bars, stats):
+            if not s:
+                continue
+            noise = s["verdict"] != SPEEDUP
+            if noise:  # not a speedup: drawn empty, so it reads as noise
+                bar.set_fill(False)
+                bar.set_hatch("//")
+            note = f"n={len(s['runs'])}\n{s['num_tokens']} tok" + ("\nnoise" if noise else "")
+            notes.append(note)
+            ax_speed.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                              va="bottom", fontsize=6, xytext=(0, 2), textcoords="offset points")
     ax_speed.axhline(1.0, color="black", linewidth=0.8)
     ax_speed.set_xticks([x + width * (len(labels) - 1) / 2 for x in range(len(categories))], categories, rotation=30)
-    ax_speed.set_ylabel("decode tokens/s over plain decoding")
-    ax_speed.set_title("speedup per category")
+    ax_speed.set_ylabel("decode tokens/s over plain decoding (median, min-max)")
+    ax_speed.set_title("speedup per category (n = runs; tok = decode tokens)")
     ax_speed.legend(fontsize=8)
     for label in labels:
         rates = summary["overall"][label]["acceptance_rate_per_pos"]
@@ -542,6 +618,7 @@ def write_plot(summary: dict, path: str | os.PathLike) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return notes
 
 
 def make_report(engine: Engine, args: argparse.Namespace, prompts: list[dict], configs: dict[str, dict | None],
@@ -574,7 +651,8 @@ def write_json(path: str | os.PathLike, report: dict) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompts", required=True, help="JSONL of prompts (Spec-Bench shape; first turn used)")
+    parser.add_argument("--prompts", default=None,
+                        help="JSONL of prompts (Spec-Bench shape; first turn used; default: the set specrs ships)")
     parser.add_argument("--model", default=None, help="path of a .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--categories", default=None, help="comma list of categories (default: all)")
@@ -587,34 +665,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", action="append", default=[], metavar="JSON",
                         help="a speculative config, vLLM's --speculative-config format; repeatable. "
                              "The no-speculation baseline always runs too.")
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                        help="passes over every prompt and config, each on a fresh engine; every speedup is their "
+                             f"median with its min-max (default: {DEFAULT_REPEATS})")
     parser.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT,
                         help="prompts are cut (user text, by characters) so prompt + max tokens fit here")
     parser.add_argument("--json", default=None, metavar="OUT", help="write everything to this JSON file")
     parser.add_argument("--plot", default=None, metavar="OUT.png",
-                        help="speedup and acceptance plot (needs matplotlib: `pip install matplotlib`)")
+                        help="speedup and acceptance plot, each bar marked with its runs, tokens and "
+                             f"spread (needs matplotlib: `{extras.install_command('plot')}`)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     configs = [parse_config(text) for text in args.config]
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1 (got {args.repeats}); 3 or more give a spread")
     if args.plot:
         extras.require("plot", "specrs bench --plot")  # now, not after the whole run
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
-    prompts = load_prompts(args.prompts, categories, args.num_per_category)
+    prompts_path = args.prompts or SHIPPED_PROMPTS
+    prompts = load_prompts(prompts_path, categories, args.num_per_category)
     if not prompts:
-        raise ConfigError(f"no prompts selected from {args.prompts}")
+        raise ConfigError(f"no prompts selected from {prompts_path}")
 
     engine = Engine(args.model, device=args.device)
     prompts = tokenize_prompts(engine, prompts, args.max_tokens, args.chat, args.max_context)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             seed=args.seed if args.temperature > 0 else None)
-    runners = [specrs_runner(engine, None, params)] + [specrs_runner(engine, c, params) for c in configs]
-    check_unique_labels(runners)
-
-    print(f"{len(prompts)} prompts ({sum(p['truncated'] for p in prompts)} cut to fit {args.max_context} tokens), "
-          f"{len(runners)} configurations, {args.max_tokens} tokens each", file=sys.stderr)
-    records = run_benchmark(prompts, runners, args.max_tokens, greedy=args.temperature == 0,
-                            progress=not args.no_progress)
+    print(f"{len(prompts)} prompts from {prompts_path} ({sum(p['truncated'] for p in prompts)} cut to fit "
+          f"{args.max_context} tokens), {len(configs) + 1} configurations, {args.max_tokens} tokens each, "
+          f"{args.repeats} repeats", file=sys.stderr)
+    records: list[dict] = []
+    for repeat in range(args.repeats):
+        # A fresh engine per repeat (the first reuses the one that tokenized): suffix decoding's
+        # cache must not hold the answers from the repeat before.
+        if repeat > 0:
+            engine = Engine(args.model, device=args.device)
+        runners = [specrs_runner(engine, None, params)] + [specrs_runner(engine, c, params) for c in configs]
+        check_unique_labels(runners)
+        records += run_benchmark(prompts, runners, args.max_tokens, greedy=args.temperature == 0,
+                                 progress=not args.no_progress, repeat=repeat, settle=engine.wait_for_costs)
     # v(1..k+1) for the refined prediction; measured after the run, once the configs are known good.
     max_k = max((r.num_speculative_tokens for r in runners), default=0)
     verify_cost = engine.verify_cost_ratios(max_k + 1) if max_k else None

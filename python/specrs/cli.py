@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections import Counter
 
 from . import __version__, advise, bench, models, selftest, serve
 from .engine import Engine, SamplingParams, requantize
 from .errors import ConfigError, SpecrsError
+from .speedup import Speedup
 from .train import STAGES
 
 
@@ -40,6 +42,7 @@ def _generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         min_p=args.min_p,
         seed=args.seed,
+        stop=args.stop,
     )
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     stream = engine.stream(prompt, params)
@@ -60,19 +63,36 @@ def _generate(args: argparse.Namespace) -> int:
     )
     if args.speculative_config is not None:
         print(acceptance_report(m), file=stats_file)
+        idle = idle_report(m)
+        if idle:
+            print(idle, file=stats_file)
         if not args.no_baseline:
-            # The same request without speculation, in this process, so the speedup is measured
-            # on this machine and this prompt rather than assumed.
-            base = engine.generate(prompt, params, speculative_config=False)
-            b = base.metrics
-            speedup = m["decode_tokens_per_s"] / b["decode_tokens_per_s"] if b["decode_tokens_per_s"] else 0.0
-            same = "identical output" if base.token_ids == result.token_ids else "different tokens (sampling)"
-            print(
-                f"[specrs] baseline without speculation: {b['decode_tokens_per_s']:.1f} tok/s decode, "
-                f"ITL {b['itl_s_mean'] * 1000:.1f} ms | speculative speedup {speedup:.2f}x | {same}",
-                file=stats_file,
-            )
+            print(speedup_report(engine, prompt, params, result, args.repeats), file=stats_file)
     return 0
+
+
+def speedup_report(engine: Engine, prompt, params: SamplingParams, result, repeats: int) -> str:
+    """The request again, `repeats` times without speculation and `repeats` times with it,
+    alternating which goes first, in this process: the speedup is measured on this machine and
+    this prompt rather than assumed, with its spread and the tokens behind it (specrs.speedup),
+    and said to be noise when it is (no drafts, or above what the drafts can reach). The streamed
+    run is not timed: printing the text costs time plain decoding's rerun does not pay."""
+    if repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1 (got {repeats})")
+    base_runs, spec_runs = [], []
+    for i in range(repeats):
+        for which in (("base", "spec") if i % 2 == 0 else ("spec", "base")):
+            if which == "base":
+                base_runs.append(engine.generate(prompt, params, speculative_config=False))
+            else:
+                spec_runs.append(engine.generate(prompt, params))
+    speedup = Speedup.of([[r.metrics] for r in spec_runs], [[r.metrics] for r in base_runs],
+                         result.metrics["num_speculative_tokens"])
+    base_rate = statistics.median(r.metrics["decode_tokens_per_s"] for r in base_runs)
+    same = ("identical output" if all(r.token_ids == result.token_ids for r in base_runs)
+            else "different tokens (sampling)")
+    return (f"[specrs] baseline without speculation: {base_rate:.1f} tok/s decode (median of {repeats}) | "
+            f"speculative speedup {speedup.describe()} | {same}")
 
 
 def _requantize(args: argparse.Namespace) -> int:
@@ -175,6 +195,16 @@ def _serve_ray(args: argparse.Namespace) -> int:
     return 0
 
 
+def idle_report(m: dict) -> str | None:
+    """One line on when and why speculation stood idle, from a request's metrics (None if never)."""
+    if not m.get("num_idle_steps"):
+        return None
+    steps = m["num_decode_steps"]
+    by_reason = ", ".join(f"{reason} {count}" for reason, count in m["idle_steps"].items() if count)
+    return (f"[specrs] speculation idle in {m['num_idle_steps']} of {steps} decode steps ({by_reason}): "
+            f"{m['idle_reason']}")
+
+
 def acceptance_report(m: dict) -> str:
     """One line on how the drafts fared, from a request's metrics."""
     drafts = m["num_drafts"]
@@ -203,12 +233,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                     help="end the output before this string (repeatable; vLLM's stop)")
     gen.add_argument("--device", default="cpu")
     gen.add_argument(
         "--no-baseline",
         action="store_true",
-        help="with --speculative-config: skip the no-speculation rerun that measures the speedup",
+        help="with --speculative-config: skip the reruns with and without speculation that measure the speedup",
     )
+    gen.add_argument("--repeats", type=int, default=3,
+                     help="with --speculative-config: reruns with and without speculation, interleaved, behind the "
+                          "printed speedup and its spread (default: 3 each)")
     gen.add_argument(
         "--speculative-config",
         default=None,

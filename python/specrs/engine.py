@@ -12,6 +12,8 @@ from typing import Any, Iterator, Mapping, Sequence, Union, overload
 from . import _specrs
 from .errors import ConfigError, SpecrsError
 from .heads import with_shipped_head
+from .log import enabled as _log_enabled
+from .log import logger
 from .models import resolve_model
 
 SamplingParams = _specrs.SamplingParams
@@ -91,23 +93,31 @@ def _is_prompt_list(prompt: Any) -> bool:
 
 
 class _ProgressBar:
-    """`done/total` requests with throughput on one stderr line, redrawn as requests finish."""
+    """`done/total` requests, tokens so far and throughput on one stderr line. It starts when the
+    call starts (so its clock covers the whole call, preparing the requests included) and is
+    redrawn as tokens arrive, at most every `REDRAW_S`."""
+
+    REDRAW_S = 0.25
 
     def __init__(self, total: int):
-        self.total, self.done, self.start_s = total, 0, time.perf_counter()
+        self.total, self.done, self.tokens = total, 0, 0
+        self.start_s = self._drawn_s = time.perf_counter()
         self._draw()
 
-    def advance(self) -> None:
-        self.done += 1
-        self._draw()
+    def step(self, num_new_tokens: int, num_finished: int) -> None:
+        self.tokens += num_new_tokens
+        self.done += num_finished
+        if num_finished or time.perf_counter() - self._drawn_s >= self.REDRAW_S:
+            self._draw()
 
     def _draw(self) -> None:
         width = 30
         filled = width * self.done // max(self.total, 1)
-        elapsed_s = time.perf_counter() - self.start_s
-        rate = self.done / elapsed_s if elapsed_s > 0 else 0.0
+        self._drawn_s = time.perf_counter()
+        elapsed_s = self._drawn_s - self.start_s
+        rate = self.tokens / elapsed_s if elapsed_s > 0 else 0.0
         sys.stderr.write(f"\rspecrs generate [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                         f"requests, {elapsed_s:.1f} s, {rate:.2f} req/s")
+                         f"requests, {self.tokens} tokens, {elapsed_s:.1f} s, {rate:.1f} tok/s")
         sys.stderr.flush()
 
     def close(self) -> None:
@@ -135,12 +145,16 @@ class GenerationResult:
 
     text: str
     token_ids: list[int]
+    # The prompt the request ran on (after SamplingParams(truncate_prompt_tokens=...)).
     prompt_token_ids: list[int]
     finish_reason: str | None
     metrics: dict[str, Any] = field(default_factory=dict)
     # One {"token_id", "logprob", "top_logprobs": [(token_id, logprob), ...]} per generated token
     # when SamplingParams(logprobs=n) asked for them; None otherwise.
     logprobs: list[dict[str, Any]] | None = None
+    # vLLM's stop_reason: the stop string (str) or stop token id (int) that ended the request;
+    # None when it ended otherwise (an end-of-sequence token, max_tokens, ...).
+    stop_reason: str | int | None = None
 
     @classmethod
     def _from_dict(cls, d: dict) -> "GenerationResult":
@@ -151,6 +165,7 @@ class GenerationResult:
             finish_reason=d["finish_reason"],
             metrics=dict(d["metrics"]),
             logprobs=d.get("logprobs"),
+            stop_reason=d.get("stop_reason"),
         )
 
 
@@ -237,7 +252,10 @@ class Engine:
             raise ConfigError(f"max_model_len must be a positive number of tokens (got {max_model_len!r}); leave "
                               "it None for the model's own context")
         self.model_path = resolve_model(model)
+        start_s = time.perf_counter()
+        logger.info("loading %s on %s", self.model_path, device)
         self._inner = _specrs.Engine(self.model_path, device, max_model_len)
+        logger.info("loaded %s in %.1f s", os.path.basename(self.model_path), time.perf_counter() - start_s)
         self.device = device
         self.allow_special_tokens_in_content = _flag(allow_special_tokens_in_content,
                                                      "allow_special_tokens_in_content")
@@ -265,7 +283,11 @@ class Engine:
         config_json = config if isinstance(config, str) else json.dumps(dict(config))
         engine = cls.__new__(cls)
         engine.model_path = None
+        start_s = time.perf_counter()
+        logger.info("building a random Llama (%s, %s) on %s", config if isinstance(config, str) else "custom shape",
+                    dtype, device)
         engine._inner = _specrs.Engine.random_llama(config_json, seed, dtype, device)
+        logger.info("built in %.1f s", time.perf_counter() - start_s)
         engine.device = device
         engine.allow_special_tokens_in_content = False  # its numbered vocabulary has no chat template
         engine._setup(speculative_config, proposer)
@@ -273,6 +295,7 @@ class Engine:
         return engine
 
     def _setup(self, speculative_config: SpecConfig | None, proposer: Any) -> None:
+        self._inner.set_log_measurements(_log_enabled())
         if proposer is not None and speculative_config is None:
             speculative_config = {"method": "custom", "num_speculative_tokens": DEFAULT_CUSTOM_SPECULATIVE_TOKENS}
         self.speculative_config = None if speculative_config is None else json.loads(self.config_json(speculative_config))
@@ -281,15 +304,56 @@ class Engine:
     def _prepare_default(self) -> None:
         """The default speculation's one-time work happens now, not in the first request."""
         if self.speculative_config is not None:
-            self._inner.prepare(json.dumps(self.speculative_config))
+            self._prepare_logged(json.dumps(self.speculative_config))
 
     def prepare(self, speculative_config: SpecConfig) -> dict:
-        """Loads what `speculative_config` needs (draft weights) and measures its adaptive-length
-        costs now, or reads them from the disk cache (`$SPECRS_CACHE_DIR/costs/`, keyed by model
-        file, device and thread count), so its first request does not pay for them. The engine's
-        own `speculative_config` is prepared when it is built. Returns the costs
-        (`verify_cost_ratios` [v(1), ..., v(k+1)], `draft_cost`) and where each came from."""
-        return self._inner.prepare(self.config_json(speculative_config))
+        """Loads what `speculative_config` needs (draft weights), so its first request does not
+        pay for it, and returns the adaptive-length costs a request with it reads now
+        (`verify_cost_ratios` [v(1), ..., v(k+1)], `draft_cost`), where each came from (`measured`,
+        `cached`: from `$SPECRS_CACHE_DIR/costs/`, keyed by model file, device and thread count;
+        `config`, `extrapolated`, `prior`) and its spread (`{"ratio": median try / fastest,
+        "tries"}`). Figures nobody measured are measured by a background thread while no request
+        runs (`cost_status`, `wait_for_costs`); never inside a request. The engine's own
+        `speculative_config` is prepared when it is built."""
+        return self._prepare_logged(self.config_json(speculative_config))
+
+    def _prepare_logged(self, config_json: str) -> dict:
+        config = json.loads(config_json)
+        label = f"{config['method']} k={config['num_speculative_tokens']}"
+        loads = config["method"] not in ("ngram", "suffix", "custom")
+        start_s = time.perf_counter()
+        if loads:
+            logger.info("preparing %s: loading its draft", label)
+        costs = self._inner.prepare(config_json)
+        if loads:
+            logger.info("prepared %s in %.1f s", label, time.perf_counter() - start_s)
+        if config.get("adaptive_draft_length", True):
+            logger.info("%s: %s", label, _describe_costs(costs, self.cost_status()["pending"]))
+        return costs
+
+    def cost_status(self) -> dict:
+        """The engine's cost measurements: `num_foreground_measurements` (run in a caller's thread:
+        only `verify_cost_ratios` does, for a curve nobody measured), `num_background_measurements`,
+        `num_failed_measurements`, `pending` (what the background thread still has to measure) and
+        `figures` (each `{"what", "source", "spread"}`)."""
+        return self._inner.cost_status()
+
+    def wait_for_costs(self, timeout_s: float | None = None) -> bool:
+        """Waits until the background thread has measured every figure queued (at most
+        `timeout_s` seconds; None: as long as it takes) and returns whether it has. It measures
+        while no request runs, so this is only needed by a program that wants every request to
+        read the same figures: a figure changes at most once per engine, when its measurement
+        lands, and a seeded request's draft lengths (and, with drafts that carry probabilities,
+        its tokens) follow the figures it read."""
+        pending = self.cost_status()["pending"]
+        start_s = time.perf_counter()
+        if pending:
+            logger.info("waiting for the cost measurements: %s", "; ".join(pending))
+        done = self._inner.wait_for_costs(timeout_s)
+        if pending:
+            logger.info("cost measurements %s after %.1f s", "done" if done else "still running",
+                        time.perf_counter() - start_s)
+        return done
 
     def config_json(self, speculative_config: SpecConfig) -> str:
         """JSON text of `speculative_config` as this engine runs it: every default filled in, and
@@ -298,11 +362,10 @@ class Engine:
         return _config_json(speculative_config, self.info())
 
     def set_measure_on_demand(self, on: bool) -> None:
-        """Whether a request whose config needs a cost nobody measured yet measures it inside its
-        own latency (default True). Off, it gets the nearest figure instead (the verification curve
-        extended past its measured end, or a prior draft cost from the draft's size), and its
-        metrics say so (`verify_cost_source`, `draft_cost_source`). `specrs serve` turns it off once
-        it serves, so no request stalls the others."""
+        """Whether cost figures nobody measured yet are measured by the engine's background
+        thread (default True; it never measures inside a request). Off, they stay the nearest
+        figure (the verification curve extended past its measured end, a prior draft cost from the
+        draft's size), and the metrics say so (`verify_cost_source`, `draft_cost_source`)."""
         self._inner.set_measure_on_demand(on)
 
     @property
@@ -423,6 +486,16 @@ class Engine:
 
     def _generate_batch(self, prompts: list, params, speculative_config, proposer, max_num_seqs: int,
                         max_num_batched_tokens: int, draft_budget: str, progress: bool) -> list[GenerationResult]:
+        bar = _ProgressBar(len(prompts)) if progress else None
+        try:
+            return self._run_batch(prompts, params, speculative_config, proposer, max_num_seqs,
+                                   max_num_batched_tokens, draft_budget, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _run_batch(self, prompts: list, params, speculative_config, proposer, max_num_seqs: int,
+                   max_num_batched_tokens: int, draft_budget: str, bar: "_ProgressBar | None") -> list[GenerationResult]:
         if params is None or isinstance(params, SamplingParams):
             all_params = [params or SamplingParams()] * len(prompts)
         else:
@@ -436,7 +509,7 @@ class Engine:
         # Everything is checked before anything runs: a bad prompt fails the call, not half of it.
         for request_id, (prompt, request_params) in enumerate(zip(prompts, all_params)):
             scheduler.add(request_id, self.prompt_token_ids(prompt), request_params, config_json, proposer)
-        return _run_to_the_end(scheduler, len(prompts), progress)
+        return _run_to_the_end(scheduler, len(prompts), bar)
 
     def generate_samples(
         self,
@@ -455,11 +528,16 @@ class Engine:
         copy its cache and feed only its last token. Sample i is exactly what `generate` returns
         for `params` with n = 1 and, when `params.seed` is set, seed + i (vLLM's seeds). Each
         sample speculates with its own proposer state; the other arguments are `generate`'s."""
-        config_json, proposer = self._speculation(speculative_config, proposer)
-        scheduler = _specrs.Scheduler(self._inner, max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens, draft_budget=draft_budget)
-        scheduler.add_samples(list(range(params.n)), self.prompt_token_ids(prompt), params, config_json, proposer)
-        return _run_to_the_end(scheduler, params.n, progress)
+        bar = _ProgressBar(params.n) if progress else None
+        try:
+            config_json, proposer = self._speculation(speculative_config, proposer)
+            scheduler = _specrs.Scheduler(self._inner, max_num_seqs=max_num_seqs,
+                                          max_num_batched_tokens=max_num_batched_tokens, draft_budget=draft_budget)
+            scheduler.add_samples(list(range(params.n)), self.prompt_token_ids(prompt), params, config_json, proposer)
+            return _run_to_the_end(scheduler, params.n, bar)
+        finally:
+            if bar is not None:
+                bar.close()
 
     def stream(
         self,
@@ -482,7 +560,7 @@ class Engine:
         """Sums over every finished request: vLLM's acceptance counters (num_drafts,
         num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos,
         mean_acceptance_length, acceptance_rate), TTFT, ITL, tokens/s, and the expected speedup
-        (textbook and refined; the first call measures the verification cost curve, ~1 s)."""
+        (textbook and refined, on the verification cost curve as it is now: `verify_cost_source`)."""
         return self._inner.metrics()
 
     def reset_metrics(self) -> None:
@@ -568,29 +646,44 @@ class Engine:
         return [SequenceForward(logits, hidden) for logits, hidden in self._inner.forward_batch(packed, list(layers))]
 
 
-def _run_to_the_end(scheduler: _specrs.Scheduler, num_requests: int, progress: bool) -> list[GenerationResult]:
+def _run_to_the_end(scheduler: _specrs.Scheduler, num_requests: int,
+                    bar: _ProgressBar | None) -> list[GenerationResult]:
     """Steps `scheduler` until it has nothing left; the results of its requests 0..num_requests in
     id order (an error ends the call with that error)."""
     results: list[GenerationResult | None] = [None] * num_requests
-    bar = _ProgressBar(num_requests) if progress else None
-    try:
-        while scheduler.has_unfinished:
-            outputs, _ = scheduler.step()
-            for output in outputs:
-                if output["error"] is not None:
-                    raise output["error"]
-                if output["finished"] is not None:
-                    results[output["request_id"]] = GenerationResult._from_dict(output["finished"])
-                    if bar is not None:
-                        bar.advance()
-    finally:
+    while scheduler.has_unfinished:
+        outputs, _ = scheduler.step()
+        num_finished = 0
+        for output in outputs:
+            if output["error"] is not None:
+                raise output["error"]
+            if output["finished"] is not None:
+                results[output["request_id"]] = GenerationResult._from_dict(output["finished"])
+                num_finished += 1
         if bar is not None:
-            bar.close()
+            bar.step(sum(len(output["token_ids"]) for output in outputs), num_finished)
     missing = [i for i, r in enumerate(results) if r is None]
     if missing:
         raise SpecrsError(f"internal error: the scheduler ended without finishing requests {missing} "
                           "(please report this bug)")
     return [r for r in results if r is not None]
+
+
+def _describe_costs(costs: dict, pending: list[str]) -> str:
+    """One line on the adaptive length's cost figures (`Engine.prepare`'s dict) and what the
+    background thread still measures."""
+    def figure(name: str, source: str | None, spread: dict | None) -> str:
+        if source is None:
+            return f"{name} none (a model-free draft)"
+        if spread is None:
+            return f"{name} {source}"
+        return f"{name} {source} (spread {spread['ratio']:.2f} over {spread['tries']} tries)"
+
+    line = ", ".join([figure("verify cost", costs["verify_cost_source"], costs.get("verify_cost_spread")),
+                      figure("draft cost", costs["draft_cost_source"], costs.get("draft_cost_spread"))])
+    if pending:
+        line += "; measuring in the background while no request runs: " + "; ".join(pending)
+    return line
 
 
 def requantize(src: str, dst: str, quantization: str = "q4_0") -> list[tuple[str, str, str]]:

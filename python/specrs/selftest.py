@@ -29,7 +29,9 @@ suffix decoding draft (repetition, code, lists):
    a repeated request gets other drafts; its one-hot drafts are verified in coupled form, which
    keeps the sample anyway, but a draft with probabilities would legitimately change it, so for
    suffix each of the two runs uses a fresh engine, with the draft length fixed (a fresh engine
-   measures the costs the adaptive length reads afresh, from timing).
+   may read other costs for the adaptive length than the first). The engine's cost figures are
+   waited for first (`Engine.wait_for_costs`): a figure changes once, when its background
+   measurement lands, and both runs must read the same.
 
 Exit status 1 when any check FAILs; `--json` prints the report for machines.
 """
@@ -439,6 +441,9 @@ def run(engine, configs: Sequence[Any] | None = None, *, num_seeds: int = DEFAUL
         checks.append(check_distribution(engine, config, distribution_prompts, plain, num_seeds, temperature, alpha))
         say(f"{checks[-1]['check']} {checks[-1]['label']}: {checks[-1]['status']}")
 
+    # The adaptive length's cost figures change once, when the engine's background measurement of
+    # them lands: both runs of each request must read the same ones.
+    engine.wait_for_costs()
     for config in [None, *configs]:
         checks.append(check_determinism(engine, config, prompts, max_tokens, temperature, new_engine))
         say(f"{checks[-1]['check']} {checks[-1]['label']}: {checks[-1]['status']}")

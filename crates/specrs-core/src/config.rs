@@ -1,4 +1,4 @@
-//! Per-request settings: `SamplingParams` (vLLM's names and defaults).
+//! Per-request settings: `SamplingParams` (vLLM's names and defaults: temperature 1, 16 tokens).
 //!
 //! Invariant: a `SamplingParams` that passed `validate()` can be handed to the sampler without
 //! further checks; every rejection names the field and the valid range.
@@ -12,11 +12,14 @@ pub const MAX_LOGPROBS: usize = 20;
 /// The most samples `n` may ask for (OpenAI's limit).
 pub const MAX_SAMPLES: usize = 128;
 
+/// vLLM's `truncate_prompt_tokens` value that keeps as many prompt tokens as the context holds.
+pub const TRUNCATE_TO_CONTEXT: i64 = -1;
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
-    /// Maximum number of tokens to generate (>= 1).
+    /// Maximum number of tokens to generate (>= 1; vLLM's default, 16).
     pub max_tokens: usize,
-    /// 0 means greedy (argmax); > 0 divides the logits before the softmax.
+    /// 0 means greedy (argmax); > 0 divides the logits before the softmax (vLLM's default, 1).
     pub temperature: f32,
     /// Keep only the k most likely tokens; 0 disables the filter.
     pub top_k: usize,
@@ -39,8 +42,29 @@ pub struct SamplingParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// End-of-sequence and `stop_token_ids` cannot end the output before this many tokens.
     pub min_tokens: usize,
-    /// Tokens that end the output like an end-of-sequence token (kept as its last token).
+    /// Tokens that end the output like an end-of-sequence token (kept as its last token; its
+    /// text is left out unless `include_stop_str_in_output`, as vLLM does).
     pub stop_token_ids: Vec<u32>,
+    /// Strings that end the output (vLLM's and OpenAI's `stop`), matched on the detokenized text
+    /// as tokens are committed: the output ends with the token that completes the first one, and
+    /// its text ends right before it (`engine/output_text.rs`).
+    pub stop: Vec<String>,
+    /// Keep the stop string (or the text of the stop token) at the end of the text.
+    pub include_stop_str_in_output: bool,
+    /// Leave special tokens (control tokens such as `<|im_end|>`) out of the text.
+    pub skip_special_tokens: bool,
+    /// With `skip_special_tokens` off: false writes a special token that follows another one as
+    /// its bare text, without the space a decoder may put before it (vLLM's fast detokenizer).
+    pub spaces_between_special_tokens: bool,
+    /// Some(k): keep only the last k prompt tokens (vLLM's left truncation); `TRUNCATE_TO_CONTEXT`
+    /// (-1): as many as the model's context holds.
+    pub truncate_prompt_tokens: Option<i64>,
+    /// Words the output must not contain (vLLM's `bad_words`): each is tokenized with and without
+    /// a leading space, and the last token of a sequence is banned wherever the output ends with
+    /// the rest of it.
+    pub bad_words: Vec<String>,
+    /// Some(ids): only these tokens may be generated (vLLM's `allowed_token_ids`).
+    pub allowed_token_ids: Option<Vec<u32>>,
     /// Some(n): return each emitted token's log-probability and the n most likely alternatives.
     pub logprobs: Option<usize>,
     /// The language the output must belong to (JSON schema, regex, Lark grammar, choice).
@@ -53,8 +77,8 @@ pub struct SamplingParams {
 impl Default for SamplingParams {
     fn default() -> Self {
         Self {
-            max_tokens: 256,
-            temperature: 0.0,
+            max_tokens: 16,
+            temperature: 1.0,
             top_k: 0,
             top_p: 1.0,
             min_p: 0.0,
@@ -66,6 +90,13 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             min_tokens: 0,
             stop_token_ids: Vec::new(),
+            stop: Vec::new(),
+            include_stop_str_in_output: false,
+            skip_special_tokens: true,
+            spaces_between_special_tokens: true,
+            truncate_prompt_tokens: None,
+            bad_words: Vec::new(),
+            allowed_token_ids: None,
             logprobs: None,
             grammar: None,
             n: 1,
@@ -75,7 +106,7 @@ impl Default for SamplingParams {
 
 impl SamplingParams {
     pub fn greedy(max_tokens: usize) -> Self {
-        Self { max_tokens, ..Self::default() }
+        Self { max_tokens, temperature: 0.0, ..Self::default() }
     }
 
     pub fn is_greedy(&self) -> bool {
@@ -88,10 +119,13 @@ impl SamplingParams {
         self.top_k == 0 && self.top_p >= 1.0 && self.min_p <= 0.0 && !self.changes_logits()
     }
 
-    /// Whether the logits are changed before sampling (grammar, penalties, bias, min_tokens):
-    /// then each verified row is processed on the host (`logits_processor.rs`).
+    /// Whether the logits are changed before sampling (grammar, allowed_token_ids, bad_words,
+    /// penalties, bias, min_tokens): then each verified row is processed on the host
+    /// (`logits_processor.rs`).
     pub fn changes_logits(&self) -> bool {
         self.grammar.is_some()
+            || self.allowed_token_ids.is_some()
+            || !self.bad_words.is_empty()
             || self.presence_penalty != 0.0
             || self.frequency_penalty != 0.0
             || self.repetition_penalty != 1.0
@@ -160,13 +194,44 @@ impl SamplingParams {
                 "logprobs (top alternatives per token) must be in 0..={MAX_LOGPROBS} (got {n})"
             )));
         }
+        if self.stop.iter().any(String::is_empty) {
+            return Err(Error::config("stop strings must not be empty; remove the empty string from stop"));
+        }
+        if self.bad_words.iter().any(|w| w.trim().is_empty()) {
+            return Err(Error::config("bad_words entries must hold a word; remove the empty or blank entry"));
+        }
+        if self.allowed_token_ids.as_ref().is_some_and(Vec::is_empty) {
+            return Err(Error::config(
+                "allowed_token_ids is empty, which allows no token; list at least one id, or pass None to allow all",
+            ));
+        }
+        if let Some(k) = self.truncate_prompt_tokens.filter(|&k| k < 1 && k != TRUNCATE_TO_CONTEXT) {
+            return Err(Error::config(format!(
+                "truncate_prompt_tokens must be >= 1 (keep that many prompt tokens) or -1 (as many as the \
+                 context holds) (got {k}); use None not to truncate"
+            )));
+        }
         Ok(())
     }
 
-    /// Token ids this request names (logit_bias, stop_token_ids) outside a vocabulary of `vocab`.
+    /// The prompt this request runs on: `prompt` cut to its last `truncate_prompt_tokens` tokens
+    /// (-1: to the `context_length`), or whole.
+    pub fn truncated_prompt<'a>(&self, prompt: &'a [u32], context_length: usize) -> &'a [u32] {
+        let keep = match self.truncate_prompt_tokens {
+            None => return prompt,
+            Some(TRUNCATE_TO_CONTEXT) => context_length,
+            Some(k) => usize::try_from(k).unwrap_or(usize::MAX),
+        };
+        &prompt[prompt.len().saturating_sub(keep)..]
+    }
+
+    /// Token ids this request names (logit_bias, stop_token_ids, allowed_token_ids) outside a
+    /// vocabulary of `vocab`.
     pub fn check_token_ids(&self, vocab: usize) -> Result<()> {
         let named = self.logit_bias.iter().map(|(t, _)| ("logit_bias", *t));
         let named = named.chain(self.stop_token_ids.iter().map(|&t| ("stop_token_ids", t)));
+        let allowed = self.allowed_token_ids.iter().flatten();
+        let named = named.chain(allowed.map(|&t| ("allowed_token_ids", t)));
         for (field, token) in named {
             if token as usize >= vocab {
                 return Err(Error::config(format!(
@@ -202,6 +267,11 @@ mod tests {
             (SamplingParams { logprobs: Some(21), ..Default::default() }, "logprobs"),
             (SamplingParams { n: 0, ..Default::default() }, "n (samples"),
             (SamplingParams { n: MAX_SAMPLES + 1, ..Default::default() }, "n (samples"),
+            (SamplingParams { stop: vec!["".into()], ..Default::default() }, "stop"),
+            (SamplingParams { bad_words: vec![" ".into()], ..Default::default() }, "bad_words"),
+            (SamplingParams { allowed_token_ids: Some(vec![]), ..Default::default() }, "allowed_token_ids"),
+            (SamplingParams { truncate_prompt_tokens: Some(0), ..Default::default() }, "truncate_prompt_tokens"),
+            (SamplingParams { truncate_prompt_tokens: Some(-2), ..Default::default() }, "truncate_prompt_tokens"),
         ];
         for (params, field) in bad {
             let err = params.validate().unwrap_err();
@@ -209,5 +279,30 @@ mod tests {
             assert!(err.to_string().contains(field), "{err}");
         }
         SamplingParams::default().validate().unwrap();
+        let allowed = SamplingParams { allowed_token_ids: Some(vec![3, 9]), ..Default::default() };
+        assert!(allowed.check_token_ids(9).unwrap_err().to_string().contains("allowed_token_ids names token id 9"));
+        allowed.check_token_ids(10).unwrap();
+    }
+
+    #[test]
+    fn vllms_defaults_sample_sixteen_tokens() {
+        let d = SamplingParams::default();
+        assert_eq!(
+            (d.temperature, d.max_tokens, d.skip_special_tokens, d.spaces_between_special_tokens),
+            (1.0, 16, true, true)
+        );
+        assert!(SamplingParams::greedy(5).is_greedy());
+    }
+
+    #[test]
+    fn truncation_keeps_the_last_tokens() {
+        let prompt = [1, 2, 3, 4, 5];
+        let keep = |k| {
+            SamplingParams { truncate_prompt_tokens: k, ..Default::default() }.truncated_prompt(&prompt, 4).to_vec()
+        };
+        assert_eq!(keep(None), prompt);
+        assert_eq!(keep(Some(2)), [4, 5]);
+        assert_eq!(keep(Some(9)), prompt);
+        assert_eq!(keep(Some(TRUNCATE_TO_CONTEXT)), [2, 3, 4, 5]);
     }
 }

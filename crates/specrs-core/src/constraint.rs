@@ -8,7 +8,14 @@
 //! (`valid_prefix_len`, no state change), `consume` the tokens the target kept, `rollback` the ones
 //! it took back, and splice in what the grammar forces anyway (`forced_tokens`).
 //!
+//! Compiling runs on a thread of its own with a stack sized for the limits the input was measured
+//! against first (`limits`), since llguidance's compilers recurse on the input's shape; and it
+//! takes the matcher's first steps, so limits llguidance applies lazily fire there.
+//!
 //! Invariants:
+//! - `compile` refuses input past a limit, a grammar llguidance cannot compile, and one whose
+//!   first steps fail (the first mask, the tokens forced at the start, the mask after them) with
+//!   an `Error::Config`; it never overflows a stack.
 //! - The matcher's state is always that after exactly the tokens consumed and not rolled back.
 //!   A failed `consume` or `rollback` changes nothing, so a bad call never poisons the request.
 //! - `consume(t)` succeeds exactly when `valid_prefix_len(t) == t.len()`, and every token of
@@ -19,6 +26,7 @@
 //!   allowed.
 
 pub mod grammar_spec;
+pub mod limits;
 mod token_env;
 
 pub use grammar_spec::{GrammarSpec, GRAMMAR_SPEC_KEYS};
@@ -27,7 +35,7 @@ use llguidance::api::StopReason;
 use llguidance::toktrie::{SimpleVob, TokEnv};
 use llguidance::{Matcher, ParserFactory};
 
-use crate::error::{catch_panic, Error, Result};
+use crate::error::{catch_panic, panic_error, Error, Result};
 use crate::tokenizer::TextTokenizer;
 
 /// Compiles grammars for one tokenizer. Build it once per model and share it: building it walks
@@ -54,9 +62,38 @@ impl ConstraintCompiler {
         self.factory.tok_env().tok_trie().vocab_size()
     }
 
-    /// One request's constraint, at the start of the output. A malformed schema, regex or grammar
-    /// is an `Error::Config` carrying llguidance's own message.
+    /// One request's constraint, at the start of the output. Input past a limit (`limits`), a
+    /// malformed schema, regex or grammar (llguidance's own message), and one the matcher cannot
+    /// start on are an `Error::Config`.
     pub fn compile(&self, spec: &GrammarSpec) -> Result<Constraint> {
+        self.compile_with_stack(spec, limits::COMPILE_STACK_BYTES)
+    }
+
+    /// `compile` on a compile thread of `stack_bytes` of stack. For the tests and the fuzz target
+    /// that show what passes the limits compiles within a fraction of `COMPILE_STACK_BYTES`.
+    #[doc(hidden)]
+    pub fn compile_with_stack(&self, spec: &GrammarSpec, stack_bytes: usize) -> Result<Constraint> {
+        limits::check(spec)?;
+        std::thread::scope(|scope| {
+            let worker = std::thread::Builder::new()
+                .name("specrs-grammar-compile".into())
+                .stack_size(stack_bytes)
+                .spawn_scoped(scope, || self.compile_here(spec))
+                .map_err(|e| {
+                    Error::Internal(format!("starting the grammar compile thread ({stack_bytes} bytes of stack): {e}"))
+                })?;
+            worker.join().unwrap_or_else(|panic| {
+                let message = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned());
+                Err(panic_error(&format!("compiling the {} panicked: {}", spec.kind(), message.unwrap_or_default())))
+            })
+        })
+    }
+
+    /// The compile itself, on the compile thread.
+    fn compile_here(&self, spec: &GrammarSpec) -> Result<Constraint> {
         let kind = spec.kind();
         let invalid = |message: String| {
             Error::config(format!("invalid {kind} for constrained decoding: {message}; fix the {kind} and resend"))
@@ -70,7 +107,54 @@ impl ConstraintCompiler {
         if let Some(message) = matcher.get_error() {
             return Err(invalid(message));
         }
+        first_steps(&matcher).map_err(|message| {
+            Error::config(format!(
+                "the {kind} cannot be followed from the start of the output: llguidance stops with \"{message}\"{}; \
+                 fix the {kind} and resend",
+                why_first_steps_fail(&message)
+            ))
+        })?;
         Ok(Constraint { matcher, tok_env: self.factory.tok_env().clone(), kind, consumed: 0, eos_after_end: false })
+    }
+}
+
+/// Some of llguidance's limits (work per token, items per parser row) and an empty language show
+/// only when the matcher runs. On a copy of `matcher`: the first mask, the tokens the grammar
+/// forces at the start, and the mask after them.
+fn first_steps(matcher: &Matcher) -> std::result::Result<(), String> {
+    let mut probe = matcher.deep_clone();
+    fn failed(probe: &Matcher, e: impl std::fmt::Display) -> String {
+        probe.get_error().unwrap_or_else(|| format!("{e:#}"))
+    }
+    if probe.is_stopped() {
+        return Ok(());
+    }
+    probe.compute_mask().map_err(|e| failed(&probe, e))?;
+    let forced = probe.compute_ff_tokens();
+    if let Some(message) = probe.get_error() {
+        return Err(message);
+    }
+    if !forced.is_empty() {
+        probe.consume_tokens(&forced).map_err(|e| failed(&probe, e))?;
+        if !probe.is_stopped() {
+            probe.compute_mask().map_err(|e| failed(&probe, e))?;
+        }
+    }
+    Ok(())
+}
+
+/// A hint at the usual cause of a first-steps failure, from llguidance's message.
+fn why_first_steps_fail(message: &str) -> &'static str {
+    if message.contains("NoExtensionBias") {
+        " (it allows no output: e.g. a $ref cycle with nothing in between, or a schema made only of itself)"
+    } else if message.contains("items; max is") {
+        " (a rule offers more alternatives at once than llguidance's parser keeps in one row: group them into \
+         rules of fewer alternatives, or use one regex)"
+    } else if ["Too many items", "too many expressions", "fuel"].iter().any(|m| message.contains(m)) {
+        " (its first tokens need more work than the matcher allows per token: e.g. a required property that \
+         contains itself, or a very long forced repetition)"
+    } else {
+        ""
     }
 }
 

@@ -92,30 +92,68 @@ impl DraftLengthPolicy {
     /// The draft length in 0..=max_len with the most expected tokens per unit of cost (drafting
     /// plus verification): how long a draft to ask the proposer for.
     pub fn best_length(&self, max_len: usize) -> usize {
+        let (best, best_drafting) = self.best_rates(max_len);
+        if self.observed || self.draft_cost > 0.0 {
+            best.length
+        } else {
+            best_drafting.length
+        }
+    }
+
+    /// Why `best_length(max_len)` is 0: the best draft length's predicted speedup and what it
+    /// rests on (None when max_len allows no draft).
+    pub fn verdict(&self, max_len: usize) -> Option<Verdict> {
+        let (_, best_drafting) = self.best_rates(max_len);
+        (best_drafting.length > 0).then_some(best_drafting)
+    }
+
+    /// (the best length, 0 included; the best positive length), each with its predicted speedup:
+    /// expected tokens per unit of cost over plain decoding's one token per step.
+    fn best_rates(&self, max_len: usize) -> (Verdict, Verdict) {
         let a = self.acceptance();
         let c = self.draft_cost;
         let max_len = max_len.min(self.verify_cost_ratios.len().saturating_sub(1));
-        let mut best = (0, 1.0); // no draft: one token for one step
-        let mut best_drafting = (0, 0.0);
+        let verdict = |length: usize, predicted_speedup: f64| Verdict {
+            length,
+            predicted_speedup,
+            acceptance: a,
+            observed: self.observed,
+            verify_cost_ratio: self.verify_cost_ratios[length],
+            draft_cost: c,
+        };
+        let mut best = verdict(0, 1.0); // no draft: one token for one step
+        let mut best_drafting = verdict(0, 0.0);
         let mut expected_tokens = 1.0;
         let mut pass_all = 1.0;
         for m in 1..=max_len {
             pass_all *= a;
             expected_tokens += pass_all;
             let rate = expected_tokens / (self.verify_cost_ratios[m] + m as f64 * c);
-            if rate > best.1 {
-                best = (m, rate);
+            if rate > best.predicted_speedup {
+                best = verdict(m, rate);
             }
-            if rate > best_drafting.1 {
-                best_drafting = (m, rate);
+            if rate > best_drafting.predicted_speedup {
+                best_drafting = verdict(m, rate);
             }
         }
-        if self.observed || self.draft_cost > 0.0 {
-            best.0
-        } else {
-            best_drafting.0
-        }
+        (best, best_drafting)
     }
+}
+
+/// The policy's judgement of its best draft length: what a request whose drafts stood idle for
+/// cost reports (`metrics.rs`, `idle_reason`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Verdict {
+    pub length: usize,
+    /// Expected tokens per unit of cost over plain decoding's one per step.
+    pub predicted_speedup: f64,
+    /// The per-token acceptance it assumed: the request's measured one, or the prior before
+    /// `observed`.
+    pub acceptance: f64,
+    pub observed: bool,
+    /// v(length + 1).
+    pub verify_cost_ratio: f64,
+    pub draft_cost: f64,
 }
 
 /// transformers' "heuristic" schedule for k: +2 after a fully accepted draft, -1 after any
@@ -171,6 +209,11 @@ mod tests {
         }
         assert!(policy.acceptance() < 0.2);
         assert_eq!(policy.best_length(4), 0);
+        // It says why: no length predicts a speedup at the acceptance it measured.
+        let verdict = policy.verdict(4).unwrap();
+        assert!(verdict.observed && verdict.acceptance < 0.2 && verdict.predicted_speedup < 1.0, "{verdict:?}");
+        assert_eq!((verdict.length, verdict.verify_cost_ratio), (1, 1.4));
+        assert_eq!(policy.verdict(0), None);
         // Skipped drafts age the evidence until a one-token draft is worth trying again.
         let skips = (1..100).find(|_| {
             policy.skipped();

@@ -1,6 +1,10 @@
 //! Metrics: per-request latency (TTFT, ITL, throughput) from token arrival times, speculative
 //! decoding counters with vLLM's names, their engine-wide sums, and the expected-speedup model.
 //!
+//! Every decode step of a speculating request that verified no draft counts as idle, by reason
+//! (`IdleReason`), and the request's metrics say why in words (`idle_reason`), so speculation that
+//! did nothing is never mistaken for speculation that did not help.
+//!
 //! Latency definitions match the anchor harness (`shared/anchors`): TTFT is request start to
 //! first token; decode tokens/s is (n - 1) / (last token time - first token time); ITL is the gap
 //! between consecutive tokens (tokens accepted together arrive together, so their gap is 0).
@@ -33,7 +37,46 @@ pub struct RequestMetrics {
     /// the draft cost, with a model-free proposer).
     pub verify_cost_source: Option<&'static str>,
     pub draft_cost_source: Option<&'static str>,
+    /// Why the request's speculation stood idle in most of its idle steps, in words with the
+    /// figures behind it (None when it never did, or without speculation).
+    pub idle_reason: Option<String>,
     pub spec: SpecDecodeMetrics,
+}
+
+/// Why a decode step of a speculating request verified no draft.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdleReason {
+    /// The adaptive length (or the tree chooser) predicted that no draft pays at the acceptance
+    /// and costs it knows.
+    Cost,
+    /// The proposer found nothing to draft (no n-gram or suffix match).
+    NoDraft,
+    /// The scheduler's load budget granted the request no draft rows this step.
+    Load,
+    /// Too few tokens left before max_tokens for a draft.
+    MaxTokens,
+    /// The request's grammar forbade the whole draft.
+    Grammar,
+}
+
+impl IdleReason {
+    pub const ALL: [IdleReason; 5] =
+        [IdleReason::Cost, IdleReason::NoDraft, IdleReason::Load, IdleReason::MaxTokens, IdleReason::Grammar];
+
+    /// The name in metrics and Prometheus labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IdleReason::Cost => "cost",
+            IdleReason::NoDraft => "no_draft",
+            IdleReason::Load => "load",
+            IdleReason::MaxTokens => "max_tokens",
+            IdleReason::Grammar => "grammar",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
 }
 
 /// Speculative decoding counters and where decode time went.
@@ -68,6 +111,8 @@ pub struct SpecDecodeMetrics {
     pub num_grammar_accepted_tokens: usize,
     /// Proposer draft tokens cut before verification because the grammar forbids them.
     pub num_grammar_cut_tokens: usize,
+    /// Decode steps with speculation on that verified no draft, by `IdleReason` (in `ALL`'s order).
+    pub idle_steps: [usize; 5],
 }
 
 impl SpecDecodeMetrics {
@@ -93,6 +138,27 @@ impl SpecDecodeMetrics {
         self.tree_depth_sum += depth;
     }
 
+    /// Records a decode step that verified no draft, and why.
+    pub fn observe_idle(&mut self, reason: IdleReason) {
+        self.idle_steps[reason.index()] += 1;
+    }
+
+    /// Decode steps that verified no draft.
+    pub fn num_idle_steps(&self) -> usize {
+        self.idle_steps.iter().sum()
+    }
+
+    /// Idle steps by reason, `(name, count)` for every reason.
+    pub fn idle_steps_by_reason(&self) -> Vec<(&'static str, usize)> {
+        IdleReason::ALL.iter().map(|r| (r.as_str(), self.idle_steps[r.index()])).collect()
+    }
+
+    /// The reason of most idle steps (the first in `ALL`'s order on a tie), if any.
+    pub fn main_idle_reason(&self) -> Option<IdleReason> {
+        let most = *self.idle_steps.iter().max()?;
+        (most > 0).then(|| IdleReason::ALL[self.idle_steps.iter().position(|&n| n == most).expect("the max")])
+    }
+
     pub fn add(&mut self, other: &SpecDecodeMetrics) {
         self.num_drafts += other.num_drafts;
         self.num_draft_tokens += other.num_draft_tokens;
@@ -114,6 +180,9 @@ impl SpecDecodeMetrics {
         self.num_grammar_draft_tokens += other.num_grammar_draft_tokens;
         self.num_grammar_accepted_tokens += other.num_grammar_accepted_tokens;
         self.num_grammar_cut_tokens += other.num_grammar_cut_tokens;
+        for (sum, count) in self.idle_steps.iter_mut().zip(other.idle_steps) {
+            *sum += count;
+        }
     }
 
     /// 1 + accepted / drafts (1.0 with no drafts: every step yields one token).
@@ -431,10 +500,16 @@ mod tests {
         assert_eq!(m.mean_acceptance_length(), 1.0 + 5.0 / 3.0);
         assert_eq!(m.acceptance_rate(), 5.0 / 11.0);
         assert_eq!(m.acceptance_rate_per_pos(), vec![2.0 / 3.0, 2.0 / 3.0, 1.0 / 3.0]);
+        m.observe_idle(IdleReason::NoDraft);
+        m.observe_idle(IdleReason::Cost);
+        m.observe_idle(IdleReason::Cost);
+        assert_eq!((m.num_idle_steps(), m.main_idle_reason()), (3, Some(IdleReason::Cost)));
         let mut sum = SpecDecodeMetrics::default();
         sum.add(&m);
         sum.add(&m);
         assert_eq!(sum.num_accepted_tokens_per_pos, vec![4, 4, 2]);
+        assert_eq!(sum.idle_steps_by_reason()[..2], [("cost", 4), ("no_draft", 2)]);
+        assert_eq!(SpecDecodeMetrics::default().main_idle_reason(), None);
         assert_eq!(SpecDecodeMetrics::default().mean_acceptance_length(), 1.0);
     }
 

@@ -422,6 +422,19 @@ impl TextTokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// The text of `id` when it is an added token (special or user-defined), None otherwise.
+    pub fn added_token_text(&self, id: u32) -> Option<String> {
+        self.inner.get_added_vocabulary().simple_id_to_token(id)
+    }
+
+    /// Adds special tokens after the vocabulary (tests of special-token handling).
+    #[cfg(test)]
+    pub(crate) fn add_special_tokens(&mut self, texts: &[&str]) {
+        let tokens: Vec<AddedToken> = texts.iter().map(|t| AddedToken::from(t.to_string(), true)).collect();
+        self.inner.add_special_tokens(tokens);
+        self.vocab_size = self.inner.get_vocab_size(true);
+    }
+
     /// The underlying `tokenizers` tokenizer (constrained decoding reads its vocabulary).
     pub(crate) fn hf_tokenizer(&self) -> &Tokenizer {
         &self.inner

@@ -192,7 +192,7 @@ mod tests {
         let target = logits(4, 3);
         let argmaxes: Vec<u32> = target.chunks(VOCAB).map(argmax).collect();
         let mut sampler = Sampler::new(Some(0));
-        let greedy = SamplingParams::default();
+        let greedy = SamplingParams::greedy(16);
         let all = verify(&target, VOCAB, &argmaxes[..3], None, &greedy, &mut sampler, 0).unwrap();
         assert_eq!(all, Verification { num_accepted_tokens: 3, token_ids: argmaxes.clone() });
         let wrong = (argmaxes[1] + 1) % VOCAB as u32;

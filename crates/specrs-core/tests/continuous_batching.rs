@@ -127,6 +127,7 @@ fn load() -> Arc<Engine> {
     for config in METHODS.iter().flatten() {
         engine.prepare(&SpeculativeConfig::from_json(config).unwrap()).unwrap();
     }
+    assert!(engine.wait_for_costs(None), "the background thread measured what prepare queued");
     engine.set_measure_on_demand(false);
     Arc::new(engine)
 }
@@ -252,6 +253,14 @@ fn a_saturated_batch_on_an_unprofitable_curve_gets_no_drafts_and_the_same_tokens
     for r in saturated {
         assert_eq!(r.num_draft_tokens_granted, 0, "{r:?}");
     }
+    // The requests say so: their speculation stood idle for the load in those steps.
+    let idle_for_load: usize = run
+        .ends
+        .iter()
+        .flatten()
+        .map(|g| g.metrics.spec.idle_steps_by_reason().iter().find(|(r, _)| *r == "load").unwrap().1)
+        .sum();
+    assert!(idle_for_load > 0, "no request counted a step idle for the load");
     // With a flat curve (rows free) the same batch gets every draft it wants.
     let config = SchedulerConfig { cost_curve_s: Some(vec![0.01; 32]), ..SchedulerConfig::default() };
     assert_every_wish_granted(config, &requests, &expected);

@@ -72,7 +72,7 @@ fn primed(engine: &Engine, head: &Head, prompt: &[u32], params: &SamplingParams)
 }
 
 fn greedy() -> SamplingParams {
-    SamplingParams { max_tokens: 32, ..SamplingParams::default() }
+    SamplingParams::greedy(32)
 }
 
 fn tokens_of(draft: &Draft, nodes: &[usize]) -> Vec<u32> {

@@ -45,7 +45,7 @@ fn run(
     custom: Option<Box<dyn Proposer>>,
 ) -> (Vec<u32>, specrs_core::metrics::RequestMetrics) {
     let prompt = engine.tokenizer().encode(TEXT, false).unwrap();
-    let params = SamplingParams { max_tokens: 40, ignore_eos: true, ..Default::default() };
+    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(40) };
     let config = SpeculativeConfig::from_json(config).unwrap();
     let speculation = engine.speculation(&config, custom).unwrap();
     let mut session = engine.start(prompt.clone(), params, Some(speculation)).unwrap();

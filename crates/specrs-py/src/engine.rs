@@ -8,7 +8,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyList};
 use specrs_core::chat_template::ChatMessage;
 use specrs_core::constraint::GrammarSpec;
-use specrs_core::engine::{Generation, TokenLogprobs};
+use specrs_core::costs::Spread;
+use specrs_core::engine::{Generation, StopReason, TokenLogprobs};
 use specrs_core::metrics::{
     expected_speedup_refined, expected_speedup_textbook, verify_cost_at, RequestMetrics, SpecDecodeMetrics,
 };
@@ -79,6 +80,83 @@ impl NumberArg<'_> {
 /// The largest max_tokens and top_k accepted (i64::MAX, what the old `i64` arguments took).
 const MAX_COUNT_ARG: u64 = i64::MAX as u64;
 
+/// vLLM's `SamplingParams` fields specrs does not have, each with its default (accepted, as it
+/// changes nothing) and what to do instead. Any other unknown keyword is Python's TypeError.
+const REFUSED_VLLM_FIELDS: [(&str, &str); 8] = [
+    ("best_of", "specrs returns the n samples it draws (vLLM V1 dropped best_of too); pass n"),
+    ("detokenize", "specrs always decodes the text (stop strings need it); leave detokenize out"),
+    (
+        "logits_processors",
+        "Python logits processors cannot run inside the Rust core; use logit_bias, allowed_token_ids, bad_words, \
+         the penalties or a grammar (json_schema, regex, grammar, choice)",
+    ),
+    ("output_kind", "use Engine.stream for text as it is generated, Engine.generate for the whole output"),
+    ("guided_decoding", "pass the grammar itself: json_schema=, json_object=True, regex=, grammar= or choice="),
+    ("structured_outputs", "pass the grammar itself: json_schema=, json_object=True, regex=, grammar= or choice="),
+    ("extra_args", "specrs has no custom per-request extensions; leave extra_args out"),
+    ("prompt_logprobs", "specrs returns the logprobs of generated tokens only (logprobs=); leave prompt_logprobs out"),
+];
+
+/// A vLLM field of `REFUSED_VLLM_FIELDS` at its default: None, or `detokenize=True`, or
+/// `best_of` equal to 1.
+fn is_vllm_default(name: &str, value: &Bound<'_, PyAny>) -> bool {
+    value.is_none()
+        || (name == "detokenize" && value.is_truthy().unwrap_or(false) && value.is_instance_of::<pyo3::types::PyBool>())
+        || (name == "best_of" && value.extract::<u64>().is_ok_and(|n| n == 1))
+}
+
+/// Refuses `kwargs` (the keywords `SamplingParams` does not name): a vLLM field specrs does not
+/// have is a ConfigError naming it unless it is at vLLM's default; anything else a TypeError.
+fn refuse_other_fields(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
+    let Some(kwargs) = kwargs else { return Ok(()) };
+    for (key, value) in kwargs.iter() {
+        let name: String = key.extract()?;
+        match REFUSED_VLLM_FIELDS.iter().find(|(field, _)| *field == name) {
+            Some(_) if is_vllm_default(&name, &value) => {}
+            Some((field, instead)) => {
+                return Err(to_py(specrs_core::Error::config(format!(
+                    "SamplingParams field {field} is vLLM's, and specrs does not support it: {instead}"
+                ))))
+            }
+            None => {
+                return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                    "SamplingParams() got an unexpected keyword argument '{name}'"
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `stop` as vLLM takes it: a string or a list of strings.
+fn stop_arg(stop: Option<Bound<'_, PyAny>>) -> PyResult<Vec<String>> {
+    match stop {
+        None => Ok(Vec::new()),
+        Some(stop) if stop.is_instance_of::<pyo3::types::PyString>() => Ok(vec![stop.extract()?]),
+        Some(stop) => stop.extract::<Vec<String>>().map_err(|_| {
+            to_py(specrs_core::Error::config(format!(
+                "stop must be a string or a list of strings (got {})",
+                stop.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string())
+            )))
+        }),
+    }
+}
+
+/// `truncate_prompt_tokens`: None, an integer >= 1, or -1 (the model's context); the range is
+/// `SamplingParams::validate`'s, a Python int past 64 bits is refused here.
+fn truncate_arg(value: Option<Bound<'_, PyAny>>) -> PyResult<Option<i64>> {
+    let Some(value) = value else { return Ok(None) };
+    if value.is_instance_of::<PyInt>() {
+        return value.extract::<i64>().map(Some).map_err(|_| {
+            to_py(specrs_core::Error::config(format!(
+                "truncate_prompt_tokens must be an integer >= 1 or -1 (got {})",
+                describe_int(&value)
+            )))
+        });
+    }
+    value.extract::<i64>().map(Some)
+}
+
 #[pyclass(name = "SamplingParams", module = "specrs._specrs", frozen)]
 pub struct PySamplingParams {
     pub(crate) inner: SamplingParams,
@@ -93,8 +171,10 @@ impl PySamplingParams {
                      presence_penalty=NumberArg(None), frequency_penalty=NumberArg(None),
                      repetition_penalty=NumberArg(None), logit_bias=None, min_tokens=NumberArg(None),
                      stop_token_ids=None, logprobs=None, json_schema=None, json_object=false, regex=None,
-                     grammar=None, choice=None, n=NumberArg(None)),
-        text_signature = "(max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, ignore_eos=False, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, min_tokens=0, stop_token_ids=None, logprobs=None, json_schema=None, json_object=False, regex=None, grammar=None, choice=None, n=1)"
+                     grammar=None, choice=None, n=NumberArg(None), stop=None, include_stop_str_in_output=false,
+                     skip_special_tokens=true, spaces_between_special_tokens=true, truncate_prompt_tokens=None,
+                     bad_words=None, allowed_token_ids=None, **kwargs),
+        text_signature = "(max_tokens=16, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, ignore_eos=False, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, min_tokens=0, stop_token_ids=None, logprobs=None, json_schema=None, json_object=False, regex=None, grammar=None, choice=None, n=1, stop=None, include_stop_str_in_output=False, skip_special_tokens=True, spaces_between_special_tokens=True, truncate_prompt_tokens=None, bad_words=None, allowed_token_ids=None, **kwargs)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -119,7 +199,16 @@ impl PySamplingParams {
         grammar: Option<String>,
         choice: Option<Vec<String>>,
         n: NumberArg<'_>,
+        stop: Option<Bound<'_, PyAny>>,
+        include_stop_str_in_output: bool,
+        skip_special_tokens: bool,
+        spaces_between_special_tokens: bool,
+        truncate_prompt_tokens: Option<Bound<'_, PyAny>>,
+        bad_words: Option<Vec<String>>,
+        allowed_token_ids: Option<Bound<'_, PyAny>>,
+        kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
+        refuse_other_fields(kwargs)?;
         let defaults = SamplingParams::default();
         let seed = match seed {
             Some(seed) => Some(seed.integer("seed", 0, u64::MAX, "pass a seed that fits in 64 bits")?),
@@ -156,7 +245,7 @@ impl PySamplingParams {
                 "pass a positive number of tokens",
             )? as usize,
             temperature: temperature.number("temperature", defaults.temperature)?,
-            top_k: top_k.integer("top_k", 0, MAX_COUNT_ARG, "use 0 to disable top-k")? as usize,
+            top_k: top_k_arg(top_k)?,
             top_p: top_p.number("top_p", defaults.top_p)?,
             min_p: min_p.number("min_p", defaults.min_p)?,
             seed,
@@ -170,6 +259,16 @@ impl PySamplingParams {
             logprobs,
             grammar: grammar_arg(py, json_schema, json_object, regex, grammar, choice)?,
             n: n.integer("n", 1, MAX_COUNT_ARG, "ask for 1..=128 samples")? as usize,
+            stop: stop_arg(stop)?,
+            include_stop_str_in_output,
+            skip_special_tokens,
+            spaces_between_special_tokens,
+            truncate_prompt_tokens: truncate_arg(truncate_prompt_tokens)?,
+            bad_words: bad_words.unwrap_or_default(),
+            allowed_token_ids: match allowed_token_ids {
+                None => None,
+                Some(ids) => Some(token_ids_arg(&ids, "allowed_token_ids entry")?),
+            },
         };
         guard(|| inner.validate()).map_err(to_py)?;
         Ok(Self { inner })
@@ -235,6 +334,34 @@ impl PySamplingParams {
     fn n(&self) -> usize {
         self.inner.n
     }
+    #[getter]
+    fn stop(&self) -> Vec<String> {
+        self.inner.stop.clone()
+    }
+    #[getter]
+    fn include_stop_str_in_output(&self) -> bool {
+        self.inner.include_stop_str_in_output
+    }
+    #[getter]
+    fn skip_special_tokens(&self) -> bool {
+        self.inner.skip_special_tokens
+    }
+    #[getter]
+    fn spaces_between_special_tokens(&self) -> bool {
+        self.inner.spaces_between_special_tokens
+    }
+    #[getter]
+    fn truncate_prompt_tokens(&self) -> Option<i64> {
+        self.inner.truncate_prompt_tokens
+    }
+    #[getter]
+    fn bad_words(&self) -> Vec<String> {
+        self.inner.bad_words.clone()
+    }
+    #[getter]
+    fn allowed_token_ids(&self) -> Option<Vec<u32>> {
+        self.inner.allowed_token_ids.clone()
+    }
     /// The grammar as JSON text (`{"json_schema": ...}`, `{"regex": ...}`, ...), or None.
     #[getter]
     fn grammar_json(&self) -> Option<String> {
@@ -286,10 +413,41 @@ fn extra_repr(p: &SamplingParams) -> String {
     if p.n != 1 {
         out.push_str(&format!(", n={}", p.n));
     }
+    if !p.stop.is_empty() {
+        out.push_str(&format!(", stop={:?}", p.stop));
+    }
+    for (name, value, default) in [
+        ("include_stop_str_in_output", p.include_stop_str_in_output, d.include_stop_str_in_output),
+        ("skip_special_tokens", p.skip_special_tokens, d.skip_special_tokens),
+        ("spaces_between_special_tokens", p.spaces_between_special_tokens, d.spaces_between_special_tokens),
+    ] {
+        if value != default {
+            out.push_str(&format!(", {name}={}", if value { "True" } else { "False" }));
+        }
+    }
+    if let Some(k) = p.truncate_prompt_tokens {
+        out.push_str(&format!(", truncate_prompt_tokens={k}"));
+    }
+    if !p.bad_words.is_empty() {
+        out.push_str(&format!(", bad_words={:?}", p.bad_words));
+    }
+    if let Some(ids) = &p.allowed_token_ids {
+        out.push_str(&format!(", allowed_token_ids={ids:?}"));
+    }
     if let Some(grammar) = &p.grammar {
         out.push_str(&format!(", grammar={}", grammar.to_json()));
     }
     out
+}
+
+/// `top_k`: 0 or vLLM's -1 turn it off; otherwise the number of tokens kept.
+fn top_k_arg(top_k: NumberArg<'_>) -> PyResult<usize> {
+    if let Some(value) = &top_k.0 {
+        if value.is_instance_of::<PyInt>() && value.eq(-1)? {
+            return Ok(0);
+        }
+    }
+    Ok(top_k.integer("top_k", 0, MAX_COUNT_ARG, "use 0 or -1 to disable top-k")? as usize)
 }
 
 /// The one grammar among `SamplingParams`' grammar arguments (a ConfigError naming them when
@@ -308,7 +466,19 @@ fn grammar_arg(
         let text: String = if let Ok(text) = schema.extract::<String>() {
             text
         } else {
-            py.import("json")?.call_method1("dumps", (schema,))?.extract()?
+            // Python's encoder recurses (with a recursion check) once per level.
+            let dumped = py.import("json")?.call_method1("dumps", (schema,)).map_err(|e| {
+                if e.is_instance_of::<pyo3::exceptions::PyRecursionError>(py) {
+                    let limit = specrs_core::constraint::limits::MAX_JSON_NESTING;
+                    to_py(specrs_core::Error::config(format!(
+                        "json_schema nests arrays and objects too deeply for Python's JSON encoder, far past \
+                         specrs' limit MAX_JSON_NESTING = {limit}; flatten it"
+                    )))
+                } else {
+                    e
+                }
+            })?;
+            dumped.extract()?
         };
         let value: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| to_py(specrs_core::Error::config(format!("json_schema is not valid JSON: {e}"))))?;
@@ -395,6 +565,7 @@ fn metrics_dict<'py>(py: Python<'py>, m: &RequestMetrics) -> PyResult<Bound<'py,
     d.set_item("num_speculative_tokens", m.num_speculative_tokens)?;
     d.set_item("verify_cost_source", m.verify_cost_source)?;
     d.set_item("draft_cost_source", m.draft_cost_source)?;
+    d.set_item("idle_reason", m.idle_reason.as_deref())?;
     spec_items(&d, &m.spec)?;
     Ok(d)
 }
@@ -419,7 +590,26 @@ fn spec_items(d: &Bound<'_, PyDict>, s: &SpecDecodeMetrics) -> PyResult<()> {
     d.set_item("num_grammar_draft_tokens", s.num_grammar_draft_tokens)?;
     d.set_item("num_grammar_accepted_tokens", s.num_grammar_accepted_tokens)?;
     d.set_item("num_grammar_cut_tokens", s.num_grammar_cut_tokens)?;
+    // Decode steps with speculation on that verified no draft, and why (`IdleReason`).
+    d.set_item("num_idle_steps", s.num_idle_steps())?;
+    let idle = PyDict::new(d.py());
+    for (reason, count) in s.idle_steps_by_reason() {
+        idle.set_item(reason, count)?;
+    }
+    d.set_item("idle_steps", idle)?;
     Ok(())
+}
+
+/// A figure's spread as `{"ratio", "tries"}` (None: not timed).
+fn spread_dict<'py>(py: Python<'py>, spread: Option<Spread>) -> PyResult<Option<Bound<'py, PyDict>>> {
+    spread
+        .map(|s| {
+            let d = PyDict::new(py);
+            d.set_item("ratio", s.ratio)?;
+            d.set_item("tries", s.tries)?;
+            Ok(d)
+        })
+        .transpose()
 }
 
 /// Tokens' logprobs as `[{"token_id", "logprob", "top_logprobs": [(token_id, logprob), ...]}]`.
@@ -445,6 +635,11 @@ pub(crate) fn generation_dict<'py>(py: Python<'py>, g: &Generation) -> PyResult<
         None => d.set_item("logprobs", py.None())?,
     }
     d.set_item("finish_reason", g.finish_reason.map(|r| r.as_str()))?;
+    match &g.stop_reason {
+        Some(StopReason::Text(text)) => d.set_item("stop_reason", text)?,
+        Some(StopReason::TokenId(token)) => d.set_item("stop_reason", token)?,
+        None => d.set_item("stop_reason", py.None())?,
+    }
     d.set_item("metrics", metrics_dict(py, &g.metrics)?)?;
     Ok(d)
 }
@@ -557,14 +752,23 @@ impl PyEngine {
     }
 
     /// Raises ConfigError for what starting a request with `params` would refuse: bad token ids
-    /// in logit_bias / stop_token_ids, or a grammar llguidance cannot compile (its reason).
+    /// in logit_bias / stop_token_ids / allowed_token_ids, a bad word that tokenizes to nothing,
+    /// or a grammar llguidance cannot compile (its reason).
     fn check_params(&self, py: Python<'_>, params: &PySamplingParams) -> PyResult<()> {
         let engine = self.inner.clone();
         let params = params.inner.clone();
         run_detached(py, move || {
             params.check_token_ids(engine.model().info().vocab_size)?;
+            engine.bad_words_token_ids(&params)?;
             engine.check_grammar(&params)
         })
+    }
+
+    /// The prompt a request with `params` runs on: `prompt_ids` cut to its last
+    /// `truncate_prompt_tokens` tokens (-1: the context length), or whole.
+    fn request_prompt(&self, prompt_ids: &Bound<'_, PyAny>, params: &PySamplingParams) -> PyResult<Vec<u32>> {
+        let prompt_ids = token_ids_arg(prompt_ids, "prompt token id")?;
+        guard(|| Ok(self.inner.request_prompt(&prompt_ids, &params.inner).to_vec())).map_err(to_py)
     }
 
     /// Model facts: architecture, vocab_size, context_length (after any max_model_len cap),
@@ -684,7 +888,7 @@ impl PyEngine {
     }
 
     /// Sums over every finished request: vLLM's acceptance counters, TTFT/ITL/tokens/s, and the
-    /// expected-speedup model (which measures the verification cost curve on first use).
+    /// expected-speedup model on the verification cost curve as it is now (never measured here).
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let engine = self.inner.clone();
         let (m, expected) = run_detached(py, move || {
@@ -740,9 +944,10 @@ impl PyEngine {
         Ok(costs.iter().map(|t| t / costs[0]).collect())
     }
 
-    /// Loads what `config_json` needs and measures its adaptive-length costs now (or reads them
-    /// from the disk cache), so its first request does not pay for them: a dict of the costs
-    /// (`verify_cost_ratios`, `draft_cost`) and their sources.
+    /// Loads what `config_json` needs (draft weights) and queues its adaptive-length costs for the
+    /// background thread unless known (the disk cache), so its first request pays for neither: a
+    /// dict of the costs a request reads now (`verify_cost_ratios`, `draft_cost`), their sources
+    /// and spreads.
     fn prepare<'py>(&self, py: Python<'py>, config_json: &str) -> PyResult<Bound<'py, PyDict>> {
         let config = guard(|| SpeculativeConfig::from_json(config_json)).map_err(to_py)?;
         let engine = self.inner.clone();
@@ -750,19 +955,68 @@ impl PyEngine {
         let d = PyDict::new(py);
         d.set_item("verify_cost_ratios", costs.verify_cost_ratios)?;
         d.set_item("verify_cost_source", costs.verify_cost_source.as_str())?;
+        d.set_item("verify_cost_spread", spread_dict(py, costs.verify_cost_spread)?)?;
         d.set_item("draft_cost", costs.draft_cost)?;
         d.set_item("draft_cost_source", costs.draft_cost_source.map(|s| s.as_str()))?;
+        d.set_item("draft_cost_spread", spread_dict(py, costs.draft_cost_spread)?)?;
         Ok(d)
     }
 
-    /// Whether a request may measure a cost figure nobody measured yet (default true); off, it
-    /// gets the nearest figure (an extrapolated curve, a prior draft cost), marked in its metrics.
+    /// Whether figures nobody measured yet are measured in the background (default true); off,
+    /// they stay the nearest figure (an extrapolated curve, a prior draft cost), marked in metrics.
     fn set_measure_on_demand(&self, on: bool) -> PyResult<()> {
         guard(|| {
             self.inner.set_measure_on_demand(on);
             Ok(())
         })
         .map_err(to_py)
+    }
+
+    /// Whether the background cost thread writes a stderr line for each figure it measures.
+    fn set_log_measurements(&self, on: bool) -> PyResult<()> {
+        guard(|| {
+            self.inner.set_log_measurements(on);
+            Ok(())
+        })
+        .map_err(to_py)
+    }
+
+    /// The engine's cost measurements: how many ran in a caller's thread and in the background,
+    /// how many failed, what is still queued, and every figure with its source and spread.
+    fn cost_status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let status = guard(|| Ok(self.inner.cost_status())).map_err(to_py)?;
+        let d = PyDict::new(py);
+        d.set_item("num_foreground_measurements", status.num_foreground)?;
+        d.set_item("num_background_measurements", status.num_background)?;
+        d.set_item("num_failed_measurements", status.num_failed)?;
+        d.set_item("pending", status.pending)?;
+        let figures = PyList::empty(py);
+        for (what, source, spread) in status.figures {
+            let f = PyDict::new(py);
+            f.set_item("what", what)?;
+            f.set_item("source", source)?;
+            f.set_item("spread", spread_dict(py, spread)?)?;
+            figures.append(f)?;
+        }
+        d.set_item("figures", figures)?;
+        Ok(d)
+    }
+
+    /// Waits (without the GIL) until the background thread measured everything queued, at most
+    /// `timeout_s` seconds (None: no limit); returns whether it did.
+    #[pyo3(signature = (timeout_s=None))]
+    fn wait_for_costs(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<bool> {
+        let timeout = match timeout_s {
+            Some(t) if !(t.is_finite() && t >= 0.0) => {
+                return Err(to_py(specrs_core::Error::config(format!(
+                    "timeout_s must be a non-negative number of seconds, or None to wait as long as it takes (got {t})"
+                ))))
+            }
+            Some(t) => Some(std::time::Duration::from_secs_f64(t)),
+            None => None,
+        };
+        let engine = self.inner.clone();
+        run_detached(py, move || Ok(engine.wait_for_costs(timeout)))
     }
 
     /// Teacher-forced logits `[len(ids), vocab_size]`: one forward pass, or one forward per entry

@@ -28,5 +28,11 @@ fn _specrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<testing::PyTestingPanickingProposer>()?;
     m.add_function(wrap_pyfunction!(testing::testing_panicking_proposer, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // The grammar limits by name (the server refuses JSON nested past MAX_JSON_NESTING itself).
+    let limits = pyo3::types::PyDict::new(m.py());
+    for (name, value) in specrs_core::constraint::limits::ALL {
+        limits.set_item(name, value)?;
+    }
+    m.add("GRAMMAR_LIMITS", limits)?;
     Ok(())
 }

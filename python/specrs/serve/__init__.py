@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from .. import extras
 from ..errors import ConfigError
@@ -118,10 +119,9 @@ def served_name(model: str | None, model_path: str) -> str:
     return model if model is not None else os.path.splitext(os.path.basename(model_path))[0]
 
 
-# The verification curve `serve` measures at startup covers drafts of up to this many tokens.
-STARTUP_CURVE_K = 8
-# ... and the draft budget's batch cost curve covers forwards of up to this many rows (the core's
-# BUDGET_CURVE_ROWS; extended along its last slope past it).
+# The verification curve `serve` queues at startup covers forwards of up to this many rows: the
+# draft budget's batch cost curve (the core's BUDGET_CURVE_ROWS; extended along its last slope
+# past it), and drafts of up to 31 tokens.
 BUDGET_CURVE_ROWS = 32
 
 
@@ -173,27 +173,33 @@ def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 
 def load_engine(model: str | None, speculative_config, device: str, max_model_len: int | None = None,
                 allow_special_tokens_in_content: bool = False):
     """The engine a server runs: loaded (its context capped at `max_model_len`), warmed up with the
-    default speculation (so a bad draft fails now, not at the first request), its cost curves
-    measured, and measuring inside requests turned off. `specrs serve` and each replica of
-    `specrs serve --ray` start with it. `allow_special_tokens_in_content`: the engine's setting
-    (`Engine.prompt_token_ids`)."""
+    default speculation (so a bad draft fails now, not at the first request), with the
+    verification curves its requests and draft budget read queued for the engine's background
+    thread. No cost is measured here: the server starts on the figures its disk cache holds, or
+    the prior, and the background thread measures the rest while no request runs. Each wait is
+    named in the log. `specrs serve` and each replica of `specrs serve --ray` start with it.
+    `allow_special_tokens_in_content`: the engine's setting (`Engine.prompt_token_ids`)."""
     from ..engine import Engine, SamplingParams
+    from ..log import logger
 
     engine = Engine(model, device=device, speculative_config=speculative_config, max_model_len=max_model_len,
                     allow_special_tokens_in_content=allow_special_tokens_in_content)
-    # One short request through the default speculation loads its draft weights and measures its
-    # costs before the first client arrives.
+    # One short request through the default speculation runs its proposer once before the first
+    # client arrives (the weights themselves were loaded above).
+    start_s = time.perf_counter()
+    logger.info("warming up: one 4-token request")
     engine.generate(engine.tokenizer.encode("Hello"), SamplingParams(max_tokens=4, temperature=0.0))
-    # Per-request configs read the verification curve measured here, up to k = 8 (extended past it),
-    # rather than one measured while other requests stream. ("custom" only names the length: no
-    # proposer runs.)
-    engine.prepare({"method": "custom", "num_speculative_tokens": STARTUP_CURVE_K})
-    # The draft budget's batch cost curve: forwards of 1..32 rows (read from the disk cache after
-    # the first run), measured before any request can disturb the timing.
-    engine.verify_cost_ratios(BUDGET_CURVE_ROWS)
-    # From now on no request measures a cost figure (seconds of forwards in the generation
-    # thread, stalling every stream); one nobody measured yet gets the nearest known figure.
-    engine.set_measure_on_demand(False)
+    logger.info("warmed up in %.1f s", time.perf_counter() - start_s)
+    # Per-request configs read the verification curve (extended past its end), and the draft
+    # budget reads the same curve as its batch cost curve, forwards of 1..32 rows: queued for the
+    # background thread now ("custom" only names the length: no proposer runs), measured before
+    # any request if none arrives first, and read from the disk cache by later runs.
+    engine._inner.prepare(engine.config_json({"method": "custom", "num_speculative_tokens": BUDGET_CURVE_ROWS - 1}))
+    status = engine.cost_status()
+    if status["pending"]:
+        logger.info("serving on the cost figures at hand (%s) while measuring in the background: %s",
+                    ", ".join(f"{f['what']}: {f['source']}" for f in status["figures"]) or "priors",
+                    "; ".join(status["pending"]))
     return engine
 
 
@@ -212,11 +218,11 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
           body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS,
           keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S) -> None:
     """Loads the model (its context capped at `max_model_len` tokens, vLLM's --max-model-len), warms
-    it up with the default speculation (so a bad draft fails now, not at the first request), stops
-    the engine measuring costs inside requests, loads the suffix cache file if one is given (a bad
-    one fails now), and serves until interrupted. `allow_special_tokens_in_content`: chat messages'
-    special-token text becomes special tokens (vLLM's behaviour) instead of plain text
-    (`Engine.prompt_token_ids`). `api_key` None reads `$SPECRS_API_KEY` (still None: no
+    it up with the default speculation (so a bad draft fails now, not at the first request), queues
+    the cost measurements for the engine's background thread, loads the suffix cache file if one is
+    given (a bad one fails now), and serves until interrupted. `allow_special_tokens_in_content`:
+    chat messages' special-token text becomes special tokens (vLLM's behaviour) instead of plain
+    text (`Engine.prompt_token_ids`). `api_key` None reads `$SPECRS_API_KEY` (still None: no
     authentication)."""
     extras.require("serve", "specrs serve")  # before the model loads: minutes, on a big one
     import uvicorn

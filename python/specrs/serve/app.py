@@ -138,6 +138,7 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
                           max_num_batched_tokens=max_num_batched_tokens, max_kv_tokens=max_kv_tokens,
                           draft_budget=draft_budget)
     metrics.report_queue(lambda: scheduler.num_running, lambda: scheduler.num_waiting)
+    metrics.report_costs(engine.cost_status)
     context_length = engine.info()["context_length"]
 
     def cancel(samples: list[Job]) -> None:
@@ -200,7 +201,8 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
                 text = "".join(texts[index])
                 call = answered_call(request, text, done.finish_reason)
                 choices.append(answer_choice(request, index, text, "tool_calls" if call else done.finish_reason,
-                                             logprobs_body(request, entries[index], token_text), tool_call=call))
+                                             logprobs_body(request, entries[index], token_text), tool_call=call,
+                                             stop_reason=done.stop_reason))
             return JSONResponse(response_body(request, choices, final_usage(request, ended)))
         except asyncio.CancelledError:
             cancel(samples)
@@ -266,7 +268,7 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
                             yield _sse(chunk_body(request, text, logprobs=logprobs_body(request, entries, token_text),
                                                   index=index))
                     yield _sse(chunk_body(request, None if request.kind == "chat" else "", finish_reason,
-                                          final_usage(request, ended), index=index))
+                                          final_usage(request, ended), index=index, stop_reason=event.stop_reason))
                 else:  # the status line went out with the first chunk: the error is an event, as in vLLM
                     done = True
                     cancel(samples)

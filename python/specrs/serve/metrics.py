@@ -84,6 +84,30 @@ class ServerMetrics:
         self.queue_time = Histogram("specrs:request_queue_time_seconds", "Arrival to admission.",
                                     labels, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
         self.vllm = VllmMetrics(r, model_name, TTFT_BUCKETS, ITL_BUCKETS, E2E_BUCKETS)
+        self._idle_and_cost_series(spec)
+
+    def _idle_and_cost_series(self, spec_labels: list[str]) -> None:
+        """Why speculation stood idle (`IdleReason` in crates/specrs-core/src/metrics.rs), and the
+        engine's cost measurements (engine/cost_worker.rs): a foreground one would have stalled
+        the caller, so a server's stays at 0."""
+        r, labels = self.registry, ["model_name"]
+        self.idle_steps = Counter("specrs:spec_decode_idle_steps", "Decode steps of speculating requests that "
+                                  "verified no draft, by reason: cost (drafts predicted not to pay at the measured "
+                                  "acceptance), no_draft (the proposer found none), load (the load budget granted "
+                                  "none), max_tokens (too few tokens left), grammar (the grammar forbade it).",
+                                  spec_labels + ["reason"], registry=r)
+        self.cost_measurements = Gauge("specrs:cost_measurements", "Cost figures the engine measured since it "
+                                       "started, by thread: foreground (a caller waited) or background (while no "
+                                       "request ran).", labels + ["thread"], registry=r)
+        self.cost_measurements_pending = Gauge("specrs:cost_measurements_pending", "Cost figures queued for the "
+                                               "background thread.", labels, registry=r).labels(self.model_name)
+
+    def report_costs(self, cost_status: Callable[[], dict]) -> None:
+        """The cost gauges read the engine's `cost_status()` whenever /metrics is scraped."""
+        for thread in ("foreground", "background"):
+            key = f"num_{thread}_measurements"
+            self.cost_measurements.labels(self.model_name, thread).set_function(lambda key=key: cost_status()[key])
+        self.cost_measurements_pending.set_function(lambda: len(cost_status()["pending"]))
 
     def report_queue(self, num_running: Callable[[], int], num_waiting: Callable[[], int]) -> None:
         """The gauges read the scheduler's queue whenever /metrics is scraped."""
@@ -140,3 +164,6 @@ class ServerMetrics:
         self.num_tree_accepted_tokens.labels(name, method).inc(metrics["num_tree_accepted_tokens"])
         for position, count in enumerate(metrics["num_accepted_tokens_per_pos"]):
             self.num_accepted_per_pos.labels(name, method, str(position)).inc(count)
+        for reason, count in metrics.get("idle_steps", {}).items():
+            if count:
+                self.idle_steps.labels(name, method, reason).inc(count)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _specrs
+from .._specrs import GRAMMAR_LIMITS
 from ..engine import Engine, SamplingParams, _config_json
 from ..errors import ConfigError, ContextLengthError, SpecrsError
 from ..heads import shipped_heads
@@ -24,15 +25,19 @@ from ..heads import shipped_heads
 # OpenAI fields specrs accepts at their default value only: a request that relies on another value
 # gets a 400 naming the field rather than a silently different answer.
 UNSUPPORTED_UNLESS_DEFAULT = {
-    "best_of": 1, "echo": False, "suffix": None,
+    "best_of": 1, "echo": False, "suffix": None, "prompt_logprobs": None,
 }
 IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 # Fields that constrain the output to a grammar: OpenAI's response_format and vLLM's (at most one).
 GRAMMAR_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_grammar",
                   "guided_choice"}
+# vLLM's extra sampling fields (its OpenAI server takes them in the body, `extra_body` in the client).
+VLLM_SAMPLING_FIELDS = {"include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                        "truncate_prompt_tokens", "bad_words", "allowed_token_ids"}
 COMMON_FIELDS = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
                  "stream_options", "speculative", "ignore_eos", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "logprobs"} | GRAMMAR_FIELDS
+                 "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "logprobs"} | GRAMMAR_FIELDS \
+    | VLLM_SAMPLING_FIELDS
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
 # OpenAI's limits on alternatives per token: completions' integer `logprobs`, chat's `top_logprobs`.
@@ -47,6 +52,12 @@ MAX_SAMPLES = 128
 # context for every chat request that leaves max_tokens out.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 2048
+
+# JSON nesting: the engine's limit for a schema (it owns the number), and for a whole request body
+# that plus the levels a request puts around a schema (tools[i].function.parameters: 5). Deeper
+# input is refused before anything recursive (json.dumps, repr, the JSON Schema validator) runs on it.
+MAX_JSON_NESTING = GRAMMAR_LIMITS["MAX_JSON_NESTING"]
+MAX_BODY_NESTING = MAX_JSON_NESTING + 8
 
 # Integer ranges of the sampling fields (what the engine's SamplingParams takes).
 SEED_MAX = 2**64 - 1
@@ -93,15 +104,19 @@ def request_too_large(limit: int, size: str) -> APIError:
 
 
 def parse_json_body(raw: bytes) -> dict:
+    too_deep = APIError(400, f"the request body nests JSON arrays or objects too deeply (past {MAX_BODY_NESTING} "
+                        f"levels: specrs' limit MAX_JSON_NESTING = {MAX_JSON_NESTING} for a schema, plus the request's "
+                        "own levels around it); send flatter JSON")
     try:
         body = json.loads(raw)
-    except RecursionError:
-        raise APIError(400, "the request body nests JSON arrays or objects too deeply; send a flat JSON "
-                       "object") from None
+    except RecursionError:  # the C parser's own check, far past the limit below
+        raise too_deep from None
     except ValueError as e:  # JSONDecodeError, bad UTF-8, integer literals over Python's digit limit
         raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(body).__name__}")
+    if json_nesting_past(body, MAX_BODY_NESTING) is not None:
+        raise too_deep
     bad = _lone_surrogate(body)
     if bad is not None:
         raise APIError(400, f"the request body holds the string {bad!r} with a lone UTF-16 surrogate (a \\ud800-"
@@ -128,6 +143,43 @@ def _lone_surrogate(value) -> str | None:
     return None
 
 
+def json_nesting_past(value, limit: int) -> int | None:
+    """How deep a parsed JSON value nests arrays and objects (`[]` is 1) when that is past `limit`,
+    else None. Iterative, so depth costs no stack."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict):
+            children = v.values()
+        elif isinstance(v, list):
+            children = v
+        else:
+            continue
+        if depth + 1 > limit:
+            return depth + 1
+        stack.extend((child, depth + 1) for child in children)
+    return None
+
+
+# A JSON string (or the unterminated rest of one) or a bracket: the tokens that decide nesting.
+_JSON_NESTING_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]')
+
+
+def json_text_nesting_past(text: str, limit: int) -> int | None:
+    """How deep JSON text nests arrays and objects when that is past `limit`, else None, read
+    without parsing it (Python's parser recurses once per level)."""
+    depth = 0
+    for token in _JSON_NESTING_TOKENS.finditer(text):
+        bracket = token.group()
+        if bracket in ("[", "{"):
+            depth += 1
+            if depth > limit:
+                return depth
+        elif bracket in ("]", "}"):
+            depth -= 1
+    return None
+
+
 @dataclass
 class GenerationRequest:
     """One validated completion or chat request, ready for the scheduler."""
@@ -140,7 +192,6 @@ class GenerationRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with only the usage
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
-    stop: list[str] = field(default_factory=list)
     request_id: str = ""
     created: int = 0
     tools: Any = None  # tools.ToolRequest: the answer may be (or must be) a tool call
@@ -294,6 +345,44 @@ def _stop_strings(body: dict) -> list[str]:
     return stops
 
 
+def _flag(body: dict, key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(400, f"{key} must be true or false (got {_shown(value)})", param=key)
+    return value
+
+
+def _strings(body: dict, key: str) -> list[str] | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise APIError(400, f"{key} must be a list of strings", param=key)
+    return value
+
+
+def _field_named(message: str, body: dict) -> str | None:
+    """The request field an engine message opens with ("allowed_token_ids is empty, ..."), if any."""
+    word = re.match(r"\w+", message)
+    return word.group(0) if word is not None and word.group(0) in body else None
+
+
+def _truncated_prompt(engine: Engine, body: dict, prompt_ids: list[int]) -> list[int]:
+    """The prompt after vLLM's `truncate_prompt_tokens` (the engine's truncation), before the
+    context checks, as vLLM truncates when it tokenizes."""
+    key = "truncate_prompt_tokens"
+    value = _integer(body, key, None, -1, TOP_K_MAX, "keep the last N >= 1 prompt tokens, or -1 for as many as "
+                     "the context holds")
+    if value is None:
+        return prompt_ids
+    try:
+        return engine._inner.request_prompt(prompt_ids, SamplingParams(truncate_prompt_tokens=value))
+    except ConfigError as e:
+        raise APIError(400, str(e), param=key) from None
+
+
 def _messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -327,8 +416,13 @@ def _tool_calls(calls, i: int) -> list[dict]:
         raise APIError(400, f"messages[{i}].tool_calls must be a list of {{\"id\", \"type\": \"function\", "
                        "\"function\": {\"name\", \"arguments\": \"<JSON text>\"}}", param="messages")
     for c in calls:
+        arguments = c["function"].get("arguments") or "{}"
+        if json_text_nesting_past(arguments, MAX_JSON_NESTING) is not None:
+            raise APIError(400, f"messages[{i}].tool_calls: the arguments of {c['function']['name'][:80]!r} nest JSON "
+                           f"arrays or objects past specrs' limit MAX_JSON_NESTING = {MAX_JSON_NESTING}; send "
+                           "flatter arguments", param="messages")
         try:
-            json.loads(c["function"].get("arguments") or "{}")
+            json.loads(arguments)
         except ValueError:
             raise APIError(400, f"messages[{i}].tool_calls: the arguments of {c['function']['name']!r} are not "
                            "JSON text", param="messages") from None
@@ -483,6 +577,7 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
             prompt_ids = _completion_prompt(engine, body)
     except ConfigError as e:
         raise APIError(400, str(e), param="messages" if kind == "chat" else "prompt") from None
+    prompt_ids = _truncated_prompt(engine, body, prompt_ids)
     context = engine.info()["context_length"]
     max_key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
     if len(prompt_ids) >= context:
@@ -530,14 +625,23 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
             logit_bias=_logit_bias(body),
             min_tokens=_integer(body, "min_tokens", 0, 0, max_tokens, f"use 0..={max_tokens} (at most max_tokens)"),
             stop_token_ids=_token_ids(body, "stop_token_ids"),
+            stop=_stop_strings(body),
+            include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
+            skip_special_tokens=_flag(body, "skip_special_tokens", True),
+            spaces_between_special_tokens=_flag(body, "spaces_between_special_tokens", True),
+            truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
+            bad_words=_strings(body, "bad_words"),
+            allowed_token_ids=_token_ids(body, "allowed_token_ids"),
             logprobs=logprobs,
             n=n,
             **(grammar or {}),
         )
         engine.check_params(params)  # compiles the grammar: a bad one is a 400 before any answer
     except (ConfigError, TypeError, ValueError) as e:  # TypeError: a grammar field of the wrong type
-        grammar_field = next((k for k in sorted(GRAMMAR_FIELDS) if body.get(k) is not None), None)
-        param = _sampling_field(str(e), kind, max_key) or (grammar_field if grammar is not None else None)
+        grammar_field = next((k for k in sorted(GRAMMAR_FIELDS) if body.get(k) is not None),
+                             "tools" if schema is not None else None)
+        param = (_sampling_field(str(e), kind, max_key) or _field_named(str(e), body)
+                 or (grammar_field if grammar is not None else None))
         raise APIError(400, str(e), param=param) from None
 
     stream = body.get("stream", False)
@@ -566,7 +670,6 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous_usage,
-        stop=_stop_strings(body),
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         created=int(time.time()),
         tools=tool_request,
@@ -584,7 +687,8 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, metrics: dict | No
     if metrics and metrics.get("spec_method"):
         out["speculative"] = {"method": metrics["spec_method"]} | {key: metrics[key] for key in (
             "num_speculative_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-            "num_accepted_tokens_per_pos", "acceptance_rate", "acceptance_rate_per_pos", "mean_acceptance_length")}
+            "num_accepted_tokens_per_pos", "acceptance_rate", "acceptance_rate_per_pos", "mean_acceptance_length",
+            "num_idle_steps", "idle_steps", "idle_reason")}
     return out
 
 
@@ -608,6 +712,10 @@ def merged_metrics(samples: list[dict]) -> dict | None:
         "acceptance_rate": num_accepted / num_draft_tokens if num_draft_tokens else 0.0,
         "acceptance_rate_per_pos": [count / num_drafts if num_drafts else 0.0 for count in per_pos],
         "mean_acceptance_length": 1.0 + num_accepted / num_drafts if num_drafts else 1.0,
+        "num_idle_steps": sum(m["num_idle_steps"] for m in samples),
+        "idle_steps": {reason: sum(m["idle_steps"][reason] for m in samples) for reason in samples[0]["idle_steps"]},
+        # The sample that stood idle most says why.
+        "idle_reason": max(samples, key=lambda m: m["num_idle_steps"])["idle_reason"],
     }
 
 
@@ -636,25 +744,31 @@ def logprobs_body(request: GenerationRequest, entries: list[dict] | None, decode
 
 
 def _choice(request: GenerationRequest, index: int, text: str | None, finish_reason: str | None, delta: bool,
-            first: bool = False, logprobs: dict | None = None, tool_call: dict | None = None) -> dict:
+            first: bool = False, logprobs: dict | None = None, tool_call: dict | None = None,
+            stop_reason: str | int | None = None) -> dict:
+    """One choice; `stop_reason` is vLLM's (the stop string or stop token id that ended it)."""
     if request.kind == "completion":
-        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
     if not delta:
         message = {"role": "assistant", "content": text}
         if tool_call is not None:
             message = {"role": "assistant", "content": None, "tool_calls": [tool_call]}
-        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
     content = {} if text is None else {"content": text}
     if tool_call is not None:
         content = {"tool_calls": [tool_call]}
     return {"index": index, "delta": ({"role": "assistant"} if first else {}) | content, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+            "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
 def answer_choice(request: GenerationRequest, index: int, text: str, finish_reason: str | None,
-                  logprobs: dict | None = None, tool_call: dict | None = None) -> dict:
+                  logprobs: dict | None = None, tool_call: dict | None = None,
+                  stop_reason: str | int | None = None) -> dict:
     """One sample's choice of a whole (non-streamed) response; with `tool_call`, the answer is that call."""
-    return _choice(request, index, text, finish_reason, delta=False, logprobs=logprobs, tool_call=tool_call)
+    return _choice(request, index, text, finish_reason, delta=False, logprobs=logprobs, tool_call=tool_call,
+                   stop_reason=stop_reason)
 
 
 def response_body(request: GenerationRequest, choices: list[dict], usage_: dict) -> dict:
@@ -671,7 +785,8 @@ def response_body(request: GenerationRequest, choices: list[dict], usage_: dict)
 
 def chunk_body(request: GenerationRequest, text: str | None, finish_reason: str | None = None,
                usage_: dict | None = None, first: bool = False, no_choices: bool = False,
-               logprobs: dict | None = None, tool_call: dict | None = None, index: int = 0) -> dict:
+               logprobs: dict | None = None, tool_call: dict | None = None, index: int = 0,
+               stop_reason: str | int | None = None) -> dict:
     """One streamed chunk of sample `index`; `no_choices` makes stream_options.include_usage's
     last chunk; `tool_call` is a delta of OpenAI's `tool_calls`."""
     body = {
@@ -680,7 +795,7 @@ def chunk_body(request: GenerationRequest, text: str | None, finish_reason: str 
         "created": request.created,
         "model": request.model,
         "choices": [] if no_choices else [_choice(request, index, text, finish_reason, delta=True, first=first,
-                                                  logprobs=logprobs, tool_call=tool_call)],
+                                                  logprobs=logprobs, tool_call=tool_call, stop_reason=stop_reason)],
     }
     if usage_ is not None:
         body["usage"] = usage_

@@ -35,7 +35,6 @@ from .. import _specrs
 from ..engine import Engine
 from .metrics import ServerMetrics
 from .protocol import APIError, GenerationRequest, api_error_from
-from .stop_strings import StopStrings
 
 logger = logging.getLogger("specrs.serve")
 
@@ -61,6 +60,7 @@ class Finished:
     num_completion_tokens: int
     metrics: dict
     index: int = 0
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 @dataclass
@@ -81,15 +81,15 @@ class Job:
     arrival_s: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
     request_id: int | None = None  # its id in the core scheduler once added
-    stops: StopStrings | None = None
-    # Why it is being ended early ("abort", "stop"): the core's abort comes back on the next step.
+    # Why it is being ended early ("abort"): the core's abort comes back on the next step.
     ending: str | None = None
     admitted: bool = False  # it had rows in a forward (queue time observed)
     admitted_s: float | None = None  # when it first had rows in a forward
     first_token_s: float | None = None  # when its first token came
     num_completion_tokens: int = 0
     response_ids: list[int] = field(default_factory=list)  # every token the target wrote for it
-    # Logprob entries of tokens whose text a stop string still holds back (sent with that text).
+    # Logprob entries of tokens whose text the core still holds back (a possible stop string, an
+    # incomplete character): sent with that text.
     pending_logprobs: list = field(default_factory=list)
     last_token_s: float | None = None
     ended: bool = False  # its Finished or Failed event was sent
@@ -267,7 +267,6 @@ class Scheduler:
             self.core.add(request_ids[0], request.prompt_ids, request.params, config_json, proposer)
         for job, request_id in zip(samples, request_ids):
             job.request_id = request_id
-            job.stops = StopStrings(request.stop)
             self._jobs[request_id] = job
         first.send(Started())
 
@@ -308,18 +307,11 @@ class Scheduler:
                 job.num_completion_tokens += len(token_ids)
                 job.response_ids.extend(token_ids)
             job.pending_logprobs.extend(output["logprobs"])
-            emitted = job.stops.feed(output["text"])
-            if emitted:
-                job.send(Text(emitted, job.num_completion_tokens, self._take_logprobs(job)))
-            if job.stops.stopped and finished is None:
-                self._abort(job, "stop")
-                return
+            # The core holds back text that may begin a stop string, and ends the request at one.
+            if output["text"] or (finished is not None and job.pending_logprobs):
+                job.send(Text(output["text"], job.num_completion_tokens, self._take_logprobs(job)))
         if finished is not None:
-            if job.ending is None and not job.stops.stopped:
-                rest = job.stops.flush()
-                if rest or job.pending_logprobs:
-                    job.send(Text(rest, job.num_completion_tokens, self._take_logprobs(job)))
-            self._end(job, finished, job.ending or ("stop" if job.stops.stopped else None))
+            self._end(job, finished, job.ending)
 
     @staticmethod
     def _take_logprobs(job: Job) -> list | None:
@@ -329,7 +321,7 @@ class Scheduler:
         return taken
 
     def _end(self, job: Job, result: dict, finish_reason: str | None = None) -> None:
-        """Ends a job; `finish_reason` overrides the engine's (a stop string, an abort)."""
+        """Ends a job; `finish_reason` overrides the engine's (an abort)."""
         finish_reason = finish_reason or result["finish_reason"] or "stop"
         metrics = result["metrics"]
         self._forget(job)
@@ -340,4 +332,4 @@ class Scheduler:
             except Exception:
                 logger.exception("specrs serve: the on_request_finished hook failed")
         job.ended = True
-        job.send(Finished(finish_reason, job.num_completion_tokens, metrics))
+        job.send(Finished(finish_reason, job.num_completion_tokens, metrics, stop_reason=result.get("stop_reason")))

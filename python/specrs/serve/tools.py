@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import jsonschema
 
-from .protocol import APIError
+from .protocol import MAX_JSON_NESTING, APIError, json_nesting_past, json_text_nesting_past
 
 # How a call answer opens, up to the first character of its arguments: `{"name": "<name>", "arguments": `.
 CALL_OPENING = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
@@ -84,6 +84,12 @@ def parse_tools(body: dict) -> ToolRequest | None:
         parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict):
             raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
+        # The validator below recurses (~8 Python frames per level): measure first.
+        depth = json_nesting_past(parameters, MAX_JSON_NESTING)
+        if depth is not None:
+            raise APIError(400, f"tools[{i}].function.parameters nests arrays and objects {depth} or more levels deep, "
+                           f"over specrs' limit MAX_JSON_NESTING = {MAX_JSON_NESTING}; flatten the schema (e.g. "
+                           "name repeated parts in $defs and use $ref)", param="tools")
         strict = function.get("strict", False)
         if strict is None:
             strict = False
@@ -194,6 +200,10 @@ def template_tools(request: ToolRequest | None) -> list[dict] | None:
 
 def parse_call(text: str, request: ToolRequest) -> dict | None:
     """The OpenAI tool call in an answer, or None when the answer is not exactly a valid call."""
+    # An answer nested deeper than any accepted schema is no call (and would make json.loads and
+    # the validator recurse past Python's limit).
+    if json_text_nesting_past(text, MAX_JSON_NESTING + 1) is not None:
+        return None
     try:
         value = json.loads(text)
     except ValueError:

@@ -2,12 +2,14 @@
 //!
 //! Invariant: `from_json` accepts exactly one of the keys `json_schema`, `json_object`, `regex`,
 //! `grammar` (Lark text) and `choice`, with the right JSON type; every rejection names the key.
-//! Whether a schema, regex or grammar is well-formed is llguidance's call, made when it is
+//! A schema's nesting is checked here, before anything copies it (`limits::MAX_JSON_NESTING`);
+//! the other limits and whether a schema, regex or grammar is well-formed are checked when it is
 //! compiled (`ConstraintCompiler::compile`).
 
 use llguidance::api::TopLevelGrammar;
 use serde_json::{Map, Value};
 
+use super::limits::check_nesting;
 use crate::error::{Error, Result};
 
 /// The keys `GrammarSpec::from_json` reads, one per variant.
@@ -44,9 +46,15 @@ impl GrammarSpec {
         let (key, value) = single_entry(map)?;
         match key {
             "json_schema" => match value {
-                Value::Object(_) | Value::Bool(_) => Ok(Self::JsonSchema(value.clone())),
+                Value::Object(_) | Value::Bool(_) => {
+                    check_nesting(value, "the JSON schema")?;
+                    Ok(Self::JsonSchema(value.clone()))
+                }
                 Value::String(text) => match serde_json::from_str::<Value>(text) {
-                    Ok(schema @ (Value::Object(_) | Value::Bool(_))) => Ok(Self::JsonSchema(schema)),
+                    Ok(schema @ (Value::Object(_) | Value::Bool(_))) => {
+                        check_nesting(&schema, "the JSON schema")?;
+                        Ok(Self::JsonSchema(schema))
+                    }
                     Ok(other) => Err(Error::config(format!(
                         "\"json_schema\" must be a JSON Schema object (got the string of {})",
                         shorten(&other)

@@ -1,5 +1,6 @@
 //! `LogitsProcessor`: one request's changes to the target's logits before sampling: the grammar's
-//! token mask, `logit_bias`, `min_tokens`, and presence / frequency / repetition penalties.
+//! token mask, `allowed_token_ids`, `bad_words`, `logit_bias`, `min_tokens`, and presence /
+//! frequency / repetition penalties.
 //!
 //! Invariant (what keeps speculation exact): the row of every verified position is processed
 //! with the state plain decoding has at that position: the tokens emitted so far plus the draft
@@ -9,10 +10,11 @@
 //! draft token the grammar forbids is never reached (that token's probability is 0 in its
 //! parent's processed row, so it is rejected), and is left unprocessed.
 //!
-//! Order (vLLM's): grammar mask, logit_bias, min_tokens, then the penalties; the sampler's
-//! temperature / top-k / top-p / min-p come after. `min_tokens` masks end tokens only while some
-//! other token stays allowed: a grammar that can only end wins over it, rather than leaving no
-//! token at all.
+//! Order (vLLM's): grammar mask, allowed_token_ids, bad_words, logit_bias, min_tokens, then the
+//! penalties; the sampler's temperature / top-k / top-p / min-p come after. A bad word's last
+//! token is banned where the output (emitted tokens, then the path) ends with the rest of it.
+//! `allowed_token_ids`, `bad_words` and `min_tokens` mask tokens only while some token stays
+//! allowed: a grammar that admits nothing else wins over them, rather than leaving no token at all.
 
 use std::collections::{HashMap, HashSet};
 
@@ -23,6 +25,12 @@ use crate::proposer::tree::path_tokens;
 
 pub struct LogitsProcessor {
     constraint: Option<Constraint>,
+    /// Some: only these tokens may be generated.
+    allowed: Option<HashSet<u32>>,
+    /// Token sequences of the bad words (each with and without a leading space).
+    bad_words: Vec<Vec<u32>>,
+    /// The output emitted so far (kept only when there are bad words to match against it).
+    output: Vec<u32>,
     presence_penalty: f32,
     frequency_penalty: f32,
     repetition_penalty: f32,
@@ -39,9 +47,15 @@ pub struct LogitsProcessor {
 
 impl LogitsProcessor {
     /// The processor of a request with `params`, `prompt` and end-of-sequence ids `eos`;
-    /// `constraint` is its compiled grammar (None without one). None when nothing changes the
-    /// logits.
-    pub fn new(params: &SamplingParams, prompt: &[u32], eos: &[u32], constraint: Option<Constraint>) -> Option<Self> {
+    /// `constraint` is its compiled grammar (None without one), `bad_words` its bad words'
+    /// token sequences (`bad_words_token_ids`). None when nothing changes the logits.
+    pub fn new(
+        params: &SamplingParams,
+        prompt: &[u32],
+        eos: &[u32],
+        constraint: Option<Constraint>,
+        bad_words: Vec<Vec<u32>>,
+    ) -> Option<Self> {
         if !params.changes_logits() {
             return None;
         }
@@ -51,6 +65,9 @@ impl LogitsProcessor {
             if params.repetition_penalty != 1.0 { prompt.iter().copied().collect() } else { HashSet::new() };
         Some(Self {
             constraint,
+            allowed: params.allowed_token_ids.as_ref().map(|ids| ids.iter().copied().collect()),
+            bad_words,
+            output: Vec::new(),
             presence_penalty: params.presence_penalty,
             frequency_penalty: params.frequency_penalty,
             repetition_penalty: params.repetition_penalty,
@@ -95,6 +112,13 @@ impl LogitsProcessor {
             constraint.rollback(path.len())?;
             masked?;
         }
+        if let Some(allowed) = &self.allowed {
+            mask_unless_nothing_left(row, |token| !allowed.contains(&(token as u32)));
+        }
+        if !self.bad_words.is_empty() {
+            let banned = self.bad_word_ends(path);
+            mask_unless_nothing_left(row, |token| banned.contains(&token));
+        }
         for &(token, bias) in &self.logit_bias {
             if let Some(logit) = row.get_mut(token as usize) {
                 *logit += bias;
@@ -115,6 +139,27 @@ impl LogitsProcessor {
         }
         self.apply_penalties(row, path);
         Ok(())
+    }
+
+    /// The tokens a bad word bans after the output so far and `path`: each sequence's last token,
+    /// where the output ends with the rest of the sequence (vLLM's `apply_bad_words`).
+    fn bad_word_ends(&self, path: &[u32]) -> Vec<usize> {
+        let mut banned = Vec::new();
+        for word in &self.bad_words {
+            let (last, prefix) = word.split_last().expect("bad word sequences are not empty");
+            let n = prefix.len();
+            if n > self.output.len() + path.len() {
+                continue;
+            }
+            // The last n tokens of output ++ path.
+            let from_path = n.min(path.len());
+            let from_output = &self.output[self.output.len() - (n - from_path)..];
+            let tail = from_output.iter().chain(&path[path.len() - from_path..]);
+            if tail.eq(prefix.iter()) {
+                banned.push(*last as usize);
+            }
+        }
+        banned
     }
 
     /// vLLM's penalties: repetition over prompt + output, presence and frequency over the output
@@ -185,6 +230,9 @@ impl LogitsProcessor {
         for &token in tokens {
             *self.output_counts.entry(token).or_insert(0) += 1;
         }
+        if !self.bad_words.is_empty() {
+            self.output.extend_from_slice(tokens);
+        }
         self.num_generated += tokens.len();
         Ok(())
     }
@@ -195,17 +243,100 @@ impl LogitsProcessor {
     }
 }
 
+/// Sets the `banned` tokens of `row` to -inf, unless that would leave no token allowed.
+fn mask_unless_nothing_left(row: &mut [f32], banned: impl Fn(usize) -> bool) {
+    let left = row.iter().enumerate().any(|(token, &logit)| logit > f32::NEG_INFINITY && !banned(token));
+    if left {
+        for (token, logit) in row.iter_mut().enumerate() {
+            if banned(token) {
+                *logit = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
+/// vLLM's token sequences of `bad_words`: each word (its leading whitespace stripped) tokenized
+/// without special tokens, and again after a space when that tokenizes to as many tokens with a
+/// different first one (the word inside a text). `encode` tokenizes without special tokens.
+pub fn bad_words_token_ids(bad_words: &[String], encode: impl Fn(&str) -> Result<Vec<u32>>) -> Result<Vec<Vec<u32>>> {
+    let mut sequences: Vec<Vec<u32>> = Vec::new();
+    for word in bad_words {
+        let bare = encode(word.trim_start())?;
+        let spaced = encode(&format!(" {}", word.trim_start()))?;
+        if bare.is_empty() {
+            return Err(Error::config(format!("bad_words entry {word:?} tokenizes to no token; remove it")));
+        }
+        if spaced.len() == bare.len() && spaced[0] != bare[0] {
+            sequences.push(bare);
+            sequences.push(spaced);
+        } else {
+            sequences.push(bare);
+        }
+    }
+    Ok(sequences)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn processor(params: SamplingParams, prompt: &[u32]) -> LogitsProcessor {
-        LogitsProcessor::new(&params, prompt, &[0], None).expect("params change the logits")
+        LogitsProcessor::new(&params, prompt, &[0], None, Vec::new()).expect("params change the logits")
     }
 
     #[test]
     fn nothing_to_do_is_none() {
-        assert!(LogitsProcessor::new(&SamplingParams::default(), &[1], &[0], None).is_none());
+        assert!(LogitsProcessor::new(&SamplingParams::default(), &[1], &[0], None, Vec::new()).is_none());
+    }
+
+    #[test]
+    fn allowed_token_ids_mask_the_rest() {
+        let mut p = processor(SamplingParams { allowed_token_ids: Some(vec![1, 3]), ..Default::default() }, &[]);
+        let mut row = vec![1.0, 2.0, 3.0, 4.0];
+        p.process_row(&mut row, &[]).unwrap();
+        let inf = f32::NEG_INFINITY;
+        assert_eq!(row, vec![inf, 2.0, inf, 4.0]);
+        // A row where the allowed tokens are all ruled out already (a grammar) is left as it is.
+        let mut row = vec![1.0, inf, 3.0, inf];
+        p.process_row(&mut row, &[]).unwrap();
+        assert_eq!(row, vec![1.0, inf, 3.0, inf]);
+    }
+
+    #[test]
+    fn bad_words_ban_their_last_token_after_the_rest_counting_the_path() {
+        let params = SamplingParams { bad_words: vec!["x".into()], ..Default::default() };
+        // Sequences: [4] (a one-token word, banned everywhere) and [1, 2, 3].
+        let mut p = LogitsProcessor::new(&params, &[], &[0], None, vec![vec![4], vec![1, 2, 3]]).unwrap();
+        let inf = f32::NEG_INFINITY;
+        let processed = |p: &mut LogitsProcessor, path: &[u32]| {
+            let mut row = vec![0.0; 5];
+            p.process_row(&mut row, path).unwrap();
+            row
+        };
+        assert_eq!(processed(&mut p, &[]), [0.0, 0.0, 0.0, 0.0, inf]);
+        assert_eq!(processed(&mut p, &[1, 2]), [0.0, 0.0, 0.0, inf, inf]);
+        p.accept(&[1]).unwrap();
+        assert_eq!(processed(&mut p, &[2]), [0.0, 0.0, 0.0, inf, inf], "the output's 1 and the path's 2");
+        assert_eq!(processed(&mut p, &[]), [0.0, 0.0, 0.0, 0.0, inf]);
+        p.accept(&[2]).unwrap();
+        assert_eq!(processed(&mut p, &[]), [0.0, 0.0, 0.0, inf, inf]);
+        assert_eq!(processed(&mut p, &[2]), [0.0, 0.0, 0.0, 0.0, inf]);
+    }
+
+    #[test]
+    fn bad_words_are_tokenized_bare_and_after_a_space() {
+        let encode = |text: &str| -> Result<Vec<u32>> {
+            Ok(match text {
+                "cat" => vec![7],
+                " cat" => vec![8],
+                "big dog" => vec![1, 2],
+                " big dog" => vec![3, 2, 4],
+                _ => vec![],
+            })
+        };
+        let words = ["  cat".to_string(), "big dog".to_string()];
+        assert_eq!(bad_words_token_ids(&words, encode).unwrap(), vec![vec![7], vec![8], vec![1, 2]]);
+        assert!(bad_words_token_ids(&["zzz".to_string()], encode).unwrap_err().to_string().contains("zzz"));
     }
 
     #[test]

@@ -3,8 +3,11 @@
 //! - `device.rs`: the device string and the cache directory;
 //! - `proposers.rs`: the proposer factory (`Speculation` for a config) and draft models;
 //! - `cost_model.rs`: the verify-cost curve, the draft cost, the expected speedup;
+//! - `cost_worker.rs`: the cost figures and the background thread that measures them;
 //! - `session.rs`: one request's decoding state, stepped as plan -> forward -> commit;
-//! - `logits_processor.rs`: grammar masks, logit_bias, min_tokens and penalties on verified rows;
+//! - `logits_processor.rs`: grammar masks, allowed_token_ids, bad_words, logit_bias, min_tokens
+//!   and penalties on verified rows;
+//! - `output_text.rs`: a request's text as tokens are committed, stop strings, what a stream shows;
 //! - `step_together.rs`: steps of several sessions gathered into one forward;
 //! - `scheduler.rs`: continuous batching: requests admitted, batched, budgeted, preempted;
 //! - `direct.rs`: teacher-forced forwards (logits, hidden states, a multi-sequence batch);
@@ -15,14 +18,14 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
 use candle_core::DType;
 
+use self::cost_worker::CostBook;
 use crate::chat_template::ChatMessage;
 use crate::constraint::ConstraintCompiler;
-use crate::costs::{CostTable, DiskCache};
+use crate::costs::DiskCache;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::KvBytes;
@@ -37,9 +40,11 @@ use crate::spec_config::HeadMethod;
 use crate::tokenizer::TextTokenizer;
 
 pub mod cost_model;
+pub mod cost_worker;
 pub mod device;
 pub mod direct;
 pub mod logits_processor;
+pub mod output_text;
 pub mod proposers;
 pub mod scheduler;
 pub mod session;
@@ -49,9 +54,10 @@ pub mod suffix_sharing;
 pub mod tree_chooser;
 
 pub use cost_model::{ExpectedSpeedup, PolicyCosts};
+pub use cost_worker::CostStatus;
 pub use device::{cache_dir, parse_device};
 pub use proposers::{Speculation, MAX_SUFFIX_CACHES};
-pub use session::{FinishReason, Generation, PlanLimits, Session, StepOutput, StepPlan, TokenLogprobs};
+pub use session::{FinishReason, Generation, PlanLimits, Session, StepOutput, StepPlan, StopReason, TokenLogprobs};
 
 /// Bytes of weights and KV caches, for `Engine::memory`. KV figures count the caches of requests
 /// in flight now, and the most held at once since the engine loaded.
@@ -85,14 +91,10 @@ pub struct Engine {
     suffix_caches: Mutex<Vec<(String, Arc<Mutex<SuffixCache>>)>>,
     /// The suffix config `prepare` was given (the engine's default), never evicted.
     pinned_suffix_config: Mutex<Option<String>>,
-    /// Verification curves and draft costs (costs.rs), shared by every request.
-    costs: Mutex<CostTable>,
-    /// Where `costs` persist across processes (None for a model built in memory, or when off).
-    cost_cache: Option<DiskCache>,
-    /// Whether a figure nobody measured yet may be measured when a request needs it. A server
-    /// turns this off once it serves, so no step waits on a measurement: per-request configs then
-    /// get the nearest figure (the curve extended past its end, a prior draft cost).
-    measure_on_demand: AtomicBool,
+    /// Verification curves and draft costs (costs.rs), shared by every request, kept on disk
+    /// across processes, and measured by a background thread while no request runs
+    /// (cost_worker.rs).
+    costs: Arc<CostBook>,
     /// Draft models by file path, loaded once and shared by every request.
     drafts: Mutex<HashMap<PathBuf, Arc<dyn CausalLm>>>,
     /// Hidden-state heads by method, path and quantization, loaded once and shared by every request.
@@ -164,7 +166,8 @@ impl Engine {
         let cost_cache = path
             .as_ref()
             .and_then(|p| DiskCache::for_model(&cache_dir(), p, &device, candle_core::utils::get_num_threads()));
-        let costs = cost_cache.as_ref().map(DiskCache::load).unwrap_or_default();
+        let target_kv = Arc::<KvBytes>::default();
+        let costs = Arc::new(CostBook::new(model.clone(), target_kv.clone(), cost_cache));
         Ok(Self {
             checkpoint: path.clone(),
             path,
@@ -173,12 +176,10 @@ impl Engine {
             metrics: Arc::default(),
             suffix_caches: Mutex::default(),
             pinned_suffix_config: Mutex::default(),
-            costs: Mutex::new(costs),
-            cost_cache,
-            measure_on_demand: AtomicBool::new(true),
+            costs,
             drafts: Mutex::default(),
             heads: Mutex::default(),
-            target_kv: Arc::default(),
+            target_kv,
             draft_kv: Arc::default(),
             constraint_compiler: Mutex::default(),
         })
@@ -257,6 +258,13 @@ impl Engine {
     }
 }
 
+impl Drop for Engine {
+    /// The cost thread stops at its next try (it holds only the book and the model).
+    fn drop(&mut self) {
+        self.costs.shutdown();
+    }
+}
+
 /// Locks one of the engine's shared states, recovering it when an earlier panic (caught at the
 /// FFI, so the process lives on) poisoned the lock: refusing every later request instead would let
 /// one bad request take the engine down. That is safe for each state this guards, because none
@@ -265,8 +273,9 @@ impl Engine {
 ///   only, never a request's output);
 /// - `drafts`, `heads`: maps whose entries are inserted whole; `pinned_suffix_config` and
 ///   `constraint_compiler`: replaced whole;
-/// - `costs`: a curve is extended, and a draft cost inserted, only after its measurement finished
-///   (a panic while measuring leaves the figures it had; the measurement runs again later);
+/// - the cost table (cost_worker.rs, which locks it the same way): a curve is extended, and a
+///   draft cost inserted, only after its measurement finished (a panic while measuring leaves the
+///   figures it had);
 /// - `suffix_caches`: a list whose entry is moved to the back by a remove and a push; a panic
 ///   between the two drops that cache, which is then rebuilt empty (drafts only cost speed);
 /// - the shared suffix trees behind `suffix_caches` are not locked here: `SuffixProposer` locks

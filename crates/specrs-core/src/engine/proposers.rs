@@ -5,7 +5,6 @@
 //! loaded once per file and checked against the target's tokenizer before any request uses them.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use super::tree_chooser::TreeChooser;
@@ -127,9 +126,10 @@ impl Engine {
 
     /// Everything `config` needs before its first request, so that request does not pay for it in
     /// its latency: draft weights loaded (a bad draft fails here), and for the adaptive length the
-    /// verification curve up to k + 1 and the draft cost measured (or read from the disk cache).
-    /// A suffix config's engine-wide cache is kept from eviction. Call it for the configs a
-    /// program or server will use; `Engine(speculative_config=...)` calls it for its own.
+    /// verification curve up to k + 1 and the draft cost queued for the background thread unless
+    /// known (the disk cache). Returns the costs a request would read now. A suffix config's
+    /// engine-wide cache is kept from eviction. Call it for the configs a program or server will
+    /// use; `Engine(speculative_config=...)` calls it for its own.
     pub fn prepare(&self, config: &SpeculativeConfig) -> Result<PolicyCosts> {
         if matches!(config.method, Method::Suffix(_)) {
             *lock(&self.pinned_suffix_config)? = Some(config.to_json());
@@ -137,18 +137,14 @@ impl Engine {
         if !matches!(config.method, Method::Custom) {
             self.proposer(config, None)?;
         }
-        self.policy_costs(config, true)
+        self.policy_costs(config)
     }
 
     /// A request's speculation for `config`: the built-in proposer, or `custom` for method
     /// "custom", with the draft-length policy over `policy_costs`.
     pub fn speculation(&self, config: &SpeculativeConfig, custom: Option<Box<dyn Proposer>>) -> Result<Speculation> {
         let proposer = self.proposer(config, custom)?;
-        let costs = if config.adaptive_draft_length {
-            Some(self.policy_costs(config, self.measure_on_demand.load(Ordering::Relaxed))?)
-        } else {
-            None
-        };
+        let costs = if config.adaptive_draft_length { Some(self.policy_costs(config)?) } else { None };
         Ok(Speculation {
             method: config.method_name(),
             num_speculative_tokens: config.num_speculative_tokens,

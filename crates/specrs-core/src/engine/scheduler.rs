@@ -215,6 +215,10 @@ pub struct Scheduler {
     config: SchedulerConfig,
     cost: BatchCost,
     cost_source: CostSource,
+    /// The engine's cost version `cost` was read at: the engine's figures change when a background
+    /// measurement lands, and the budget follows them at the next step (it only cuts drafts of
+    /// requests whose tokens do not depend on them, so this changes speed, never output).
+    cost_version: u64,
     waiting: VecDeque<Waiting>,
     /// In admission order: the newest is preempted first.
     running: Vec<Running>,
@@ -225,12 +229,14 @@ pub struct Scheduler {
 
 impl Scheduler {
     /// A scheduler over `engine`'s model. The budget's cost curve is `config.cost_curve_s`, or the
-    /// engine's (measured now up to `BUDGET_CURVE_ROWS` rows if the engine measures on demand).
+    /// engine's as it is now (up to `BUDGET_CURVE_ROWS` rows; what is missing is measured in the
+    /// background, and each step reads it again once it changed). Never measures here.
     pub fn new(engine: Arc<Engine>, config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
+        let cost_version = engine.cost_version();
         let (curve, cost_source) = match &config.cost_curve_s {
             Some(curve) => (curve.clone(), CostSource::Config),
-            None => engine.batch_costs(BUDGET_CURVE_ROWS, engine.measures_on_demand())?,
+            None => engine.batch_costs(BUDGET_CURVE_ROWS),
         };
         let cost = BatchCost::new(&curve).ok_or_else(|| {
             Error::config(format!(
@@ -242,6 +248,7 @@ impl Scheduler {
             config,
             cost,
             cost_source,
+            cost_version,
             waiting: VecDeque::new(),
             running: Vec::new(),
             aborted: Vec::new(),
@@ -263,6 +270,7 @@ impl Scheduler {
         if self.contains(id) {
             return Err(Error::config(format!("request id {id} is already in the scheduler; use a new id")));
         }
+        let prompt_ids = self.engine.request_prompt(&prompt_ids, &params).to_vec();
         self.check_new(&prompt_ids, &params)?;
         self.waiting.push_back(Waiting::New { id, prompt_ids, params, speculation, first_sample: None });
         Ok(())
@@ -291,6 +299,7 @@ impl Scheduler {
             return Err(Error::config(format!("request id {} is already in use; give each sample a new id", id.1)));
         }
         params.validate()?;
+        let prompt_ids = self.engine.request_prompt(&prompt_ids, &params).to_vec();
         let sample_params =
             |i: usize| SamplingParams { n: 1, seed: params.seed.map(|s| s.wrapping_add(i as u64)), ..params.clone() };
         self.check_new(&prompt_ids, &sample_params(0))?;
@@ -351,6 +360,7 @@ impl Scheduler {
                     token_ids: Vec::new(),
                     text: String::new(),
                     finish_reason: Some(FinishReason::Abort),
+                    stop_reason: None,
                     metrics: RequestMetrics::default(),
                     logprobs: None,
                 }),
@@ -378,6 +388,19 @@ impl Scheduler {
         self.totals
     }
 
+    /// Re-reads the engine's batch cost curve if a measurement landed since it was read.
+    fn follow_engine_costs(&mut self) {
+        let version = self.engine.cost_version();
+        if self.config.cost_curve_s.is_some() || version == self.cost_version {
+            return;
+        }
+        self.cost_version = version;
+        let (curve, source) = self.engine.batch_costs(BUDGET_CURVE_ROWS);
+        if let Some(cost) = BatchCost::new(&curve) {
+            (self.cost, self.cost_source) = (cost, source);
+        }
+    }
+
     /// The budget's cost curve: `[T(1), ..., T(n)]` seconds as measured (extended past n), and
     /// where it came from.
     pub fn cost_curve(&self) -> (Vec<f64>, CostSource) {
@@ -387,6 +410,7 @@ impl Scheduler {
     /// One step of every running request in one forward (see the module header). Returns each
     /// request's tokens, ends and errors, and what the step did.
     pub fn step(&mut self) -> Result<(Vec<RequestOutput>, StepReport)> {
+        self.follow_engine_costs();
         let mut outputs = std::mem::take(&mut self.aborted);
         let mut report = StepReport::default();
         let kv_budget = self.config.max_kv_tokens.unwrap_or(usize::MAX);

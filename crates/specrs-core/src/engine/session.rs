@@ -9,10 +9,16 @@
 //! A scheduler may cap a plan (`plan_with`: context rows, draft tokens) and may take a request's
 //! cache away (`preempt`); the next plans then feed the context again before decoding resumes.
 //!
-//! A request whose settings change the logits (grammar, penalties, logit_bias, min_tokens) has
-//! every verified row processed as plain decoding would process it (`logits_processor.rs`); its
-//! drafts are cut where its grammar forbids them, and the tokens its grammar forces open the
-//! drafts (chains and trees) of proposers that draft from the context alone (`grammar_drafts`).
+//! Each emitted token's text is decoded as it is committed (`output_text.rs`): a stop string ends
+//! the request at the token that completes it, whichever step (and draft) that token came in,
+//! and the tokens verified after it are never emitted, so the output, the suffix cache and the
+//! proposer's `finish` see exactly plain decoding's tokens.
+//!
+//! A request whose settings change the logits (grammar, allowed_token_ids, bad_words, penalties,
+//! logit_bias, min_tokens) has every verified row processed as plain decoding would process it
+//! (`logits_processor.rs`); its drafts are cut where its grammar forbids them, and the tokens its
+//! grammar forces open the drafts (chains and trees) of proposers that draft from the context
+//! alone (`grammar_drafts`).
 //!
 //! Invariant: after every commit of an unfinished request that was not preempted, the cache holds
 //! exactly the prompt plus every generated token but the newest one (which the next forward
@@ -23,15 +29,17 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 
-use super::logits_processor::LogitsProcessor;
+use super::logits_processor::{bad_words_token_ids, LogitsProcessor};
+use super::output_text::OutputText;
 use super::{lock, Engine, Speculation};
 use crate::config::SamplingParams;
 use crate::costs::CostSource;
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::draft_budget::DraftWish;
+use crate::draft_length::Verdict;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
-use crate::metrics::{EngineMetrics, RequestMetrics, RequestTimer, SpecDecodeMetrics};
+use crate::metrics::{EngineMetrics, IdleReason, RequestMetrics, RequestTimer, SpecDecodeMetrics};
 use crate::model::{CausalLm, ForwardBatch, LogitRows, SeqRows, Tap};
 use crate::proposer::tree::{path_tokens, rank_paths};
 use crate::proposer::{Draft, Feedback, ProposeInput, TreeLimits};
@@ -42,14 +50,15 @@ use crate::verify::verify;
 
 impl Engine {
     /// Starts a request, speculative when `speculation` is given. Fails with `ContextLength` when
-    /// prompt + max_tokens exceeds the context. Its KV cache reserves room for the whole request.
+    /// prompt (after `truncate_prompt_tokens`) + max_tokens exceeds the context. Its KV cache
+    /// reserves room for the whole request.
     pub fn start(
         &self,
         prompt_ids: Vec<u32>,
         params: SamplingParams,
         speculation: Option<Speculation>,
     ) -> Result<Session> {
-        let needed = prompt_ids.len() + params.max_tokens;
+        let needed = self.request_prompt(&prompt_ids, &params).len() + params.max_tokens;
         self.start_reserving(prompt_ids, params, speculation, needed)
     }
 
@@ -63,12 +72,15 @@ impl Engine {
         speculation: Option<Speculation>,
         reserve: usize,
     ) -> Result<Session> {
+        let prompt_ids = self.request_prompt(&prompt_ids, &params).to_vec();
         self.check_request(&prompt_ids, &params)?;
         let constraint = match &params.grammar {
             Some(spec) => Some(self.constraint_compiler()?.compile(spec)?),
             None => None,
         };
-        let processor = LogitsProcessor::new(&params, &prompt_ids, self.tokenizer.eos_token_ids(), constraint);
+        let bad_words = self.bad_words_token_ids(&params)?;
+        let eos = self.tokenizer.eos_token_ids();
+        let processor = LogitsProcessor::new(&params, &prompt_ids, eos, constraint, bad_words);
         let cache = self.model.new_cache(reserve.max(1))?.tracked_by(self.target_kv.clone());
         let timer = RequestTimer::new();
         let mut speculation = speculation;
@@ -80,14 +92,19 @@ impl Engine {
             tokenizer: self.tokenizer.clone(),
             cache,
             prompt_len: prompt_ids.len(),
-            detokenizer: IncrementalDetokenizer::new(prompt_ids.len()),
+            detokenizer: IncrementalDetokenizer::new(
+                prompt_ids.len(),
+                params.skip_special_tokens,
+                params.spaces_between_special_tokens,
+            ),
+            output: OutputText::new(params.stop.clone(), params.include_stop_str_in_output),
             all_ids: prompt_ids,
             sampler: Sampler::new(params.seed),
             params,
             timer,
             num_forward_passes: 0,
-            text: String::new(),
             finish_reason: None,
+            stop_reason: None,
             speculation,
             spec_metrics: SpecDecodeMetrics::default(),
             engine_metrics: self.metrics.clone(),
@@ -95,7 +112,20 @@ impl Engine {
             tree_draft_timing: None,
             processor,
             logprobs: Vec::new(),
+            cost_idle: None,
         })
+    }
+
+    /// The prompt a request with `params` runs on: `prompt_ids`, cut to its last
+    /// `truncate_prompt_tokens` tokens when asked (vLLM's left truncation).
+    pub fn request_prompt<'a>(&self, prompt_ids: &'a [u32], params: &SamplingParams) -> &'a [u32] {
+        params.truncated_prompt(prompt_ids, self.model.info().context_length)
+    }
+
+    /// The token sequences `params.bad_words` ban (`logits_processor::bad_words_token_ids`); a
+    /// word that tokenizes to nothing is a ConfigError.
+    pub fn bad_words_token_ids(&self, params: &SamplingParams) -> Result<Vec<Vec<u32>>> {
+        bad_words_token_ids(&params.bad_words, |word| self.tokenizer.encode(word, false))
     }
 
     /// What `start` refuses before allocating anything: bad sampling parameters, n > 1 (a session
@@ -158,7 +188,8 @@ impl Engine {
 /// Why a request stopped, with vLLM's names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
-    /// An end-of-sequence token was generated.
+    /// An end-of-sequence or stop token was generated, a stop string completed, or the grammar
+    /// ended.
     Stop,
     /// max_tokens was reached.
     Length,
@@ -174,6 +205,16 @@ impl FinishReason {
             FinishReason::Abort => "abort",
         }
     }
+}
+
+/// What ended a request that stopped on a stop string or a stop token (vLLM's `stop_reason`;
+/// None for an end-of-sequence token, the grammar's end, max_tokens or an abort).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    /// A string of `SamplingParams::stop`.
+    Text(String),
+    /// A token of `SamplingParams::stop_token_ids`.
+    TokenId(u32),
 }
 
 /// What one step produced.
@@ -205,6 +246,8 @@ pub struct Generation {
     pub token_ids: Vec<u32>,
     pub text: String,
     pub finish_reason: Option<FinishReason>,
+    /// The stop string or stop token that ended it, if one did.
+    pub stop_reason: Option<StopReason>,
     pub metrics: RequestMetrics,
     /// One per generated token when the request asked for logprobs.
     pub logprobs: Option<Vec<TokenLogprobs>>,
@@ -244,6 +287,8 @@ pub struct StepPlan {
     cache_len: usize,
     /// Rows of `rows` that are context (prompt or newest token), before the draft.
     num_unseen: usize,
+    /// Why a speculating request's decode plan has no draft.
+    idle: Option<IdleReason>,
 }
 
 impl StepPlan {
@@ -263,10 +308,12 @@ pub struct Session {
     params: SamplingParams,
     sampler: Sampler,
     detokenizer: IncrementalDetokenizer,
+    /// The output's text: emitted, and held back while it may begin a stop string.
+    output: OutputText,
     timer: RequestTimer,
     num_forward_passes: usize,
-    text: String,
     finish_reason: Option<FinishReason>,
+    stop_reason: Option<StopReason>,
     speculation: Option<Speculation>,
     spec_metrics: SpecDecodeMetrics,
     engine_metrics: Arc<Mutex<EngineMetrics>>,
@@ -278,6 +325,17 @@ pub struct Session {
     processor: Option<LogitsProcessor>,
     /// Every generated token's logprobs, when asked for.
     logprobs: Vec<TokenLogprobs>,
+    /// The cost judgement of the last step that drafted nothing for cost, for `idle_reason`.
+    cost_idle: Option<CostIdle>,
+}
+
+/// Why the last step idle for cost judged no draft to pay.
+#[derive(Debug, Clone, Copy)]
+enum CostIdle {
+    /// The chain policy's best length and its predicted speedup.
+    Chain(Verdict),
+    /// The tree chooser planned no level (its estimates are per depth and sibling rank).
+    Tree,
 }
 
 impl Session {
@@ -372,11 +430,12 @@ impl Session {
                 num_forced: 0,
                 cache_len,
                 num_unseen: chunk,
+                idle: None,
             }));
         }
         // A draft needs the whole context in the cache (a layer-skip draft extends it).
-        let (draft, num_forced) =
-            if num_unseen > 1 { (Draft::default(), 0) } else { self.propose(limits.max_draft_tokens)? };
+        let (draft, num_forced, idle) =
+            if num_unseen > 1 { (Draft::default(), 0, None) } else { self.propose(limits.max_draft_tokens)? };
         let mut input = self.all_ids[cache_len..].to_vec();
         input.extend_from_slice(&draft.token_ids);
         // Logits for the newest token and every draft token: [num_draft_tokens + 1, vocab].
@@ -391,7 +450,7 @@ impl Session {
             }
         }
         let kind = if is_prefill { PlanKind::Prefill } else { PlanKind::Decode };
-        Ok(Some(StepPlan { rows, kind, draft, num_forced, cache_len, num_unseen }))
+        Ok(Some(StepPlan { rows, kind, draft, num_forced, cache_len, num_unseen, idle }))
     }
 
     /// Reads the forward's answer to `plan`: `logits` `[plan.rows.logit_rows.len(), vocab]` and
@@ -444,6 +503,9 @@ impl Session {
         self.observe_hidden(plan.cache_len, plan.num_unseen + num_accepted, hidden)?;
         if plan.kind == PlanKind::Decode {
             self.spec_metrics.num_decode_steps += 1;
+            if num_draft_tokens == 0 && self.speculation.is_some() {
+                self.spec_metrics.observe_idle(plan.idle.unwrap_or(IdleReason::NoDraft));
+            }
             self.spec_metrics.forward_s += forward_s;
             self.spec_metrics.verify_s += t1.elapsed().as_secs_f64();
         }
@@ -498,26 +560,51 @@ impl Session {
             if let Some(processor) = self.processor.as_mut() {
                 processor.accept(&[token])?;
             }
-            let is_eos = self.tokenizer.eos_token_ids().contains(&token);
-            let grammar_done = self.processor.as_ref().is_some_and(LogitsProcessor::grammar_finished);
-            if (is_eos && !self.params.ignore_eos) || self.params.stop_token_ids.contains(&token) || grammar_done {
-                self.finish_reason = Some(FinishReason::Stop);
-            } else if self.generated_ids().len() >= self.params.max_tokens {
-                self.finish_reason = Some(FinishReason::Length);
-            }
+            // The tokens verified after one that ends the request are never emitted.
+            self.take_token(token)?;
             if self.is_finished() {
                 break;
             }
         }
         self.logprobs.extend(new_logprobs.iter().cloned());
         self.timer.tokens_arrived(new_ids.len());
-        let mut text = self.detokenizer.next(&self.tokenizer, &self.all_ids)?;
+        let text = self.output.release(self.is_finished());
         if self.is_finished() {
-            text.push_str(&self.detokenizer.finish(&self.tokenizer, &self.all_ids)?);
             self.on_finish();
         }
-        self.text.push_str(&text);
         Ok(StepOutput { token_ids: new_ids, text, logprobs: new_logprobs })
+    }
+
+    /// Adds the text of `token`, just appended to the output, and ends the request there when it
+    /// should end, in vLLM's order: an end-of-sequence or stop token (whose text is left out
+    /// unless `include_stop_str_in_output`), a stop string completed by its text (not within the
+    /// first `min_tokens` tokens), the grammar's end, max_tokens.
+    fn take_token(&mut self, token: u32) -> Result<()> {
+        let is_eos = !self.params.ignore_eos && self.tokenizer.eos_token_ids().contains(&token);
+        if is_eos || self.params.stop_token_ids.contains(&token) {
+            self.finish_reason = Some(FinishReason::Stop);
+            self.stop_reason = (!is_eos).then_some(StopReason::TokenId(token));
+            let text_end = self.all_ids.len() - usize::from(!self.params.include_stop_str_in_output);
+            let rest = self.detokenizer.finish(&self.tokenizer, &self.all_ids[..text_end])?;
+            self.output.push(&rest, false);
+            return Ok(());
+        }
+        let grammar_done = self.processor.as_ref().is_some_and(LogitsProcessor::grammar_finished);
+        let at_length = self.generated_ids().len() >= self.params.max_tokens;
+        let mut text = self.detokenizer.next(&self.tokenizer, &self.all_ids)?;
+        if grammar_done || at_length {
+            text.push_str(&self.detokenizer.finish(&self.tokenizer, &self.all_ids)?);
+        }
+        let may_stop = self.generated_ids().len() > self.params.min_tokens;
+        if let Some(stop) = self.output.push(&text, may_stop) {
+            self.finish_reason = Some(FinishReason::Stop);
+            self.stop_reason = Some(StopReason::Text(stop));
+        } else if grammar_done {
+            self.finish_reason = Some(FinishReason::Stop);
+        } else if at_length {
+            self.finish_reason = Some(FinishReason::Length);
+        }
+        Ok(())
     }
 
     /// Hands a hidden-state head (a proposer with taps) the target's hidden rows of the `kept`
@@ -647,11 +734,11 @@ impl Session {
     /// (its cost-aware policy) evolves as it would alone, so a cut by load is never taken for
     /// the request's own decision not to draft.
     /// With a grammar: the grammar's forced run opens the draft (its length is returned too), and
-    /// the draft is cut where the grammar forbids it.
-    fn propose(&mut self, cap: Option<usize>) -> Result<(Draft, usize)> {
+    /// the draft is cut where the grammar forbids it. An empty draft comes with why.
+    fn propose(&mut self, cap: Option<usize>) -> Result<(Draft, usize, Option<IdleReason>)> {
         let forced = self.forced_run(cap);
         let own_cap = cap.map(|cap| cap - forced.len());
-        let mut draft = self.propose_own(own_cap, &forced)?;
+        let (mut draft, mut idle) = self.propose_own(own_cap, &forced)?;
         let num_forced = forced.len();
         if num_forced > 0 {
             if draft.probs.is_some() {
@@ -661,8 +748,12 @@ impl Session {
             }
             draft = after_forced_run(forced, draft);
         }
+        let proposed = draft.token_ids.len();
         self.cut_by_grammar(&mut draft);
-        Ok((draft, num_forced))
+        if proposed > 0 && draft.token_ids.is_empty() {
+            idle = Some(IdleReason::Grammar);
+        }
+        Ok((draft, num_forced, idle))
     }
 
     /// The tokens this request's grammar forces next, for the draft (chain or tree) of a proposer
@@ -710,12 +801,16 @@ impl Session {
     }
 
     /// The proposer's draft, after `forced` (tokens the grammar forces, not yet verified: the
-    /// proposer continues the context extended by them, and its draft grows from their end).
-    fn propose_own(&mut self, cap: Option<usize>, forced: &[u32]) -> Result<Draft> {
+    /// proposer continues the context extended by them, and its draft grows from their end); an
+    /// empty one comes with why.
+    fn propose_own(&mut self, cap: Option<usize>, forced: &[u32]) -> Result<(Draft, Option<IdleReason>)> {
         let (settings_max, own) = self.own_draft_lengths();
         let depth_room = self.depth_room().saturating_sub(forced.len());
-        let Some(speculation) = self.speculation.as_mut() else { return Ok(Draft::default()) };
+        let Some(speculation) = self.speculation.as_mut() else { return Ok((Draft::default(), None)) };
         if let Some(policy) = speculation.draft_length.as_mut().filter(|_| settings_max > 0 && own == 0) {
+            if let Some(verdict) = policy.verdict(settings_max) {
+                self.cost_idle = Some(CostIdle::Chain(verdict));
+            }
             policy.skipped();
         }
         // After a forced run, the run's tokens count against the tokens left: a chain's length is
@@ -723,7 +818,12 @@ impl Session {
         let own = if forced.is_empty() || speculation.tree.is_on() { own } else { own.min(depth_room) };
         let max_draft = cap.map_or(own, |cap| own.min(cap));
         if max_draft == 0 {
-            return Ok(Draft::default());
+            let idle = match (settings_max, own) {
+                (0, _) => IdleReason::MaxTokens,
+                (_, 0) => IdleReason::Cost,
+                _ => IdleReason::Load,
+            };
+            return Ok((Draft::default(), Some(idle)));
         }
         // A tree: `max_draft` nodes at most, as deep as its settings (and the tokens left) allow
         // and, in "auto" mode, as deep as the chooser expects to pay.
@@ -737,10 +837,15 @@ impl Session {
         });
         let max_tokens = tree.map_or(max_draft, |(depth, _)| depth);
         if max_tokens == 0 {
-            if let Some(chooser) = speculation.tree_chooser.as_mut() {
-                chooser.skipped();
-            }
-            return Ok(Draft::default());
+            let idle = match speculation.tree_chooser.as_mut() {
+                Some(chooser) if depth_room > 0 => {
+                    chooser.skipped();
+                    self.cost_idle = Some(CostIdle::Tree);
+                    IdleReason::Cost
+                }
+                _ => IdleReason::MaxTokens,
+            };
+            return Ok((Draft::default(), Some(idle)));
         }
         let extended: Vec<u32>;
         let context = if forced.is_empty() {
@@ -761,8 +866,14 @@ impl Session {
         let vocab = self.model.info().vocab_size;
         draft.validate(max_tokens, tree.map(|(_, limits)| limits), vocab, speculation.method)?;
         self.tree_draft_timing = tree.map(|_| (draft_s, draft.depth()));
+        let mut pruned_by_chooser = false;
         if draft.parents.is_some() {
+            let before = draft.token_ids.len();
             prune_tree(speculation, &mut draft, vocab);
+            pruned_by_chooser = before > 0 && draft.token_ids.is_empty() && speculation.tree_chooser.is_some();
+            if pruned_by_chooser {
+                self.cost_idle = Some(CostIdle::Tree);
+            }
         }
         if self.cache.len() != self.all_ids.len() - 1 {
             return Err(Error::Proposer(format!(
@@ -781,7 +892,14 @@ impl Session {
                 draft.truncate(i + 1, vocab);
             }
         }
-        Ok(draft)
+        // A tree the chooser pruned to nothing was judged not to pay; any other empty draft is
+        // the proposer's own (no match).
+        let idle = match (draft.token_ids.is_empty(), pruned_by_chooser) {
+            (false, _) => None,
+            (true, true) => Some(IdleReason::Cost),
+            (true, false) => Some(IdleReason::NoDraft),
+        };
+        Ok((draft, idle))
     }
 
     /// How deep the next draft may go: a draft m deep emits up to m + 1 tokens, so one fewer
@@ -937,10 +1055,12 @@ impl Session {
         }
     }
 
-    /// Stops the request early (a cancelled stream); its result keeps what was generated.
+    /// Stops the request early (a cancelled stream); its result keeps what was generated (the
+    /// text held back for a possible stop string included: none can complete now).
     pub fn abort(&mut self) {
         if self.finish_reason.is_none() {
             self.finish_reason = Some(FinishReason::Abort);
+            self.output.release(true);
             self.on_finish();
         }
     }
@@ -951,6 +1071,7 @@ impl Session {
         m.num_speculative_tokens = self.speculation.as_ref().map_or(0, |s| s.num_speculative_tokens);
         m.verify_cost_source = self.speculation.as_ref().and_then(|s| s.verify_cost_source).map(CostSource::as_str);
         m.draft_cost_source = self.speculation.as_ref().and_then(|s| s.draft_cost_source).map(CostSource::as_str);
+        m.idle_reason = self.idle_reason();
         m.spec = self.spec_metrics.clone();
         if m.spec.num_accepted_tokens_per_pos.len() < m.num_speculative_tokens {
             m.spec.num_accepted_tokens_per_pos.resize(m.num_speculative_tokens, 0);
@@ -958,12 +1079,57 @@ impl Session {
         m
     }
 
+    /// Why speculation stood idle in most of this request's idle steps, in words with the figures
+    /// the decision rested on.
+    fn idle_reason(&self) -> Option<String> {
+        let speculation = self.speculation.as_ref()?;
+        let reason = self.spec_metrics.main_idle_reason()?;
+        let sources = format!(
+            "verify cost {}{}",
+            speculation.verify_cost_source.map_or("-", CostSource::as_str),
+            speculation.draft_cost_source.map_or_else(String::new, |s| format!(", draft cost {}", s.as_str()))
+        );
+        Some(match (reason, self.cost_idle) {
+            (IdleReason::Cost, Some(CostIdle::Chain(v))) => format!(
+                "predicted speedup {:.2}x < 1 at {} acceptance {:.2} (best draft length {}: verify cost v({}) = {:.2}, \
+                 draft cost c = {:.2}; {sources})",
+                v.predicted_speedup,
+                if v.observed { "measured" } else { "the prior's" },
+                v.acceptance,
+                v.length,
+                v.length + 1,
+                v.verify_cost_ratio,
+                v.draft_cost
+            ),
+            (IdleReason::Cost, _) => {
+                format!(
+                    "the tree chooser predicted no tree or chain pays at its measured acceptance per depth ({sources})"
+                )
+            }
+            (IdleReason::NoDraft, _) => match speculation.method {
+                "ngram" => "the ngram proposer found no earlier occurrence of the context's last tokens \
+                            (prompt_lookup_min to prompt_lookup_max of them) to copy"
+                    .into(),
+                "suffix" => "the suffix proposer found no match of the context's end in the prompt, the output or \
+                             earlier responses"
+                    .into(),
+                method => format!("the {method} proposer drafted nothing"),
+            },
+            (IdleReason::Load, _) => {
+                "the load budget granted no draft rows (in a full batch a draft row costs more than it buys)".into()
+            }
+            (IdleReason::MaxTokens, _) => "too few tokens left before max_tokens for a draft".into(),
+            (IdleReason::Grammar, _) => "the grammar forbade every drafted token".into(),
+        })
+    }
+
     pub fn result(&self) -> Generation {
         Generation {
             prompt_token_ids: self.all_ids[..self.prompt_len].to_vec(),
             token_ids: self.generated_ids().to_vec(),
-            text: self.text.clone(),
+            text: self.output.emitted().to_string(),
             finish_reason: self.finish_reason,
+            stop_reason: self.stop_reason.clone(),
             metrics: self.metrics(),
             logprobs: self.params.logprobs.map(|_| self.logprobs.clone()),
         }

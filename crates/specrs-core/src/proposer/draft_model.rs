@@ -591,7 +591,7 @@ mod tests {
     /// A .5, C .325, B .3, E .27, D .1, F .018.
     #[test]
     fn the_dynamic_tree_expands_the_best_of_each_depth_and_keeps_the_best_nodes() {
-        let params = SamplingParams::default();
+        let params = SamplingParams::greedy(16);
         let sampler = DraftSampler::new(&params, 4, 4, 0.0);
         let ln = |q: [f32; 4]| q.map(f32::ln);
         let grow = |max_depth: usize, max_nodes: usize| {
@@ -630,7 +630,7 @@ mod tests {
             Arc::new(Decoder::random(&config, 3, WeightFormat::Dense(candle_core::DType::F32), &Device::Cpu).unwrap());
         let target_vocab = 40;
         let mut proposer = DraftModelProposer::new(draft, None, target_vocab, 0.0, Arc::default());
-        proposer.begin(&[1, 2, 3], &SamplingParams { max_tokens: 8, ..SamplingParams::default() }).unwrap();
+        proposer.begin(&[1, 2, 3], &SamplingParams::greedy(8)).unwrap();
         // Ids 35 and 39 exist only in the target's vocabulary: a draft, not an error.
         let with_extra = proposer.propose(&[1, 35, 2, 39], 3).unwrap();
         assert_eq!(with_extra.token_ids.len(), 3);
@@ -639,7 +639,7 @@ mod tests {
         // The same draft as for a context holding token 0 in their place.
         let mut reference =
             DraftModelProposer::new(proposer.cache.model.clone(), None, target_vocab, 0.0, Arc::default());
-        reference.begin(&[1, 2, 3], &SamplingParams { max_tokens: 8, ..SamplingParams::default() }).unwrap();
+        reference.begin(&[1, 2, 3], &SamplingParams::greedy(8)).unwrap();
         assert_eq!(reference.propose(&[1, 0, 2, 0], 3).unwrap().token_ids, with_extra.token_ids);
     }
 }

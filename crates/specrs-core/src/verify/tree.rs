@@ -286,7 +286,7 @@ mod tests {
         let ids = vec![wrong(a0), a0, argmax_of(2), wrong(argmax_of(2)), argmax_of(3)];
         let parents = vec![-1, -1, 1, 1, 2];
         let v =
-            verify_tree(&scores, VOCAB, &ids, &parents, None, &SamplingParams::default(), &mut Sampler::new(None), 0)
+            verify_tree(&scores, VOCAB, &ids, &parents, None, &SamplingParams::greedy(16), &mut Sampler::new(None), 0)
                 .unwrap();
         assert_eq!(v.accepted_path, vec![1, 2, 4]);
         assert_eq!(v.token_ids, vec![a0, argmax_of(2), argmax_of(3), argmax_of(5)]);

@@ -1,0 +1,146 @@
+//! The grammar compile path (`ConstraintCompiler::compile`: the limits, then llguidance on the
+//! compile thread) on structure-aware grammars (`specrs_fuzz::grammar_gen`), chosen by the first
+//! byte: a JSON schema document with `$defs` chains, a Lark grammar with rule chains, a regex, a
+//! choice, or (raw) the rest of the input as a JSON `GrammarSpec`, Lark text or regex text.
+//!
+//! Properties:
+//! - no panic escapes and no stack overflows: each compile runs on a quarter of the compile
+//!   thread's stack (`COMPILE_STACK_BYTES / 4`), so an input that passes the limits but needs more
+//!   than that is a crash here, not just one that needs more than all of it;
+//! - every refusal is an `Error::Config`;
+//! - what compiles also runs: up to `WALK_TOKENS` tokens (the forced ones, else one the input
+//!   picks from the mask) without an error ("whatever the check accepts must not fail later").
+//!
+//! The tokenizer is a small byte-level BPE (every byte, some JSON and repetition merges, EOS)
+//! built at startup, so a mask costs microseconds and the target runs thousands of inputs a
+//! second; it goes through the same `TextTokenizer` and token environment as a model's.
+#![no_main]
+
+use std::sync::OnceLock;
+
+use arbitrary::Unstructured;
+use libfuzzer_sys::fuzz_target;
+use serde_json::json;
+use specrs_core::constraint::limits::COMPILE_STACK_BYTES;
+use specrs_core::constraint::{ConstraintCompiler, GrammarSpec};
+use specrs_core::tokenizer::TextTokenizer;
+use specrs_core::Error;
+use specrs_fuzz::grammar_gen;
+
+/// Tokens walked after a successful compile.
+const WALK_TOKENS: usize = 6;
+
+/// GPT-2's byte-level alphabet: the character that stands for each byte in a token's text.
+fn byte_char(byte: u8) -> char {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xa1..=0xac | 0xae..=0xff);
+    if printable(byte) {
+        return char::from(byte);
+    }
+    let rank = (0..byte).filter(|&b| !printable(b)).count() as u32;
+    char::from_u32(256 + rank).unwrap()
+}
+
+/// A byte-level BPE tokenizer: the 256 bytes, merges for pieces grammars force (`{"`, `": `,
+/// runs of `a`), and an EOS.
+fn compiler() -> &'static ConstraintCompiler {
+    static COMPILER: OnceLock<ConstraintCompiler> = OnceLock::new();
+    COMPILER.get_or_init(|| {
+        let merges = [
+            ("{", "\""),
+            ("\"", ":"),
+            ("\":", "Ġ"),
+            (",", "Ġ"),
+            (",Ġ", "\""),
+            ("\"", "}"),
+            ("a", "a"),
+            ("aa", "aa"),
+            ("aaaa", "aaaa"),
+            ("0", "0"),
+            ("1", "2"),
+            ("t", "r"),
+            ("tr", "u"),
+            ("tru", "e"),
+            ("n", "u"),
+            ("nu", "l"),
+            ("nul", "l"),
+            ("x", "x"),
+            ("[", "\""),
+            ("\"", "]"),
+        ];
+        let mut vocab = serde_json::Map::new();
+        for b in 0..=255u8 {
+            vocab.insert(byte_char(b).to_string(), json!(vocab.len()));
+        }
+        for (a, b) in merges {
+            vocab.insert(format!("{a}{b}"), json!(vocab.len()));
+        }
+        let eos = vocab.len();
+        let tokenizer = json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [{"id": eos, "content": "<|endoftext|>", "single_word": false, "lstrip": false,
+                              "rstrip": false, "normalized": false, "special": true}],
+            "normalizer": null,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+            "post_processor": null,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "vocab": vocab,
+                      "merges": merges.iter().map(|(a, b)| format!("{a} {b}")).collect::<Vec<_>>()},
+        });
+        let dir = std::env::temp_dir().join(format!("specrs-fuzz-grammar-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).expect("tokenizer.json");
+        std::fs::write(dir.join("tokenizer_config.json"), r#"{"eos_token": "<|endoftext|>"}"#).expect("config");
+        let tokenizer = TextTokenizer::from_hf_dir(&dir).expect("the fuzz tokenizer");
+        let _ = std::fs::remove_dir_all(&dir);
+        ConstraintCompiler::new(&tokenizer).expect("a compiler for the fuzz tokenizer")
+    })
+}
+
+/// The spec the input describes; `None` when it describes none (e.g. raw JSON that is no spec).
+fn spec(mode: u8, rest: &[u8]) -> Option<GrammarSpec> {
+    let mut u = Unstructured::new(rest);
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    let from_json = |value: serde_json::Value| match GrammarSpec::from_json(&value) {
+        Ok(spec) => Some(spec),
+        Err(Error::Config(_)) => None,
+        Err(other) => panic!("GrammarSpec::from_json refused {value} with a non-config error: {other:?}"),
+    };
+    match mode % 8 {
+        0 | 1 => grammar_gen::schema_document(&mut u).ok().and_then(|schema| from_json(json!({"json_schema": schema}))),
+        2 | 3 => grammar_gen::lark(&mut u, 0).ok().map(GrammarSpec::Lark),
+        4 => grammar_gen::regex(&mut u, 0).ok().map(GrammarSpec::Regex),
+        5 => grammar_gen::choice(&mut u).ok().map(GrammarSpec::Choice),
+        6 => serde_json::from_slice(rest).ok().and_then(from_json),
+        _ => {
+            let (&which, rest) = rest.split_first()?;
+            Some(if which % 2 == 0 { GrammarSpec::Lark(text(rest)) } else { GrammarSpec::Regex(text(rest)) })
+        }
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    let Some((&mode, rest)) = data.split_first() else { return };
+    let Some(spec) = spec(mode, rest) else { return };
+    let kind = spec.kind();
+    let mut constraint = match compiler().compile_with_stack(&spec, COMPILE_STACK_BYTES / 4) {
+        Ok(constraint) => constraint,
+        Err(Error::Config(_)) => return,
+        Err(other) => panic!("the {kind} was refused with a non-config error: {other:?}\n{spec:?}"),
+    };
+    // Walk: the forced tokens, else one the input's last bytes pick from the mask.
+    let mut picks = data.iter().rev();
+    let mut taken = 0;
+    while taken < WALK_TOKENS && !constraint.is_finished() {
+        let forced = constraint.forced_tokens();
+        let step = if forced.is_empty() {
+            let allowed = constraint.allowed_tokens().unwrap_or_else(|e| panic!("the {kind} compiled, then: {e}\n{spec:?}"));
+            let ids = allowed.token_ids();
+            vec![ids[usize::from(*picks.next().unwrap_or(&0)) % ids.len()]]
+        } else {
+            forced
+        };
+        constraint.consume(&step).unwrap_or_else(|e| panic!("the {kind} compiled, then consuming {step:?}: {e}\n{spec:?}"));
+        taken += step.len();
+    }
+});
