@@ -248,9 +248,9 @@ def server_plan(name: str, args: argparse.Namespace, spec: dict, port: int) -> d
 
 
 def percentiles(values: list[float]) -> dict:
-    """p50 and p99 (linear interpolation between closest ranks), mean and count."""
+    """p50, p90 and p99 (linear interpolation between closest ranks), mean and count."""
     if not values:
-        return {"p50": None, "p99": None, "mean": None, "n": 0}
+        return {"p50": None, "p90": None, "p99": None, "mean": None, "n": 0}
     values = sorted(values)
 
     def at(q: float) -> float:
@@ -259,7 +259,7 @@ def percentiles(values: list[float]) -> dict:
         high = min(low + 1, len(values) - 1)
         return values[low] + (values[high] - values[low]) * (pos - low)
 
-    return {"p50": at(0.50), "p99": at(0.99), "mean": sum(values) / len(values), "n": len(values)}
+    return {"p50": at(0.50), "p90": at(0.90), "p99": at(0.99), "mean": sum(values) / len(values), "n": len(values)}
 
 
 def stream_one(client: httpx.Client, base: str, content: str, max_tokens: int, usage: bool,
