@@ -78,6 +78,13 @@ def self_containing_schema() -> dict:
     return {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
 
 
+def self_requiring_behind_a_choice_schema() -> dict:
+    """An object that must contain itself, reachable only through a choice (found by the
+    grammar_compile fuzz target): the start of the output is fine, the array branch is endless."""
+    d3 = {"type": "object", "properties": {"a": {"$ref": "#/$defs/d3"}}, "required": ["a"]}
+    return {"$defs": {"d3": d3}, "anyOf": [{"type": "array", "items": {"$ref": "#/$defs/d3"}}, {"type": "null"}]}
+
+
 def lark_rule_chain(n: int, brackets: int = 0) -> str:
     """A Lark grammar whose rules name the next one, `n` deep, each inside `brackets` groups."""
     lines = ["start: r0"]

@@ -21,7 +21,7 @@ import specrs
 from attack_inputs import (LIMITS, assistant_tool_call, choices, deep_json_text, deep_ref_chain_schema,
                            lark_rule_chain, lark_terminal_chain, nested_json_value, nested_regex_repeat,
                            nested_schema, ref_alias_cycle_schema, ref_chain_schema, ref_cycle_schema, regex_repeat,
-                           self_containing_schema, self_ref_schema, tool)
+                           self_containing_schema, self_ref_schema, self_requiring_behind_a_choice_schema, tool)
 
 uvicorn = pytest.importorskip("uvicorn")
 from specrs.serve import build_app  # noqa: E402  (needs the serve extra, checked above)
@@ -117,9 +117,13 @@ CASES = [
     ("pattern a{1000000}", {"guided_json": {"type": "string", "pattern": "^a{1000000}$"}}, "MAX_REGEX_REPEAT",
      "guided_json"),
     ("choice of 20,000", {"guided_choice": choices(20_000)}, "MAX_CHOICES", "guided_choice"),
-    ("$ref to itself", {"response_format": _json_schema(self_ref_schema())}, "allows no output", "response_format"),
-    ("$ref cycle", {"guided_json": ref_cycle_schema()}, "allows no output", "guided_json"),
-    ("object containing itself", {"guided_json": self_containing_schema()}, "cannot be followed", "guided_json"),
+    ("$ref to itself", {"response_format": _json_schema(self_ref_schema())}, "no finite instance", "response_format"),
+    ("$ref cycle", {"guided_json": ref_cycle_schema()}, "no finite instance", "guided_json"),
+    ("object containing itself", {"guided_json": self_containing_schema()}, "no finite instance", "guided_json"),
+    # Found by the grammar_compile fuzz target: compiled (its start is fine), then an internal error
+    # mid-output once the output took the branch (a 500).
+    ("object requiring itself behind a choice", {"guided_json": self_requiring_behind_a_choice_schema()},
+     "no finite instance", "guided_json"),
     # Found by the grammar_compile fuzz target: compiled, then an internal error mid-output (a 500).
     ("%ignore beside a %json grammar", {"guided_grammar": 'start: "bab" r1\nr1: %json {"type": "object"} | "end"\n'
                                                           '%ignore /[ \\t]+/\n'}, "%ignore", "guided_grammar"),

@@ -15,11 +15,15 @@
 //!   cycle's component weighs at most its tallest value's height plus, per `$ref` string in it,
 //!   the height of its target (`DepthGraph` turns that into a bound over every path).
 //! - regexes: counted repetitions of each `pattern` (`MAX_REGEX_REPEAT`), and `minLength` of a
-//!   string that also has a `pattern` or `format` (`MAX_PATTERN_MIN_LENGTH`).
+//!   string that also has a `pattern` or `format` (`MAX_PATTERN_MIN_LENGTH`);
+//! - finite instances: every schema reachable from the root has one (`finite`: an object that
+//!   requires itself would make llguidance force output until an internal error).
 //!
 //! `$ref`s resolve as llguidance resolves them without its `referencing` feature (which specrs
 //! leaves off): `#` or `#/` is the document, `#/a/b/0` walks keys and array indices, anything else
 //! is an error of llguidance's (so no edge here).
+
+mod finite;
 
 use std::collections::HashMap;
 
@@ -50,7 +54,7 @@ pub(super) fn check(schema: &Value, what: &str) -> Result<()> {
     for &value in &document.values {
         check_string_regexes(value, what)?;
     }
-    Ok(())
+    finite::check(&document, what)
 }
 
 /// `value` against `MAX_JSON_NESTING`; `what` names it in errors.
@@ -88,6 +92,10 @@ fn nesting_past(value: &Value, limit: usize) -> Option<usize> {
 /// depth needs.
 struct Document<'a> {
     values: Vec<&'a Value>,
+    /// Each value's index in `values`, by address.
+    index_of: HashMap<*const Value, usize>,
+    /// Each value's parent (`u32::MAX` for the root).
+    parent: Vec<u32>,
     children: Vec<Vec<u32>>,
     /// Levels below each value (a scalar or empty container: 0).
     height: Vec<u64>,
@@ -125,12 +133,34 @@ impl<'a> Document<'a> {
             children[up].push(v as u32);
             height[up] = height[up].max(height[v] + 1);
         }
-        Ok(Self { values, children, height })
+        let index_of = values.iter().enumerate().map(|(i, &v)| (v as *const Value, i)).collect();
+        Ok(Self { values, index_of, parent, children, height })
+    }
+
+    /// The JSON pointer of value `v`, as a `$ref` names it (`#/$defs/a`).
+    fn pointer(&self, mut v: usize) -> String {
+        let mut segments = Vec::new();
+        while self.parent[v] != u32::MAX {
+            let up = self.parent[v] as usize;
+            let me = self.values[v] as *const Value;
+            let segment = match self.values[up] {
+                Value::Array(items) => items.iter().position(|c| std::ptr::eq(c, me)).map(|i| i.to_string()),
+                Value::Object(map) => map.iter().find(|(_, c)| std::ptr::eq(*c, me)).map(|(k, _)| k.clone()),
+                _ => None,
+            };
+            segments.push(segment.unwrap_or_default().replace('~', "~0").replace('/', "~1"));
+            v = up;
+        }
+        segments.reverse();
+        if segments.is_empty() {
+            "#".into()
+        } else {
+            format!("#/{}", segments.join("/"))
+        }
     }
 
     fn compile_depth_bound(&self) -> u64 {
-        let index_of: HashMap<*const Value, usize> =
-            self.values.iter().enumerate().map(|(i, &v)| (v as *const Value, i)).collect();
+        let index_of = &self.index_of;
         let mut graph = DepthGraph::default();
         for _ in &self.values {
             graph.add_vertex(1);
