@@ -77,7 +77,7 @@ fuzz_target!(|data: &[u8]| {
             if prompt_len == 0 {
                 return;
             }
-            let mut detok = IncrementalDetokenizer::new(prompt_len);
+            let mut detok = IncrementalDetokenizer::new(prompt_len, true, true);
             let mut emitted = String::new();
             let mut end = prompt_len;
             let mut step = 1;
