@@ -431,7 +431,7 @@ impl TextTokenizer {
     #[cfg(test)]
     pub(crate) fn add_special_tokens(&mut self, texts: &[&str]) {
         let tokens: Vec<AddedToken> = texts.iter().map(|t| AddedToken::from(t.to_string(), true)).collect();
-        self.inner.add_special_tokens(tokens);
+        self.inner.add_special_tokens(tokens).expect("the tokenizer takes added special tokens");
         self.vocab_size = self.inner.get_vocab_size(true);
     }
 
