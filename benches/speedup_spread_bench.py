@@ -25,25 +25,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
+from first_request_bench import busy_loops, commit  # benches/ is the script's folder
+
 DEFAULT_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-
-
-@contextmanager
-def busy_loops(enabled: bool):
-    """One busy-loop process per core while the block runs."""
-    procs = []
-    if enabled:
-        procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.wait()
 
 
 def spread(values: list[float]) -> dict:
@@ -51,14 +37,6 @@ def spread(values: list[float]) -> dict:
     if not values:
         return {"min": None, "median": None, "max": None}
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
-
-
-def commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def bench_spread(args, configs: list[dict]) -> dict:

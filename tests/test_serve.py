@@ -7,6 +7,7 @@ request run in this process without the server.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -43,19 +44,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+# A loaded 2-core CI machine took over 120 s to start a server once.
+SERVER_START_TIMEOUT_S = 300
+
+
+@contextlib.contextmanager
+def running_server(flags: list[str], log_path, env: dict | None = None):
+    """`specrs serve FLAGS` on a free port in a subprocess, its output in `log_path` (a pipe nobody
+    reads could fill up and block the server); yields its base URL once /health answers 200, and at
+    the end stops it and checks that no request ended in an unhandled exception (uvicorn logs those
+    as errors)."""
     port = _free_port()
-    # The log goes to a file: a pipe nobody reads could fill up and block the server.
-    log_path = tmp_path_factory.mktemp("serve") / "server.log"
     log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "specrs.cli", "serve", "--port", str(port), "--max-num-seqs", str(MAX_NUM_SEQS),
-         "--speculative-config", json.dumps(SERVER_SPEC), "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
+    proc = subprocess.Popen([sys.executable, "-m", "specrs.cli", "serve", "--port", str(port), *flags],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300  # a loaded 2-core CI machine: startup alone took > 120 s once
+    deadline = time.time() + SERVER_START_TIMEOUT_S
     while True:
         try:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
@@ -66,15 +70,24 @@ def server(tmp_path_factory):
             proc.kill()
             pytest.fail(f"specrs serve did not start:\n{log_path.read_text()}")
         time.sleep(0.2)
-    yield base
-    proc.terminate()
     try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
-    # No request may end in an unhandled exception (uvicorn logs those as errors).
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
     assert "Traceback" not in log_path.read_text(), log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    flags = ["--max-num-seqs", str(MAX_NUM_SEQS), "--speculative-config", json.dumps(SERVER_SPEC), "--log-level",
+             "warning"]
+    with running_server(flags, tmp_path_factory.mktemp("serve") / "server.log") as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import specrs
-from test_serve import _free_port
+from test_serve import running_server
 
 openai = pytest.importorskip("openai")
 
@@ -71,31 +68,11 @@ NOT_EXPORTED = {"vllm:gpu_cache_usage_perc", "vllm:request_max_num_generation_to
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "specrs.cli", "serve", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
-         "--served-model-name", SERVED, "--speculative-config", json.dumps(NGRAM), "--log-level", "warning",
-         "--override-generation-config", json.dumps(GENERATION_DEFAULTS)],
-        stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"specrs serve did not start:\n{log_path.read_text()}")
-        time.sleep(0.2)
-    yield base
-    proc.terminate()
-    proc.wait(timeout=20)
-    log.close()
-    assert "Traceback" not in log_path.read_text(), log_path.read_text()
+    flags = ["--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", SERVED, "--speculative-config",
+             json.dumps(NGRAM), "--log-level", "warning", "--override-generation-config",
+             json.dumps(GENERATION_DEFAULTS)]
+    with running_server(flags, tmp_path_factory.mktemp("serve") / "server.log") as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

@@ -10,25 +10,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 import specrs
+from test_serve import running_server
 
 openai = pytest.importorskip("openai")
 
 README_SPEC = {"method": "ngram", "num_speculative_tokens": 6}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _series(metrics_text: str, name: str, **labels: str) -> float:
@@ -41,37 +32,13 @@ def _series(metrics_text: str, name: str, **labels: str) -> float:
 
 @pytest.fixture(scope="module")
 def cold_server(tmp_path_factory):
-    port = _free_port()
     workdir = tmp_path_factory.mktemp("startup")
     log_path = workdir / "server.log"
-    log = open(log_path, "w")
     env = {**os.environ, "SPECRS_CACHE_DIR": str(workdir / "empty-cache")}
     env.pop("SPECRS_LOGGING_LEVEL", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "specrs.cli", "serve", "--port", str(port), "--speculative-config",
-         json.dumps(README_SPEC), "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300  # a loaded machine starts slowly (the README runner allows as much)
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"specrs serve did not start:\n{log_path.read_text()}")
-        time.sleep(0.2)
-    yield base, log_path
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
-    assert "Traceback" not in log_path.read_text(), log_path.read_text()
+    with running_server(["--speculative-config", json.dumps(README_SPEC), "--log-level", "warning"], log_path,
+                        env) as base:
+        yield base, log_path
 
 
 def test_a_cold_server_names_its_waits_and_measures_nothing_before_the_first_token(cold_server):
