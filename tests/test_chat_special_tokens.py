@@ -7,8 +7,6 @@ text gets exactly the ids it got before, so its outputs are unchanged."""
 
 from __future__ import annotations
 
-import socket
-import threading
 
 import httpx
 import pytest
@@ -96,12 +94,7 @@ def test_ordinary_chats_keep_their_ids_and_outputs(engine):
 
 uvicorn = pytest.importorskip("uvicorn")
 from specrs.serve import build_app  # noqa: E402  (needs the serve extra, checked above)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from test_serve_abuse import serve_in_thread  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["default", "allowed"])
@@ -110,17 +103,8 @@ def live(request):
     engine = specrs.Engine(allow_special_tokens_in_content=request.param)
     engine.set_measure_on_demand(False)  # no cost curve measured at startup (seconds), as `serve` runs
     app = build_app(engine, "special-model", max_num_seqs=2, default_max_tokens=4, draft_budget="off")
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            pytest.fail("the test server did not start")
-        threading.Event().wait(0.05)
-    yield type("Live", (), {"base": f"http://127.0.0.1:{port}", "engine": engine, "allowed": request.param})()
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serve_in_thread(app) as (base, _, _):
+        yield type("Live", (), {"base": base, "engine": engine, "allowed": request.param})()
 
 
 def test_the_server_tokenizes_special_token_text_in_messages_by_its_setting(live, engine):

@@ -10,9 +10,6 @@ field, and the server then answers the next request normally. The inputs come fr
 from __future__ import annotations
 
 import json
-import logging
-import socket
-import threading
 
 import httpx
 import pytest
@@ -25,6 +22,7 @@ from attack_inputs import (LIMITS, assistant_tool_call, choices, deep_json_text,
 
 uvicorn = pytest.importorskip("uvicorn")
 from specrs.serve import build_app  # noqa: E402  (needs the serve extra, checked above)
+from test_serve_abuse import serve_in_thread  # noqa: E402
 
 MODEL = "limits-model"
 BODY_LIMIT = 4 << 20
@@ -32,38 +30,11 @@ CHAT = "/v1/chat/completions"
 MAX_JSON_NESTING = LIMITS["MAX_JSON_NESTING"]
 
 
-class _Errors(logging.Handler):
-    """uvicorn's error log (an unhandled exception in a handler shows up there)."""
-
-    def __init__(self):
-        super().__init__(logging.ERROR)
-        self.records: list[str] = []
-
-    def emit(self, record):
-        self.records.append(self.format(record))
-
-
 @pytest.fixture(scope="module")
 def live(engine):
     app = build_app(engine, MODEL, max_num_seqs=2, max_request_body_bytes=BODY_LIMIT, default_max_tokens=4)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    errors = _Errors()  # after the Config: it (re)configures uvicorn's loggers
-    logging.getLogger("uvicorn.error").addHandler(errors)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            pytest.fail("the test server did not start")
-        threading.Event().wait(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=30)
-    logging.getLogger("uvicorn.error").removeHandler(errors)
-    assert not errors.records, "\n".join(errors.records)
+    with serve_in_thread(app) as (base, _, _):
+        yield base
 
 
 def _chat(prompt: str = "Say hi.", max_tokens: int = 4, **extra) -> dict:

@@ -9,6 +9,7 @@ stream is compared with the same request run alone on the session's engine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -26,7 +27,7 @@ from specrs import ConfigError, SamplingParams, SpecrsError, _specrs
 from specrs.engine import _config_json
 
 uvicorn = pytest.importorskip("uvicorn")
-from specrs.serve import build_app  # noqa: E402  (needs the serve extra, checked above)
+from specrs.serve import build_app, uvicorn_settings  # noqa: E402  (needs the serve extra, checked above)
 
 MODEL = "abuse-model"
 SERVER_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
@@ -57,16 +58,14 @@ class _Errors(logging.Handler):
         self.records.append(self.format(record))
 
 
-@pytest.fixture(scope="module")
-def live():
-    engine = specrs.Engine(speculative_config=SERVER_SPEC,
-                           proposer=_specrs._testing_panicking_proposer(PANICS_AFTER_CALLS))
-    # No load budget: it is timed, and it could grant the panicking request no draft (so no call)
-    # while another request streams beside it.
-    app = build_app(engine, MODEL, max_num_seqs=4, max_request_body_bytes=BODY_LIMIT,
-                    default_max_tokens=DEFAULT_MAX_TOKENS, draft_budget="off")
+@contextlib.contextmanager
+def serve_in_thread(app, **limits):
+    """`app` on a free port in a thread of this process, with `specrs serve`'s uvicorn settings
+    (`limits`: its connection limits, else serve's defaults); yields (base URL, port, the uvicorn
+    error log). At the end nothing may be in that log: an unhandled exception in a handler shows up
+    there."""
     port = _free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    config = uvicorn.Config(app, **uvicorn_settings("127.0.0.1", port, "warning", **limits))
     errors = _Errors()  # after the Config: it (re)configures uvicorn's loggers
     logging.getLogger("uvicorn.error").addHandler(errors)
     server = uvicorn.Server(config)
@@ -76,13 +75,25 @@ def live():
         if not thread.is_alive():
             pytest.fail("the test server did not start")
         threading.Event().wait(0.05)
-    live = type("Live", (), {"base": f"http://127.0.0.1:{port}", "port": port, "engine": engine, "app": app,
-                             "errors": errors})()
-    yield live
-    server.should_exit = True
-    thread.join(timeout=30)
-    logging.getLogger("uvicorn.error").removeHandler(errors)
+    try:
+        yield f"http://127.0.0.1:{port}", port, errors
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        logging.getLogger("uvicorn.error").removeHandler(errors)
     assert not errors.records, "\n".join(errors.records)
+
+
+@pytest.fixture(scope="module")
+def live():
+    engine = specrs.Engine(speculative_config=SERVER_SPEC,
+                           proposer=_specrs._testing_panicking_proposer(PANICS_AFTER_CALLS))
+    # No load budget: it is timed, and it could grant the panicking request no draft (so no call)
+    # while another request streams beside it.
+    app = build_app(engine, MODEL, max_num_seqs=4, max_request_body_bytes=BODY_LIMIT,
+                    default_max_tokens=DEFAULT_MAX_TOKENS, draft_budget="off")
+    with serve_in_thread(app) as (base, port, errors):
+        yield type("Live", (), {"base": base, "port": port, "engine": engine, "app": app, "errors": errors})()
 
 
 def _metric(base: str, name: str, **labels) -> float:

@@ -8,9 +8,7 @@ the same uvicorn settings `specrs serve` uses (`specrs.serve.uvicorn_settings`).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import os
 import re
 import shutil
@@ -28,10 +26,10 @@ from specrs import _specrs
 from specrs.heads import shipped_heads
 
 uvicorn = pytest.importorskip("uvicorn")
-from specrs.serve import build_app, uvicorn_settings  # noqa: E402  (needs the serve extra, checked above)
+from specrs.serve import build_app  # noqa: E402  (needs the serve extra, checked above)
 from specrs.serve.protocol import APIError, ServerSpeculation  # noqa: E402
-from test_serve_abuse import (MODEL, GoodStream, _alone, _chat_body, _error, _Errors, _free_port,  # noqa: E402
-                              _metric, _post)
+from test_serve_abuse import (MODEL, GoodStream, _alone, _chat_body, _error, _metric, _post,  # noqa: E402
+                              serve_in_thread)
 
 SERVER_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 CHAT = "/v1/chat/completions"
@@ -39,34 +37,11 @@ CHAT = "/v1/chat/completions"
 REQUIRED_KEYS = {"pard": {"mask_token_id": 1}, "layer_skip": {"exit_layer": 2}}
 
 
-@contextlib.contextmanager
-def _running(app, **limits):
-    """`app` on a free port with `specrs serve`'s uvicorn settings; yields the base URL and port."""
-    port = _free_port()
-    config = uvicorn.Config(app, **uvicorn_settings("127.0.0.1", port, "warning", **limits))
-    errors = _Errors()  # after the Config: it (re)configures uvicorn's loggers
-    logging.getLogger("uvicorn.error").addHandler(errors)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            pytest.fail("the test server did not start")
-        threading.Event().wait(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", port
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        logging.getLogger("uvicorn.error").removeHandler(errors)
-    assert not errors.records, "\n".join(errors.records)
-
-
 @pytest.fixture(scope="module")
 def served(engine):
     """The session's engine served with an n-gram default, as `specrs serve` would."""
     app = build_app(engine, MODEL, max_num_seqs=4, default_max_tokens=8, draft_budget="off", body_timeout_s=2.0)
-    with _running(app, header_timeout_s=2.0) as (base, port):
+    with serve_in_thread(app, header_timeout_s=2.0) as (base, port, _):
         yield type("Served", (), {"base": base, "port": port, "engine": engine})()
 
 
@@ -328,7 +303,7 @@ def test_connections_past_the_limit_are_refused_and_streams_go_on(engine):
     """With room for 4 connections: a running stream and 3 idle sockets fill it; a fifth connection
     gets a 503 and is closed at once, and the stream still ends with the output it gets alone."""
     app = build_app(engine, MODEL, max_num_seqs=4, draft_budget="off")
-    with _running(app, header_timeout_s=300.0, max_connections=4) as (base, port):
+    with serve_in_thread(app, header_timeout_s=300.0, max_connections=4) as (base, port, _):
         good = GoodStream(base)
         good.first_chunk.wait()
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
