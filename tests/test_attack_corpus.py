@@ -156,10 +156,10 @@ def _schemas() -> list[Attack]:
                               ("MAX_SCHEMA_DEPTH",), "guided_json"))
     attacks += [
         Attack("$ref aliases", _chat(guided_json=ref_alias_cycle_schema()), 400, ("MAX_SCHEMA_DEPTH",), "guided_json"),
-        Attack("$ref to itself", _chat(response_format=_json_schema(self_ref_schema())), 400, ("allows no output",),
+        Attack("$ref to itself", _chat(response_format=_json_schema(self_ref_schema())), 400, ("no finite instance",),
                "response_format"),
-        Attack("$ref cycle", _chat(guided_json=ref_cycle_schema()), 400, ("allows no output",), "guided_json"),
-        Attack("object containing itself", _chat(guided_json=self_containing_schema()), 400, ("cannot be followed",),
+        Attack("$ref cycle", _chat(guided_json=ref_cycle_schema()), 400, ("no finite instance",), "guided_json"),
+        Attack("object containing itself", _chat(guided_json=self_containing_schema()), 400, ("no finite instance",),
                "guided_json"),
         Attack(f"schema nested {nesting - 1}", _chat(guided_json=nested_schema(nesting - 1)), 200,
                check=_content_is(lambda c: c.startswith("["), "a JSON array")),
