@@ -83,7 +83,7 @@ def test_prompt_plus_max_tokens_over_the_context(engine):
         ({"max_tokens": -3}, "max_tokens"),
         ({"temperature": -0.5}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
-        ({"top_k": -1}, "top_k"),
+        ({"top_k": -2}, "top_k"),  # -1 is vLLM's "off"
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"min_p": 1.2}, "min_p"),
