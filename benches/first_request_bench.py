@@ -172,6 +172,20 @@ def spread(values: list[float]) -> dict:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
+def write_report(out: str | None, settings: dict, results: dict) -> None:
+    """The run's settings, machine, specrs version and commit beside `results`, as JSON at `out`
+    (None: nothing written)."""
+    import specrs
+
+    report = {"settings": settings, "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                                                "python": platform.python_version()},
+              "specrs": specrs.__version__, "commit": commit(), **results}
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1))
+        print(f"wrote {out}", file=sys.stderr)
+
+
 def commit() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
@@ -241,16 +255,8 @@ def main() -> int:
     if args.runs < 1:
         ap.error("--runs must be at least 1")
 
-    import specrs
-
-    report = {"settings": {k: v for k, v in vars(args).items() if k != "child"},
-              "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                          "python": platform.python_version()},
-              "specrs": specrs.__version__, "commit": commit(), "first_token": first_token(args, config)}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.out}", file=sys.stderr)
+    settings = {k: v for k, v in vars(args).items() if k != "child"}
+    write_report(args.out, settings, {"first_token": first_token(args, config)})
     return 0
 
 

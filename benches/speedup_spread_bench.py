@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from first_request_bench import busy_loops, commit  # benches/ is the script's folder
+from first_request_bench import busy_loops, write_report  # benches/ is the script's folder
 
 DEFAULT_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
@@ -96,15 +94,7 @@ def main() -> int:
         ap.error("--bench-runs must be at least 1")
     configs = [json.loads(text) for text in args.config] if args.config else [DEFAULT_CONFIG]
 
-    import specrs
-
-    report = {"settings": vars(args), "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                                                  "python": platform.python_version()},
-              "specrs": specrs.__version__, "commit": commit(), "bench_spread": bench_spread(args, configs)}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.out}", file=sys.stderr)
+    write_report(args.out, vars(args), {"bench_spread": bench_spread(args, configs)})
     return 0
 
 
