@@ -8,34 +8,17 @@
 //! string forever, while this choice closes strings at once (`!` then `"`, which follows it).
 
 mod common;
+#[path = "common/constraint_fixture.rs"]
+mod constraint_fixture;
 
-use std::sync::OnceLock;
-
+use constraint_fixture::fixture;
 use serde_json::{json, Value};
 use specrs_core::constraint::{Constraint, ConstraintCompiler, GrammarSpec};
-use specrs_core::gguf::GgufFile;
 use specrs_core::tokenizer::TextTokenizer;
 use specrs_core::Error;
 
 /// Longest walk a test grammar needs; a walk that has not finished by then is a failure.
 const MAX_WALK_TOKENS: usize = 64;
-
-struct Fixture {
-    tokenizer: TextTokenizer,
-    compiler: ConstraintCompiler,
-}
-
-fn fixture() -> &'static Fixture {
-    static FIXTURE: OnceLock<Fixture> = OnceLock::new();
-    FIXTURE.get_or_init(|| {
-        let gguf = GgufFile::open(common::smollm2_path()).expect("open SmolLM2");
-        let tokenizer = TextTokenizer::from_gguf(&gguf).expect("SmolLM2 tokenizer");
-        let started = std::time::Instant::now();
-        let compiler = ConstraintCompiler::new(&tokenizer).expect("constraint compiler");
-        println!("ConstraintCompiler::new on {} tokens: {:?}", tokenizer.vocab_size(), started.elapsed());
-        Fixture { tokenizer, compiler }
-    })
-}
 
 fn compile(spec: Value) -> Constraint {
     let spec = GrammarSpec::from_json(&spec).expect("grammar spec");

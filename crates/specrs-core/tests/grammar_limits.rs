@@ -6,35 +6,20 @@
 //! are refused when compiled; what compiles at a limit also runs.
 
 mod common;
+#[path = "common/constraint_fixture.rs"]
+mod constraint_fixture;
 
-use std::sync::OnceLock;
-
+use constraint_fixture::fixture;
 use serde_json::{json, Map, Value};
 use specrs_core::constraint::limits::{
     COMPILE_STACK_BYTES, MAX_CHOICES, MAX_CHOICE_BYTES, MAX_JSON_NESTING, MAX_LARK_DEPTH, MAX_LARK_RULES,
     MAX_PATTERN_MIN_LENGTH, MAX_REGEX_REPEAT, MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES,
 };
-use specrs_core::constraint::{Constraint, ConstraintCompiler, GrammarSpec};
-use specrs_core::gguf::GgufFile;
-use specrs_core::tokenizer::TextTokenizer;
+use specrs_core::constraint::{Constraint, GrammarSpec};
 use specrs_core::Error;
 
 /// Tokens a walk through a grammar at a limit takes before it must have run without error.
 const WALK_TOKENS: usize = 64;
-
-struct Fixture {
-    tokenizer: TextTokenizer,
-    compiler: ConstraintCompiler,
-}
-
-fn fixture() -> &'static Fixture {
-    static FIXTURE: OnceLock<Fixture> = OnceLock::new();
-    FIXTURE.get_or_init(|| {
-        let tokenizer = TextTokenizer::from_gguf(&GgufFile::open(common::smollm2_path()).unwrap()).unwrap();
-        let compiler = ConstraintCompiler::new(&tokenizer).unwrap();
-        Fixture { tokenizer, compiler }
-    })
-}
 
 /// Compiles `spec` on a quarter of the compile thread's stack: what passes the limits must fit.
 fn compiles(spec: GrammarSpec) -> Constraint {
