@@ -2,9 +2,10 @@
 `'specrs[train]'` from PyPI, each into a clean virtual environment (no system site packages, none
 of the development .venv's), then each extra's commands run briefly: `specrs generate`; `specrs
 serve` answering a request; every module a Ray replica imports, and `specrs serve --help`; `specrs
-train-head eagle3|mlp_speculator --help`. Without its extra, each command stops before loading
-anything, naming the `pip install` (tests/test_extras.py checks the declarations statically). The
-development .venv has every package, so only this test sees an extra that forgot one.
+train-head eagle3|mlp_speculator --help`, which needs no extra (the trainers' flags are parsed before
+torch is imported). Without its extra, each command stops before loading anything, naming the
+`pip install` (tests/test_extras.py checks the declarations statically). The development .venv has
+every package, so only this test sees an extra that forgot one.
 
 Marked `install`: skipped unless pytest gets `--run-install` (`make test-install`, which CI runs
 after `make test`). Needs PyPI: ~4 GB of downloads (torch and its CUDA libraries for `[train]`)
@@ -97,6 +98,10 @@ def venv(tmp_path, wheel):
         shutil.rmtree(v.path, ignore_errors=True)
 
 
+# A trainer's required flags, naming nothing that exists: without the train extra it stops first.
+TRAINER_RUN = ("--features", "/nonexistent/features", "--out", "/nonexistent/head")
+
+
 def _refused(v: Venv, extra: str, *args: str) -> None:
     """`specrs ARGS` exits 2 naming the extra to install, before touching the (missing) model."""
     done = v.specrs(*args, check=False)
@@ -112,7 +117,8 @@ def test_plain_install_generates_and_names_the_extra_each_other_command_needs(ve
     assert out.stdout.strip(), out.stderr
     _refused(v, "serve", "serve", "/nonexistent/model.gguf")
     _refused(v, "ray", "serve", "--ray", "/nonexistent/model.gguf")
-    _refused(v, "train", "train-head", "eagle3", "--help")
+    assert "--ttt-steps" in v.specrs("train-head", "eagle3", "--help").stdout
+    _refused(v, "train", "train-head", "eagle3", *TRAINER_RUN, "--target", "/nonexistent/model.gguf")
 
 
 def _free_port() -> int:
@@ -187,7 +193,8 @@ def test_ray_extra_has_what_a_replica_imports(venv):
     v.python(f"import importlib; [importlib.import_module(m) for m in {RAY_MODULES!r}]; "
              "from specrs.serve.ray import require_ray; require_ray()")
     assert "--num-replicas" in v.specrs("serve", "--help").stdout
-    _refused(v, "train", "train-head", "mlp_speculator", "--help")
+    assert "--n-predict" in v.specrs("train-head", "mlp_speculator", "--help").stdout
+    _refused(v, "train", "train-head", "mlp_speculator", *TRAINER_RUN)
 
 
 def test_train_extra_runs_the_trainers(venv):
