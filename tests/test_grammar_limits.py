@@ -98,6 +98,10 @@ CASES = [
     # Found by the grammar_compile fuzz target: compiled, then an internal error mid-output (a 500).
     ("%ignore beside a %json grammar", {"guided_grammar": 'start: "bab" r1\nr1: %json {"type": "object"} | "end"\n'
                                                           '%ignore /[ \\t]+/\n'}, "%ignore", "guided_grammar"),
+    # Found by the grammar_compile fuzz target: a rule that derives only itself, reachable after a
+    # nested %lark block, compiled; after "x" the mask failed mid-output (a 500).
+    ("rule that never ends", {"guided_grammar": 'start: r0\nr0: %lark {\nstart: r0\nr0: "x"\n} r1 r0 | "end"\n'
+                                                'r1: r1\n'}, "never ends", "guided_grammar"),
     ("schema one level too deep", {"guided_json": nested_schema(MAX_JSON_NESTING)}, "MAX_JSON_NESTING",
      "guided_json"),
     ("tool schema one level too deep", {"tools": [tool(nested_schema(MAX_JSON_NESTING))]}, "MAX_JSON_NESTING",

@@ -13,8 +13,8 @@
 //! takes the matcher's first steps, so limits llguidance applies lazily fire there.
 //!
 //! Invariants:
-//! - `compile` refuses input past a limit, a grammar llguidance cannot compile, and one whose
-//!   first steps fail (the first mask, the tokens forced at the start, the mask after them) with
+//! - `compile` refuses input past a limit, a grammar llguidance cannot compile, one whose output
+//!   can reach a rule that never ends (`productive`), and one whose first steps fail (the first mask, the tokens forced at the start, the mask after them) with
 //!   an `Error::Config`; it never overflows a stack.
 //! - The matcher's state is always that after exactly the tokens consumed and not rolled back.
 //!   A failed `consume` or `rollback` changes nothing, so a bad call never poisons the request.
@@ -27,6 +27,7 @@
 
 pub mod grammar_spec;
 pub mod limits;
+mod productive;
 mod token_env;
 
 pub use grammar_spec::{GrammarSpec, GRAMMAR_SPEC_KEYS};
@@ -103,6 +104,7 @@ impl ConstraintCompiler {
         let parser = catch_panic(|| self.factory.create_parser(grammar))
             .map_err(|panic| invalid(format!("llguidance failed on it ({panic})")))?
             .map_err(|e| invalid(format!("{e:#}")))?;
+        productive::check(parser.parser.grammar(), kind)?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(message) = matcher.get_error() {
             return Err(invalid(message));

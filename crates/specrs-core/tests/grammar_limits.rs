@@ -317,6 +317,28 @@ fn ignore_beside_a_nested_json_grammar_is_refused_when_compiling() {
     walk(compiles(GrammarSpec::Lark(body.to_string())));
 }
 
+/// Found by the `grammar_compile` fuzz target (`fuzz/regressions/grammar_compile/unproductive-
+/// rule-after-nested-lark`): a rule that derives only itself, reachable after a nested `%lark`
+/// block, compiled and passed the first steps ("end" and the nested "x" can start); after "x" the
+/// mask failed with NoExtensionBias, an internal error mid-output. Now refused when compiling,
+/// naming the rule, however the rule is written.
+#[test]
+fn a_rule_that_never_ends_is_refused_when_compiling() {
+    let dead_ends = [
+        ("start: r0\nr0: %lark {\nstart: r0\nr0: \"x\"\nT0: T1 | /[a-z]/\nT1: \"t\"\n} r1 r0 | \"end\"\nr1: r1\n", "`r1`"),
+        ("start: \"a\" | \"b\" paren\nparen: \"(\" paren \")\"\n", "`paren`"),
+        ("start: \"a\" | loop\nloop: \"x\" loop2\nloop2: \"y\" loop\n", "`loop`"),
+    ];
+    for (lark, rule) in dead_ends {
+        let message = refused(GrammarSpec::Lark(lark.to_string()), "never ends");
+        assert!(message.contains(rule), "{lark}: {message}");
+    }
+    // Recursion with a way out, and an optional rule, compile and run.
+    for ok in ["start: \"a\" | \"b\" paren\nparen: \"(\" paren \")\" | \"x\"\n", "start: \"a\" opt? \"b\"\nopt: \"o\"*\n"] {
+        walk(compiles(GrammarSpec::Lark(ok.to_string())));
+    }
+}
+
 #[test]
 fn every_limit_is_listed_once() {
     let names: Vec<&str> = specrs_core::constraint::limits::ALL.iter().map(|(name, _)| *name).collect();
