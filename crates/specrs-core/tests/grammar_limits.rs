@@ -325,7 +325,10 @@ fn ignore_beside_a_nested_json_grammar_is_refused_when_compiling() {
 #[test]
 fn a_rule_that_never_ends_is_refused_when_compiling() {
     let dead_ends = [
-        ("start: r0\nr0: %lark {\nstart: r0\nr0: \"x\"\nT0: T1 | /[a-z]/\nT1: \"t\"\n} r1 r0 | \"end\"\nr1: r1\n", "`r1`"),
+        (
+            "start: r0\nr0: %lark {\nstart: r0\nr0: \"x\"\nT0: T1 | /[a-z]/\nT1: \"t\"\n} r1 r0 | \"end\"\nr1: r1\n",
+            "`r1`",
+        ),
         ("start: \"a\" | \"b\" paren\nparen: \"(\" paren \")\"\n", "`paren`"),
         ("start: \"a\" | loop\nloop: \"x\" loop2\nloop2: \"y\" loop\n", "`loop`"),
     ];
@@ -334,7 +337,9 @@ fn a_rule_that_never_ends_is_refused_when_compiling() {
         assert!(message.contains(rule), "{lark}: {message}");
     }
     // Recursion with a way out, and an optional rule, compile and run.
-    for ok in ["start: \"a\" | \"b\" paren\nparen: \"(\" paren \")\" | \"x\"\n", "start: \"a\" opt? \"b\"\nopt: \"o\"*\n"] {
+    for ok in
+        ["start: \"a\" | \"b\" paren\nparen: \"(\" paren \")\" | \"x\"\n", "start: \"a\" opt? \"b\"\nopt: \"o\"*\n"]
+    {
         walk(compiles(GrammarSpec::Lark(ok.to_string())));
     }
 }

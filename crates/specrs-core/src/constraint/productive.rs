@@ -85,7 +85,8 @@ fn dead_ends(grammar: &CGrammar) -> Vec<String> {
         .collect();
     // Per rule, how many of its right-hand side's symbols are not known productive yet; per
     // symbol, the rules it occurs in (once per occurrence, matching the count).
-    let mut missing: Vec<usize> = rules.iter().map(|(_, rhs)| rhs.iter().filter(|&&s| !productive[s]).count()).collect();
+    let mut missing: Vec<usize> =
+        rules.iter().map(|(_, rhs)| rhs.iter().filter(|&&s| !productive[s]).count()).collect();
     let mut occurs_in: Vec<Vec<usize>> = vec![Vec::new(); symbols.len()];
     for (rule, (_, rhs)) in rules.iter().enumerate() {
         for &sym in rhs.iter().filter(|&&s| !productive[s]) {
@@ -106,10 +107,5 @@ fn dead_ends(grammar: &CGrammar) -> Vec<String> {
             }
         }
     }
-    symbols
-        .iter()
-        .zip(&productive)
-        .filter(|(_, &ok)| !ok)
-        .map(|(&sym, _)| grammar.sym_data(sym).name.clone())
-        .collect()
+    symbols.iter().zip(&productive).filter(|(_, &ok)| !ok).map(|(&sym, _)| grammar.sym_data(sym).name.clone()).collect()
 }
