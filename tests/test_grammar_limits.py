@@ -114,6 +114,22 @@ def test_each_shape_is_a_400_naming_the_limit(live, fields, limit, param):
     _refused(live, _chat(**fields), limit, param)
 
 
+def test_a_grammar_past_llguidances_row_limit_mid_output_is_a_400(live, engine):
+    """Found by the grammar_compile fuzz target: rules each of which may end where the next starts
+    compile (the first row is small), then all complete at once after the first word, past
+    llguidance's 2,000 items per parser row. That is the request's error (a 400 naming the limit),
+    not a 500, and the server goes on serving."""
+    lark = 'start: r0 "!"\n' + "".join(f'r{i}: r{i + 1} | "end"\n' for i in range(1200)) + 'r1200: "x"\n'
+    # "end" completes every rule at once ("x" only the last, then each once); bias the model to it.
+    (end,) = engine.tokenizer.encode("end")
+    response = _post(live, _chat(max_tokens=8, guided_grammar=lark, logit_bias={str(end): 100}))
+    assert response.status_code == 400, response.text[:2000]
+    message = response.json()["error"]["message"]
+    assert "went past a limit of llguidance's parser" in message and "items; max is" in message, message
+    after = _post(live, _chat())
+    assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"], after.text
+
+
 def test_nesting_past_the_request_limit_is_a_400_before_anything_recurses(live):
     """150+ levels in a tool's parameters (the JSON Schema validator recursed past Python's limit)
     and in a response format, and `[` * 100,000 as an earlier tool call's arguments (Python's JSON

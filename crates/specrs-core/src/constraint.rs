@@ -16,6 +16,10 @@
 //! - `compile` refuses input past a limit, a grammar llguidance cannot compile, one whose output
 //!   can reach a rule that never ends (`productive`), and one whose first steps fail (the first mask, the tokens forced at the start, the mask after them) with
 //!   an `Error::Config`; it never overflows a stack.
+//! - Mid-output, a matcher that stops on one of llguidance's limits on a grammar's work (items
+//!   per parser row, work per token: no check before compiling bounds them for every grammar) is
+//!   an `Error::Config` naming the limit, the request's error; any other matcher failure is
+//!   `Error::Internal`.
 //! - The matcher's state is always that after exactly the tokens consumed and not rolled back.
 //!   A failed `consume` or `rollback` changes nothing, so a bad call never poisons the request.
 //! - `consume(t)` succeeds exactly when `valid_prefix_len(t) == t.len()`, and every token of
@@ -113,7 +117,7 @@ impl ConstraintCompiler {
             Error::config(format!(
                 "the {kind} cannot be followed from the start of the output: llguidance stops with \"{message}\"{}; \
                  fix the {kind} and resend",
-                why_first_steps_fail(&message)
+                why_the_matcher_stops(&message)
             ))
         })?;
         Ok(Constraint { matcher, tok_env: self.factory.tok_env().clone(), kind, consumed: 0, eos_after_end: false })
@@ -145,16 +149,35 @@ fn first_steps(matcher: &Matcher) -> std::result::Result<(), String> {
     Ok(())
 }
 
-/// A hint at the usual cause of a first-steps failure, from llguidance's message.
-fn why_first_steps_fail(message: &str) -> &'static str {
+/// Whether llguidance's matcher stopped on one of its own limits on a grammar's work (items per
+/// parser row, work per token, forced tokens, a dead end), which no check before compiling can
+/// bound in general (an ambiguous grammar's rows grow with the output): the request's grammar is
+/// the cause, not the engine.
+fn is_grammar_limit(message: &str) -> bool {
+    [
+        "ParserTooComplex",
+        "LexerTooComplex",
+        "NoExtensionBias",
+        "items; max is",
+        "Too many items",
+        "too many expressions",
+        "fuel",
+    ]
+    .iter()
+    .any(|marker| message.contains(marker))
+}
+
+/// A hint at the usual cause of a matcher's stop, from llguidance's message.
+fn why_the_matcher_stops(message: &str) -> &'static str {
     if message.contains("NoExtensionBias") {
         " (it allows no output: e.g. a $ref cycle with nothing in between, or a schema made only of itself)"
     } else if message.contains("items; max is") {
-        " (a rule offers more alternatives at once than llguidance's parser keeps in one row: group them into \
-         rules of fewer alternatives, or use one regex)"
+        " (more rules are open at once than llguidance's parser keeps in one row: e.g. a rule with thousands of \
+         alternatives, or a long chain of rules each of which may end where the next one does; group alternatives \
+         into fewer rules, use one regex, or shorten the chain)"
     } else if ["Too many items", "too many expressions", "fuel"].iter().any(|m| message.contains(m)) {
-        " (its first tokens need more work than the matcher allows per token: e.g. a required property that \
-         contains itself, or a very long forced repetition)"
+        " (a token needs more work than the matcher allows per token: e.g. a required property that contains \
+         itself, or a very long forced repetition)"
     } else {
         ""
     }
@@ -235,9 +258,7 @@ impl Constraint {
         let allowed = if self.is_finished() {
             self.tok_env.tok_trie().eos_token_set()
         } else {
-            self.matcher
-                .compute_mask()
-                .map_err(|e| Error::Internal(format!("computing the {} token mask: {e:#}", self.kind)))?
+            self.matcher.compute_mask().map_err(|e| self.failed("computing the token mask", e))?
         };
         Ok(TokenMask { allowed })
     }
@@ -295,9 +316,7 @@ impl Constraint {
             self.eos_after_end = true;
             return Ok(());
         }
-        self.matcher.consume_tokens(tokens).map_err(|e| {
-            Error::Internal(format!("the {} matcher failed on tokens it had validated: {e:#}", self.kind))
-        })?;
+        self.matcher.consume_tokens(tokens).map_err(|e| self.failed("consuming tokens it had validated", e))?;
         self.consumed += tokens.len();
         Ok(())
     }
@@ -316,9 +335,7 @@ impl Constraint {
         }
         let from_matcher = n - usize::from(self.eos_after_end && n > 0);
         if from_matcher > 0 {
-            self.matcher
-                .rollback(from_matcher)
-                .map_err(|e| Error::Internal(format!("rolling back the {} matcher: {e:#}", self.kind)))?;
+            self.matcher.rollback(from_matcher).map_err(|e| self.failed("rolling back", e))?;
             self.consumed -= from_matcher;
         }
         if n > 0 {
@@ -351,11 +368,29 @@ impl Constraint {
         self.tok_env.tok_trie().eos_tokens().contains(&token)
     }
 
-    /// llguidance's matcher keeps its first internal error and fails every later call.
+    /// llguidance's matcher keeps its first error and fails every later call.
     fn check_healthy(&self) -> Result<()> {
         match self.matcher.get_error() {
-            Some(message) => Err(Error::Internal(format!("the {} matcher failed earlier: {message}", self.kind))),
+            Some(_) => Err(self.failed("a step before this one", "")),
             None => Ok(()),
+        }
+    }
+
+    /// The error for a matcher call that failed while `doing`: the grammar's (`Error::Config`,
+    /// a 400 from the server) when llguidance stopped on one of its limits on the grammar's work
+    /// (`is_grammar_limit`), the engine's (`Error::Internal`) otherwise.
+    fn failed(&self, doing: &str, error: impl std::fmt::Display) -> Error {
+        let kind = self.kind;
+        let message = self.matcher.get_error().unwrap_or_else(|| format!("{error:#}"));
+        if is_grammar_limit(&message) {
+            Error::config(format!(
+                "the {kind} went past a limit of llguidance's parser after {} output tokens: \"{message}\"{}; \
+                 simplify the {kind} and resend",
+                self.consumed,
+                why_the_matcher_stops(&message)
+            ))
+        } else {
+            Error::Internal(format!("the {kind} matcher failed ({doing}): {message}"))
         }
     }
 }

@@ -344,6 +344,31 @@ fn a_rule_that_never_ends_is_refused_when_compiling() {
     }
 }
 
+/// Found by the `grammar_compile` fuzz target: a chain of rules each of which may end where the
+/// next starts (`r{i}: r{i+1} | "end"`) compiles (its first row is small), and after "end" all of
+/// them complete at once, past llguidance's 2,000 items per parser row. No check before compiling
+/// bounds a row for every grammar, so this failure is the request's: an `Error::Config` naming the
+/// limit, not an internal error (a 500 from the server).
+#[test]
+fn a_parser_row_past_llguidances_limit_mid_output_is_a_config_error() {
+    let mut lark = String::from("start: r0\n");
+    for i in 0..1200 {
+        lark += &format!("r{i}: r{} | \"end\"\n", i + 1);
+    }
+    lark += "r1200: \"x\"\n";
+    let mut constraint = compiles(GrammarSpec::Lark(lark));
+    let end = fixture().tokenizer.encode("end", false).expect("tokenize");
+    let error = constraint.consume(&end).and_then(|()| constraint.allowed_tokens().map(|_| ()));
+    match error {
+        Err(Error::Config(message)) => {
+            assert!(message.contains("items; max is") && message.contains("simplify"), "{message}")
+        }
+        other => panic!("expected a config error naming llguidance's row limit, got {:?}", other.map(|_| ())),
+    }
+    // A matcher that failed keeps failing the same way, never as an internal error.
+    assert!(matches!(constraint.allowed_tokens(), Err(Error::Config(_))));
+}
+
 #[test]
 fn every_limit_is_listed_once() {
     let names: Vec<&str> = specrs_core::constraint::limits::ALL.iter().map(|(name, _)| *name).collect();
