@@ -10,6 +10,7 @@ field, and the server then answers the next request normally. The inputs come fr
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -128,6 +129,23 @@ def test_a_grammar_past_llguidances_row_limit_mid_output_is_a_400(live, engine):
     assert "went past a limit of llguidance's parser" in message and "items; max is" in message, message
     after = _post(live, _chat())
     assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"], after.text
+
+
+def test_a_matcher_step_without_end_is_a_400_at_the_call_budget_and_others_are_served(live, engine):
+    """Found by the grammar_compile fuzz target: two greedy terminals back to back, the first of
+    which swallows what the second needs, made one llguidance call force bytes for ever, which
+    would have held every request's step. Behind a choice it compiles; once the output takes that
+    branch, the call is cancelled at MATCHER_CALL_BUDGET (10 s) and the request is a 400, while a
+    request beside it is served."""
+    lark = 'start: "a" | "c" r0\nr0: /b+b+/ /b+b+/\n'
+    (c,) = engine.tokenizer.encode("c")
+    with ThreadPoolExecutor(2) as pool:
+        endless = pool.submit(_post, live, _chat(max_tokens=8, guided_grammar=lark, logit_bias={str(c): 100}))
+        beside = pool.submit(_post, live, _chat())
+        response, plain = endless.result(), beside.result()
+    assert response.status_code == 400, response.text[:2000]
+    assert "MATCHER_CALL_BUDGET" in response.json()["error"]["message"], response.text[:2000]
+    assert plain.status_code == 200 and plain.json()["choices"][0]["message"]["content"], plain.text
 
 
 def test_nesting_past_the_request_limit_is_a_400_before_anything_recurses(live):

@@ -125,6 +125,9 @@ fn spec(mode: u8, rest: &[u8]) -> Option<GrammarSpec> {
 fuzz_target!(|data: &[u8]| {
     let Some((&mode, rest)) = data.split_first() else { return };
     let Some(spec) = spec(mode, rest) else { return };
+    if std::env::var_os("SPECRS_FUZZ_PRINT").is_some() {
+        eprintln!("{spec:?}"); // replaying one input: what it describes
+    }
     let kind = spec.kind();
     let mut constraint = match compiler().compile_with_stack(&spec, COMPILE_STACK_BYTES / 4) {
         Ok(constraint) => constraint,

@@ -16,10 +16,12 @@
 //! - `compile` refuses input past a limit, a grammar llguidance cannot compile, one whose output
 //!   can reach a rule that never ends (`productive`), and one whose first steps fail (the first mask, the tokens forced at the start, the mask after them) with
 //!   an `Error::Config`; it never overflows a stack.
+//! - Every matcher call runs within `MATCHER_CALL_BUDGET` (`deadline`), so no grammar holds the
+//!   engine's step for longer.
 //! - Mid-output, a matcher that stops on one of llguidance's limits on a grammar's work (items
-//!   per parser row, work per token: no check before compiling bounds them for every grammar) is
-//!   an `Error::Config` naming the limit, the request's error; any other matcher failure is
-//!   `Error::Internal`.
+//!   per parser row, work per token, the call budget: no check before compiling bounds them for
+//!   every grammar) is an `Error::Config` naming the limit, the request's error; any other
+//!   matcher failure is `Error::Internal`.
 //! - The matcher's state is always that after exactly the tokens consumed and not rolled back.
 //!   A failed `consume` or `rollback` changes nothing, so a bad call never poisons the request.
 //! - `consume(t)` succeeds exactly when `valid_prefix_len(t) == t.len()`, and every token of
@@ -29,11 +31,13 @@
 //! - Token ids at or past the tokenizer's vocabulary (padding rows of a model's logits) are never
 //!   allowed.
 
+mod deadline;
 pub mod grammar_spec;
 pub mod limits;
 mod productive;
 mod token_env;
 
+pub use deadline::MATCHER_CALL_BUDGET;
 pub use grammar_spec::{GrammarSpec, GRAMMAR_SPEC_KEYS};
 
 use llguidance::api::StopReason;
@@ -109,7 +113,7 @@ impl ConstraintCompiler {
             .map_err(|panic| invalid(format!("llguidance failed on it ({panic})")))?
             .map_err(|e| invalid(format!("{e:#}")))?;
         productive::check(parser.parser.grammar(), kind)?;
-        let matcher = Matcher::new(Ok(parser));
+        let matcher = Matcher::new(Ok(parser)).into_cancellable();
         if let Some(message) = matcher.get_error() {
             return Err(invalid(message));
         }
@@ -135,19 +139,29 @@ fn first_steps(matcher: &Matcher) -> std::result::Result<(), String> {
     if probe.is_stopped() {
         return Ok(());
     }
-    probe.compute_mask().map_err(|e| failed(&probe, e))?;
-    let forced = probe.compute_ff_tokens();
+    armed(&mut probe, |m| m.compute_mask()).map_err(|e| failed(&probe, e))?;
+    let forced = armed(&mut probe, |m| m.compute_ff_tokens());
     if let Some(message) = probe.get_error() {
         return Err(message);
     }
     if !forced.is_empty() {
-        probe.consume_tokens(&forced).map_err(|e| failed(&probe, e))?;
+        armed(&mut probe, |m| m.consume_tokens(&forced)).map_err(|e| failed(&probe, e))?;
         if !probe.is_stopped() {
-            probe.compute_mask().map_err(|e| failed(&probe, e))?;
+            armed(&mut probe, |m| m.compute_mask()).map_err(|e| failed(&probe, e))?;
         }
     }
     Ok(())
 }
+
+/// Runs `call` on `matcher` armed with the call budget (`deadline`): past it, the matcher is
+/// cancelled and stays so.
+fn armed<T>(matcher: &mut Matcher, call: impl FnOnce(&mut Matcher) -> T) -> T {
+    let _armed = matcher.cancellation_handle().map(deadline::arm);
+    call(matcher)
+}
+
+/// llguidance's error once `deadline`'s watchdog cancelled a matcher call.
+const CANCELLED: &str = "operation cancelled";
 
 /// Whether llguidance's matcher stopped on one of its own limits on a grammar's work (items per
 /// parser row, work per token, forced tokens, a dead end), which no check before compiling can
@@ -162,6 +176,7 @@ fn is_grammar_limit(message: &str) -> bool {
         "Too many items",
         "too many expressions",
         "fuel",
+        CANCELLED,
     ]
     .iter()
     .any(|marker| message.contains(marker))
@@ -169,7 +184,10 @@ fn is_grammar_limit(message: &str) -> bool {
 
 /// A hint at the usual cause of a matcher's stop, from llguidance's message.
 fn why_the_matcher_stops(message: &str) -> &'static str {
-    if message.contains("NoExtensionBias") {
+    if message.contains(CANCELLED) {
+        " (one step of it ran past the matcher's budget of MATCHER_CALL_BUDGET = 10 s: e.g. two greedy terminals \
+         back to back, the first of which swallows what the second needs, like `/b+/ /b+/`)"
+    } else if message.contains("NoExtensionBias") {
         " (it allows no output: e.g. a $ref cycle with nothing in between, or a schema made only of itself)"
     } else if message.contains("items; max is") {
         " (more rules are open at once than llguidance's parser keeps in one row: e.g. a rule with thousands of \
@@ -258,7 +276,7 @@ impl Constraint {
         let allowed = if self.is_finished() {
             self.tok_env.tok_trie().eos_token_set()
         } else {
-            self.matcher.compute_mask().map_err(|e| self.failed("computing the token mask", e))?
+            armed(&mut self.matcher, |m| m.compute_mask()).map_err(|e| self.failed("computing the token mask", e))?
         };
         Ok(TokenMask { allowed })
     }
@@ -284,7 +302,7 @@ impl Constraint {
         }
         // llguidance treats an id past its vocabulary as a fatal error; such an id is just invalid.
         let in_vocab = draft.iter().position(|&t| t as usize >= self.vocab_size()).unwrap_or(draft.len());
-        self.matcher.validate_tokens(&draft[..in_vocab]).unwrap_or(0).min(in_vocab)
+        armed(&mut self.matcher, |m| m.validate_tokens(&draft[..in_vocab])).unwrap_or(0).min(in_vocab)
     }
 
     /// Advances the grammar over `tokens` (the tokens the output kept). Fails, changing nothing,
@@ -316,7 +334,8 @@ impl Constraint {
             self.eos_after_end = true;
             return Ok(());
         }
-        self.matcher.consume_tokens(tokens).map_err(|e| self.failed("consuming tokens it had validated", e))?;
+        armed(&mut self.matcher, |m| m.consume_tokens(tokens))
+            .map_err(|e| self.failed("consuming tokens it had validated", e))?;
         self.consumed += tokens.len();
         Ok(())
     }
@@ -335,7 +354,7 @@ impl Constraint {
         }
         let from_matcher = n - usize::from(self.eos_after_end && n > 0);
         if from_matcher > 0 {
-            self.matcher.rollback(from_matcher).map_err(|e| self.failed("rolling back", e))?;
+            armed(&mut self.matcher, |m| m.rollback(from_matcher)).map_err(|e| self.failed("rolling back", e))?;
             self.consumed -= from_matcher;
         }
         if n > 0 {
@@ -351,7 +370,7 @@ impl Constraint {
         if self.matcher.is_stopped() {
             return Vec::new();
         }
-        self.matcher.compute_ff_tokens()
+        armed(&mut self.matcher, |m| m.compute_ff_tokens())
     }
 
     /// Whether the output is complete: the grammar has ended (it accepts and no token but EOS may

@@ -369,6 +369,29 @@ fn a_parser_row_past_llguidances_limit_mid_output_is_a_config_error() {
     assert!(matches!(constraint.allowed_tokens(), Err(Error::Config(_))));
 }
 
+/// Found by the `grammar_compile` fuzz target: two greedy terminals back to back, the first of
+/// which swallows what the second needs, made llguidance force one `b` after another without end,
+/// inside one matcher call (minutes, then for ever). Every call now runs within
+/// `MATCHER_CALL_BUDGET`: at the start of the output it is refused when compiling, and behind a
+/// choice the request ends with a config error naming the budget. (This test waits the budget
+/// twice; the outcome does not depend on the machine's speed, since the call never ends.)
+#[test]
+fn a_matcher_call_without_end_is_cancelled_at_the_call_budget() {
+    let endless = "/b+b+/ /b+b+/";
+    let message = refused(GrammarSpec::Lark(format!("start: {endless}\n")), "MATCHER_CALL_BUDGET");
+    assert!(message.contains("cannot be followed from the start"), "{message}");
+
+    let mut constraint = compiles(GrammarSpec::Lark(format!("start: \"a\" | \"c\" r0\nr0: {endless}\n")));
+    let c = fixture().tokenizer.encode("c", false).expect("tokenize");
+    let started = std::time::Instant::now();
+    let error = constraint.consume(&c).and_then(|()| constraint.allowed_tokens().map(|_| ()));
+    match error {
+        Err(Error::Config(message)) => assert!(message.contains("MATCHER_CALL_BUDGET"), "{message}"),
+        other => panic!("expected a config error naming the call budget, got {:?}", other.map(|_| ())),
+    }
+    println!("cancelled after {:?}", started.elapsed());
+}
+
 #[test]
 fn every_limit_is_listed_once() {
     let names: Vec<&str> = specrs_core::constraint::limits::ALL.iter().map(|(name, _)| *name).collect();
