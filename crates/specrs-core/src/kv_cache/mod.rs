@@ -137,6 +137,9 @@ pub enum KvLayout {
 pub trait KvStore: Send + Sync {
     /// Positions held.
     fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
     /// Positions the store holds room for without asking for more.
     fn capacity(&self) -> usize;
     /// The most positions it may ever hold (the model's context length).
