@@ -193,7 +193,7 @@ pub(crate) fn check_keep(start: usize, kept: &[usize], len: usize) -> Result<()>
 /// `share_prefix(source, len)`'s preconditions: `this` empty, `source` of the same model and
 /// kind (`same_kind`), holding at least `len` positions.
 pub(crate) fn check_prefix_source(this: &dyn KvStore, source: &dyn KvStore, same_kind: bool, len: usize) -> Result<()> {
-    if this.len() != 0
+    if !this.is_empty()
         || len > source.len()
         || !same_kind
         || (this.num_layers(), this.row_len()) != (source.num_layers(), source.row_len())
