@@ -28,7 +28,7 @@ use crate::constraint::ConstraintCompiler;
 use crate::costs::DiskCache;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::kv_cache::KvBytes;
+use crate::kv_cache::{KvBytes, KvCache, KvLayout, PagedPool};
 use crate::metrics::EngineMetrics;
 use crate::model::candle::decoder::{Decoder, WeightFormat};
 use crate::model::llama_config::LlamaConfig;
@@ -103,6 +103,8 @@ pub struct Engine {
     checkpoint: Option<PathBuf>,
     target_kv: Arc<KvBytes>,
     draft_kv: Arc<KvBytes>,
+    /// The target's sequences' shared block pool under `KvLayout::Paged`; `None`: contiguous.
+    kv_pool: Option<Arc<PagedPool>>,
     /// Grammars' token environment, built on the first constrained request (it walks the whole
     /// vocabulary once) and shared by every later one.
     constraint_compiler: Mutex<Option<Arc<ConstraintCompiler>>>,
@@ -181,8 +183,44 @@ impl Engine {
             heads: Mutex::default(),
             target_kv,
             draft_kv: Arc::default(),
+            kv_pool: None,
             constraint_compiler: Mutex::default(),
         })
+    }
+
+    /// Lays out the target's KV caches of requests started from now on as `layout`
+    /// (contiguous by default). Paged is the host layout: a model whose cache lives on a candle
+    /// device (the candle-ops decoder) is refused.
+    pub fn with_kv_layout(mut self, layout: KvLayout) -> Result<Self> {
+        self.kv_pool = match layout {
+            KvLayout::Contiguous => None,
+            KvLayout::Paged { block_size, num_blocks } => {
+                if self.model.new_cache(1)?.host_layer(0).is_err() {
+                    return Err(Error::config(format!(
+                        "a paged KV cache is laid out on the host for the CPU decoder (GGUF on device 'cpu');                          this model keeps its cache on {:?}: use the contiguous layout",
+                        self.model.device().location()
+                    )));
+                }
+                let info = self.model.info();
+                Some(PagedPool::new(info.num_layers, info.num_kv_heads * info.head_dim, block_size, num_blocks)?)
+            }
+        };
+        Ok(self)
+    }
+
+    /// The target's block pool, when its KV layout is paged.
+    pub fn kv_pool(&self) -> Option<&Arc<PagedPool>> {
+        self.kv_pool.as_ref()
+    }
+
+    /// A cache for one request on the target, in the engine's layout, with room for `reserve`
+    /// positions (contiguous; paged takes blocks as the sequence grows).
+    fn new_target_cache(&self, reserve: usize) -> Result<KvCache> {
+        let cache = match &self.kv_pool {
+            Some(pool) => KvCache::paged(pool, self.model.info().context_length),
+            None => self.model.new_cache(reserve.max(1))?,
+        };
+        Ok(cache.tracked_by(self.target_kv.clone()))
     }
 
     /// Bytes of weights and KV caches.

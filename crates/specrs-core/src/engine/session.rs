@@ -81,7 +81,7 @@ impl Engine {
         let bad_words = self.bad_words_token_ids(&params)?;
         let eos = self.tokenizer.eos_token_ids();
         let processor = LogitsProcessor::new(&params, &prompt_ids, eos, constraint, bad_words);
-        let cache = self.model.new_cache(reserve.max(1))?.tracked_by(self.target_kv.clone());
+        let cache = self.new_target_cache(reserve)?;
         let timer = RequestTimer::new();
         let mut speculation = speculation;
         if let Some(speculation) = speculation.as_mut() {

@@ -23,6 +23,7 @@ use half::f16;
 use super::ggml_math::{hsum8, hsum8_of, softmax_exps};
 use super::parallel::for_each_chunk_mut;
 use crate::error::{Error, Result};
+use crate::kv_cache::Slots;
 
 #[derive(Debug, Clone, Copy)]
 pub struct HeadShape {
@@ -40,15 +41,14 @@ pub struct Attention {
     pub window: Option<usize>,
 }
 
-/// What one query row sees of its sequence's layer cache `k`, `v` (`[capacity, kv_heads *
-/// head_dim]`): cells `0..prefix` in place, then the cells at slots `extra` (a tree node's
-/// ancestors after the cache, itself last). Cell `j` of that list is position `j`: it keeps that
+/// What one query row sees of its sequence's layer cache `kv` (rows of `kv_heads * head_dim`,
+/// addressed through its slots): cells `0..prefix` in place, then the cells at slots `extra` (a
+/// tree node's ancestors after the cache, itself last). Cell `j` of that list is position `j`: it keeps that
 /// index in every summation order, wherever its slot is, so a tree node sums exactly as its
 /// root-to-node path run as a chain. The query's own position is the last cell's.
 #[derive(Debug, Clone, Copy)]
 pub struct RowView<'a> {
-    pub k: &'a [f16],
-    pub v: &'a [f16],
+    pub kv: &'a Slots<'a>,
     pub prefix: usize,
     pub extra: &'a [usize],
 }
@@ -75,7 +75,8 @@ impl Attention {
     pub fn forward<'a>(&self, q: &[f32], k: &'a [f16], v: &'a [f16], past: usize) -> Result<Vec<f32>> {
         let q_width = self.shape.num_heads * self.shape.head_dim;
         let n = q.len().checked_div(q_width).unwrap_or(0);
-        let rows: Vec<RowView> = (0..n).map(|i| RowView { k, v, prefix: past + i + 1, extra: &[] }).collect();
+        let kv = Slots::Identity { k, v };
+        let rows: Vec<RowView> = (0..n).map(|i| RowView { kv: &kv, prefix: past + i + 1, extra: &[] }).collect();
         self.forward_rows(q, &rows)
     }
 
@@ -100,11 +101,10 @@ impl Attention {
         for row in rows {
             let last_slot = row.extra.iter().copied().max().unwrap_or(0).max(row.prefix);
             let needed = if row.extra.is_empty() { row.prefix } else { last_slot + 1 };
-            if row.num_cells() == 0 || row.k.len() < needed * kv_dim || row.v.len() < needed * kv_dim {
+            let (num_keys, num_values) = row.kv.num_values();
+            if row.num_cells() == 0 || num_keys < needed * kv_dim || num_values < needed * kv_dim {
                 return Err(Error::Internal(format!(
-                    "attention: the cache holds {} keys and {} values, fewer than {needed} positions of {kv_dim}",
-                    row.k.len(),
-                    row.v.len(),
+                    "attention: the cache holds {num_keys} keys and {num_values} values, fewer than {needed} positions of {kv_dim}",
                 )));
             }
         }
@@ -115,35 +115,40 @@ impl Attention {
         for_each_chunk_mut(&mut out, head_dim, |item, out| {
             let (i, head) = (item / num_heads, item % num_heads);
             let view = &rows[i];
-            let (k, v) = (view.k, view.v);
             let kv_off = (head / group) * head_dim;
             let query = &q[item * head_dim..(item + 1) * head_dim];
             let pos = view.num_cells() - 1;
             let first = self.window.map_or(0, |w| (pos + 1).saturating_sub(w));
             // Cells before `first` are masked: zero after the exponential, so they change no sum
             // and are skipped, but cells keep their index for the summation order.
-            let row =
-                |cache: &'a [f16], j: usize| -> &'a [f16] { &cache[view.slot(j) * kv_dim + kv_off..][..head_dim] };
+            let key = |j: usize| -> &'a [f16] { &view.kv.keys_from(view.slot(j), kv_dim)[kv_off..][..head_dim] };
+            let value = |j: usize| -> &'a [f16] { &view.kv.values_from(view.slot(j), kv_dim)[kv_off..][..head_dim] };
             let mut weights = vec![0f32; pos + 1 - first];
-            // The cells held in place are one run of rows `kv_dim` apart; the extra ones one each.
+            // The cells held in place are runs of rows `kv_dim` apart (one, or one per block; each
+            // key's score is the same whatever run it is computed in); the extra ones one each.
             let in_place = view.prefix.saturating_sub(first).min(weights.len());
             if simd && head_dim % 8 == 0 {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: features detected; the cache holds rows first..prefix and every extra
                 // slot (checked above).
                 unsafe {
-                    simd::scaled_dots(
-                        query,
-                        &k[first * kv_dim + kv_off..],
-                        kv_dim,
-                        self.scale,
-                        &mut weights[..in_place],
-                    );
+                    let mut j = 0;
+                    while j < in_place {
+                        let run = view.kv.run_len(first + j).min(in_place - j);
+                        simd::scaled_dots(
+                            query,
+                            &view.kv.keys_from(first + j, kv_dim)[kv_off..],
+                            kv_dim,
+                            self.scale,
+                            &mut weights[j..j + run],
+                        );
+                        j += run;
+                    }
                     for j in in_place..weights.len() {
                         let slot = view.slot(first + j);
                         simd::scaled_dots(
                             query,
-                            &k[slot * kv_dim + kv_off..],
+                            &view.kv.keys_from(slot, kv_dim)[kv_off..],
                             kv_dim,
                             self.scale,
                             &mut weights[j..j + 1],
@@ -152,7 +157,7 @@ impl Attention {
                 };
             } else {
                 for (j, w) in weights.iter_mut().enumerate() {
-                    *w = dot(row(k, first + j), query) * self.scale;
+                    *w = dot(key(first + j), query) * self.scale;
                 }
             }
             let max = weights.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
@@ -167,7 +172,7 @@ impl Attention {
             for w in weights.iter_mut() {
                 *w *= inv;
             }
-            weighted_sum(simd, |j| row(v, first + j), &weights, out);
+            weighted_sum(simd, |j| value(first + j), &weights, out);
         });
         Ok(out)
     }

@@ -31,7 +31,6 @@ use std::sync::Arc;
 
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
-use half::f16;
 
 use super::attention::{Attention, HeadShape, RowView};
 use super::ggml_math::{geglu, swiglu};
@@ -39,7 +38,7 @@ use super::qlinear::QLinear;
 use super::rope::{Pairing, Rope};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, Slots};
 use crate::model::config::DecoderConfig;
 use crate::model::forward::check_token_ids;
 use crate::model::layout::{
@@ -338,11 +337,9 @@ impl CausalLm for CpuDecoder {
                 let kv = rows.start * kv_width..rows.end * kv_width;
                 cache.append(layer, &k[kv.clone()], &v[kv])?;
             }
-            let layers: Vec<(&[f16], &[f16])> = caches.iter().map(|cache| cache.layer(layer)).collect();
-            let views: Vec<RowView> = sees
-                .iter()
-                .map(|(s, prefix, extra)| RowView { k: layers[*s].0, v: layers[*s].1, prefix: *prefix, extra })
-                .collect();
+            let layers: Vec<Slots> = caches.iter().map(|cache| cache.host_layer(layer)).collect::<Result<_>>()?;
+            let views: Vec<RowView> =
+                sees.iter().map(|(s, prefix, extra)| RowView { kv: &layers[*s], prefix: *prefix, extra }).collect();
             let window = c.sliding_window.filter(|_| sliding);
             let attn = Attention { shape, scale: score_scale, window }.forward_rows(&q, &views)?;
             let out = norm_if(block.wo.forward(&attn, n)?, block.post_attn_norm.as_ref(), eps);
