@@ -9,6 +9,8 @@ import numpy.typing as npt
 __version__: str
 # The grammar limits (specrs_core::constraint::limits) by their constants' names.
 GRAMMAR_LIMITS: dict[str, int]
+# SchedulerConfig::default() by field name, as Scheduler(...) takes them.
+SCHEDULER_DEFAULTS: dict[str, Any]
 __all__ = [
     "Engine",
     "SamplingParams",
@@ -19,6 +21,9 @@ __all__ = [
     "requantize",
     "cache_dir",
     "copy_bandwidth",
+    "method_facts",
+    "shipped_heads",
+    "SCHEDULER_DEFAULTS",
     "batch_accept",
     "batch_ngram",
     "batch_tree_accept",
@@ -127,6 +132,8 @@ class Tokenizer:
     def bos_token_id(self) -> int | None: ...
 
 def cache_dir() -> str: ...
+def method_facts() -> dict[str, dict[str, Any]]: ...
+def shipped_heads() -> dict[str, dict[str, dict[str, Any]]]: ...
 def copy_bandwidth(device: str = "cpu", num_bytes: int = 1 << 30, repeats: int = 10) -> float: ...
 def requantize(src: str, dst: str, quantization: str) -> list[tuple[str, str, str]]: ...
 
