@@ -12,6 +12,7 @@ copy of them.
 import ast
 import inspect
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,29 @@ def test_prepare_batch_costs_is_public_and_checks_its_argument(engine):
     for bad in (1, 2.5, True, "8"):
         with pytest.raises(specrs.ConfigError, match="max_rows"):
             engine.prepare_batch_costs(bad)
+
+
+def test_the_server_and_the_engine_check_the_context_with_one_message(engine):
+    context = engine.info()["context_length"]
+    speculation = protocol.ServerSpeculation(None)
+    # The prompt alone fills the context: refused naming the prompt, before max_tokens is read.
+    ids = [1] * context
+    with pytest.raises(specrs.ContextLengthError) as by_engine:
+        engine.check_context(len(ids))
+    with pytest.raises(protocol.APIError) as by_server:
+        protocol.parse_request("completion", {"prompt": ids, "max_tokens": 1}, engine, "m", speculation)
+    assert by_server.value.message == str(by_engine.value) and "leaves no room" in str(by_engine.value)
+    assert (by_server.value.param, by_server.value.code) == ("prompt", "context_length_exceeded")
+    # Prompt + max_completion_tokens past it: refused naming that field, in the engine's words.
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": context}
+    with pytest.raises(protocol.APIError) as by_server:
+        protocol.parse_request("chat", body, engine, "m", speculation)
+    assert (by_server.value.param, by_server.value.code) == ("max_completion_tokens", "context_length_exceeded")
+    prompt_len = int(re.search(r"\((\d+) in the prompt", by_server.value.message).group(1))
+    with pytest.raises(specrs.ContextLengthError) as by_engine:
+        engine.check_context(prompt_len, context, "max_completion_tokens")
+    assert by_server.value.message == str(by_engine.value)
+    assert "lower max_completion_tokens" in str(by_engine.value)
+    # The Python API's check is the same one.
+    with pytest.raises(specrs.ContextLengthError, match=f"\\(3 in the prompt, {context} in max_tokens\\)"):
+        engine.generate([1, 2, 3], specrs.SamplingParams(max_tokens=context))

@@ -399,6 +399,12 @@ class Engine:
         token ids outside the vocabulary, or a grammar that does not compile (llguidance's reason)."""
         self._inner.check_params(params)
 
+    def check_context(self, prompt_len: int, max_tokens: int | None = None, limit_name: str = "max_tokens") -> None:
+        """Raises ContextLengthError when a prompt of `prompt_len` tokens leaves no room for an
+        answer or, with `max_tokens`, when prompt + max_tokens is past the context; the message
+        names `limit_name` as the field to lower (the check every request gets at its start)."""
+        self._inner.check_context(prompt_len, max_tokens, limit_name)
+
     def prompt_token_ids(self, prompt: Prompt, tools: list[dict] | None = None, *,
                          allow_special_tokens_in_content: bool | None = None) -> list[int]:
         """Token ids of a prompt: a string encoded as is (special-token text in it becomes special

@@ -18,10 +18,10 @@ from typing import Any
 
 from .. import _specrs
 from ..engine import METHOD_FACTS, Engine, SamplingParams, _config_json
-from ..errors import ConfigError
+from ..errors import ConfigError, ContextLengthError
 from ..heads import shipped_heads
 from . import tools as tool_calls
-from .errors import MAX_QUOTED_CHARS, APIError
+from .errors import MAX_QUOTED_CHARS, APIError, api_error_from
 from .json_nesting import MAX_BODY_NESTING, MAX_JSON_NESTING, json_nesting_past, json_text_nesting_past
 
 # OpenAI fields specrs accepts at their default value only: a request that relies on another value
@@ -55,7 +55,6 @@ MAX_SAMPLES = 128
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 2048
 
-
 # The speculative methods a request may use on any server: they load no weights and need no
 # proposer object (`METHOD_FACTS`, Rust's table).
 METHODS_WITHOUT_WEIGHTS = [name for name, facts in METHOD_FACTS.items()
@@ -64,7 +63,6 @@ METHODS_WITHOUT_WEIGHTS = [name for name, facts in METHOD_FACTS.items()
 # Integer ranges of the sampling fields (what the engine's SamplingParams takes).
 SEED_MAX = 2**64 - 1
 TOP_K_MAX = 2**63 - 1
-
 
 
 def request_too_large(limit: int, size: str) -> APIError:
@@ -508,23 +506,24 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
     except ConfigError as e:
         raise APIError(400, str(e), param="messages" if kind == "chat" else "prompt") from None
     prompt_ids = _truncated_prompt(engine, body, prompt_ids)
-    context = engine.info()["context_length"]
     max_key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
-    if len(prompt_ids) >= context:
-        raise APIError(400, f"this model's maximum context length is {context} tokens, but the prompt has "
-                       f"{len(prompt_ids)}, which leaves no room for an answer; shorten the prompt",
-                       param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
+    # The engine's context check (and its messages); the server only says which field is at fault.
+    try:
+        engine.check_context(len(prompt_ids))
+    except ContextLengthError as e:
+        raise api_error_from(e, "messages" if kind == "chat" else "prompt") from None
     if kind == "completion":
         default_max = DEFAULT_COMPLETION_MAX_TOKENS
     else:
-        default_max = min(default_max_tokens, context - len(prompt_ids))
+        default_max = min(default_max_tokens, engine.info()["context_length"] - len(prompt_ids))
     max_tokens = _number(body, max_key, default_max, int)
     if max_tokens < 1:
         raise APIError(400, f"{max_key} must be at least 1 (got {max_tokens})", param=max_key)
-    if len(prompt_ids) + max_tokens > context:
-        raise APIError(400, f"this model's maximum context length is {context} tokens, but {len(prompt_ids) + max_tokens} "
-                       f"were requested ({len(prompt_ids)} in the prompt, {max_tokens} in {max_key}); shorten the "
-                       f"prompt or lower {max_key}", param=max_key, code="context_length_exceeded")
+    try:
+        # A JSON integer has no size limit; the engine's are 64-bit, and past that any context is.
+        engine.check_context(len(prompt_ids), min(max_tokens, 2**64 - 1), max_key)
+    except ContextLengthError as e:
+        raise api_error_from(e, max_key) from None
     seed = _integer(body, "seed", None, 0, SEED_MAX, "pass a seed that fits in 64 bits")
     n = _integer(body, "n", 1, 1, MAX_SAMPLES, f"ask for 1 to {MAX_SAMPLES} choices")
     top_k = _integer(body, "top_k", 0, -1, TOP_K_MAX, "use -1 or 0 to disable top-k")
