@@ -294,16 +294,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--device", default="cpu")
     srv.add_argument("--served-model-name", default=None, help="the name clients pass as `model` "
                      "(default: MODEL as given, or the default model's file name)")
-    srv.add_argument("--max-num-seqs", type=int, default=16,
+    srv.add_argument("--max-num-seqs", type=int, default=serve.DEFAULT_MAX_NUM_SEQS,
                      help="requests generated at once, all in one batched forward per step; the rest wait in a "
                           "queue")
     srv.add_argument("--max-num-batched-tokens", type=int, default=serve.DEFAULT_MAX_NUM_BATCHED_TOKENS,
                      help="rows in one forward: every request's newest token, its draft, and prompt chunks "
-                          "(default: 2048)")
+                          f"(default: {serve.DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     srv.add_argument("--max-kv-tokens", type=int, default=None,
                      help="KV cache positions held by all running requests together; past it the newest "
                           "request is preempted and recomputed later (default: no bound but each context)")
-    srv.add_argument("--draft-budget", choices=["load", "off"], default="load",
+    srv.add_argument("--draft-budget", choices=serve.DRAFT_BUDGETS, default=serve.DEFAULT_DRAFT_BUDGET,
                      help="load: grant draft tokens where they pay at the current batch size, from the measured "
                           "batch cost curve and each request's acceptance (a request alone drafts as it would "
                           "alone); off: every request drafts its own length whatever the load (vLLM's fixed k)")

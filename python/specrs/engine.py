@@ -41,6 +41,14 @@ class SequenceForward:
 # k for `Engine(proposer=obj)` without a speculative_config.
 DEFAULT_CUSTOM_SPECULATIVE_TOKENS = 4
 
+# What each speculative method takes and needs: Rust's table (`spec_config/methods.rs`), by name.
+METHOD_FACTS: dict[str, dict[str, Any]] = _specrs.method_facts()
+
+# The batch scheduler's defaults are the core's (`SchedulerConfig::default()`); these name them.
+DEFAULT_MAX_NUM_SEQS: int = _specrs.SCHEDULER_DEFAULTS["max_num_seqs"]
+DEFAULT_MAX_NUM_BATCHED_TOKENS: int = _specrs.SCHEDULER_DEFAULTS["max_num_batched_tokens"]
+DEFAULT_DRAFT_BUDGET: str = _specrs.SCHEDULER_DEFAULTS["draft_budget"]
+
 
 def _config_json(config: SpecConfig, target_info: Mapping[str, Any] | None = None) -> str:
     """JSON text of a speculative config with every default filled in; raises ConfigError. With
@@ -317,10 +325,21 @@ class Engine:
         `speculative_config` is prepared when it is built."""
         return self._prepare_logged(self.config_json(speculative_config))
 
+    def prepare_batch_costs(self, max_rows: int) -> dict:
+        """Queues the verification cost curve for forwards of 1..`max_rows` rows (what a scheduler's
+        draft budget reads as its batch cost curve, and what per-request configs up to k =
+        `max_rows` - 1 read) for the background thread, unless the disk cache holds it; measures
+        nothing here. Returns `prepare`'s dict for that curve (`verify_cost_ratios` and where it
+        came from; its `draft_cost` fields describe no proposer)."""
+        if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 2:
+            raise ConfigError(f"max_rows must be an integer >= 2, the largest forward to cost (got {max_rows!r})")
+        # A "custom" config only names the length here: no proposer is built or run.
+        return self._inner.prepare(self.config_json({"method": "custom", "num_speculative_tokens": max_rows - 1}))
+
     def _prepare_logged(self, config_json: str) -> dict:
         config = json.loads(config_json)
         label = f"{config['method']} k={config['num_speculative_tokens']}"
-        loads = config["method"] not in ("ngram", "suffix", "custom")
+        loads = bool(METHOD_FACTS[config["method"]]["weight_keys"])
         start_s = time.perf_counter()
         if loads:
             logger.info("preparing %s: loading its draft", label)
@@ -379,6 +398,12 @@ class Engine:
         """Raises ConfigError for what a request with `params` would be refused at its start:
         token ids outside the vocabulary, or a grammar that does not compile (llguidance's reason)."""
         self._inner.check_params(params)
+
+    def check_context(self, prompt_len: int, max_tokens: int | None = None, limit_name: str = "max_tokens") -> None:
+        """Raises ContextLengthError when a prompt of `prompt_len` tokens leaves no room for an
+        answer or, with `max_tokens`, when prompt + max_tokens is past the context; the message
+        names `limit_name` as the field to lower (the check every request gets at its start)."""
+        self._inner.check_context(prompt_len, max_tokens, limit_name)
 
     def prompt_token_ids(self, prompt: Prompt, tools: list[dict] | None = None, *,
                          allow_special_tokens_in_content: bool | None = None) -> list[int]:
@@ -447,9 +472,9 @@ class Engine:
         *,
         speculative_config: SpecConfig | None | bool = None,
         proposer: Any = None,
-        max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 2048,
-        draft_budget: str = "load",
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        draft_budget: str = DEFAULT_DRAFT_BUDGET,
         progress: bool = True,
     ) -> list[GenerationResult]: ...
 
@@ -460,9 +485,9 @@ class Engine:
         *,
         speculative_config=None,
         proposer=None,
-        max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 2048,
-        draft_budget: str = "load",
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        draft_budget: str = DEFAULT_DRAFT_BUDGET,
         progress: bool = True,
     ):
         """Runs one request, or a list of them. `speculative_config`: None = the engine's default,
@@ -518,9 +543,9 @@ class Engine:
         *,
         speculative_config: SpecConfig | None | bool = None,
         proposer: Any = None,
-        max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 2048,
-        draft_budget: str = "load",
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        draft_budget: str = DEFAULT_DRAFT_BUDGET,
         progress: bool = False,
     ) -> list[GenerationResult]:
         """`params.n` samples of one prompt (OpenAI's and vLLM's `n`), batched with continuous

@@ -10,7 +10,10 @@ use serde_json::{Map, Value};
 use crate::error::{Error, Result};
 use crate::quantize::{parse_quant_type, quant_type_name};
 
+pub mod methods;
+pub mod shipped;
 pub mod tree;
+pub use methods::MethodSpec;
 pub use tree::{TreeConfig, TreeMode};
 
 /// The suffix-decoding settings of a speculative config (vLLM's `suffix_decoding_*` keys).
@@ -29,7 +32,12 @@ pub struct SuffixParams {
 impl Default for SuffixParams {
     /// vLLM's defaults.
     fn default() -> Self {
-        Self { max_tree_depth: 24, max_cached_requests: 10_000, max_spec_factor: 1.0, min_token_prob: 0.1 }
+        Self {
+            max_tree_depth: methods::DEFAULT_SUFFIX_MAX_TREE_DEPTH,
+            max_cached_requests: 10_000,
+            max_spec_factor: 1.0,
+            min_token_prob: 0.1,
+        }
     }
 }
 
@@ -82,30 +90,9 @@ pub const KEYS: [&str; 23] = [
     "grammar_drafts",
 ];
 
-/// Every method a speculative config may name (besides the aliases `draft` and `[ngram]`).
-pub const METHODS: [&str; 12] = [
-    "ngram",
-    "suffix",
-    "custom",
-    "draft_model",
-    "layer_skip",
-    "quantized_self",
-    "pard",
-    "eagle",
-    "eagle3",
-    "mtp",
-    "mlp_speculator",
-    "medusa",
-];
-
-/// Which keys belong to which methods (a key outside this table applies to every method).
-const METHOD_KEYS: [(&str, &[&str]); 5] = [
-    ("model", &["draft_model", "pard", "eagle", "eagle3", "mtp", "mlp_speculator", "medusa"]),
-    ("max_model_len", &["draft_model", "quantized_self", "pard"]),
-    ("quantization", &["quantized_self", "eagle", "eagle3", "mtp", "mlp_speculator", "medusa"]),
-    ("mask_token_id", &["pard"]),
-    ("exit_layer", &["layer_skip"]),
-];
+/// Every method a speculative config may name (besides aliases such as `draft` and `[ngram]`);
+/// `methods::ALL` holds what each takes and needs.
+pub const METHODS: [&str; methods::ALL.len()] = methods::NAMES;
 
 /// The draft weight type `quantized_self` builds when the config names none.
 pub const DEFAULT_SELF_QUANTIZATION: &str = "q4_0";
@@ -133,18 +120,15 @@ pub enum Method {
 }
 
 impl Method {
-    /// The config keys naming the weights this method loads besides the target's: a draft's or a
-    /// head's file ("model"), the target requantized or a head quantized at load
-    /// ("quantization"); empty for the methods that load none. The match is exhaustive on purpose:
-    /// a new method must say what it loads, since `specrs serve` lets a request use only weights
-    /// it already holds (`SpeculativeConfig::weights`, serve/protocol.py).
+    /// The facts of this method (`methods::ALL`).
+    pub fn spec(&self) -> &'static MethodSpec {
+        methods::spec(method_name(self))
+    }
+
+    /// The config keys naming the weights this method loads besides the target's
+    /// (`MethodSpec::weight_keys`); empty for the methods that load none.
     pub fn weight_keys(&self) -> &'static [&'static str] {
-        match self {
-            Method::Ngram { .. } | Method::Suffix(_) | Method::Custom | Method::LayerSkip { .. } => &[],
-            Method::DraftModel(_) | Method::Pard { .. } => &["model"],
-            Method::QuantizedSelf { .. } => &["quantization"],
-            Method::Head { .. } => &["model", "quantization"],
-        }
+        self.spec().weight_keys
     }
 }
 
@@ -270,19 +254,15 @@ impl SpeculativeConfig {
                 )))
             }
         };
-        let method = match method {
-            "[ngram]" => "ngram",
-            "draft" => "draft_model",
-            m => m,
-        };
-        if !METHODS.contains(&method) {
+        let Some(spec) = methods::resolve(method) else {
             return Err(Error::config(format!(
                 "unknown speculative method '{}'; did you mean '{}'? (methods: {})",
                 shown(method),
                 closest(method, &METHODS),
                 METHODS.join(", ")
             )));
-        }
+        };
+        let method = spec.name;
         let only_for = |prefix: &str, owner: &str| -> Result<()> {
             match map.keys().find(|k| k.starts_with(prefix)) {
                 Some(k) if method != owner => Err(Error::config(format!(
@@ -293,8 +273,9 @@ impl SpeculativeConfig {
         };
         only_for("prompt_lookup_", "ngram")?;
         only_for("suffix_decoding_", "suffix")?;
-        for (key, owners) in METHOD_KEYS {
-            if map.contains_key(key) && !owners.contains(&method) {
+        for key in KEYS {
+            let owners = methods::owners(key);
+            if map.contains_key(key) && !owners.is_empty() && !owners.contains(&method) {
                 return Err(Error::config(format!(
                     "'{key}' applies to method {} only, not '{method}'; remove it",
                     owners.join(" / ")
@@ -354,12 +335,13 @@ impl SpeculativeConfig {
                 (Method::Ngram { prompt_lookup_min: min, prompt_lookup_max: max }, required_k()?)
             }
             "suffix" => {
-                let max_tree_depth =
-                    bounded_count(map, "suffix_decoding_max_tree_depth", MAX_SUFFIX_TREE_DEPTH)?.unwrap_or(24);
+                let max_tree_depth = bounded_count(map, "suffix_decoding_max_tree_depth", MAX_SUFFIX_TREE_DEPTH)?
+                    .unwrap_or(methods::DEFAULT_SUFFIX_MAX_TREE_DEPTH);
                 if max_tree_depth == 0 {
-                    return Err(Error::config(
-                        "suffix_decoding_max_tree_depth must be >= 1 (got 0); the default is 24",
-                    ));
+                    return Err(Error::config(format!(
+                        "suffix_decoding_max_tree_depth must be >= 1 (got 0); the default is {}",
+                        methods::DEFAULT_SUFFIX_MAX_TREE_DEPTH
+                    )));
                 }
                 let max_cached_requests =
                     bounded_count(map, "suffix_decoding_max_cached_requests", MAX_SUFFIX_CACHED_REQUESTS)?
@@ -476,7 +458,7 @@ impl SpeculativeConfig {
                 "draft_confidence_threshold must be in [0, 1] (got {draft_confidence_threshold}); 0 turns it off, try 0.4"
             )));
         }
-        if draft_confidence_threshold > 0.0 && matches!(method, Method::Ngram { .. } | Method::Suffix(_)) {
+        if draft_confidence_threshold > 0.0 && !spec.draft_probs {
             return Err(Error::config(format!(
                 "draft_confidence_threshold needs drafts with probabilities, and '{}' drafts have none; \
                  remove it{}",
@@ -946,29 +928,65 @@ mod tests {
         );
     }
 
+    /// A config naming `method` (`spec`'s name or alias) and holding every key `spec` owns
+    /// (valid values), plus `extra`.
+    fn config_with_every_key(spec: &MethodSpec, method: &str, extra: &str) -> Result<SpeculativeConfig> {
+        let mut map: Map<String, Value> = serde_json::from_str(extra).unwrap();
+        map.insert("method".into(), method.into());
+        for key in spec.keys {
+            let value: Value = match *key {
+                "model" => "weights.gguf".into(),
+                "quantization" => "q8_0".into(),
+                "suffix_decoding_max_spec_factor" | "suffix_decoding_min_token_prob" => 0.5.into(),
+                "suffix_decoding_max_tree_depth" => methods::DEFAULT_SUFFIX_MAX_TREE_DEPTH.into(),
+                _ => 2.into(),
+            };
+            map.insert((*key).into(), value);
+        }
+        SpeculativeConfig::from_map(&map)
+    }
+
     #[test]
-    fn every_method_that_takes_a_model_or_quantization_loads_weights() {
-        // The keys that name files or quantizations (METHOD_KEYS) and `Method::weight_keys` agree
-        // for every method, so no method can take a path the server would not see as weights.
-        for method in METHODS {
-            let mut map: Map<String, Value> = serde_json::from_str(&format!(
-                r#"{{"method": "{method}", "num_speculative_tokens": 2, "exit_layer": 2, "mask_token_id": 1}}"#
-            ))
-            .unwrap();
-            map.retain(|key, _| METHOD_KEYS.iter().all(|(owned, owners)| owned != key || owners.contains(&method)));
-            for (key, owners) in METHOD_KEYS {
-                if ["model", "quantization"].contains(&key) && owners.contains(&method) {
-                    map.insert(key.into(), if key == "model" { "weights.gguf" } else { "q8_0" }.into());
+    fn every_method_parses_as_its_facts_say() {
+        for spec in &methods::ALL {
+            let name = spec.name;
+            let config = config_with_every_key(spec, name, r#"{"num_speculative_tokens": 2}"#)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(config.method_name(), name);
+            for alias in spec.aliases {
+                let aliased = config_with_every_key(spec, alias, r#"{"num_speculative_tokens": 2}"#);
+                assert_eq!(aliased.as_ref().ok(), Some(&config), "{alias}");
+            }
+            // Weights: exactly the keys the facts name, so no method can take a path the server
+            // would not see as weights.
+            let weights = config.weights();
+            assert_eq!(weights.is_some(), !spec.weight_keys.is_empty(), "{name}");
+            if let Some(weights) = weights {
+                let keys: Vec<&str> = weights.keys().map(String::as_str).filter(|k| *k != "method").collect();
+                let mut expected = spec.weight_keys.to_vec();
+                expected.sort();
+                assert_eq!(keys, expected, "{name}");
+            }
+            // Its keys are its own: any other method refuses each of them.
+            for key in spec.keys {
+                for other in methods::ALL.iter().filter(|o| !o.keys.contains(key)) {
+                    let text = format!(r#"{{"method": "{}", "num_speculative_tokens": 2, "{key}": 2}}"#, other.name);
+                    assert!(error(&text).contains(&format!("'{key}' applies to method")), "{text}: {}", error(&text));
                 }
             }
-            let config = SpeculativeConfig::from_map(&map).unwrap_or_else(|e| panic!("{method}: {e}"));
-            let named: Vec<&str> = METHOD_KEYS
-                .iter()
-                .filter(|(key, owners)| ["model", "quantization"].contains(key) && owners.contains(&method))
-                .map(|(key, _)| *key)
-                .collect();
-            assert_eq!(config.method.weight_keys(), named.as_slice(), "{method}");
-            assert_eq!(config.weights().is_some(), !named.is_empty(), "{method}");
+            // Default k: filled in, or the config is told to set it.
+            match (spec.default_k, config_with_every_key(spec, name, "{}")) {
+                (Some(k), Ok(config)) => assert_eq!(config.num_speculative_tokens, k, "{name}"),
+                (None, Err(e)) => assert!(e.to_string().contains("needs \"num_speculative_tokens\""), "{name}: {e}"),
+                (k, parsed) => panic!("{name}: default_k {k:?} but parsing without k gave {parsed:?}"),
+            }
+            // draft_confidence_threshold applies exactly to the methods whose drafts carry probabilities.
+            let thresholded = config_with_every_key(
+                spec,
+                name,
+                r#"{"num_speculative_tokens": 2, "draft_confidence_threshold": 0.5}"#,
+            );
+            assert_eq!(thresholded.is_ok(), spec.draft_probs, "{name}: {thresholded:?}");
         }
     }
 

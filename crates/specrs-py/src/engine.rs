@@ -764,6 +764,14 @@ impl PyEngine {
         })
     }
 
+    /// Raises ContextLengthError when a prompt of `prompt_len` tokens leaves no room for an
+    /// answer, or (with `max_tokens`) prompt + max_tokens is past the context; `limit_name` is the
+    /// field named in the message (`Engine::check_context`).
+    #[pyo3(signature = (prompt_len, max_tokens=None, limit_name="max_tokens"))]
+    fn check_context(&self, prompt_len: usize, max_tokens: Option<usize>, limit_name: &str) -> PyResult<()> {
+        guard(|| self.inner.check_context(prompt_len, max_tokens, limit_name)).map_err(to_py)
+    }
+
     /// The prompt a request with `params` runs on: `prompt_ids` cut to its last
     /// `truncate_prompt_tokens` tokens (-1: the context length), or whole.
     fn request_prompt(&self, prompt_ids: &Bound<'_, PyAny>, params: &PySamplingParams) -> PyResult<Vec<u32>> {

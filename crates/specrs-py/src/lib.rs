@@ -4,6 +4,7 @@
 mod batch;
 mod engine;
 mod errors;
+mod facts;
 mod proposer;
 mod scheduler;
 mod testing;
@@ -21,6 +22,9 @@ fn _specrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(engine::requantize, m)?)?;
     m.add_function(wrap_pyfunction!(engine::copy_bandwidth, m)?)?;
     m.add_function(wrap_pyfunction!(engine::cache_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(facts::method_facts, m)?)?;
+    m.add_function(wrap_pyfunction!(facts::shipped_heads, m)?)?;
+    m.add("SCHEDULER_DEFAULTS", facts::scheduler_defaults(m.py())?)?;
     m.add_function(wrap_pyfunction!(batch::batch_accept, m)?)?;
     m.add_function(wrap_pyfunction!(batch::batch_ngram, m)?)?;
     m.add_function(wrap_pyfunction!(batch::batch_tree_accept, m)?)?;

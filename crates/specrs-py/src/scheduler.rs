@@ -28,7 +28,9 @@ impl PyScheduler {
     /// 32 rows, or reads the disk cache) unless the engine was told not to measure on demand.
     #[new]
     #[pyo3(
-        signature = (engine, max_num_seqs=16, max_num_batched_tokens=2048, max_kv_tokens=None, prefill_chunk=Some(256), draft_budget="load", cost_curve_s=None),
+        signature = (engine, max_num_seqs=SchedulerConfig::default().max_num_seqs, max_num_batched_tokens=SchedulerConfig::default().max_num_batched_tokens, max_kv_tokens=SchedulerConfig::default().max_kv_tokens, prefill_chunk=SchedulerConfig::default().prefill_chunk, draft_budget=SchedulerConfig::default().draft_budget.name(), cost_curve_s=None),
+        // The defaults above are `SchedulerConfig::default()`'s; this text repeats them for
+        // Python's `inspect` (tests/test_method_facts.py checks that it says the same).
         text_signature = "(engine, max_num_seqs=16, max_num_batched_tokens=2048, max_kv_tokens=None, prefill_chunk=256, draft_budget='load', cost_curve_s=None)"
     )]
     #[allow(clippy::too_many_arguments)]

@@ -17,30 +17,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+from .. import _specrs
 from ..errors import ConfigError
 
 HEADS_DIR = Path(__file__).parent
 
-# Per shipped target: what identifies its GGUF file in `Engine.info()`, and its heads by method.
-SHIPPED: dict[str, dict[str, Any]] = {
-    "smollm2-135m": {
-        "match": {"architecture": "llama", "vocab_size": 49152, "num_layers": 30, "weight_bytes": 96576768},
-        "heads": {"eagle3": "smollm2-135m/eagle3", "mlp_speculator": "smollm2-135m/mlp_speculator"},
-    },
-    "gemma3-270m": {
-        "match": {"architecture": "gemma3", "vocab_size": 262144, "num_layers": 18, "weight_bytes": 246587904},
-        "heads": {"eagle3": "gemma3-270m/eagle3"},
-    },
-}
-
-# Methods whose "model" a shipped head can fill in, and the defaults it runs with: the draft length
-# each was trained for (EAGLE-3: 4 training-time-test steps; the MLP speculator: 3 sub-heads), and
-# for EAGLE-3 Q8_0 weights (same acceptance, 0.67x instead of 0.41x plain at k = 2 on this CPU;
-# benches/README.md "heads_bench.py").
-HEAD_METHODS: dict[str, dict[str, Any]] = {
-    "eagle3": {"num_speculative_tokens": 4, "quantization": "q8_0"},
-    "mlp_speculator": {"num_speculative_tokens": 3},
-}
+# The shipped heads' table is Rust's (`spec_config/shipped.rs`); these are views of it.
+_TABLE = _specrs.shipped_heads()
+# Per shipped target: what identifies its GGUF file in `Engine.info()`, and its heads by method
+# (directories relative to HEADS_DIR).
+SHIPPED: dict[str, dict[str, Any]] = _TABLE["targets"]
+# Methods whose "model" a shipped head can fill in, and the defaults it runs with (the draft
+# length each was trained for; EAGLE-3's heads quantized to Q8_0 at load).
+HEAD_METHODS: dict[str, dict[str, Any]] = _TABLE["head_methods"]
 
 
 def shipped_target(info: Mapping[str, Any]) -> str | None:

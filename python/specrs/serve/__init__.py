@@ -40,6 +40,7 @@ import sys
 import time
 
 from .. import extras
+from ..engine import DEFAULT_DRAFT_BUDGET, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from ..errors import ConfigError
 from . import generation_config as generation
 from .auth import resolve_api_key
@@ -55,15 +56,13 @@ DEFAULT_PREFILL_CHUNK = 64
 # Request bodies over this are refused with a 413 while they are read. 8 MiB holds a prompt far
 # longer than any context specrs serves (a 128k-token prompt is about 0.5-1 MB of text).
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
-# Rows in one batched forward (vLLM's max_num_batched_tokens default for its V1 scheduler).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DRAFT_BUDGETS = ("load", "off")
 
 
 def _check_settings(max_num_seqs: int, prefill_chunk: int | None, max_request_body_bytes: int,
                     default_max_tokens: int, suffix_cache_save_every: int = DEFAULT_SUFFIX_CACHE_SAVE_EVERY,
                     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_kv_tokens: int | None = None,
-                    draft_budget: str = "load", record_traffic: str | None = None,
+                    draft_budget: str = DEFAULT_DRAFT_BUDGET, record_traffic: str | None = None,
                     max_model_len: int | None = None) -> None:
     if max_model_len is not None and max_model_len < 1:
         raise ConfigError(f"max_model_len must be at least 1 token, or None for the model's context (got {max_model_len})")
@@ -125,14 +124,14 @@ def served_name(model: str | None, model_path: str) -> str:
 BUDGET_CURVE_ROWS = 32
 
 
-def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 16,
+def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
               prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, suffix_cache: str | os.PathLike[str] | None = None,
               suffix_cache_save_every: int = DEFAULT_SUFFIX_CACHE_SAVE_EVERY,
               suffix_cache_start_empty_on_error: bool = False,
               max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_kv_tokens: int | None = None,
-              draft_budget: str = "load", record_traffic: str | os.PathLike[str] | None = None,
+              draft_budget: str = DEFAULT_DRAFT_BUDGET, record_traffic: str | os.PathLike[str] | None = None,
               api_key: str | None = None, metrics_public: bool = False,
               body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
               generation_config: str = "auto", override_generation_config: str | dict | None = None):
@@ -192,9 +191,9 @@ def load_engine(model: str | None, speculative_config, device: str, max_model_le
     logger.info("warmed up in %.1f s", time.perf_counter() - start_s)
     # Per-request configs read the verification curve (extended past its end), and the draft
     # budget reads the same curve as its batch cost curve, forwards of 1..32 rows: queued for the
-    # background thread now ("custom" only names the length: no proposer runs), measured before
-    # any request if none arrives first, and read from the disk cache by later runs.
-    engine._inner.prepare(engine.config_json({"method": "custom", "num_speculative_tokens": BUDGET_CURVE_ROWS - 1}))
+    # background thread now, measured before any request if none arrives first, and read from the
+    # disk cache by later runs.
+    engine.prepare_batch_costs(BUDGET_CURVE_ROWS)
     status = engine.cost_status()
     if status["pending"]:
         logger.info("serving on the cost figures at hand (%s) while measuring in the background: %s",
@@ -204,14 +203,14 @@ def load_engine(model: str | None, speculative_config, device: str, max_model_le
 
 
 def serve(model: str | None = None, *, speculative_config=None, host: str = "127.0.0.1", port: int = 8000,
-          device: str = "cpu", served_model_name: str | None = None, max_num_seqs: int = 16,
+          device: str = "cpu", served_model_name: str | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
           prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
           max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
           default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, log_level: str = "info",
           suffix_cache: str | None = None, suffix_cache_save_every: int = DEFAULT_SUFFIX_CACHE_SAVE_EVERY,
           suffix_cache_start_empty_on_error: bool = False,
           max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_kv_tokens: int | None = None,
-          draft_budget: str = "load", record_traffic: str | None = None, max_model_len: int | None = None,
+          draft_budget: str = DEFAULT_DRAFT_BUDGET, record_traffic: str | None = None, max_model_len: int | None = None,
           generation_config: str = "auto", override_generation_config: str | None = None,
           allow_special_tokens_in_content: bool = False, api_key: str | None = None,
           metrics_public: bool = False, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,

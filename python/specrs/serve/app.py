@@ -29,7 +29,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..engine import Engine
+from ..engine import DEFAULT_DRAFT_BUDGET, DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
 from .auth import ApiKeyMiddleware, public_paths
 from .connections import DEFAULT_BODY_TIMEOUT_S
 from .generation_config import with_defaults
@@ -87,8 +87,8 @@ async def read_body(http_request: Request, limit: int, timeout_s: float | None =
 def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill_chunk: int | None,
               max_request_body_bytes: int, default_max_tokens: int, suffix_cache: str | None = None,
               suffix_cache_save_every: int = DEFAULT_SAVE_EVERY,
-              suffix_cache_start_empty_on_error: bool = False, max_num_batched_tokens: int = 2048,
-              max_kv_tokens: int | None = None, draft_budget: str = "load",
+              suffix_cache_start_empty_on_error: bool = False, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+              max_kv_tokens: int | None = None, draft_budget: str = DEFAULT_DRAFT_BUDGET,
               record_traffic: str | None = None, suffix_cache_load: bool = True,
               extra_hooks: tuple = (), api_key: str | None = None, metrics_public: bool = False,
               body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,

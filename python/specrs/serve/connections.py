@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from .protocol import APIError
+from .errors import APIError
 
 # How long a client may take to send its request line and headers (uvicorn has no such limit).
 DEFAULT_HEADER_TIMEOUT_S = 10.0

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _specrs
-from .._specrs import GRAMMAR_LIMITS
-from ..engine import Engine, SamplingParams, _config_json
-from ..errors import ConfigError, ContextLengthError, SpecrsError
+from ..engine import METHOD_FACTS, Engine, SamplingParams, _config_json
+from ..errors import ConfigError, ContextLengthError
 from ..heads import shipped_heads
+from . import tools as tool_calls
+from .errors import MAX_QUOTED_CHARS, APIError, api_error_from
+from .json_nesting import MAX_BODY_NESTING, MAX_JSON_NESTING, json_nesting_past, json_text_nesting_past
 
 # OpenAI fields specrs accepts at their default value only: a request that relies on another value
 # gets a 400 naming the field rather than a silently different answer.
@@ -53,49 +55,14 @@ MAX_SAMPLES = 128
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 2048
 
-# JSON nesting: the engine's limit for a schema (it owns the number), and for a whole request body
-# that plus the levels a request puts around a schema (tools[i].function.parameters: 5). Deeper
-# input is refused before anything recursive (json.dumps, repr, the JSON Schema validator) runs on it.
-MAX_JSON_NESTING = GRAMMAR_LIMITS["MAX_JSON_NESTING"]
-MAX_BODY_NESTING = MAX_JSON_NESTING + 8
+# The speculative methods a request may use on any server: they load no weights and need no
+# proposer object (`METHOD_FACTS`, Rust's table).
+METHODS_WITHOUT_WEIGHTS = [name for name, facts in METHOD_FACTS.items()
+                           if not facts["weight_keys"] and not facts["needs_proposer_object"]]
 
 # Integer ranges of the sampling fields (what the engine's SamplingParams takes).
 SEED_MAX = 2**64 - 1
 TOP_K_MAX = 2**63 - 1
-
-# The most characters of a client's value an error message quotes (`_shown`), and of a whole error
-# message: a megabyte field must not come back as a megabyte answer (or log line).
-MAX_QUOTED_CHARS = 80
-MAX_ERROR_MESSAGE_CHARS = 2000
-
-
-class APIError(Exception):
-    """A request the server refuses: HTTP status plus OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
-        if len(message) > MAX_ERROR_MESSAGE_CHARS:  # every quote is short; this bounds what nobody foresaw
-            message = message[:MAX_ERROR_MESSAGE_CHARS - 3] + "..."
-        if param is not None and len(param) > MAX_QUOTED_CHARS:
-            param = param[:MAX_QUOTED_CHARS - 3] + "..."
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or ("invalid_request_error" if status < 500 else "internal_error")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def api_error_from(error: Exception, param: str | None = None) -> APIError:
-    """The HTTP answer for an engine exception: bad settings are the client's (400), anything else
-    is the server's (500)."""
-    if isinstance(error, ContextLengthError):
-        return APIError(400, str(error), param="messages" if param is None else param, code="context_length_exceeded")
-    if isinstance(error, ConfigError):
-        return APIError(400, str(error), param=param)
-    if isinstance(error, SpecrsError):
-        return APIError(500, f"{type(error).__name__}: {error}")
-    return APIError(500, f"internal error: {type(error).__name__}: {error}")
 
 
 def request_too_large(limit: int, size: str) -> APIError:
@@ -140,43 +107,6 @@ def _lone_surrogate(value) -> str | None:
                 v.encode("utf-8")
             except UnicodeEncodeError:
                 return v[:40]
-    return None
-
-
-def json_nesting_past(value, limit: int) -> int | None:
-    """How deep a parsed JSON value nests arrays and objects (`[]` is 1) when that is past `limit`,
-    else None. Iterative, so depth costs no stack."""
-    stack = [(value, 0)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, dict):
-            children = v.values()
-        elif isinstance(v, list):
-            children = v
-        else:
-            continue
-        if depth + 1 > limit:
-            return depth + 1
-        stack.extend((child, depth + 1) for child in children)
-    return None
-
-
-# A JSON string (or the unterminated rest of one) or a bracket: the tokens that decide nesting.
-_JSON_NESTING_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]')
-
-
-def json_text_nesting_past(text: str, limit: int) -> int | None:
-    """How deep JSON text nests arrays and objects when that is past `limit`, else None, read
-    without parsing it (Python's parser recurses once per level)."""
-    depth = 0
-    for token in _JSON_NESTING_TOKENS.finditer(text):
-        bracket = token.group()
-        if bracket in ("[", "{"):
-            depth += 1
-            if depth > limit:
-                return depth
-        elif bracket in ("]", "}"):
-            depth -= 1
     return None
 
 
@@ -265,8 +195,8 @@ class ServerSpeculation:
         except ConfigError as e:
             raise APIError(400, f"speculative: {e}", param="speculative") from None
         method = config["method"]
-        if method == "custom" and not self.has_proposer:
-            raise APIError(400, "speculative method 'custom' needs a Python proposer object, which cannot be sent "
+        if METHOD_FACTS[method]["needs_proposer_object"] and not self.has_proposer:
+            raise APIError(400, f"speculative method {method!r} needs a Python proposer object, which cannot be sent "
                            "over HTTP; serve it with specrs.serve.build_app(Engine(proposer=...))", param="speculative")
         weights = speculative_weights(config)
         if weights is not None and not self.holds(weights):
@@ -277,7 +207,7 @@ class ServerSpeculation:
             raise APIError(
                 400, f"speculative method {method!r} with this {keys} loads weights, which this server does only at "
                 f"startup; use the server's own (start it with --speculative-config naming them){shipped}, or a "
-                "method without weights (ngram, suffix, layer_skip)", param="speculative")
+                f"method without weights ({', '.join(METHODS_WITHOUT_WEIGHTS)})", param="speculative")
         return json.dumps(config)
 
 
@@ -555,8 +485,6 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
                   default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS) -> GenerationRequest:
     """Validates a /v1/completions (kind "completion") or /v1/chat/completions ("chat") body. It
     tokenizes (and renders chat templates), so the server calls it off the event loop."""
-    from . import tools as tool_calls  # it imports this module
-
     _check_fields(body, CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS)
     tool_request = tool_calls.parse_tools(body) if kind == "chat" else None
     model = body.get("model")
@@ -578,23 +506,24 @@ def parse_request(kind: str, body: dict, engine: Engine, served_model_name: str,
     except ConfigError as e:
         raise APIError(400, str(e), param="messages" if kind == "chat" else "prompt") from None
     prompt_ids = _truncated_prompt(engine, body, prompt_ids)
-    context = engine.info()["context_length"]
     max_key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
-    if len(prompt_ids) >= context:
-        raise APIError(400, f"this model's maximum context length is {context} tokens, but the prompt has "
-                       f"{len(prompt_ids)}, which leaves no room for an answer; shorten the prompt",
-                       param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
+    # The engine's context check (and its messages); the server only says which field is at fault.
+    try:
+        engine.check_context(len(prompt_ids))
+    except ContextLengthError as e:
+        raise api_error_from(e, "messages" if kind == "chat" else "prompt") from None
     if kind == "completion":
         default_max = DEFAULT_COMPLETION_MAX_TOKENS
     else:
-        default_max = min(default_max_tokens, context - len(prompt_ids))
+        default_max = min(default_max_tokens, engine.info()["context_length"] - len(prompt_ids))
     max_tokens = _number(body, max_key, default_max, int)
     if max_tokens < 1:
         raise APIError(400, f"{max_key} must be at least 1 (got {max_tokens})", param=max_key)
-    if len(prompt_ids) + max_tokens > context:
-        raise APIError(400, f"this model's maximum context length is {context} tokens, but {len(prompt_ids) + max_tokens} "
-                       f"were requested ({len(prompt_ids)} in the prompt, {max_tokens} in {max_key}); shorten the "
-                       f"prompt or lower {max_key}", param=max_key, code="context_length_exceeded")
+    try:
+        # A JSON integer has no size limit; the engine's are 64-bit, and past that any context is.
+        engine.check_context(len(prompt_ids), min(max_tokens, 2**64 - 1), max_key)
+    except ContextLengthError as e:
+        raise api_error_from(e, max_key) from None
     seed = _integer(body, "seed", None, 0, SEED_MAX, "pass a seed that fits in 64 bits")
     n = _integer(body, "n", 1, 1, MAX_SAMPLES, f"ask for 1 to {MAX_SAMPLES} choices")
     top_k = _integer(body, "top_k", 0, -1, TOP_K_MAX, "use -1 or 0 to disable top-k")

@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _specrs
-from ..engine import Engine
+from ..engine import DEFAULT_DRAFT_BUDGET, DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
 from .metrics import ServerMetrics
-from .protocol import APIError, GenerationRequest, api_error_from
+from .errors import APIError, api_error_from
+from .protocol import GenerationRequest
 
 logger = logging.getLogger("specrs.serve")
 
@@ -116,8 +117,8 @@ class Scheduler:
     pins the budget's batch cost curve (None: the engine's, measured or read from its cache)."""
 
     def __init__(self, engine: Engine, metrics: ServerMetrics, max_num_seqs: int, prefill_chunk: int | None,
-                 on_request_finished=None, *, max_num_batched_tokens: int = 2048, max_kv_tokens: int | None = None,
-                 draft_budget: str = "load", cost_curve_s: list[float] | None = None):
+                 on_request_finished=None, *, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_kv_tokens: int | None = None,
+                 draft_budget: str = DEFAULT_DRAFT_BUDGET, cost_curve_s: list[float] | None = None):
         self.engine, self.metrics = engine, metrics
         self.core = _specrs.Scheduler(engine._inner, max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens, max_kv_tokens=max_kv_tokens,

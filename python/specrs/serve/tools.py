@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 import jsonschema
 
-from .protocol import MAX_JSON_NESTING, APIError, json_nesting_past, json_text_nesting_past
+from .errors import APIError
+from .json_nesting import MAX_JSON_NESTING, json_nesting_past, json_text_nesting_past
 
 # How a call answer opens, up to the first character of its arguments: `{"name": "<name>", "arguments": `.
 CALL_OPENING = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')

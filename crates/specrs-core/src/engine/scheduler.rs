@@ -62,6 +62,14 @@ impl DraftBudget {
             other => Err(Error::config(format!("draft budget '{other}' is unknown; use 'load' or 'off'"))),
         }
     }
+
+    /// The name `parse` takes for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Load => "load",
+            Self::Off => "off",
+        }
+    }
 }
 
 /// Rows of the batched forward measured for the draft budget's cost curve (`Engine::batch_costs`);

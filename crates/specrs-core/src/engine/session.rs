@@ -148,14 +148,28 @@ impl Engine {
             return Err(Error::config(format!("prompt token id {bad} is outside the vocabulary (size {vocab})")));
         }
         params.check_token_ids(vocab)?;
+        self.check_context(prompt_ids.len(), Some(params.max_tokens), "max_tokens")
+    }
+
+    /// Whether a request fits the context: its prompt must leave room for one new token, and
+    /// with `max_tokens` (None: the prompt alone, for a caller that sizes max_tokens from the room
+    /// left, as a server's default does) the prompt plus max_tokens must fit. `limit_name` is the
+    /// field that set max_tokens, named in the message (a server's "max_completion_tokens").
+    /// The one context check: `check_request` and the server both call it.
+    pub fn check_context(&self, prompt_len: usize, max_tokens: Option<usize>, limit_name: &str) -> Result<()> {
         let context = self.model.info().context_length;
-        let needed = prompt_ids.len() + params.max_tokens;
+        if prompt_len >= context {
+            return Err(Error::ContextLength(format!(
+                "this model's maximum context length is {context} tokens, but the prompt has {prompt_len}, which \
+                 leaves no room for an answer; shorten the prompt"
+            )));
+        }
+        let Some(max_tokens) = max_tokens else { return Ok(()) };
+        let needed = prompt_len.saturating_add(max_tokens);
         if needed > context {
             return Err(Error::ContextLength(format!(
                 "this model's maximum context length is {context} tokens, but {needed} were requested \
-                 ({} in the prompt, {} max_tokens); shorten the prompt or lower max_tokens",
-                prompt_ids.len(),
-                params.max_tokens
+                 ({prompt_len} in the prompt, {max_tokens} in {limit_name}); shorten the prompt or lower {limit_name}"
             )));
         }
         Ok(())

@@ -44,7 +44,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..auth import admits, public_paths, unauthorized
-from ..protocol import APIError
+from ..errors import APIError
 from . import replica_board, suffix_share
 from .asgi_call import Lifespan, call_app, http_scope
 from .router import affinity_keys

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ...engine import DEFAULT_DRAFT_BUDGET, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from ..connections import DEFAULT_BODY_TIMEOUT_S
 from ..protocol import DEFAULT_CHAT_MAX_TOKENS
 
@@ -27,11 +28,11 @@ class ReplicaSettings:
     generation_config: str = "auto"
     override_generation_config: Any = None
     served_model_name: str | None = None
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_kv_tokens: int | None = None
     prefill_chunk: int | None = 64
-    draft_budget: str = "load"
+    draft_budget: str = DEFAULT_DRAFT_BUDGET
     max_request_body_bytes: int = 8 * 1024 * 1024
     default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
     suffix_cache: str | None = None
