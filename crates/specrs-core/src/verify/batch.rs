@@ -202,7 +202,7 @@ impl VerifyBatch<'_> {
         if any_rejection {
             expect("prob_rows", self.prob_rows.len(), n)?;
         }
-        if self.draft_probs.len() % v != 0 {
+        if !self.draft_probs.len().is_multiple_of(v) {
             return Err(bad(format!("draft_probs has {} values, not a multiple of vocab {v}", self.draft_probs.len())));
         }
         let q_rows = self.draft_probs.len() / v;
