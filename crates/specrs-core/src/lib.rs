@@ -30,6 +30,7 @@ pub mod sampler;
 pub mod spec_config;
 mod special_text;
 pub mod tokenizer;
+pub mod tree;
 pub mod verify;
 
 pub use config::SamplingParams;

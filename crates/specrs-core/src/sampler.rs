@@ -111,6 +111,20 @@ impl Sampler {
         self.rng.random::<f32>()
     }
 
+    /// The next `count` uniforms of the sequential stream, without consuming them: what a batched
+    /// verifier reads in order (verify/batch.rs); `skip_uniforms` then consumes those it used.
+    pub fn peek_uniforms(&self, count: usize) -> Vec<f32> {
+        let mut rng = self.rng.clone();
+        (0..count).map(|_| rng.random::<f32>()).collect()
+    }
+
+    /// Consumes `count` uniforms of the sequential stream, exactly as `count` calls of `uniform`.
+    pub fn skip_uniforms(&mut self, count: usize) {
+        for _ in 0..count {
+            self.uniform();
+        }
+    }
+
     /// The uniform in [0, 1) of output position `position` (the token's index in prompt +
     /// output): the first word of ChaCha8 stream `position + 1` under this request's seed (the
     /// sequential stream is stream 0, so the two never share words).

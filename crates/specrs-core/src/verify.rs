@@ -19,13 +19,18 @@
 //! drafts of such requests by load without changing any output (engine/scheduler.rs). Drafts
 //! with probabilities keep the sequential stream: their output depends on the draft itself.
 //!
-//! Token trees are verified by `tree::verify_tree`, the same rules walked over a tree.
+//! Token trees are verified by `tree::verify_tree`, the same rules walked over a tree. Both are
+//! one-sequence wrappers over the one walk of `host.rs`, which verifies a whole `batch::VerifyBatch`.
 
+pub mod batch;
+pub mod host;
+#[cfg(test)]
+mod old_walks;
 pub mod tree;
 
 use crate::config::SamplingParams;
 use crate::error::{Error, Result};
-use crate::sampler::{argmax, probabilities, Sampler};
+use crate::sampler::Sampler;
 
 /// What one verification keeps: the accepted draft tokens followed by one target token
 /// (recovered at the first rejection, or bonus when all drafts were accepted).
@@ -55,61 +60,27 @@ pub fn verify(
             target_logits.len()
         )));
     }
-    let row = |i: usize| &target_logits[i * vocab_size..(i + 1) * vocab_size];
-    let mut token_ids = Vec::with_capacity(n + 1);
-    if params.is_greedy() {
-        for (i, &draft) in draft_ids.iter().enumerate() {
-            let target = argmax(row(i));
-            token_ids.push(target);
-            if target != draft {
-                return Ok(Verification { num_accepted_tokens: i, token_ids });
-            }
-        }
-        token_ids.push(argmax(row(n)));
-        return Ok(Verification { num_accepted_tokens: n, token_ids });
-    }
-    let Some(draft_probs) = draft_probs else {
-        // Coupled rejection sampling for a one-hot draft (see the module header).
-        for (i, &draft) in draft_ids.iter().enumerate() {
-            let target = sampler.draw_at(&probabilities(row(i), params), position + i);
-            token_ids.push(target);
-            if target != draft {
-                return Ok(Verification { num_accepted_tokens: i, token_ids });
-            }
-        }
-        token_ids.push(sampler.draw_at(&probabilities(row(n), params), position + n));
-        return Ok(Verification { num_accepted_tokens: n, token_ids });
-    };
-    for (i, &draft) in draft_ids.iter().enumerate() {
-        let mut target_probs = probabilities(row(i), params);
-        let x = draft as usize;
-        let q = &draft_probs[i * vocab_size..(i + 1) * vocab_size];
-        // Accept with probability min(1, p(x)/q(x)), written without the division so q(x) = 0
-        // cannot produce NaN.
-        if sampler.uniform() * q[x] < target_probs[x] {
-            token_ids.push(draft);
-            continue;
-        }
-        // Recovered token from norm(max(0, p - q)).
-        target_probs.iter_mut().zip(q).for_each(|(p, &q)| *p = (*p - q).max(0.0));
-        let residual_mass: f32 = target_probs.iter().sum();
-        let recovered = if residual_mass > 0.0 {
-            sampler.draw(&target_probs)
-        } else {
-            // p <= q everywhere can only happen through rounding when p == q, which always accepts;
-            // drawing from p keeps the output a valid target sample.
-            sampler.draw(&probabilities(row(i), params))
-        };
-        token_ids.push(recovered);
-        return Ok(Verification { num_accepted_tokens: i, token_ids });
-    }
-    token_ids.push(sampler.draw(&probabilities(row(n), params)));
-    Ok(Verification { num_accepted_tokens: n, token_ids })
+    let parents: Vec<i32> = (0..n as i32).map(|i| i - 1).collect();
+    let (path, next) = host::verify_one(
+        target_logits,
+        vocab_size,
+        draft_ids,
+        &parents,
+        draft_probs,
+        params,
+        sampler,
+        position,
+        false,
+    )?;
+    let mut token_ids: Vec<u32> = path.iter().map(|&i| draft_ids[i]).collect();
+    token_ids.push(next);
+    Ok(Verification { num_accepted_tokens: path.len(), token_ids })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sampler::{argmax, probabilities};
 
     const VOCAB: usize = 6;
 

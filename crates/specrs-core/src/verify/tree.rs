@@ -36,8 +36,7 @@
 
 use crate::config::SamplingParams;
 use crate::error::{Error, Result};
-use crate::proposer::tree::children;
-use crate::sampler::{argmax, probabilities, Sampler};
+use crate::sampler::Sampler;
 
 /// What one tree verification keeps: the accepted path and the tokens it emits (the path's tokens,
 /// then the recovered or bonus token).
@@ -73,82 +72,26 @@ pub fn verify_tree(
             parents.len()
         )));
     }
-    let kids = children(parents); // kids[0]: the root's; kids[i + 1]: node i's
-    let row = |node: usize| &target_logits[node * vocab_size..(node + 1) * vocab_size]; // node 0 = root
-    let mut accepted_path = Vec::new();
-    let mut token_ids = Vec::new();
-    let mut node = 0; // the current node's logits row: 0 = root, i + 1 = draft node i
-    loop {
-        let depth = accepted_path.len();
-        let candidates = &kids[node];
-        let chosen = match draft_probs {
-            _ if params.is_greedy() => {
-                let target = argmax(row(node));
-                Err(target)
-            }
-            None => Err(sampler.draw_at(&probabilities(row(node), params), position + depth)),
-            Some(probs) => rejection_step(row(node), probs, vocab_size, draft_ids, candidates, params, sampler),
-        };
-        // Greedy and coupled verification produce the target's token first; find the child equal
-        // to it.
-        let chosen =
-            chosen.or_else(|target| candidates.iter().copied().find(|&child| draft_ids[child] == target).ok_or(target));
-        match chosen {
-            Ok(child) => {
-                accepted_path.push(child);
-                token_ids.push(draft_ids[child]);
-                node = child + 1;
-            }
-            Err(target) => {
-                token_ids.push(target);
-                return Ok(TreeVerification { accepted_path, token_ids });
-            }
-        }
-    }
-}
-
-/// One node's recursive rejection sampling over its `candidates` (children in draw order):
-/// `Ok(child)` accepted, or `Err(token)` recovered from the last residual (the bonus token when
-/// there are no candidates).
-fn rejection_step(
-    logits: &[f32],
-    draft_probs: &[f32],
-    vocab_size: usize,
-    draft_ids: &[u32],
-    candidates: &[usize],
-    params: &SamplingParams,
-    sampler: &mut Sampler,
-) -> std::result::Result<usize, u32> {
-    let target_probs = probabilities(logits, params);
-    let Some(&first) = candidates.first() else { return Err(sampler.draw(&target_probs)) };
-    let mut p = target_probs.clone();
-    let mut q = draft_probs[first * vocab_size..(first + 1) * vocab_size].to_vec();
-    for &child in candidates {
-        let x = draft_ids[child] as usize;
-        // p and q are unnormalized after a rejection: p_i = p / p_sum, q_i = q / q_sum. Accept with
-        // probability min(1, p_i(x)/q_i(x)), written without the division so q(x) = 0 cannot
-        // produce NaN.
-        let p_sum: f32 = p.iter().sum();
-        let q_sum: f32 = q.iter().sum();
-        if sampler.uniform() * q[x] * p_sum < p[x] * q_sum {
-            return Ok(child);
-        }
-        // p <- max(0, p_i - q_i) (draws normalize), and x leaves q: the next sibling was drawn
-        // without it.
-        p.iter_mut().zip(&q).for_each(|(p, &q)| *p = (*p / p_sum - q / q_sum).max(0.0));
-        q[x] = 0.0;
-        if p.iter().sum::<f32>() <= 0.0 {
-            // p <= q everywhere only happens through rounding when p == q, which always accepts;
-            // drawing from p keeps the output a valid target sample.
-            return Err(sampler.draw(&target_probs));
-        }
-    }
-    Err(sampler.draw(&p))
+    let (accepted_path, next) = super::host::verify_one(
+        target_logits,
+        vocab_size,
+        draft_ids,
+        parents,
+        draft_probs,
+        params,
+        sampler,
+        position,
+        true,
+    )?;
+    let mut token_ids: Vec<u32> = accepted_path.iter().map(|&i| draft_ids[i]).collect();
+    token_ids.push(next);
+    Ok(TreeVerification { accepted_path, token_ids })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sampler::{argmax, probabilities};
 
     const VOCAB: usize = 5;
 
