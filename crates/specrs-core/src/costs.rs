@@ -348,7 +348,7 @@ impl DiskCache {
         let meta = std::fs::metadata(&canonical).ok()?;
         let mtime = meta.modified().ok()?.duration_since(std::time::UNIX_EPOCH).ok()?.as_nanos();
         // Which CPU kernels run (the repacked AVX-512 VNNI ones or the AVX2 ones) changes every cost.
-        let kernels = if crate::model::cpu::repack::available() { "vnni" } else { "avx2" };
+        let kernels = if crate::model::kernels::repack::available() { "vnni" } else { "avx2" };
         let key = format!(
             "{}|{}|{}|{mtime}|{device}|{num_threads}|{kernels}",
             env!("CARGO_PKG_VERSION"),

@@ -2,10 +2,11 @@
 //!
 //! Two backends of one block, reading one description of each family (`config.rs` for the sizes
 //! and flags `families.rs` reads from GGUF keys and HF configs, `layout.rs` for the tensor names
-//! and the family's required weights): `cpu/`, GGUF files on the CPU with llama.cpp's numerics
-//! and bitwise row independence (hand-written AVX2 kernels), and `candle/`, in candle ops on any
-//! device: HF safetensors directories, seeded random models, and everything on CUDA.
-//! `loader.rs` picks.
+//! and the family's required weights): `cpu/`, GGUF files on the CPU with bitwise row
+//! independence, and `candle/`, in candle ops on any device: HF safetensors directories, seeded
+//! random models, and everything on CUDA. `loader.rs` picks. Neither backend imports the other's
+//! files: the CPU kernels both use (quantized matmuls, attention, ggml's math) are in `kernels/`,
+//! the rotary embedding in `rope.rs`.
 //!
 //! The contract is `CausalLm::forward_batch` (`forward.rs`): many sequences, chains or token
 //! trees, explicit positions, logits for the rows asked for and hidden states at taps; the
@@ -23,10 +24,12 @@ pub mod families;
 pub mod forward;
 pub(crate) mod gguf_layout;
 pub mod hf_dir;
+pub mod kernels;
 pub mod layout;
 pub mod llama_config;
 pub mod loader;
 pub mod random;
+pub mod rope;
 
 use std::sync::Arc;
 

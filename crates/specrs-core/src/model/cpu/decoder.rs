@@ -33,18 +33,18 @@ use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 use half::f16;
 
-use super::attention::{Attention, HeadShape, RowView};
-use super::ggml_math::{geglu, swiglu};
-use super::qlinear::QLinear;
-use super::rope::{Pairing, Rope};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
 use crate::model::config::DecoderConfig;
 use crate::model::forward::check_token_ids;
+use crate::model::kernels::attention::{Attention, HeadShape, RowView};
+use crate::model::kernels::ggml_math::{geglu, swiglu};
+use crate::model::kernels::qlinear::QLinear;
 use crate::model::layout::{
     block_tensor, block_weight, global_weight, projections, Family, Global, Naming, Projection, Role,
 };
+use crate::model::rope::{Pairing, Rope};
 use crate::model::{select_vocab, CausalLm, ForwardBatch, ForwardOutput, GgufWeights, ModelInfo, Tap};
 
 /// A quantized matrix and its bias, when the file has one.

@@ -23,59 +23,19 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use half::f16;
 
+use super::format::{Format, BLOCK};
 use super::ggml_math::hsum8;
-use super::kquants::{self, Q8KRows, QK_K, ROW_GROUP};
+use super::kquants::{self, Q8KRows, ROW_GROUP};
 use super::parallel::for_each_chunk_mut;
 use super::repack::{self, Repacked};
 use crate::error::{Error, Result};
 
-const BLOCK: usize = 32;
 /// Output features per parallel work item.
 const FEATURES_PER_TASK: usize = 16;
 /// Weight rows one kernel call dots with a single activation row (decoding).
 const FEATURES_PER_CALL: usize = 8;
 /// How far ahead of the block being read the kernel prefetches weight bytes.
 const PREFETCH_BYTES: usize = 512;
-
-/// Weight formats with a native kernel. Block layouts follow ggml.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Format {
-    /// `{ d: f16, qs: [u8; 16] }`: x = d * (nibble - 8); nibble j is element j (low) / j+16 (high).
-    /// Computed as Q4_1 with m = -8d (through the activation block sums), so unlike Q4_1 and Q8_0
-    /// it does not match llama.cpp bitwise; it serves drafts, which need no bitwise agreement.
-    Q4_0,
-    /// `{ d: f16, m: f16, qs: [u8; 16] }`: x = d * nibble + m; nibble j is element j (low) / j+16 (high).
-    Q4_1,
-    /// `{ d: f16, qh: u32, qs: [u8; 16] }`: x = d * (q - 16), q = nibble | bit j of qh << 4 for
-    /// element j (nibbles as Q4_0).
-    Q5_0,
-    /// `{ d: f16, qs: [i8; 32] }`: x = d * q.
-    Q8_0,
-    /// 256-value super-blocks, `kquants.rs`.
-    Q4K,
-    Q6K,
-}
-
-impl Format {
-    pub(crate) fn block_bytes(self) -> usize {
-        match self {
-            Format::Q4_0 => 18,
-            Format::Q4_1 => 20,
-            Format::Q5_0 => 22,
-            Format::Q8_0 => 34,
-            Format::Q4K => kquants::Q4K_BYTES,
-            Format::Q6K => kquants::Q6K_BYTES,
-        }
-    }
-
-    /// Values per block.
-    pub(crate) fn block_len(self) -> usize {
-        match self {
-            Format::Q4K | Format::Q6K => QK_K,
-            _ => BLOCK,
-        }
-    }
-}
 
 /// Activation rows quantized for one weight format.
 enum Activations {

@@ -32,9 +32,9 @@
 use half::f16;
 use rayon::prelude::*;
 
+use super::format::Format;
 use super::kquants;
 use super::parallel::{for_each_task, SharedPtr};
-use super::qlinear::Format;
 
 /// Weight rows interleaved in one tile (the i32 lanes of a 256-bit vector).
 pub const TILE_ROWS: usize = 8;
