@@ -58,10 +58,13 @@ pub struct ModelInfo {
     /// What the model multiplies its embedding rows by before the first block (Gemma:
     /// sqrt(hidden_size)); `CausalLm::embed` returns them unscaled.
     pub embed_scale: Option<f32>,
+    /// The kernels its forward runs on: the CPU kernel set's name (`kernels::KernelSet::name`)
+    /// for models on the CPU, "cuda" on a GPU. What the measured costs depend on.
+    pub kernels: &'static str,
 }
 
 impl ModelInfo {
-    pub fn of(config: &DecoderConfig) -> Self {
+    pub fn of(config: &DecoderConfig, kernels: &'static str) -> Self {
         Self {
             architecture: config.architecture.clone(),
             vocab_size: config.vocab_size,
@@ -71,6 +74,7 @@ impl ModelInfo {
             head_dim: config.head_dim,
             hidden_size: config.hidden_size,
             embed_scale: config.embed_scale,
+            kernels,
         }
     }
 }

@@ -449,8 +449,10 @@ impl Decoder {
         } else {
             None
         };
+        // On the CPU its quantized matmuls run on the kernel set (`kernels/qlinear.rs`).
+        let kernels = if device.is_cpu() { crate::model::kernels::checked_kernels()?.name } else { "cuda" };
         Ok(Self {
-            info: ModelInfo::of(&config),
+            info: ModelInfo::of(&config, kernels),
             dtype,
             embed: embed.to_dtype(dtype)?,
             blocks,

@@ -212,7 +212,7 @@ impl CpuDecoder {
         let global_rope = rope(config.rope_theta, 1.0 / config.rope_linear_factor);
         let local_rope = config.sliding_layers.iter().any(|&s| s).then(|| rope(config.rope_theta_local, 1.0));
         Ok(Self {
-            info: ModelInfo::of(&config),
+            info: ModelInfo::of(&config, crate::model::kernels::checked_kernels()?.name),
             embed,
             blocks,
             final_norm,
