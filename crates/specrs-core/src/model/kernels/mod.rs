@@ -51,7 +51,7 @@ pub struct KernelSet {
     /// Decoding: up to `qlinear::FEATURES_PER_CALL` weight rows (`row_bytes` apart) against the one
     /// activation row, each summed as `qdot_rows` sums it: `(format, weights, row_bytes, rows,
     /// out)`. None: `qdot_rows` per feature.
-    pub qdot_features: Option<unsafe fn(Format, &[u8], usize, &QuantizedRows, &mut [f32])>,
+    pub qdot_features: Option<QdotFeatures>,
     /// A Q4_K / Q6_K weight row against up to `kquants::ROW_GROUP` Q8_K activation rows.
     pub q8k_dot_rows: unsafe fn(Format, &[u8], &Q8KRows, usize, &mut [f32]),
     /// Weights repacked at load into `repack.rs`'s tiles and their kernel; None: weights are read
@@ -76,6 +76,9 @@ impl std::fmt::Debug for KernelSet {
     }
 }
 
+/// `KernelSet::qdot_features`.
+pub type QdotFeatures = unsafe fn(Format, &[u8], usize, &QuantizedRows, &mut [f32]);
+
 /// The kernels of a set that repacks weights at load (`repack.rs`).
 pub struct PackedKernels {
     /// Feature groups `first_group..first_group + groups` of `w` for all `num_rows` rows into
@@ -85,8 +88,11 @@ pub struct PackedKernels {
     pub quantize_block: QuantizeBlock,
 }
 
+/// Whether this CPU runs a set.
+type RunsHere = fn() -> bool;
+
 /// Every set, best first, with the test of whether this CPU runs it. A new ISA is one line here.
-const CANDIDATES: &[(fn() -> bool, &KernelSet)] = &[
+const CANDIDATES: &[(RunsHere, &KernelSet)] = &[
     #[cfg(target_arch = "x86_64")]
     (x86_avx512_vnni::available, &x86_avx512_vnni::KERNELS),
     #[cfg(target_arch = "x86_64")]
@@ -103,7 +109,7 @@ pub fn available_sets() -> Vec<&'static KernelSet> {
 }
 
 /// The set `forced` names (None or empty: the best available one).
-fn choose(forced: Option<&str>) -> std::result::Result<&'static KernelSet, String> {
+fn choose(forced: Option<&str>) -> Choice {
     let available = available_sets();
     let Some(name) = forced.filter(|n| !n.is_empty()) else { return Ok(available[0]) };
     // "avx2" predates the set names (benches/README.md's A/B runs).
@@ -120,8 +126,11 @@ fn choose(forced: Option<&str>) -> std::result::Result<&'static KernelSet, Strin
     ))
 }
 
-fn selection() -> &'static std::result::Result<&'static KernelSet, String> {
-    static CHOSEN: OnceLock<std::result::Result<&'static KernelSet, String>> = OnceLock::new();
+/// The chosen set, or why `SPECRS_CPU_KERNELS` names none this CPU runs.
+type Choice = std::result::Result<&'static KernelSet, String>;
+
+fn selection() -> &'static Choice {
+    static CHOSEN: OnceLock<Choice> = OnceLock::new();
     CHOSEN.get_or_init(|| choose(std::env::var(FORCE_VAR).ok().as_deref()))
 }
 
@@ -136,7 +145,7 @@ pub fn checked_kernels() -> Result<&'static KernelSet> {
 /// model loads (`checked_kernels`); code that calls a kernel without a model (tests, the cost
 /// probes of a loaded model never reach here) gets the best available set.
 pub fn kernels() -> &'static KernelSet {
-    selection().as_ref().map_or_else(|_| available_sets()[0], |set| set)
+    selection().as_ref().copied().unwrap_or_else(|_| available_sets()[0])
 }
 
 #[cfg(test)]

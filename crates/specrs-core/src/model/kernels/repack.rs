@@ -457,7 +457,9 @@ impl BlockOutputs {
     }
 }
 
-/// One block's int8 values; returns max|x|.
+/// One block's int8 values; returns max|x|. The scalar twin every set's
+/// `PackedKernels::quantize_block` is tested against.
+#[cfg(test)]
 pub(crate) fn scalar_quantize(block: &[f32; BLOCK], q: &mut [i8; BLOCK]) -> f32 {
     let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
     let inv = if amax != 0.0 { 127.0 / amax } else { 0.0 };
