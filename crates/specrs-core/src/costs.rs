@@ -338,17 +338,22 @@ pub struct DiskCache {
 
 impl DiskCache {
     /// The cache file for `model_path` (None when the cache is off or the file cannot be
-    /// stat'ed): keyed by the file's canonical path, size and mtime, the device, the thread count
-    /// and the specrs version, so a changed model, machine setting or kernel measures afresh.
-    pub fn for_model(cache_dir: &Path, model_path: &Path, device: &str, num_threads: usize) -> Option<Self> {
+    /// stat'ed): keyed by the file's canonical path, size and mtime, the device, the kernels the
+    /// model runs on (`ModelInfo::kernels`), the thread count and the specrs version, so a
+    /// changed model, machine setting or kernel measures afresh.
+    pub fn for_model(
+        cache_dir: &Path,
+        model_path: &Path,
+        device: &str,
+        kernels: &str,
+        num_threads: usize,
+    ) -> Option<Self> {
         if std::env::var("SPECRS_COST_CACHE").is_ok_and(|v| v == "0" || v.eq_ignore_ascii_case("off")) {
             return None;
         }
         let canonical = model_path.canonicalize().ok()?;
         let meta = std::fs::metadata(&canonical).ok()?;
         let mtime = meta.modified().ok()?.duration_since(std::time::UNIX_EPOCH).ok()?.as_nanos();
-        // Which CPU kernels run (the repacked AVX-512 VNNI ones or the AVX2 ones) changes every cost.
-        let kernels = if crate::model::cpu::repack::available() { "vnni" } else { "avx2" };
         let key = format!(
             "{}|{}|{}|{mtime}|{device}|{num_threads}|{kernels}",
             env!("CARGO_PKG_VERSION"),
@@ -517,7 +522,7 @@ mod tests {
         let model = dir.join("model.gguf");
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(&model, b"weights").unwrap();
-        let cache = DiskCache::for_model(&dir, &model, "Cpu", 2).unwrap();
+        let cache = DiskCache::for_model(&dir, &model, "Cpu", "reference", 2).unwrap();
         assert!(cache.load().curves.is_empty());
         let mut table = CostTable::default();
         table.extend_curve(512, 1, &[0.01, 0.02], QUIET);
@@ -537,9 +542,11 @@ mod tests {
         let merged = cache.load();
         assert!(merged.curves.contains_key(&512) && merged.draft_costs.contains_key("layer_skip:8"));
         assert_eq!(merged.draft_costs["eagle3:head"].value, 0.2);
-        // Another thread count (or device) is another file.
-        let other = DiskCache::for_model(&dir, &model, "Cpu", 4).unwrap();
+        // Another thread count (or device, or kernel set) is another file.
+        let other = DiskCache::for_model(&dir, &model, "Cpu", "reference", 4).unwrap();
         assert_ne!(other.path(), cache.path());
+        let other_kernels = DiskCache::for_model(&dir, &model, "Cpu", "x86_avx2", 2).unwrap();
+        assert_ne!(other_kernels.path(), cache.path());
         assert!(other.load().curves.is_empty());
         // A corrupt file is ignored (measured again), not an error.
         std::fs::write(cache.path(), b"{not json").unwrap();

@@ -780,7 +780,7 @@ impl PyEngine {
     }
 
     /// Model facts: architecture, vocab_size, context_length (after any max_model_len cap),
-    /// num_layers, weight_bytes, device, has_chat_template.
+    /// num_layers, weight_bytes, device, kernels (the CPU kernel set, or "cuda"), has_chat_template.
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (i, weight_bytes, device) = guard(|| {
             let model = self.inner.model();
@@ -794,6 +794,7 @@ impl PyEngine {
         d.set_item("num_layers", i.num_layers)?;
         d.set_item("weight_bytes", weight_bytes)?;
         d.set_item("device", device)?;
+        d.set_item("kernels", i.kernels)?;
         d.set_item("has_chat_template", self.inner.tokenizer().chat_template().is_some())?;
         Ok(d)
     }

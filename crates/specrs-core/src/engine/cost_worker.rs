@@ -778,7 +778,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let model_file = dir.join("model.gguf");
         std::fs::write(&model_file, b"weights").unwrap();
-        let disk = DiskCache::for_model(&dir, &model_file, "Cpu", 1).unwrap();
+        let disk = DiskCache::for_model(&dir, &model_file, "Cpu", "reference", 1).unwrap();
         let mut stored = CostTable::default();
         stored.extend_curve(1, 1, &[0.5, 0.9, 1.2], Spread { ratio: 1e9, tries: 15 });
         disk.store(&stored);

@@ -165,9 +165,10 @@ impl Engine {
             )));
         }
         let device = format!("{:?}", model.device().location());
-        let cost_cache = path
-            .as_ref()
-            .and_then(|p| DiskCache::for_model(&cache_dir(), p, &device, candle_core::utils::get_num_threads()));
+        let cost_cache = path.as_ref().and_then(|p| {
+            let threads = candle_core::utils::get_num_threads();
+            DiskCache::for_model(&cache_dir(), p, &device, model.info().kernels, threads)
+        });
         let target_kv = Arc::<KvBytes>::default();
         let costs = Arc::new(CostBook::new(model.clone(), target_kv.clone(), cost_cache));
         Ok(Self {

@@ -2,10 +2,11 @@
 //!
 //! Two backends of one block, reading one description of each family (`config.rs` for the sizes
 //! and flags `families.rs` reads from GGUF keys and HF configs, `layout.rs` for the tensor names
-//! and the family's required weights): `cpu/`, GGUF files on the CPU with llama.cpp's numerics
-//! and bitwise row independence (hand-written AVX2 kernels), and `candle/`, in candle ops on any
-//! device: HF safetensors directories, seeded random models, and everything on CUDA.
-//! `loader.rs` picks.
+//! and the family's required weights): `cpu/`, GGUF files on the CPU with bitwise row
+//! independence, and `candle/`, in candle ops on any device: HF safetensors directories, seeded
+//! random models, and everything on CUDA. `loader.rs` picks. Neither backend imports the other's
+//! files: the CPU kernels both use (quantized matmuls, attention, ggml's math) are in `kernels/`,
+//! the rotary embedding in `rope.rs`.
 //!
 //! The contract is `CausalLm::forward_batch` (`forward.rs`): many sequences, chains or token
 //! trees, explicit positions, logits for the rows asked for and hidden states at taps; the
@@ -23,10 +24,12 @@ pub mod families;
 pub mod forward;
 pub(crate) mod gguf_layout;
 pub mod hf_dir;
+pub mod kernels;
 pub mod layout;
 pub mod llama_config;
 pub mod loader;
 pub mod random;
+pub mod rope;
 
 use std::sync::Arc;
 
@@ -55,10 +58,13 @@ pub struct ModelInfo {
     /// What the model multiplies its embedding rows by before the first block (Gemma:
     /// sqrt(hidden_size)); `CausalLm::embed` returns them unscaled.
     pub embed_scale: Option<f32>,
+    /// The kernels its forward runs on: the CPU kernel set's name (`kernels::KernelSet::name`)
+    /// for models on the CPU, "cuda" on a GPU. What the measured costs depend on.
+    pub kernels: &'static str,
 }
 
 impl ModelInfo {
-    pub fn of(config: &DecoderConfig) -> Self {
+    pub fn of(config: &DecoderConfig, kernels: &'static str) -> Self {
         Self {
             architecture: config.architecture.clone(),
             vocab_size: config.vocab_size,
@@ -68,6 +74,7 @@ impl ModelInfo {
             head_dim: config.head_dim,
             hidden_size: config.hidden_size,
             embed_scale: config.embed_scale,
+            kernels,
         }
     }
 }

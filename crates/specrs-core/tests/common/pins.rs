@@ -22,18 +22,15 @@ pub fn pin_file(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden/pins").join(name)
 }
 
-/// The CPU kernel set the CPU backend runs here, the key of kernel-dependent pins: "vnni" (the
-/// repacked AVX-512 VNNI matmuls), "avx2" (the AVX2 kernels, also what `SPECRS_CPU_KERNELS=avx2`
-/// forces on a VNNI machine) or "scalar" (neither, e.g. another architecture).
+/// The CPU kernel set the CPU backend runs here (`model::kernels`), the key of kernel-dependent
+/// pins: "vnni" (the repacked AVX-512 VNNI matmuls), "avx2" (the AVX2 kernels, also what
+/// `SPECRS_CPU_KERNELS=avx2` forces on a VNNI machine) or "scalar" (the reference set).
 pub fn kernel_set() -> &'static str {
-    if specrs_core::model::cpu::repack::available() {
-        return "vnni";
+    match specrs_core::model::kernels::kernels().name {
+        "x86_avx512_vnni" => "vnni",
+        "x86_avx2" => "avx2",
+        _ => "scalar",
     }
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
-        return "avx2";
-    }
-    "scalar"
 }
 
 /// FNV-1a 64 over the bits of `values`, little-endian.

@@ -34,15 +34,15 @@ use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
 use crate::model::config::DecoderConfig;
-use crate::model::cpu::qlinear::QLinear;
-use crate::model::cpu::rope::{Pairing, Rope};
 use crate::model::forward::check_token_ids;
 use crate::model::hf_dir::HfWeights;
+use crate::model::kernels::qlinear::QLinear;
 use crate::model::layout::{
     block_tensor, block_weight, global_tensor, global_weight, projections, Family, Global, Naming, Projection, Role,
 };
 use crate::model::llama_config::LlamaConfig;
 use crate::model::random;
+use crate::model::rope::{Pairing, Rope};
 use crate::model::{select_vocab, CausalLm, ForwardBatch, ForwardOutput, GgufWeights, ModelInfo, Tap};
 
 /// How `Decoder::random` stores its weights.
@@ -449,8 +449,10 @@ impl Decoder {
         } else {
             None
         };
+        // On the CPU its quantized matmuls run on the kernel set (`kernels/qlinear.rs`).
+        let kernels = if device.is_cpu() { crate::model::kernels::checked_kernels()?.name } else { "cuda" };
         Ok(Self {
-            info: ModelInfo::of(&config),
+            info: ModelInfo::of(&config, kernels),
             dtype,
             embed: embed.to_dtype(dtype)?,
             blocks,

@@ -32,18 +32,18 @@ use std::sync::Arc;
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 
-use super::attention::{Attention, HeadShape, RowView};
-use super::ggml_math::{geglu, swiglu};
-use super::qlinear::QLinear;
-use super::rope::{Pairing, Rope};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::{KvCache, Slots};
 use crate::model::config::DecoderConfig;
 use crate::model::forward::check_token_ids;
+use crate::model::kernels::attention::{Attention, HeadShape, RowView};
+use crate::model::kernels::ggml_math::{geglu, swiglu};
+use crate::model::kernels::qlinear::QLinear;
 use crate::model::layout::{
     block_tensor, block_weight, global_weight, projections, Family, Global, Naming, Projection, Role,
 };
+use crate::model::rope::{Pairing, Rope};
 use crate::model::{select_vocab, CausalLm, ForwardBatch, ForwardOutput, GgufWeights, ModelInfo, Tap};
 
 /// A quantized matrix and its bias, when the file has one.
@@ -211,7 +211,7 @@ impl CpuDecoder {
         let global_rope = rope(config.rope_theta, 1.0 / config.rope_linear_factor);
         let local_rope = config.sliding_layers.iter().any(|&s| s).then(|| rope(config.rope_theta_local, 1.0));
         Ok(Self {
-            info: ModelInfo::of(&config),
+            info: ModelInfo::of(&config, crate::model::kernels::checked_kernels()?.name),
             embed,
             blocks,
             final_norm,

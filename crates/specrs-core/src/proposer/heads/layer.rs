@@ -25,7 +25,7 @@ use super::weights::{HeadWeights, Linear};
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvBytes, KvCache};
 use crate::model::candle::decoder::causal_attention;
-use crate::model::cpu::rope::{Pairing, Rope};
+use crate::model::rope::{Pairing, Rope};
 use std::sync::Arc;
 
 /// The sizes and flags of a head's decoder layer.

@@ -41,8 +41,8 @@ use super::weights::HeadWeights;
 use super::Head;
 use crate::error::{Error, Result};
 use crate::gguf::{open_with_integer_tensors, value_as_i64, GgufFile};
-use crate::model::cpu::rope::Pairing;
 use crate::model::hf_dir::read_optional_json;
+use crate::model::rope::Pairing;
 use crate::model::{CausalLm, Tap};
 use crate::spec_config::HeadMethod;
 

@@ -18,7 +18,7 @@ use candle_core::{DType, Device, Module, Tensor};
 
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::model::cpu::qlinear::QLinear;
+use crate::model::kernels::qlinear::QLinear;
 
 /// A linear layer's weight: f32 as read, or quantized at load (`"quantization"` in the head's
 /// config), which cuts the bytes a draft step reads 4x (Q8_0) or 7x (Q4_0).

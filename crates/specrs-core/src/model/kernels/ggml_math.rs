@@ -6,11 +6,14 @@
 //! The exponential is the classic one from Arm's optimized-routines: n = round(x / ln2) by the
 //! 1.5 * 2^23 trick, a two-constant reduction b = x - n*ln2, a degree-5 polynomial, then scaling by
 //! 2^n through the exponent bits. Maximum error about 1.5 ulp. Every multiply-add is fused, as in
-//! the vector code, so call these from code compiled with FMA (see `softmax_exps`).
+//! the vector code, so call these from code compiled with FMA (the kernel sets' `softmax_exps`
+//! and `swiglu` loops: `x86_avx2/math.rs`).
 
 use std::sync::OnceLock;
 
 use half::f16;
+
+use super::kernels;
 
 const SHIFT: f32 = 12_582_912.0; // 1.5 * 2^23
 const LOG2_E: u32 = 0x3FB8_AA3B;
@@ -54,28 +57,10 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + expf(-x))
 }
 
-/// `weights[i] = e^(weights[i] - max)`.
-pub fn softmax_exps(weights: &mut [f32], max: f32) {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("fma") {
-        // SAFETY: FMA is available.
-        return unsafe { with_fma::softmax_exps(weights, max) };
-    }
-    for w in weights.iter_mut() {
-        *w = expf(*w - max);
-    }
-}
-
-/// `gate[i] = silu(gate[i]) * up[i]`.
+/// `gate[i] = silu(gate[i]) * up[i]`, on the process's kernel set.
 pub fn swiglu(gate: &mut [f32], up: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("fma") {
-        // SAFETY: FMA is available.
-        return unsafe { with_fma::swiglu(gate, up) };
-    }
-    for (g, u) in gate.iter_mut().zip(up) {
-        *g = silu(*g) * u;
-    }
+    // SAFETY: `kernels()` is a set this CPU runs.
+    unsafe { (kernels().swiglu)(gate, up) }
 }
 
 /// `ggml_hsum_float_8` (the end of every 8-lane dot product) of lanes `lane(0..8)`.
@@ -120,23 +105,6 @@ pub fn geglu(gate: &mut [f32], up: &[f32]) {
         } else {
             table[f16::from_f32(*g).to_bits() as usize].to_f32() * u
         };
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod with_fma {
-    #[target_feature(enable = "fma")]
-    pub unsafe fn softmax_exps(weights: &mut [f32], max: f32) {
-        for w in weights.iter_mut() {
-            *w = super::expf(*w - max);
-        }
-    }
-
-    #[target_feature(enable = "fma")]
-    pub unsafe fn swiglu(gate: &mut [f32], up: &[f32]) {
-        for (g, u) in gate.iter_mut().zip(up) {
-            *g = super::silu(*g) * u;
-        }
     }
 }
 

@@ -1,6 +1,7 @@
 //! Quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) repacked at load into 8-row
-//! interleaved tiles of 32 values, and the AVX-512 VNNI kernel that multiplies them with
-//! activation rows quantized to int8 blocks of 32.
+//! interleaved tiles of 32 values, multiplied with activation rows quantized to int8 blocks of 32
+//! by a kernel set's `PackedKernels` (the AVX-512 VNNI one: `x86_avx512_vnni/packed.rs`);
+//! `reference_dot` is their scalar twin.
 //!
 //! Every format becomes the same thing: an unsigned integer `u` per weight (the nibble, the
 //! 5- or 6-bit value, or the Q8_0 byte + 128) with x = d * u + m per 32 values. For the symmetric
@@ -32,43 +33,22 @@
 use half::f16;
 use rayon::prelude::*;
 
+use super::format::Format;
 use super::kquants;
 use super::parallel::{for_each_task, SharedPtr};
-use super::qlinear::Format;
+use super::PackedKernels;
 
 /// Weight rows interleaved in one tile (the i32 lanes of a 256-bit vector).
 pub const TILE_ROWS: usize = 8;
 const BLOCK: usize = 32;
 /// Activation rows dotted with one unpacked tile before the next tile is read (with a run's 4
 /// tiles, 16 accumulators: what the 32 vector registers hold beside a tile).
-const ROW_GROUP: usize = 4;
+pub(crate) const ROW_GROUP: usize = 4;
 /// Feature groups (of `TILE_ROWS`) stored block-major together and handled by one task: decoding
 /// dots them with its single activation row, sharing the activation broadcasts.
-const RUN_GROUPS: usize = 4;
+pub(crate) const RUN_GROUPS: usize = 4;
 /// How many blocks ahead of the one being read the kernel prefetches weights.
-const PREFETCH_BLOCKS: usize = 4;
-
-/// Whether this CPU runs the kernel (AVX-512 VNNI with 256-bit vectors, F16C, FMA).
-pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static AVAILABLE: OnceLock<bool> = OnceLock::new();
-        *AVAILABLE.get_or_init(|| {
-            let cpu = is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vl")
-                && is_x86_feature_detected!("avx512vnni")
-                && is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c");
-            // SPECRS_CPU_KERNELS=avx2 keeps the AVX2 kernels (for A/B measurements).
-            cpu && std::env::var("SPECRS_CPU_KERNELS").map_or(true, |v| v != "avx2")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
+pub(crate) const PREFETCH_BLOCKS: usize = 4;
 
 /// Whether `format` has a repacked kernel.
 pub fn supports(format: Format) -> bool {
@@ -76,7 +56,7 @@ pub fn supports(format: Format) -> bool {
 }
 
 /// Bytes of one tile: 8 rows x 32 values.
-fn tile_bytes(format: Format) -> usize {
+pub(crate) fn tile_bytes(format: Format) -> usize {
     match format {
         // The 8 ggml blocks it replaces.
         Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q8_0 => TILE_ROWS * format.block_bytes(),
@@ -90,7 +70,7 @@ fn tile_bytes(format: Format) -> usize {
 }
 
 /// Where a tile's scales start.
-fn scales_at(format: Format) -> usize {
+pub(crate) fn scales_at(format: Format) -> usize {
     match format {
         Format::Q4_0 | Format::Q4_1 | Format::Q4K => 128,
         Format::Q5_0 => 160,
@@ -200,10 +180,10 @@ fn set_tile_scales(format: Format, tile: &mut [u8], r: usize, d: f32, m: f32) {
 /// decoding, which dots one run's groups block by block, reads each thread's weights as one
 /// sequential stream.
 pub struct Repacked {
-    format: Format,
-    tiles: Vec<u8>,
-    out_features: usize,
-    in_features: usize,
+    pub(crate) format: Format,
+    pub(crate) tiles: Vec<u8>,
+    pub(crate) out_features: usize,
+    pub(crate) in_features: usize,
 }
 
 impl Repacked {
@@ -331,23 +311,23 @@ impl Repacked {
         out
     }
 
-    /// `x`: `[num_rows, in_features]` row-major -> `[num_rows, out_features]`.
-    pub fn forward_rows(&self, x: &[f32], num_rows: usize) -> Vec<f32> {
-        Self::forward_many(&[self], x, num_rows).pop().expect("one output per weight")
+    /// `x`: `[num_rows, in_features]` row-major -> `[num_rows, out_features]`, on `kernels`
+    /// (the packed kernels of a set this CPU runs).
+    pub fn forward_rows(&self, kernels: &PackedKernels, x: &[f32], num_rows: usize) -> Vec<f32> {
+        Self::forward_many(kernels, &[self], x, num_rows).pop().expect("one output per weight")
     }
 
     /// Several weights of the same input width applied to one input: the activations are
     /// quantized once and all products run in one parallel region (q, k, v; gate, up).
     /// Returns one `[num_rows, out_features]` matrix per weight.
-    pub fn forward_many(weights: &[&Repacked], x: &[f32], num_rows: usize) -> Vec<Vec<f32>> {
-        assert!(available(), "repacked kernels need AVX-512 VNNI");
+    pub fn forward_many(kernels: &PackedKernels, weights: &[&Repacked], x: &[f32], num_rows: usize) -> Vec<Vec<f32>> {
         let in_features = weights[0].in_features;
         assert!(
             weights.iter().all(|w| w.in_features == in_features) && x.len() == num_rows * in_features,
             "repacked matmul: {} input values for {num_rows} rows",
             x.len()
         );
-        let acts = QuantizedActivations::new(x, num_rows, in_features);
+        let acts = QuantizedActivations::new(x, num_rows, in_features, kernels.quantize_block);
         let mut outs: Vec<Vec<f32>> = weights.iter().map(|w| vec![0f32; num_rows * w.out_features]).collect();
         let out_ptrs: Vec<SharedPtr> = outs.iter_mut().map(|o| SharedPtr(o.as_mut_ptr())).collect();
         // (weight, first group, groups): a task takes one run of groups, whose tiles are one
@@ -361,12 +341,10 @@ impl Repacked {
         }
         for_each_task(tasks.len(), |task| {
             let (i, first_group, groups) = tasks[task];
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the CPU has the features (`available`); tiles, activations and outputs are
-            // sized above; each task writes only its own features' columns of its output.
-            unsafe {
-                vnni::groups(weights[i], &acts, first_group, groups, num_rows, out_ptrs[i].get())
-            };
+            // SAFETY: the kernels are a set this CPU runs (the caller's word); tiles, activations
+            // and outputs are sized above; each task writes only its own features' columns of
+            // its output.
+            unsafe { (kernels.groups)(weights[i], &acts, first_group, groups, num_rows, out_ptrs[i].get()) };
         });
         outs
     }
@@ -374,14 +352,14 @@ impl Repacked {
 
 /// Where tile (group `g`, block `b`) sits among `num_groups * num_blocks` tiles: runs of
 /// `RUN_GROUPS` groups (the last run may be shorter), block-major within a run.
-fn tile_index(num_groups: usize, num_blocks: usize, g: usize, b: usize) -> usize {
+pub(crate) fn tile_index(num_groups: usize, num_blocks: usize, g: usize, b: usize) -> usize {
     let run = g / RUN_GROUPS;
     let run_len = RUN_GROUPS.min(num_groups - run * RUN_GROUPS);
     run * RUN_GROUPS * num_blocks + b * run_len + g % RUN_GROUPS
 }
 
 /// The symmetric formats' integer offset c (x = d * (u - c)).
-fn offset(format: Format) -> i32 {
+pub(crate) fn offset(format: Format) -> i32 {
     match format {
         Format::Q4_0 => 8,
         Format::Q5_0 => 16,
@@ -394,17 +372,21 @@ fn offset(format: Format) -> i32 {
 /// Activation rows quantized to int8 blocks of 32: x ~ d * q, d = max|x| / 127, round half to
 /// even; `sums[b]` = sum(q) and `scaled_sums[b]` = d * sum(q) per block.
 pub struct QuantizedActivations {
-    qs: Vec<i8>,
-    d: Vec<f32>,
-    sums: Vec<i32>,
+    pub(crate) qs: Vec<i8>,
+    pub(crate) d: Vec<f32>,
+    pub(crate) sums: Vec<i32>,
     /// sum(q) over each block's first 16 values (Q6_K's halves).
-    low_sums: Vec<i32>,
-    scaled_sums: Vec<f32>,
-    num_blocks: usize,
+    pub(crate) low_sums: Vec<i32>,
+    pub(crate) scaled_sums: Vec<f32>,
+    pub(crate) num_blocks: usize,
 }
 
+/// One block's int8 quantization (`scalar_quantize` or a set's vectorized twin); returns max|x|.
+pub type QuantizeBlock = unsafe fn(&[f32; BLOCK], &mut [i8; BLOCK]) -> f32;
+
 impl QuantizedActivations {
-    pub fn new(x: &[f32], num_rows: usize, in_features: usize) -> Self {
+    /// `quantize`: `scalar_quantize` or the quantization of a set this CPU runs.
+    pub fn new(x: &[f32], num_rows: usize, in_features: usize, quantize: QuantizeBlock) -> Self {
         /// Blocks one parallel task quantizes: below this a hand-off costs more than it saves.
         const BLOCKS_PER_TASK: usize = 256;
         let num_blocks = in_features / BLOCK;
@@ -427,11 +409,11 @@ impl QuantizedActivations {
         };
         // SAFETY (both calls): the outputs hold `total` blocks; tasks take disjoint block ranges.
         if total <= BLOCKS_PER_TASK {
-            unsafe { out.quantize(x, 0..total) };
+            unsafe { out.quantize(x, 0..total, quantize) };
         } else {
             for_each_task(total.div_ceil(BLOCKS_PER_TASK), |task| {
                 let blocks = task * BLOCKS_PER_TASK..((task + 1) * BLOCKS_PER_TASK).min(total);
-                unsafe { out.quantize(x, blocks) };
+                unsafe { out.quantize(x, blocks, quantize) };
             });
         }
         acts
@@ -455,20 +437,14 @@ impl BlockOutputs {
     /// Quantizes `blocks` of `x`: d = max|x| / 127, q = x * (127 / max|x|) rounded half to even.
     ///
     /// # Safety
-    /// Every output holds the blocks in `blocks`, and no one else writes them meanwhile.
-    unsafe fn quantize(self, x: &[f32], blocks: std::ops::Range<usize>) {
+    /// Every output holds the blocks in `blocks`, and no one else writes them meanwhile; this
+    /// CPU runs `quantize`.
+    unsafe fn quantize(self, x: &[f32], blocks: std::ops::Range<usize>, quantize: QuantizeBlock) {
         for b in blocks {
             let block: &[f32; BLOCK] = x[b * BLOCK..(b + 1) * BLOCK].try_into().expect("a whole block");
             let q: &mut [i8; BLOCK] = unsafe { &mut *(self.qs.add(b * BLOCK) as *mut [i8; BLOCK]) };
-            #[cfg(target_arch = "x86_64")]
-            let amax = if available() {
-                // SAFETY: `available` checked AVX-512.
-                unsafe { avx512_quantize(block, q) }
-            } else {
-                scalar_quantize(block, q)
-            };
-            #[cfg(not(target_arch = "x86_64"))]
-            let amax = scalar_quantize(block, q);
+            // SAFETY: the caller's contract.
+            let amax = unsafe { quantize(block, q) };
             let sum: i32 = q.iter().map(|&v| v as i32).sum();
             let d = amax / 127.0;
             unsafe {
@@ -481,8 +457,10 @@ impl BlockOutputs {
     }
 }
 
-/// One block's int8 values; returns max|x|.
-fn scalar_quantize(block: &[f32; BLOCK], q: &mut [i8; BLOCK]) -> f32 {
+/// One block's int8 values; returns max|x|. The scalar twin every set's
+/// `PackedKernels::quantize_block` is tested against.
+#[cfg(test)]
+pub(crate) fn scalar_quantize(block: &[f32; BLOCK], q: &mut [i8; BLOCK]) -> f32 {
     let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
     let inv = if amax != 0.0 { 127.0 / amax } else { 0.0 };
     for (q, &v) in q.iter_mut().zip(block) {
@@ -491,24 +469,6 @@ fn scalar_quantize(block: &[f32; BLOCK], q: &mut [i8; BLOCK]) -> f32 {
         *q = ((v * inv + MAGIC) - MAGIC) as i8;
     }
     amax
-}
-
-/// `scalar_quantize` with 16-lane vectors, the same values: the products are the same, and the
-/// conversion rounds half to even (the default rounding mode) as the magic constant does.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn avx512_quantize(block: &[f32; BLOCK], q: &mut [i8; BLOCK]) -> f32 {
-    use std::arch::x86_64::*;
-    unsafe {
-        let lo = _mm512_loadu_ps(block.as_ptr());
-        let hi = _mm512_loadu_ps(block.as_ptr().add(16));
-        let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        let inv = _mm512_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
-        let to_i8 = |v: __m512| _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv)));
-        _mm_storeu_si128(q.as_mut_ptr() as *mut __m128i, to_i8(lo));
-        _mm_storeu_si128(q.as_mut_ptr().add(16) as *mut __m128i, to_i8(hi));
-        amax
-    }
 }
 
 /// The scalar reference of the kernel's arithmetic, read from the original ggml blocks (not the
@@ -542,304 +502,6 @@ fn asymmetric(format: Format) -> bool {
     matches!(format, Format::Q4_1 | Format::Q4K)
 }
 
-#[cfg(target_arch = "x86_64")]
-mod vnni {
-    use std::arch::x86_64::*;
-
-    use super::{
-        offset, scales_at, tile_bytes, Format, QuantizedActivations, Repacked, BLOCK, PREFETCH_BLOCKS, ROW_GROUP,
-        RUN_GROUPS, TILE_ROWS,
-    };
-
-    const Q4_0: u8 = 0;
-    const Q4_1: u8 = 1;
-    const Q4K: u8 = 4;
-    const Q6K: u8 = 5;
-    /// Q4_1 and Q4_K: the offset goes through the activation sums.
-    const fn asymmetric(f: u8) -> bool {
-        f == Q4_1 || f == Q4K
-    }
-    const Q5_0: u8 = 2;
-    const Q8_0: u8 = 3;
-
-    /// Feature groups `first_group..first_group + groups` for all `num_rows` rows.
-    ///
-    /// # Safety
-    /// The CPU has AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; `out` holds `[num_rows,
-    /// w.out_features]`; `acts` holds `num_rows` rows of `w.in_features`.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub unsafe fn groups(
-        w: &Repacked,
-        acts: &QuantizedActivations,
-        first_group: usize,
-        groups: usize,
-        num_rows: usize,
-        out: *mut f32,
-    ) {
-        assert!(
-            (first_group + groups) * TILE_ROWS <= w.out_features
-                && acts.num_blocks * BLOCK == w.in_features
-                && acts.qs.len() >= num_rows * w.in_features
-                && acts.d.len() >= num_rows * acts.num_blocks
-                && groups <= RUN_GROUPS
-                && (groups == 1 || first_group.is_multiple_of(RUN_GROUPS)),
-            "repacked kernel: groups {first_group}+{groups}, {num_rows} rows"
-        );
-        macro_rules! dispatch {
-            ($f:ident) => {
-                unsafe {
-                    if num_rows == 1 {
-                        match groups {
-                            1 => run::<$f, 1, 1>(w, acts, first_group, 0, out),
-                            2 => run::<$f, 1, 2>(w, acts, first_group, 0, out),
-                            3 => run::<$f, 1, 3>(w, acts, first_group, 0, out),
-                            _ => run::<$f, 1, 4>(w, acts, first_group, 0, out),
-                        }
-                    } else {
-                        let mut first = 0;
-                        while first < num_rows {
-                            match ((num_rows - first).min(ROW_GROUP), groups) {
-                                (1, 1) => run::<$f, 1, 1>(w, acts, first_group, first, out),
-                                (1, 2) => run::<$f, 1, 2>(w, acts, first_group, first, out),
-                                (1, 3) => run::<$f, 1, 3>(w, acts, first_group, first, out),
-                                (1, _) => run::<$f, 1, 4>(w, acts, first_group, first, out),
-                                (2, 1) => run::<$f, 2, 1>(w, acts, first_group, first, out),
-                                (2, 2) => run::<$f, 2, 2>(w, acts, first_group, first, out),
-                                (2, 3) => run::<$f, 2, 3>(w, acts, first_group, first, out),
-                                (2, _) => run::<$f, 2, 4>(w, acts, first_group, first, out),
-                                (3, 1) => run::<$f, 3, 1>(w, acts, first_group, first, out),
-                                (3, 2) => run::<$f, 3, 2>(w, acts, first_group, first, out),
-                                (3, 3) => run::<$f, 3, 3>(w, acts, first_group, first, out),
-                                (3, _) => run::<$f, 3, 4>(w, acts, first_group, first, out),
-                                (_, 1) => run::<$f, 4, 1>(w, acts, first_group, first, out),
-                                (_, 2) => run::<$f, 4, 2>(w, acts, first_group, first, out),
-                                (_, 3) => run::<$f, 4, 3>(w, acts, first_group, first, out),
-                                (_, _) => run::<$f, 4, 4>(w, acts, first_group, first, out),
-                            }
-                            first += ROW_GROUP;
-                        }
-                    }
-                }
-            };
-        }
-        match w.format {
-            Format::Q4_0 => dispatch!(Q4_0),
-            Format::Q4_1 => dispatch!(Q4_1),
-            Format::Q5_0 => dispatch!(Q5_0),
-            Format::Q8_0 => dispatch!(Q8_0),
-            Format::Q4K => dispatch!(Q4K),
-            Format::Q6K => dispatch!(Q6K),
-        }
-    }
-
-    const fn format_of(f: u8) -> Format {
-        match f {
-            Q4_0 => Format::Q4_0,
-            Q4_1 => Format::Q4_1,
-            Q5_0 => Format::Q5_0,
-            Q4K => Format::Q4K,
-            Q6K => Format::Q6K,
-            _ => Format::Q8_0,
-        }
-    }
-
-    /// One block of one activation row, broadcast for the kernel.
-    struct RowBlock {
-        /// Bytes 4k..4k+3 of the block in every lane.
-        q: [__m256i; 8],
-        d: __m256,
-        /// c * sum(q) (symmetric formats).
-        correction: __m256i,
-        /// d * sum(q) (Q4_1, Q4_K).
-        scaled_sum: __m256,
-        /// 32 * sum(q) over the first and the second 16 values (Q6_K).
-        correction_halves: [__m256i; 2],
-    }
-
-    impl RowBlock {
-        /// # Safety
-        /// AVX2; block `at` exists in `acts`.
-        #[inline]
-        #[target_feature(enable = "avx2")]
-        unsafe fn new(acts: &QuantizedActivations, at: usize, c: i32) -> Self {
-            let a = unsafe { acts.qs.as_ptr().add(at * BLOCK) };
-            RowBlock {
-                q: std::array::from_fn(|k| _mm256_set1_epi32(unsafe { (a.add(4 * k) as *const i32).read_unaligned() })),
-                d: _mm256_set1_ps(acts.d[at]),
-                correction: _mm256_set1_epi32(c * acts.sums[at]),
-                scaled_sum: _mm256_set1_ps(acts.scaled_sums[at]),
-                correction_halves: [
-                    _mm256_set1_epi32(32 * acts.low_sums[at]),
-                    _mm256_set1_epi32(32 * (acts.sums[at] - acts.low_sums[at])),
-                ],
-            }
-        }
-    }
-
-    /// One tile unpacked: 8 rows' values, scales and (Q4_1, Q4_K) offsets.
-    struct Tile<const F: u8> {
-        v: [__m256i; 8],
-        d: __m256,
-        m: __m256,
-    }
-
-    impl<const F: u8> Tile<F> {
-        /// # Safety
-        /// The CPU features of `groups`; `tile` points at a whole tile with scales at `s`.
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-        unsafe fn load(tile: *const u8, s: usize) -> Self {
-            unsafe {
-                Tile {
-                    v: unpack::<F>(tile),
-                    d: if F == Q4K || F == Q6K {
-                        _mm256_loadu_ps(tile.add(s) as *const f32)
-                    } else {
-                        _mm256_cvtph_ps(_mm_loadu_si128(tile.add(s) as *const __m128i))
-                    },
-                    m: if F == Q4K || F == Q6K {
-                        _mm256_loadu_ps(tile.add(s + 32) as *const f32)
-                    } else if F == Q4_1 {
-                        _mm256_cvtph_ps(_mm_loadu_si128(tile.add(s + 16) as *const __m128i))
-                    } else {
-                        _mm256_setzero_ps()
-                    },
-                }
-            }
-        }
-
-        /// acc += this block of the 8 rows dotted with row `a`: the only arithmetic of the
-        /// kernel, the same for every (feature, row) pair.
-        #[inline]
-        #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512vnni")]
-        unsafe fn accumulate(&self, a: &RowBlock, acc: &mut __m256) {
-            if F == Q6K {
-                // The halves have their own scales (d, then m): a chain of four each.
-                let mut halves = [_mm256_setzero_si256(); 2];
-                for (h, half) in halves.iter_mut().enumerate() {
-                    for k in 4 * h..4 * h + 4 {
-                        *half = _mm256_dpbusd_epi32(*half, self.v[k], a.q[k]);
-                    }
-                    *half = _mm256_sub_epi32(*half, a.correction_halves[h]);
-                }
-                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(halves[0]), _mm256_mul_ps(self.d, a.d), *acc);
-                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(halves[1]), _mm256_mul_ps(self.m, a.d), *acc);
-                return;
-            }
-            // Two chains of four, added.
-            let mut even = _mm256_setzero_si256();
-            let mut odd = _mm256_setzero_si256();
-            for k in (0..8).step_by(2) {
-                even = _mm256_dpbusd_epi32(even, self.v[k], a.q[k]);
-                odd = _mm256_dpbusd_epi32(odd, self.v[k + 1], a.q[k + 1]);
-            }
-            let mut dot = _mm256_add_epi32(even, odd);
-            if !asymmetric(F) {
-                dot = _mm256_sub_epi32(dot, a.correction);
-            }
-            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(self.d, a.d), *acc);
-            if asymmetric(F) {
-                *acc = _mm256_fmadd_ps(self.m, a.scaled_sum, *acc);
-            }
-        }
-    }
-
-    /// The 8 value vectors of a tile: vector k, byte 4r+i = row r's value 4k+i.
-    #[inline]
-    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
-    unsafe fn unpack<const F: u8>(tile: *const u8) -> [__m256i; 8] {
-        unsafe {
-            if F == Q8_0 {
-                return std::array::from_fn(|k| _mm256_loadu_si256(tile.add(32 * k) as *const __m256i));
-            }
-            let low = _mm256_set1_epi8(0x0F);
-            let mut v = [_mm256_setzero_si256(); 8];
-            for j in 0..4 {
-                let packed = _mm256_loadu_si256(tile.add(32 * j) as *const __m256i);
-                v[j] = _mm256_and_si256(packed, low);
-                v[j + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(packed), low);
-            }
-            if F == Q6K {
-                // Bits 4 and 5: 2 bits per value, vectors k < 4 in the first 32 bytes, at bit 2(k % 4).
-                let high_bits = _mm256_set1_epi8(0x30);
-                for (k, v) in v.iter_mut().enumerate() {
-                    let h = _mm256_loadu_si256(tile.add(128 + 32 * (k / 4)) as *const __m256i);
-                    // 16-bit shifts: bits crossing into the neighbouring byte are masked away.
-                    let at_4 = match k % 4 {
-                        0 => _mm256_slli_epi16::<4>(h),
-                        1 => _mm256_slli_epi16::<2>(h),
-                        2 => h,
-                        _ => _mm256_srli_epi16::<2>(h),
-                    };
-                    *v = _mm256_or_si256(*v, _mm256_and_si256(at_4, high_bits));
-                }
-            }
-            if F == Q5_0 {
-                let sixteen = _mm256_set1_epi8(16);
-                for (k, v) in v.iter_mut().enumerate() {
-                    let fifth = (tile.add(128 + 4 * k) as *const u32).read_unaligned();
-                    *v = _mm256_mask_add_epi8(*v, fifth, *v, sixteen);
-                }
-            }
-            v
-        }
-    }
-
-    /// `R` activation rows from `first_row` against `H` feature groups from `first_group`.
-    /// Every (feature, row) pair goes through the same operations whatever R and H.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn run<const F: u8, const R: usize, const H: usize>(
-        w: &Repacked,
-        acts: &QuantizedActivations,
-        first_group: usize,
-        first_row: usize,
-        out: *mut f32,
-    ) {
-        let format = format_of(F);
-        let (tb, s, nb) = (tile_bytes(format), scales_at(format), acts.num_blocks);
-        let c = offset(format);
-        let num_groups = w.out_features / TILE_ROWS;
-        // Consecutive blocks of a group are a run's length of tiles apart; the H groups (one run
-        // when decoding) are adjacent.
-        let first_tile = unsafe { w.tiles.as_ptr().add(super::tile_index(num_groups, nb, first_group, 0) * tb) };
-        let run_len = RUN_GROUPS.min(num_groups - first_group / RUN_GROUPS * RUN_GROUPS);
-        let block_stride = run_len * tb;
-        let mut acc = [[_mm256_setzero_ps(); R]; H];
-        for b in 0..nb {
-            let block = unsafe { first_tile.add(b * block_stride) };
-            // Ask for the weights a few blocks ahead, every cache line of them (wrapping_add: past
-            // the end of the tiles the address lies outside the allocation; a prefetch never faults).
-            for line in (0..H * tb).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(block.wrapping_add(PREFETCH_BLOCKS * block_stride + line) as *const i8);
-            }
-            let row = |r: usize| unsafe { RowBlock::new(acts, (first_row + r) * nb + b, c) };
-            if R == 1 {
-                // Decoding: the one row's broadcasts are shared by the H tiles.
-                let a = row(0);
-                for (h, acc) in acc.iter_mut().enumerate() {
-                    let t = unsafe { Tile::<F>::load(block.add(h * tb), s) };
-                    unsafe { t.accumulate(&a, &mut acc[0]) };
-                }
-            } else {
-                // H tiles x R rows would not fit the registers: one tile at a time against the rows.
-                for (h, acc) in acc.iter_mut().enumerate() {
-                    let t = unsafe { Tile::<F>::load(block.add(h * tb), s) };
-                    for (r, acc) in acc.iter_mut().enumerate() {
-                        unsafe { t.accumulate(&row(r), acc) };
-                    }
-                }
-            }
-        }
-        for (h, acc) in acc.iter().enumerate() {
-            for (r, acc) in acc.iter().enumerate() {
-                let at = (first_row + r) * w.out_features + (first_group + h) * TILE_ROWS;
-                unsafe { _mm256_storeu_ps(out.add(at), *acc) };
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -868,6 +530,16 @@ mod tests {
         (Repacked::new(format, &q.data().unwrap(), out_f, in_f), q)
     }
 
+    /// The packed kernels of every set this CPU runs that has them.
+    fn packed_sets() -> Vec<(&'static str, &'static PackedKernels)> {
+        let sets = crate::model::kernels::available_sets();
+        let packed: Vec<_> = sets.iter().filter_map(|s| s.packed.as_ref().map(|p| (s.name, p))).collect();
+        if packed.is_empty() {
+            eprintln!("no kernel set with packed weights runs on this CPU");
+        }
+        packed
+    }
+
     const FORMATS: [(GgmlDType, Format); 6] = [
         (GgmlDType::Q4K, Format::Q4K),
         (GgmlDType::Q6K, Format::Q6K),
@@ -880,9 +552,6 @@ mod tests {
     /// The vector quantization equals the scalar one (ties included).
     #[test]
     fn vector_quantization_equals_scalar() {
-        if !available() {
-            return;
-        }
         let mut x = random(64, BLOCK, 3);
         // Exact ties: with max|x| = 127 the scale is 1 and k + 0.5 rounds to the even neighbour.
         x[..BLOCK].copy_from_slice(&std::array::from_fn::<f32, BLOCK, _>(
@@ -894,27 +563,29 @@ mod tests {
                 }
             },
         ));
-        for block in x.chunks_exact(BLOCK) {
-            let block: &[f32; BLOCK] = block.try_into().unwrap();
-            let (mut a, mut b) = ([0i8; BLOCK], [0i8; BLOCK]);
-            let amax = unsafe { avx512_quantize(block, &mut a) };
-            assert_eq!(amax, scalar_quantize(block, &mut b));
-            assert_eq!(a, b);
+        for (name, packed) in packed_sets() {
+            for block in x.chunks_exact(BLOCK) {
+                let block: &[f32; BLOCK] = block.try_into().unwrap();
+                let (mut a, mut b) = ([0i8; BLOCK], [0i8; BLOCK]);
+                // SAFETY: the set runs on this CPU.
+                let amax = unsafe { (packed.quantize_block)(block, &mut a) };
+                assert_eq!(amax, scalar_quantize(block, &mut b), "{name}");
+                assert_eq!(a, b, "{name}");
+            }
         }
     }
 
     /// Several weights through one call equal each through its own, bitwise.
     #[test]
     fn forward_many_equals_forward_rows() {
-        if !available() {
-            return;
-        }
         let (a, _) = repacked(GgmlDType::Q4_1, Format::Q4_1, 40, 512);
         let (b, _) = repacked(GgmlDType::Q8_0, Format::Q8_0, 16, 512);
-        for num_rows in [1, 3, 9] {
-            let x = random(num_rows, 512, 5);
-            let many = Repacked::forward_many(&[&a, &b], &x, num_rows);
-            assert_eq!(many, [a.forward_rows(&x, num_rows), b.forward_rows(&x, num_rows)]);
+        for (name, k) in packed_sets() {
+            for num_rows in [1, 3, 9] {
+                let x = random(num_rows, 512, 5);
+                let many = Repacked::forward_many(k, &[&a, &b], &x, num_rows);
+                assert_eq!(many, [a.forward_rows(k, &x, num_rows), b.forward_rows(k, &x, num_rows)], "{name}");
+            }
         }
     }
 
@@ -934,17 +605,15 @@ mod tests {
     /// is bitwise the row computed alone.
     #[test]
     fn kernel_equals_reference_and_rows_are_invariant() {
-        if !available() {
-            eprintln!("no AVX-512 VNNI: the repacked kernel is not used on this CPU");
-            return;
-        }
         let (out_f, in_f) = (72, 512);
-        for (dtype, format) in FORMATS {
+        for ((dtype, format), (name, k)) in
+            FORMATS.into_iter().flat_map(|f| packed_sets().into_iter().map(move |s| (f, s)))
+        {
             let (w, q) = repacked(dtype, format, out_f, in_f);
             for num_rows in 1..=17 {
                 let x = random(num_rows, in_f, 100 + num_rows as u64);
-                let out = w.forward_rows(&x, num_rows);
-                let acts = QuantizedActivations::new(&x, num_rows, in_f);
+                let out = w.forward_rows(k, &x, num_rows);
+                let acts = QuantizedActivations::new(&x, num_rows, in_f, k.quantize_block);
                 let ggml = q.data().unwrap();
                 let row_bytes = in_f / format.block_len() * format.block_bytes();
                 // Against plain f32 arithmetic on the dequantized weights: only the activations'
@@ -966,8 +635,8 @@ mod tests {
                     }
                 }
                 for row in 0..num_rows {
-                    let alone = w.forward_rows(&x[row * in_f..(row + 1) * in_f], 1);
-                    assert_eq!(alone, out[row * out_f..(row + 1) * out_f], "{format:?} n={num_rows} row {row}");
+                    let alone = w.forward_rows(k, &x[row * in_f..(row + 1) * in_f], 1);
+                    assert_eq!(alone, out[row * out_f..(row + 1) * out_f], "{name} {format:?} n={num_rows} row {row}");
                     for f in (0..out_f).step_by(5) {
                         let ggml_row = &ggml[f * row_bytes..(f + 1) * row_bytes];
                         assert_eq!(

@@ -20,8 +20,9 @@
 
 use half::f16;
 
-use super::ggml_math::{hsum8, hsum8_of, softmax_exps};
+use super::ggml_math::{hsum8, hsum8_of};
 use super::parallel::for_each_chunk_mut;
+use super::{kernels, reference, KernelSet};
 use crate::error::{Error, Result};
 use crate::kv_cache::Slots;
 
@@ -59,12 +60,31 @@ impl RowView<'_> {
     }
 
     /// The slot of cell `j`.
+    #[inline]
     fn slot(&self, j: usize) -> usize {
         if j < self.prefix {
             j
         } else {
             self.extra[j - self.prefix]
         }
+    }
+}
+
+/// The value rows one query row attends, cell by cell: cell `j`'s row is `len` values at
+/// `offset` of cache row `view.slot(first + j)` (rows `stride` apart). What a set's
+/// `weighted_sum` reads.
+pub struct ValueRows<'a> {
+    pub view: &'a RowView<'a>,
+    pub first: usize,
+    pub stride: usize,
+    pub offset: usize,
+    pub len: usize,
+}
+
+impl<'a> ValueRows<'a> {
+    #[inline]
+    pub fn row(&self, j: usize) -> &'a [f16] {
+        &self.view.kv.values_from(self.view.slot(self.first + j), self.stride)[self.offset..][..self.len]
     }
 }
 
@@ -84,6 +104,11 @@ impl Attention {
     /// may belong to different sequences and caches). Returns `[rows.len(), heads * head_dim]`.
     /// The views are checked here, before the SIMD kernels index the caches unchecked.
     pub fn forward_rows<'a>(&self, q: &[f32], rows: &[RowView<'a>]) -> Result<Vec<f32>> {
+        self.forward_rows_with(kernels(), q, rows)
+    }
+
+    /// `forward_rows` on `set`, a set this CPU runs (`available_sets`).
+    pub fn forward_rows_with<'a>(&self, set: &KernelSet, q: &[f32], rows: &[RowView<'a>]) -> Result<Vec<f32>> {
         let HeadShape { num_heads, num_kv_heads, head_dim } = self.shape;
         let kv_dim = num_kv_heads * head_dim;
         let q_width = num_heads * head_dim;
@@ -109,7 +134,8 @@ impl Attention {
             }
         }
         let group = num_heads / num_kv_heads;
-        let simd = simd_available();
+        // The sets' vector kernels take whole 8-lane vectors; other head sizes run the reference.
+        let vector = if head_dim.is_multiple_of(8) { set } else { &reference::KERNELS };
         let mut out = vec![0f32; q.len()];
         // One work item per (row, head): `head_dim` outputs.
         for_each_chunk_mut(&mut out, head_dim, |item, out| {
@@ -121,47 +147,39 @@ impl Attention {
             let first = self.window.map_or(0, |w| (pos + 1).saturating_sub(w));
             // Cells before `first` are masked: zero after the exponential, so they change no sum
             // and are skipped, but cells keep their index for the summation order.
-            let key = |j: usize| -> &'a [f16] { &view.kv.keys_from(view.slot(j), kv_dim)[kv_off..][..head_dim] };
-            let value = |j: usize| -> &'a [f16] { &view.kv.values_from(view.slot(j), kv_dim)[kv_off..][..head_dim] };
             let mut weights = vec![0f32; pos + 1 - first];
             // The cells held in place are runs of rows `kv_dim` apart (one, or one per block; each
             // key's score is the same whatever run it is computed in); the extra ones one each.
             let in_place = view.prefix.saturating_sub(first).min(weights.len());
-            if simd && head_dim % 8 == 0 {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: features detected; the cache holds rows first..prefix and every extra
-                // slot (checked above).
-                unsafe {
-                    let mut j = 0;
-                    while j < in_place {
-                        let run = view.kv.run_len(first + j).min(in_place - j);
-                        simd::scaled_dots(
-                            query,
-                            &view.kv.keys_from(first + j, kv_dim)[kv_off..],
-                            kv_dim,
-                            self.scale,
-                            &mut weights[j..j + run],
-                        );
-                        j += run;
-                    }
-                    for j in in_place..weights.len() {
-                        let slot = view.slot(first + j);
-                        simd::scaled_dots(
-                            query,
-                            &view.kv.keys_from(slot, kv_dim)[kv_off..],
-                            kv_dim,
-                            self.scale,
-                            &mut weights[j..j + 1],
-                        );
-                    }
-                };
-            } else {
-                for (j, w) in weights.iter_mut().enumerate() {
-                    *w = dot(key(first + j), query) * self.scale;
+            // SAFETY: the set runs on this CPU; the cache holds rows first..prefix and every
+            // extra slot (checked above), and `vector` takes this head size.
+            unsafe {
+                let mut j = 0;
+                while j < in_place {
+                    let run = view.kv.run_len(first + j).min(in_place - j);
+                    (vector.scaled_dots)(
+                        query,
+                        &view.kv.keys_from(first + j, kv_dim)[kv_off..],
+                        kv_dim,
+                        self.scale,
+                        &mut weights[j..j + run],
+                    );
+                    j += run;
+                }
+                for j in in_place..weights.len() {
+                    let slot = view.slot(first + j);
+                    (vector.scaled_dots)(
+                        query,
+                        &view.kv.keys_from(slot, kv_dim)[kv_off..],
+                        kv_dim,
+                        self.scale,
+                        &mut weights[j..j + 1],
+                    );
                 }
             }
             let max = weights.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-            softmax_exps(&mut weights, max);
+            // SAFETY: the set runs on this CPU.
+            unsafe { (set.softmax_exps)(&mut weights, max) };
             // llama.cpp sums the row 8 cells at a time from cell 0; whole masked chunks add 0, and
             // the first visible cell sits `lead` cells into its chunk.
             let lead = first % 8;
@@ -172,162 +190,12 @@ impl Attention {
             for w in weights.iter_mut() {
                 *w *= inv;
             }
-            weighted_sum(simd, |j| value(first + j), &weights, out);
+            let values = ValueRows { view, first, stride: kv_dim, offset: kv_off, len: head_dim };
+            // SAFETY: the set runs on this CPU; every value row holds `head_dim` values (the views
+            // were checked), and `vector` takes this head size.
+            unsafe { (vector.weighted_sum)(&values, &weights, out) };
         });
         Ok(out)
-    }
-}
-
-/// out[d] = Σ_j probs[j] * values[j][d], one fused multiply-add chain per output in cell order
-/// (so a tree node, whose cells are its path's, sums exactly as that path run as a chain).
-fn weighted_sum<'a>(simd: bool, value: impl Fn(usize) -> &'a [f16], probs: &[f32], out: &mut [f32]) {
-    if simd && out.len().is_multiple_of(8) {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX2, FMA and F16C were detected; every value row holds `out.len()` values
-        // (the caller's views were checked).
-        unsafe {
-            simd::weighted_sum(value, probs, out)
-        };
-        return;
-    }
-    out.fill(0.0);
-    for (j, &p) in probs.iter().enumerate() {
-        for (o, x) in out.iter_mut().zip(value(j)) {
-            *o = x.to_f32().mul_add(p, *o);
-        }
-    }
-}
-
-fn simd_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
-/// Σ a[d] * b[d]: value d into lane d % 8 with fused multiply-adds, the lanes reduced as
-/// `reduce_lanes`, then any tail (lengths not a multiple of 8) added in order. The scalar twin of
-/// `simd::scaled_dots`, used where that kernel cannot run.
-fn dot(a: &[f16], b: &[f32]) -> f32 {
-    let full = a.len() / 8 * 8;
-    let mut lanes = [0f32; 8];
-    for (i, (x, y)) in a[..full].iter().zip(&b[..full]).enumerate() {
-        lanes[i % 8] = x.to_f32().mul_add(*y, lanes[i % 8]);
-    }
-    let mut sum = reduce_lanes(&lanes);
-    for (x, y) in a[full..].iter().zip(&b[full..]) {
-        sum = x.to_f32().mul_add(*y, sum);
-    }
-    sum
-}
-
-/// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
-fn reduce_lanes(l: &[f32; 8]) -> f32 {
-    ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
-}
-
-#[cfg(target_arch = "x86_64")]
-mod simd {
-    use std::arch::x86_64::*;
-
-    use half::f16;
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load8(p: *const f16) -> __m256 {
-        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
-    }
-
-    /// out[j] = dot(keys row j, query) * scale for every j, as `super::dot` sums it, 8 keys at a
-    /// time (their 8-lane partial sums reduced together). `keys` starts at the head's offset of
-    /// the first row; rows are `stride` apart; `query.len()` is a multiple of 8.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn scaled_dots(query: &[f32], keys: &[f16], stride: usize, scale: f32, out: &mut [f32]) {
-        let head_dim = query.len();
-        // The loads below are unchecked: every row read must lie inside `keys`.
-        assert!(
-            head_dim.is_multiple_of(8) && (out.is_empty() || keys.len() >= (out.len() - 1) * stride + head_dim),
-            "scaled_dots: {} keys for {} rows {stride} apart of {head_dim}",
-            keys.len(),
-            out.len()
-        );
-        let q = query.as_ptr();
-        let scale = _mm256_set1_ps(scale);
-        for (chunk, out) in out.chunks_mut(8).enumerate() {
-            let mut acc = [_mm256_setzero_ps(); 8];
-            for (j, acc) in acc.iter_mut().enumerate().take(out.len()) {
-                unsafe {
-                    let key = keys.as_ptr().add((8 * chunk + j) * stride);
-                    for d in (0..head_dim).step_by(8) {
-                        *acc = _mm256_fmadd_ps(load8(key.add(d)), _mm256_loadu_ps(q.add(d)), *acc);
-                    }
-                }
-            }
-            let sums = _mm256_mul_ps(reduce_8x8(acc), scale);
-            let mut all = [0f32; 8];
-            unsafe { _mm256_storeu_ps(all.as_mut_ptr(), sums) };
-            out.copy_from_slice(&all[..out.len()]);
-        }
-    }
-
-    /// Lane j = ((v_j[0] + v_j[1]) + (v_j[2] + v_j[3])) + ((v_j[4] + v_j[5]) + (v_j[6] + v_j[7])),
-    /// the same tree for every j (`super::reduce_lanes`).
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn reduce_8x8(v: [__m256; 8]) -> __m256 {
-        let t0 = _mm256_hadd_ps(v[0], v[1]);
-        let t1 = _mm256_hadd_ps(v[2], v[3]);
-        let t2 = _mm256_hadd_ps(v[4], v[5]);
-        let t3 = _mm256_hadd_ps(v[6], v[7]);
-        let u0 = _mm256_hadd_ps(t0, t1); // keys 0..3: low half lanes 0-3 sums, high half lanes 4-7
-        let u1 = _mm256_hadd_ps(t2, t3);
-        _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(u0, u1), _mm256_permute2f128_ps::<0x31>(u0, u1))
-    }
-
-    /// `super::weighted_sum` with 8-lane vectors: up to 64 outputs stay in registers while the
-    /// value rows stream past. `out.len()` is a multiple of 8.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn weighted_sum<'a>(value: impl Fn(usize) -> &'a [f16], probs: &[f32], out: &mut [f32]) {
-        let head_dim = out.len();
-        assert!(head_dim.is_multiple_of(8), "weighted_sum: {head_dim} outputs");
-        let mut d0 = 0;
-        while d0 < head_dim {
-            unsafe {
-                if head_dim - d0 >= 64 {
-                    chunk::<8>(&value, probs, d0, out);
-                    d0 += 64;
-                } else {
-                    chunk::<1>(&value, probs, d0, out);
-                    d0 += 8;
-                }
-            }
-        }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn chunk<'a, const L: usize>(
-        value: &impl Fn(usize) -> &'a [f16],
-        probs: &[f32],
-        d0: usize,
-        out: &mut [f32],
-    ) {
-        let mut acc = [_mm256_setzero_ps(); L];
-        for (j, &p) in probs.iter().enumerate() {
-            let row = value(j);
-            assert!(row.len() >= d0 + 8 * L, "weighted_sum: a value row of {} values", row.len());
-            let pv = _mm256_set1_ps(p);
-            for (l, acc) in acc.iter_mut().enumerate() {
-                *acc = _mm256_fmadd_ps(unsafe { load8(row.as_ptr().add(d0 + 8 * l)) }, pv, *acc);
-            }
-        }
-        for (l, acc) in acc.iter().enumerate() {
-            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(d0 + 8 * l), *acc) };
-        }
     }
 }
 
@@ -408,23 +276,19 @@ mod tests {
         assert!(attn.forward(&q[..100], &cache, &cache, 0).unwrap_err().to_string().contains("100 query values"));
     }
 
-    /// The SIMD dot equals the scalar reference bitwise.
+    /// Every set's dots equal the scalar reference bitwise.
     #[test]
-    fn simd_dots_equal_the_reference() {
-        if !simd_available() {
-            return;
-        }
+    fn every_sets_dots_equal_the_reference() {
         let (head_dim, rows) = (64, 5);
         let query = pseudo_random(head_dim, 7);
         let keys = to_f16(&pseudo_random(rows * head_dim, 8));
-        let mut simd_out = vec![0f32; rows];
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: features checked; `keys` holds `rows` rows of `head_dim`.
-        unsafe {
-            simd::scaled_dots(&query, &keys, head_dim, 0.5, &mut simd_out)
-        };
-        for (j, s) in simd_out.iter().enumerate() {
-            assert_eq!(*s, dot(&keys[j * head_dim..(j + 1) * head_dim], &query) * 0.5);
+        for set in crate::model::kernels::available_sets() {
+            let mut out = vec![0f32; rows];
+            // SAFETY: the set runs on this CPU; `keys` holds `rows` rows of `head_dim`.
+            unsafe { (set.scaled_dots)(&query, &keys, head_dim, 0.5, &mut out) };
+            for (j, s) in out.iter().enumerate() {
+                assert_eq!(*s, reference::dot(&keys[j * head_dim..(j + 1) * head_dim], &query) * 0.5, "{}", set.name);
+            }
         }
     }
 }

@@ -1,0 +1,323 @@
+//! The AVX-512 VNNI kernel over repacked weights (`repack.rs`'s tiles): one `vpdpbusd` dots 4
+//! values of 8 weight rows with 4 broadcast int8 activation values; and the activations' int8
+//! quantization with 16-lane vectors. The x86 AVX-512 VNNI set's `PackedKernels`.
+//!
+//! Invariant: an output is a function of its weight row and its activation row alone, computed by
+//! the same operations in the same order whatever the number of rows or groups in the call, and
+//! equal bitwise to `repack::reference_dot`.
+
+use std::arch::x86_64::*;
+
+use crate::model::kernels::format::{Format, BLOCK};
+use crate::model::kernels::repack::{
+    offset, scales_at, tile_bytes, tile_index, QuantizedActivations, Repacked, PREFETCH_BLOCKS, ROW_GROUP, RUN_GROUPS,
+    TILE_ROWS,
+};
+
+const Q4_0: u8 = 0;
+const Q4_1: u8 = 1;
+const Q4K: u8 = 4;
+const Q6K: u8 = 5;
+/// Q4_1 and Q4_K: the offset goes through the activation sums.
+const fn asymmetric(f: u8) -> bool {
+    f == Q4_1 || f == Q4K
+}
+const Q5_0: u8 = 2;
+const Q8_0: u8 = 3;
+
+/// Feature groups `first_group..first_group + groups` for all `num_rows` rows.
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; `out` holds `[num_rows,
+/// w.out_features]`; `acts` holds `num_rows` rows of `w.in_features`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub unsafe fn groups(
+    w: &Repacked,
+    acts: &QuantizedActivations,
+    first_group: usize,
+    groups: usize,
+    num_rows: usize,
+    out: *mut f32,
+) {
+    assert!(
+        (first_group + groups) * TILE_ROWS <= w.out_features
+            && acts.num_blocks * BLOCK == w.in_features
+            && acts.qs.len() >= num_rows * w.in_features
+            && acts.d.len() >= num_rows * acts.num_blocks
+            && groups <= RUN_GROUPS
+            && (groups == 1 || first_group.is_multiple_of(RUN_GROUPS)),
+        "repacked kernel: groups {first_group}+{groups}, {num_rows} rows"
+    );
+    macro_rules! dispatch {
+        ($f:ident) => {
+            unsafe {
+                if num_rows == 1 {
+                    match groups {
+                        1 => run::<$f, 1, 1>(w, acts, first_group, 0, out),
+                        2 => run::<$f, 1, 2>(w, acts, first_group, 0, out),
+                        3 => run::<$f, 1, 3>(w, acts, first_group, 0, out),
+                        _ => run::<$f, 1, 4>(w, acts, first_group, 0, out),
+                    }
+                } else {
+                    let mut first = 0;
+                    while first < num_rows {
+                        match ((num_rows - first).min(ROW_GROUP), groups) {
+                            (1, 1) => run::<$f, 1, 1>(w, acts, first_group, first, out),
+                            (1, 2) => run::<$f, 1, 2>(w, acts, first_group, first, out),
+                            (1, 3) => run::<$f, 1, 3>(w, acts, first_group, first, out),
+                            (1, _) => run::<$f, 1, 4>(w, acts, first_group, first, out),
+                            (2, 1) => run::<$f, 2, 1>(w, acts, first_group, first, out),
+                            (2, 2) => run::<$f, 2, 2>(w, acts, first_group, first, out),
+                            (2, 3) => run::<$f, 2, 3>(w, acts, first_group, first, out),
+                            (2, _) => run::<$f, 2, 4>(w, acts, first_group, first, out),
+                            (3, 1) => run::<$f, 3, 1>(w, acts, first_group, first, out),
+                            (3, 2) => run::<$f, 3, 2>(w, acts, first_group, first, out),
+                            (3, 3) => run::<$f, 3, 3>(w, acts, first_group, first, out),
+                            (3, _) => run::<$f, 3, 4>(w, acts, first_group, first, out),
+                            (_, 1) => run::<$f, 4, 1>(w, acts, first_group, first, out),
+                            (_, 2) => run::<$f, 4, 2>(w, acts, first_group, first, out),
+                            (_, 3) => run::<$f, 4, 3>(w, acts, first_group, first, out),
+                            (_, _) => run::<$f, 4, 4>(w, acts, first_group, first, out),
+                        }
+                        first += ROW_GROUP;
+                    }
+                }
+            }
+        };
+    }
+    match w.format {
+        Format::Q4_0 => dispatch!(Q4_0),
+        Format::Q4_1 => dispatch!(Q4_1),
+        Format::Q5_0 => dispatch!(Q5_0),
+        Format::Q8_0 => dispatch!(Q8_0),
+        Format::Q4K => dispatch!(Q4K),
+        Format::Q6K => dispatch!(Q6K),
+    }
+}
+
+const fn format_of(f: u8) -> Format {
+    match f {
+        Q4_0 => Format::Q4_0,
+        Q4_1 => Format::Q4_1,
+        Q5_0 => Format::Q5_0,
+        Q4K => Format::Q4K,
+        Q6K => Format::Q6K,
+        _ => Format::Q8_0,
+    }
+}
+
+/// One block of one activation row, broadcast for the kernel.
+struct RowBlock {
+    /// Bytes 4k..4k+3 of the block in every lane.
+    q: [__m256i; 8],
+    d: __m256,
+    /// c * sum(q) (symmetric formats).
+    correction: __m256i,
+    /// d * sum(q) (Q4_1, Q4_K).
+    scaled_sum: __m256,
+    /// 32 * sum(q) over the first and the second 16 values (Q6_K).
+    correction_halves: [__m256i; 2],
+}
+
+impl RowBlock {
+    /// # Safety
+    /// AVX2; block `at` exists in `acts`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn new(acts: &QuantizedActivations, at: usize, c: i32) -> Self {
+        let a = unsafe { acts.qs.as_ptr().add(at * BLOCK) };
+        RowBlock {
+            q: std::array::from_fn(|k| _mm256_set1_epi32(unsafe { (a.add(4 * k) as *const i32).read_unaligned() })),
+            d: _mm256_set1_ps(acts.d[at]),
+            correction: _mm256_set1_epi32(c * acts.sums[at]),
+            scaled_sum: _mm256_set1_ps(acts.scaled_sums[at]),
+            correction_halves: [
+                _mm256_set1_epi32(32 * acts.low_sums[at]),
+                _mm256_set1_epi32(32 * (acts.sums[at] - acts.low_sums[at])),
+            ],
+        }
+    }
+}
+
+/// One tile unpacked: 8 rows' values, scales and (Q4_1, Q4_K) offsets.
+struct Tile<const F: u8> {
+    v: [__m256i; 8],
+    d: __m256,
+    m: __m256,
+}
+
+impl<const F: u8> Tile<F> {
+    /// # Safety
+    /// The CPU features of `groups`; `tile` points at a whole tile with scales at `s`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    unsafe fn load(tile: *const u8, s: usize) -> Self {
+        unsafe {
+            Tile {
+                v: unpack::<F>(tile),
+                d: if F == Q4K || F == Q6K {
+                    _mm256_loadu_ps(tile.add(s) as *const f32)
+                } else {
+                    _mm256_cvtph_ps(_mm_loadu_si128(tile.add(s) as *const __m128i))
+                },
+                m: if F == Q4K || F == Q6K {
+                    _mm256_loadu_ps(tile.add(s + 32) as *const f32)
+                } else if F == Q4_1 {
+                    _mm256_cvtph_ps(_mm_loadu_si128(tile.add(s + 16) as *const __m128i))
+                } else {
+                    _mm256_setzero_ps()
+                },
+            }
+        }
+    }
+
+    /// acc += this block of the 8 rows dotted with row `a`: the only arithmetic of the
+    /// kernel, the same for every (feature, row) pair.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512vnni")]
+    unsafe fn accumulate(&self, a: &RowBlock, acc: &mut __m256) {
+        if F == Q6K {
+            // The halves have their own scales (d, then m): a chain of four each.
+            let mut halves = [_mm256_setzero_si256(); 2];
+            for (h, half) in halves.iter_mut().enumerate() {
+                for k in 4 * h..4 * h + 4 {
+                    *half = _mm256_dpbusd_epi32(*half, self.v[k], a.q[k]);
+                }
+                *half = _mm256_sub_epi32(*half, a.correction_halves[h]);
+            }
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(halves[0]), _mm256_mul_ps(self.d, a.d), *acc);
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(halves[1]), _mm256_mul_ps(self.m, a.d), *acc);
+            return;
+        }
+        // Two chains of four, added.
+        let mut even = _mm256_setzero_si256();
+        let mut odd = _mm256_setzero_si256();
+        for k in (0..8).step_by(2) {
+            even = _mm256_dpbusd_epi32(even, self.v[k], a.q[k]);
+            odd = _mm256_dpbusd_epi32(odd, self.v[k + 1], a.q[k + 1]);
+        }
+        let mut dot = _mm256_add_epi32(even, odd);
+        if !asymmetric(F) {
+            dot = _mm256_sub_epi32(dot, a.correction);
+        }
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(self.d, a.d), *acc);
+        if asymmetric(F) {
+            *acc = _mm256_fmadd_ps(self.m, a.scaled_sum, *acc);
+        }
+    }
+}
+
+/// The 8 value vectors of a tile: vector k, byte 4r+i = row r's value 4k+i.
+#[inline]
+#[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
+unsafe fn unpack<const F: u8>(tile: *const u8) -> [__m256i; 8] {
+    unsafe {
+        if F == Q8_0 {
+            return std::array::from_fn(|k| _mm256_loadu_si256(tile.add(32 * k) as *const __m256i));
+        }
+        let low = _mm256_set1_epi8(0x0F);
+        let mut v = [_mm256_setzero_si256(); 8];
+        for j in 0..4 {
+            let packed = _mm256_loadu_si256(tile.add(32 * j) as *const __m256i);
+            v[j] = _mm256_and_si256(packed, low);
+            v[j + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(packed), low);
+        }
+        if F == Q6K {
+            // Bits 4 and 5: 2 bits per value, vectors k < 4 in the first 32 bytes, at bit 2(k % 4).
+            let high_bits = _mm256_set1_epi8(0x30);
+            for (k, v) in v.iter_mut().enumerate() {
+                let h = _mm256_loadu_si256(tile.add(128 + 32 * (k / 4)) as *const __m256i);
+                // 16-bit shifts: bits crossing into the neighbouring byte are masked away.
+                let at_4 = match k % 4 {
+                    0 => _mm256_slli_epi16::<4>(h),
+                    1 => _mm256_slli_epi16::<2>(h),
+                    2 => h,
+                    _ => _mm256_srli_epi16::<2>(h),
+                };
+                *v = _mm256_or_si256(*v, _mm256_and_si256(at_4, high_bits));
+            }
+        }
+        if F == Q5_0 {
+            let sixteen = _mm256_set1_epi8(16);
+            for (k, v) in v.iter_mut().enumerate() {
+                let fifth = (tile.add(128 + 4 * k) as *const u32).read_unaligned();
+                *v = _mm256_mask_add_epi8(*v, fifth, *v, sixteen);
+            }
+        }
+        v
+    }
+}
+
+/// `R` activation rows from `first_row` against `H` feature groups from `first_group`.
+/// Every (feature, row) pair goes through the same operations whatever R and H.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn run<const F: u8, const R: usize, const H: usize>(
+    w: &Repacked,
+    acts: &QuantizedActivations,
+    first_group: usize,
+    first_row: usize,
+    out: *mut f32,
+) {
+    let format = format_of(F);
+    let (tb, s, nb) = (tile_bytes(format), scales_at(format), acts.num_blocks);
+    let c = offset(format);
+    let num_groups = w.out_features / TILE_ROWS;
+    // Consecutive blocks of a group are a run's length of tiles apart; the H groups (one run
+    // when decoding) are adjacent.
+    let first_tile = unsafe { w.tiles.as_ptr().add(tile_index(num_groups, nb, first_group, 0) * tb) };
+    let run_len = RUN_GROUPS.min(num_groups - first_group / RUN_GROUPS * RUN_GROUPS);
+    let block_stride = run_len * tb;
+    let mut acc = [[_mm256_setzero_ps(); R]; H];
+    for b in 0..nb {
+        let block = unsafe { first_tile.add(b * block_stride) };
+        // Ask for the weights a few blocks ahead, every cache line of them (wrapping_add: past
+        // the end of the tiles the address lies outside the allocation; a prefetch never faults).
+        for line in (0..H * tb).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(block.wrapping_add(PREFETCH_BLOCKS * block_stride + line) as *const i8);
+        }
+        let row = |r: usize| unsafe { RowBlock::new(acts, (first_row + r) * nb + b, c) };
+        if R == 1 {
+            // Decoding: the one row's broadcasts are shared by the H tiles.
+            let a = row(0);
+            for (h, acc) in acc.iter_mut().enumerate() {
+                let t = unsafe { Tile::<F>::load(block.add(h * tb), s) };
+                unsafe { t.accumulate(&a, &mut acc[0]) };
+            }
+        } else {
+            // H tiles x R rows would not fit the registers: one tile at a time against the rows.
+            for (h, acc) in acc.iter_mut().enumerate() {
+                let t = unsafe { Tile::<F>::load(block.add(h * tb), s) };
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    unsafe { t.accumulate(&row(r), acc) };
+                }
+            }
+        }
+    }
+    for (h, acc) in acc.iter().enumerate() {
+        for (r, acc) in acc.iter().enumerate() {
+            let at = (first_row + r) * w.out_features + (first_group + h) * TILE_ROWS;
+            unsafe { _mm256_storeu_ps(out.add(at), *acc) };
+        }
+    }
+}
+
+/// `repack::scalar_quantize` with 16-lane vectors, the same values: the products are the same,
+/// and the conversion rounds half to even (the default rounding mode) as the magic constant does.
+/// The set's `PackedKernels::quantize_block`.
+///
+/// # Safety
+/// AVX-512 F must be available.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn quantize_block(block: &[f32; BLOCK], q: &mut [i8; BLOCK]) -> f32 {
+    unsafe {
+        let lo = _mm512_loadu_ps(block.as_ptr());
+        let hi = _mm512_loadu_ps(block.as_ptr().add(16));
+        let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        let inv = _mm512_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+        let to_i8 = |v: __m512| _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv)));
+        _mm_storeu_si128(q.as_mut_ptr() as *mut __m128i, to_i8(lo));
+        _mm_storeu_si128(q.as_mut_ptr().add(16) as *mut __m128i, to_i8(hi));
+        amax
+    }
+}
