@@ -13,7 +13,7 @@
 //! - repetitions: counts of `~ n..m` times what they repeat (a group's or a regex's own counts) and
 //!   every `/regex/`'s counted repetitions (`MAX_REGEX_REPEAT`);
 //! - each `%json` schema, with the JSON schema limits;
-//! - `%ignore` beside a nested grammar (`%json`, `%llguidance`, `%lark { ... }`) in one grammar:
+//! - `%ignore` beside a nested grammar (`%json`, `%llguidance`, `%lark { ... }`) anywhere in it:
 //!   llguidance compiles it, then its matcher panics mid-output ("grammar stack empty for non-root
 //!   grammar", found by the `grammar_compile` fuzz target), so it is refused up front.
 //!
@@ -29,13 +29,34 @@ use super::{too_many, MAX_LARK_DEPTH, MAX_LARK_RULES};
 use crate::error::{Error, Result};
 
 pub(super) fn check(text: &str) -> Result<()> {
-    let mut scan = Scan { bytes: text.as_bytes(), text, pos: 0, definitions: 0, scopes: vec![Scope::default()] };
+    let mut scan = Scan {
+        bytes: text.as_bytes(),
+        text,
+        pos: 0,
+        definitions: 0,
+        scopes: vec![Scope::default()],
+        ignores: false,
+        nested_grammar: false,
+    };
     scan.run()?;
     // Blocks left open are llguidance's parse errors; measure what was seen anyway.
     while let Some(scope) = scan.scopes.pop() {
-        scope.check_scope()?;
+        scope.check_depth()?;
+    }
+    if scan.ignores && scan.nested_grammar {
+        return Err(ignore_beside_a_nested_grammar());
     }
     Ok(())
+}
+
+/// llguidance compiles `%ignore` beside a nested grammar, then its matcher panics mid-output
+/// ("grammar stack empty for non-root grammar"), wherever in the grammar the two are.
+fn ignore_beside_a_nested_grammar() -> Error {
+    Error::config(
+        "the Lark grammar has an %ignore directive and a nested grammar (%json, %llguidance or %lark), which \
+         llguidance's matcher fails on while generating; drop the %ignore and write the whitespace the grammar \
+         allows into its rules",
+    )
 }
 
 struct Scan<'t> {
@@ -46,6 +67,9 @@ struct Scan<'t> {
     definitions: usize,
     /// The grammar, then each `%lark { ... }` block open inside it.
     scopes: Vec<Scope>,
+    /// An `%ignore` directive, and a nested grammar, seen in any scope (see the module header).
+    ignores: bool,
+    nested_grammar: bool,
 }
 
 /// One grammar's definitions and the state of the scan inside it.
@@ -67,9 +91,6 @@ struct Scope {
     /// Braces open in this scope (template parameters), so a `}` ends a `%lark` block only
     /// when it matches the block's `{`.
     braces: usize,
-    /// An `%ignore` directive, and a nested grammar, seen in this scope (see the module header).
-    ignores: bool,
-    nested_grammar: bool,
 }
 
 impl Default for Scope {
@@ -85,8 +106,6 @@ impl Default for Scope {
             line_starts_with_name: false,
             at_line_start: true,
             braces: 0,
-            ignores: false,
-            nested_grammar: false,
         }
     }
 }
@@ -161,18 +180,6 @@ impl Scope {
         self.line.clear();
         self.line_starts_with_name = false;
         self.at_line_start = true;
-    }
-
-    /// The checks of a whole scope: `%ignore` beside a nested grammar, then the depth.
-    fn check_scope(self) -> Result<()> {
-        if self.ignores && self.nested_grammar {
-            return Err(Error::config(
-                "the Lark grammar has an %ignore directive and a nested grammar (%json, %llguidance or %lark) \
-                 in the same grammar, which llguidance's matcher fails on while generating; drop the %ignore \
-                 and write the whitespace the grammar allows into its rules",
-            ));
-        }
-        self.check_depth()
     }
 
     fn check_depth(mut self) -> Result<()> {
@@ -257,7 +264,7 @@ impl Scan<'_> {
                     self.scope().token();
                     match keyword {
                         "json" | "llguidance" | "regex" => {
-                            self.scope().nested_grammar |= keyword != "regex";
+                            self.nested_grammar |= keyword != "regex";
                             let Some(value) = self.json_value() else { return Ok(()) };
                             if keyword == "json" {
                                 json_schema::check(&value, "the %json schema in the Lark grammar")?;
@@ -265,10 +272,12 @@ impl Scan<'_> {
                             self.scope().atom(1);
                         }
                         "lark" => {
-                            self.scope().nested_grammar = true;
+                            self.nested_grammar = true;
                             pending_lark_block = true;
                         }
-                        "ignore" => self.scope().ignores = true,
+                        "ignore" => {
+                            self.ignores = true;
+                        }
                         "import" => self.import()?,
                         _ => {}
                     }
@@ -292,7 +301,7 @@ impl Scan<'_> {
                         scope.braces -= 1;
                     } else if self.scopes.len() > 1 {
                         let block = self.scopes.pop().expect("checked");
-                        block.check_scope()?;
+                        block.check_depth()?;
                         self.scope().atom(1);
                     }
                 }
@@ -525,9 +534,14 @@ mod tests {
             assert!(message.contains("%ignore") && message.contains("nested grammar"), "{message}");
             check(&format!("start: \"bab\" r1\n{nested}")).unwrap();
         }
-        // Each on its own is fine, and so is an %ignore inside a block without a nested grammar.
+        // Found by the grammar_compile fuzz target: an %ignore inside a %lark block, with nested
+        // grammars around it, panics the same way; so %ignore goes with no nested grammar anywhere.
+        let inside = "start: r2 r3\nr2: %lark {\nstart: \"a\" | \"end\"\n%ignore /[ \\t]+/\n} | \"end\"\n\
+                      r3: %json {\"type\": \"null\"} \"x\"\n";
+        assert!(refused(inside).contains("%ignore"));
+        assert!(refused("start: %lark {\nstart: \"a\" \"b\"\n%ignore \" \"\n}\n").contains("%ignore"));
+        // Each on its own is fine.
         check("start: \"a\" \"b\"\n%ignore /[ \\t]+/\n").unwrap();
-        check("start: %lark {\nstart: \"a\" \"b\"\n%ignore \" \"\n}\n").unwrap();
     }
 
     #[test]
@@ -588,7 +602,15 @@ mod tests {
     fn names_split_where_llguidances_lexer_splits_them() {
         // `aB` is the rule a then the terminal B: a -> B -> a is one component.
         check("start: aB\na: \"x\"\nB: \"y\"\n").unwrap();
-        let mut s = Scan { text: "aBc", bytes: b"aBc", pos: 0, definitions: 0, scopes: vec![] };
+        let mut s = Scan {
+            text: "aBc",
+            bytes: b"aBc",
+            pos: 0,
+            definitions: 0,
+            scopes: vec![],
+            ignores: false,
+            nested_grammar: false,
+        };
         assert_eq!(s.name().as_deref(), Some("a"));
         assert_eq!(s.name().as_deref(), Some("B"));
         assert_eq!(s.name().as_deref(), Some("c"));

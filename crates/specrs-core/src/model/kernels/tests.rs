@@ -18,6 +18,7 @@ use super::format::{Format, BLOCK};
 use super::qlinear::QLinear;
 use super::repack::{reference_dot, scalar_quantize, QuantizedActivations};
 use super::{available_sets, choose, reference, KernelSet, CANDIDATES};
+use crate::kv_cache::Slots;
 
 const FORMATS: [(GgmlDType, Format); 6] = [
     (GgmlDType::Q4_0, Format::Q4_0),
@@ -112,9 +113,9 @@ fn every_set_gives_the_reference_sets_attention_and_exps() {
         let (k, v) = (to_f16(random((past + n) * kv_width, 2)), to_f16(random((past + n) * kv_width, 3)));
         // A chain and a tree node (the cache, then slots 7 and 8 as its ancestors and itself).
         let extra = [7, 8];
-        let mut rows: Vec<RowView> =
-            (0..n).map(|i| RowView { k: &k, v: &v, prefix: past + i + 1, extra: &[] }).collect();
-        rows[n - 1] = RowView { k: &k, v: &v, prefix: past, extra: &extra };
+        let kv = Slots::Identity { k: &k, v: &v };
+        let mut rows: Vec<RowView> = (0..n).map(|i| RowView { kv: &kv, prefix: past + i + 1, extra: &[] }).collect();
+        rows[n - 1] = RowView { kv: &kv, prefix: past, extra: &extra };
         let want = attention.forward_rows_with(&reference::KERNELS, &q, &rows).unwrap();
         for set in available_sets() {
             assert_eq!(attention.forward_rows_with(set, &q, &rows).unwrap(), want, "{} head_dim {head_dim}", set.name);
