@@ -13,6 +13,10 @@
 //! `Engine.forward_batch` in tests/test_forward_batch.py, where its packaged file is found.)
 
 mod common;
+#[path = "common/rng.rs"]
+mod rng;
+
+use rng::Rng;
 
 use std::path::PathBuf;
 
@@ -27,32 +31,6 @@ const FAMILIES: [&str; 6] = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "ph
 /// matrices by shape. Measured: 0 on the Q8_0 GGUF files (specrs' row-independent kernels), at
 /// most 1.5e-6 on the dense HF models (the test prints it per family).
 const CANDLE_TOLERANCE: f32 = 1e-4;
-
-/// xorshift64*: the tests' only randomness, seeded per property.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    fn tokens(&mut self, n: usize, vocab: usize) -> Vec<u32> {
-        (0..n).map(|_| self.below(vocab) as u32).collect()
-    }
-
-    /// A random tree of `n` nodes (parents before children), or a chain one time in four.
-    fn parents(&mut self, n: usize) -> Vec<i32> {
-        let chain = self.below(4) == 0;
-        (0..n).map(|i| if chain || i == 0 { i as i32 - 1 } else { self.below(i + 1) as i32 - 1 }).collect()
-    }
-}
 
 fn golden(path: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden").join(path)
@@ -89,7 +67,7 @@ struct Seq {
 impl Seq {
     fn random(rng: &mut Rng, vocab: usize, max_prefix: usize, max_new: usize) -> Self {
         let n = 1 + rng.below(max_new);
-        let rows = SeqRows::tree(rng.tokens(n, vocab), rng.parents(n));
+        let rows = SeqRows::tree(rng.tokens(n, vocab), rng.parents(n, 4));
         let prefix_len = rng.below(max_prefix + 1);
         Self { prefix: rng.tokens(prefix_len, vocab), rows }
     }

@@ -7,6 +7,10 @@
 //! of blocks is a `ContextLength` error naming `max_kv_tokens`, never a panic.
 
 mod common;
+#[path = "common/rng.rs"]
+mod rng;
+
+use rng::Rng;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -22,32 +26,6 @@ use specrs_core::{Engine, SamplingParams};
 
 const FAMILIES: [&str; 6] = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"];
 const NUM_SEQS: usize = 3;
-
-/// xorshift64*: the test's only randomness.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    fn tokens(&mut self, n: usize, vocab: usize) -> Vec<u32> {
-        (0..n).map(|_| self.below(vocab) as u32).collect()
-    }
-
-    /// A random tree of `n` nodes (parents before children), or a chain one time in three.
-    fn parents(&mut self, n: usize) -> Vec<i32> {
-        let chain = self.below(3) == 0;
-        (0..n).map(|i| if chain || i == 0 { i as i32 - 1 } else { self.below(i + 1) as i32 - 1 }).collect()
-    }
-}
 
 fn tiny(family: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("../../tests/golden/gguf/{family}-q8_0.gguf"))
@@ -86,7 +64,7 @@ fn paged_equals_contiguous(name: &str, model: &dyn CausalLm, block_size: usize, 
         let seqs: Vec<SeqRows> = (0..NUM_SEQS)
             .map(|s| {
                 let n = 1 + rng.below(if held[s].is_empty() { 20 } else { 8 });
-                SeqRows::tree(rng.tokens(n, vocab), rng.parents(n))
+                SeqRows::tree(rng.tokens(n, vocab), rng.parents(n, 3))
             })
             .collect();
         let lens: Vec<usize> = held.iter().map(Vec::len).collect();
