@@ -508,20 +508,9 @@ mod tests {
     use candle_core::quantized::{GgmlDType, QTensor};
     use candle_core::{Device, Tensor};
 
+    /// `[rows, cols]` of the kernel tests' reproducible values (`kernels::tests::random`).
     fn random(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
-        // A small LCG: reproducible values in [-1, 1) with a few outliers.
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (0..rows * cols)
-            .map(|i| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                let v = ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
-                if i % 97 == 0 {
-                    v * 8.0
-                } else {
-                    v
-                }
-            })
-            .collect()
+        crate::model::kernels::tests::random(rows * cols, seed)
     }
 
     fn repacked(dtype: GgmlDType, format: Format, out_f: usize, in_f: usize) -> (Repacked, QTensor) {

@@ -29,8 +29,8 @@ const FORMATS: [(GgmlDType, Format); 6] = [
     (GgmlDType::Q6K, Format::Q6K),
 ];
 
-/// Reproducible values in [-1, 1) with an outlier every 97 (an LCG, as `repack.rs`'s tests).
-fn random(n: usize, seed: u64) -> Vec<f32> {
+/// Reproducible values in [-1, 1) with an outlier every 97 (an LCG; `repack.rs`'s tests too).
+pub(super) fn random(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
     (0..n)
         .map(|i| {
