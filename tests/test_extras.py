@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -126,3 +127,19 @@ def test_each_command_checks_its_extra_before_loading_anything(monkeypatch, caps
     err = capsys.readouterr().err
     assert hidden[-1] in err and extras.install_command(extra) in err, err
     assert "nonexistent" not in err, err
+
+
+def test_the_cli_imports_without_any_extra():
+    """`import specrs.cli` (what every command's entry point runs first) needs only the base
+    packages: a module-level import of an extra's package there (serve/tools.py's jsonschema, once)
+    breaks even `specrs generate` on a plain install. Checked in a fresh interpreter in which every
+    extra's modules fail to import."""
+    hidden = sorted({m.split(".")[0] for modules in extras.MODULES.values() for m in modules})
+    code = ("import sys\n"
+            f"for m in {hidden!r}: sys.modules[m] = None\n"
+            "from specrs import cli\n"
+            "import specrs.serve.protocol, specrs.serve.tools\n"
+            "raise SystemExit(cli.main(['generate', '--help']))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "--prompt" in run.stdout

@@ -33,8 +33,6 @@ import re
 import uuid
 from dataclasses import dataclass
 
-import jsonschema
-
 from .errors import APIError
 from .json_nesting import MAX_JSON_NESTING, json_nesting_past, json_text_nesting_past
 
@@ -98,6 +96,8 @@ def parse_tools(body: dict) -> ToolRequest | None:
             raise APIError(400, f"tools[{i}].function.strict must be true or false", param="tools")
         if strict:
             parameters = _closed(parameters, f"tools[{i}].function.parameters")
+        import jsonschema  # the `serve` extra's; the plain CLI imports this module for serve's flags
+
         try:
             jsonschema.Draft202012Validator.check_schema(parameters)
         except jsonschema.SchemaError as e:
@@ -214,6 +214,8 @@ def parse_call(text: str, request: ToolRequest) -> dict | None:
     tool = next((t for t in request.tools if t.name == value["name"]), None)
     if tool is None or not isinstance(value["arguments"], dict):
         return None
+    import jsonschema  # the `serve` extra's (see parse_tools)
+
     try:
         jsonschema.validate(value["arguments"], tool.parameters)
     except jsonschema.ValidationError:
