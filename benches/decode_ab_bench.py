@@ -3,6 +3,7 @@ request (speculation off) with build A and with build B, in turn (A B A B ...), 
 fresh process. Used to check that a change to the model layer costs no decode speed.
 
     python benches/decode_ab_bench.py --a-wheel OLD.whl [--b-wheel NEW.whl] [--rounds 5] [--out ab.json]
+        [--model qwen2.5-coder-1.5b ...]   # default: smollm2-135m and gemma3-270m
 
 Each wheel is installed (no dependencies) into its own directory under --work and put first on
 PYTHONPATH; without --b-wheel, B is the specrs this Python imports. Figures: decode tokens/s
@@ -58,12 +59,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--work", default=tempfile.gettempdir() + "/specrs-ab")
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--model", action="append", help=f"a model name or path (repeatable; default {MODELS})")
     args = parser.parse_args()
     work = Path(args.work)
     site_a = install(args.a_wheel, work / "a")
     site_b = install(args.b_wheel, work / "b") if args.b_wheel else None
     results = {}
-    for model in MODELS:
+    for model in args.model or MODELS:
         a, b, ratios = [], [], []
         for _ in range(args.rounds):
             ra, rb = run(site_a, model, args.max_tokens), run(site_b, model, args.max_tokens)

@@ -10,7 +10,9 @@ Per model:
    (specrs: the median of 3 forwards, llama.cpp likewise).
 
 Every figure is reported as min and median over the repeats (for tokens/s the min is the slowest
-run); ratios are of medians.
+run); ratios are of medians. Beside decode tokens/s: the weight bytes one step reads (specrs:
+`Engine.info()["step_weight_bytes"]`, what its kernels hold; llama.cpp: the GGUF's tensors less the
+embedding table when an output matrix is separate) and the implied read bandwidth.
 
 Usage (a Python with specrs and llama-cpp-python; see benches/README.md):
     python benches/foundation.py --spec-bench ../shared/data/spec_bench/question.jsonl \\
@@ -94,6 +96,16 @@ def llama_forward_cost(llm_all, ctx: list[int], ns: list[int]) -> dict[int, floa
     return out
 
 
+def gguf_step_bytes(path: str) -> int:
+    """Bytes of the GGUF's tensors a llama.cpp step reads: all but the token embedding table,
+    which a step gathers one row of, unless it is also the (tied) output matrix."""
+    import gguf
+
+    tensors = gguf.GGUFReader(path).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    return sum(int(t.n_bytes) for t in tensors if tied or t.name != "token_embd.weight")
+
+
 def stats(xs: list[float]) -> dict:
     return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "runs": xs}
 
@@ -133,6 +145,7 @@ def bench_model(name: str, path: str, args, Llama) -> dict:
               f"llama.cpp t(1) {curve_runs['llama.cpp'][1][-1] * 1e3:.1f} ms", flush=True)
 
     result = {"path": os.path.basename(gguf_path), "engines": {}}
+    step_bytes = {"specrs": engine.info()["step_weight_bytes"], "llama.cpp": gguf_step_bytes(gguf_path)}
     for e in ("specrs", "llama.cpp"):
         med = {n: statistics.median(curve_runs[e][n]) for n in NS}
         result["engines"][e] = {
@@ -142,6 +155,8 @@ def bench_model(name: str, path: str, args, Llama) -> dict:
         if not args.skip_decode:
             result["engines"][e]["prefill_tok_s"] = stats(runs[e]["prefill"])
             result["engines"][e]["decode_tok_s"] = stats(runs[e]["decode"])
+            result["engines"][e]["step_weight_bytes"] = step_bytes[e]
+            result["engines"][e]["decode_read_gb_s"] = step_bytes[e] * result["engines"][e]["decode_tok_s"]["median"] / 1e9
     s, l = result["engines"]["specrs"], result["engines"]["llama.cpp"]
     if not args.skip_decode:
         result["decode_ratio"] = s["decode_tok_s"]["median"] / l["decode_tok_s"]["median"]
@@ -153,7 +168,8 @@ def bench_model(name: str, path: str, args, Llama) -> dict:
         for e in ("specrs", "llama.cpp"):
             r = result["engines"][e]
             print(f"  {e:9s} prefill {r['prefill_tok_s']['median']:7.1f} tok/s (min {r['prefill_tok_s']['min']:.1f})  "
-                  f"decode {r['decode_tok_s']['median']:6.1f} tok/s (min {r['decode_tok_s']['min']:.1f})")
+                  f"decode {r['decode_tok_s']['median']:6.1f} tok/s (min {r['decode_tok_s']['min']:.1f}), "
+                  f"{r['step_weight_bytes'] / 1e6:.1f} MB/step = {r['decode_read_gb_s']:.1f} GB/s")
         print(f"  decode ratio specrs / llama.cpp: {result['decode_ratio']:.2f}x; prefill ratio: {result['prefill_ratio']:.2f}x")
     print("  verification cost t(n)/t(1) at a 512-token cache (medians):")
     print("  n        " + "".join(f"{n:>6d}" for n in NS))

@@ -192,3 +192,16 @@ fn special_token_text_in_chat_content_is_plain_text_unless_allowed() {
     assert_eq!(allowed, today(&forged));
     assert_eq!((count(&allowed, im_start[0]), count(&allowed, im_end[0])), (5, 4));
 }
+
+/// A step reads exactly the GGUF's weight bytes on the models whose every matrix specrs' kernels
+/// run, the embedding included once: repacked tiles (the K-quants' too) are the size of their
+/// ggml blocks, and a tied head serves the embedding lookup (SmolLM2 Q4_1, Gemma 3 Q4_K_M, both
+/// tied). Before the K-quant tiles kept their scales packed, Gemma 3's step read more.
+#[test]
+fn a_step_reads_exactly_the_gguf_weights() {
+    for path in [common::smollm2_path(), common::gemma3_path()] {
+        let engine = Engine::load(&path, "cpu").unwrap();
+        let model = engine.model();
+        assert_eq!(model.step_weight_bytes(), model.weight_bytes(), "{}", path.display());
+    }
+}

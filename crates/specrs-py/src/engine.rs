@@ -780,11 +780,13 @@ impl PyEngine {
     }
 
     /// Model facts: architecture, vocab_size, context_length (after any max_model_len cap),
-    /// num_layers, weight_bytes, device, kernels (the CPU kernel set, or "cuda"), has_chat_template.
+    /// num_layers, weight_bytes, step_weight_bytes (what one single-row step reads), device,
+    /// kernels (the CPU kernel set, or "cuda"), has_chat_template.
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (i, weight_bytes, device) = guard(|| {
+        let (i, weight_bytes, step_weight_bytes, device) = guard(|| {
             let model = self.inner.model();
-            Ok((model.info().clone(), model.weight_bytes(), format!("{:?}", model.device().location())))
+            let device = format!("{:?}", model.device().location());
+            Ok((model.info().clone(), model.weight_bytes(), model.step_weight_bytes(), device))
         })
         .map_err(to_py)?;
         let d = PyDict::new(py);
@@ -793,6 +795,7 @@ impl PyEngine {
         d.set_item("context_length", i.context_length)?;
         d.set_item("num_layers", i.num_layers)?;
         d.set_item("weight_bytes", weight_bytes)?;
+        d.set_item("step_weight_bytes", step_weight_bytes)?;
         d.set_item("device", device)?;
         d.set_item("kernels", i.kernels)?;
         d.set_item("has_chat_template", self.inner.tokenizer().chat_template().is_some())?;

@@ -87,6 +87,13 @@ pub trait CausalLm: Send + Sync {
     /// Bytes of weights held in memory.
     fn weight_bytes(&self) -> usize;
 
+    /// Bytes of weights one single-row step reads: every matrix, norm and the LM head, not the
+    /// embedding table (one row of it is gathered). The CPU decoder counts what it holds; the
+    /// default (the other backends) is `weight_bytes`, an upper bound.
+    fn step_weight_bytes(&self) -> usize {
+        self.weight_bytes()
+    }
+
     /// A cache for one sequence with `capacity` positions allocated up front.
     fn new_cache(&self, capacity: usize) -> Result<KvCache>;
 

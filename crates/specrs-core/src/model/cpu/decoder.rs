@@ -54,6 +54,11 @@ struct Linear {
 }
 
 impl Linear {
+    /// Bytes held: the weight and the f32 bias.
+    fn bytes(&self) -> usize {
+        self.weight.resident_bytes() + self.bias.as_ref().map_or(0, |b| 4 * b.len())
+    }
+
     /// `[n, in_features]` -> `[n, out_features]`; the bias is added as ggml adds it, after.
     fn forward(&self, x: &[f32], n: usize) -> Result<Vec<f32>> {
         let mut y = self.weight.forward_rows(x, n)?;
@@ -77,6 +82,13 @@ enum Projections {
 }
 
 impl Projections {
+    fn bytes(&self) -> usize {
+        match self {
+            Projections::Separate(linears) => linears.iter().map(Linear::bytes).sum(),
+            Projections::Fused { linear, .. } => linear.bytes(),
+        }
+    }
+
     /// `[n, in_features]` -> one `[n, width]` matrix per projection.
     fn forward(&self, x: &[f32], n: usize) -> Result<Vec<Vec<f32>>> {
         match self {
@@ -121,10 +133,23 @@ struct Block {
     post_ffn_norm: Option<Vec<f32>>,
 }
 
+impl Block {
+    /// Bytes of weights one row's pass through the block reads: every matrix, bias and norm.
+    fn step_weight_bytes(&self) -> usize {
+        let norms = [&self.q_norm, &self.k_norm, &self.post_attn_norm, &self.post_ffn_norm];
+        let f32s = self.attn_norm.len()
+            + self.ffn_norm.len()
+            + norms.iter().flat_map(|n| n.iter()).map(Vec::len).sum::<usize>();
+        self.qkv.bytes() + self.wo.bytes() + self.gate_up.bytes() + self.w_down.bytes() + 4 * f32s
+    }
+}
+
 pub struct CpuDecoder {
     info: ModelInfo,
     config: DecoderConfig,
-    embed: Arc<QTensor>,
+    /// The token embedding table; None when the tied LM head is repacked and serves the lookup
+    /// from its tiles (the same values), so the table is not held twice.
+    embed: Option<Arc<QTensor>>,
     blocks: Vec<Block>,
     final_norm: Vec<f32>,
     lm_head: QLinear,
@@ -137,6 +162,8 @@ pub struct CpuDecoder {
     scale_query: bool,
     device: Device,
     weight_bytes: usize,
+    /// Bytes of weights a single-row step reads (`CausalLm::step_weight_bytes`).
+    step_weight_bytes: usize,
 }
 
 impl GgufWeights<'_> {
@@ -205,6 +232,11 @@ impl CpuDecoder {
             })
             .collect::<Result<Vec<_>>>()?;
         let weight_bytes = w.num_bytes;
+        let step_weight_bytes = lm_head.resident_bytes()
+            + 4 * final_norm.len()
+            + blocks.iter().map(Block::step_weight_bytes).sum::<usize>();
+        // A tied head that is repacked holds the table's values: the lookup reads its tiles.
+        let embed = (!(config.tie_word_embeddings && lm_head.dequantize_rows(&[]).is_some())).then_some(embed);
         let pairing = if config.rope_interleaved { Pairing::Interleaved } else { Pairing::Halves };
         let factors = config.rope_freq_factors.as_deref();
         let rope = |base: f32, freq_scale: f32| Rope::new(config.rope_dims, base, freq_scale, factors, pairing);
@@ -221,6 +253,7 @@ impl CpuDecoder {
             scale_query: family.scale_query,
             device,
             weight_bytes,
+            step_weight_bytes,
             config,
         })
     }
@@ -265,6 +298,10 @@ impl CausalLm for CpuDecoder {
 
     fn weight_bytes(&self) -> usize {
         self.weight_bytes
+    }
+
+    fn step_weight_bytes(&self) -> usize {
+        self.step_weight_bytes
     }
 
     fn new_cache(&self, capacity: usize) -> Result<KvCache> {
@@ -392,8 +429,13 @@ impl CausalLm for CpuDecoder {
 
     fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
         check_token_ids(tokens, self.config.vocab_size)?;
+        let Some(table) = &self.embed else {
+            let rows = self.lm_head.dequantize_rows(tokens).expect("a repacked tied head (see load)");
+            return Ok(Tensor::from_vec(rows, (tokens.len(), self.config.hidden_size), &self.device)?);
+            // [n, hidden]
+        };
         let ids = Tensor::new(tokens, &self.device)?;
-        Ok(self.embed.embedding(&ids)?) // [n, hidden]
+        Ok(table.embedding(&ids)?) // [n, hidden]
     }
 
     fn lm_head(&self, hidden: &Tensor, vocab_subset: Option<&[u32]>) -> Result<Tensor> {

@@ -159,6 +159,26 @@ impl QLinear {
         }
     }
 
+    /// Bytes of this weight held in memory, all of which one forward reads.
+    pub fn resident_bytes(&self) -> usize {
+        match self {
+            QLinear::Native { weight, .. } => weight.storage_size_in_bytes(),
+            QLinear::Repacked { weight, .. } => weight.resident_bytes(),
+            QLinear::Candle { matmul, .. } => match matmul {
+                QMatMul::QTensor(t) => t.storage_size_in_bytes(),
+                QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.elem_count() * t.dtype().size_in_bytes(),
+            },
+        }
+    }
+
+    /// Rows `features` of a repacked weight dequantized (`[features.len(), in_features]`, the
+    /// values of ggml's dequantization): a tied LM head serves the embedding lookup from its
+    /// tiles instead of a second copy of the table. None for the other kinds.
+    pub fn dequantize_rows(&self, features: &[u32]) -> Option<Vec<f32>> {
+        let QLinear::Repacked { weight, .. } = self else { return None };
+        Some(features.iter().flat_map(|&f| weight.dequantize_row(f as usize)).collect())
+    }
+
     /// Whether specrs' own kernel runs it (else candle's `QMatMul`).
     pub fn is_native(&self) -> bool {
         !matches!(self, QLinear::Candle { .. })

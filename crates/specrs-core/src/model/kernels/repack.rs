@@ -22,8 +22,13 @@
 //!   value 4k+i; Q6_K adds two 32-byte vectors: bits 2(k % 4) of byte 4r+i of vector k / 4 are
 //!   bits 4-5 of row r's value 4k+i;
 //! - Q8_0: eight 32-byte vectors V_k, byte 4r+i = row r's value 4k+i, plus 128;
-//! - then the 8 rows' scales d and (Q4_1, Q4_K; Q6_K's second half) m: f16 for the formats that
-//!   store f16 (the tile is then exactly the 8 blocks' size), exact f32 products for the K-quants.
+//! - then the 8 rows' scales d and (Q4_1) m as f16 (the tile is then exactly the 8 blocks' size);
+//!   the K-quants keep their integer sub-block scales instead (Q4_K: scale and min, 6 bits each,
+//!   packed little-endian into 12 bytes, the 8 rows' scales first; Q6_K: the two halves' i8 scales,
+//!   8 bytes each), and each super-block's f16 d (and Q4_K's dmin) of the 8 rows goes once into
+//!   `Repacked::super_scales` (run-major like the tiles, `tile_index` over super-blocks). So a
+//!   K-quant weight is exactly its ggml size too, and the kernel multiplies d by the integer scale
+//!   in registers: the same exact f32 product the ggml dequantization forms.
 //!
 //! Invariant: an output is a function of its weight row and its activation row alone, computed
 //! by the same operations in the same order whatever the number of rows in the call, the row's
@@ -60,13 +65,43 @@ pub(crate) fn tile_bytes(format: Format) -> usize {
     match format {
         // The 8 ggml blocks it replaces.
         Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q8_0 => TILE_ROWS * format.block_bytes(),
-        // Nibbles, then each row's sub-block scale d * scale_j and offset -dmin * min_j as f32:
-        // 192 bytes where Q4_K spends 144 (its 6-bit scales stay packed).
-        Format::Q4K => 128 + 2 * 4 * TILE_ROWS,
-        // Low nibbles, 2 high bits per value, and the two 16-value halves' scales d * scale_i as
-        // f32: 256 bytes where Q6_K spends 210.
-        Format::Q6K => 128 + 64 + 2 * 4 * TILE_ROWS,
+        // Nibbles, then the 8 rows' 6-bit scales and mins (12 bytes): with the super-block's
+        // d and dmin (4 bytes per row per 8 tiles), 144 bytes per tile, as Q4_K.
+        Format::Q4K => 128 + 12,
+        // Low nibbles, 2 high bits per value, and the two 16-value halves' i8 scales: with the
+        // super-block's d, 210 bytes per tile, as Q6_K.
+        Format::Q6K => 128 + 64 + 2 * TILE_ROWS,
     }
+}
+
+/// Bytes of one group's super-block scales (`Repacked::super_scales`): the 8 rows' f16 d, then
+/// (Q4_K) their f16 dmin; none for the formats without super-blocks.
+pub(crate) fn super_scale_bytes(format: Format) -> usize {
+    match format {
+        Format::Q4K => 2 * 2 * TILE_ROWS,
+        Format::Q6K => 2 * TILE_ROWS,
+        _ => 0,
+    }
+}
+
+/// Blocks of 32 values per K-quant super-block.
+pub(crate) const SUPER_BLOCKS: usize = 8;
+
+/// Q4_K's 8 rows' 6-bit scales (`scales[r]`) and mins packed little-endian into 12 bytes: bits
+/// 6r.. are row r's scale, bits 48 + 6r.. its min.
+fn pack_q4k_scales(scales: [u8; TILE_ROWS], mins: [u8; TILE_ROWS]) -> [u8; 12] {
+    let field = |v: [u8; TILE_ROWS]| v.iter().enumerate().fold(0u64, |f, (r, &x)| f | ((x as u64 & 0x3F) << (6 * r)));
+    let bits = field(scales) as u128 | (field(mins) as u128) << 48;
+    bits.to_le_bytes()[..12].try_into().expect("12 bytes")
+}
+
+/// `pack_q4k_scales`'s inverse: (scales, mins).
+fn unpack_q4k_scales(packed: &[u8]) -> ([u8; TILE_ROWS], [u8; TILE_ROWS]) {
+    let mut bytes = [0u8; 16];
+    bytes[..12].copy_from_slice(&packed[..12]);
+    let bits = u128::from_le_bytes(bytes);
+    let field = |at: usize| std::array::from_fn(|r| ((bits >> (at + 6 * r)) & 0x3F) as u8);
+    (field(0), field(48))
 }
 
 /// Where a tile's scales start.
@@ -79,16 +114,14 @@ pub(crate) fn scales_at(format: Format) -> usize {
     }
 }
 
-/// Whether the tile's scales (and offsets) are f32 (else f16).
-fn f32_scales(format: Format) -> bool {
-    matches!(format, Format::Q4K | Format::Q6K)
-}
-
 /// The unsigned values of 32-value block `b` of a ggml weight row (for Q4_K, sub-block b % 8 of
 /// super-block b / 8), with the block's scale d and offset m: x = d * u + m for Q4_1 and Q4_K,
 /// x = d * (u - `offset`) for the symmetric formats (m = 0 here), and for Q6_K, whose 16-value
 /// halves have scales of their own, x = d * (u - 32) for values 0..16 and m * (u - 32) after.
 fn unpack_block(format: Format, row: &[u8], b: usize) -> ([u8; BLOCK], f32, f32) {
+    if let Some((u, scales)) = unpack_kquant_block(format, row, b) {
+        return (u, scales.d(), scales.m());
+    }
     let mut u = [0u8; BLOCK];
     let nibbles = |qs: &[u8], u: &mut [u8; BLOCK]| {
         for j in 0..16 {
@@ -97,32 +130,6 @@ fn unpack_block(format: Format, row: &[u8], b: usize) -> ([u8; BLOCK], f32, f32)
         }
     };
     let f16_at = |blk: &[u8], at: usize| f16::from_le_bytes([blk[at], blk[at + 1]]).to_f32();
-    if format == Format::Q4K {
-        let blk = &row[b / 8 * kquants::Q4K_BYTES..][..kquants::Q4K_BYTES];
-        let (scales, mins) = kquants::q4k_scales_mins(&blk[4..16]);
-        let j = b % 8;
-        // Sub-blocks 2c and 2c + 1 are the low and high nibbles of bytes 32c..32c+31.
-        let qs = &blk[16 + 32 * (j / 2)..][..32];
-        for (v, &q) in u.iter_mut().zip(qs) {
-            *v = if j.is_multiple_of(2) { q & 0x0F } else { q >> 4 };
-        }
-        // Both products are exact in f32 (an 11-bit f16 mantissa times a 6-bit integer).
-        return (u, f16_at(blk, 0) * scales[j] as f32, -(f16_at(blk, 2) * mins[j] as f32));
-    }
-    if format == Format::Q6K {
-        let blk = &row[b / 8 * kquants::Q6K_BYTES..][..kquants::Q6K_BYTES];
-        let c = b % 8;
-        let (half, k) = (c / 4, c % 4);
-        for (i, v) in u.iter_mut().enumerate() {
-            let l = blk[64 * half + 32 * (k % 2) + i];
-            let low = if k < 2 { l & 0x0F } else { l >> 4 };
-            *v = low | (((blk[128 + 32 * half + i] >> (2 * k)) & 3) << 4);
-        }
-        let d = f16_at(blk, 208);
-        // Exact in f32: an 11-bit mantissa times an 8-bit integer.
-        let scale = |i: usize| d * blk[192 + 2 * c + i] as i8 as f32;
-        return (u, scale(0), scale(1));
-    }
     let bb = format.block_bytes();
     let blk = &row[b * bb..(b + 1) * bb];
     let d = f16_at(blk, 0);
@@ -149,25 +156,89 @@ fn unpack_block(format: Format, row: &[u8], b: usize) -> ([u8; BLOCK], f32, f32)
     (u, d, 0.0)
 }
 
-/// Row `r`'s scale d and offset m in a tile.
-fn tile_scales(format: Format, tile: &[u8], r: usize) -> (f32, f32) {
-    let s = scales_at(format);
-    if f32_scales(format) {
-        let at = |i: usize| f32::from_le_bytes(tile[i..i + 4].try_into().expect("4 bytes"));
-        return (at(s + 4 * r), at(s + 32 + 4 * r));
-    }
-    let at = |i: usize| f16::from_le_bytes([tile[i], tile[i + 1]]).to_f32();
-    let m = if format == Format::Q4_1 { at(s + 16 + 2 * r) } else { 0.0 };
-    (at(s + 2 * r), m)
+/// A K-quant block's scales as stored: the super-block's f16 d and dmin (Q6_K: no dmin) and the
+/// block's integer scales (Q4_K: scale and min; Q6_K: the two halves' scales).
+#[derive(Clone, Copy)]
+struct KScales {
+    format: Format,
+    d: f16,
+    dmin: f16,
+    a: i32,
+    b: i32,
 }
 
+impl KScales {
+    /// The block's scale: d * scale (Q6_K: the first half's). Exact in f32: an 11-bit f16
+    /// mantissa times an integer of at most 8 bits.
+    fn d(self) -> f32 {
+        self.d.to_f32() * self.a as f32
+    }
+
+    /// The block's offset -dmin * min (Q4_K), or the second half's scale d * scale (Q6_K).
+    fn m(self) -> f32 {
+        match self.format {
+            Format::Q4K => -(self.dmin.to_f32() * self.b as f32),
+            _ => self.d.to_f32() * self.b as f32,
+        }
+    }
+}
+
+/// For the K-quants, the unsigned values of sub-block b % 8 of super-block b / 8 and its scales.
+fn unpack_kquant_block(format: Format, row: &[u8], b: usize) -> Option<([u8; BLOCK], KScales)> {
+    let mut u = [0u8; BLOCK];
+    let f16_at = |blk: &[u8], at: usize| f16::from_le_bytes([blk[at], blk[at + 1]]);
+    match format {
+        Format::Q4K => {
+            let blk = &row[b / 8 * kquants::Q4K_BYTES..][..kquants::Q4K_BYTES];
+            let (scales, mins) = kquants::q4k_scales_mins(&blk[4..16]);
+            let j = b % 8;
+            // Sub-blocks 2c and 2c + 1 are the low and high nibbles of bytes 32c..32c+31.
+            let qs = &blk[16 + 32 * (j / 2)..][..32];
+            for (v, &q) in u.iter_mut().zip(qs) {
+                *v = if j.is_multiple_of(2) { q & 0x0F } else { q >> 4 };
+            }
+            let (a, b) = (scales[j], mins[j]);
+            Some((u, KScales { format, d: f16_at(blk, 0), dmin: f16_at(blk, 2), a, b }))
+        }
+        Format::Q6K => {
+            let blk = &row[b / 8 * kquants::Q6K_BYTES..][..kquants::Q6K_BYTES];
+            let c = b % 8;
+            let (half, k) = (c / 4, c % 4);
+            for (i, v) in u.iter_mut().enumerate() {
+                let l = blk[64 * half + 32 * (k % 2) + i];
+                let low = if k < 2 { l & 0x0F } else { l >> 4 };
+                *v = low | (((blk[128 + 32 * half + i] >> (2 * k)) & 3) << 4);
+            }
+            let scale = |i: usize| blk[192 + 2 * c + i] as i8 as i32;
+            Some((u, KScales { format, d: f16_at(blk, 208), dmin: f16::ZERO, a: scale(0), b: scale(1) }))
+        }
+        _ => None,
+    }
+}
+
+/// Row `r`'s scale d and offset m in a tile (`sup`: its group's super-block scales, K-quants).
+fn tile_scales(format: Format, tile: &[u8], sup: &[u8], r: usize) -> (f32, f32) {
+    let s = scales_at(format);
+    let at = |bytes: &[u8], i: usize| f16::from_le_bytes([bytes[i], bytes[i + 1]]);
+    let (a, b) = match format {
+        Format::Q4K => {
+            let (scales, mins) = unpack_q4k_scales(&tile[s..]);
+            (scales[r] as i32, mins[r] as i32)
+        }
+        Format::Q6K => (tile[s + r] as i8 as i32, tile[s + TILE_ROWS + r] as i8 as i32),
+        _ => {
+            let m = if format == Format::Q4_1 { at(tile, s + 16 + 2 * r).to_f32() } else { 0.0 };
+            return (at(tile, s + 2 * r).to_f32(), m);
+        }
+    };
+    let dmin = if format == Format::Q4K { at(sup, 2 * TILE_ROWS + 2 * r) } else { f16::ZERO };
+    let k = KScales { format, d: at(sup, 2 * r), dmin, a, b };
+    (k.d(), k.m())
+}
+
+/// Writes row `r`'s scales into `tile` (the formats without super-blocks).
 fn set_tile_scales(format: Format, tile: &mut [u8], r: usize, d: f32, m: f32) {
     let s = scales_at(format);
-    if f32_scales(format) {
-        tile[s + 4 * r..s + 4 * r + 4].copy_from_slice(&d.to_le_bytes());
-        tile[s + 32 + 4 * r..s + 36 + 4 * r].copy_from_slice(&m.to_le_bytes());
-        return;
-    }
     // d and m came from f16: converting back is exact.
     tile[s + 2 * r..s + 2 * r + 2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
     if format == Format::Q4_1 {
@@ -182,6 +253,9 @@ fn set_tile_scales(format: Format, tile: &mut [u8], r: usize, d: f32, m: f32) {
 pub struct Repacked {
     pub(crate) format: Format,
     pub(crate) tiles: Vec<u8>,
+    /// The K-quants' per-super-block d (and dmin) of each group's 8 rows, `super_scale_bytes`
+    /// each, at `tile_index(num_groups, num_super_blocks, g, s)`; empty for the other formats.
+    pub(crate) super_scales: Vec<u8>,
     pub(crate) out_features: usize,
     pub(crate) in_features: usize,
 }
@@ -215,7 +289,32 @@ impl Repacked {
                 );
             }
         });
-        Repacked { format, tiles, out_features, in_features }
+        let super_scales = Self::super_scales(format, data, row_bytes, num_groups, num_blocks);
+        Repacked { format, tiles, super_scales, out_features, in_features }
+    }
+
+    /// The K-quants' `super_scales`, copied from the f16 fields of each row's super-blocks.
+    fn super_scales(format: Format, data: &[u8], row_bytes: usize, num_groups: usize, num_blocks: usize) -> Vec<u8> {
+        let ssb = super_scale_bytes(format);
+        if ssb == 0 {
+            return Vec::new();
+        }
+        let (num_super, super_bytes) = (num_blocks / SUPER_BLOCKS, format.block_bytes());
+        // Where d (and Q4_K's dmin) sit in a ggml super-block.
+        let fields: &[usize] = if format == Format::Q4K { &[0, 2] } else { &[208] };
+        let mut out = vec![0u8; num_groups * num_super * ssb];
+        for g in 0..num_groups {
+            for s in 0..num_super {
+                let at = tile_index(num_groups, num_super, g, s) * ssb;
+                for r in 0..TILE_ROWS {
+                    let blk = &data[(g * TILE_ROWS + r) * row_bytes + s * super_bytes..][..super_bytes];
+                    for (f, &field) in fields.iter().enumerate() {
+                        out[at + f * 2 * TILE_ROWS + 2 * r..][..2].copy_from_slice(&blk[field..field + 2]);
+                    }
+                }
+            }
+        }
+        out
     }
 
     /// Writes feature group `g`'s tiles into `run_tiles`, the tiles of its run (which start at
@@ -235,11 +334,32 @@ impl Repacked {
         for b in 0..num_blocks {
             let tile = &mut run_tiles[(tile_index(num_groups, num_blocks, g, b) - first_tile) * tb..][..tb];
             let mut values = [[0u8; BLOCK]; TILE_ROWS];
+            let mut kscales = [[0i32; TILE_ROWS]; 2];
             for (r, u) in values.iter_mut().enumerate() {
-                let feature = g * TILE_ROWS + r;
-                let (unsigned, d, m) = unpack_block(format, &data[feature * row_bytes..][..row_bytes], b);
+                let row = &data[(g * TILE_ROWS + r) * row_bytes..][..row_bytes];
+                if let Some((unsigned, k)) = unpack_kquant_block(format, row, b) {
+                    *u = unsigned;
+                    (kscales[0][r], kscales[1][r]) = (k.a, k.b);
+                    continue;
+                }
+                let (unsigned, d, m) = unpack_block(format, row, b);
                 *u = unsigned;
                 set_tile_scales(format, tile, r, d, m);
+            }
+            let s = scales_at(format);
+            match format {
+                Format::Q4K => {
+                    let [scales, mins] = kscales.map(|v| v.map(|x| x as u8));
+                    tile[s..s + 12].copy_from_slice(&pack_q4k_scales(scales, mins));
+                }
+                Format::Q6K => {
+                    for (half, v) in kscales.iter().enumerate() {
+                        for (r, &x) in v.iter().enumerate() {
+                            tile[s + half * TILE_ROWS + r] = x as i8 as u8;
+                        }
+                    }
+                }
+                _ => {}
             }
             for (r, u) in values.iter().enumerate() {
                 for i in 0..4 {
@@ -273,6 +393,11 @@ impl Repacked {
         self.out_features
     }
 
+    /// Bytes held (the tiles and the K-quants' super-block scales): the ggml blocks' size.
+    pub fn resident_bytes(&self) -> usize {
+        self.tiles.len() + self.super_scales.len()
+    }
+
     pub fn in_features(&self) -> usize {
         self.in_features
     }
@@ -285,7 +410,10 @@ impl Repacked {
         let mut out = Vec::with_capacity(self.in_features);
         for b in 0..num_blocks {
             let tile = &self.tiles[tile_index(num_groups, num_blocks, g, b) * tb..][..tb];
-            let (d, m) = tile_scales(self.format, tile, r);
+            let ssb = super_scale_bytes(self.format);
+            let sup = &self.super_scales
+                [tile_index(num_groups, num_blocks / SUPER_BLOCKS, g, b / SUPER_BLOCKS) * ssb..][..ssb];
+            let (d, m) = tile_scales(self.format, tile, sup, r);
             for e in 0..BLOCK {
                 let (k, i) = (e / 4, e % 4);
                 let u = match self.format {
@@ -576,6 +704,24 @@ mod tests {
                 assert_eq!(many, [a.forward_rows(k, &x, num_rows), b.forward_rows(k, &x, num_rows)], "{name}");
             }
         }
+    }
+
+    /// A repacked weight holds exactly its ggml blocks' bytes (tiles plus the K-quants' super-block
+    /// scales): a step reads no more than the GGUF's own format would.
+    #[test]
+    fn repacked_weights_are_the_size_of_their_ggml_blocks() {
+        for (dtype, format) in FORMATS {
+            let (w, q) = repacked(dtype, format, 72, 512);
+            assert_eq!(w.resident_bytes(), q.data().unwrap().len(), "{format:?}");
+        }
+    }
+
+    /// The 6-bit scale packing round-trips every value.
+    #[test]
+    fn q4k_scales_pack_and_unpack() {
+        let scales = std::array::from_fn(|r| (r * 9 % 64) as u8);
+        let mins = std::array::from_fn(|r| (63 - r * 5) as u8);
+        assert_eq!(unpack_q4k_scales(&pack_q4k_scales(scales, mins)), (scales, mins));
     }
 
     /// Repacking keeps every weight: the tiles dequantize to ggml's own dequantization.

@@ -10,8 +10,8 @@ use std::arch::x86_64::*;
 
 use crate::model::kernels::format::{Format, BLOCK};
 use crate::model::kernels::repack::{
-    offset, scales_at, tile_bytes, tile_index, QuantizedActivations, Repacked, PREFETCH_BLOCKS, ROW_GROUP, RUN_GROUPS,
-    TILE_ROWS,
+    offset, scales_at, super_scale_bytes, tile_bytes, tile_index, QuantizedActivations, Repacked, PREFETCH_BLOCKS,
+    ROW_GROUP, RUN_GROUPS, SUPER_BLOCKS, TILE_ROWS,
 };
 
 const Q4_0: u8 = 0;
@@ -148,26 +148,33 @@ struct Tile<const F: u8> {
 
 impl<const F: u8> Tile<F> {
     /// # Safety
-    /// The CPU features of `groups`; `tile` points at a whole tile with scales at `s`.
+    /// The CPU features of `groups`; `tile` points at a whole tile with scales at `s`, and (the
+    /// K-quants) `sup` at its group's super-block scales.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-    unsafe fn load(tile: *const u8, s: usize) -> Self {
+    unsafe fn load(tile: *const u8, s: usize, sup: *const u8) -> Self {
         unsafe {
-            Tile {
-                v: unpack::<F>(tile),
-                d: if F == Q4K || F == Q6K {
-                    _mm256_loadu_ps(tile.add(s) as *const f32)
-                } else {
-                    _mm256_cvtph_ps(_mm_loadu_si128(tile.add(s) as *const __m128i))
-                },
-                m: if F == Q4K || F == Q6K {
-                    _mm256_loadu_ps(tile.add(s + 32) as *const f32)
-                } else if F == Q4_1 {
-                    _mm256_cvtph_ps(_mm_loadu_si128(tile.add(s + 16) as *const __m128i))
-                } else {
-                    _mm256_setzero_ps()
-                },
+            let v = unpack::<F>(tile);
+            let f16s = |at: *const u8| _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i));
+            if F == Q4K {
+                // d * scale and -(dmin * min): exact products, as `repack::KScales` forms them.
+                let bits = tile.add(s);
+                let low = (bits as *const u64).read_unaligned();
+                let high = (bits.add(8) as *const u32).read_unaligned() as u64;
+                let scales = six_bit_lanes(low);
+                let mins = six_bit_lanes((low >> 48) | (high << 16));
+                let d = _mm256_mul_ps(f16s(sup), scales);
+                let m = _mm256_mul_ps(f16s(sup.add(2 * TILE_ROWS)), mins);
+                return Tile { v, d, m: _mm256_xor_ps(m, _mm256_set1_ps(-0.0)) };
             }
+            if F == Q6K {
+                let d = f16s(sup);
+                let scales = _mm_loadl_epi64(tile.add(s) as *const __m128i);
+                let second = _mm_loadl_epi64(tile.add(s + TILE_ROWS) as *const __m128i);
+                let lanes = |x: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+                return Tile { v, d: _mm256_mul_ps(d, lanes(scales)), m: _mm256_mul_ps(d, lanes(second)) };
+            }
+            Tile { v, d: f16s(tile.add(s)), m: if F == Q4_1 { f16s(tile.add(s + 16)) } else { _mm256_setzero_ps() } }
         }
     }
 
@@ -205,6 +212,18 @@ impl<const F: u8> Tile<F> {
             *acc = _mm256_fmadd_ps(self.m, a.scaled_sum, *acc);
         }
     }
+}
+
+/// Eight 6-bit fields of `bits` (field r at bit 6r) as f32 lanes, lane r = field r.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn six_bit_lanes(bits: u64) -> __m256 {
+    // 64-bit lane k holds fields 2k and 2k + 1 in its low 12 bits; its low dword goes to both of
+    // its dword lanes, the odd one shifted by 6 more.
+    let pairs = _mm256_srlv_epi64(_mm256_set1_epi64x(bits as i64), _mm256_setr_epi64x(0, 12, 24, 36));
+    let dup = _mm256_shuffle_epi32::<0b10_10_00_00>(pairs);
+    let fields = _mm256_srlv_epi32(dup, _mm256_setr_epi32(0, 6, 0, 6, 0, 6, 0, 6));
+    _mm256_cvtepi32_ps(_mm256_and_si256(fields, _mm256_set1_epi32(0x3F)))
 }
 
 /// The 8 value vectors of a tile: vector k, byte 4r+i = row r's value 4k+i.
@@ -268,9 +287,14 @@ unsafe fn run<const F: u8, const R: usize, const H: usize>(
     let first_tile = unsafe { w.tiles.as_ptr().add(tile_index(num_groups, nb, first_group, 0) * tb) };
     let run_len = RUN_GROUPS.min(num_groups - first_group / RUN_GROUPS * RUN_GROUPS);
     let block_stride = run_len * tb;
+    // The K-quants' super-block scales: the H groups' are adjacent too, `ssb` bytes each.
+    let ssb = super_scale_bytes(format);
+    let first_super =
+        w.super_scales.as_ptr().wrapping_add(tile_index(num_groups, nb / SUPER_BLOCKS, first_group, 0) * ssb);
     let mut acc = [[_mm256_setzero_ps(); R]; H];
     for b in 0..nb {
         let block = unsafe { first_tile.add(b * block_stride) };
+        let sup = |h: usize| first_super.wrapping_add((b / SUPER_BLOCKS * run_len + h) * ssb);
         // Ask for the weights a few blocks ahead, every cache line of them (wrapping_add: past
         // the end of the tiles the address lies outside the allocation; a prefetch never faults).
         for line in (0..H * tb).step_by(64) {
@@ -281,13 +305,13 @@ unsafe fn run<const F: u8, const R: usize, const H: usize>(
             // Decoding: the one row's broadcasts are shared by the H tiles.
             let a = row(0);
             for (h, acc) in acc.iter_mut().enumerate() {
-                let t = unsafe { Tile::<F>::load(block.add(h * tb), s) };
+                let t = unsafe { Tile::<F>::load(block.add(h * tb), s, sup(h)) };
                 unsafe { t.accumulate(&a, &mut acc[0]) };
             }
         } else {
             // H tiles x R rows would not fit the registers: one tile at a time against the rows.
             for (h, acc) in acc.iter_mut().enumerate() {
-                let t = unsafe { Tile::<F>::load(block.add(h * tb), s) };
+                let t = unsafe { Tile::<F>::load(block.add(h * tb), s, sup(h)) };
                 for (r, acc) in acc.iter_mut().enumerate() {
                     unsafe { t.accumulate(&row(r), acc) };
                 }
