@@ -736,8 +736,8 @@ mod tests {
         }
     }
 
-    /// The kernel equals its scalar reference bitwise, for every row count 1..=17, and each row
-    /// is bitwise the row computed alone.
+    /// The kernel equals its scalar reference bitwise, for every row count 1..=17 (and counts
+    /// past the VNNI kernel's 64-row pass), and each row is bitwise the row computed alone.
     #[test]
     fn kernel_equals_reference_and_rows_are_invariant() {
         let (out_f, in_f) = (72, 512);
@@ -745,7 +745,7 @@ mod tests {
             FORMATS.into_iter().flat_map(|f| packed_sets().into_iter().map(move |s| (f, s)))
         {
             let (w, q) = repacked(dtype, format, out_f, in_f);
-            for num_rows in 1..=17 {
+            for num_rows in (1..=17).chain([64, 65, 131]) {
                 let x = random(num_rows, in_f, 100 + num_rows as u64);
                 let out = w.forward_rows(k, &x, num_rows);
                 let acts = QuantizedActivations::new(&x, num_rows, in_f, k.quantize_block);

@@ -43,7 +43,9 @@ pub unsafe fn groups(
         (first_group + groups) * TILE_ROWS <= w.out_features
             && acts.num_blocks * BLOCK == w.in_features
             && acts.qs.len() >= num_rows * w.in_features
-            && acts.d.len() >= num_rows * acts.num_blocks
+            && [acts.d.len(), acts.scaled_sums.len(), acts.sums.len(), acts.low_sums.len()]
+                .iter()
+                .all(|&len| len >= num_rows * acts.num_blocks)
             && groups <= RUN_GROUPS
             && (groups == 1 || first_group.is_multiple_of(RUN_GROUPS)),
         "repacked kernel: groups {first_group}+{groups}, {num_rows} rows"
@@ -57,6 +59,19 @@ pub unsafe fn groups(
                         2 => run::<$f, 1, 2>(w, acts, first_group, 0, out),
                         3 => run::<$f, 1, 3>(w, acts, first_group, 0, out),
                         _ => run::<$f, 1, 4>(w, acts, first_group, 0, out),
+                    }
+                } else if num_rows > ROW_GROUP {
+                    // Each tile unpacked once for up to `PASS_ROWS` rows (verification, prefill).
+                    let mut first = 0;
+                    while first < num_rows {
+                        let rows = (num_rows - first).min(PASS_ROWS);
+                        match groups {
+                            1 => run_rows::<$f, 1>(w, acts, first_group, first, rows, out),
+                            2 => run_rows::<$f, 2>(w, acts, first_group, first, rows, out),
+                            3 => run_rows::<$f, 3>(w, acts, first_group, first, rows, out),
+                            _ => run_rows::<$f, 4>(w, acts, first_group, first, rows, out),
+                        }
+                        first += rows;
                     }
                 } else {
                     let mut first = 0;
@@ -121,20 +136,23 @@ struct RowBlock {
 
 impl RowBlock {
     /// # Safety
-    /// AVX2; block `at` exists in `acts`.
+    /// AVX2; block `at` exists in `acts` (`groups` checked the sizes: no bounds checks here, on
+    /// the kernel's hottest path).
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn new(acts: &QuantizedActivations, at: usize, c: i32) -> Self {
-        let a = unsafe { acts.qs.as_ptr().add(at * BLOCK) };
-        RowBlock {
-            q: std::array::from_fn(|k| _mm256_set1_epi32(unsafe { (a.add(4 * k) as *const i32).read_unaligned() })),
-            d: _mm256_set1_ps(acts.d[at]),
-            correction: _mm256_set1_epi32(c * acts.sums[at]),
-            scaled_sum: _mm256_set1_ps(acts.scaled_sums[at]),
-            correction_halves: [
-                _mm256_set1_epi32(32 * acts.low_sums[at]),
-                _mm256_set1_epi32(32 * (acts.sums[at] - acts.low_sums[at])),
-            ],
+        unsafe {
+            let a = acts.qs.as_ptr().add(at * BLOCK);
+            // A broadcast straight from memory (one load, no shuffle): 4 int8 values as one f32.
+            let q = |k: usize| _mm256_castps_si256(_mm256_broadcast_ss(&*(a.add(4 * k) as *const f32)));
+            let (sum, low_sum) = (*acts.sums.get_unchecked(at), *acts.low_sums.get_unchecked(at));
+            RowBlock {
+                q: std::array::from_fn(q),
+                d: _mm256_broadcast_ss(acts.d.get_unchecked(at)),
+                correction: _mm256_set1_epi32(c * sum),
+                scaled_sum: _mm256_broadcast_ss(acts.scaled_sums.get_unchecked(at)),
+                correction_halves: [_mm256_set1_epi32(32 * low_sum), _mm256_set1_epi32(32 * (sum - low_sum))],
+            }
         }
     }
 }
@@ -319,6 +337,56 @@ unsafe fn run<const F: u8, const R: usize, const H: usize>(
         }
     }
     for (h, acc) in acc.iter().enumerate() {
+        for (r, acc) in acc.iter().enumerate() {
+            let at = (first_row + r) * w.out_features + (first_group + h) * TILE_ROWS;
+            unsafe { _mm256_storeu_ps(out.add(at), *acc) };
+        }
+    }
+}
+
+/// Rows one `run_rows` pass dots with each unpacked tile: its accumulators (`PASS_ROWS * H`
+/// vectors, 8 KiB) and the rows' activation blocks stay in L1.
+const PASS_ROWS: usize = 64;
+
+/// `rows` activation rows from `first_row` against `H` feature groups from `first_group`, each
+/// tile unpacked once for all of them; the accumulators live in memory. Every (feature, row) pair
+/// goes through `Tile::accumulate` block by block, as in `run`: the same values bitwise.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn run_rows<const F: u8, const H: usize>(
+    w: &Repacked,
+    acts: &QuantizedActivations,
+    first_group: usize,
+    first_row: usize,
+    rows: usize,
+    out: *mut f32,
+) {
+    let format = format_of(F);
+    let (tb, s, nb) = (tile_bytes(format), scales_at(format), acts.num_blocks);
+    let c = offset(format);
+    let num_groups = w.out_features / TILE_ROWS;
+    let first_tile = unsafe { w.tiles.as_ptr().add(tile_index(num_groups, nb, first_group, 0) * tb) };
+    let run_len = RUN_GROUPS.min(num_groups - first_group / RUN_GROUPS * RUN_GROUPS);
+    let block_stride = run_len * tb;
+    let ssb = super_scale_bytes(format);
+    let first_super =
+        w.super_scales.as_ptr().wrapping_add(tile_index(num_groups, nb / SUPER_BLOCKS, first_group, 0) * ssb);
+    // acc[h * rows + r]: group h, row r.
+    let mut acc = vec![_mm256_setzero_ps(); H * rows];
+    for b in 0..nb {
+        let block = unsafe { first_tile.add(b * block_stride) };
+        for line in (0..H * tb).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(block.wrapping_add(PREFETCH_BLOCKS * block_stride + line) as *const i8);
+        }
+        for (h, acc) in acc.chunks_exact_mut(rows).enumerate() {
+            let sup = first_super.wrapping_add((b / SUPER_BLOCKS * run_len + h) * ssb);
+            let t = unsafe { Tile::<F>::load(block.add(h * tb), s, sup) };
+            for (r, acc) in acc.iter_mut().enumerate() {
+                unsafe { t.accumulate(&RowBlock::new(acts, (first_row + r) * nb + b, c), acc) };
+            }
+        }
+    }
+    for (h, acc) in acc.chunks_exact(rows).enumerate() {
         for (r, acc) in acc.iter().enumerate() {
             let at = (first_row + r) * w.out_features + (first_group + h) * TILE_ROWS;
             unsafe { _mm256_storeu_ps(out.add(at), *acc) };
