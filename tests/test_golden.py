@@ -1,7 +1,9 @@
-"""specrs against llama.cpp on the same GGUF: SmolLM2-135M-Instruct Q4_1 and Gemma 3 270M Q4_K_M.
+"""specrs against llama.cpp on the same GGUF: SmolLM2-135M-Instruct Q4_1, Gemma 3 270M Q4_K_M and
+the qwen2 family's Qwen2.5-Coder-0.5B and 1.5B-Instruct Q4_K_M (`make test` installs them with
+`specrs models install`).
 
-tests/golden/{smollm2,gemma3}.json were written by scripts/make_golden.py with llama-cpp-python
-0.3.36; this suite only reads them.
+tests/golden/{name}.json were written by scripts/make_golden.py with llama-cpp-python 0.3.36; this
+suite only reads them.
 
 specrs no longer reproduces llama.cpp's bits: its kernels sum in their own (faster) orders and
 quantize activations with f32 scales. What it must keep is the model: tokenization identical,
@@ -24,13 +26,14 @@ import pytest
 import specrs
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
-GOLDENS = {name: json.loads((GOLDEN_DIR / f"{name}.json").read_text(encoding="utf-8")) for name in ("smollm2", "gemma3")}
+# golden name -> the model's name for specrs.Engine.
+ENGINES = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m", "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b",
+           "qwen2.5-coder-1.5b": "qwen2.5-coder-1.5b"}
+GOLDENS = {name: json.loads((GOLDEN_DIR / f"{name}.json").read_text(encoding="utf-8")) for name in ENGINES}
 # transformers on the same files (f32, weights dequantized): scripts/make_transformers_golden.py.
 TRANSFORMERS = {
-    name: json.loads((GOLDEN_DIR / f"{name}_transformers.json").read_text(encoding="utf-8"))
-    for name in ("smollm2", "gemma3")
+    name: json.loads((GOLDEN_DIR / f"{name}_transformers.json").read_text(encoding="utf-8")) for name in ENGINES
 }
-ENGINES = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}
 
 
 @pytest.fixture(scope="module", params=list(GOLDENS))

@@ -19,6 +19,8 @@ pub mod attention;
 pub mod format;
 pub mod ggml_math;
 pub mod kquants;
+#[cfg(target_arch = "x86_64")]
+mod packed_tiles;
 pub mod parallel;
 pub mod qlinear;
 pub mod reference;

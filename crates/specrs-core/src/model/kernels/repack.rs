@@ -586,8 +586,7 @@ impl BlockOutputs {
 }
 
 /// One block's int8 values; returns max|x|. The scalar twin every set's
-/// `PackedKernels::quantize_block` is tested against.
-#[cfg(test)]
+/// `PackedKernels::quantize_block` is tested against (and the AVX2 set's own).
 pub(crate) fn scalar_quantize(block: &[f32; BLOCK], q: &mut [i8; BLOCK]) -> f32 {
     let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
     let inv = if amax != 0.0 { 127.0 / amax } else { 0.0 };
