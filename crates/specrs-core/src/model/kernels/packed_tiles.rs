@@ -303,6 +303,69 @@ macro_rules! packed_tile_kernel {
             }
         }
 
+        /// Where a task's tiles are: the groups of one run from `first_group`, format `F`.
+        struct RunTiles {
+            /// Bytes of a tile, where its scales start, blocks per row, the format's offset c.
+            tb: usize,
+            s: usize,
+            nb: usize,
+            c: i32,
+            first_tile: *const u8,
+            /// Consecutive blocks of a group are a run's length of tiles apart; the groups (one
+            /// run when decoding) are adjacent.
+            block_stride: usize,
+            run_len: usize,
+            /// The K-quants' super-block scales: the groups' are adjacent too, `ssb` bytes each.
+            ssb: usize,
+            first_super: *const u8,
+        }
+
+        impl RunTiles {
+            #[inline]
+            fn new<const F: u8>(w: &Repacked, acts: &QuantizedActivations, first_group: usize) -> Self {
+                let format = format_of(F);
+                let (tb, nb, ssb) = (tile_bytes(format), acts.num_blocks, super_scale_bytes(format));
+                let num_groups = w.out_features / TILE_ROWS;
+                let run_len = RUN_GROUPS.min(num_groups - first_group / RUN_GROUPS * RUN_GROUPS);
+                let super_at = tile_index(num_groups, nb / SUPER_BLOCKS, first_group, 0) * ssb;
+                RunTiles {
+                    tb,
+                    s: scales_at(format),
+                    nb,
+                    c: offset(format),
+                    first_tile: w.tiles.as_ptr().wrapping_add(tile_index(num_groups, nb, first_group, 0) * tb),
+                    block_stride: run_len * tb,
+                    run_len,
+                    ssb,
+                    first_super: w.super_scales.as_ptr().wrapping_add(super_at),
+                }
+            }
+
+            /// Block `b`'s first tile (group `first_group`'s); its run's next groups follow.
+            #[inline]
+            fn block(&self, b: usize) -> *const u8 {
+                self.first_tile.wrapping_add(b * self.block_stride)
+            }
+
+            /// The super-block scales of block `b` of the run's group `h`.
+            #[inline]
+            fn sup(&self, b: usize, h: usize) -> *const u8 {
+                self.first_super.wrapping_add((b / SUPER_BLOCKS * self.run_len + h) * self.ssb)
+            }
+
+            /// Asks for the `groups` tiles of the block a few blocks ahead of `b`, every cache
+            /// line of them (past the end of the tiles the address lies outside the allocation;
+            /// a prefetch never faults).
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn prefetch(&self, b: usize, groups: usize) {
+                for line in (0..groups * self.tb).step_by(64) {
+                    let ahead = self.block(b).wrapping_add(PREFETCH_BLOCKS * self.block_stride + line);
+                    _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+                }
+            }
+        }
+
         /// `R` activation rows from `first_row` against `H` feature groups from `first_group`.
         /// Every (feature, row) pair goes through the same operations whatever R and H.
         #[inline]
@@ -314,42 +377,27 @@ macro_rules! packed_tile_kernel {
             first_row: usize,
             out: *mut f32,
         ) {
-            let format = format_of(F);
-            let (tb, s, nb) = (tile_bytes(format), scales_at(format), acts.num_blocks);
-            let c = offset(format);
-            let num_groups = w.out_features / TILE_ROWS;
-            // Consecutive blocks of a group are a run's length of tiles apart; the H groups (one run
-            // when decoding) are adjacent.
-            let first_tile = unsafe { w.tiles.as_ptr().add(tile_index(num_groups, nb, first_group, 0) * tb) };
-            let run_len = RUN_GROUPS.min(num_groups - first_group / RUN_GROUPS * RUN_GROUPS);
-            let block_stride = run_len * tb;
-            // The K-quants' super-block scales: the H groups' are adjacent too, `ssb` bytes each.
-            let ssb = super_scale_bytes(format);
-            let first_super =
-                w.super_scales.as_ptr().wrapping_add(tile_index(num_groups, nb / SUPER_BLOCKS, first_group, 0) * ssb);
+            let t = RunTiles::new::<F>(w, acts, first_group);
+            let (tb, s, nb, c) = (t.tb, t.s, t.nb, t.c);
             let mut acc = [[_mm256_setzero_ps(); R]; H];
             for b in 0..nb {
-                let block = unsafe { first_tile.add(b * block_stride) };
-                let sup = |h: usize| first_super.wrapping_add((b / SUPER_BLOCKS * run_len + h) * ssb);
-                // Ask for the weights a few blocks ahead, every cache line of them (wrapping_add: past
-                // the end of the tiles the address lies outside the allocation; a prefetch never faults).
-                for line in (0..H * tb).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(block.wrapping_add(PREFETCH_BLOCKS * block_stride + line) as *const i8);
-                }
+                let block = t.block(b);
+                let sup = |h: usize| t.sup(b, h);
+                unsafe { t.prefetch(b, H) };
                 let row = |r: usize| unsafe { RowBlock::new(acts, (first_row + r) * nb + b, c) };
                 if R == 1 {
                     // Decoding: the one row's broadcasts are shared by the H tiles.
                     let a = row(0);
                     for (h, acc) in acc.iter_mut().enumerate() {
-                        let t = unsafe { Tile::<F>::load(block.add(h * tb), s, sup(h)) };
-                        unsafe { t.accumulate(&a, &mut acc[0]) };
+                        let tile = unsafe { Tile::<F>::load(block.add(h * tb), s, sup(h)) };
+                        unsafe { tile.accumulate(&a, &mut acc[0]) };
                     }
                 } else {
                     // H tiles x R rows would not fit the registers: one tile at a time against the rows.
                     for (h, acc) in acc.iter_mut().enumerate() {
-                        let t = unsafe { Tile::<F>::load(block.add(h * tb), s, sup(h)) };
+                        let tile = unsafe { Tile::<F>::load(block.add(h * tb), s, sup(h)) };
                         for (r, acc) in acc.iter_mut().enumerate() {
-                            unsafe { t.accumulate(&row(r), acc) };
+                            unsafe { tile.accumulate(&row(r), acc) };
                         }
                     }
                 }
@@ -379,28 +427,17 @@ macro_rules! packed_tile_kernel {
             rows: usize,
             out: *mut f32,
         ) {
-            let format = format_of(F);
-            let (tb, s, nb) = (tile_bytes(format), scales_at(format), acts.num_blocks);
-            let c = offset(format);
-            let num_groups = w.out_features / TILE_ROWS;
-            let first_tile = unsafe { w.tiles.as_ptr().add(tile_index(num_groups, nb, first_group, 0) * tb) };
-            let run_len = RUN_GROUPS.min(num_groups - first_group / RUN_GROUPS * RUN_GROUPS);
-            let block_stride = run_len * tb;
-            let ssb = super_scale_bytes(format);
-            let first_super =
-                w.super_scales.as_ptr().wrapping_add(tile_index(num_groups, nb / SUPER_BLOCKS, first_group, 0) * ssb);
+            let t = RunTiles::new::<F>(w, acts, first_group);
+            let (tb, s, nb, c) = (t.tb, t.s, t.nb, t.c);
             // acc[h * rows + r]: group h, row r.
             let mut acc = vec![_mm256_setzero_ps(); H * rows];
             for b in 0..nb {
-                let block = unsafe { first_tile.add(b * block_stride) };
-                for line in (0..H * tb).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(block.wrapping_add(PREFETCH_BLOCKS * block_stride + line) as *const i8);
-                }
+                let block = t.block(b);
+                unsafe { t.prefetch(b, H) };
                 for (h, acc) in acc.chunks_exact_mut(rows).enumerate() {
-                    let sup = first_super.wrapping_add((b / SUPER_BLOCKS * run_len + h) * ssb);
-                    let t = unsafe { Tile::<F>::load(block.add(h * tb), s, sup) };
+                    let tile = unsafe { Tile::<F>::load(block.add(h * tb), s, t.sup(b, h)) };
                     for (r, acc) in acc.iter_mut().enumerate() {
-                        unsafe { t.accumulate(&RowBlock::new(acts, (first_row + r) * nb + b, c), acc) };
+                        unsafe { tile.accumulate(&RowBlock::new(acts, (first_row + r) * nb + b, c), acc) };
                     }
                 }
             }
