@@ -236,7 +236,8 @@ impl CpuDecoder {
             + 4 * final_norm.len()
             + blocks.iter().map(Block::step_weight_bytes).sum::<usize>();
         // A tied head that is repacked holds the table's values: the lookup reads its tiles.
-        let embed = (!(config.tie_word_embeddings && lm_head.dequantize_rows(&[]).is_some())).then_some(embed);
+        let head_serves_lookup = config.tie_word_embeddings && matches!(lm_head, QLinear::Repacked { .. });
+        let embed = (!head_serves_lookup).then_some(embed);
         let pairing = if config.rope_interleaved { Pairing::Interleaved } else { Pairing::Halves };
         let factors = config.rope_freq_factors.as_deref();
         let rope = |base: f32, freq_scale: f32| Rope::new(config.rope_dims, base, freq_scale, factors, pairing);
@@ -430,9 +431,9 @@ impl CausalLm for CpuDecoder {
     fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
         check_token_ids(tokens, self.config.vocab_size)?;
         let Some(table) = &self.embed else {
+            // [n, hidden] from the tied head's tiles.
             let rows = self.lm_head.dequantize_rows(tokens).expect("a repacked tied head (see load)");
             return Ok(Tensor::from_vec(rows, (tokens.len(), self.config.hidden_size), &self.device)?);
-            // [n, hidden]
         };
         let ids = Tensor::new(tokens, &self.device)?;
         Ok(table.embedding(&ids)?) // [n, hidden]
