@@ -184,6 +184,13 @@ def test_the_qwen_coders_are_known_and_found_in_the_models_cache(tmp_path, monke
     path.write_bytes(b"truncated")
     with pytest.raises(ModelLoadError, match="has 9 bytes where qwen2.5-coder-0.5b has 491400064"):
         specrs.Engine("qwen2.5-coder-0.5b")
+    # As a draft, a known model's name is a config's to fix: a ConfigError (a 400 over HTTP).
+    for method in ("draft_model", "draft", "auto"):
+        config = {"method": method, "model": "qwen2.5-coder-1.5b", "num_speculative_tokens": 2}
+        with pytest.raises(specrs.ConfigError, match="run `specrs models install qwen2.5-coder-1.5b`"):
+            specrs.engine._config_json(config)
+    # A head's "model" is a head directory, never a known model's name.
+    assert json.loads(specrs.engine._config_json({**config, "method": "eagle"}))["model"] == "qwen2.5-coder-1.5b"
 
 
 def test_models_lists_every_name_with_its_state():

@@ -165,3 +165,17 @@ def test_the_server_and_the_engine_check_the_context_with_one_message(engine):
     # The Python API's check is the same one.
     with pytest.raises(specrs.ContextLengthError, match=f"\\(3 in the prompt, {context} in max_tokens\\)"):
         engine.generate([1, 2, 3], specrs.SamplingParams(max_tokens=context))
+
+
+def test_auto_uses_the_servers_draft_model_and_no_other_weights_over_http():
+    """"auto" loads its draft as draft_model does (the core's weights say so), so a server started
+    with a draft model lets requests pick it inside "auto"; "auto" without one loads nothing."""
+    startup = json.loads(engine_module._config_json({"method": "draft_model", "model": "d.gguf",
+                                                      "num_speculative_tokens": 4}))
+    speculation = protocol.ServerSpeculation(startup)
+    assert json.loads(speculation.for_request({"method": "auto", "model": "d.gguf"}))["method"] == "auto"
+    assert json.loads(speculation.for_request({"method": "auto"}))["method"] == "auto"
+    assert json.loads(protocol.ServerSpeculation(None).for_request({"method": "auto"}))["method"] == "auto"
+    with pytest.raises(protocol.APIError, match="loads weights") as refused:
+        speculation.for_request({"method": "auto", "model": "/etc/passwd"})
+    assert "/etc/passwd" not in refused.value.message

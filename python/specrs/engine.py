@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence, Union, overload
 
 from . import _specrs
-from .errors import ConfigError, SpecrsError
+from .errors import ConfigError, ModelLoadError, SpecrsError
 from .heads import with_shipped_head
 from .log import enabled as _log_enabled
 from .log import logger
-from .models import resolve_model
+from .models import find_model, resolve_model
 
 SamplingParams = _specrs.SamplingParams
 Tokenizer = _specrs.Tokenizer
@@ -63,6 +63,7 @@ def _config_json(config: SpecConfig, target_info: Mapping[str, Any] | None = Non
         config = dict(config)
         if target_info is not None:
             config = with_shipped_head(config, target_info)
+        config = _with_known_draft(config)
         text = json.dumps(config)
     elif isinstance(config, str):
         text = config
@@ -72,6 +73,24 @@ def _config_json(config: SpecConfig, target_info: Mapping[str, Any] | None = Non
             "e.g. {'method': 'ngram', 'num_speculative_tokens': 4}"
         )
     return _specrs.Engine.parse_speculative_config(text)
+
+
+def _with_known_draft(config: dict) -> dict:
+    """`config` with a known model's name as its draft ("model" of a method that runs a draft model:
+    one that also takes the draft's "max_model_len") replaced by the model's path, so
+    {"method": "draft_model", "model": "qwen2.5-coder-0.5b"} loads like Engine("qwen2.5-coder-0.5b");
+    a known name wins over a file of that name, as in Engine(model)."""
+    model, method = config.get("model"), config.get("method")
+    facts = next((f for name, f in METHOD_FACTS.items() if method == name or method in f["aliases"]), None)
+    if facts is None or not {"model", "max_model_len"} <= set(facts["keys"]) or not isinstance(model, str):
+        return config
+    known = find_model(model)
+    if known is None:
+        return config
+    try:
+        return {**config, "model": known.path()}
+    except ModelLoadError as e:  # not installed: the config names what to change (a 400 over HTTP)
+        raise ConfigError(f"the draft model {known.name!r}: {e}") from None
 
 
 def _text(text: str, what: str) -> str:
@@ -233,8 +252,10 @@ class Engine:
     "q4_0", ...}, {"method": "pard", "model": ..., "mask_token_id": ..., ...}, or a hidden-state
     head: {"method": "eagle3", "model": "head_dir_or.gguf", "num_speculative_tokens": 3} (also
     "eagle", "mtp" (whose "model" defaults to the target's own checkpoint), "mlp_speculator",
-    "medusa").
-    Any method drafts token trees with "tree": true (or "auto": chain or tree per step by cost),
+    "medusa"), or {"method": "auto", "model": "qwen2.5-coder-0.5b"}: per step, the cheapest
+    drafter by expected tokens per unit of cost among suffix, n-gram and the draft model (a known
+    model's name stands for its file wherever a draft model goes).
+    Any method but "auto" drafts token trees with "tree": true (or "auto": chain or tree per step by cost),
     "tree_depth", "tree_top_k", or vLLM's static "speculative_token_tree"; num_speculative_tokens
     is then the node budget.
     `proposer`: a custom proposer object with `propose(context_ids, max_tokens) -> list[int]`

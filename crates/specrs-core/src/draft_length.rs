@@ -92,12 +92,22 @@ impl DraftLengthPolicy {
     /// The draft length in 0..=max_len with the most expected tokens per unit of cost (drafting
     /// plus verification): how long a draft to ask the proposer for.
     pub fn best_length(&self, max_len: usize) -> usize {
+        self.plan(max_len).length
+    }
+
+    /// `best_length`'s choice with the speedup it predicts: what "auto" compares drafters by.
+    pub fn plan(&self, max_len: usize) -> Verdict {
         let (best, best_drafting) = self.best_rates(max_len);
         if self.observed || self.draft_cost > 0.0 {
-            best.length
+            best
         } else {
-            best_drafting.length
+            best_drafting
         }
+    }
+
+    /// Whether a draft of this request has been verified yet.
+    pub fn observed(&self) -> bool {
+        self.observed
     }
 
     /// Why `best_length(max_len)` is 0: the best draft length's predicted speedup and what it

@@ -41,6 +41,18 @@ pub struct RequestMetrics {
     /// figures behind it (None when it never did, or without speculation).
     pub idle_reason: Option<String>,
     pub spec: SpecDecodeMetrics,
+    /// Per drafter, for a proposer that picks one per step ("auto"); empty otherwise.
+    pub drafters: Vec<DrafterCounts>,
+}
+
+/// One drafter's share of a request's drafts ("auto": `proposer/auto.rs`).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct DrafterCounts {
+    /// "suffix", "ngram", "draft_model".
+    pub name: &'static str,
+    pub num_drafts: usize,
+    pub num_draft_tokens: usize,
+    pub num_accepted_tokens: usize,
 }
 
 /// Why a decode step of a speculating request verified no draft.

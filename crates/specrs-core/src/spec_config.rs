@@ -117,6 +117,9 @@ pub enum Method {
     /// target's own checkpoint. `quantization` ("q8_0" or "q4_0") quantizes its linear weights
     /// at load; None keeps them f32.
     Head { method: HeadMethod, model: Option<String>, quantization: Option<String> },
+    /// Per step, the drafter with the most expected tokens per unit of cost among the model-free
+    /// lookups (suffix, n-gram) and, with `draft`, a draft model (`proposer/auto.rs`).
+    Auto { draft: Option<DraftModelParams> },
 }
 
 impl Method {
@@ -369,6 +372,18 @@ impl SpeculativeConfig {
                 (Method::Suffix(params), num_speculative_tokens.unwrap_or(max_tree_depth.min(MAX_SPECULATIVE_TOKENS)))
             }
             "draft_model" => (Method::DraftModel(draft_params()?), required_k()?),
+            "auto" => {
+                if tree.is_on() {
+                    return Err(Error::config(
+                        "method 'auto' drafts chains (each step's drafter picks its own length); remove \"tree\"",
+                    ));
+                }
+                let draft = match map.get("model") {
+                    None | Some(Value::Null) => None,
+                    Some(_) => Some(draft_params()?),
+                };
+                (Method::Auto { draft }, num_speculative_tokens.unwrap_or(methods::DEFAULT_AUTO_K))
+            }
             "pard" => {
                 let mask_token_id = optional_count(map, "mask_token_id")?.ok_or_else(|| {
                     Error::config(
@@ -440,6 +455,12 @@ impl SpeculativeConfig {
             (Some(Value::Bool(true)), TreeMode::On) => {
                 return Err(Error::config(
                     "\"tree\": true verifies whole trees; for adaptive trees set \"tree\": \"auto\" (and remove adaptive_draft_length)",
+                ))
+            }
+            (Some(Value::Bool(false)), _) if matches!(method, Method::Auto { .. }) => {
+                return Err(Error::config(
+                    "method 'auto' chooses each step's drafter and length by cost; remove adaptive_draft_length \
+                     (or pick one method to verify fixed lengths)",
                 ))
             }
             (Some(Value::Bool(false)), TreeMode::Auto) => {
@@ -525,12 +546,16 @@ impl SpeculativeConfig {
     /// can tell a request that reuses its weights from one that would load new ones.
     pub fn weights(&self) -> Option<Map<String, Value>> {
         let keys = self.method.weight_keys();
-        if keys.is_empty() {
+        // "auto" without a draft model loads nothing.
+        if keys.is_empty() || matches!(self.method, Method::Auto { draft: None }) {
             return None;
         }
         let all = self.to_map();
         let mut weights = Map::new();
-        weights.insert("method".into(), self.method_name().into());
+        // "auto"'s draft model is loaded as draft_model's is (one engine cache entry per file), so
+        // a server holding one lets requests use it either way.
+        let loaded_as = if matches!(self.method, Method::Auto { .. }) { "draft_model" } else { self.method_name() };
+        weights.insert("method".into(), loaded_as.into());
         for key in keys {
             weights.insert((*key).into(), all.get(*key).cloned().unwrap_or(Value::Null));
         }
@@ -584,7 +609,8 @@ impl SpeculativeConfig {
                 map.insert("suffix_decoding_min_token_prob".into(), f64::from(p.min_token_prob).into());
             }
             Method::Custom => {}
-            Method::DraftModel(d) => draft(d, &mut map),
+            Method::DraftModel(d) | Method::Auto { draft: Some(d) } => draft(d, &mut map),
+            Method::Auto { draft: None } => {}
             Method::Pard { draft: d, mask_token_id } => {
                 draft(d, &mut map);
                 map.insert("mask_token_id".into(), (*mask_token_id).into());
@@ -621,6 +647,7 @@ fn method_name(method: &Method) -> &'static str {
         Method::QuantizedSelf { .. } => "quantized_self",
         Method::Pard { .. } => "pard",
         Method::Head { method, .. } => method.name(),
+        Method::Auto { .. } => "auto",
     }
 }
 
@@ -944,6 +971,29 @@ mod tests {
             map.insert((*key).into(), value);
         }
         SpeculativeConfig::from_map(&map)
+    }
+
+    #[test]
+    fn auto_takes_an_optional_draft_model_and_refuses_what_it_decides_itself() {
+        let auto = SpeculativeConfig::from_json(r#"{"method": "auto"}"#).unwrap();
+        assert_eq!(auto.method, Method::Auto { draft: None });
+        assert_eq!(auto.num_speculative_tokens, methods::DEFAULT_AUTO_K);
+        assert_eq!(auto.weights(), None, "auto without a draft model loads nothing");
+        let with_draft = SpeculativeConfig::from_json(r#"{"method": "auto", "model": "d.gguf"}"#).unwrap();
+        let draft_model = SpeculativeConfig::from_json(
+            r#"{"method": "draft_model", "model": "d.gguf", "num_speculative_tokens": 2}"#,
+        );
+        assert_eq!(with_draft.weights(), draft_model.unwrap().weights(), "the same weights as draft_model's");
+        assert_eq!(SpeculativeConfig::from_json(&with_draft.to_json()).unwrap(), with_draft);
+        for (bad, says) in [
+            (r#"{"method": "auto", "tree": true}"#, "remove \"tree\""),
+            (r#"{"method": "auto", "adaptive_draft_length": false}"#, "remove adaptive_draft_length"),
+            (r#"{"method": "auto", "model": ""}"#, "needs \"model\""),
+            (r#"{"method": "auto", "exit_layer": 3}"#, "exit_layer"),
+        ] {
+            let e = SpeculativeConfig::from_json(bad).unwrap_err().to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -567,6 +567,16 @@ fn metrics_dict<'py>(py: Python<'py>, m: &RequestMetrics) -> PyResult<Bound<'py,
     d.set_item("draft_cost_source", m.draft_cost_source)?;
     d.set_item("idle_reason", m.idle_reason.as_deref())?;
     spec_items(&d, &m.spec)?;
+    // "auto": each drafter's drafts, draft tokens and accepted tokens, by name.
+    let drafters = PyDict::new(py);
+    for counts in &m.drafters {
+        let c = PyDict::new(py);
+        c.set_item("num_drafts", counts.num_drafts)?;
+        c.set_item("num_draft_tokens", counts.num_draft_tokens)?;
+        c.set_item("num_accepted_tokens", counts.num_accepted_tokens)?;
+        drafters.set_item(counts.name, c)?;
+    }
+    d.set_item("drafters", drafters)?;
     Ok(d)
 }
 

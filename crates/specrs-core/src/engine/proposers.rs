@@ -14,6 +14,7 @@ use crate::draft_length::{DraftLengthPolicy, HeuristicSchedule};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::model::{self, CausalLm};
+use crate::proposer::auto::AutoProposer;
 use crate::proposer::draft_model::DraftModelProposer;
 use crate::proposer::heads::load::{load as load_head, LoadedHead};
 use crate::proposer::heads::HeadProposer;
@@ -59,6 +60,10 @@ pub struct Speculation {
 /// in flight keep theirs until they end), so clients cycling through configs cannot grow memory
 /// without bound nor wipe the default's learned responses.
 pub const MAX_SUFFIX_CACHES: usize = 8;
+
+/// "auto"'s n-gram lookup: prompt_lookup_min and prompt_lookup_max (short n-grams match more
+/// often; each request's measured acceptance judges them).
+const AUTO_NGRAM: (usize, usize) = (2, 5);
 
 impl Engine {
     /// The draft model in the GGUF file at `path`, loaded on first use. Its tokenizer must be the
@@ -149,9 +154,10 @@ impl Engine {
             method: config.method_name(),
             num_speculative_tokens: config.num_speculative_tokens,
             proposer,
+            // "auto" keeps one policy per drafter (`proposer/auto.rs`).
             draft_length: costs
                 .as_ref()
-                .filter(|_| !config.tree.is_on())
+                .filter(|_| !config.tree.is_on() && !matches!(config.method, Method::Auto { .. }))
                 .map(|c| DraftLengthPolicy::new(&c.verify_cost_ratios, c.draft_cost)),
             tree: config.tree.clone(),
             tree_chooser: costs
@@ -163,12 +169,11 @@ impl Engine {
             draft_confidence_threshold: config.draft_confidence_threshold,
             grammar_drafts: config.grammar_drafts,
             // Heads and draft models draft deterministic top-k trees in tree mode.
-            one_hot_drafts: matches!(config.method, Method::Ngram { .. } | Method::Suffix(_))
-                || (config.tree.is_on()
-                    && matches!(
-                        config.method,
-                        Method::Head { .. } | Method::DraftModel(_) | Method::QuantizedSelf { .. }
-                    )),
+            one_hot_drafts: matches!(
+                config.method,
+                Method::Ngram { .. } | Method::Suffix(_) | Method::Auto { draft: None }
+            ) || (config.tree.is_on()
+                && matches!(config.method, Method::Head { .. } | Method::DraftModel(_) | Method::QuantizedSelf { .. })),
             verify_cost_source: costs.as_ref().map(|c| c.verify_cost_source),
             draft_cost_source: costs.and_then(|c| c.draft_cost_source),
         })
@@ -213,6 +218,30 @@ impl Engine {
                 threshold,
                 self.draft_kv.clone(),
             )),
+            (Method::Auto { draft }, None) => {
+                let suffix = SpeculativeConfig::from_json(r#"{"method": "suffix"}"#)?;
+                let Method::Suffix(suffix_params) = &suffix.method else { unreachable!("parsed as suffix") };
+                let lookups: Vec<(&'static str, Box<dyn Proposer>)> = vec![
+                    ("suffix", Box::new(SuffixProposer::new(suffix_params.clone(), self.suffix_cache(&suffix)?))),
+                    ("ngram", Box::new(NgramProposer::new(AUTO_NGRAM.0, AUTO_NGRAM.1))),
+                ];
+                let costs = self.policy_costs(config)?;
+                let model = match draft {
+                    Some(draft) => Some((
+                        "draft_model",
+                        Box::new(DraftModelProposer::new(
+                            self.draft_model(&draft.model)?,
+                            draft.max_model_len,
+                            target_vocab,
+                            threshold,
+                            self.draft_kv.clone(),
+                        )) as Box<dyn Proposer>,
+                        costs.draft_cost,
+                    )),
+                    None => None,
+                };
+                Box::new(AutoProposer::new(&costs.verify_cost_ratios, lookups, model))
+            }
             (Method::LayerSkip { exit_layer }, None) => {
                 Box::new(LayerSkipProposer::new(self.model.clone(), *exit_layer, threshold)?)
             }

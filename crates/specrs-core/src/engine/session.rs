@@ -1087,6 +1087,7 @@ impl Session {
         m.draft_cost_source = self.speculation.as_ref().and_then(|s| s.draft_cost_source).map(CostSource::as_str);
         m.idle_reason = self.idle_reason();
         m.spec = self.spec_metrics.clone();
+        m.drafters = self.speculation.as_ref().map_or_else(Vec::new, |s| s.proposer.drafter_counts());
         if m.spec.num_accepted_tokens_per_pos.len() < m.num_speculative_tokens {
             m.spec.num_accepted_tokens_per_pos.resize(m.num_speculative_tokens, 0);
         }

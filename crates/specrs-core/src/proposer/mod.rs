@@ -9,6 +9,7 @@
 //! distribution q after the request's temperature / top-k / top-p, and return q so the verifier
 //! can run exact rejection sampling.
 
+pub mod auto;
 pub mod draft_model;
 pub mod heads;
 pub mod layer_skip;
@@ -21,6 +22,7 @@ pub mod tree;
 use crate::config::SamplingParams;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
+use crate::metrics::DrafterCounts;
 use crate::model::Tap;
 use candle_core::Tensor;
 pub use tree::TreeLimits;
@@ -354,6 +356,12 @@ pub trait Proposer: Send {
     /// Positions held by the proposer's own KV cache, for proposers with one (rollback checks).
     fn kv_len(&self) -> Option<usize> {
         None
+    }
+
+    /// Each of its drafters' counts, for a proposer that chooses among several ("auto"); empty
+    /// for the others.
+    fn drafter_counts(&self) -> Vec<DrafterCounts> {
+        Vec::new()
     }
 }
 

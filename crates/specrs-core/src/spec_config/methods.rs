@@ -37,6 +37,10 @@ pub struct MethodSpec {
 /// k defaults to it.
 pub const DEFAULT_SUFFIX_MAX_TREE_DEPTH: usize = 24;
 
+/// "auto"'s k when the config sets none: the longest draft any of its drafters may make (a free
+/// lookup's long match; the draft model's length stays what its cost allows).
+pub const DEFAULT_AUTO_K: usize = 8;
+
 const DRAFT_KEYS: &[&str] = &["model", "max_model_len"];
 const HEAD_KEYS: &[&str] = &["model", "quantization"];
 
@@ -54,7 +58,7 @@ const fn head(name: &'static str) -> MethodSpec {
 }
 
 /// Every method, in the order error messages list them.
-pub const ALL: [MethodSpec; 12] = [
+pub const ALL: [MethodSpec; 13] = [
     MethodSpec {
         name: "ngram",
         aliases: &["[ngram]"],
@@ -121,6 +125,16 @@ pub const ALL: [MethodSpec; 12] = [
         keys: &["model", "max_model_len", "mask_token_id"],
         weight_keys: &["model"],
         default_k: None,
+        draft_probs: true,
+        needs_proposer_object: false,
+    },
+    MethodSpec {
+        name: "auto",
+        aliases: &[],
+        // The draft model's, when one joins the lookups.
+        keys: DRAFT_KEYS,
+        weight_keys: &["model"],
+        default_k: Some(DEFAULT_AUTO_K),
         draft_probs: true,
         needs_proposer_object: false,
     },

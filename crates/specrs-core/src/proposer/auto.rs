@@ -1,0 +1,249 @@
+//! `"method": "auto"`: one proposer that picks, at each step, the drafter with the most expected
+//! tokens per unit of cost. The drafters are the model-free lookups (suffix decoding, n-gram) and,
+//! when the config names one, a draft model. Each keeps its own acceptance estimate on this
+//! request (`DraftLengthPolicy`) and its own cost: a lookup costs nothing to draft (c = 0), a
+//! draft model c per draft token (in target steps, measured per engine); all share the target's
+//! verification curve v(n).
+//!
+//! A step: every lookup drafts first (microseconds), and its draft's length bounds its best
+//! length; the draft model's best length is bounded by k only, and it drafts only if chosen, so a
+//! step a lookup wins costs no draft forward. The winner is the drafter whose best length
+//! promises the highest expected tokens per unit of cost (`DraftLengthPolicy::plan`); ties go to
+//! the earlier drafter, lookups before the model. A drafter with no verified draft yet is judged
+//! at its best positive length (it gets tried once); no drafter with a positive length leaves the
+//! step without a draft. E.g. a suffix match of 12 tokens costs nothing and wins; an empty lookup
+//! falls back to the draft model; a request whose draft model keeps missing decodes plainly.
+//!
+//! Invariant: one drafter's draft is verified per step, and only that drafter observes the
+//! verdict; a drafter left out keeps its state (the draft model's cache catches up on the context
+//! it missed at its next draft, `DraftCache::catch_up`). The choice reads only the context and
+//! past verdicts, never the verifier's random stream, so auto is lossless like every proposer.
+
+use crate::config::SamplingParams;
+use crate::draft_length::{DraftLengthPolicy, Verdict};
+use crate::error::Result;
+use crate::metrics::DrafterCounts;
+use crate::proposer::{Draft, Feedback, Proposer};
+
+/// One drafter "auto" chooses among.
+struct Drafter {
+    proposer: Box<dyn Proposer>,
+    /// Its acceptance on this request and its cost c (0 for a lookup).
+    policy: DraftLengthPolicy,
+    /// A lookup drafts before the choice (it costs nothing); a model only when chosen.
+    is_lookup: bool,
+    counts: DrafterCounts,
+}
+
+impl Drafter {
+    /// The length to draft (at most `max_len`) and the speedup it promises; a drafter with no
+    /// verified draft yet is judged at its best positive length.
+    fn plan(&self, max_len: usize) -> Verdict {
+        match self.policy.verdict(max_len) {
+            Some(explore) if !self.policy.observed() => explore,
+            _ => self.policy.plan(max_len),
+        }
+    }
+}
+
+pub struct AutoProposer {
+    /// Lookups first, then the draft model (if any).
+    drafters: Vec<Drafter>,
+    /// The drafter whose draft the last `propose` returned, and that draft's length.
+    chosen: Option<(usize, usize)>,
+}
+
+impl AutoProposer {
+    /// `verify_cost_ratios`: `[k + 1]` v(n) = t(n) / t(1); `lookups`: the model-free drafters by
+    /// name; `model`: a draft model by name with its cost per draft token c.
+    pub fn new(
+        verify_cost_ratios: &[f64],
+        lookups: Vec<(&'static str, Box<dyn Proposer>)>,
+        model: Option<(&'static str, Box<dyn Proposer>, f64)>,
+    ) -> Self {
+        let drafter = |name: &'static str, proposer, is_lookup, draft_cost| Drafter {
+            proposer,
+            policy: DraftLengthPolicy::new(verify_cost_ratios, draft_cost),
+            is_lookup,
+            counts: DrafterCounts { name, ..DrafterCounts::default() },
+        };
+        let mut drafters: Vec<Drafter> =
+            lookups.into_iter().map(|(name, proposer)| drafter(name, proposer, true, 0.0)).collect();
+        drafters.extend(model.map(|(name, proposer, c)| drafter(name, proposer, false, c)));
+        Self { drafters, chosen: None }
+    }
+}
+
+impl Proposer for AutoProposer {
+    fn begin(&mut self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
+        self.drafters.iter_mut().try_for_each(|d| d.proposer.begin(prompt, params))
+    }
+
+    fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {
+        self.chosen = None;
+        // (drafter, its plan, a lookup's draft)
+        let mut best: Option<(usize, Verdict, Option<Draft>)> = None;
+        for (i, drafter) in self.drafters.iter_mut().enumerate() {
+            let (plan, draft) = if drafter.is_lookup {
+                let draft = drafter.proposer.propose(context, max_tokens)?;
+                if draft.token_ids.is_empty() {
+                    continue; // no match: nothing learned about its acceptance
+                }
+                (drafter.plan(draft.token_ids.len()), Some(draft))
+            } else {
+                (drafter.plan(max_tokens), None)
+            };
+            if plan.length == 0 {
+                // Judged not to pay: its evidence ages, so it is tried again after a while.
+                drafter.policy.skipped();
+                continue;
+            }
+            if best.as_ref().is_none_or(|(_, b, _)| plan.predicted_speedup > b.predicted_speedup) {
+                best = Some((i, plan, draft));
+            }
+        }
+        let Some((i, plan, draft)) = best else { return Ok(Draft::default()) };
+        let draft = match draft {
+            Some(mut draft) => {
+                draft.truncate(plan.length, 0); // a lookup's draft has no probability rows
+                draft
+            }
+            None => self.drafters[i].proposer.propose(context, plan.length)?,
+        };
+        if !draft.token_ids.is_empty() {
+            self.chosen = Some((i, draft.token_ids.len()));
+        }
+        Ok(draft)
+    }
+
+    fn observe(&mut self, feedback: &Feedback<'_>) -> Result<()> {
+        let Some((i, num_draft_tokens)) = self.chosen.take() else { return Ok(()) };
+        let drafter = &mut self.drafters[i];
+        drafter.policy.observe(num_draft_tokens, feedback.num_accepted_tokens);
+        drafter.counts.num_drafts += 1;
+        drafter.counts.num_draft_tokens += num_draft_tokens;
+        drafter.counts.num_accepted_tokens += feedback.num_accepted_tokens;
+        drafter.proposer.observe(feedback)
+    }
+
+    fn finish(&mut self, generated: &[u32]) {
+        for drafter in &mut self.drafters {
+            drafter.proposer.finish(generated);
+        }
+    }
+
+    fn kv_len(&self) -> Option<usize> {
+        self.drafters.iter().find_map(|d| d.proposer.kv_len())
+    }
+
+    fn drafter_counts(&self) -> Vec<DrafterCounts> {
+        self.drafters.iter().map(|d| d.counts.clone()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// A drafter that returns `tokens[..max_tokens]` and logs how often it was asked.
+    struct Fixed {
+        tokens: Vec<u32>,
+        calls: Arc<Mutex<Vec<usize>>>,
+    }
+
+    impl Proposer for Fixed {
+        fn propose(&mut self, _context: &[u32], max_tokens: usize) -> Result<Draft> {
+            self.calls.lock().unwrap().push(max_tokens);
+            Ok(Draft::tokens(self.tokens.iter().copied().take(max_tokens).collect()))
+        }
+    }
+
+    fn fixed(tokens: &[u32]) -> (Box<dyn Proposer>, Arc<Mutex<Vec<usize>>>) {
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        (Box::new(Fixed { tokens: tokens.to_vec(), calls: calls.clone() }), calls)
+    }
+
+    /// A verification curve of a 2-core CPU at a 1.5B model: v(n) = 1 + 0.25 (n - 1).
+    const RATIOS: [f64; 9] = [1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 2.75, 3.0];
+
+    /// Drafts once and reports `accepted` of the draft's tokens accepted.
+    fn step(auto: &mut AutoProposer, max_tokens: usize, accepted: usize) -> Draft {
+        let draft = auto.propose(&[1, 2, 3], max_tokens).unwrap();
+        let n = accepted.min(draft.token_ids.len());
+        auto.observe(&Feedback::accepted(n, &draft.token_ids[..n], &(0..n).collect::<Vec<_>>())).unwrap();
+        draft
+    }
+
+    #[test]
+    fn a_free_lookup_match_wins_and_an_empty_lookup_falls_back_to_the_model() {
+        let (suffix, suffix_calls) = fixed(&[7; 12]);
+        let (model, model_calls) = fixed(&[9; 16]);
+        let mut auto = AutoProposer::new(&RATIOS, vec![("suffix", suffix)], Some(("draft_model", model, 0.4)));
+        // The lookup matched: drafted for free (first at the prior's best length, then, accepted,
+        // at its whole match), and the model never ran.
+        let first = step(&mut auto, 8, 8);
+        assert!(!first.token_ids.is_empty() && first.token_ids.iter().all(|&t| t == 7));
+        for _ in 0..8 {
+            step(&mut auto, 8, 8);
+        }
+        assert_eq!(step(&mut auto, 8, 8).token_ids, vec![7; 8]);
+        assert!(model_calls.lock().unwrap().is_empty());
+        assert_eq!(auto.drafter_counts()[0].num_drafts, 10);
+        assert_eq!(suffix_calls.lock().unwrap().len(), 10);
+
+        // No match: the model drafts (its first draft, tried at its best positive length).
+        let (empty, _) = fixed(&[]);
+        let (model, model_calls) = fixed(&[9; 16]);
+        let mut auto = AutoProposer::new(&RATIOS, vec![("suffix", empty)], Some(("draft_model", model, 0.2)));
+        let draft = step(&mut auto, 8, 8);
+        assert_eq!(draft.token_ids[0], 9);
+        assert_eq!(model_calls.lock().unwrap().len(), 1);
+        // Once accepted well, the model drafts longer; the counts say who drafted what.
+        for _ in 0..9 {
+            step(&mut auto, 8, 8);
+        }
+        let lengths = model_calls.lock().unwrap().clone();
+        assert!(lengths.last() > lengths.first(), "{lengths:?}");
+        let counts = auto.drafter_counts();
+        assert_eq!((counts[0].name, counts[0].num_drafts), ("suffix", 0));
+        assert_eq!((counts[1].name, counts[1].num_drafts), ("draft_model", 10));
+        assert_eq!(counts[1].num_accepted_tokens, counts[1].num_draft_tokens);
+    }
+
+    #[test]
+    fn a_model_that_keeps_missing_stops_drafting_and_a_well_accepted_lookup_beats_a_model() {
+        let (empty, _) = fixed(&[]);
+        let (model, model_calls) = fixed(&[9; 16]);
+        let mut auto = AutoProposer::new(&RATIOS, vec![("ngram", empty)], Some(("draft_model", model, 0.4)));
+        for _ in 0..4 {
+            step(&mut auto, 8, 0);
+        }
+        let tried = model_calls.lock().unwrap().len();
+        assert!(tried < 4, "a rejected model was asked {tried} times in 4 steps");
+        assert!(step(&mut auto, 8, 0).token_ids.is_empty(), "no drafter pays: plain decoding");
+
+        // A lookup accepted whole beats a model accepted whole: the same tokens cost no drafting.
+        let (lookup, _) = fixed(&[5; 4]);
+        let (model, model_calls) = fixed(&[9; 16]);
+        let mut auto = AutoProposer::new(&RATIOS, vec![("suffix", lookup)], Some(("draft_model", model, 0.4)));
+        let drafts: Vec<Vec<u32>> = (0..6).map(|_| step(&mut auto, 8, 8).token_ids).collect();
+        assert!(drafts.iter().all(|d| !d.is_empty() && d.iter().all(|&t| t == 5)), "{drafts:?}");
+        assert_eq!(drafts.last(), Some(&vec![5; 4]));
+        assert!(model_calls.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn of_two_lookups_the_better_accepted_one_wins() {
+        let (good, _) = fixed(&[1; 6]);
+        let (bad, _) = fixed(&[2; 6]);
+        // "bad" comes first, so it wins the first (tied) step; its rejection hands the lead over.
+        let mut auto = AutoProposer::new(&RATIOS, vec![("ngram", bad), ("suffix", good)], None);
+        assert_eq!(step(&mut auto, 6, 0).token_ids[0], 2);
+        assert_eq!(step(&mut auto, 6, 6).token_ids[0], 1);
+        for _ in 0..3 {
+            assert_eq!(step(&mut auto, 6, 6).token_ids[0], 1);
+        }
+        assert_eq!(auto.drafter_counts()[1].num_drafts, 4);
+    }
+}
