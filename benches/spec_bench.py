@@ -85,8 +85,13 @@ def specrs_configs(ngram_windows: list[tuple[int, int]], suffix_extra: dict, fix
     return configs
 
 
-def llama_runners(model_path: str, threads: int, n_ctx: int, eos_ids: set[int]) -> list[bench.Runner]:
-    """llama-cpp-python plain decoding and prompt lookup decoding for each k, as bench runners."""
+def llama_runners(model_path: str, threads: int, n_ctx: int, eos_ids: set[int],
+                  plain_only: bool = False) -> list[bench.Runner]:
+    """llama-cpp-python plain decoding and (unless `plain_only`) prompt lookup decoding for each k,
+    as bench runners. Plain only holds one llama.cpp context, which runs at full speed with
+    OpenMP's default (active) waiting; two contexts need OMP_WAIT_POLICY=passive, which costs the
+    1.5B a third of its decode speed (33.5 -> 21.7 tok/s measured here), so the plain-only figures
+    are the fair ones for plain decoding."""
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -94,7 +99,9 @@ def llama_runners(model_path: str, threads: int, n_ctx: int, eos_ids: set[int]) 
     plain = Llama(logits_all=False, **common)
     # llama-cpp-python forces logits_all=True whenever a draft model is set (verification needs the
     # logits of every drafted row); one such instance serves every k, its draft model set per run.
-    with_draft = Llama(logits_all=True, draft_model=LlamaPromptLookupDecoding(max_ngram_size=LLAMA_MAX_NGRAM, num_pred_tokens=K_VALUES[0]), **common)
+    with_draft = None if plain_only else Llama(
+        logits_all=True, draft_model=LlamaPromptLookupDecoding(max_ngram_size=LLAMA_MAX_NGRAM,
+                                                               num_pred_tokens=K_VALUES[0]), **common)
 
     # Llama.generate calls self.eval once per target forward (the prefill, then one per step with
     # the last token plus the draft); an instance attribute shadowing the method counts them.
@@ -110,7 +117,8 @@ def llama_runners(model_path: str, threads: int, n_ctx: int, eos_ids: set[int]) 
         llm.eval = counted_eval
 
     count_evals(plain)
-    count_evals(with_draft)
+    if with_draft is not None:
+        count_evals(with_draft)
 
     def make_run(k: int | None):
         def run(prompt: dict, max_tokens: int):
@@ -140,7 +148,7 @@ def llama_runners(model_path: str, threads: int, n_ctx: int, eos_ids: set[int]) 
         return run
 
     runners = [bench.Runner("llama.cpp baseline", "llama.cpp", make_run(None), is_baseline=True)]
-    for k in K_VALUES:
+    for k in [] if plain_only else K_VALUES:
         runners.append(bench.Runner(f"llama.cpp pld k={k} ngram<={LLAMA_MAX_NGRAM}", "llama.cpp", make_run(k),
                                     num_speculative_tokens=k))
     return runners
@@ -207,7 +215,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", required=True, help="Spec-Bench question.jsonl, or benches/code_workload.jsonl")
     ap.add_argument("--out", default="bench-results/spec_bench.json", help="JSON output path")
-    ap.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument("--model", default=None,
+                    help="GGUF path or a model name `specrs models` lists (default: SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--num-per-category", type=int, default=10)
     ap.add_argument("--mt-bench", choices=["group", "spread", "split"], default="group",
                     help="MT-bench selection (see above); group = the anchors' prompts")
@@ -221,6 +230,11 @@ def main() -> int:
                     help="extra keys for every suffix config, e.g. '{\"suffix_decoding_max_cached_requests\": 0}'")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads (default: all CPUs)")
     ap.add_argument("--no-llama", action="store_true", help="skip llama-cpp-python even when importable")
+    ap.add_argument("--llama-plain-only", action="store_true",
+                    help="run llama.cpp's plain decoding only (one context: run without OMP_WAIT_POLICY=passive)")
+    ap.add_argument("--configs", default=None, metavar="JSON",
+                    help="a JSON list of speculative configs to run instead of the ngram/suffix grid, e.g. "
+                         "'[{\"method\": \"auto\", \"model\": \"qwen2.5-coder-0.5b\"}]'")
     ap.add_argument("--plot", default=None, metavar="OUT.png", help="speedup and acceptance plot (needs matplotlib)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args()
@@ -235,12 +249,14 @@ def main() -> int:
     if not isinstance(suffix_extra, dict):
         raise SystemExit("--suffix-extra must be a JSON object")
     fixed_ks = [int(k) for k in args.fixed_k.split(",") if k.strip()]
-    configs = specrs_configs(windows, suffix_extra, fixed_ks)
+    configs = specrs_configs(windows, suffix_extra, fixed_ks) if args.configs is None else json.loads(args.configs)
+    if not isinstance(configs, list) or not all(isinstance(c, dict) for c in configs):
+        raise SystemExit("--configs must be a JSON list of objects")
     prompts = select_prompts(args.prompts, args.num_per_category, args.mt_bench)
     if args.limit:
         prompts = prompts[: args.limit]
 
-    model_path = args.model or specrs.default_model_path()
+    model_path = specrs.models.resolve_model(args.model)  # a path, or a name `specrs models` lists
     engine = specrs.Engine(model_path)
     prompts = bench.tokenize_prompts(engine, prompts, args.max_tokens, chat=True)
     params = specrs.SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
@@ -255,7 +271,8 @@ def main() -> int:
         else:
             llama_version = llama_cpp.__version__
             eos_ids = set(engine.tokenizer.eos_token_ids)
-            runners += llama_runners(model_path, args.threads, bench.DEFAULT_MAX_CONTEXT, eos_ids)
+            runners += llama_runners(model_path, args.threads, bench.DEFAULT_MAX_CONTEXT, eos_ids,
+                                     plain_only=args.llama_plain_only)
     bench.check_unique_labels(runners)
 
     print(f"{len(prompts)} prompts ({sum(p['truncated'] for p in prompts)} cut to fit), {len(runners)} configurations, "

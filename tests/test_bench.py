@@ -97,6 +97,15 @@ def test_generate_with_speculative_config_prints_an_acceptance_report(capsys):
     assert "over 2 runs" in baseline or "noise" in baseline, baseline
 
 
+def test_the_acceptance_report_of_auto_says_which_drafter_drafted_what(capsys):
+    rc = cli.main(["generate", "--prompt", "one two three four, one two three four, one two three", "--max-tokens",
+                   "16", "--speculative-config", '{"method": "auto"}'])
+    assert rc == 0
+    report = next(line for line in capsys.readouterr().out.splitlines() if "acceptance rate" in line)
+    assert "speculative auto k=8" in report
+    assert re.search(r"by drafter: suffix \d+ drafts \(\d+/\d+ accepted\), ngram \d+ drafts", report), report
+
+
 def _run(num_generated, e2e_s, drafts=0, steps=None):
     """One request's metrics: the first token at 0.1 s, the rest evenly until `e2e_s`."""
     return {"num_generated_tokens": num_generated, "ttft_s": 0.1, "e2e_s": e2e_s, "num_drafts": drafts,

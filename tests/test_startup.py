@@ -102,3 +102,23 @@ def test_the_batch_progress_bar_covers_the_whole_call(engine, capsys, monkeypatc
     lines = capsys.readouterr().err.split("\r")
     assert any(" 0/2 requests, " in line and " 0 tokens" not in line for line in lines), lines
     assert "2/2 requests" in lines[-1]
+
+
+def test_auto_reports_each_drafters_counts_in_the_response_and_in_metrics(cold_server):
+    """"auto" picks a drafter per step; the usage and /metrics (label `drafter`) say which drafted
+    what, and the counts add up to the request's."""
+    base, _ = cold_server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    text = "one two three four five six seven eight nine ten, " * 4
+    response = client.completions.create(model=model, prompt=text, max_tokens=32, temperature=0,
+                                         extra_body={"speculative": {"method": "auto"}})
+    speculative = response.usage.model_extra["speculative"]
+    drafters = speculative["drafters"]
+    assert set(drafters) == {"suffix", "ngram"}
+    assert sum(d["num_drafts"] for d in drafters.values()) == speculative["num_drafts"] > 0
+    after = httpx.get(f"{base}/metrics").text
+    for drafter, counts in drafters.items():
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            assert _series(after, f"specrs:spec_decode_drafter_{key}_total", method="auto",
+                           drafter=drafter) == counts[key]

@@ -210,11 +210,14 @@ def acceptance_report(m: dict) -> str:
     drafts = m["num_drafts"]
     # vLLM's per-position rate: drafts whose i-th token was accepted, over all drafts.
     per_pos = " ".join(f"{count / drafts:.0%}" if drafts else "-" for count in m["num_accepted_tokens_per_pos"])
+    # "auto": who drafted what.
+    by_drafter = ", ".join(f"{name} {c['num_drafts']} drafts ({c['num_accepted_tokens']}/{c['num_draft_tokens']} "
+                           "accepted)" for name, c in m.get("drafters", {}).items())
     return (
         f"[specrs] speculative {m['spec_method']} k={m['num_speculative_tokens']} | "
         f"{drafts} drafts, {m['num_draft_tokens']} draft tokens, {m['num_accepted_tokens']} accepted | "
         f"acceptance rate {m['acceptance_rate']:.1%} | mean acceptance length {m['mean_acceptance_length']:.2f} | "
-        f"per position: {per_pos or '-'}"
+        f"per position: {per_pos or '-'}" + (f" | by drafter: {by_drafter}" if by_drafter else "")
     )
 
 

@@ -360,7 +360,7 @@ class Engine:
     def _prepare_logged(self, config_json: str) -> dict:
         config = json.loads(config_json)
         label = f"{config['method']} k={config['num_speculative_tokens']}"
-        loads = bool(METHOD_FACTS[config["method"]]["weight_keys"])
+        loads = _specrs.Engine.speculative_weights(config_json) is not None
         start_s = time.perf_counter()
         if loads:
             logger.info("preparing %s: loading its draft", label)

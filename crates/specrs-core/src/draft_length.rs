@@ -97,12 +97,28 @@ impl DraftLengthPolicy {
 
     /// `best_length`'s choice with the speedup it predicts: what "auto" compares drafters by.
     pub fn plan(&self, max_len: usize) -> Verdict {
-        let (best, best_drafting) = self.best_rates(max_len);
+        self.plan_with_overhead(max_len, 0.0)
+    }
+
+    /// `plan` for a draft that first costs `overhead` target steps whatever its length (a draft
+    /// model catching up on context it has not read: "auto", `proposer/auto.rs`).
+    pub fn plan_with_overhead(&self, max_len: usize, overhead: f64) -> Verdict {
+        let (best, best_drafting) = self.best_rates(max_len, overhead);
         if self.observed || self.draft_cost > 0.0 {
             best
         } else {
             best_drafting
         }
+    }
+
+    /// What one more row adds to a forward, in single-row steps: the verification curve's mean
+    /// slope, (v(n) - 1) / (n - 1) over the curve it holds (0 for a one-point curve).
+    pub fn cost_per_row(&self) -> f64 {
+        let n = self.verify_cost_ratios.len();
+        if n < 2 {
+            return 0.0;
+        }
+        (self.verify_cost_ratios[n - 1] - 1.0) / (n - 1) as f64
     }
 
     /// Whether a draft of this request has been verified yet.
@@ -113,13 +129,13 @@ impl DraftLengthPolicy {
     /// Why `best_length(max_len)` is 0: the best draft length's predicted speedup and what it
     /// rests on (None when max_len allows no draft).
     pub fn verdict(&self, max_len: usize) -> Option<Verdict> {
-        let (_, best_drafting) = self.best_rates(max_len);
+        let (_, best_drafting) = self.best_rates(max_len, 0.0);
         (best_drafting.length > 0).then_some(best_drafting)
     }
 
     /// (the best length, 0 included; the best positive length), each with its predicted speedup:
     /// expected tokens per unit of cost over plain decoding's one token per step.
-    fn best_rates(&self, max_len: usize) -> (Verdict, Verdict) {
+    fn best_rates(&self, max_len: usize, overhead: f64) -> (Verdict, Verdict) {
         let a = self.acceptance();
         let c = self.draft_cost;
         let max_len = max_len.min(self.verify_cost_ratios.len().saturating_sub(1));
@@ -138,7 +154,7 @@ impl DraftLengthPolicy {
         for m in 1..=max_len {
             pass_all *= a;
             expected_tokens += pass_all;
-            let rate = expected_tokens / (self.verify_cost_ratios[m] + m as f64 * c);
+            let rate = expected_tokens / (self.verify_cost_ratios[m] + m as f64 * c + overhead);
             if rate > best.predicted_speedup {
                 best = verdict(m, rate);
             }

@@ -562,6 +562,16 @@ impl SpeculativeConfig {
         Some(weights)
     }
 
+    /// The settings of this config's engine-wide suffix cache: a suffix config's own, or "auto"'s
+    /// suffix lookup's (vLLM's defaults); None for the methods that keep none.
+    pub fn suffix_params(&self) -> Option<SuffixParams> {
+        match &self.method {
+            Method::Suffix(params) => Some(params.clone()),
+            Method::Auto { .. } => Some(SuffixParams::default()),
+            _ => None,
+        }
+    }
+
     /// The config as vLLM-style JSON, every default spelled out.
     pub fn to_json(&self) -> String {
         // Keys sorted, whatever serde_json's map keeps (llguidance turns on its insertion order):

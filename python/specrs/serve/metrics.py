@@ -54,6 +54,13 @@ class ServerMetrics:
                                              spec, registry=r)
         self.num_tree_accepted_tokens = Counter("specrs:spec_decode_num_tree_accepted_tokens", "Tokens accepted "
                                                 "from trees (accepted depths, summed).", spec, registry=r)
+        drafter = spec + ["drafter"]  # "auto": which drafter each count is (suffix, ngram, draft_model)
+        self.drafter_num_drafts = Counter("specrs:spec_decode_drafter_num_drafts", "Drafts verified, by the drafter "
+                                          "\"auto\" chose.", drafter, registry=r)
+        self.drafter_num_draft_tokens = Counter("specrs:spec_decode_drafter_num_draft_tokens", "Draft tokens "
+                                                "verified, by the drafter \"auto\" chose.", drafter, registry=r)
+        self.drafter_num_accepted_tokens = Counter("specrs:spec_decode_drafter_num_accepted_tokens", "Draft tokens "
+                                                   "accepted, by the drafter \"auto\" chose.", drafter, registry=r)
         self.ttft = Histogram("specrs:time_to_first_token_seconds", "Arrival to first token, queue time included.",
                               labels, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
         self.itl = Histogram("specrs:inter_token_latency_seconds", "Gap between consecutive token-producing steps.",
@@ -167,3 +174,7 @@ class ServerMetrics:
         for reason, count in metrics.get("idle_steps", {}).items():
             if count:
                 self.idle_steps.labels(name, method, reason).inc(count)
+        for drafter, counts in metrics.get("drafters", {}).items():
+            self.drafter_num_drafts.labels(name, method, drafter).inc(counts["num_drafts"])
+            self.drafter_num_draft_tokens.labels(name, method, drafter).inc(counts["num_draft_tokens"])
+            self.drafter_num_accepted_tokens.labels(name, method, drafter).inc(counts["num_accepted_tokens"])

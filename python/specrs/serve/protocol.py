@@ -617,7 +617,7 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, metrics: dict | No
         out["speculative"] = {"method": metrics["spec_method"]} | {key: metrics[key] for key in (
             "num_speculative_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
             "num_accepted_tokens_per_pos", "acceptance_rate", "acceptance_rate_per_pos", "mean_acceptance_length",
-            "num_idle_steps", "idle_steps", "idle_reason")}
+            "num_idle_steps", "idle_steps", "idle_reason", "drafters")}
     return out
 
 
@@ -645,6 +645,9 @@ def merged_metrics(samples: list[dict]) -> dict | None:
         "idle_steps": {reason: sum(m["idle_steps"][reason] for m in samples) for reason in samples[0]["idle_steps"]},
         # The sample that stood idle most says why.
         "idle_reason": max(samples, key=lambda m: m["num_idle_steps"])["idle_reason"],
+        # "auto": each drafter's counts summed over the samples.
+        "drafters": {drafter: {key: sum(m["drafters"][drafter][key] for m in samples) for key in counts}
+                     for drafter, counts in samples[0]["drafters"].items()},
     }
 
 

@@ -24,7 +24,7 @@ use crate::proposer::pard::PardProposer;
 use crate::proposer::suffix::{SuffixCache, SuffixProposer};
 use crate::proposer::Proposer;
 use crate::quantize::{parse_quant_type, requantize_gguf};
-use crate::spec_config::{HeadMethod, Method, Schedule, SpeculativeConfig, TreeConfig, TreeMode};
+use crate::spec_config::{HeadMethod, Method, Schedule, SpeculativeConfig, SuffixParams, TreeConfig, TreeMode};
 use crate::tokenizer::TextTokenizer;
 
 /// One request's speculation: its proposer, k, and how each draft's length is chosen.
@@ -136,7 +136,7 @@ impl Engine {
     /// engine-wide cache is kept from eviction. Call it for the configs a program or server will
     /// use; `Engine(speculative_config=...)` calls it for its own.
     pub fn prepare(&self, config: &SpeculativeConfig) -> Result<PolicyCosts> {
-        if matches!(config.method, Method::Suffix(_)) {
+        if config.suffix_params().is_some() {
             *lock(&self.pinned_suffix_config)? = Some(config.to_json());
         }
         if !matches!(config.method, Method::Custom) {
@@ -219,10 +219,8 @@ impl Engine {
                 self.draft_kv.clone(),
             )),
             (Method::Auto { draft }, None) => {
-                let suffix = SpeculativeConfig::from_json(r#"{"method": "suffix"}"#)?;
-                let Method::Suffix(suffix_params) = &suffix.method else { unreachable!("parsed as suffix") };
                 let lookups: Vec<(&'static str, Box<dyn Proposer>)> = vec![
-                    ("suffix", Box::new(SuffixProposer::new(suffix_params.clone(), self.suffix_cache(&suffix)?))),
+                    ("suffix", Box::new(SuffixProposer::new(SuffixParams::default(), self.suffix_cache(config)?))),
                     ("ngram", Box::new(NgramProposer::new(AUTO_NGRAM.0, AUTO_NGRAM.1))),
                 ];
                 let costs = self.policy_costs(config)?;
@@ -274,10 +272,12 @@ impl Engine {
         Ok(proposer)
     }
 
-    /// The engine-wide suffix cache of `config` (created on first use; see `MAX_SUFFIX_CACHES`).
+    /// The engine-wide suffix cache of `config` (created on first use; see `MAX_SUFFIX_CACHES`):
+    /// one per distinct suffix or "auto" config (keyed by its JSON), so a benchmark's configs never
+    /// draft from each other's responses.
     pub(super) fn suffix_cache(&self, config: &SpeculativeConfig) -> Result<Arc<Mutex<SuffixCache>>> {
-        let Method::Suffix(params) = &config.method else {
-            return Err(Error::Internal("suffix_cache needs a suffix config".into()));
+        let Some(params) = config.suffix_params() else {
+            return Err(Error::Internal("suffix_cache needs a suffix or auto config".into()));
         };
         let key = config.to_json();
         let pinned = lock(&self.pinned_suffix_config)?.clone();

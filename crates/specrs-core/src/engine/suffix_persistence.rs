@@ -104,11 +104,13 @@ pub(super) mod tests {
         Engine::random_llama(config, 0, "f32", "cpu").unwrap()
     }
 
-    fn configs() -> [SpeculativeConfig; 2] {
+    fn configs() -> [SpeculativeConfig; 3] {
         [
             r#"{"method": "suffix", "num_speculative_tokens": 4}"#,
             r#"{"method": "suffix", "num_speculative_tokens": 6, "suffix_decoding_max_tree_depth": 8,
                 "suffix_decoding_max_cached_requests": 5}"#,
+            // "auto" keeps its suffix lookup's cache under its own config.
+            r#"{"method": "auto", "num_speculative_tokens": 6}"#,
         ]
         .map(|json| SpeculativeConfig::from_json(json).unwrap())
     }
@@ -155,8 +157,8 @@ pub(super) mod tests {
         let saved = engine(97);
         fill(&saved);
         let path = temp_file("round_trip.bin");
-        // 8 responses of the default config, 5 of the second (its limit).
-        assert_eq!(saved.save_suffix_cache(&path).unwrap(), 13);
+        // 8 responses of the default config, 5 of the second (its limit), 8 of auto's.
+        assert_eq!(saved.save_suffix_cache(&path).unwrap(), 21);
 
         let fresh = engine(97);
         // A request in flight before the load keeps its cache, which the load fills in place; it
@@ -164,8 +166,8 @@ pub(super) mod tests {
         fresh.proposer(&configs()[0], None).unwrap().finish(&response(99, 10));
         let mut in_flight = fresh.proposer(&configs()[0], None).unwrap();
         in_flight.propose(&response(99, 3)[..2], 6).unwrap();
-        assert_eq!(fresh.load_suffix_cache(&path).unwrap(), 13);
-        assert_eq!(fresh.memory().unwrap().num_suffix_caches, 2);
+        assert_eq!(fresh.load_suffix_cache(&path).unwrap(), 21);
+        assert_eq!(fresh.memory().unwrap().num_suffix_caches, 3);
         for config in &configs() {
             let expected = drafts(&saved, config);
             assert!(expected.iter().filter(|d| !d.is_empty()).count() > 10, "the cache must draft");

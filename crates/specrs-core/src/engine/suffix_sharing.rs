@@ -10,16 +10,16 @@
 use super::Engine;
 use crate::error::{Error, Result};
 use crate::proposer::suffix::SuffixProposer;
-use crate::spec_config::{Method, SpeculativeConfig};
+use crate::spec_config::SpeculativeConfig;
 
 impl Engine {
     /// Caches `responses` (each a finished request's generated token ids, oldest first) in the
     /// engine-wide suffix cache of `config`, creating it if needed. Returns how many were added
     /// (none when the config caches no responses: `suffix_decoding_max_cached_requests` 0).
     pub fn add_suffix_responses(&self, config: &SpeculativeConfig, responses: &[Vec<u32>]) -> Result<usize> {
-        if !matches!(config.method, Method::Suffix(_)) {
+        if config.suffix_params().is_none() {
             return Err(Error::config(format!(
-                "shared suffix responses need a suffix config (\"method\": \"suffix\"), got \"{}\"",
+                "shared suffix responses need a suffix or auto config (\"method\": \"suffix\" or \"auto\"), got \"{}\"",
                 config.method_name()
             )));
         }

@@ -9,9 +9,10 @@
 //! length; the draft model's best length is bounded by k only, and it drafts only if chosen, so a
 //! step a lookup wins costs no draft forward. The winner is the drafter whose best length
 //! promises the highest expected tokens per unit of cost (`DraftLengthPolicy::plan`); ties go to
-//! the earlier drafter, lookups before the model. A drafter with no verified draft yet is judged
-//! at its best positive length (it gets tried once); no drafter with a positive length leaves the
-//! step without a draft. E.g. a suffix match of 12 tokens costs nothing and wins; an empty lookup
+//! the earlier drafter, lookups before the model. A lookup with no verified draft yet is judged at
+//! its best positive length (trying it is free); the draft model is charged for the context it has
+//! not read yet (`Drafter::plan_model`). No drafter with a positive length leaves the step without
+//! a draft. E.g. a suffix match of 12 tokens costs nothing and wins; an empty lookup
 //! falls back to the draft model; a request whose draft model keeps missing decodes plainly.
 //!
 //! Invariant: one drafter's draft is verified per step, and only that drafter observes the
@@ -36,13 +37,26 @@ struct Drafter {
 }
 
 impl Drafter {
-    /// The length to draft (at most `max_len`) and the speedup it promises; a drafter with no
-    /// verified draft yet is judged at its best positive length.
-    fn plan(&self, max_len: usize) -> Verdict {
+    /// A lookup's length to draft (at most its draft's length) and the speedup it promises; a
+    /// lookup with no verified draft yet is judged at its best positive length (trying it is free).
+    fn plan_lookup(&self, max_len: usize) -> Verdict {
         match self.policy.verdict(max_len) {
             Some(explore) if !self.policy.observed() => explore,
             _ => self.policy.plan(max_len),
         }
+    }
+
+    /// The draft model's length to draft and the speedup it promises, charged for reading the
+    /// context it has not seen (the tokens other drafters' steps added, or the whole prompt before
+    /// its first draft) in its first forward: the m * c of an m-token draft covers one row of it,
+    /// each of the other `unseen - 1` rows adds c times the cost of a row (the verify curve's slope).
+    /// On a 2-core CPU a 0.5B draft's prompt costs tens of target steps, so it is read only where
+    /// the draft would win that back; where a draft forward is cheap (a GPU) it is read at once.
+    /// Before its first verified draft the prior acceptance judges it (no free trial: it is not free).
+    fn plan_model(&self, max_len: usize, context_len: usize) -> Verdict {
+        let unseen = context_len.saturating_sub(self.proposer.kv_len().unwrap_or(context_len)).max(1);
+        let overhead = self.policy.draft_cost() * (unseen - 1) as f64 * self.policy.cost_per_row();
+        self.policy.plan_with_overhead(max_len, overhead)
     }
 }
 
@@ -89,9 +103,9 @@ impl Proposer for AutoProposer {
                 if draft.token_ids.is_empty() {
                     continue; // no match: nothing learned about its acceptance
                 }
-                (drafter.plan(draft.token_ids.len()), Some(draft))
+                (drafter.plan_lookup(draft.token_ids.len()), Some(draft))
             } else {
-                (drafter.plan(max_tokens), None)
+                (drafter.plan_model(max_tokens, context.len()), None)
             };
             if plan.length == 0 {
                 // Judged not to pay: its evidence ages, so it is tried again after a while.
@@ -146,10 +160,12 @@ mod tests {
     use super::*;
     use std::sync::{Arc, Mutex};
 
-    /// A drafter that returns `tokens[..max_tokens]` and logs how often it was asked.
+    /// A drafter that returns `tokens[..max_tokens]` and logs how often it was asked; with
+    /// `kv_len`, a draft model whose cache holds that many positions.
     struct Fixed {
         tokens: Vec<u32>,
         calls: Arc<Mutex<Vec<usize>>>,
+        kv_len: Option<usize>,
     }
 
     impl Proposer for Fixed {
@@ -157,11 +173,35 @@ mod tests {
             self.calls.lock().unwrap().push(max_tokens);
             Ok(Draft::tokens(self.tokens.iter().copied().take(max_tokens).collect()))
         }
+
+        fn kv_len(&self) -> Option<usize> {
+            self.kv_len
+        }
     }
 
     fn fixed(tokens: &[u32]) -> (Box<dyn Proposer>, Arc<Mutex<Vec<usize>>>) {
         let calls = Arc::new(Mutex::new(Vec::new()));
-        (Box::new(Fixed { tokens: tokens.to_vec(), calls: calls.clone() }), calls)
+        (Box::new(Fixed { tokens: tokens.to_vec(), calls: calls.clone(), kv_len: None }), calls)
+    }
+
+    #[test]
+    fn a_draft_model_far_behind_the_context_drafts_only_where_reading_it_is_cheap() {
+        let model = |kv_len, c| {
+            let calls = Arc::new(Mutex::new(Vec::new()));
+            let model = Box::new(Fixed { tokens: vec![9; 8], calls: calls.clone(), kv_len: Some(kv_len) });
+            let (empty, _) = fixed(&[]);
+            (AutoProposer::new(&RATIOS, vec![("suffix", empty)], Some(("draft_model", model, c))), calls)
+        };
+        // The context is [1, 2, 3]; a cache of 2 leaves one token unseen: no catch-up cost.
+        let (mut caught_up, _) = model(2, 0.2);
+        assert!(!step(&mut caught_up, 8, 0).token_ids.is_empty());
+        // A cache of 0 leaves 3 unseen: 2 extra rows at c * 0.25 each would not pay at c = 0.2...
+        let (mut behind, calls) = model(0, 0.2);
+        assert!(step(&mut behind, 8, 0).token_ids.is_empty());
+        assert!(calls.lock().unwrap().is_empty(), "the draft model never ran");
+        // ...and pay where a draft forward is nearly free.
+        let (mut cheap, _) = model(0, 0.01);
+        assert!(!step(&mut cheap, 8, 0).token_ids.is_empty());
     }
 
     /// A verification curve of a 2-core CPU at a 1.5B model: v(n) = 1 + 0.25 (n - 1).
@@ -192,7 +232,7 @@ mod tests {
         assert_eq!(auto.drafter_counts()[0].num_drafts, 10);
         assert_eq!(suffix_calls.lock().unwrap().len(), 10);
 
-        // No match: the model drafts (its first draft, tried at its best positive length).
+        // No match: the model drafts (at c = 0.2 its prior acceptance pays for one token).
         let (empty, _) = fixed(&[]);
         let (model, model_calls) = fixed(&[9; 16]);
         let mut auto = AutoProposer::new(&RATIOS, vec![("suffix", empty)], Some(("draft_model", model, 0.2)));

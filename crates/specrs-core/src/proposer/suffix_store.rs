@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use super::suffix::SuffixCache;
 use crate::engine::MAX_SUFFIX_CACHES;
 use crate::error::{Error, Result};
-use crate::spec_config::{Method, SpeculativeConfig};
+use crate::spec_config::SpeculativeConfig;
 
 /// The first bytes of every suffix cache file.
 pub const MAGIC: [u8; 8] = *b"SPRSSUFX";
@@ -280,8 +280,11 @@ pub fn decode(bytes: &[u8], path: &Path, model: &ModelIdentity) -> Result<Vec<(S
                 path.display()
             ))
         })?;
-        let Method::Suffix(params) = &config.method else {
-            return Err(corrupt(path, &format!("cache {c} is for method '{}', not suffix", config.method_name())));
+        let Some(params) = config.suffix_params() else {
+            return Err(corrupt(
+                path,
+                &format!("cache {c} is for method '{}', which keeps none", config.method_name()),
+            ));
         };
         let key = config.to_json();
         if keys.contains(&key) {
@@ -466,10 +469,7 @@ mod tests {
     }
 
     fn params(config: &SpeculativeConfig) -> crate::spec_config::SuffixParams {
-        match &config.method {
-            Method::Suffix(p) => p.clone(),
-            _ => unreachable!(),
-        }
+        config.suffix_params().expect("a suffix config")
     }
 
     /// The drafts a fresh request gets from `cache` over a growing context.
@@ -582,7 +582,7 @@ mod tests {
         let mut cache = SuffixCache::new(4, 3);
         cache.insert_response(&[1, 2, 3]);
         let ngram = SpeculativeConfig::from_json(r#"{"method": "ngram", "num_speculative_tokens": 3}"#).unwrap();
-        assert!(refused(&encode(&model(), &[(ngram, SuffixCache::new(4, 3))])).contains("not suffix"));
+        assert!(refused(&encode(&model(), &[(ngram, SuffixCache::new(4, 3))])).contains("which keeps none"));
         let twice = [(suffix_config(4, 3), SuffixCache::new(4, 3)), (suffix_config(4, 3), SuffixCache::new(4, 3))];
         assert!(refused(&encode(&model(), &twice)).contains("two caches"));
         let mut outside = SuffixCache::new(4, 3);
