@@ -63,10 +63,11 @@ def test_greedy_identity_with_the_0_5b_draft(engine, baselines, name):
 
 
 def test_the_draft_model_drafts_in_auto_where_no_lookup_matches(engine):
-    """A prompt with nothing to look up: the first drafts are the draft model's, and it is
-    accepted on code (the 0.5B and 1.5B coders agree on most tokens)."""
-    r = engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24),
-                        speculative_config=CONFIGS["auto"])
+    """A prompt this config's suffix cache has not seen (the other tests' responses are in it), so
+    where the lookups find nothing the draft model drafts, and it is accepted on code (the 0.5B and
+    1.5B coders agree on most tokens)."""
+    prompt = "def is_prime(n):\n    \"\"\"Return True when n is a prime number.\"\"\"\n"
+    r = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=24), speculative_config=CONFIGS["auto"])
     model = r.metrics["drafters"]["draft_model"]
     assert model["num_drafts"] > 0
     assert model["num_accepted_tokens"] > model["num_drafts"] // 2
