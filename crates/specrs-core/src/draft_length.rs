@@ -121,11 +121,6 @@ impl DraftLengthPolicy {
         (self.verify_cost_ratios[n - 1] - 1.0) / (n - 1) as f64
     }
 
-    /// Whether a draft of this request has been verified yet.
-    pub fn observed(&self) -> bool {
-        self.observed
-    }
-
     /// Why `best_length(max_len)` is 0: the best draft length's predicted speedup and what it
     /// rests on (None when max_len allows no draft).
     pub fn verdict(&self, max_len: usize) -> Option<Verdict> {

@@ -37,15 +37,6 @@ struct Drafter {
 }
 
 impl Drafter {
-    /// A lookup's length to draft (at most its draft's length) and the speedup it promises; a
-    /// lookup with no verified draft yet is judged at its best positive length (trying it is free).
-    fn plan_lookup(&self, max_len: usize) -> Verdict {
-        match self.policy.verdict(max_len) {
-            Some(explore) if !self.policy.observed() => explore,
-            _ => self.policy.plan(max_len),
-        }
-    }
-
     /// The draft model's length to draft and the speedup it promises, charged for reading the
     /// context it has not seen (the tokens other drafters' steps added, or the whole prompt before
     /// its first draft) in its first forward: the m * c of an m-token draft covers one row of it,
@@ -103,7 +94,9 @@ impl Proposer for AutoProposer {
                 if draft.token_ids.is_empty() {
                     continue; // no match: nothing learned about its acceptance
                 }
-                (drafter.plan_lookup(draft.token_ids.len()), Some(draft))
+                // c = 0: before its first verified draft, `plan` judges it at its best positive
+                // length (trying it is free).
+                (drafter.policy.plan(draft.token_ids.len()), Some(draft))
             } else {
                 (drafter.plan_model(max_tokens, context.len()), None)
             };

@@ -21,6 +21,15 @@
 /// Expands to the tile kernel compiled with `$features`, its dots from module `$isa` (above).
 macro_rules! packed_tile_kernel {
     ($features:literal, $isa:ident) => {
+        // What the kernel reads, imported here so a set's module names only its own `$isa`.
+        use std::arch::x86_64::*;
+
+        use $crate::model::kernels::format::Format;
+        use $crate::model::kernels::repack::{
+            offset, scales_at, super_scale_bytes, tile_bytes, tile_index, QuantizedActivations, Repacked,
+            PREFETCH_BLOCKS, ROW_GROUP, RUN_GROUPS, SUPER_BLOCKS, TILE_ROWS,
+        };
+
         const Q4_0: u8 = 0;
         const Q4_1: u8 = 1;
         const Q4K: u8 = 4;
@@ -48,7 +57,7 @@ macro_rules! packed_tile_kernel {
         ) {
             assert!(
                 (first_group + groups) * TILE_ROWS <= w.out_features
-                    && acts.num_blocks * BLOCK == w.in_features
+                    && acts.num_blocks * $crate::model::kernels::format::BLOCK == w.in_features
                     && acts.qs.len() >= num_rows * w.in_features
                     && [acts.d.len(), acts.scaled_sums.len(), acts.sums.len(), acts.low_sums.len()]
                         .iter()
@@ -149,7 +158,7 @@ macro_rules! packed_tile_kernel {
             #[target_feature(enable = "avx2")]
             unsafe fn new(acts: &QuantizedActivations, at: usize, c: i32) -> Self {
                 unsafe {
-                    let a = acts.qs.as_ptr().add(at * BLOCK);
+                    let a = acts.qs.as_ptr().add(at * $crate::model::kernels::format::BLOCK);
                     // A broadcast straight from memory (one load, no shuffle): 4 int8 values as one f32.
                     let q = |k: usize| _mm256_castps_si256(_mm256_broadcast_ss(&*(a.add(4 * k) as *const f32)));
                     let (sum, low_sum) = (*acts.sums.get_unchecked(at), *acts.low_sums.get_unchecked(at));

@@ -10,14 +10,8 @@
 //!
 //! Invariant: equal bitwise to `repack::reference_dot` (and `repack::scalar_quantize`).
 
-use std::arch::x86_64::*;
-
-use crate::model::kernels::format::{Format, BLOCK};
+use crate::model::kernels::format::BLOCK;
 use crate::model::kernels::packed_tiles::packed_tile_kernel;
-use crate::model::kernels::repack::{
-    offset, scales_at, super_scale_bytes, tile_bytes, tile_index, QuantizedActivations, Repacked, PREFETCH_BLOCKS,
-    ROW_GROUP, RUN_GROUPS, SUPER_BLOCKS, TILE_ROWS,
-};
 
 packed_tile_kernel!("avx2,fma,f16c", avx2);
 

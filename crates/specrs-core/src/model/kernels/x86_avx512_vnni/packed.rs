@@ -3,14 +3,8 @@
 //!
 //! Invariant: equal bitwise to `repack::reference_dot` (and `repack::scalar_quantize`).
 
-use std::arch::x86_64::*;
-
-use crate::model::kernels::format::{Format, BLOCK};
+use crate::model::kernels::format::BLOCK;
 use crate::model::kernels::packed_tiles::packed_tile_kernel;
-use crate::model::kernels::repack::{
-    offset, scales_at, super_scale_bytes, tile_bytes, tile_index, QuantizedActivations, Repacked, PREFETCH_BLOCKS,
-    ROW_GROUP, RUN_GROUPS, SUPER_BLOCKS, TILE_ROWS,
-};
 
 packed_tile_kernel!("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", vnni);
 
@@ -49,6 +43,7 @@ mod vnni {
 /// AVX-512 F must be available.
 #[target_feature(enable = "avx512f")]
 pub unsafe fn quantize_block(block: &[f32; BLOCK], q: &mut [i8; BLOCK]) -> f32 {
+    use std::arch::x86_64::*;
     unsafe {
         let lo = _mm512_loadu_ps(block.as_ptr());
         let hi = _mm512_loadu_ps(block.as_ptr().add(16));
