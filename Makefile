@@ -100,8 +100,10 @@ test-cuda-build: setup
 # and atheris (PyPI into .venv) when missing; crashing inputs land in ~/.cache/specrs-fuzz/.
 FUZZ_SECONDS ?= 60
 FUZZ_RUNS ?=
+FUZZ_TIMEOUT ?=
+FUZZ_TRACE_COMPARES ?=
 FUZZ_TARGETS ?=
-FUZZ_ENV = PYTHON=$(CURDIR)/$(BIN)/python FUZZ_RUNS=$(FUZZ_RUNS) $(if $(FUZZ_TARGETS),FUZZ_TARGETS="$(FUZZ_TARGETS)")
+FUZZ_ENV = PYTHON=$(CURDIR)/$(BIN)/python FUZZ_RUNS=$(FUZZ_RUNS) $(if $(FUZZ_TIMEOUT),FUZZ_TIMEOUT=$(FUZZ_TIMEOUT)) $(if $(FUZZ_TRACE_COMPARES),FUZZ_TRACE_COMPARES=$(FUZZ_TRACE_COMPARES)) $(if $(FUZZ_TARGETS),FUZZ_TARGETS="$(FUZZ_TARGETS)")
 
 fuzz: build
 	$(FUZZ_ENV) FUZZ_SECONDS=$(FUZZ_SECONDS) fuzz/run.sh

@@ -4,10 +4,17 @@
 #
 #   FUZZ_SECONDS=60       seconds per target (libFuzzer's -max_total_time)
 #   FUZZ_RUNS=N           also stop a target after N executions (libFuzzer's -runs)
+#   FUZZ_TIMEOUT=30       seconds one input may take before it counts as a hang (libFuzzer's
+#                         -timeout); raise it for a long run niced beside other work, where a
+#                         starved input is slow without hanging
 #   FUZZ_TARGETS="..."    a subset of the targets (default: all, the Python one last)
 #   FUZZ_WORK_DIR=...     working corpora and crash artifacts (default ~/.cache/specrs-fuzz)
 #   FUZZ_TARGET_DIR=...   the instrumented build (default ~/.cache/specrs-fuzz-target: separate
 #                         from the main build, whose flags it does not share)
+#   FUZZ_TRACE_COMPARES=0 build without comparison tracing (cargo fuzz --no-trace-compares, in
+#                         its own default target dir): on grammar_compile, whose time goes to
+#                         tracing the comparisons of llguidance's parser, several times the
+#                         executions per second, without CMP-guided mutations; for long campaigns
 #   PYTHON=...            the .venv python with specrs and atheris (the protocol target)
 #
 # Before fuzzing, each target replays its checked-in crash inputs (fuzz/regressions/<target>/).
@@ -20,7 +27,13 @@ REPO=$(cd .. && pwd)
 SECONDS_PER_TARGET=${FUZZ_SECONDS:-60}
 TARGETS=${FUZZ_TARGETS:-"gguf_reader gguf_loader gguf_edits hf_dir spec_config sampling_params tokenizer grammar_compile protocol"}
 WORK=${FUZZ_WORK_DIR:-$HOME/.cache/specrs-fuzz}
-TARGET_DIR=${FUZZ_TARGET_DIR:-$HOME/.cache/specrs-fuzz-target}
+BUILD_FLAGS=(-s none -a)
+DEFAULT_TARGET_DIR=$HOME/.cache/specrs-fuzz-target
+if [ "${FUZZ_TRACE_COMPARES:-1}" = 0 ]; then
+    BUILD_FLAGS+=(--no-trace-compares)
+    DEFAULT_TARGET_DIR=$HOME/.cache/specrs-fuzz-target-notrace
+fi
+TARGET_DIR=${FUZZ_TARGET_DIR:-$DEFAULT_TARGET_DIR}
 PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 CARGO_FUZZ_VERSION=0.13.2
 BIN=$TARGET_DIR/x86_64-unknown-linux-gnu/release
@@ -33,7 +46,7 @@ rust_targets=$(echo "$TARGETS" | tr ' ' '\n' | grep -vx protocol || true)
 if [ -n "$rust_targets" ]; then
     # libFuzzer with coverage instrumentation on the stable toolchain: no sanitizer (-s none needs no
     # nightly); -a keeps debug assertions and overflow checks, so a wrapped size is a crash.
-    cargo fuzz build -s none -a --target-dir "$TARGET_DIR"
+    cargo fuzz build "${BUILD_FLAGS[@]}" --target-dir "$TARGET_DIR"
 fi
 if echo "$TARGETS" | grep -qw protocol; then
     "$PYTHON" -c "import atheris" 2>/dev/null || "$PYTHON" -m pip install --quiet "atheris>=2.3,<4"
@@ -106,7 +119,7 @@ for target in $TARGETS; do
     set +e
     "${cmd[@]}" "$corpus" $(seeds_of "$target") $(flags_of "$target") -max_total_time="$SECONDS_PER_TARGET" \
         ${FUZZ_RUNS:+-runs=$FUZZ_RUNS} \
-        -rss_limit_mb=2048 -malloc_limit_mb=2048 -timeout=30 -print_final_stats=1 \
+        -rss_limit_mb=2048 -malloc_limit_mb=2048 -timeout="${FUZZ_TIMEOUT:-30}" -print_final_stats=1 \
         -artifact_prefix="$artifacts/" > "$log" 2>&1
     status=$?
     set -e

@@ -3,12 +3,14 @@ written to its own GGUF file and loaded as a separate model), layer_skip, quanti
 Greedy identity for every method and k, the sampled distribution with draft probabilities,
 tokenizer compatibility, cache rollback, memory, and the dynamic draft length settings."""
 
+import json
+
 import pytest
 from gguf_writer import write_metadata_only
 from test_speculative import PROMPTS, assert_same_distribution, chat, sample_with_and_without
 
 import specrs
-from specrs import SamplingParams
+from specrs import SamplingParams, _specrs
 
 MAX_TOKENS = 24
 KS = [1, 4, 8]
@@ -118,6 +120,28 @@ def test_sampling_with_draft_probabilities_matches_plain_sampling(engine, draft_
     )
     assert num_drafts >= n
     assert_same_distribution(plain, speculative)
+
+
+def test_a_batch_drafts_its_draft_model_chains_together(engine, baselines, draft_path):
+    """The requests of one scheduler draft their chains in shared draft forwards, one per depth
+    (not one per request and token), and yield the tokens each yields alone."""
+    scheduler = _specrs.Scheduler(engine._inner, draft_budget="off")
+    spec = json.dumps(config("draft_model", 4, draft_path))
+    names = list(PROMPTS)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    for request_id, name in enumerate(names):
+        scheduler.add(request_id, engine.prompt_token_ids(chat(PROMPTS[name])), params, spec, None)
+    tokens: list[list[int]] = [[] for _ in names]
+    while scheduler.has_unfinished:
+        outputs, report = scheduler.step()
+        assert report["num_shared_draft_forwards"] <= 4, report  # k = 4, however many chains
+        for output in outputs:
+            assert output["error"] is None
+            tokens[output["request_id"]] += output["token_ids"]
+    assert tokens == [baselines[name] for name in names]
+    totals = scheduler.totals()
+    assert totals["num_chains_drafted_together"] >= 2 * len(names), totals
+    assert totals["num_shared_draft_forwards"] < totals["num_chains_drafted_together"] * 4, totals
 
 
 def test_sampled_draft_model_is_seeded(engine, draft_path):

@@ -12,12 +12,31 @@ pytest.importorskip("prometheus_client")
 
 from specrs.serve.ray.asgi_call import Lifespan, call_app, http_scope  # noqa: E402
 from specrs.serve.ray.replica_board import Report, ReplicaBoard, merge_metrics  # noqa: E402
-from specrs.serve.ray.suffix_share import SEED_LEASE_S, SharedResponses, pack, unpack  # noqa: E402
+from specrs.serve.ray.suffix_share import (  # noqa: E402
+    SEED_LEASE_S,
+    SharedResponses,
+    ShareClient,
+    pack,
+    unpack,
+)
 
 
 def test_tokens_round_trip_as_uint32():
     assert unpack(pack([0, 1, 2**32 - 1, 49151])) == [0, 1, 2**32 - 1, 49151]
     assert len(pack([1, 2, 3])) == 12
+
+
+def test_a_replica_publishes_the_responses_of_every_config_that_keeps_a_suffix_cache():
+    """"suffix" and "auto" (its suffix lookup keeps its own cache) are shared; other methods,
+    no speculation and an invalid config are not (Rust says which configs keep one)."""
+    client = ShareClient(coordinator=None, replica="a", engine=None, interval_s=1.0)
+    configs = ['{"method": "suffix"}', '{"method": "auto"}', '{"method": "ngram"}', None, '{"method": "nope"}']
+    for config in configs:
+        job = type("Job", (), {"request": type("Request", (), {"speculative_config": config})(),
+                               "response_ids": [5, 6]})()
+        client.on_request_finished(job, "stop", None)
+    assert [config for config, _ in client._outbox] == configs[:2]
+    assert all(unpack(tokens) == [5, 6] for _, tokens in client._outbox)
 
 
 def test_the_shared_log_returns_others_responses_once_in_order():

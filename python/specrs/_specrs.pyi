@@ -169,6 +169,8 @@ class Engine:
     @staticmethod
     def speculative_weights(config_json: str) -> str | None: ...
     @staticmethod
+    def keeps_suffix_cache(config_json: str) -> bool: ...
+    @staticmethod
     def speculative_methods() -> list[str]: ...
     def generate(
         self, prompt_ids: list[int], params: SamplingParams, speculative_config: str | None = None, proposer: Any = None
@@ -212,6 +214,7 @@ class Scheduler:
         prefill_chunk: int | None = 256,
         draft_budget: str = "load",
         cost_curve_s: list[float] | None = None,
+        draft_chains_together: bool = True,
     ) -> Scheduler: ...
     def add(
         self,

@@ -95,6 +95,7 @@ pub fn draw_with(weights: &[f32], uniform: f32) -> u32 {
 /// stream (`uniform`, `draw`), and one uniform per output position (`uniform_at`, `draw_at`) that
 /// does not depend on how many draws came before, so a token sampled at position i is the same
 /// however the request's steps were cut into drafts (verify.rs).
+#[derive(Clone)]
 pub struct Sampler {
     seed: u64,
     rng: ChaCha8Rng,

@@ -377,3 +377,50 @@ fn samples_share_the_prompt_through_chunked_prefill_and_preemption_and_prefill_a
     assert_eq!(tokens[1..], expected[1..]);
     assert_eq!(totals.num_shared_prompt_tokens, 0);
 }
+
+/// Requests drafting from a draft model (SmolLM2 drafting for itself, alone and inside "auto";
+/// greedy and seeded sampling) have their chains drafted together, one draft forward per depth
+/// for the whole batch rather than one per request and token, and yield what they yield alone.
+#[test]
+fn draft_model_chains_drafted_together_yield_what_each_request_yields_alone() {
+    let engine = load();
+    let draft = common::smollm2_path();
+    let leak = |config: String| -> &'static str { Box::leak(config.into_boxed_str()) };
+    let draft_model = leak(format!(
+        r#"{{"method": "draft_model", "model": {draft:?}, "num_speculative_tokens": 3, "adaptive_draft_length": false}}"#
+    ));
+    // Costs pinned so that the model pays at the prior acceptance: auto drafts from it where no
+    // lookup matches, as the engine alone and the batched one both decide.
+    let auto = leak(format!(
+        r#"{{"method": "auto", "model": {draft:?}, "num_speculative_tokens": 3,
+             "verify_cost_ratios": [1.0, 1.1, 1.2, 1.3], "draft_cost": 0.05}}"#
+    ));
+    // auto's requests are greedy: its suffix lookup reads the engine-wide suffix cache, which the
+    // other requests fill as they end (in another order alone than batched), and a sampled
+    // request's tokens follow its drafts.
+    let requests: Vec<Request> = (0..6)
+        .map(|i| {
+            let prompt_ids = engine.tokenizer().encode(PROMPTS[i % PROMPTS.len()], true).unwrap();
+            let config = [draft_model, auto, draft_model][i % 3];
+            let params =
+                if i % 2 == 1 && config != auto { sampled(20, 300 + i as u64) } else { SamplingParams::greedy(20) };
+            Request { prompt_ids, params, config: Some(config) }
+        })
+        .collect();
+    let expected = alone(&engine, &requests);
+    let from_model = |g: &Generation| g.metrics.drafters.iter().any(|d| d.name == "draft_model" && d.num_drafts > 0);
+    assert!(expected.iter().skip(1).step_by(3).all(from_model), "auto never drafted from its model");
+
+    let config = SchedulerConfig { draft_budget: DraftBudget::Off, ..SchedulerConfig::default() };
+    let mut scheduler = Scheduler::new(engine.clone(), config).unwrap();
+    let run = batched(&mut scheduler, &engine, &requests, |_, _| {});
+    assert_same(&expected, &run, &[]);
+    let totals = scheduler.totals();
+    assert!(run.reports.iter().any(|r| r.num_chains_drafted_together >= 4), "{totals:?}");
+    for r in &run.reports {
+        // k = 3: at most three forwards however many chains (the first one reads what each draft
+        // has not seen yet, the prompt at first).
+        assert!(r.num_shared_draft_forwards <= 3, "{r:?}");
+    }
+    assert!(totals.num_shared_draft_forwards * 2 < totals.num_chains_drafted_together * 3, "{totals:?}");
+}

@@ -864,6 +864,14 @@ impl PyEngine {
             .map_err(to_py)
     }
 
+    /// Whether a config's requests draft from an engine-wide suffix cache ("suffix", and "auto"'s
+    /// suffix lookup: `SpeculativeConfig::suffix_params`), whose responses Ray replicas share;
+    /// raises ConfigError when the config is invalid.
+    #[staticmethod]
+    fn keeps_suffix_cache(config_json: &str) -> PyResult<bool> {
+        guard(|| SpeculativeConfig::from_json(config_json)).map(|c| c.suffix_params().is_some()).map_err(to_py)
+    }
+
     /// Every speculative method a config may name.
     #[staticmethod]
     fn speculative_methods() -> Vec<&'static str> {

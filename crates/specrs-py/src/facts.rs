@@ -74,5 +74,6 @@ pub fn scheduler_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     dict.set_item("prefill_chunk", defaults.prefill_chunk)?;
     dict.set_item("draft_budget", defaults.draft_budget.name())?;
     dict.set_item("cost_curve_s", defaults.cost_curve_s)?;
+    dict.set_item("draft_chains_together", defaults.draft_chains_together)?;
     Ok(dict)
 }

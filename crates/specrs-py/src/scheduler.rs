@@ -26,12 +26,13 @@ impl PyScheduler {
     /// A scheduler over `engine`'s model. `cost_curve_s` `[T(1), ..., T(n)]` pins the draft
     /// budget's batch cost curve (seconds per forward of 1..n rows); None measures it now (up to
     /// 32 rows, or reads the disk cache) unless the engine was told not to measure on demand.
+    /// `draft_chains_together=False` drafts each request's draft-model chain alone (a baseline).
     #[new]
     #[pyo3(
-        signature = (engine, max_num_seqs=SchedulerConfig::default().max_num_seqs, max_num_batched_tokens=SchedulerConfig::default().max_num_batched_tokens, max_kv_tokens=SchedulerConfig::default().max_kv_tokens, prefill_chunk=SchedulerConfig::default().prefill_chunk, draft_budget=SchedulerConfig::default().draft_budget.name(), cost_curve_s=None),
+        signature = (engine, max_num_seqs=SchedulerConfig::default().max_num_seqs, max_num_batched_tokens=SchedulerConfig::default().max_num_batched_tokens, max_kv_tokens=SchedulerConfig::default().max_kv_tokens, prefill_chunk=SchedulerConfig::default().prefill_chunk, draft_budget=SchedulerConfig::default().draft_budget.name(), cost_curve_s=None, draft_chains_together=SchedulerConfig::default().draft_chains_together),
         // The defaults above are `SchedulerConfig::default()`'s; this text repeats them for
-        // Python's `inspect` (tests/test_method_facts.py checks that it says the same).
-        text_signature = "(engine, max_num_seqs=16, max_num_batched_tokens=2048, max_kv_tokens=None, prefill_chunk=256, draft_budget='load', cost_curve_s=None)"
+        // Python's `inspect` (tests/test_one_owner.py checks that it says the same).
+        text_signature = "(engine, max_num_seqs=16, max_num_batched_tokens=2048, max_kv_tokens=None, prefill_chunk=256, draft_budget='load', cost_curve_s=None, draft_chains_together=True)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -43,6 +44,7 @@ impl PyScheduler {
         prefill_chunk: Option<usize>,
         draft_budget: &str,
         cost_curve_s: Option<Vec<f64>>,
+        draft_chains_together: bool,
     ) -> PyResult<Self> {
         let draft_budget = guard(|| DraftBudget::parse(draft_budget)).map_err(to_py)?;
         let config = SchedulerConfig {
@@ -52,6 +54,7 @@ impl PyScheduler {
             prefill_chunk,
             draft_budget,
             cost_curve_s,
+            draft_chains_together,
         };
         let core: Arc<Engine> = engine.get().inner.clone();
         let scheduler = run_detached(py, move || Scheduler::new(core, config))?;
@@ -187,6 +190,8 @@ fn report_dict<'py>(py: Python<'py>, r: &StepReport) -> PyResult<Bound<'py, PyDi
     d.set_item("num_draft_tokens_wanted", r.num_draft_tokens_wanted)?;
     d.set_item("num_draft_tokens_granted", r.num_draft_tokens_granted)?;
     d.set_item("num_draft_tokens", r.num_draft_tokens)?;
+    d.set_item("num_chains_drafted_together", r.num_chains_drafted_together)?;
+    d.set_item("num_shared_draft_forwards", r.num_shared_draft_forwards)?;
     d.set_item("num_accepted_tokens", r.num_accepted_tokens)?;
     d.set_item("num_admitted", r.num_admitted)?;
     d.set_item("num_shared_prompt_tokens", r.num_shared_prompt_tokens)?;
@@ -203,6 +208,8 @@ fn totals_dict<'py>(py: Python<'py>, t: &SchedulerTotals) -> PyResult<Bound<'py,
     d.set_item("num_draft_tokens_wanted", t.num_draft_tokens_wanted)?;
     d.set_item("num_draft_tokens_granted", t.num_draft_tokens_granted)?;
     d.set_item("num_draft_tokens", t.num_draft_tokens)?;
+    d.set_item("num_chains_drafted_together", t.num_chains_drafted_together)?;
+    d.set_item("num_shared_draft_forwards", t.num_shared_draft_forwards)?;
     d.set_item("num_accepted_tokens", t.num_accepted_tokens)?;
     d.set_item("num_preemptions", t.num_preemptions)?;
     d.set_item("num_shared_prompt_tokens", t.num_shared_prompt_tokens)?;

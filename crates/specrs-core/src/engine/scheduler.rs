@@ -20,7 +20,9 @@
 //!    chunks, oldest request first, at most `prefill_chunk` rows each (vLLM V1's chunked prefill
 //!    mixed with decode); then drafts, from what is left, granted by `draft_budget::grant` (or,
 //!    with `DraftBudget::Off`, each request's own length in arrival order, as a fixed-k server).
-//! 4. **Forward and commit** (`step_together::forward_and_commit`); each request's tokens, its end
+//! 4. **Draft** the draft-model chains of every request together, one draft forward per depth
+//!    (`step_together::draft_chains`); the other proposers draft as each request plans.
+//! 5. **Forward and commit** (`step_together::forward_and_commit`); each request's tokens, its end
 //!    or its error come back as a `RequestOutput`.
 //!
 //! Invariant (identical outputs): a request's tokens are exactly those it yields stepped alone.
@@ -37,13 +39,14 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use super::session::{Generation, PlanLimits, Session, StepPlan, TokenLogprobs};
-use super::step_together::forward_and_commit;
+use super::step_together::{draft_chains, forward_and_commit};
 use super::{Engine, FinishReason, Speculation};
 use crate::config::SamplingParams;
 use crate::costs::CostSource;
 use crate::draft_budget::{grant, BatchCost, DraftWish};
 use crate::error::{guard, Error, Result};
 use crate::metrics::RequestMetrics;
+use crate::proposer::chains_together::ChainsDrafted;
 
 /// How each step's draft tokens are decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +96,9 @@ pub struct SchedulerConfig {
     pub draft_budget: DraftBudget,
     /// `[T(1), ..., T(n)]` seconds pinning the budget's cost curve (None: the engine's measured one).
     pub cost_curve_s: Option<Vec<f64>>,
+    /// Draft the requests' draft-model chains in shared forwards (`chains_together.rs`); false:
+    /// each request drafts alone, as the side-by-side benchmark's baseline. Tokens are the same.
+    pub draft_chains_together: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -104,6 +110,7 @@ impl Default for SchedulerConfig {
             prefill_chunk: Some(256),
             draft_budget: DraftBudget::Load,
             cost_curve_s: None,
+            draft_chains_together: true,
         }
     }
 }
@@ -158,6 +165,10 @@ pub struct StepReport {
     pub num_draft_tokens_granted: usize,
     /// Draft tokens proposed and verified (a proposer may find fewer than granted).
     pub num_draft_tokens: usize,
+    /// Draft-model chains drafted together with other requests' (`chains_together.rs`), and the
+    /// draft forwards they took (alone: one per chain and draft token).
+    pub num_chains_drafted_together: usize,
+    pub num_shared_draft_forwards: usize,
     pub num_accepted_tokens: usize,
     pub num_admitted: usize,
     /// Prompt positions admitted samples copied from their first sample instead of computing.
@@ -175,6 +186,8 @@ pub struct SchedulerTotals {
     pub num_draft_tokens_wanted: usize,
     pub num_draft_tokens_granted: usize,
     pub num_draft_tokens: usize,
+    pub num_chains_drafted_together: usize,
+    pub num_shared_draft_forwards: usize,
     pub num_accepted_tokens: usize,
     pub num_preemptions: usize,
     pub num_shared_prompt_tokens: usize,
@@ -426,6 +439,14 @@ impl Scheduler {
         self.admit(kv_budget, &mut report, &mut outputs);
 
         let limits = self.assign_rows(kv_budget, &mut report);
+        let chains = match self.config.draft_chains_together {
+            true => draft_chains(
+                self.running.iter_mut().zip(&limits).filter_map(|(r, limits)| Some((&mut r.session, (*limits)?))),
+            ),
+            false => ChainsDrafted::default(),
+        };
+        report.num_chains_drafted_together = chains.num_chains;
+        report.num_shared_draft_forwards = chains.num_forwards;
         let mut plans: Vec<(usize, StepPlan)> = Vec::new();
         let mut failed: Vec<(usize, Error)> = Vec::new();
         for (i, limits) in limits.into_iter().enumerate() {
@@ -658,6 +679,8 @@ impl Scheduler {
         t.num_draft_tokens_wanted += report.num_draft_tokens_wanted;
         t.num_draft_tokens_granted += report.num_draft_tokens_granted;
         t.num_draft_tokens += report.num_draft_tokens;
+        t.num_chains_drafted_together += report.num_chains_drafted_together;
+        t.num_shared_draft_forwards += report.num_shared_draft_forwards;
         t.num_accepted_tokens += report.num_accepted_tokens;
         t.num_preemptions += report.num_preempted;
         t.num_shared_prompt_tokens += report.num_shared_prompt_tokens;

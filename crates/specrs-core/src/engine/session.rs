@@ -41,6 +41,7 @@ use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::metrics::{EngineMetrics, IdleReason, RequestMetrics, RequestTimer, SpecDecodeMetrics};
 use crate::model::{CausalLm, ForwardBatch, LogitRows, SeqRows, Tap};
+use crate::proposer::chains_together::ChainJob;
 use crate::proposer::tree::{path_tokens, rank_paths};
 use crate::proposer::{Draft, Feedback, ProposeInput, TreeLimits};
 use crate::sampler::Sampler;
@@ -777,13 +778,37 @@ impl Session {
         /// A forced run is cheap to draft but costs a verify row per token: JSON keys take a few.
         const MAX_FORCED_TOKENS: usize = 16;
         let depth_room = self.depth_room();
-        let Some(speculation) = self.speculation.as_ref() else { return Vec::new() };
-        let Some(processor) = self.processor.as_mut().filter(|p| p.has_grammar()) else { return Vec::new() };
-        if !speculation.grammar_drafts || !speculation.proposer.drafts_from_context_alone() {
+        if !self.drafts_after_forced_runs() {
             return Vec::new();
         }
+        let Some(processor) = self.processor.as_mut() else { return Vec::new() };
         let max = MAX_FORCED_TOKENS.min(depth_room).min(cap.unwrap_or(usize::MAX));
         processor.forced_tokens(max)
+    }
+
+    /// Whether this request's drafts open with its grammar's forced run (`forced_run`).
+    fn drafts_after_forced_runs(&self) -> bool {
+        let Some(speculation) = self.speculation.as_ref() else { return false };
+        self.processor.as_ref().is_some_and(LogitsProcessor::has_grammar)
+            && speculation.grammar_drafts
+            && speculation.proposer.drafts_from_context_alone()
+    }
+
+    /// The draft model's chain the next `plan_with(limits)` will draft, for a scheduler to draft
+    /// it together with other sessions' (`chains_together.rs`); that plan's `propose` then
+    /// returns it. None where the next plan drafts no model chain: it feeds context, drafts a
+    /// tree or after a forced run, or its proposer drafts no model chain or nothing this step.
+    pub(crate) fn chain_job(&mut self, limits: PlanLimits) -> Option<ChainJob<'_>> {
+        let decodes = !self.is_finished() && self.all_ids.len() - self.cache.len() == 1;
+        if !decodes || self.drafts_after_forced_runs() {
+            return None;
+        }
+        let (_, own) = self.own_draft_lengths();
+        let max_tokens = limits.max_draft_tokens.map_or(own, |cap| own.min(cap));
+        let speculation = self.speculation.as_mut().filter(|s| !s.tree.is_on() && max_tokens > 0)?;
+        let context = &self.all_ids;
+        let (drafter, max_tokens) = speculation.proposer.model_chain(context, max_tokens).ok().flatten()?;
+        Some(ChainJob { drafter, context, max_tokens, propose_s: &mut self.spec_metrics.propose_s })
     }
 
     /// Cuts `draft` where the grammar forbids it. A deterministic chain stops before the first

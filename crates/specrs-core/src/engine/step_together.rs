@@ -1,6 +1,7 @@
-//! Steps of several sessions in one target forward: each session plans its rows (`Session::plan`),
-//! the rows of all of them become one `ForwardBatch` over their caches, and each session commits
-//! its own logits and hidden rows (`Session::commit`).
+//! Steps of several sessions in one target forward: their draft models' chains are drafted
+//! together (`draft_chains`), each session plans its rows (`Session::plan`), the rows of all of
+//! them become one `ForwardBatch` over their caches, and each session commits its own logits and
+//! hidden rows (`Session::commit`).
 //!
 //! Invariant: because a row's logits do not depend on what else is in the forward (model/forward.rs;
 //! bitwise on the CPU backend), a session stepped here yields exactly the tokens it yields stepped
@@ -13,10 +14,11 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 
-use super::session::{Session, StepOutput, StepPlan};
+use super::session::{PlanLimits, Session, StepOutput, StepPlan};
 use crate::error::{guard, Error, Result};
 use crate::kv_cache::KvCache;
 use crate::model::{ForwardBatch, SeqRows, Tap};
+use crate::proposer::chains_together::{draft_chains_together, ChainsDrafted};
 
 /// One step of every session in `sessions` (finished ones yield nothing), their forwards run as
 /// one. All sessions must run on one model. Returns each session's step result, in order.
@@ -28,6 +30,7 @@ pub fn step_together(sessions: &mut [&mut Session]) -> Result<Vec<Result<StepOut
         }
     }
     let mut results: Vec<Option<Result<StepOutput>>> = (0..sessions.len()).map(|_| None).collect();
+    draft_chains(sessions.iter_mut().map(|s| (&mut **s, PlanLimits::default())));
     let mut plans: Vec<(usize, StepPlan)> = Vec::new();
     for (i, session) in sessions.iter_mut().enumerate() {
         match session.plan() {
@@ -42,6 +45,12 @@ pub fn step_together(sessions: &mut [&mut Session]) -> Result<Vec<Result<StepOut
         }
     }
     Ok(results.into_iter().map(|r| r.expect("every session has a result")).collect())
+}
+
+/// Drafts together the draft-model chains the sessions' next plans (within their limits) will
+/// draft (`chains_together.rs`), so each draft model runs one forward per depth for all of them.
+pub(super) fn draft_chains<'a>(sessions: impl IntoIterator<Item = (&'a mut Session, PlanLimits)>) -> ChainsDrafted {
+    draft_chains_together(sessions.into_iter().filter_map(|(session, limits)| session.chain_job(limits)).collect())
 }
 
 /// Each planned session's step (by its index in `sessions`), and the forward's seconds.

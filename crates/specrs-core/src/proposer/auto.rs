@@ -15,6 +15,10 @@
 //! a draft. E.g. a suffix match of 12 tokens costs nothing and wins; an empty lookup
 //! falls back to the draft model; a request whose draft model keeps missing decodes plainly.
 //!
+//! A scheduler that drafts model chains together (`chains_together.rs`) asks for the step's choice
+//! ahead (`model_chain`); the step's `propose` then takes that choice rather than choosing again,
+//! so each step is judged once, as alone.
+//!
 //! Invariant: one drafter's draft is verified per step, and only that drafter observes the
 //! verdict; a drafter left out keeps its state (the draft model's cache catches up on the context
 //! it missed at its next draft, `DraftCache::catch_up`). The choice reads only the context and
@@ -24,6 +28,7 @@ use crate::config::SamplingParams;
 use crate::draft_length::{DraftLengthPolicy, Verdict};
 use crate::error::Result;
 use crate::metrics::DrafterCounts;
+use crate::proposer::draft_model::DraftModelProposer;
 use crate::proposer::{Draft, Feedback, Proposer};
 
 /// One drafter "auto" chooses among.
@@ -56,6 +61,16 @@ pub struct AutoProposer {
     drafters: Vec<Drafter>,
     /// The drafter whose draft the last `propose` returned, and that draft's length.
     chosen: Option<(usize, usize)>,
+    /// A step's choice made ahead of its `propose` (`model_chain`): context length, max_tokens and
+    /// the choice, which that `propose` takes instead of choosing again.
+    decided: Option<(usize, usize, Option<Choice>)>,
+}
+
+/// A step's drafter: its index, its plan, and a lookup's draft (a model drafts once chosen).
+struct Choice {
+    drafter: usize,
+    plan: Verdict,
+    draft: Option<Draft>,
 }
 
 impl AutoProposer {
@@ -75,19 +90,12 @@ impl AutoProposer {
         let mut drafters: Vec<Drafter> =
             lookups.into_iter().map(|(name, proposer)| drafter(name, proposer, true, 0.0)).collect();
         drafters.extend(model.map(|(name, proposer, c)| drafter(name, proposer, false, c)));
-        Self { drafters, chosen: None }
-    }
-}
-
-impl Proposer for AutoProposer {
-    fn begin(&mut self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
-        self.drafters.iter_mut().try_for_each(|d| d.proposer.begin(prompt, params))
+        Self { drafters, chosen: None, decided: None }
     }
 
-    fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {
-        self.chosen = None;
-        // (drafter, its plan, a lookup's draft)
-        let mut best: Option<(usize, Verdict, Option<Draft>)> = None;
+    /// The step's drafter (see the module header); None: no drafter with a positive length.
+    fn choose(&mut self, context: &[u32], max_tokens: usize) -> Result<Option<Choice>> {
+        let mut best: Option<Choice> = None;
         for (i, drafter) in self.drafters.iter_mut().enumerate() {
             let (plan, draft) = if drafter.is_lookup {
                 let draft = drafter.proposer.propose(context, max_tokens)?;
@@ -105,11 +113,27 @@ impl Proposer for AutoProposer {
                 drafter.policy.skipped();
                 continue;
             }
-            if best.as_ref().is_none_or(|(_, b, _)| plan.predicted_speedup > b.predicted_speedup) {
-                best = Some((i, plan, draft));
+            if best.as_ref().is_none_or(|b| plan.predicted_speedup > b.plan.predicted_speedup) {
+                best = Some(Choice { drafter: i, plan, draft });
             }
         }
-        let Some((i, plan, draft)) = best else { return Ok(Draft::default()) };
+        Ok(best)
+    }
+}
+
+impl Proposer for AutoProposer {
+    fn begin(&mut self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
+        self.decided = None;
+        self.drafters.iter_mut().try_for_each(|d| d.proposer.begin(prompt, params))
+    }
+
+    fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {
+        self.chosen = None;
+        let choice = match self.decided.take() {
+            Some((context_len, max, choice)) if context_len == context.len() && max == max_tokens => choice,
+            _ => self.choose(context, max_tokens)?,
+        };
+        let Some(Choice { drafter: i, plan, draft }) = choice else { return Ok(Draft::default()) };
         let draft = match draft {
             Some(mut draft) => {
                 draft.truncate(plan.length, 0); // a lookup's draft has no probability rows
@@ -121,6 +145,18 @@ impl Proposer for AutoProposer {
             self.chosen = Some((i, draft.token_ids.len()));
         }
         Ok(draft)
+    }
+
+    /// The step's choice, made now and kept for its `propose`: the draft model's chain where the
+    /// model wins.
+    fn model_chain(&mut self, context: &[u32], max_tokens: usize) -> Result<Option<(&mut DraftModelProposer, usize)>> {
+        let choice = self.choose(context, max_tokens)?;
+        let model = choice.as_ref().filter(|c| c.draft.is_none()).map(|c| (c.drafter, c.plan.length));
+        self.decided = Some((context.len(), max_tokens, choice));
+        match model {
+            Some((i, length)) => self.drafters[i].proposer.model_chain(context, length),
+            None => Ok(None),
+        }
     }
 
     fn observe(&mut self, feedback: &Feedback<'_>) -> Result<()> {

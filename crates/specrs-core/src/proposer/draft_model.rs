@@ -33,6 +33,7 @@ use crate::sampler::{argmax, probabilities, Sampler};
 const DRAFT_SEED_SALT: u64 = 0x5eed_d4af_7000_0001;
 
 /// Turns draft logits into a draft token and its q row.
+#[derive(Clone)]
 pub(crate) struct DraftSampler {
     params: SamplingParams,
     sampler: Sampler,
@@ -369,11 +370,32 @@ impl DraftCache {
     /// never the output, since every guess is verified. `cached_ids` keeps the real ids.
     pub fn forward(&mut self, token_ids: &[u32], rows: LogitRows) -> Result<Vec<f32>> {
         let cache = self.cache.as_mut().ok_or_else(|| Error::Internal("draft proposer used before begin()".into()))?;
-        let vocab = self.model.info().vocab_size;
-        let readable: Vec<u32> = token_ids.iter().map(|&t| if (t as usize) < vocab { t } else { 0 }).collect();
-        let logits = self.model.forward_rows(&readable, cache, rows)?;
+        let logits = self.model.forward_rows(&readable(token_ids, self.model.info().vocab_size), cache, rows)?;
         self.cached_ids.extend_from_slice(token_ids);
         Ok(logits.flatten_all()?.to_vec1()?)
+    }
+
+    /// `forward(feeds[i], LogitRows::Last)` of every cache in `caches` (all of one draft model)
+    /// as one forward, which reads the model's weights once for all of them: each cache's
+    /// last-row logits `[draft_vocab]`, in order. A row's logits do not depend on the other
+    /// sequences of a forward (model/forward.rs), so each equals its forward alone.
+    pub fn forward_together(caches: &mut [&mut DraftCache], feeds: &[&[u32]]) -> Result<Vec<Vec<f32>>> {
+        let Some(first) = caches.first() else { return Ok(Vec::new()) };
+        let model = first.model.clone();
+        let vocab = model.info().vocab_size;
+        let rows: Vec<SeqRows> =
+            feeds.iter().map(|feed| SeqRows::chain(readable(feed, vocab), LogitRows::Last)).collect();
+        let mut kv: Vec<&mut KvCache> = caches
+            .iter_mut()
+            .map(|c| c.cache.as_mut().ok_or_else(|| Error::Internal("draft proposer used before begin()".into())))
+            .collect::<Result<_>>()?;
+        let lens: Vec<usize> = kv.iter().map(|cache| cache.len()).collect();
+        let logits = model.forward_batch(&ForwardBatch::new(&rows, &lens, Vec::new())?, &mut kv)?.logits;
+        let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?; // [caches, draft_vocab]
+        for (cache, feed) in caches.iter_mut().zip(feeds) {
+            cache.cached_ids.extend_from_slice(feed);
+        }
+        Ok(logits.chunks(vocab).map(<[f32]>::to_vec).collect())
     }
 
     /// One draft forward over token-tree rows after the cache (`SeqRows::tree`: each row sees the
@@ -382,9 +404,7 @@ impl DraftCache {
     /// `keep_path` (or a truncation) the cache holds `cached_ids` plus these rows.
     pub fn forward_tree(&mut self, tokens: &[u32], parents: Vec<i32>, logit_rows: Vec<usize>) -> Result<Vec<f32>> {
         let cache = self.cache.as_mut().ok_or_else(|| Error::Internal("draft proposer used before begin()".into()))?;
-        let vocab = self.model.info().vocab_size;
-        let tokens = tokens.iter().map(|&t| if (t as usize) < vocab { t } else { 0 }).collect();
-        let rows = SeqRows { tokens, parents, logit_rows };
+        let rows = SeqRows { tokens: readable(tokens, self.model.info().vocab_size), parents, logit_rows };
         let batch = ForwardBatch::new(&[rows], &[cache.len()], Vec::new())?;
         let logits = self.model.forward_batch(&batch, &mut [cache])?.logits;
         Ok(logits.flatten_all()?.to_vec1()?)
@@ -424,13 +444,33 @@ impl DraftCache {
     }
 }
 
+/// `tokens` as a draft with `vocab` embeddings reads them: ids past its vocabulary as token 0
+/// (`DraftCache::forward`).
+fn readable(tokens: &[u32], vocab: usize) -> Vec<u32> {
+    tokens.iter().map(|&t| if (t as usize) < vocab { t } else { 0 }).collect()
+}
+
 pub struct DraftModelProposer {
-    cache: DraftCache,
+    pub(crate) cache: DraftCache,
     target_vocab: usize,
     confidence_threshold: f32,
     sampler: Option<DraftSampler>,
     /// The last tree drafted, while its rows are in the cache (until `observe`).
     tree: Option<HeldTree>,
+    /// A chain drafted ahead of `propose`, together with other requests' (`chains_together.rs`).
+    ahead: Option<AheadChain>,
+}
+
+/// A chain drafted ahead of the `propose(context, max_tokens)` it is for: that call returns it;
+/// any other call undoes it first (the sampler as before it; the cache catches up as usual), so
+/// every draft is the one this request would have drafted alone.
+struct AheadChain {
+    context_len: usize,
+    max_tokens: usize,
+    draft: DraftBuilder,
+    /// Still drawing (the chain is not at its length and its last token was confident).
+    drawing: bool,
+    sampler_before: DraftSampler,
 }
 
 /// A drafted tree whose rows the draft cache holds past the context.
@@ -456,7 +496,52 @@ impl DraftModelProposer {
             confidence_threshold,
             sampler: None,
             tree: None,
+            ahead: None,
         }
+    }
+
+    /// Starts drafting the chain `propose(context, max_tokens)` would draft, one draw per
+    /// `chain_step`: returns the tokens of its first forward (what the draft has not seen of
+    /// `context`), or None where `propose` drafts nothing (the draft cannot hold the chain).
+    pub(crate) fn begin_chain(&mut self, context: &[u32], max_tokens: usize) -> Option<Vec<u32>> {
+        self.undo_chain();
+        self.tree = None;
+        let sampler = self.sampler.as_ref()?;
+        if max_tokens == 0 || !self.cache.fits(context.len() + max_tokens - 1) {
+            return None;
+        }
+        let sampler_before = sampler.clone();
+        let unseen = self.cache.catch_up(context);
+        let (context_len, draft) = (context.len(), DraftBuilder::default());
+        self.ahead = Some(AheadChain { context_len, max_tokens, draft, drawing: true, sampler_before });
+        Some(context[unseen..].to_vec())
+    }
+
+    /// Draws the chain's next token from `logits` (`[draft_vocab]`, the last forward's last row):
+    /// the token to feed next, or None once the chain is complete.
+    pub(crate) fn chain_step(&mut self, logits: &[f32]) -> Option<u32> {
+        let (ahead, sampler) = (self.ahead.as_mut()?, self.sampler.as_mut()?);
+        ahead.drawing = ahead.draft.push(sampler.draw(logits)) && ahead.draft.len() < ahead.max_tokens;
+        ahead.drawing.then(|| ahead.draft.last())
+    }
+
+    /// Forgets a chain drafted ahead (a failed shared forward, or a `propose` it is not for): the
+    /// sampler draws again from where it was; the cache catches up at the next draft.
+    pub(crate) fn undo_chain(&mut self) {
+        if let Some(ahead) = self.ahead.take() {
+            self.sampler = Some(ahead.sampler_before);
+        }
+    }
+
+    /// The chain drafted ahead for `propose(context, max_tokens)`, if complete and for these
+    /// arguments; any other is undone.
+    fn chain_ahead(&mut self, context: &[u32], max_tokens: usize) -> Option<Draft> {
+        let ahead = self.ahead.as_ref()?;
+        if ahead.drawing || ahead.context_len != context.len() || ahead.max_tokens != max_tokens {
+            self.undo_chain();
+            return None;
+        }
+        self.ahead.take().map(|ahead| ahead.draft.build())
     }
 
     /// EAGLE-2's tree (`DynamicTree`) with the draft model: one forward for the root (the
@@ -519,10 +604,14 @@ impl Proposer for DraftModelProposer {
     fn begin(&mut self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
         let vocab = self.cache.model.info().vocab_size;
         self.sampler = Some(DraftSampler::new(params, vocab, self.target_vocab, self.confidence_threshold));
+        self.ahead = None;
         self.cache.begin(prompt.len() + params.max_tokens)
     }
 
     fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {
+        if let Some(draft) = self.chain_ahead(context, max_tokens) {
+            return Ok(draft);
+        }
         self.tree = None;
         // The last draft token is never fed, so the draft needs context + max_tokens - 1 positions.
         if max_tokens == 0 || !self.cache.fits(context.len() + max_tokens - 1) {
@@ -540,6 +629,7 @@ impl Proposer for DraftModelProposer {
     }
 
     fn propose_tree(&mut self, context: &[u32], max_depth: usize, limits: TreeLimits) -> Result<Draft> {
+        self.undo_chain();
         self.tree = None;
         if max_depth == 0 || limits.max_nodes == 0 || limits.max_children == 0 || !self.cache.fits(context.len()) {
             return Ok(Draft::default());
@@ -567,8 +657,13 @@ impl Proposer for DraftModelProposer {
         self.cache.keep_path(held.start, &offsets, &tokens)
     }
 
+    fn model_chain(&mut self, _context: &[u32], max_tokens: usize) -> Result<Option<(&mut DraftModelProposer, usize)>> {
+        Ok(Some((self, max_tokens)))
+    }
+
     fn finish(&mut self, _generated: &[u32]) {
         self.tree = None;
+        self.ahead = None;
         self.cache.release();
     }
 

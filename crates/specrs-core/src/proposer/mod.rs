@@ -10,6 +10,7 @@
 //! can run exact rejection sampling.
 
 pub mod auto;
+pub mod chains_together;
 pub mod draft_model;
 pub mod heads;
 pub mod layer_skip;
@@ -25,6 +26,7 @@ use crate::kv_cache::KvCache;
 use crate::metrics::DrafterCounts;
 use crate::model::Tap;
 use candle_core::Tensor;
+use draft_model::DraftModelProposer;
 pub use tree::TreeLimits;
 
 /// Guessed tokens, as a chain (up to k tokens) or a token tree (`tree.rs`), with the draft
@@ -314,6 +316,19 @@ pub trait Proposer: Send {
     /// Proposers that know one guess only return a chain.
     fn propose_tree(&mut self, context: &[u32], max_depth: usize, limits: TreeLimits) -> Result<Draft> {
         self.propose(context, max_depth.min(limits.max_nodes))
+    }
+
+    /// The draft model's chain that `propose(context, max_tokens)` would draft next, so a
+    /// scheduler can draft it together with other requests' chains (`chains_together.rs`): the
+    /// draft model's proposer and the chain's length. The session then calls `propose(context,
+    /// max_tokens)`, which returns that chain. None (the default) for proposers that draft no
+    /// model chain there.
+    fn model_chain(
+        &mut self,
+        _context: &[u32],
+        _max_tokens: usize,
+    ) -> Result<Option<(&mut DraftModelProposer, usize)>> {
+        Ok(None)
     }
 
     /// Whether `propose` depends on its `context` argument alone (n-gram, suffix decoding), so the

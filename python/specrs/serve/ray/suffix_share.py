@@ -1,7 +1,8 @@
 """The suffix cache shared by the replicas of `specrs serve --ray`.
 
 Each replica keeps its own engine-wide suffix cache (what `"method": "suffix"` drafts from); here,
-every response a replica finishes with a suffix config also reaches every other replica's cache
+every response a replica finishes with a suffix config (or an "auto" one, whose suffix lookup
+keeps its own cache) also reaches every other replica's cache
 for that config, so what one replica learned from the traffic speeds up the others. The shared
 part is a bounded log of responses held by the app's coordinator (`SharedResponses`); each replica
 (`ShareClient`) publishes its finished responses to it and pulls the others' every
@@ -29,13 +30,15 @@ from __future__ import annotations
 
 import array
 import asyncio
-import json
 import logging
 import sys
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+
+from ... import _specrs
+from ...errors import SpecrsError
 
 logger = logging.getLogger("specrs.serve")
 
@@ -140,15 +143,15 @@ class SharedResponses:
 
 
 def suffix_config_of(request) -> str | None:
-    """The request's speculative config JSON when it drafts with suffix decoding, else None."""
+    """The request's speculative config JSON when it drafts from a suffix cache ("suffix", and
+    "auto"'s suffix lookup: Rust says which), else None."""
     config = request.speculative_config
     if config is None:
         return None
     try:
-        method = json.loads(config).get("method")
-    except (ValueError, AttributeError):
+        return config if _specrs.Engine.keeps_suffix_cache(config) else None
+    except SpecrsError:
         return None
-    return config if method == "suffix" else None
 
 
 class ShareClient:
