@@ -36,12 +36,13 @@ HI_PROMPT = [{"role": "user", "content": "Say hi."}]
 LIST_PROMPT = [{"role": "user", "content": "List five fruits, one per line, then list them again."}]
 
 # Every proposer family whose drafts can be cut or extended by a grammar: model-free chains (with
-# and without the grammar's forced run), a tree, and the shipped EAGLE-3 head.
+# and without the grammar's forced run), "auto" over the lookups, a tree, and the shipped EAGLE-3 head.
 SPECULATIVE_CONFIGS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
     "ngram_no_grammar_drafts": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                                 "prompt_lookup_max": 3, "grammar_drafts": False},
     "suffix": {"method": "suffix", "num_speculative_tokens": 6},
+    "auto": {"method": "auto", "num_speculative_tokens": 6},
     "ngram_tree": {"method": "ngram", "num_speculative_tokens": 8, "tree": True, "tree_top_k": 3,
                    "prompt_lookup_min": 1, "prompt_lookup_max": 3},
     "suffix_tree": {"method": "suffix", "num_speculative_tokens": 8, "tree": True},
@@ -114,6 +115,11 @@ def test_grammar_forced_drafts_are_accepted_under_greedy(engine):
         t = tree.metrics
         assert t["num_grammar_draft_tokens"] >= 5 and (t["num_tree_drafts"] > 0 or name == "suffix_tree"), t
         assert t["num_grammar_accepted_tokens"] == t["num_grammar_draft_tokens"], t
+    # "auto" without a draft model (lookups only) opens its drafts with the forced run too.
+    auto = run(engine, EXTRACT_PROMPT, params({"json_schema": PERSON_SCHEMA}), SPECULATIVE_CONFIGS["auto"])
+    assert auto.token_ids == out.token_ids
+    a = auto.metrics
+    assert a["num_grammar_draft_tokens"] >= 5 and a["num_grammar_accepted_tokens"] == a["num_grammar_draft_tokens"], a
     off = run(engine, EXTRACT_PROMPT, params({"json_schema": PERSON_SCHEMA}),
               SPECULATIVE_CONFIGS["ngram_no_grammar_drafts"])
     assert off.metrics["num_grammar_draft_tokens"] == 0

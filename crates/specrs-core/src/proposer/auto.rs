@@ -159,6 +159,12 @@ impl Proposer for AutoProposer {
         }
     }
 
+    /// Without a draft model every drafter is a lookup, which drafts from its context alone: the
+    /// session may then open auto's drafts with the grammar's forced run, as for suffix or n-gram.
+    fn drafts_from_context_alone(&self) -> bool {
+        self.drafters.iter().all(|d| d.proposer.drafts_from_context_alone())
+    }
+
     fn observe(&mut self, feedback: &Feedback<'_>) -> Result<()> {
         let Some((i, num_draft_tokens)) = self.chosen.take() else { return Ok(()) };
         let drafter = &mut self.drafters[i];
