@@ -154,6 +154,11 @@ fn sixteen_mixed_requests_batched_yield_what_they_yield_alone() {
         run.reports.iter().any(|r| r.num_context_rows > 0 && r.num_rows > r.num_context_rows),
         "no chunk beside decoding"
     );
+    // One verifier call per step for every request's draft (the host verifier).
+    assert!(run.reports.iter().all(|r| r.num_verifier_calls <= 1), "a step verified more than once");
+    for r in run.reports.iter().filter(|r| r.num_rows > r.num_context_rows) {
+        assert_eq!(r.num_verifier_calls, 1, "{r:?}");
+    }
     let totals = scheduler.totals();
     assert!(totals.num_draft_tokens > 0 && totals.num_accepted_tokens > 0, "{totals:?}");
     let forwards_alone: usize = expected.iter().map(|g| g.metrics.num_forward_passes).sum();

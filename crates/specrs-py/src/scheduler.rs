@@ -192,6 +192,7 @@ fn report_dict<'py>(py: Python<'py>, r: &StepReport) -> PyResult<Bound<'py, PyDi
     d.set_item("num_draft_tokens", r.num_draft_tokens)?;
     d.set_item("num_chains_drafted_together", r.num_chains_drafted_together)?;
     d.set_item("num_shared_draft_forwards", r.num_shared_draft_forwards)?;
+    d.set_item("num_verifier_calls", r.num_verifier_calls)?;
     d.set_item("num_accepted_tokens", r.num_accepted_tokens)?;
     d.set_item("num_admitted", r.num_admitted)?;
     d.set_item("num_shared_prompt_tokens", r.num_shared_prompt_tokens)?;

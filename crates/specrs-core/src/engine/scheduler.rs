@@ -22,8 +22,9 @@
 //!    with `DraftBudget::Off`, each request's own length in arrival order, as a fixed-k server).
 //! 4. **Draft** the draft-model chains of every request together, one draft forward per depth
 //!    (`step_together::draft_chains`); the other proposers draft as each request plans.
-//! 5. **Forward and commit** (`step_together::forward_and_commit`); each request's tokens, its end
-//!    or its error come back as a `RequestOutput`.
+//! 5. **Forward, verify and commit** (`step_together::forward_and_commit`): one forward, one
+//!    verifier call for every request's draft (on the host), then each request's commit; its
+//!    tokens, its end or its error come back as a `RequestOutput`.
 //!
 //! Invariant (identical outputs): a request's tokens are exactly those it yields stepped alone.
 //! Rows are computed bitwise independently of what else is in the forward (model/forward.rs), so
@@ -169,6 +170,9 @@ pub struct StepReport {
     /// draft forwards they took (alone: one per chain and draft token).
     pub num_chains_drafted_together: usize,
     pub num_shared_draft_forwards: usize,
+    /// Verifier calls that decided the step's drafts: one for all requests on the host (one per
+    /// request verified on a GPU, where each verifies with the device kernels).
+    pub num_verifier_calls: usize,
     pub num_accepted_tokens: usize,
     pub num_admitted: usize,
     /// Prompt positions admitted samples copied from their first sample instead of computing.
@@ -468,9 +472,10 @@ impl Scheduler {
             let planned: Vec<usize> = plans.iter().map(|(i, _)| *i).collect();
             let mut sessions: Vec<&mut Session> = self.running.iter_mut().map(|r| &mut r.session).collect();
             match guard(|| forward_and_commit(&mut sessions, plans)) {
-                Ok((committed, forward_s)) => {
-                    self.totals.forward_s += forward_s;
-                    for (i, outcome) in committed {
+                Ok(committed) => {
+                    self.totals.forward_s += committed.forward_s;
+                    report.num_verifier_calls = committed.num_verifier_calls;
+                    for (i, outcome) in committed.outcomes {
                         let running = &self.running[i];
                         match outcome {
                             Ok(step) => {

@@ -31,6 +31,7 @@ use candle_core::Tensor;
 
 use super::logits_processor::{bad_words_token_ids, LogitsProcessor};
 use super::output_text::OutputText;
+use super::step_together::step_together;
 use super::{lock, Engine, Speculation};
 use crate::config::SamplingParams;
 use crate::costs::CostSource;
@@ -40,12 +41,14 @@ use crate::draft_length::Verdict;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::metrics::{EngineMetrics, IdleReason, RequestMetrics, RequestTimer, SpecDecodeMetrics};
-use crate::model::{CausalLm, ForwardBatch, LogitRows, SeqRows, Tap};
+use crate::model::{CausalLm, LogitRows, SeqRows, Tap};
 use crate::proposer::chains_together::ChainJob;
 use crate::proposer::tree::{path_tokens, rank_paths};
 use crate::proposer::{Draft, Feedback, ProposeInput, TreeLimits};
 use crate::sampler::Sampler;
 use crate::tokenizer::TextTokenizer;
+use crate::verify::batch::{SeqRule, VerifyBatchBuilder};
+use crate::verify::host::sequence_inputs;
 use crate::verify::tree::{verify_tree, TreeVerification};
 use crate::verify::verify;
 
@@ -373,19 +376,11 @@ impl Session {
         &self.all_ids[self.prompt_len..]
     }
 
-    /// One step for this request alone: `plan`, one target forward over the planned rows,
-    /// `commit`. A scheduler runs the middle for many sessions at once (`scheduler.rs`).
+    /// One step for this request alone, through the scheduler's driver (`step_together`): plan,
+    /// one target forward over the planned rows, one verification, commit.
     pub fn step(&mut self) -> Result<StepOutput> {
-        let Some(plan) = self.plan()? else { return Ok(StepOutput::default()) };
-        let taps = self.taps();
-        let batch = ForwardBatch::new(std::slice::from_ref(&plan.rows), &[self.cache.len()], taps.clone())?;
-        let t0 = Instant::now();
-        let out = self.model.forward_batch(&batch, &mut [&mut self.cache])?;
-        // A GPU forward returns before it runs; wait, so forward_s is the forward's own time.
-        out.logits.device().synchronize()?;
-        let forward_s = t0.elapsed().as_secs_f64();
-        let hidden: Vec<(Tap, Tensor)> = taps.into_iter().zip(out.hidden).collect();
-        self.commit(plan, &out.logits, &hidden, forward_s)
+        let mut sessions = [self];
+        step_together(&mut sessions)?.pop().expect("one session, one result")
     }
 
     /// Hidden states this request's proposer reads from the target (`Proposer::taps`); a forward
@@ -472,6 +467,8 @@ impl Session {
     /// the proposer's taps over the plan's rows (each `[plan.rows.tokens.len(), hidden]`);
     /// `forward_s` is the forward's time (shared by every session in a batched one). Verifies the
     /// draft, keeps the accepted positions in the cache, tells the proposer, emits the tokens.
+    /// (`step_together` verifies every session of a host forward in one call instead:
+    /// `verify_part`, then `commit_verdict`.)
     pub fn commit(
         &mut self,
         plan: StepPlan,
@@ -479,6 +476,17 @@ impl Session {
         hidden: &[(Tap, Tensor)],
         forward_s: f64,
     ) -> Result<StepOutput> {
+        if self.commit_context(&plan, hidden)? {
+            return Ok(StepOutput::default());
+        }
+        let verify_started = Instant::now();
+        let (verification, host_logits) = self.verify_step(logits, &plan.draft)?;
+        self.apply_verification(plan, verification, host_logits.as_deref(), hidden, forward_s, verify_started)
+    }
+
+    /// The start of every commit: checks the forward added exactly the plan's rows and counts it;
+    /// a prompt chunk (no token, nothing to verify) is committed here (returns true).
+    pub(super) fn commit_context(&mut self, plan: &StepPlan, hidden: &[(Tap, Tensor)]) -> Result<bool> {
         if self.cache.len() != plan.cache_len + plan.rows.tokens.len() {
             return Err(Error::Internal(format!(
                 "commit: the cache holds {} positions, but the plan left it at {} and added {} rows",
@@ -490,12 +498,71 @@ impl Session {
         self.num_forward_passes += 1;
         if plan.kind == PlanKind::PrefillChunk {
             self.observe_hidden(plan.cache_len, plan.rows.tokens.len(), hidden)?;
-            return Ok(StepOutput::default());
+            return Ok(true);
         }
-        let t1 = Instant::now();
+        Ok(false)
+    }
+
+    /// This session's sequence in the step's one verification (`step_together`) over its host
+    /// logits `[n + 1, vocab]` (processed here, in place, as `verify_step` does): its draft, its
+    /// rule and what the rule reads of its random streams (`host::sequence_inputs`).
+    pub(super) fn verify_part(
+        &mut self,
+        plan: &StepPlan,
+        logits: &mut [f32],
+        batch: &mut VerifyBatchBuilder,
+    ) -> Result<()> {
+        let draft = &plan.draft;
+        let vocab = self.model.info().vocab_size;
+        if let Some(processor) = self.processor.as_mut() {
+            let paths = draft_paths(draft);
+            processor.process_rows(logits, vocab, &paths)?;
+        }
+        let parents = draft.parents();
+        let rule = SeqRule::new(&self.params, draft.probs.is_some(), draft.parents.is_some());
+        let (row_noise, uniforms) = sequence_inputs(&rule, &parents, &self.sampler, self.all_ids.len())?;
+        batch.push(&draft.token_ids, &parents, rule, &row_noise, &uniforms, draft.probs.as_deref());
+        Ok(())
+    }
+
+    /// `commit` of a session verified in the step's one verification: `accepted` (its accepted
+    /// nodes, root's child first), `next_token` and the sequential uniforms the walk read, over its
+    /// processed `host_logits` `[n + 1, vocab]`; `verify_started`: when the step's verification
+    /// began.
+    #[allow(clippy::too_many_arguments)] // the verdict's three parts and commit's own inputs
+    pub(super) fn commit_verdict(
+        &mut self,
+        plan: StepPlan,
+        accepted: &[u32],
+        next_token: u32,
+        uniforms_used: usize,
+        host_logits: &[f32],
+        hidden: &[(Tap, Tensor)],
+        forward_s: f64,
+        verify_started: Instant,
+    ) -> Result<StepOutput> {
+        self.sampler.skip_uniforms(uniforms_used);
+        let accepted_path: Vec<usize> = accepted.iter().map(|&node| node as usize).collect();
+        let mut token_ids: Vec<u32> = accepted_path.iter().map(|&node| plan.draft.token_ids[node]).collect();
+        token_ids.push(next_token);
+        let verification = TreeVerification { accepted_path, token_ids };
+        self.apply_verification(plan, verification, Some(host_logits), hidden, forward_s, verify_started)
+    }
+
+    /// The rest of a commit, once the draft is verified: keeps the accepted positions, tells the
+    /// proposer and the policies, emits the tokens (with logprobs from `host_logits`).
+    fn apply_verification(
+        &mut self,
+        plan: StepPlan,
+        verification: TreeVerification,
+        host_logits: Option<&[f32]>,
+        hidden: &[(Tap, Tensor)],
+        forward_s: f64,
+        verify_started: Instant,
+    ) -> Result<StepOutput> {
+        let t1 = verify_started;
         let draft = &plan.draft;
         let num_draft_tokens = draft.token_ids.len();
-        let (verification, host_logits) = self.verify_step(logits, draft)?;
         let num_accepted = verification.accepted_path.len();
         // Keep [newest token, accepted path]; the rest of the draft leaves the cache.
         let kept_start = plan.cache_len + plan.num_unseen;
@@ -567,7 +634,7 @@ impl Session {
         for (&token, &row) in verification.token_ids.iter().zip(&rows) {
             self.all_ids.push(token);
             new_ids.push(token);
-            if let (Some(n), Some(logits)) = (self.params.logprobs, host_logits.as_deref()) {
+            if let (Some(n), Some(logits)) = (self.params.logprobs, host_logits) {
                 let vocab = self.model.info().vocab_size;
                 let row = &logits[row * vocab..(row + 1) * vocab];
                 new_logprobs.push(token_logprobs(row, token, n, self.params.temperature));
@@ -660,12 +727,7 @@ impl Session {
         let mut logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
         let vocab = self.model.info().vocab_size;
         if let Some(processor) = self.processor.as_mut() {
-            // Row 0 follows the output so far; row 1 + i follows draft node i's path.
-            let parents = draft.parents();
-            let paths: Vec<Vec<u32>> = std::iter::once(Vec::new())
-                .chain((0..draft.token_ids.len()).map(|node| path_tokens(&draft.token_ids, &parents, node)))
-                .collect();
-            processor.process_rows(&mut logits, vocab, &paths)?;
+            processor.process_rows(&mut logits, vocab, &draft_paths(draft))?;
         }
         let verification = self.verify_rows(&logits, draft)?;
         Ok((verification, Some(logits)))
@@ -1174,6 +1236,15 @@ impl Session {
             logprobs: self.params.logprobs.map(|_| self.logprobs.clone()),
         }
     }
+}
+
+/// The token path each verify row follows, for a logits processor: row 0 the output so far
+/// (empty), row 1 + i draft node i's path.
+fn draft_paths(draft: &Draft) -> Vec<Vec<u32>> {
+    let parents = draft.parents();
+    std::iter::once(Vec::new())
+        .chain((0..draft.token_ids.len()).map(|node| path_tokens(&draft.token_ids, &parents, node)))
+        .collect()
 }
 
 /// `own` (a chain or a tree) drafted after the grammar's `forced` run: the run as a trunk from

@@ -19,6 +19,8 @@ use crate::error::{guard, Error, Result};
 use crate::kv_cache::KvCache;
 use crate::model::{ForwardBatch, SeqRows, Tap};
 use crate::proposer::chains_together::{draft_chains_together, ChainsDrafted};
+use crate::verify::batch::VerifyBatchBuilder;
+use crate::verify::host::verify_batch;
 
 /// One step of every session in `sessions` (finished ones yield nothing), their forwards run as
 /// one. All sessions must run on one model. Returns each session's step result, in order.
@@ -40,7 +42,7 @@ pub fn step_together(sessions: &mut [&mut Session]) -> Result<Vec<Result<StepOut
         }
     }
     if !plans.is_empty() {
-        for (i, outcome) in forward_and_commit(sessions, plans)?.0 {
+        for (i, outcome) in forward_and_commit(sessions, plans)?.outcomes {
             results[i] = Some(outcome);
         }
     }
@@ -53,11 +55,19 @@ pub(super) fn draft_chains<'a>(sessions: impl IntoIterator<Item = (&'a mut Sessi
     draft_chains_together(sessions.into_iter().filter_map(|(session, limits)| session.chain_job(limits)).collect())
 }
 
-/// Each planned session's step (by its index in `sessions`), and the forward's seconds.
-pub(super) type Committed = (Vec<(usize, Result<StepOutput>)>, f64);
+/// What `forward_and_commit` did: each planned session's step (by its index in `sessions`, in plan
+/// order), the forward's seconds, and how many verifier calls decided the step's drafts.
+pub(super) struct Committed {
+    pub outcomes: Vec<(usize, Result<StepOutput>)>,
+    pub forward_s: f64,
+    pub num_verifier_calls: usize,
+}
 
-/// The shared forward over `plans` (session index, plan), then each session's commit (a panic in
-/// one commit is that session's error alone).
+/// The shared forward over `plans` (session index, plan), then the step's verification and each
+/// session's commit (a panic in one commit is that session's error alone). On the host, every
+/// session's draft is verified in ONE call (`verify::host::verify_batch` over the step's logits
+/// as the forward returned them); on a GPU each session still verifies its own where its logits
+/// are (`Session::commit`: the device kernels).
 pub(super) fn forward_and_commit(sessions: &mut [&mut Session], plans: Vec<(usize, StepPlan)>) -> Result<Committed> {
     let session_taps: Vec<Vec<Tap>> = plans.iter().map(|(i, _)| sessions[*i].taps()).collect();
     let mut taps: Vec<Tap> = Vec::new();
@@ -82,23 +92,122 @@ pub(super) fn forward_and_commit(sessions: &mut [&mut Session], plans: Vec<(usiz
     out.logits.device().synchronize()?;
     let forward_s = t0.elapsed().as_secs_f64();
 
-    let mut logit_start = 0;
-    let mut committed = Vec::with_capacity(plans.len());
-    for (s, ((i, plan), own_taps)) in plans.into_iter().zip(session_taps).enumerate() {
-        let num_logits = plan.rows.logit_rows.len();
-        let logits = out.logits.narrow(0, logit_start, num_logits)?;
-        logit_start += num_logits;
-        let range = batch.seq_range(s);
-        let hidden = own_taps
-            .iter()
-            .map(|tap| {
-                let at = taps.iter().position(|t| t == tap).expect("the batch has every session's taps");
-                Ok((*tap, out.hidden[at].narrow(0, range.start, range.len())?))
-            })
-            .collect::<Result<Vec<(Tap, Tensor)>>>();
-        let session = &mut *sessions[i];
-        let outcome = hidden.and_then(|hidden| guard(|| session.commit(plan, &logits, &hidden, forward_s)));
-        committed.push((i, outcome));
+    // Each session's taps over its own rows.
+    let hidden: Vec<Result<Vec<(Tap, Tensor)>>> = session_taps
+        .iter()
+        .enumerate()
+        .map(|(s, own_taps)| {
+            let range = batch.seq_range(s);
+            own_taps
+                .iter()
+                .map(|tap| {
+                    let at = taps.iter().position(|t| t == tap).expect("the batch has every session's taps");
+                    Ok((*tap, out.hidden[at].narrow(0, range.start, range.len())?))
+                })
+                .collect()
+        })
+        .collect();
+    if out.logits.device().is_cuda() {
+        let num_verifier_calls = plans.iter().filter(|(_, plan)| !plan.rows.logit_rows.is_empty()).count();
+        let mut logit_start = 0;
+        let mut outcomes = Vec::with_capacity(plans.len());
+        for ((i, plan), hidden) in plans.into_iter().zip(hidden) {
+            let num_logits = plan.rows.logit_rows.len();
+            let logits = out.logits.narrow(0, logit_start, num_logits)?;
+            logit_start += num_logits;
+            let session = &mut *sessions[i];
+            outcomes.push((i, hidden.and_then(|hidden| guard(|| session.commit(plan, &logits, &hidden, forward_s)))));
+        }
+        return Ok(Committed { outcomes, forward_s, num_verifier_calls });
     }
-    Ok((committed, forward_s))
+    verify_once_and_commit(sessions, plans, &out.logits, hidden, forward_s)
+}
+
+/// The host path of `forward_and_commit`: each session's part of the one verification
+/// (`Session::verify_part`: its processed logit rows, rule and random inputs), ONE
+/// `verify_batch` over all of them, then each session's commit of its verdict.
+fn verify_once_and_commit(
+    sessions: &mut [&mut Session],
+    plans: Vec<(usize, StepPlan)>,
+    logits: &Tensor,
+    hidden: Vec<Result<Vec<(Tap, Tensor)>>>,
+    forward_s: f64,
+) -> Result<Committed> {
+    let verify_started = Instant::now();
+    let vocab = logits.dim(1)?;
+    let mut host: Vec<f32> = logits.flatten_all()?.to_vec1()?; // [R, vocab]: every plan's logit rows, in plan order
+    let mut outcomes: Vec<Option<(usize, Result<StepOutput>)>> = (0..plans.len()).map(|_| None).collect();
+    let mut builder = VerifyBatchBuilder::new(vocab);
+    // (plan index, session index, plan, its logit values in `host`, its taps)
+    let mut verifying = Vec::with_capacity(plans.len());
+    let mut next_row = 0;
+    for (p, ((i, plan), hidden)) in plans.into_iter().zip(hidden).enumerate() {
+        let values = next_row * vocab..(next_row + plan.rows.logit_rows.len()) * vocab;
+        next_row += plan.rows.logit_rows.len();
+        let session = &mut *sessions[i];
+        let hidden = match hidden {
+            Ok(hidden) => hidden,
+            Err(error) => {
+                outcomes[p] = Some((i, Err(error)));
+                continue;
+            }
+        };
+        match guard(|| session.commit_context(&plan, &hidden)) {
+            Ok(false) => {}
+            Ok(true) => {
+                outcomes[p] = Some((i, Ok(StepOutput::default())));
+                continue;
+            }
+            Err(error) => {
+                outcomes[p] = Some((i, Err(error)));
+                continue;
+            }
+        }
+        match guard(|| session.verify_part(&plan, &mut host[values.clone()], &mut builder)) {
+            Ok(()) => verifying.push((p, i, plan, values, hidden)),
+            Err(error) => outcomes[p] = Some((i, Err(error))),
+        }
+    }
+    let num_verifier_calls = usize::from(!verifying.is_empty());
+    if !verifying.is_empty() {
+        // The verified sessions' logit rows in order: the forward's own, unless a session left.
+        let num_values: usize = verifying.iter().map(|(_, _, _, values, _)| values.len()).sum();
+        let compacted: Vec<f32>;
+        let batch_logits = if num_values == host.len() {
+            host.as_slice()
+        } else {
+            compacted =
+                verifying.iter().flat_map(|(_, _, _, values, _)| host[values.clone()].iter().copied()).collect();
+            compacted.as_slice()
+        };
+        match verify_batch(&builder.batch(), batch_logits) {
+            Ok(verdicts) => {
+                for (s, (p, i, plan, values, hidden)) in verifying.into_iter().enumerate() {
+                    let session = &mut *sessions[i];
+                    let (accepted, next_token) = (verdicts.accepted(s), verdicts.next_tokens[s]);
+                    let uniforms_used = verdicts.uniforms_used[s] as usize;
+                    let outcome = guard(|| {
+                        session.commit_verdict(
+                            plan,
+                            accepted,
+                            next_token,
+                            uniforms_used,
+                            &host[values],
+                            &hidden,
+                            forward_s,
+                            verify_started,
+                        )
+                    });
+                    outcomes[p] = Some((i, outcome));
+                }
+            }
+            Err(error) => {
+                for (p, i, ..) in verifying {
+                    outcomes[p] = Some((i, Err(Error::Internal(format!("the step's verification failed: {error}")))));
+                }
+            }
+        }
+    }
+    let outcomes = outcomes.into_iter().map(|o| o.expect("every plan has an outcome")).collect();
+    Ok(Committed { outcomes, forward_s, num_verifier_calls })
 }

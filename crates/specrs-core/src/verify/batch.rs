@@ -145,6 +145,72 @@ impl Verdicts {
     }
 }
 
+/// A `VerifyBatch`'s arrays, built one sequence at a time: what the step's one verification
+/// gathers from its sessions (`engine/step_together.rs`), and a single sequence (`verify_one`).
+#[derive(Debug, Clone, Default)]
+pub struct VerifyBatchBuilder {
+    vocab_size: usize,
+    node_offsets: Vec<u32>,
+    draft_ids: Vec<u32>,
+    parents: Vec<i32>,
+    rules: Vec<SeqRule>,
+    row_noise: Vec<RowNoise>,
+    uniform_offsets: Vec<u32>,
+    uniforms: Vec<f32>,
+    prob_rows: Vec<u32>,
+    draft_probs: Vec<f32>,
+}
+
+impl VerifyBatchBuilder {
+    pub fn new(vocab_size: usize) -> Self {
+        Self { vocab_size, node_offsets: vec![0], uniform_offsets: vec![0], ..Self::default() }
+    }
+
+    /// Adds a sequence: its draft (`draft_ids`, `parents` within it), rule, `[n + 1]` row noise
+    /// (root first), the sequential uniforms its rule reads, and its `[n, vocab]` q rows if any.
+    pub fn push(
+        &mut self,
+        draft_ids: &[u32],
+        parents: &[i32],
+        rule: SeqRule,
+        row_noise: &[RowNoise],
+        uniforms: &[f32],
+        draft_probs: Option<&[f32]>,
+    ) {
+        let q_base = (self.draft_probs.len() / self.vocab_size.max(1)) as u32;
+        self.prob_rows.extend((0..draft_ids.len() as u32).map(|i| draft_probs.map_or(NO_ROW, |_| q_base + i)));
+        self.draft_probs.extend_from_slice(draft_probs.unwrap_or(&[]));
+        self.draft_ids.extend_from_slice(draft_ids);
+        self.parents.extend_from_slice(parents);
+        self.node_offsets.push(self.draft_ids.len() as u32);
+        self.rules.push(rule);
+        self.row_noise.extend_from_slice(row_noise);
+        self.uniforms.extend_from_slice(uniforms);
+        self.uniform_offsets.push(self.uniforms.len() as u32);
+    }
+
+    pub fn num_seqs(&self) -> usize {
+        self.rules.len()
+    }
+
+    /// The batch over these arrays (`prob_rows` empty when no sequence has q rows).
+    pub fn batch(&self) -> VerifyBatch<'_> {
+        let prob_rows: &[u32] = if self.draft_probs.is_empty() { &[] } else { &self.prob_rows };
+        VerifyBatch {
+            vocab_size: self.vocab_size,
+            node_offsets: &self.node_offsets,
+            draft_ids: &self.draft_ids,
+            parents: &self.parents,
+            rules: &self.rules,
+            row_noise: &self.row_noise,
+            uniform_offsets: &self.uniform_offsets,
+            uniforms: &self.uniforms,
+            prob_rows,
+            draft_probs: &self.draft_probs,
+        }
+    }
+}
+
 fn bad(message: String) -> Error {
     Error::Internal(format!("verify batch: {message}"))
 }

@@ -19,7 +19,7 @@
 
 use rayon::prelude::*;
 
-use super::batch::{Mode, RowNoise, SeqRule, Verdicts, VerifyBatch, NO_ROW};
+use super::batch::{Mode, RowNoise, SeqRule, Verdicts, VerifyBatch, VerifyBatchBuilder, NO_ROW};
 use crate::config::SamplingParams;
 use crate::error::Result;
 use crate::sampler::{argmax, draw_with, probabilities, Sampler};
@@ -202,8 +202,26 @@ pub fn verify_one(
     position: usize,
     declared_tree: bool,
 ) -> Result<(Vec<usize>, u32)> {
-    let n = draft_ids.len();
     let rule = SeqRule::new(params, draft_probs.is_some(), declared_tree);
+    let (row_noise, uniforms) = sequence_inputs(&rule, parents, sampler, position)?;
+    let mut builder = VerifyBatchBuilder::new(vocab_size);
+    builder.push(draft_ids, parents, rule, &row_noise, &uniforms, draft_probs);
+    let verdicts = verify_batch(&builder.batch(), logits)?;
+    sampler.skip_uniforms(verdicts.uniforms_used[0] as usize);
+    Ok((verdicts.accepted(0).iter().map(|&i| i as usize).collect(), verdicts.next_tokens[0]))
+}
+
+/// What `rule` reads of a sequence's random streams for a draft with `parents` whose root token
+/// is emitted at `position`: `[n + 1]` row noise (coupled: each row's position's uniform; else
+/// unread) and the sequential uniforms a rejection walk may read (peeked: the caller consumes
+/// `Verdicts::uniforms_used` of them with `Sampler::skip_uniforms`).
+pub fn sequence_inputs(
+    rule: &SeqRule,
+    parents: &[i32],
+    sampler: &Sampler,
+    position: usize,
+) -> Result<(Vec<RowNoise>, Vec<f32>)> {
+    let n = parents.len();
     let row_noise: Vec<RowNoise> = if rule.mode == Mode::Coupled {
         let depths = crate::tree::depths(parents)?;
         std::iter::once(position)
@@ -213,24 +231,7 @@ pub fn verify_one(
     } else {
         vec![RowNoise::Uniform(0.0); n + 1]
     };
-    let uniforms = sampler.peek_uniforms(rule.uniforms_needed(n));
-    let prob_rows: Vec<u32> = if draft_probs.is_some() { (0..n as u32).collect() } else { Vec::new() };
-    let rules = [rule];
-    let batch = VerifyBatch {
-        vocab_size,
-        node_offsets: &[0, n as u32],
-        draft_ids,
-        parents,
-        rules: &rules,
-        row_noise: &row_noise,
-        uniform_offsets: &[0, uniforms.len() as u32],
-        uniforms: &uniforms,
-        prob_rows: &prob_rows,
-        draft_probs: draft_probs.unwrap_or(&[]),
-    };
-    let verdicts = verify_batch(&batch, logits)?;
-    sampler.skip_uniforms(verdicts.uniforms_used[0] as usize);
-    Ok((verdicts.accepted(0).iter().map(|&i| i as usize).collect(), verdicts.next_tokens[0]))
+    Ok((row_noise, sampler.peek_uniforms(rule.uniforms_needed(n))))
 }
 
 #[cfg(test)]
