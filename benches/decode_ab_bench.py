@@ -4,6 +4,11 @@ fresh process. Used to check that a change to the model layer costs no decode sp
 
     python benches/decode_ab_bench.py --a-wheel OLD.whl [--b-wheel NEW.whl] [--rounds 5] [--out ab.json]
         [--model qwen2.5-coder-1.5b ...]   # default: smollm2-135m and gemma3-270m
+        [--batch 16 --speculative '{"method": "ngram", "num_speculative_tokens": 4}']
+
+With `--batch N`, N requests (the prompt, numbered) go through one batched `Engine.generate`
+(the scheduler), optionally speculative; the figure is then all their tokens over the call's
+wall time (prefill included), for changes to the step driver.
 
 Each wheel is installed (no dependencies) into its own directory under --work and put first on
 PYTHONPATH; without --b-wheel, B is the specrs this Python imports. Figures: decode tokens/s
@@ -25,12 +30,21 @@ from pathlib import Path
 MODELS = ["smollm2-135m", "gemma3-270m"]
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 WORKER = """
-import json, sys, specrs
+import json, sys, time, specrs
 engine = specrs.Engine(sys.argv[1])
+batch, spec = int(sys.argv[4]), json.loads(sys.argv[5])
 params = specrs.SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), ignore_eos=True)
-engine.generate(sys.argv[2], specrs.SamplingParams(temperature=0, max_tokens=8), speculative_config=False)  # warm-up
-out = engine.generate(sys.argv[2], params, speculative_config=False)
-print(json.dumps({"decode_tokens_per_s": out.metrics["decode_tokens_per_s"], "tokens": out.token_ids}))
+engine.generate(sys.argv[2], specrs.SamplingParams(temperature=0, max_tokens=8), speculative_config=spec)  # warm-up
+if batch == 1:
+    out = engine.generate(sys.argv[2], params, speculative_config=spec)
+    print(json.dumps({"decode_tokens_per_s": out.metrics["decode_tokens_per_s"], "tokens": out.token_ids}))
+else:
+    prompts = [f"{sys.argv[2]} ({i + 1})" for i in range(batch)]
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params, speculative_config=spec)
+    wall = time.perf_counter() - start
+    tokens = [o.token_ids for o in outs]
+    print(json.dumps({"decode_tokens_per_s": sum(map(len, tokens)) / wall, "tokens": tokens}))
 """
 
 
@@ -41,12 +55,13 @@ def install(wheel: str, into: Path) -> Path:
     return into
 
 
-def run(site: Path | None, model: str, max_tokens: int) -> dict:
+def run(site: Path | None, model: str, max_tokens: int, batch: int, speculative: str) -> dict:
     env = dict(os.environ)
     if site is not None:
         env["PYTHONPATH"] = str(site) + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run(
-        [sys.executable, "-c", WORKER, model, PROMPT, str(max_tokens)], env=env, check=True, capture_output=True, text=True
+        [sys.executable, "-c", WORKER, model, PROMPT, str(max_tokens), str(batch), speculative],
+        env=env, check=True, capture_output=True, text=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -63,6 +78,8 @@ def main() -> None:
                         help="the builds round differently on purpose (e.g. SPECRS_CPU_KERNELS=avx2 across the AVX2 "
                              "tile kernel): report where their tokens part instead of stopping")
     parser.add_argument("--model", action="append", help=f"a model name or path (repeatable; default {MODELS})")
+    parser.add_argument("--batch", type=int, default=1, help="requests in one batched generate (default 1)")
+    parser.add_argument("--speculative", default="false", help="speculative config JSON (default false: off)")
     args = parser.parse_args()
     work = Path(args.work)
     site_a = install(args.a_wheel, work / "a")
@@ -71,7 +88,8 @@ def main() -> None:
     for model in args.model or MODELS:
         a, b, ratios = [], [], []
         for _ in range(args.rounds):
-            ra, rb = run(site_a, model, args.max_tokens), run(site_b, model, args.max_tokens)
+            ra = run(site_a, model, args.max_tokens, args.batch, args.speculative)
+            rb = run(site_b, model, args.max_tokens, args.batch, args.speculative)
             if ra["tokens"] != rb["tokens"]:
                 if not args.numerics_change:
                     raise SystemExit(f"{model}: the two builds decoded different tokens")
@@ -89,7 +107,9 @@ def main() -> None:
         print(f"{model}: A {results[model]['a_tokens_per_s']:.1f} tok/s, B {results[model]['b_tokens_per_s']:.1f} "
               f"tok/s, B/A {results[model]['b_over_a']:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
     if args.out:
-        Path(args.out).write_text(json.dumps({"rounds": args.rounds, "max_tokens": args.max_tokens, "results": results}, indent=2))
+        report = {"rounds": args.rounds, "max_tokens": args.max_tokens, "batch": args.batch,
+                  "speculative": json.loads(args.speculative), "results": results}
+        Path(args.out).write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

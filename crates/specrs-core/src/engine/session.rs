@@ -479,9 +479,10 @@ impl Session {
         if self.commit_context(&plan, hidden)? {
             return Ok(StepOutput::default());
         }
-        let verify_started = Instant::now();
+        let t0 = Instant::now();
         let (verification, host_logits) = self.verify_step(logits, &plan.draft)?;
-        self.apply_verification(plan, verification, host_logits.as_deref(), hidden, forward_s, verify_started)
+        let verify_s = t0.elapsed().as_secs_f64();
+        self.apply_verification(plan, verification, host_logits.as_deref(), hidden, forward_s, verify_s)
     }
 
     /// The start of every commit: checks the forward added exactly the plan's rows and counts it;
@@ -527,8 +528,8 @@ impl Session {
 
     /// `commit` of a session verified in the step's one verification: `accepted` (its accepted
     /// nodes, root's child first), `next_token` and the sequential uniforms the walk read, over its
-    /// processed `host_logits` `[n + 1, vocab]`; `verify_started`: when the step's verification
-    /// began.
+    /// processed `host_logits` `[n + 1, vocab]`; `verify_s`: that verification's seconds (shared by
+    /// every session in it, like `forward_s`).
     #[allow(clippy::too_many_arguments)] // the verdict's three parts and commit's own inputs
     pub(super) fn commit_verdict(
         &mut self,
@@ -539,18 +540,19 @@ impl Session {
         host_logits: &[f32],
         hidden: &[(Tap, Tensor)],
         forward_s: f64,
-        verify_started: Instant,
+        verify_s: f64,
     ) -> Result<StepOutput> {
         self.sampler.skip_uniforms(uniforms_used);
         let accepted_path: Vec<usize> = accepted.iter().map(|&node| node as usize).collect();
         let mut token_ids: Vec<u32> = accepted_path.iter().map(|&node| plan.draft.token_ids[node]).collect();
         token_ids.push(next_token);
         let verification = TreeVerification { accepted_path, token_ids };
-        self.apply_verification(plan, verification, Some(host_logits), hidden, forward_s, verify_started)
+        self.apply_verification(plan, verification, Some(host_logits), hidden, forward_s, verify_s)
     }
 
-    /// The rest of a commit, once the draft is verified: keeps the accepted positions, tells the
-    /// proposer and the policies, emits the tokens (with logprobs from `host_logits`).
+    /// The rest of a commit, once the draft is verified (in `verify_s` seconds): keeps the
+    /// accepted positions, tells the proposer and the policies, emits the tokens (with logprobs
+    /// from `host_logits`).
     fn apply_verification(
         &mut self,
         plan: StepPlan,
@@ -558,9 +560,9 @@ impl Session {
         host_logits: Option<&[f32]>,
         hidden: &[(Tap, Tensor)],
         forward_s: f64,
-        verify_started: Instant,
+        verify_s: f64,
     ) -> Result<StepOutput> {
-        let t1 = verify_started;
+        let t1 = Instant::now();
         let draft = &plan.draft;
         let num_draft_tokens = draft.token_ids.len();
         let num_accepted = verification.accepted_path.len();
@@ -589,7 +591,7 @@ impl Session {
                 self.spec_metrics.observe_idle(plan.idle.unwrap_or(IdleReason::NoDraft));
             }
             self.spec_metrics.forward_s += forward_s;
-            self.spec_metrics.verify_s += t1.elapsed().as_secs_f64();
+            self.spec_metrics.verify_s += verify_s + t1.elapsed().as_secs_f64();
         }
         if num_draft_tokens > 0 {
             self.spec_metrics.observe_draft(num_draft_tokens, num_accepted);

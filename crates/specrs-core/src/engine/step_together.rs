@@ -182,6 +182,7 @@ fn verify_once_and_commit(
         };
         match verify_batch(&builder.batch(), batch_logits) {
             Ok(verdicts) => {
+                let verify_s = verify_started.elapsed().as_secs_f64();
                 for (s, (p, i, plan, values, hidden)) in verifying.into_iter().enumerate() {
                     let session = &mut *sessions[i];
                     let (accepted, next_token) = (verdicts.accepted(s), verdicts.next_tokens[s]);
@@ -195,7 +196,7 @@ fn verify_once_and_commit(
                             &host[values],
                             &hidden,
                             forward_s,
-                            verify_started,
+                            verify_s,
                         )
                     });
                     outcomes[p] = Some((i, outcome));

@@ -156,62 +156,63 @@ mod tests {
         proposers.iter_mut().zip(contexts).zip(lengths).map(|((p, c), &n)| p.propose(c, n).unwrap()).collect()
     }
 
+    /// Every request's chain drafted together, `longer` tokens longer than `lengths`; what was
+    /// drafted, and each request's drafting seconds.
+    fn together(
+        proposers: &mut [DraftModelProposer],
+        contexts: &[Vec<u32>],
+        lengths: &[usize],
+        longer: usize,
+    ) -> (ChainsDrafted, Vec<f64>) {
+        let mut seconds = vec![0.0; proposers.len()];
+        let jobs = proposers
+            .iter_mut()
+            .zip(contexts)
+            .zip(lengths)
+            .zip(&mut seconds)
+            .map(|(((drafter, context), &n), propose_s)| ChainJob {
+                drafter,
+                context,
+                max_tokens: n + longer,
+                propose_s,
+            })
+            .collect();
+        (draft_chains_together(jobs), seconds)
+    }
+
+    fn assert_same_drafts(expected: &[Draft], got: &[Draft]) {
+        for (a, t) in expected.iter().zip(got) {
+            assert_eq!((&a.token_ids, &a.probs), (&t.token_ids, &t.probs));
+        }
+    }
+
     #[test]
     fn chains_drafted_together_are_the_chains_drafted_alone_in_one_forward_per_depth() {
         let expected = two_steps(alone);
         let mut steps = Vec::new();
-        let together = two_steps(|proposers, contexts, lengths| {
-            let mut seconds = vec![0.0; proposers.len()];
-            let jobs = proposers
-                .iter_mut()
-                .zip(contexts)
-                .zip(lengths)
-                .zip(&mut seconds)
-                .map(|(((drafter, context), &max_tokens), propose_s)| ChainJob {
-                    drafter,
-                    context,
-                    max_tokens,
-                    propose_s,
-                })
-                .collect();
-            steps.push(draft_chains_together(jobs));
+        let drafts = two_steps(|proposers, contexts, lengths| {
+            let (drafted, seconds) = together(proposers, contexts, lengths, 0);
             assert!(seconds.iter().all(|&s| s > 0.0), "each request is charged its share: {seconds:?}");
+            steps.push(drafted);
             alone(proposers, contexts, lengths)
         });
-        for (a, t) in expected.iter().zip(&together) {
-            assert_eq!((&a.token_ids, &a.probs), (&t.token_ids, &t.probs));
-        }
+        assert_same_drafts(&expected, &drafts);
         assert!(expected.iter().any(|d| d.probs.is_some()), "sampled requests draft with q rows");
         // One forward per depth: as many as the longest chain, not one per request and token.
         assert_eq!(steps[0], ChainsDrafted { num_chains: 4, num_forwards: 4 });
-        let longest = together[4..].iter().map(|d| d.token_ids.len()).max().unwrap();
+        let longest = drafts[4..].iter().map(|d| d.token_ids.len()).max().unwrap();
         assert_eq!(steps[1], ChainsDrafted { num_chains: 4, num_forwards: longest });
     }
 
     #[test]
     fn a_chain_drafted_for_other_arguments_is_undone_and_drafted_again_as_alone() {
         let expected = two_steps(alone);
-        let together = two_steps(|proposers, contexts, lengths| {
-            let mut seconds = vec![0.0; proposers.len()];
-            // Every chain one token longer than the propose that follows asks for.
-            let jobs = proposers
-                .iter_mut()
-                .zip(contexts)
-                .zip(lengths)
-                .zip(&mut seconds)
-                .map(|(((drafter, context), &n), propose_s)| ChainJob {
-                    drafter,
-                    context,
-                    max_tokens: n + 1,
-                    propose_s,
-                })
-                .collect();
-            draft_chains_together(jobs);
+        // Every chain one token longer than the propose that follows asks for.
+        let drafts = two_steps(|proposers, contexts, lengths| {
+            together(proposers, contexts, lengths, 1);
             alone(proposers, contexts, lengths)
         });
-        for (a, t) in expected.iter().zip(&together) {
-            assert_eq!((&a.token_ids, &a.probs), (&t.token_ids, &t.probs));
-        }
+        assert_same_drafts(&expected, &drafts);
     }
 
     #[test]
