@@ -504,21 +504,26 @@ impl Session {
         Ok(false)
     }
 
-    /// This session's sequence in the step's one verification (`step_together`) over its host
-    /// logits `[n + 1, vocab]` (processed here, in place, as `verify_step` does): its draft, its
-    /// rule and what the rule reads of its random streams (`host::sequence_inputs`).
-    pub(super) fn verify_part(
-        &mut self,
-        plan: &StepPlan,
-        logits: &mut [f32],
-        batch: &mut VerifyBatchBuilder,
-    ) -> Result<()> {
-        let draft = &plan.draft;
+    /// Whether this request's logits are processed before verification (a grammar, penalties,
+    /// logit bias: `process_logits`); the step copies the forward's logits only for such.
+    pub(super) fn processes_logits(&self) -> bool {
+        self.processor.is_some()
+    }
+
+    /// Processes this session's host logits `[n + 1, vocab]` in place for the step's one
+    /// verification, as `verify_step` does (a no-op without a processor).
+    pub(super) fn process_logits(&mut self, plan: &StepPlan, logits: &mut [f32]) -> Result<()> {
         let vocab = self.model.info().vocab_size;
-        if let Some(processor) = self.processor.as_mut() {
-            let paths = draft_paths(draft);
-            processor.process_rows(logits, vocab, &paths)?;
+        match self.processor.as_mut() {
+            Some(processor) => processor.process_rows(logits, vocab, &draft_paths(&plan.draft)),
+            None => Ok(()),
         }
+    }
+
+    /// This session's sequence in the step's one verification (`step_together`): its draft, its
+    /// rule and what the rule reads of its random streams (`host::sequence_inputs`).
+    pub(super) fn verify_part(&self, plan: &StepPlan, batch: &mut VerifyBatchBuilder) -> Result<()> {
+        let draft = &plan.draft;
         let parents = draft.parents();
         let rule = SeqRule::new(&self.params, draft.probs.is_some(), draft.parents.is_some());
         let (row_noise, uniforms) = sequence_inputs(&rule, &parents, &self.sampler, self.all_ids.len())?;
