@@ -376,13 +376,17 @@ def test_a_killed_replica_fails_cleanly_and_is_restarted(ray_app, single):
     assert body["choices"][0]["message"]["content"] == reference["choices"][0]["message"]["content"]
 
     # /health shows the loss until Ray Serve has restarted the replica, then two healthy ones again.
+    # On a busy machine the streams above may end after the restart (it failed so beside a build):
+    # then the loss is over, and the victim is no longer among the healthy replicas.
     deadline = time.time() + 10
     while time.time() < deadline:
         health = httpx.get(f"{ray_app}/health", timeout=10).json()
-        if health["num_replicas_healthy"] < 2:
+        restarted = victim["replica"] not in {r["replica"] for r in health["replicas"] if r["healthy"]}
+        if health["num_replicas_healthy"] < 2 or restarted:
             break
         time.sleep(0.2)
-    assert health["status"] == "degraded" and health["num_replicas_healthy"] == 1, health
+    degraded = health["status"] == "degraded" and health["num_replicas_healthy"] == 1
+    assert degraded or (restarted and health["num_replicas_healthy"] == 2), health
     deadline = time.time() + START_TIMEOUT_S
     while not _healthy(2)(httpx.get(f"{ray_app}/health", timeout=10)):
         assert time.time() < deadline, httpx.get(f"{ray_app}/health", timeout=10).json()
