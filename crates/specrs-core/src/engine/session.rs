@@ -510,12 +510,16 @@ impl Session {
         self.processor.is_some()
     }
 
-    /// Processes this session's host logits `[n + 1, vocab]` in place for the step's one
-    /// verification, as `verify_step` does (a no-op without a processor).
+    /// Processes this session's host logits `[n + 1, vocab]` for `draft` in place, before they
+    /// are verified (the step's one verification, and `verify_step`); a no-op without a processor.
     pub(super) fn process_logits(&mut self, plan: &StepPlan, logits: &mut [f32]) -> Result<()> {
+        self.process_draft_logits(&plan.draft, logits)
+    }
+
+    fn process_draft_logits(&mut self, draft: &Draft, logits: &mut [f32]) -> Result<()> {
         let vocab = self.model.info().vocab_size;
         match self.processor.as_mut() {
-            Some(processor) => processor.process_rows(logits, vocab, &draft_paths(&plan.draft)),
+            Some(processor) => processor.process_rows(logits, vocab, &draft_paths(draft)),
             None => Ok(()),
         }
     }
@@ -732,10 +736,7 @@ impl Session {
             }
         }
         let mut logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
-        let vocab = self.model.info().vocab_size;
-        if let Some(processor) = self.processor.as_mut() {
-            processor.process_rows(&mut logits, vocab, &draft_paths(draft))?;
-        }
+        self.process_draft_logits(draft, &mut logits)?;
         let verification = self.verify_rows(&logits, draft)?;
         Ok((verification, Some(logits)))
     }

@@ -1,7 +1,8 @@
 //! Steps of several sessions in one target forward: their draft models' chains are drafted
 //! together (`draft_chains`), each session plans its rows (`Session::plan`), the rows of all of
-//! them become one `ForwardBatch` over their caches, and each session commits its own logits and
-//! hidden rows (`Session::commit`).
+//! them become one `ForwardBatch` over their caches, every session's draft is verified in one
+//! call on the host (`verify_once_and_commit`; per session on a GPU), and each session commits
+//! its verdict and hidden rows.
 //!
 //! Invariant: because a row's logits do not depend on what else is in the forward (model/forward.rs;
 //! bitwise on the CPU backend), a session stepped here yields exactly the tokens it yields stepped
