@@ -109,11 +109,12 @@ def test_draft_of_the_target_itself_accepts_everything(engine, model_path):
 @pytest.mark.parametrize("method", ["draft_model", "layer_skip", "pard"])
 def test_sampling_with_draft_probabilities_matches_plain_sampling(engine, draft_path, method):
     """Tokens 2 and 3 (both decided by one k=2 draft) have the same joint distribution with and
-    without speculation. layer_skip's q is far from p, so recovery from max(0, p - q) carries the
-    test; the requantized draft's q is close to p, so acceptance does."""
+    without speculation, under rejection sampling with the draft's q. layer_skip's q is far from
+    p, so recovery from max(0, p - q) carries the test; the requantized draft's q is close to p,
+    so acceptance does."""
     prompt = engine.tokenizer.encode("My favorite color is")
     params = lambda seed: SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=seed)  # noqa: E731
-    spec = config(method, 2, draft_path)
+    spec = config(method, 2, draft_path, verification="rejection")
     n = 400
     plain, speculative, num_drafts = sample_with_and_without(
         engine, prompt, params, n, lambda seed: {"speculative_config": spec}
@@ -142,6 +143,36 @@ def test_a_batch_drafts_its_draft_model_chains_together(engine, baselines, draft
     totals = scheduler.totals()
     assert totals["num_chains_drafted_together"] >= 2 * len(names), totals
     assert totals["num_shared_draft_forwards"] < totals["num_chains_drafted_together"] * 4, totals
+
+
+@pytest.mark.parametrize("method", ["draft_model", "layer_skip", "quantized_self", "pard"])
+def test_coupled_drafts_emit_plain_samplings_tokens_at_every_draft_length(engine, draft_path, method):
+    """A seeded sampled request drafting from a model, verified in coupled form (the default),
+    emits plain sampling's tokens, token for token, at every fixed k and at the lengths its costs
+    choose; and its drafts are accepted (each draft token is drawn with the uniform the target
+    samples its position with, so a close draft agrees with the target)."""
+    prompt = chat(PROMPTS["writing"])
+    params = lambda seed: SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=seed)  # noqa: E731
+    accepted = 0
+    for seed in (1, 2):
+        plain = engine.generate(prompt, params(seed), speculative_config=False).token_ids
+        for k in (1, 3, 8):
+            r = engine.generate(prompt, params(seed), speculative_config=config(method, k, draft_path))
+            assert r.token_ids == plain, (seed, k)
+            accepted += r.metrics["num_accepted_tokens"]
+        adaptive = {**CONFIGS[method](4, draft_path), "num_speculative_tokens": 4}
+        assert engine.generate(prompt, params(seed), speculative_config=adaptive).token_ids == plain, seed
+    assert accepted > 0
+
+
+def test_rejection_sampled_tokens_follow_the_draft_lengths(engine, draft_path):
+    """What coupled verification removes: with "verification": "rejection" the same seed gives
+    other tokens at other draft lengths (each length reads the sequential stream differently)."""
+    prompt = chat(PROMPTS["writing"])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=1)
+    outputs = {tuple(engine.generate(prompt, params, speculative_config=config(
+        "quantized_self", k, draft_path, verification="rejection")).token_ids) for k in (1, 2, 3, 8)}
+    assert len(outputs) > 1
 
 
 def test_sampled_draft_model_is_seeded(engine, draft_path):

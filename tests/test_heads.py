@@ -124,13 +124,16 @@ GOLDEN_HEADS = {
 }
 
 
+@pytest.mark.parametrize("verification", ["rejection", "coupled"])
 @pytest.mark.parametrize("method", list(GOLDEN_HEADS))
-def test_sampling_with_a_head_matches_plain_sampling(method):
+def test_sampling_with_a_head_matches_plain_sampling(method, verification):
     """Tokens 2 and 3 (both decided by one k=2 draft) have the same joint distribution with and
-    without speculation, with the head's own q in the rejection sampler."""
+    without speculation, with the head's own q in the rejection sampler, or its tokens drawn with
+    the target's positional uniforms (coupled)."""
     reference = json.loads((GOLDEN / GOLDEN_HEADS[method] / "reference.json").read_text())
     engine = specrs.Engine(str(ROOT / reference["target"]))
-    config = {"method": method, "num_speculative_tokens": 2, "adaptive_draft_length": False}
+    config = {"method": method, "num_speculative_tokens": 2, "adaptive_draft_length": False,
+              "verification": verification}
     if reference["model"]:
         config["model"] = str(ROOT / reference["model"])
     prompt = reference["prompt_ids"]

@@ -75,10 +75,11 @@ def test_the_draft_model_drafts_in_auto_where_no_lookup_matches(engine):
 
 def test_sampling_with_the_0_5b_draft_and_auto_matches_plain_sampling(engine):
     """Tokens 2 and 3 have the same joint distribution with and without speculation, over many
-    seeds: the draft model's q rows carry the rejection sampling (alone and as auto's drafter)."""
+    seeds: the draft model's q rows carry the rejection sampling (alone), and auto's drafter draws
+    with the target's positional uniforms (coupled, the default)."""
     prompt = engine.tokenizer.encode("My favorite color is")
     params = lambda seed: SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=seed)  # noqa: E731
-    configs = {"draft_model": {**CONFIGS["draft_model k=4"], "num_speculative_tokens": 2},
+    configs = {"draft_model": {**CONFIGS["draft_model k=4"], "num_speculative_tokens": 2, "verification": "rejection"},
                "auto": {**CONFIGS["auto"], "num_speculative_tokens": 2}}
     n = 200
     plain = Counter(tuple(engine.generate(prompt, params(s), speculative_config=False).token_ids[1:])

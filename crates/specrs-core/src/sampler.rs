@@ -107,6 +107,12 @@ impl Sampler {
         Self { seed, rng: ChaCha8Rng::seed_from_u64(seed) }
     }
 
+    /// The seed: the request's, or the one drawn for an unseeded request (a coupled draft draws
+    /// with the same positional uniforms as the request's verifier).
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
     /// Uniform draw in [0, 1).
     pub fn uniform(&mut self) -> f32 {
         self.rng.random::<f32>()

@@ -64,7 +64,7 @@ pub const MAX_EXIT_LAYER: usize = 1024;
 pub const MAX_DRAFT_COST: f64 = 100.0;
 
 /// Every key a speculative config may hold: vLLM's, then specrs' own.
-pub const KEYS: [&str; 23] = [
+pub const KEYS: [&str; 24] = [
     "method",
     "num_speculative_tokens",
     "prompt_lookup_min",
@@ -88,6 +88,7 @@ pub const KEYS: [&str; 23] = [
     "tree_depth",
     "tree_top_k",
     "grammar_drafts",
+    "verification",
 ];
 
 /// Every method a speculative config may name (besides aliases such as `draft` and `[ngram]`);
@@ -177,6 +178,30 @@ pub struct DraftModelParams {
     pub max_model_len: Option<usize>,
 }
 
+/// How a sampled request's drafts from a model (draft models, self-drafts, heads) are drawn and
+/// verified (`"verification"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verification {
+    /// The draft draws each token with the uniform the target samples that position with
+    /// (`Sampler::uniform_at`), and a draft token is accepted iff it equals the target's own
+    /// sample: every emitted token is the one plain sampling emits, whatever the draft lengths,
+    /// batch-mates or timing. The default.
+    Coupled,
+    /// The draft draws from its own random stream and the target verifies by rejection sampling
+    /// with the draft's probabilities (Leviathan et al.): exact in distribution, and accepts at
+    /// least as often, but a seeded request's tokens depend on its draft lengths.
+    Rejection,
+}
+
+impl Verification {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Coupled => "coupled",
+            Self::Rejection => "rejection",
+        }
+    }
+}
+
 /// How k moves during a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Schedule {
@@ -200,6 +225,9 @@ pub struct SpeculativeConfig {
     /// For requests with a grammar: the tokens the grammar forces are drafted first, for free
     /// (n-gram and suffix drafts, chains and trees; default on).
     pub grammar_drafts: bool,
+    /// Sampled drafts of the methods whose drafts carry probabilities: coupled (the output is
+    /// plain sampling's, token for token) or rejection sampling.
+    pub verification: Verification,
     pub schedule: Schedule,
     /// Costs the adaptive length reads from the config instead of measuring them (specrs keys):
     /// pinned costs make draft lengths, and so seeded samples, the same on every machine, and let
@@ -501,6 +529,30 @@ impl SpeculativeConfig {
                 )))
             }
         };
+        let verification = match map.get("verification") {
+            None | Some(Value::Null) => Verification::Coupled,
+            Some(Value::String(s)) if s == "coupled" => Verification::Coupled,
+            Some(Value::String(s)) if s == "rejection" => Verification::Rejection,
+            Some(other) => {
+                return Err(Error::config(format!(
+                    "'verification' must be \"coupled\" or \"rejection\" (got {})",
+                    shown(&other.to_string())
+                )))
+            }
+        };
+        if map.get("verification").is_some_and(|v| !v.is_null()) && (!spec.draft_probs || spec.needs_proposer_object) {
+            return Err(Error::config(format!(
+                "'verification' chooses how drafts drawn from a model's probabilities are verified, and '{}' {}; \
+                 remove it",
+                method_name(&method),
+                if spec.needs_proposer_object {
+                    "drafts come from your proposer (its probabilities, when it returns them, are verified by rejection \
+                     sampling)"
+                } else {
+                    "drafts have no probabilities (they are always verified in coupled form)"
+                }
+            )));
+        }
         let costs = ConfigCosts {
             verify_cost_ratios: verify_cost_ratios(map)?,
             draft_cost: optional_number(map, "draft_cost")?,
@@ -533,6 +585,7 @@ impl SpeculativeConfig {
             adaptive_draft_length,
             draft_confidence_threshold: draft_confidence_threshold as f32,
             grammar_drafts,
+            verification,
             schedule,
             costs,
             tree,
@@ -590,6 +643,11 @@ impl SpeculativeConfig {
         }
         if !self.grammar_drafts {
             map.insert("grammar_drafts".into(), false.into());
+        }
+        // Written only when not the default, so the JSON of configs without it (suffix caches'
+        // keys on disk among them) stays what it was.
+        if self.verification != Verification::Coupled {
+            map.insert("verification".into(), self.verification.name().into());
         }
         if self.schedule == Schedule::Heuristic {
             map.insert("num_speculative_tokens_schedule".into(), "heuristic".into());
@@ -1003,6 +1061,34 @@ mod tests {
         ] {
             let e = SpeculativeConfig::from_json(bad).unwrap_err().to_string();
             assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn verification_is_coupled_by_default_and_only_for_drafts_drawn_from_a_model() {
+        let draft = r#""method": "draft_model", "model": "d.gguf", "num_speculative_tokens": 2"#;
+        let coupled = SpeculativeConfig::from_json(&format!("{{{draft}}}")).unwrap();
+        assert_eq!(coupled.verification, Verification::Coupled);
+        assert!(!coupled.to_json().contains("verification"), "the default is not written: {}", coupled.to_json());
+        let rejection = SpeculativeConfig::from_json(&format!(r#"{{{draft}, "verification": "rejection"}}"#)).unwrap();
+        assert_eq!(rejection.verification, Verification::Rejection);
+        assert_eq!(SpeculativeConfig::from_json(&rejection.to_json()).unwrap(), rejection);
+        let explicit = SpeculativeConfig::from_json(&format!(r#"{{{draft}, "verification": "coupled"}}"#)).unwrap();
+        assert_eq!(explicit, coupled);
+        for (bad, says) in [
+            (format!(r#"{{{draft}, "verification": "gumbel"}}"#), "must be \"coupled\" or \"rejection\""),
+            (format!(r#"{{{draft}, "verification": true}}"#), "must be \"coupled\" or \"rejection\""),
+            (
+                r#"{"method": "ngram", "num_speculative_tokens": 2, "verification": "coupled"}"#.into(),
+                "have no probabilities",
+            ),
+            (
+                r#"{"method": "custom", "num_speculative_tokens": 2, "verification": "rejection"}"#.into(),
+                "your proposer",
+            ),
+        ] {
+            let e = SpeculativeConfig::from_json(&bad).unwrap_err().to_string();
+            assert!(e.contains(says) && e.contains("verification"), "{bad}: {e}");
         }
     }
 

@@ -21,7 +21,8 @@ const PROMPTS: [&str; 4] = [
 ];
 
 /// Each config pins the costs its adaptive draft length weighs (`verify_cost_ratios`, and the
-/// layer-skip draft's `draft_cost`): a seeded request drafting from a model (layer skip) samples its
+/// layer-skip draft's `draft_cost`): a seeded request drafting from a model (layer skip, verified by
+/// rejection sampling, so its tokens depend on its draft lengths: the scheduler pins it) samples its
 /// draft, so other draft lengths draw other tokens, and two engines that each timed their own costs
 /// (on a loaded machine, each its own noise) chose other lengths for request 7. Flat enough that the
 /// layer-skip draft pays at the prior acceptance, so the sampled request drafts.
@@ -30,7 +31,7 @@ const METHODS: [Option<&str>; 4] = [
     Some(r#"{"method": "ngram", "num_speculative_tokens": 4, "verify_cost_ratios": [1.0, 1.1, 1.2, 1.3, 1.4]}"#),
     Some(r#"{"method": "suffix", "num_speculative_tokens": 5, "verify_cost_ratios": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5]}"#),
     Some(
-        r#"{"method": "layer_skip", "num_speculative_tokens": 3, "exit_layer": 20, "verify_cost_ratios": [1.0, 1.1, 1.2, 1.3], "draft_cost": 0.1}"#,
+        r#"{"method": "layer_skip", "num_speculative_tokens": 3, "exit_layer": 20, "verify_cost_ratios": [1.0, 1.1, 1.2, 1.3], "draft_cost": 0.1, "verification": "rejection"}"#,
     ),
 ];
 

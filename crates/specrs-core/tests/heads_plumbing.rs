@@ -16,6 +16,7 @@ use candle_core::{DType, Device, Tensor};
 use specrs_core::engine::Speculation;
 use specrs_core::kv_cache::{KvBytes, KvCache};
 use specrs_core::model::Tap;
+use specrs_core::proposer::draft_model::DraftDrawing;
 use specrs_core::proposer::heads::layer::TreeRows;
 use specrs_core::proposer::heads::{Head, HeadProposer, ParallelHead, RecurrentHead};
 use specrs_core::spec_config::{TreeConfig, TreeMode};
@@ -149,7 +150,7 @@ fn speculation(head: Head, engine: &Engine, tree: bool) -> Speculation {
     Speculation {
         method: "oracle",
         num_speculative_tokens: if tree { TREE_NODES } else { K },
-        proposer: Box::new(HeadProposer::new(head, "oracle", vocab, 0.0, Arc::default())),
+        proposer: Box::new(HeadProposer::new(head, "oracle", vocab, DraftDrawing::COUPLED, Arc::default())),
         draft_length: None,
         tree: if tree {
             TreeConfig { mode: TreeMode::On, max_depth: K, max_children: 3, static_tree: None }

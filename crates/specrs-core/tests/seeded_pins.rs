@@ -2,7 +2,8 @@
 //! backend at temperature 0.8, top_p 0.95, seeds 3 and 4, without speculation, with ngram, suffix,
 //! ngram drafting trees, and a layer-skip draft model (rejection sampling with draft probabilities;
 //! its costs are pinned in its config so its draft lengths do not depend on timing), and of one
-//! `Scheduler` run with two requests. The identity tests (continuous_batching.rs, scheduler.rs)
+//! `Scheduler` run with two requests. The same layer-skip draft in coupled form (the default) is
+//! not pinned: its tokens must be plain sampling's ("off"), at any draft lengths. The identity tests (continuous_batching.rs, scheduler.rs)
 //! compare two runs of one build; these compare a build with the code the pins were made by, so a
 //! refactor of the verifier, the step driver or the KV store must keep every token.
 //!
@@ -54,9 +55,16 @@ const METHODS: [(&str, Option<&str>); 5] = [
     (
         "layer_skip",
         Some(
-            r#"{"method": "layer_skip", "num_speculative_tokens": 3, "exit_layer": 20, "verify_cost_ratios": [1.0, 1.1, 1.2, 1.3], "draft_cost": 0.1}"#,
+            r#"{"method": "layer_skip", "num_speculative_tokens": 3, "exit_layer": 20, "verify_cost_ratios": [1.0, 1.1, 1.2, 1.3], "draft_cost": 0.1, "verification": "rejection"}"#,
         ),
     ),
+];
+
+/// Coupled layer-skip drafts at a fixed length and at lengths chosen by costs (the rejection
+/// config's): each must emit plain sampling's tokens.
+const COUPLED: [&str; 2] = [
+    r#"{"method": "layer_skip", "num_speculative_tokens": 4, "exit_layer": 20, "adaptive_draft_length": false}"#,
+    r#"{"method": "layer_skip", "num_speculative_tokens": 3, "exit_layer": 20, "verify_cost_ratios": [1.0, 1.1, 1.2, 1.3], "draft_cost": 0.1}"#,
 ];
 
 fn params(seed: u64) -> SamplingParams {
@@ -92,6 +100,20 @@ fn seeded_outputs_equal_the_pinned_ones_of_this_kernel_set() {
             got.insert(format!("{set}/{name}/seed{seed}"), format!("{:?}", generation.token_ids));
         }
     }
+    let mut num_coupled_accepted = 0;
+    for config in COUPLED {
+        for seed in SEEDS {
+            let generation = engine.generate(prompt.clone(), params(seed), speculation(&engine, Some(config))).unwrap();
+            assert!(generation.metrics.spec.num_drafts > 0, "{config} seed {seed} drafted");
+            num_coupled_accepted += generation.metrics.spec.num_accepted_tokens;
+            assert_eq!(
+                format!("{:?}", generation.token_ids),
+                got[&format!("{set}/off/seed{seed}")],
+                "{config} seed {seed}: coupled drafts emit plain sampling's tokens"
+            );
+        }
+    }
+    assert!(num_coupled_accepted > 0, "coupled layer-skip drafts agree with the target at times");
     // One scheduler run: request 0 drafts with ngram (seed 3), request 1 decodes plainly (seed 4)
     // from another prompt, batched together.
     let mut scheduler = Scheduler::new(engine.clone(), SchedulerConfig::default()).unwrap();

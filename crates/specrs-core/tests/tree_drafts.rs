@@ -16,7 +16,7 @@ use serde_json::Value;
 use specrs_core::model::candle::decoder::{Decoder, WeightFormat};
 use specrs_core::model::llama_config::LlamaConfig;
 use specrs_core::model::{CausalLm, ForwardBatch, LogitRows};
-use specrs_core::proposer::draft_model::DraftModelProposer;
+use specrs_core::proposer::draft_model::{DraftDrawing, DraftModelProposer};
 use specrs_core::proposer::heads::layer::TreeRows;
 use specrs_core::proposer::heads::{Head, HeadProposer};
 use specrs_core::proposer::tree::{first_path, path_to, sibling_ranks};
@@ -64,7 +64,7 @@ fn target_rows(engine: &Engine, tokens: &[u32], head: &Head) -> Vec<Tensor> {
 /// session leaves it before its first draft.
 fn primed(engine: &Engine, head: &Head, prompt: &[u32], params: &SamplingParams) -> HeadProposer {
     let vocab = engine.model().info().vocab_size;
-    let mut proposer = HeadProposer::new(head.clone(), "test", vocab, 0.0, Arc::default());
+    let mut proposer = HeadProposer::new(head.clone(), "test", vocab, DraftDrawing::COUPLED, Arc::default());
     proposer.record_logits();
     proposer.begin(prompt, params).unwrap();
     proposer.observe_hidden(0, &target_rows(engine, &prompt[..prompt.len() - 1], head)).unwrap();
@@ -254,7 +254,7 @@ fn tiny_draft() -> Arc<dyn CausalLm> {
 }
 
 fn draft_proposer(model: &Arc<dyn CausalLm>, prompt: &[u32], params: &SamplingParams) -> DraftModelProposer {
-    let mut proposer = DraftModelProposer::new(model.clone(), None, 48, 0.0, Arc::default());
+    let mut proposer = DraftModelProposer::new(model.clone(), None, 48, DraftDrawing::COUPLED, Arc::default());
     proposer.begin(prompt, params).unwrap();
     proposer
 }
@@ -341,7 +341,7 @@ fn tree_speculation_with_every_head_and_a_draft_model_is_plain_greedy_decoding()
                 tiny_draft(),
                 None,
                 engine.model().info().vocab_size,
-                0.0,
+                DraftDrawing::COUPLED,
                 Arc::default(),
             ));
             runs.push((

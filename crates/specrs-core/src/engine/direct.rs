@@ -9,6 +9,7 @@ use crate::config::SamplingParams;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::model::{ForwardBatch, LogitRows, SeqRows, Tap};
+use crate::proposer::draft_model::DraftDrawing;
 use crate::proposer::heads::HeadProposer;
 use crate::proposer::Proposer;
 use crate::spec_config::{Method, SpeculativeConfig};
@@ -133,7 +134,7 @@ impl Engine {
         }
         let head = self.head(*method, model.as_deref(), quantization.as_deref())?.head;
         let vocab = self.model.info().vocab_size;
-        let mut proposer = HeadProposer::new(head, method.name(), vocab, 0.0, self.draft_kv.clone());
+        let mut proposer = HeadProposer::new(head, method.name(), vocab, DraftDrawing::COUPLED, self.draft_kv.clone());
         proposer.record_logits();
         let params = SamplingParams { max_tokens: num_tokens + 1, temperature: 0.0, ..SamplingParams::default() };
         proposer.begin(prompt_ids, &params)?;

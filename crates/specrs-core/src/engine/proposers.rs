@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::model::{self, CausalLm};
 use crate::proposer::auto::AutoProposer;
-use crate::proposer::draft_model::DraftModelProposer;
+use crate::proposer::draft_model::{DraftDrawing, DraftModelProposer};
 use crate::proposer::heads::load::{load as load_head, LoadedHead};
 use crate::proposer::heads::HeadProposer;
 use crate::proposer::layer_skip::LayerSkipProposer;
@@ -24,7 +24,9 @@ use crate::proposer::pard::PardProposer;
 use crate::proposer::suffix::{SuffixCache, SuffixProposer};
 use crate::proposer::Proposer;
 use crate::quantize::{parse_quant_type, requantize_gguf};
-use crate::spec_config::{HeadMethod, Method, Schedule, SpeculativeConfig, SuffixParams, TreeConfig, TreeMode};
+use crate::spec_config::{
+    HeadMethod, Method, Schedule, SpeculativeConfig, SuffixParams, TreeConfig, TreeMode, Verification,
+};
 use crate::tokenizer::TextTokenizer;
 
 /// One request's speculation: its proposer, k, and how each draft's length is chosen.
@@ -44,10 +46,10 @@ pub struct Speculation {
     pub draft_confidence_threshold: f32,
     /// Grammar-forced tokens open the drafts of requests with a grammar (`spec_config.rs`).
     pub grammar_drafts: bool,
-    /// Whether every draft is deterministic (no probabilities: ngram, suffix, and the trees of
-    /// heads and draft models), so a sampled
-    /// request's tokens do not depend on its draft lengths (verify.rs). A custom proposer may
-    /// return probabilities, so it counts as not.
+    /// Whether no draft carries probabilities (ngram, suffix, the trees of heads and draft
+    /// models, and every draft drawn in coupled form), so every draft is verified in coupled
+    /// form and a sampled request's tokens do not depend on its draft lengths (verify.rs). A
+    /// custom proposer may return probabilities, so it counts as not.
     pub one_hot_drafts: bool,
     /// Where the draft-length policy's verification curve and draft cost came from (None
     /// without the policy; no draft cost source for model-free proposers, whose c is 0).
@@ -173,7 +175,8 @@ impl Engine {
                 config.method,
                 Method::Ngram { .. } | Method::Suffix(_) | Method::Auto { draft: None }
             ) || (config.tree.is_on()
-                && matches!(config.method, Method::Head { .. } | Method::DraftModel(_) | Method::QuantizedSelf { .. })),
+                && matches!(config.method, Method::Head { .. } | Method::DraftModel(_) | Method::QuantizedSelf { .. }))
+                || (config.verification == Verification::Coupled && !matches!(config.method, Method::Custom)),
             verify_cost_source: costs.as_ref().map(|c| c.verify_cost_source),
             draft_cost_source: costs.and_then(|c| c.draft_cost_source),
         })
@@ -186,7 +189,10 @@ impl Engine {
         custom: Option<Box<dyn Proposer>>,
     ) -> Result<Box<dyn Proposer>> {
         let target_vocab = self.model.info().vocab_size;
-        let threshold = config.draft_confidence_threshold;
+        let drawing = DraftDrawing {
+            confidence_threshold: config.draft_confidence_threshold,
+            coupled: config.verification == Verification::Coupled,
+        };
         let proposer: Box<dyn Proposer> = match (&config.method, custom) {
             (Method::Custom, Some(proposer)) => proposer,
             (Method::Custom, None) => {
@@ -208,14 +214,14 @@ impl Engine {
                 self.draft_model(&draft.model)?,
                 draft.max_model_len,
                 target_vocab,
-                threshold,
+                drawing,
                 self.draft_kv.clone(),
             )),
             (Method::QuantizedSelf { quantization, max_model_len }, None) => Box::new(DraftModelProposer::new(
                 self.draft_model(self.quantized_self_path(quantization)?)?,
                 *max_model_len,
                 target_vocab,
-                threshold,
+                drawing,
                 self.draft_kv.clone(),
             )),
             (Method::Auto { draft }, None) => {
@@ -231,7 +237,7 @@ impl Engine {
                             self.draft_model(&draft.model)?,
                             draft.max_model_len,
                             target_vocab,
-                            threshold,
+                            drawing,
                             self.draft_kv.clone(),
                         )) as Box<dyn Proposer>,
                         costs.draft_cost,
@@ -241,14 +247,14 @@ impl Engine {
                 Box::new(AutoProposer::new(&costs.verify_cost_ratios, lookups, model))
             }
             (Method::LayerSkip { exit_layer }, None) => {
-                Box::new(LayerSkipProposer::new(self.model.clone(), *exit_layer, threshold)?)
+                Box::new(LayerSkipProposer::new(self.model.clone(), *exit_layer, drawing)?)
             }
             (Method::Pard { draft, mask_token_id }, None) => Box::new(PardProposer::new(
                 self.draft_model(&draft.model)?,
                 *mask_token_id,
                 draft.max_model_len,
                 target_vocab,
-                threshold,
+                drawing,
                 self.draft_kv.clone(),
             )?),
             (Method::Head { method, model, quantization }, None) => {
@@ -266,7 +272,7 @@ impl Engine {
                         method.name()
                     )));
                 }
-                Box::new(HeadProposer::new(head, method.name(), target_vocab, threshold, self.draft_kv.clone()))
+                Box::new(HeadProposer::new(head, method.name(), target_vocab, drawing, self.draft_kv.clone()))
             }
         };
         Ok(proposer)

@@ -87,9 +87,13 @@ impl Engine {
         let processor = LogitsProcessor::new(&params, &prompt_ids, eos, constraint, bad_words);
         let cache = self.new_target_cache(reserve)?;
         let timer = RequestTimer::new();
+        let sampler = Sampler::new(params.seed);
         let mut speculation = speculation;
         if let Some(speculation) = speculation.as_mut() {
-            speculation.proposer.begin(&prompt_ids, &params)?;
+            // With the seed the verifier draws with (drawn above for an unseeded request): a
+            // coupled draft draws with the same positional uniforms.
+            let seeded = SamplingParams { seed: Some(sampler.seed()), ..params.clone() };
+            speculation.proposer.begin(&prompt_ids, &seeded)?;
         }
         Ok(Session {
             model: self.model.clone(),
@@ -103,7 +107,7 @@ impl Engine {
             ),
             output: OutputText::new(params.stop.clone(), params.include_stop_str_in_output),
             all_ids: prompt_ids,
-            sampler: Sampler::new(params.seed),
+            sampler,
             params,
             timer,
             num_forward_passes: 0,

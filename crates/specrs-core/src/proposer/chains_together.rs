@@ -99,6 +99,7 @@ mod tests {
     use crate::config::SamplingParams;
     use crate::gguf::GgufFile;
     use crate::model::CausalLm;
+    use crate::proposer::draft_model::DraftDrawing;
     use crate::proposer::{Draft, Feedback, Proposer};
 
     /// The golden tiny llama (hidden 64, 2 layers) on the CPU decoder, whose rows are bitwise the
@@ -108,23 +109,26 @@ mod tests {
         Arc::from(crate::model::loader::load(&mut GgufFile::open(path).unwrap(), &Device::Cpu).unwrap())
     }
 
-    /// (sampling settings, confidence threshold, context, max_tokens) of each request.
-    fn requests() -> Vec<(SamplingParams, f32, Vec<u32>, usize)> {
+    /// (sampling settings, how its draft draws, context, max_tokens) of each request: sampled
+    /// ones drawn for rejection sampling (q rows) and coupled, with a confidence threshold.
+    fn requests() -> Vec<(SamplingParams, DraftDrawing, Vec<u32>, usize)> {
         let sampled = |seed| SamplingParams { temperature: 0.9, seed: Some(seed), ..SamplingParams::greedy(32) };
+        let rejection = DraftDrawing { confidence_threshold: 0.0, coupled: false };
+        let coupled_cut = DraftDrawing { confidence_threshold: 0.2, coupled: true };
         vec![
-            (SamplingParams::greedy(32), 0.0, vec![1, 2, 3, 4, 5, 6, 7], 4),
-            (sampled(7), 0.0, vec![9, 8], 3),
-            (sampled(8), 0.2, (0..40).map(|i| i % 45).collect(), 4),
-            (SamplingParams::greedy(32), 0.0, vec![30, 31, 32, 33], 1),
+            (SamplingParams::greedy(32), DraftDrawing::COUPLED, vec![1, 2, 3, 4, 5, 6, 7], 4),
+            (sampled(7), rejection, vec![9, 8], 3),
+            (sampled(8), coupled_cut, (0..40).map(|i| i % 45).collect(), 4),
+            (SamplingParams::greedy(32), DraftDrawing::COUPLED, vec![30, 31, 32, 33], 1),
         ]
     }
 
     fn proposers(model: &Arc<dyn CausalLm>) -> Vec<DraftModelProposer> {
         requests()
             .iter()
-            .map(|(params, threshold, context, _)| {
+            .map(|(params, drawing, context, _)| {
                 let vocab = model.info().vocab_size;
-                let mut p = DraftModelProposer::new(model.clone(), None, vocab, *threshold, Arc::default());
+                let mut p = DraftModelProposer::new(model.clone(), None, vocab, *drawing, Arc::default());
                 p.begin(&context[..1], params).unwrap();
                 p
             })

@@ -9,6 +9,12 @@
 //! model's KV cache and the tokens it holds) and `DynamicTree` (the EAGLE-2 tree search the
 //! hidden-state heads run too).
 //!
+//! A sampled chain is drawn in one of two ways (`DraftDrawing::coupled`, the config's
+//! "verification"): coupled, each token by inverse CDF over q with the uniform the target samples
+//! that output position with (`Sampler::uniform_at` under the request's seed), and verified
+//! without q, so the output is plain sampling's token for token; or from the draft's own random
+//! stream, with q rows for rejection sampling.
+//!
 //! Tree drafts are deterministic (no q rows, for greedy and sampled requests alike): the verifier
 //! then draws the target's token from p and accepts the child equal to it, which is exact for any
 //! fixed tree, so the children can be chosen by value (the most likely ones).
@@ -27,16 +33,36 @@ use crate::error::{Error, Result};
 use crate::kv_cache::{KvBytes, KvCache};
 use crate::model::{CausalLm, ForwardBatch, LogitRows, SeqRows};
 use crate::proposer::{Draft, Feedback, Proposer, TreeLimits};
-use crate::sampler::{argmax, probabilities, Sampler};
+use crate::sampler::{argmax, draw_with, probabilities, Sampler};
 
 /// Mixed into the request seed so the draft's random stream differs from the verifier's.
 const DRAFT_SEED_SALT: u64 = 0x5eed_d4af_7000_0001;
+
+/// How a model-based proposer draws its sampled chain tokens, from the speculative config.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DraftDrawing {
+    /// A chain stops after a token whose q is below this (0: off).
+    pub confidence_threshold: f32,
+    /// Draw with the target's positional uniforms and leave q out (coupled verification); else
+    /// draw from the draft's own stream and keep q (rejection sampling).
+    pub coupled: bool,
+}
+
+impl DraftDrawing {
+    /// Coupled, no confidence threshold: what the engine's own greedy drafts (cost measuring,
+    /// `head_draft`) and the tests use.
+    pub const COUPLED: Self = Self { confidence_threshold: 0.0, coupled: true };
+}
 
 /// Turns draft logits into a draft token and its q row.
 #[derive(Clone)]
 pub(crate) struct DraftSampler {
     params: SamplingParams,
+    /// The draft's own stream (rejection sampling), salted so it differs from the verifier's.
     sampler: Sampler,
+    /// Coupled drawing: the request's own sampler (its seed), whose positional uniforms the
+    /// verifier draws the target's tokens with.
+    coupled_to: Option<Sampler>,
     /// Size of the target's vocabulary: the width of every q row.
     target_vocab: usize,
     /// Draft ids at or above this are never drafted (padded draft embeddings, or a draft
@@ -56,18 +82,23 @@ pub(crate) struct DraftedToken {
 }
 
 impl DraftSampler {
-    pub fn new(params: &SamplingParams, draft_vocab: usize, target_vocab: usize, confidence_threshold: f32) -> Self {
+    /// `params.seed` should be the seed the request's verifier samples with (the session passes
+    /// it resolved for unseeded requests): a coupled draft drawn with another seed stays exact,
+    /// but its tokens are independent of the target's and rarely accepted.
+    pub fn new(params: &SamplingParams, draft_vocab: usize, target_vocab: usize, drawing: DraftDrawing) -> Self {
         Self {
             params: params.clone(),
             sampler: Sampler::new(params.seed.map(|s| s ^ DRAFT_SEED_SALT)),
+            coupled_to: drawing.coupled.then(|| Sampler::new(params.seed)),
             target_vocab,
             usable_vocab: draft_vocab.min(target_vocab),
-            confidence_threshold,
+            confidence_threshold: drawing.confidence_threshold,
         }
     }
 
-    /// `logits`: `[draft_vocab]` for one position.
-    pub fn draw(&mut self, logits: &[f32]) -> DraftedToken {
+    /// `logits`: `[draft_vocab]` for the token emitted at output `position` (its index in prompt +
+    /// output).
+    pub fn draw(&mut self, logits: &[f32], position: usize) -> DraftedToken {
         let logits = &logits[..self.usable_vocab];
         if self.params.is_greedy() {
             let token_id = argmax(logits);
@@ -80,6 +111,13 @@ impl DraftSampler {
             return DraftedToken { token_id, probs: None, confident };
         }
         let mut q = probabilities(logits, &self.params);
+        if let Some(target) = &self.coupled_to {
+            // The target's token at this position is draw_with(p, the same uniform): the two
+            // agree wherever q's and p's cumulative sums put this uniform in the same token.
+            let token_id = draw_with(&q, target.uniform_at(position));
+            let confident = q[token_id as usize] >= self.confidence_threshold;
+            return DraftedToken { token_id, probs: None, confident };
+        }
         let token_id = self.sampler.draw(&q);
         let confident = q[token_id as usize] >= self.confidence_threshold;
         q.resize(self.target_vocab, 0.0);
@@ -279,14 +317,25 @@ impl DynamicTree {
 }
 
 /// Collects drafted tokens into a `Draft`.
-#[derive(Default)]
 pub(crate) struct DraftBuilder {
+    /// The output position of the first token: the context's length.
+    start: usize,
     token_ids: Vec<u32>,
     probs: Vec<f32>,
     has_probs: bool,
 }
 
 impl DraftBuilder {
+    /// A chain drafted after a context of `context_len` tokens.
+    pub fn after(context_len: usize) -> Self {
+        Self { start: context_len, token_ids: Vec::new(), probs: Vec::new(), has_probs: false }
+    }
+
+    /// The output position the next token is emitted at (`DraftSampler::draw`'s `position`).
+    pub fn next_position(&self) -> usize {
+        self.start + self.token_ids.len()
+    }
+
     /// Adds a token; returns whether drafting may continue (it was confident).
     pub fn push(&mut self, token: DraftedToken) -> bool {
         self.token_ids.push(token.token_id);
@@ -453,7 +502,7 @@ fn readable(tokens: &[u32], vocab: usize) -> Vec<u32> {
 pub struct DraftModelProposer {
     pub(crate) cache: DraftCache,
     target_vocab: usize,
-    confidence_threshold: f32,
+    drawing: DraftDrawing,
     sampler: Option<DraftSampler>,
     /// The last tree drafted, while its rows are in the cache (until `observe`).
     tree: Option<HeldTree>,
@@ -487,13 +536,13 @@ impl DraftModelProposer {
         draft: Arc<dyn CausalLm>,
         max_model_len: Option<usize>,
         target_vocab: usize,
-        confidence_threshold: f32,
+        drawing: DraftDrawing,
         kv_bytes: Arc<KvBytes>,
     ) -> Self {
         Self {
             cache: DraftCache::new(draft, max_model_len, kv_bytes),
             target_vocab,
-            confidence_threshold,
+            drawing,
             sampler: None,
             tree: None,
             ahead: None,
@@ -512,7 +561,7 @@ impl DraftModelProposer {
         }
         let sampler_before = sampler.clone();
         let unseen = self.cache.catch_up(context);
-        let (context_len, draft) = (context.len(), DraftBuilder::default());
+        let (context_len, draft) = (context.len(), DraftBuilder::after(context.len()));
         self.ahead = Some(AheadChain { context_len, max_tokens, draft, drawing: true, sampler_before });
         Some(context[unseen..].to_vec())
     }
@@ -521,7 +570,8 @@ impl DraftModelProposer {
     /// the token to feed next, or None once the chain is complete.
     pub(crate) fn chain_step(&mut self, logits: &[f32]) -> Option<u32> {
         let (ahead, sampler) = (self.ahead.as_mut()?, self.sampler.as_mut()?);
-        ahead.drawing = ahead.draft.push(sampler.draw(logits)) && ahead.draft.len() < ahead.max_tokens;
+        let position = ahead.draft.next_position();
+        ahead.drawing = ahead.draft.push(sampler.draw(logits, position)) && ahead.draft.len() < ahead.max_tokens;
         ahead.drawing.then(|| ahead.draft.last())
     }
 
@@ -603,7 +653,7 @@ impl DraftModelProposer {
 impl Proposer for DraftModelProposer {
     fn begin(&mut self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
         let vocab = self.cache.model.info().vocab_size;
-        self.sampler = Some(DraftSampler::new(params, vocab, self.target_vocab, self.confidence_threshold));
+        self.sampler = Some(DraftSampler::new(params, vocab, self.target_vocab, self.drawing));
         self.ahead = None;
         self.cache.begin(prompt.len() + params.max_tokens)
     }
@@ -621,8 +671,8 @@ impl Proposer for DraftModelProposer {
             self.sampler.as_mut().ok_or_else(|| Error::Internal("draft proposer used before begin()".into()))?;
         let unseen = self.cache.catch_up(context);
         let mut logits = self.cache.forward(&context[unseen..], LogitRows::Last)?; // [1, draft_vocab]
-        let mut draft = DraftBuilder::default();
-        while draft.push(sampler.draw(&logits)) && draft.len() < max_tokens {
+        let mut draft = DraftBuilder::after(context.len());
+        while draft.push(sampler.draw(&logits, draft.next_position())) && draft.len() < max_tokens {
             logits = self.cache.forward(&[draft.last()], LogitRows::Last)?;
         }
         Ok(draft.build())
@@ -687,7 +737,7 @@ mod tests {
     #[test]
     fn the_dynamic_tree_expands_the_best_of_each_depth_and_keeps_the_best_nodes() {
         let params = SamplingParams::greedy(16);
-        let sampler = DraftSampler::new(&params, 4, 4, 0.0);
+        let sampler = DraftSampler::new(&params, 4, 4, DraftDrawing::COUPLED);
         let ln = |q: [f32; 4]| q.map(f32::ln);
         let grow = |max_depth: usize, max_nodes: usize| {
             let mut tree = DynamicTree::new(max_depth, TreeLimits { max_nodes, max_children: 2 });
@@ -709,9 +759,46 @@ mod tests {
         assert_eq!(small.draft(&small.select()).parents, Some(vec![-1, 0, -1]));
         // q = 0 is never a child; a confidence threshold stops expansion below it.
         let mut tree = DynamicTree::new(3, TreeLimits { max_nodes: 8, max_children: 4 });
-        tree.add_children(&DraftSampler::new(&params, 4, 4, 0.2), -1, &ln([0.9, 0.1, 0.0, 0.0]));
+        tree.add_children(
+            &DraftSampler::new(&params, 4, 4, DraftDrawing { confidence_threshold: 0.2, coupled: true }),
+            -1,
+            &ln([0.9, 0.1, 0.0, 0.0]),
+        );
         assert_eq!(tree.nodes.len(), 2);
         assert_eq!(tree.frontier(0), [0]);
+    }
+
+    /// Coupled: each token is the inverse-CDF draw over q with the request's uniform of its
+    /// output position, so a q equal to p drafts exactly the token the verifier samples there,
+    /// and no q row goes with it. Rejection: the draft's own stream, with the q row.
+    #[test]
+    fn a_coupled_draw_uses_the_targets_positional_uniform_and_keeps_no_q_row() {
+        let params = SamplingParams { temperature: 0.9, seed: Some(11), ..SamplingParams::greedy(16) };
+        let logits = [0.3f32, 1.2, -0.4, 0.9, 0.0, 1.1];
+        let p = probabilities(&logits, &params);
+        let target = Sampler::new(Some(11));
+        let mut coupled = DraftSampler::new(&params, 6, 8, DraftDrawing::COUPLED);
+        let mut own_stream =
+            DraftSampler::new(&params, 6, 8, DraftDrawing { confidence_threshold: 0.0, coupled: false });
+        let (mut agree, mut differ) = (0, 0);
+        for position in 0..200 {
+            let token = coupled.draw(&logits, position);
+            assert_eq!(token.token_id, target.draw_at(&p, position), "position {position}");
+            assert!(token.probs.is_none());
+            let drawn = own_stream.draw(&logits, position);
+            assert_eq!(drawn.probs.as_ref().map(Vec::len), Some(8), "a q row as wide as the target's vocabulary");
+            if drawn.token_id == token.token_id {
+                agree += 1;
+            } else {
+                differ += 1;
+            }
+        }
+        // The own stream is independent of the positions: it agrees with the coupled draw only as
+        // often as two independent draws do (sum p^2 ~ 0.22 here), never always.
+        assert!(differ > 100 && agree > 10, "agree {agree}, differ {differ}");
+        // Greedy requests draft the argmax either way.
+        let greedy = SamplingParams::greedy(16);
+        assert_eq!(DraftSampler::new(&greedy, 6, 8, DraftDrawing::COUPLED).draw(&logits, 3).token_id, 1);
     }
 
     #[test]
@@ -724,7 +811,7 @@ mod tests {
         let draft: Arc<dyn CausalLm> =
             Arc::new(Decoder::random(&config, 3, WeightFormat::Dense(candle_core::DType::F32), &Device::Cpu).unwrap());
         let target_vocab = 40;
-        let mut proposer = DraftModelProposer::new(draft, None, target_vocab, 0.0, Arc::default());
+        let mut proposer = DraftModelProposer::new(draft, None, target_vocab, DraftDrawing::COUPLED, Arc::default());
         proposer.begin(&[1, 2, 3], &SamplingParams::greedy(8)).unwrap();
         // Ids 35 and 39 exist only in the target's vocabulary: a draft, not an error.
         let with_extra = proposer.propose(&[1, 35, 2, 39], 3).unwrap();
@@ -732,8 +819,13 @@ mod tests {
         assert!(with_extra.token_ids.iter().all(|&t| t < 32));
         proposer.observe(&Feedback::accepted(0, &[], &[])).unwrap();
         // The same draft as for a context holding token 0 in their place.
-        let mut reference =
-            DraftModelProposer::new(proposer.cache.model.clone(), None, target_vocab, 0.0, Arc::default());
+        let mut reference = DraftModelProposer::new(
+            proposer.cache.model.clone(),
+            None,
+            target_vocab,
+            DraftDrawing::COUPLED,
+            Arc::default(),
+        );
         reference.begin(&[1, 2, 3], &SamplingParams::greedy(8)).unwrap();
         assert_eq!(reference.propose(&[1, 0, 2, 0], 3).unwrap().token_ids, with_extra.token_ids);
     }

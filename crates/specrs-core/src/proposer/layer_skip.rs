@@ -16,18 +16,18 @@ use std::sync::Arc;
 use crate::config::SamplingParams;
 use crate::error::{Error, Result};
 use crate::model::{CausalLm, LogitRows};
-use crate::proposer::draft_model::{DraftBuilder, DraftSampler};
+use crate::proposer::draft_model::{DraftBuilder, DraftDrawing, DraftSampler};
 use crate::proposer::{Draft, ProposeInput, Proposer};
 
 pub struct LayerSkipProposer {
     target: Arc<dyn CausalLm>,
     exit_layer: usize,
-    confidence_threshold: f32,
+    drawing: DraftDrawing,
     sampler: Option<DraftSampler>,
 }
 
 impl LayerSkipProposer {
-    pub fn new(target: Arc<dyn CausalLm>, exit_layer: usize, confidence_threshold: f32) -> Result<Self> {
+    pub fn new(target: Arc<dyn CausalLm>, exit_layer: usize, drawing: DraftDrawing) -> Result<Self> {
         let num_layers = target.info().num_layers;
         if exit_layer == 0 || exit_layer >= num_layers {
             return Err(Error::config(format!(
@@ -36,14 +36,14 @@ impl LayerSkipProposer {
                 (num_layers / 4).max(1)
             )));
         }
-        Ok(Self { target, exit_layer, confidence_threshold, sampler: None })
+        Ok(Self { target, exit_layer, drawing, sampler: None })
     }
 }
 
 impl Proposer for LayerSkipProposer {
     fn begin(&mut self, _prompt: &[u32], params: &SamplingParams) -> Result<()> {
         let vocab = self.target.info().vocab_size;
-        self.sampler = Some(DraftSampler::new(params, vocab, vocab, self.confidence_threshold));
+        self.sampler = Some(DraftSampler::new(params, vocab, vocab, self.drawing));
         Ok(())
     }
 
@@ -59,12 +59,13 @@ impl Proposer for LayerSkipProposer {
         if max_tokens == 0 || start >= context.len() {
             return Ok(Draft::default());
         }
-        let mut draft = DraftBuilder::default();
+        let mut draft = DraftBuilder::after(context.len());
         let mut input = context[start..].to_vec();
         let result = (|| -> Result<()> {
             loop {
                 let logits = self.target.forward_early_exit(&input, target_cache, self.exit_layer, LogitRows::Last)?;
-                let go_on = draft.push(sampler.draw(&logits.flatten_all()?.to_vec1::<f32>()?)); // [draft_vocab]
+                let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?; // [draft_vocab]
+                let go_on = draft.push(sampler.draw(&logits, draft.next_position()));
                 if !go_on || draft.len() >= max_tokens {
                     return Ok(());
                 }

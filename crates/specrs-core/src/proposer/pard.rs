@@ -18,14 +18,14 @@ use crate::config::SamplingParams;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvBytes;
 use crate::model::{CausalLm, LogitRows};
-use crate::proposer::draft_model::{DraftBuilder, DraftCache, DraftSampler};
+use crate::proposer::draft_model::{DraftBuilder, DraftCache, DraftDrawing, DraftSampler};
 use crate::proposer::{Draft, Feedback, Proposer};
 
 pub struct PardProposer {
     cache: DraftCache,
     mask_token_id: u32,
     target_vocab: usize,
-    confidence_threshold: f32,
+    drawing: DraftDrawing,
     sampler: Option<DraftSampler>,
 }
 
@@ -35,7 +35,7 @@ impl PardProposer {
         mask_token_id: u32,
         max_model_len: Option<usize>,
         target_vocab: usize,
-        confidence_threshold: f32,
+        drawing: DraftDrawing,
         kv_bytes: Arc<KvBytes>,
     ) -> Result<Self> {
         let vocab = draft.info().vocab_size;
@@ -49,7 +49,7 @@ impl PardProposer {
             cache: DraftCache::new(draft, max_model_len, kv_bytes),
             mask_token_id,
             target_vocab,
-            confidence_threshold,
+            drawing,
             sampler: None,
         })
     }
@@ -58,7 +58,7 @@ impl PardProposer {
 impl Proposer for PardProposer {
     fn begin(&mut self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
         let vocab = self.cache.model.info().vocab_size;
-        self.sampler = Some(DraftSampler::new(params, vocab, self.target_vocab, self.confidence_threshold));
+        self.sampler = Some(DraftSampler::new(params, vocab, self.target_vocab, self.drawing));
         // Room for the mask tokens of a 64-token draft beyond the request's own length.
         self.cache.begin(prompt.len() + params.max_tokens + crate::spec_config::MAX_SPECULATIVE_TOKENS)
     }
@@ -76,9 +76,9 @@ impl Proposer for PardProposer {
         let logits = self.cache.forward(&input, LogitRows::All)?; // [input.len(), draft_vocab]
         self.cache.truncate(context.len());
         let vocab = logits.len() / input.len();
-        let mut draft = DraftBuilder::default();
+        let mut draft = DraftBuilder::after(context.len());
         for row in logits.chunks(vocab).skip(num_real - 1) {
-            if !draft.push(sampler.draw(row)) {
+            if !draft.push(sampler.draw(row, draft.next_position())) {
                 break;
             }
         }

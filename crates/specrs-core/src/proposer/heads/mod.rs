@@ -43,7 +43,7 @@ use crate::config::SamplingParams;
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvBytes, KvCache};
 use crate::model::{CausalLm, Tap};
-use crate::proposer::draft_model::{DraftBuilder, DraftSampler, DraftedToken, DynamicTree};
+use crate::proposer::draft_model::{DraftBuilder, DraftDrawing, DraftSampler, DraftedToken, DynamicTree};
 use crate::proposer::{Draft, Proposer, TreeLimits};
 use layer::TreeRows;
 use weights::Linear;
@@ -154,7 +154,7 @@ pub struct HeadProposer {
     head: Head,
     method: &'static str,
     target_vocab: usize,
-    confidence_threshold: f32,
+    drawing: DraftDrawing,
     kv_bytes: Arc<KvBytes>,
     sampler: Option<DraftSampler>,
     /// Recurrent heads' caches (one per head layer).
@@ -173,14 +173,14 @@ impl HeadProposer {
         head: Head,
         method: &'static str,
         target_vocab: usize,
-        confidence_threshold: f32,
+        drawing: DraftDrawing,
         kv_bytes: Arc<KvBytes>,
     ) -> Self {
         Self {
             head,
             method,
             target_vocab,
-            confidence_threshold,
+            drawing,
             kv_bytes,
             sampler: None,
             caches: Vec::new(),
@@ -202,12 +202,13 @@ impl HeadProposer {
         self.recorded.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
-    /// A draft token from `logits` (`[1, target_vocab]`), recorded when recording.
-    fn draw(&mut self, logits: &Tensor) -> Result<DraftedToken> {
+    /// A draft token from `logits` (`[1, target_vocab]`) for output `position`, recorded when
+    /// recording.
+    fn draw(&mut self, logits: &Tensor, position: usize) -> Result<DraftedToken> {
         let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
         let sampler =
             self.sampler.as_mut().ok_or_else(|| Error::Internal("head proposer used before begin()".into()))?;
-        let token = sampler.draw(&logits);
+        let token = sampler.draw(&logits, position);
         if let Some(recorded) = self.recorded.as_mut() {
             recorded.push(logits);
         }
@@ -255,10 +256,10 @@ impl HeadProposer {
         self.fed = start + n;
         let mut hidden = out.narrow(0, n - 1, 1)?;
         let cache_lens: Vec<usize> = self.caches.iter().map(KvCache::len).collect();
-        let mut draft = DraftBuilder::default();
+        let mut draft = DraftBuilder::after(context.len());
         let mut step = 0;
         loop {
-            let token = self.draw(&head.logits(&hidden, step)?)?;
+            let token = self.draw(&head.logits(&hidden, step)?, draft.next_position())?;
             if !draft.push(token) || draft.len() >= max_tokens {
                 break;
             }
@@ -409,10 +410,10 @@ impl HeadProposer {
         // The hidden state of the newest token's predecessor: it predicted the newest token.
         let mut state = target_hidden.narrow(0, target_hidden.dim(0)? - 1, 1)?;
         let mut token = context[context.len() - 1];
-        let mut draft = DraftBuilder::default();
+        let mut draft = DraftBuilder::after(context.len());
         for i in 0..max_tokens.min(head.num_heads()) {
             let (logits, next_state) = head.step(i, &state, token)?;
-            let confident = draft.push(self.draw(&logits)?);
+            let confident = draft.push(self.draw(&logits, draft.next_position())?);
             token = draft.last();
             state = next_state;
             if !confident {
@@ -425,7 +426,7 @@ impl HeadProposer {
 
 impl Proposer for HeadProposer {
     fn begin(&mut self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
-        self.sampler = Some(DraftSampler::new(params, self.target_vocab, self.target_vocab, self.confidence_threshold));
+        self.sampler = Some(DraftSampler::new(params, self.target_vocab, self.target_vocab, self.drawing));
         self.caches = match &self.head {
             Head::Recurrent(head) => head.new_caches(prompt.len() + params.max_tokens, &self.kv_bytes)?,
             Head::Parallel(_) => Vec::new(),
