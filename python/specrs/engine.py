@@ -605,8 +605,10 @@ class Engine:
     def metrics(self) -> dict:
         """Sums over every finished request: vLLM's acceptance counters (num_drafts,
         num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos,
-        mean_acceptance_length, acceptance_rate), TTFT, ITL, tokens/s, and the expected speedup
-        (textbook and refined, on the verification cost curve as it is now: `verify_cost_source`)."""
+        mean_acceptance_length, acceptance_rate), TTFT, ITL, tokens/s, the expected speedup
+        (textbook and refined, on the verification cost curve as it is now: `verify_cost_source`),
+        and `num_grammar_compiles` / `num_grammar_cache_hits` (grammars llguidance compiled, and
+        those taken from the engine's grammar cache instead)."""
         return self._inner.metrics()
 
     def reset_metrics(self) -> None:

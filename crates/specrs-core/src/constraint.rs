@@ -6,7 +6,9 @@
 //! own matcher state. Speculative decoding uses a `Constraint` as: mask the logits of the next
 //! position (`apply_to_logits` / `allowed_tokens`), cut a draft to the prefix the grammar allows
 //! (`valid_prefix_len`, no state change), `consume` the tokens the target kept, `rollback` the ones
-//! it took back, and splice in what the grammar forces anyway (`forced_tokens`).
+//! it took back, and splice in what the grammar forces anyway (`forced_tokens`). An engine keeps
+//! the grammars it compiled (`cache`) and hands each request a copy, so a grammar asked for again
+//! is not compiled again.
 //!
 //! Compiling runs on a thread of its own with a stack sized for the limits the input was measured
 //! against first (`limits`), since llguidance's compilers recurse on the input's shape; and it
@@ -31,12 +33,14 @@
 //! - Token ids at or past the tokenizer's vocabulary (padding rows of a model's logits) are never
 //!   allowed.
 
+pub mod cache;
 mod deadline;
 pub mod grammar_spec;
 pub mod limits;
 mod productive;
 mod token_env;
 
+pub use cache::{GrammarCache, GrammarSource};
 pub use deadline::MATCHER_CALL_BUDGET;
 pub use grammar_spec::{GrammarSpec, GRAMMAR_SPEC_KEYS};
 
@@ -270,6 +274,21 @@ const _: () = {
 };
 
 impl Constraint {
+    /// An independent copy of a constraint nothing has run on yet (`cache`'s entries): its own
+    /// parser, lexer caches and cancellation state (llguidance's `deep_clone`; a plain clone
+    /// would share the lexer's state with the original), so what runs on the copy never reaches
+    /// the original or another copy.
+    fn copy_at_start(&self) -> Self {
+        debug_assert!(self.consumed == 0 && !self.eos_after_end, "only a constraint at its start is copied");
+        Self {
+            matcher: self.matcher.deep_clone(),
+            tok_env: self.tok_env.clone(),
+            kind: self.kind,
+            consumed: 0,
+            eos_after_end: false,
+        }
+    }
+
     /// Number of token ids the masks cover: the tokenizer's vocabulary size.
     pub fn vocab_size(&self) -> usize {
         self.tok_env.tok_trie().vocab_size()

@@ -259,7 +259,8 @@ fn expected_tokens_per_step(a: f64, k: f64) -> f64 {
 }
 
 /// Engine-wide sums over finished requests, in memory that does not grow with the number of
-/// requests or tokens served: TTFT as a sum and a count, inter-token gaps in a `LatencyHistogram`.
+/// requests or tokens served: TTFT as a sum and a count, inter-token gaps in a `LatencyHistogram`;
+/// and the grammars compiled or taken from the grammar cache as requests start or are checked.
 #[derive(Debug, Clone, Default)]
 pub struct EngineMetrics {
     pub num_requests: usize,
@@ -272,6 +273,10 @@ pub struct EngineMetrics {
     pub num_ttfts: usize,
     /// Every inter-token gap of every request.
     pub itls: LatencyHistogram,
+    /// Grammars llguidance compiled (`Engine::compile_grammar`; failed compiles included).
+    pub num_grammar_compiles: usize,
+    /// Grammars a request or a check took from the engine's grammar cache instead of compiling.
+    pub num_grammar_cache_hits: usize,
 }
 
 impl EngineMetrics {

@@ -917,8 +917,9 @@ impl PyEngine {
         Ok(PyStream { state: Mutex::new(StreamState { session, failure: None }) })
     }
 
-    /// Sums over every finished request: vLLM's acceptance counters, TTFT/ITL/tokens/s, and the
-    /// expected-speedup model on the verification cost curve as it is now (never measured here).
+    /// Sums over every finished request: vLLM's acceptance counters, TTFT/ITL/tokens/s, the
+    /// expected-speedup model on the verification cost curve as it is now (never measured here),
+    /// and the grammars compiled and taken from the grammar cache.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let engine = self.inner.clone();
         let (m, expected) = run_detached(py, move || {
@@ -936,6 +937,8 @@ impl PyEngine {
         d.set_item("itl_s_p50", m.itl_s_percentile(0.50))?;
         d.set_item("itl_s_p99", m.itl_s_percentile(0.99))?;
         d.set_item("decode_tokens_per_s", m.decode_tokens_per_s())?;
+        d.set_item("num_grammar_compiles", m.num_grammar_compiles)?;
+        d.set_item("num_grammar_cache_hits", m.num_grammar_cache_hits)?;
         d.set_item("expected_speedup_textbook", expected.map(|e| e.textbook))?;
         d.set_item("expected_speedup_refined", expected.map(|e| e.refined))?;
         d.set_item("draft_cost", expected.map(|e| e.draft_cost))?;

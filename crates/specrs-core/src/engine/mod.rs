@@ -24,7 +24,7 @@ use candle_core::DType;
 
 use self::cost_worker::CostBook;
 use crate::chat_template::ChatMessage;
-use crate::constraint::ConstraintCompiler;
+use crate::constraint::{Constraint, ConstraintCompiler, GrammarCache, GrammarSource, GrammarSpec};
 use crate::costs::DiskCache;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
@@ -108,6 +108,10 @@ pub struct Engine {
     /// Grammars' token environment, built on the first constrained request (it walks the whole
     /// vocabulary once) and shared by every later one.
     constraint_compiler: Mutex<Option<Arc<ConstraintCompiler>>>,
+    /// The grammars `constraint_compiler` compiled, kept so that one asked for again (the
+    /// server's check, then the request's start; the same schema on many requests) is not
+    /// compiled again. It locks itself (`GrammarCache::lock`).
+    grammar_cache: GrammarCache,
 }
 
 impl Engine {
@@ -186,6 +190,7 @@ impl Engine {
             draft_kv: Arc::default(),
             kv_pool: None,
             constraint_compiler: Mutex::default(),
+            grammar_cache: GrammarCache::default(),
         })
     }
 
@@ -272,6 +277,20 @@ impl Engine {
         let compiler = Arc::new(ConstraintCompiler::new(&self.tokenizer)?);
         *slot = Some(compiler.clone());
         Ok(compiler)
+    }
+
+    /// `spec`'s constraint at the start of the output, the caller's own copy: from the grammar
+    /// cache, or compiled (and kept) when it is not there. A spec that fails to compile fails
+    /// with `ConstraintCompiler::compile`'s error every time. Counts the compile or the cache hit
+    /// in `metrics` (`num_grammar_compiles`, `num_grammar_cache_hits`).
+    pub fn compile_grammar(&self, spec: &GrammarSpec) -> Result<Constraint> {
+        let found = self.grammar_cache.get_or_compile(spec, |spec| self.constraint_compiler()?.compile(spec));
+        let mut metrics = lock(&self.metrics)?;
+        match &found {
+            Ok((_, GrammarSource::Cache)) => metrics.num_grammar_cache_hits += 1,
+            Ok((_, GrammarSource::Compiled)) | Err(_) => metrics.num_grammar_compiles += 1,
+        }
+        found.map(|(constraint, _)| constraint)
     }
 
     /// Prompt text for chat `messages` from the model's own template, with OpenAI's `tools` in

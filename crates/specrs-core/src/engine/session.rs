@@ -79,7 +79,7 @@ impl Engine {
         let prompt_ids = self.request_prompt(&prompt_ids, &params).to_vec();
         self.check_request(&prompt_ids, &params)?;
         let constraint = match &params.grammar {
-            Some(spec) => Some(self.constraint_compiler()?.compile(spec)?),
+            Some(spec) => Some(self.compile_grammar(spec)?),
             None => None,
         };
         let bad_words = self.bad_words_token_ids(&params)?;
@@ -184,10 +184,11 @@ impl Engine {
     }
 
     /// Compiles `params`' grammar, if any, so a server can refuse a bad one before it answers
-    /// (an `Error::Config` carrying llguidance's reason).
+    /// (an `Error::Config` carrying llguidance's reason). A good one is kept in the grammar
+    /// cache, so the request's start does not compile it again (`compile_grammar`).
     pub fn check_grammar(&self, params: &SamplingParams) -> Result<()> {
         match &params.grammar {
-            Some(spec) => self.constraint_compiler()?.compile(spec).map(drop),
+            Some(spec) => self.compile_grammar(spec).map(drop),
             None => Ok(()),
         }
     }
