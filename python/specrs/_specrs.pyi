@@ -16,6 +16,7 @@ __all__ = [
     "SamplingParams",
     "Stream",
     "Scheduler",
+    "SpeculativeConfig",
     "Tokenizer",
     "expected_speedup",
     "requantize",
@@ -182,7 +183,11 @@ class Engine:
     @staticmethod
     def speculative_methods() -> list[str]: ...
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, speculative_config: SpeculativeConfig | str | None = None, proposer: Any = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        speculative_config: SpeculativeConfig | str | None = None,
+        proposer: Any = None,
     ) -> dict: ...
     def stream(
         self,
