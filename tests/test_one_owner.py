@@ -41,13 +41,13 @@ def test_every_method_has_facts_and_python_reads_them():
         config = {"method": name, "num_speculative_tokens": 2}
         config.update({key: "weights.gguf" if key == "model" else "q8_0" if key == "quantization" else 2
                        for key in f["keys"] if not key.startswith("suffix_decoding_")})
-        weights = _specrs.Engine.speculative_weights(json.dumps(config))
+        weights = _specrs.SpeculativeConfig.from_json(json.dumps(config)).weights()
         assert (weights is not None) == bool(f["weight_keys"]), name
         if weights is not None:
-            assert sorted(json.loads(weights)) == sorted(["method", *f["weight_keys"]]), name
+            assert sorted(weights) == sorted(["method", *f["weight_keys"]]), name
         for alias in f["aliases"]:
-            aliased = json.loads(_specrs.Engine.parse_speculative_config(json.dumps({**config, "method": alias})))
-            assert aliased["method"] == name
+            aliased = _specrs.SpeculativeConfig.from_json(json.dumps({**config, "method": alias}))
+            assert aliased.method == name
 
 
 def test_shipped_heads_are_rusts_table_with_their_directories_in_the_package():
@@ -173,9 +173,9 @@ def test_auto_uses_the_servers_draft_model_and_no_other_weights_over_http():
     startup = json.loads(engine_module._config_json({"method": "draft_model", "model": "d.gguf",
                                                       "num_speculative_tokens": 4}))
     speculation = protocol.ServerSpeculation(startup)
-    assert json.loads(speculation.for_request({"method": "auto", "model": "d.gguf"}))["method"] == "auto"
-    assert json.loads(speculation.for_request({"method": "auto"}))["method"] == "auto"
-    assert json.loads(protocol.ServerSpeculation(None).for_request({"method": "auto"}))["method"] == "auto"
+    assert speculation.for_request({"method": "auto", "model": "d.gguf"}).method == "auto"
+    assert speculation.for_request({"method": "auto"}).method == "auto"
+    assert protocol.ServerSpeculation(None).for_request({"method": "auto"}).method == "auto"
     with pytest.raises(protocol.APIError, match="loads weights") as refused:
         speculation.for_request({"method": "auto", "model": "/etc/passwd"})
     assert "/etc/passwd" not in refused.value.message

@@ -56,7 +56,7 @@ def _method_config(method: str, **keys) -> dict:
 def _takes(config: dict) -> bool:
     """Whether the core accepts `config` (so only the server's own policy can refuse it)."""
     try:
-        _specrs.Engine.parse_speculative_config(json.dumps(config))
+        _specrs.SpeculativeConfig.from_json(json.dumps(config))
         return True
     except specrs.ConfigError:
         return False
@@ -97,7 +97,7 @@ def test_every_method_that_takes_a_path_is_refused_one(served, head_copies):
             assert "s3cr3t" not in error["message"] and path not in error["message"], (method, error)
             if _takes(config):
                 assert "loads weights" in error["message"], (method, error)
-                assert _specrs.Engine.speculative_weights(json.dumps(config)) is not None, method
+                assert _specrs.SpeculativeConfig.from_json(json.dumps(config)).weights() is not None, method
             bodies.append(error)
         if _takes(_method_config(method, model="/etc/passwd")):
             taking_paths.append(method)
@@ -132,10 +132,10 @@ def test_shipped_heads_and_the_startup_weights_stay_usable(served, engine, head_
                                              "num_speculative_tokens": 3}))
     speculation = ServerSpeculation(startup, target_info=engine.info())
     again = json.loads(speculation.for_request({"method": "eagle3", "model": head_copies["eagle3"],
-                                                "num_speculative_tokens": 2, "tree": True}))
+                                                "num_speculative_tokens": 2, "tree": True}).to_json())
     assert again["model"] == head_copies["eagle3"]
-    assert json.loads(speculation.for_request({"num_speculative_tokens": 2}))["model"] == head_copies["eagle3"]
-    assert json.loads(speculation.for_request({"method": "eagle3"}))["model"] == shipped["eagle3"]
+    assert speculation.for_request({"num_speculative_tokens": 2}).weights()["model"] == head_copies["eagle3"]
+    assert speculation.for_request({"method": "eagle3"}).weights()["model"] == shipped["eagle3"]
     for other in ({"method": "eagle3", "model": "/etc/passwd", "num_speculative_tokens": 2},
                   {"method": "eagle3", "model": head_copies["eagle3"], "quantization": "q4_0",
                    "num_speculative_tokens": 2},

@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 
+from specrs import SpeculativeConfig  # noqa: E402
 from specrs.serve.ray.asgi_call import Lifespan, call_app, http_scope  # noqa: E402
 from specrs.serve.ray.replica_board import Report, ReplicaBoard, merge_metrics  # noqa: E402
 from specrs.serve.ray.suffix_share import (  # noqa: E402
@@ -27,15 +28,16 @@ def test_tokens_round_trip_as_uint32():
 
 
 def test_a_replica_publishes_the_responses_of_every_config_that_keeps_a_suffix_cache():
-    """"suffix" and "auto" (its suffix lookup keeps its own cache) are shared; other methods,
-    no speculation and an invalid config are not (Rust says which configs keep one)."""
+    """"suffix" and "auto" (its suffix lookup keeps its own cache) are shared, under their config's
+    JSON; other methods and no speculation are not (Rust says which configs keep one)."""
     client = ShareClient(coordinator=None, replica="a", engine=None, interval_s=1.0)
-    configs = ['{"method": "suffix"}', '{"method": "auto"}', '{"method": "ngram"}', None, '{"method": "nope"}']
-    for config in configs:
+    configs = [SpeculativeConfig.from_json(text) for text in
+               ('{"method": "suffix"}', '{"method": "auto"}', '{"method": "ngram", "num_speculative_tokens": 2}')]
+    for config in [*configs, None]:
         job = type("Job", (), {"request": type("Request", (), {"speculative_config": config})(),
                                "response_ids": [5, 6]})()
         client.on_request_finished(job, "stop", None)
-    assert [config for config, _ in client._outbox] == configs[:2]
+    assert [config for config, _ in client._outbox] == [config.to_json() for config in configs[:2]]
     assert all(unpack(tokens) == [5, 6] for _, tokens in client._outbox)
 
 

@@ -18,13 +18,14 @@ from .models import find_model, resolve_model
 
 SamplingParams = _specrs.SamplingParams
 Tokenizer = _specrs.Tokenizer
+SpeculativeConfig = _specrs.SpeculativeConfig
 
 # A string, chat messages ({"role", "content"} dicts rendered with the model's template), or
 # token ids used as they are.
 Prompt = Union[str, Sequence[Mapping[str, str]], Sequence[int]]
 
-# vLLM's --speculative-config: a dict or its JSON text.
-SpecConfig = Union[Mapping[str, Any], str]
+# vLLM's --speculative-config: a dict or its JSON text (or one parsed already: `Engine.parse_config`).
+SpecConfig = Union[Mapping[str, Any], str, SpeculativeConfig]
 
 # A hidden-state tap: an int (the residual stream after that many blocks) or "final_norm".
 Layer = Union[int, str]
@@ -51,9 +52,16 @@ DEFAULT_DRAFT_BUDGET: str = _specrs.SCHEDULER_DEFAULTS["draft_budget"]
 
 
 def _config_json(config: SpecConfig, target_info: Mapping[str, Any] | None = None) -> str:
-    """JSON text of a speculative config with every default filled in; raises ConfigError. With
+    """JSON text of a speculative config with every default filled in (`_parse_config`'s)."""
+    return _parse_config(config, target_info).to_json()
+
+
+def _parse_config(config: SpecConfig, target_info: Mapping[str, Any] | None = None) -> SpeculativeConfig:
+    """A speculative config parsed by Rust, every default filled in; raises ConfigError. With
     `target_info` (`Engine.info()`), a head method without "model" gets the head specrs ships for
-    that target (specrs.heads)."""
+    that target (specrs.heads). A `SpeculativeConfig` is returned as it is (parsed already)."""
+    if isinstance(config, SpeculativeConfig):
+        return config
     if isinstance(config, str) and target_info is not None:
         try:
             config = json.loads(config)
@@ -72,7 +80,7 @@ def _config_json(config: SpecConfig, target_info: Mapping[str, Any] | None = Non
             f"speculative_config must be a dict or a JSON string (got {type(config).__name__}); "
             "e.g. {'method': 'ngram', 'num_speculative_tokens': 4}"
         )
-    return _specrs.Engine.parse_speculative_config(text)
+    return SpeculativeConfig.from_json(text)
 
 
 def _with_known_draft(config: dict) -> dict:
@@ -327,13 +335,15 @@ class Engine:
         self._inner.set_log_measurements(_log_enabled())
         if proposer is not None and speculative_config is None:
             speculative_config = {"method": "custom", "num_speculative_tokens": DEFAULT_CUSTOM_SPECULATIVE_TOKENS}
-        self.speculative_config = None if speculative_config is None else json.loads(self.config_json(speculative_config))
+        # Parsed once: every request without its own config runs this object.
+        self._default_config = None if speculative_config is None else self.parse_config(speculative_config)
+        self.speculative_config = None if self._default_config is None else json.loads(self._default_config.to_json())
         self.proposer = proposer
 
     def _prepare_default(self) -> None:
         """The default speculation's one-time work happens now, not in the first request."""
-        if self.speculative_config is not None:
-            self._prepare_logged(json.dumps(self.speculative_config))
+        if self._default_config is not None:
+            self._prepare_logged(self._default_config)
 
     def prepare(self, speculative_config: SpecConfig) -> dict:
         """Loads what `speculative_config` needs (draft weights), so its first request does not
@@ -344,7 +354,7 @@ class Engine:
         "tries"}`). Figures nobody measured are measured by a background thread while no request
         runs (`cost_status`, `wait_for_costs`); never inside a request. The engine's own
         `speculative_config` is prepared when it is built."""
-        return self._prepare_logged(self.config_json(speculative_config))
+        return self._prepare_logged(self.parse_config(speculative_config))
 
     def prepare_batch_costs(self, max_rows: int) -> dict:
         """Queues the verification cost curve for forwards of 1..`max_rows` rows (what a scheduler's
@@ -355,19 +365,18 @@ class Engine:
         if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 2:
             raise ConfigError(f"max_rows must be an integer >= 2, the largest forward to cost (got {max_rows!r})")
         # A "custom" config only names the length here: no proposer is built or run.
-        return self._inner.prepare(self.config_json({"method": "custom", "num_speculative_tokens": max_rows - 1}))
+        return self._inner.prepare(self.parse_config({"method": "custom", "num_speculative_tokens": max_rows - 1}))
 
-    def _prepare_logged(self, config_json: str) -> dict:
-        config = json.loads(config_json)
-        label = f"{config['method']} k={config['num_speculative_tokens']}"
-        loads = _specrs.Engine.speculative_weights(config_json) is not None
+    def _prepare_logged(self, config: SpeculativeConfig) -> dict:
+        label = f"{config.method} k={config.num_speculative_tokens}"
+        loads = config.weights() is not None
         start_s = time.perf_counter()
         if loads:
             logger.info("preparing %s: loading its draft", label)
-        costs = self._inner.prepare(config_json)
+        costs = self._inner.prepare(config)
         if loads:
             logger.info("prepared %s in %.1f s", label, time.perf_counter() - start_s)
-        if config.get("adaptive_draft_length", True):
+        if config.adaptive_draft_length:
             logger.info("%s: %s", label, _describe_costs(costs, self.cost_status()["pending"]))
         return costs
 
@@ -396,10 +405,18 @@ class Engine:
         return done
 
     def config_json(self, speculative_config: SpecConfig) -> str:
-        """JSON text of `speculative_config` as this engine runs it: every default filled in, and
+        """JSON text of `speculative_config` as this engine runs it (`parse_config`'s)."""
+        return self.parse_config(speculative_config).to_json()
+
+    def parse_config(self, speculative_config: SpecConfig) -> SpeculativeConfig:
+        """`speculative_config` parsed once as this engine runs it: every default filled in, and
         for "eagle3" or "mlp_speculator" without "model", the head specrs ships for this model
-        (specrs.heads); raises ConfigError."""
-        return _config_json(speculative_config, self.info())
+        (specrs.heads); raises ConfigError. Pass the object as `speculative_config` to run many
+        requests without parsing it again; it says its `method`, `num_speculative_tokens`,
+        `weights()` and `to_json()`."""
+        if isinstance(speculative_config, SpeculativeConfig):
+            return speculative_config  # parsed already; no need to ask for the target's info
+        return _parse_config(speculative_config, self.info())
 
     def set_measure_on_demand(self, on: bool) -> None:
         """Whether cost figures nobody measured yet are measured by the engine's background
@@ -457,23 +474,23 @@ class Engine:
         tools_json = None if tools is None else json.dumps(tools)
         return self._inner.chat_prompt_ids(messages, tools_json, allow)
 
-    def _speculation(self, speculative_config, proposer) -> tuple[str | None, Any]:
-        """(config JSON or None, proposer object or None) for one request: None means the
+    def _speculation(self, speculative_config, proposer) -> tuple[SpeculativeConfig | None, Any]:
+        """(parsed config or None, proposer object or None) for one request: None means the
         engine's default, False turns speculation off. A proposer passed to the call goes to the
         engine as is, so a non-custom config with it is refused there rather than ignored."""
         if speculative_config is False:
             if proposer is not None:
                 raise ConfigError("a proposer needs speculation on; drop speculative_config=False")
             return None, None
-        config = self.speculative_config if speculative_config is None else speculative_config
+        config = self._default_config if speculative_config is None else speculative_config
         if config is None and (proposer is not None or self.proposer is not None):
             config = {"method": "custom", "num_speculative_tokens": DEFAULT_CUSTOM_SPECULATIVE_TOKENS}
         if config is None:
             return None, None
-        config_json = self.config_json(config)
-        if proposer is None and json.loads(config_json)["method"] == "custom":
+        parsed = self.parse_config(config)
+        if proposer is None and parsed.method == "custom":
             proposer = self.proposer
-        return config_json, proposer
+        return parsed, proposer
 
     @overload
     def generate(
@@ -527,8 +544,8 @@ class Engine:
             raise ConfigError("a list of SamplingParams needs a list of prompts (one each)")
         params = params or SamplingParams()
         ids = self.prompt_token_ids(prompt)
-        config_json, proposer = self._speculation(speculative_config, proposer)
-        return GenerationResult._from_dict(self._inner.generate(ids, params, config_json, proposer))
+        config, proposer = self._speculation(speculative_config, proposer)
+        return GenerationResult._from_dict(self._inner.generate(ids, params, config, proposer))
 
     def _generate_batch(self, prompts: list, params, speculative_config, proposer, max_num_seqs: int,
                         max_num_batched_tokens: int, draft_budget: str, progress: bool) -> list[GenerationResult]:
@@ -549,12 +566,12 @@ class Engine:
             if len(all_params) != len(prompts):
                 raise ConfigError(f"got {len(all_params)} SamplingParams for {len(prompts)} prompts; pass one for "
                                   "all or one per prompt")
-        config_json, proposer = self._speculation(speculative_config, proposer)
+        config, proposer = self._speculation(speculative_config, proposer)
         scheduler = _specrs.Scheduler(self._inner, max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens, draft_budget=draft_budget)
         # Everything is checked before anything runs: a bad prompt fails the call, not half of it.
         for request_id, (prompt, request_params) in enumerate(zip(prompts, all_params)):
-            scheduler.add(request_id, self.prompt_token_ids(prompt), request_params, config_json, proposer)
+            scheduler.add(request_id, self.prompt_token_ids(prompt), request_params, config, proposer)
         return _run_to_the_end(scheduler, len(prompts), bar)
 
     def generate_samples(
@@ -576,10 +593,10 @@ class Engine:
         sample speculates with its own proposer state; the other arguments are `generate`'s."""
         bar = _ProgressBar(params.n) if progress else None
         try:
-            config_json, proposer = self._speculation(speculative_config, proposer)
+            config, proposer = self._speculation(speculative_config, proposer)
             scheduler = _specrs.Scheduler(self._inner, max_num_seqs=max_num_seqs,
                                           max_num_batched_tokens=max_num_batched_tokens, draft_budget=draft_budget)
-            scheduler.add_samples(list(range(params.n)), self.prompt_token_ids(prompt), params, config_json, proposer)
+            scheduler.add_samples(list(range(params.n)), self.prompt_token_ids(prompt), params, config, proposer)
             return _run_to_the_end(scheduler, params.n, bar)
         finally:
             if bar is not None:
@@ -599,8 +616,8 @@ class Engine:
         a caller interleaving requests, like `specrs serve`, keep the others' streams moving)."""
         params = params or SamplingParams()
         ids = self.prompt_token_ids(prompt)
-        config_json, proposer = self._speculation(speculative_config, proposer)
-        return TextStream(self._inner.stream(ids, params, config_json, proposer, prefill_chunk))
+        config, proposer = self._speculation(speculative_config, proposer)
+        return TextStream(self._inner.stream(ids, params, config, proposer, prefill_chunk))
 
     def metrics(self) -> dict:
         """Sums over every finished request: vLLM's acceptance counters (num_drafts,
@@ -628,12 +645,14 @@ class Engine:
         the path, and changes nothing."""
         return self._inner.load_suffix_cache(os.fspath(path))
 
-    def add_suffix_responses(self, speculative_config: dict | str, responses: list[list[int]]) -> int:
+    def add_suffix_responses(self, speculative_config: SpecConfig, responses: list[list[int]]) -> int:
         """Caches finished responses (each the generated token ids of a request that ran with this
         suffix config, oldest first) from another engine of the same model, exactly as if they had
         finished here; returns how many were added. `specrs serve --ray` shares them between
         replicas this way. A non-suffix config or a token id past the vocabulary raises ConfigError."""
-        config = speculative_config if isinstance(speculative_config, str) else json.dumps(speculative_config)
+        config = speculative_config
+        if not isinstance(config, (str, SpeculativeConfig)):
+            config = json.dumps(config)
         return self._inner.add_suffix_responses(config, [list(r) for r in responses])
 
     def suffix_cache_responses(self) -> list[tuple[str, list[list[int]]]]:

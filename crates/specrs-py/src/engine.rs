@@ -21,6 +21,7 @@ use specrs_core::{Engine, SamplingParams, Session, Speculation, SpeculativeConfi
 
 use crate::errors::{catch_panic, guard, lock_recovering, panic_error, run_detached, to_py};
 use crate::proposer::PyProposer;
+use crate::spec_config::config_arg;
 use crate::testing::PyTestingPanickingProposer;
 
 /// A numeric argument as Python passed it (None: left out), checked against its range before it is
@@ -848,30 +849,6 @@ impl PyEngine {
         guard(|| self.inner.chat_template_renders_tools()).map_err(to_py)
     }
 
-    /// The parsed config with every default filled in, as JSON (raises ConfigError when invalid).
-    #[staticmethod]
-    fn parse_speculative_config(config_json: &str) -> PyResult<String> {
-        guard(|| SpeculativeConfig::from_json(config_json)).map(|c| c.to_json()).map_err(to_py)
-    }
-
-    /// The weights a config loads besides the target's, as JSON `{"method", and each key naming
-    /// them}` (`SpeculativeConfig::weights`), or None for a method that loads none; raises
-    /// ConfigError when the config is invalid.
-    #[staticmethod]
-    fn speculative_weights(config_json: &str) -> PyResult<Option<String>> {
-        guard(|| SpeculativeConfig::from_json(config_json))
-            .map(|c| c.weights().map(|w| serde_json::Value::Object(w).to_string()))
-            .map_err(to_py)
-    }
-
-    /// Whether a config's requests draft from an engine-wide suffix cache ("suffix", and "auto"'s
-    /// suffix lookup: `SpeculativeConfig::suffix_params`), whose responses Ray replicas share;
-    /// raises ConfigError when the config is invalid.
-    #[staticmethod]
-    fn keeps_suffix_cache(config_json: &str) -> PyResult<bool> {
-        guard(|| SpeculativeConfig::from_json(config_json)).map(|c| c.suffix_params().is_some()).map_err(to_py)
-    }
-
     /// Every speculative method a config may name.
     #[staticmethod]
     fn speculative_methods() -> Vec<&'static str> {
@@ -884,11 +861,12 @@ impl PyEngine {
         py: Python<'py>,
         prompt_ids: &Bound<'py, PyAny>,
         params: &PySamplingParams,
-        speculative_config: Option<&str>,
+        speculative_config: Option<&Bound<'py, PyAny>>,
         proposer: Option<Py<PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let prompt_ids = token_ids_arg(prompt_ids, "prompt token id")?;
-        let speculation = self.speculation(py, speculative_config, proposer)?;
+        let config = speculative_config.map(config_arg).transpose()?;
+        let speculation = self.speculation(py, config, proposer)?;
         let engine = self.inner.clone();
         let params = params.inner.clone();
         let generation = run_detached(py, move || engine.generate(prompt_ids, params, speculation))?;
@@ -901,12 +879,13 @@ impl PyEngine {
         py: Python<'_>,
         prompt_ids: &Bound<'_, PyAny>,
         params: &PySamplingParams,
-        speculative_config: Option<&str>,
+        speculative_config: Option<&Bound<'_, PyAny>>,
         proposer: Option<Py<PyAny>>,
         prefill_chunk: Option<usize>,
     ) -> PyResult<PyStream> {
         let prompt_ids = token_ids_arg(prompt_ids, "prompt token id")?;
-        let speculation = self.speculation(py, speculative_config, proposer)?;
+        let config = speculative_config.map(config_arg).transpose()?;
+        let speculation = self.speculation(py, config, proposer)?;
         let engine = self.inner.clone();
         let params = params.inner.clone();
         let session = run_detached(py, move || {
@@ -977,12 +956,12 @@ impl PyEngine {
         Ok(costs.iter().map(|t| t / costs[0]).collect())
     }
 
-    /// Loads what `config_json` needs (draft weights) and queues its adaptive-length costs for the
-    /// background thread unless known (the disk cache), so its first request pays for neither: a
-    /// dict of the costs a request reads now (`verify_cost_ratios`, `draft_cost`), their sources
-    /// and spreads.
-    fn prepare<'py>(&self, py: Python<'py>, config_json: &str) -> PyResult<Bound<'py, PyDict>> {
-        let config = guard(|| SpeculativeConfig::from_json(config_json)).map_err(to_py)?;
+    /// Loads what `config` (a `SpeculativeConfig` or its JSON text) needs (draft weights) and
+    /// queues its adaptive-length costs for the background thread unless known (the disk cache),
+    /// so its first request pays for neither: a dict of the costs a request reads now
+    /// (`verify_cost_ratios`, `draft_cost`), their sources and spreads.
+    fn prepare<'py>(&self, py: Python<'py>, config: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
+        let config = config_arg(config)?;
         let engine = self.inner.clone();
         let costs = run_detached(py, move || engine.prepare(&config))?;
         let d = PyDict::new(py);
@@ -1167,9 +1146,15 @@ impl PyEngine {
     }
 
     /// Caches finished responses (generated token ids, oldest first) from another engine of this
-    /// model in the engine-wide suffix cache of `config_json`; returns how many were added.
-    fn add_suffix_responses(&self, py: Python<'_>, config_json: &str, responses: Vec<Vec<u32>>) -> PyResult<usize> {
-        let config = guard(|| SpeculativeConfig::from_json(config_json)).map_err(to_py)?;
+    /// model in the engine-wide suffix cache of `config` (a `SpeculativeConfig` or its JSON text);
+    /// returns how many were added.
+    fn add_suffix_responses(
+        &self,
+        py: Python<'_>,
+        config: &Bound<'_, PyAny>,
+        responses: Vec<Vec<u32>>,
+    ) -> PyResult<usize> {
+        let config = config_arg(config)?;
         let engine = self.inner.clone();
         run_detached(py, move || engine.add_suffix_responses(&config, &responses))
     }
@@ -1182,14 +1167,14 @@ impl PyEngine {
 }
 
 impl PyEngine {
-    /// The request's speculation from a config JSON (None = off) and an optional Python proposer.
+    /// The request's speculation from a parsed config (None = off) and an optional Python proposer.
     pub(crate) fn speculation(
         &self,
         py: Python<'_>,
-        config_json: Option<&str>,
+        config: Option<Arc<SpeculativeConfig>>,
         proposer: Option<Py<PyAny>>,
     ) -> PyResult<Option<Speculation>> {
-        let Some(config_json) = config_json else {
+        let Some(config) = config else {
             if proposer.is_some() {
                 return Err(to_py(specrs_core::Error::config(
                     "a proposer object needs speculation on: pass speculative_config={\"method\": \"custom\", ...}",
@@ -1197,7 +1182,6 @@ impl PyEngine {
             }
             return Ok(None);
         };
-        let config = guard(|| SpeculativeConfig::from_json(config_json)).map_err(to_py)?;
         let custom: Option<Box<dyn Proposer>> = match proposer {
             // The test-only panicking proposer is a Rust proposer, so its panic is a real Rust
             // panic inside `Session::step` (a Python proposer's exception is a ProposerError).

@@ -7,6 +7,7 @@ mod errors;
 mod facts;
 mod proposer;
 mod scheduler;
+mod spec_config;
 mod testing;
 
 use pyo3::prelude::*;
@@ -17,6 +18,7 @@ fn _specrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PySamplingParams>()?;
     m.add_class::<engine::PyStream>()?;
     m.add_class::<scheduler::PyScheduler>()?;
+    m.add_class::<spec_config::PySpeculativeConfig>()?;
     m.add_class::<engine::PyTokenizer>()?;
     m.add_function(wrap_pyfunction!(engine::expected_speedup, m)?)?;
     m.add_function(wrap_pyfunction!(engine::requantize, m)?)?;

@@ -14,6 +14,7 @@ use specrs_core::{DraftBudget, Engine, RequestOutput, Scheduler, SchedulerConfig
 
 use crate::engine::{generation_dict, logprobs_list, token_ids_arg, PyEngine, PySamplingParams};
 use crate::errors::{guard, lock_recovering, run_detached, to_py};
+use crate::spec_config::config_arg;
 
 #[pyclass(name = "Scheduler", module = "specrs._specrs", frozen)]
 pub struct PyScheduler {
@@ -61,7 +62,8 @@ impl PyScheduler {
         Ok(Self { engine, inner: Mutex::new(scheduler) })
     }
 
-    /// Queues a request under `request_id` (unique among unfinished ones). Raises (ConfigError,
+    /// Queues a request under `request_id` (unique among unfinished ones); `speculative_config` is
+    /// a `SpeculativeConfig` or its JSON text (None = no speculation). Raises (ConfigError,
     /// ContextLengthError, ...) for anything that can be checked before it runs.
     #[pyo3(signature = (request_id, prompt_ids, params, speculative_config=None, proposer=None))]
     fn add(
@@ -70,11 +72,12 @@ impl PyScheduler {
         request_id: u64,
         prompt_ids: &Bound<'_, PyAny>,
         params: &PySamplingParams,
-        speculative_config: Option<&str>,
+        speculative_config: Option<&Bound<'_, PyAny>>,
         proposer: Option<Py<PyAny>>,
     ) -> PyResult<()> {
         let prompt_ids = token_ids_arg(prompt_ids, "prompt token id")?;
-        let speculation = self.engine.get().speculation(py, speculative_config, proposer)?;
+        let config = speculative_config.map(config_arg).transpose()?;
+        let speculation = self.engine.get().speculation(py, config, proposer)?;
         let params = params.inner.clone();
         self.locked(py, move |s| s.add(request_id, prompt_ids, params, speculation))
     }
@@ -89,14 +92,15 @@ impl PyScheduler {
         request_ids: Vec<u64>,
         prompt_ids: &Bound<'_, PyAny>,
         params: &PySamplingParams,
-        speculative_config: Option<&str>,
+        speculative_config: Option<&Bound<'_, PyAny>>,
         proposer: Option<Py<PyAny>>,
     ) -> PyResult<()> {
         let prompt_ids = token_ids_arg(prompt_ids, "prompt token id")?;
         let engine = self.engine.get();
+        let config = speculative_config.map(config_arg).transpose()?;
         let speculations = request_ids
             .iter()
-            .map(|_| engine.speculation(py, speculative_config, proposer.as_ref().map(|p| p.clone_ref(py))))
+            .map(|_| engine.speculation(py, config.clone(), proposer.as_ref().map(|p| p.clone_ref(py))))
             .collect::<PyResult<Vec<_>>>()?;
         let params = params.inner.clone();
         self.locked(py, move |s| s.add_samples(&request_ids, prompt_ids, params, speculations))

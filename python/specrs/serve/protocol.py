@@ -16,8 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import _specrs
-from ..engine import METHOD_FACTS, Engine, SamplingParams, _config_json
+from ..engine import METHOD_FACTS, Engine, SamplingParams, SpeculativeConfig, _parse_config
 from ..errors import ConfigError, ContextLengthError
 from ..heads import shipped_heads
 from . import tools as tool_calls
@@ -118,7 +117,7 @@ class GenerationRequest:
     model: str
     prompt_ids: list[int]
     params: SamplingParams
-    speculative_config: str | None  # JSON for the engine; None = no speculation
+    speculative_config: SpeculativeConfig | None  # parsed once, for the engine; None = no speculation
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with only the usage
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
@@ -137,13 +136,6 @@ class GenerationRequest:
         return self.params.n
 
 
-def speculative_weights(config: dict) -> dict | None:
-    """The weights a parsed speculative config loads besides the target's (`{"method", and the
-    keys naming them}`, the core's `SpeculativeConfig::weights`), None for a method that loads none."""
-    weights = _specrs.Engine.speculative_weights(json.dumps(config))
-    return None if weights is None else json.loads(weights)
-
-
 @dataclass
 class ServerSpeculation:
     """The server's startup speculation, the default of every request.
@@ -158,30 +150,32 @@ class ServerSpeculation:
     target_info: dict | None = None  # Engine.info(): a head method without "model" gets the shipped head
     held_weights: list[dict] = field(init=False, default_factory=list)
     shipped: dict[str, str] = field(init=False, default_factory=dict)  # method -> the shipped head's path
+    parsed: SpeculativeConfig | None = field(init=False, default=None)  # `config` parsed once
 
     def __post_init__(self):
-        startup = None if self.config is None else speculative_weights(self.config)
+        self.parsed = None if self.config is None else SpeculativeConfig.from_json(json.dumps(self.config))
+        startup = None if self.parsed is None else self.parsed.weights()
         self.held_weights = [] if startup is None else [startup]
         self.shipped = {} if self.target_info is None else shipped_heads(self.target_info)
 
     def holds(self, weights: dict) -> bool:
-        """Whether `weights` (`speculative_weights`) are the server's own or a shipped head."""
+        """Whether `weights` (`SpeculativeConfig.weights()`) are the server's own or a shipped head."""
         shipped = self.shipped.get(weights["method"])
         return weights in self.held_weights or (shipped is not None and shipped == weights.get("model"))
 
-    def for_request(self, value: Any) -> str | None:
-        """The engine config JSON for a request's `speculative` field: absent, null or true = the
-        server's default, false = off, an object = that config (without "method": the default's,
-        with these keys changed)."""
+    def for_request(self, value: Any) -> SpeculativeConfig | None:
+        """The engine config, parsed once, for a request's `speculative` field: absent, null or
+        true = the server's default, false = off, an object = that config (without "method": the
+        default's, with these keys changed)."""
         if value is None:
-            return None if self.config is None else json.dumps(self.config)
+            return self.parsed
         if value is False:
             return None
         if value is True:
             if self.config is None:
                 raise APIError(400, "this server has no default speculative config; pass an object such as "
                                '{"method": "ngram", "num_speculative_tokens": 4}', param="speculative")
-            return json.dumps(self.config)
+            return self.parsed
         if not isinstance(value, dict):
             raise APIError(400, 'speculative must be false, null or an object such as {"method": "suffix", '
                            f'"num_speculative_tokens": 6}} (got {type(value).__name__})', param="speculative")
@@ -191,14 +185,14 @@ class ServerSpeculation:
                                "config to change; add a method, e.g. \"method\": \"ngram\"", param="speculative")
             value = {**self.config, **value}
         try:
-            config = json.loads(_config_json(value, self.target_info))
+            config = _parse_config(value, self.target_info)
         except ConfigError as e:
             raise APIError(400, f"speculative: {e}", param="speculative") from None
-        method = config["method"]
+        method = config.method
         if METHOD_FACTS[method]["needs_proposer_object"] and not self.has_proposer:
             raise APIError(400, f"speculative method {method!r} needs a Python proposer object, which cannot be sent "
                            "over HTTP; serve it with specrs.serve.build_app(Engine(proposer=...))", param="speculative")
-        weights = speculative_weights(config)
+        weights = config.weights()
         if weights is not None and not self.holds(weights):
             # The message never quotes the values: whether a path exists must not show.
             keys = " and ".join(f'"{key}"' for key in weights if key != "method")
@@ -208,7 +202,7 @@ class ServerSpeculation:
                 400, f"speculative method {method!r} with this {keys} loads weights, which this server does only at "
                 f"startup; use the server's own (start it with --speculative-config naming them){shipped}, or a "
                 f"method without weights ({', '.join(METHODS_WITHOUT_WEIGHTS)})", param="speculative")
-        return json.dumps(config)
+        return config
 
 
 def _shown(value) -> str:

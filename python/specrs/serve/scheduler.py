@@ -261,11 +261,12 @@ class Scheduler:
         request_ids = [next(self._ids) for _ in samples]
         # An exception here is a bad setting only the engine can see (a 400, e.g. exit_layer out of
         # range, a prompt over max_kv_tokens) or an internal fault (a 500); `_guarded` sends it.
-        config_json, proposer = self.engine._speculation(request.speculative_config or False, None)
+        config = False if request.speculative_config is None else request.speculative_config
+        config, proposer = self.engine._speculation(config, None)
         if len(samples) > 1:
-            self.core.add_samples(request_ids, request.prompt_ids, request.params, config_json, proposer)
+            self.core.add_samples(request_ids, request.prompt_ids, request.params, config, proposer)
         else:
-            self.core.add(request_ids[0], request.prompt_ids, request.params, config_json, proposer)
+            self.core.add(request_ids[0], request.prompt_ids, request.params, config, proposer)
         for job, request_id in zip(samples, request_ids):
             job.request_id = request_id
             self._jobs[request_id] = job

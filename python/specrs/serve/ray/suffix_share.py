@@ -37,8 +37,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from ... import _specrs
-from ...errors import SpecrsError
 
 logger = logging.getLogger("specrs.serve")
 
@@ -143,15 +141,10 @@ class SharedResponses:
 
 
 def suffix_config_of(request) -> str | None:
-    """The request's speculative config JSON when it drafts from a suffix cache ("suffix", and
-    "auto"'s suffix lookup: Rust says which), else None."""
+    """The request's speculative config JSON (the key replicas share its responses under) when it
+    drafts from a suffix cache ("suffix", and "auto"'s suffix lookup: Rust says which), else None."""
     config = request.speculative_config
-    if config is None:
-        return None
-    try:
-        return config if _specrs.Engine.keeps_suffix_cache(config) else None
-    except SpecrsError:
-        return None
+    return config.to_json() if config is not None and config.keeps_suffix_cache else None
 
 
 class ShareClient:
