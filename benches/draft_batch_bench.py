@@ -36,7 +36,7 @@ MODES = ("plain", "alone", "together")
 
 def run_batch(engine: specrs.Engine, prompts: list[dict], mode: str, spec: dict, max_tokens: int) -> dict:
     """The prompts through a fresh scheduler in `mode`: wall time, tokens and counts."""
-    config_json, proposer = engine._speculation(False if mode == "plain" else spec, None)
+    config, proposer = engine._speculation(False if mode == "plain" else spec, None)
     scheduler = _specrs.Scheduler(engine._inner, max_num_seqs=len(prompts), draft_budget="off",
                                   cost_curve_s=[1.0] * 32, draft_chains_together=mode == "together")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -44,7 +44,7 @@ def run_batch(engine: specrs.Engine, prompts: list[dict], mode: str, spec: dict,
     accepted = drafted = 0
     start = time.perf_counter()
     for request_id, prompt in enumerate(prompts):
-        scheduler.add(request_id, prompt["token_ids"], params, config_json, proposer)
+        scheduler.add(request_id, prompt["token_ids"], params, config, proposer)
     while scheduler.has_unfinished:
         outputs, _ = scheduler.step()
         for output in outputs:

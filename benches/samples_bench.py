@@ -53,18 +53,18 @@ def load_prompts(path: str, num_prompts: int) -> list[str]:
 def run_once(engine: specrs.Engine, prompt_ids: list[int], params: SamplingParams, speculative_config,
              shared: bool) -> dict:
     """All n samples of one prompt through a fresh scheduler: tokens per sample and timings."""
-    config_json, proposer = engine._speculation(speculative_config, None)
+    config, proposer = engine._speculation(speculative_config, None)
     scheduler = _specrs.Scheduler(engine._inner)
     ids = list(range(params.n))
     start = time.perf_counter()
     if shared:
-        scheduler.add_samples(ids, prompt_ids, params, config_json, proposer)
+        scheduler.add_samples(ids, prompt_ids, params, config, proposer)
     else:
         for i in ids:
             seed = None if params.seed is None else params.seed + i
             one = SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
                                  seed=seed)
-            scheduler.add(i, prompt_ids, one, config_json, proposer)
+            scheduler.add(i, prompt_ids, one, config, proposer)
     tokens: dict[int, list[int]] = {i: [] for i in ids}
     first_token_s: dict[int, float] = {}
     while scheduler.has_unfinished:

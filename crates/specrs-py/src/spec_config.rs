@@ -45,6 +45,13 @@ impl PySpeculativeConfig {
         self.inner.adaptive_draft_length
     }
 
+    /// How sampled drafts of model-based methods are drawn and verified: "coupled" (the output
+    /// is plain sampling's, token for token) or "rejection".
+    #[getter]
+    fn verification(&self) -> &'static str {
+        self.inner.verification.name()
+    }
+
     /// Whether requests with this config draft from an engine-wide suffix cache ("suffix", and
     /// "auto"'s suffix lookup: `SpeculativeConfig::suffix_params`), whose responses Ray replicas share.
     #[getter]

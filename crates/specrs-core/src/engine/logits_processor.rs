@@ -366,7 +366,7 @@ mod tests {
         let params =
             SamplingParams { min_tokens: 2, stop_token_ids: vec![4], max_tokens: 8, ..SamplingParams::default() };
         let mut p = processor(params, &[3]);
-        let mut rows = vec![5.0, 1.0, 0.0, 0.0, 9.0].repeat(3);
+        let mut rows = [5.0, 1.0, 0.0, 0.0, 9.0].repeat(3);
         p.process_rows(&mut rows, 5, &[vec![], vec![1], vec![1, 2]]).unwrap();
         let inf = f32::NEG_INFINITY;
         assert_eq!(&rows[..5], &[inf, 1.0, 0.0, 0.0, inf]);

@@ -11,7 +11,9 @@
 //! - `step_together.rs`: steps of several sessions gathered into one forward;
 //! - `scheduler.rs`: continuous batching: requests admitted, batched, budgeted, preempted;
 //! - `direct.rs`: teacher-forced forwards (logits, hidden states, a multi-sequence batch);
-//! - `suffix_persistence.rs`: the engine-wide suffix caches saved to and loaded from a file.
+//! - `suffix_persistence.rs`: the engine-wide suffix caches saved to and loaded from a file;
+//! - `suffix_sharing.rs`: suffix caches fed from, and read out for, other engines (Ray replicas);
+//! - `tree_chooser.rs`: chain or tree, and how big, per step from costs and acceptance.
 //!
 //! Invariant: the engine's shared state is only ever read or replaced whole under its locks
 //! (`lock`), so one request's panic never leaves another a half-updated state.

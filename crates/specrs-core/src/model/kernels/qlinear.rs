@@ -1,5 +1,5 @@
 //! Linear layers over GGUF quantized weights, on the kernel set `kernels()` chose. Where the set
-//! repacks weights (AVX-512 VNNI) the weights of every type below are repacked at load and run on
+//! repacks weights (AVX-512 VNNI and AVX2) the weights of every type below are repacked at load and run on
 //! its packed kernel (`repack.rs`); elsewhere (and for matrices whose row count is not a multiple
 //! of 8) the set's dots run them in place: Q4_0, Q4_1, Q5_0, Q8_0 (32-value blocks, activations
 //! quantized to Q8_0 here) and Q4_K, Q6_K (256-value super-blocks, activations quantized to
