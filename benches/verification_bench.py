@@ -31,11 +31,11 @@ from specrs import SamplingParams, bench
 
 DEFAULT_PROMPTS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "spec_bench", "question.jsonl")
 
-# name -> (target, speculative config without k and verification)
+# name -> (target, speculative config without verification; k is --k unless the config caps it)
 PAIRS = {
     "qwen-1.5b+0.5b": ("qwen2.5-coder-1.5b", {"method": "draft_model", "model": "qwen2.5-coder-0.5b"}),
     "smollm2-eagle3": ("smollm2-135m", {"method": "eagle3"}),
-    "smollm2-mlp_speculator": ("smollm2-135m", {"method": "mlp_speculator"}),
+    "smollm2-mlp_speculator": ("smollm2-135m", {"method": "mlp_speculator", "num_speculative_tokens": 3}),
     "gemma3-eagle3": ("gemma3-270m", {"method": "eagle3"}),
     "smollm2-quantized_self": ("smollm2-135m", {"method": "quantized_self", "quantization": "q4_0"}),
     "smollm2-layer_skip": ("smollm2-135m", {"method": "layer_skip", "exit_layer": 20}),
@@ -56,7 +56,7 @@ def run_pair(engine: specrs.Engine, spec: dict, prompts: list[dict], temperature
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i, ignore_eos=True)
         plain = engine.generate(prompt["token_ids"], params, speculative_config=False).token_ids
         for verification in VERIFICATIONS:
-            config = {**spec, "num_speculative_tokens": k, "adaptive_draft_length": False,
+            config = {"num_speculative_tokens": k, **spec, "adaptive_draft_length": False,
                       "verification": verification}
             r = engine.generate(prompt["token_ids"], params, speculative_config=config)
             m = r.metrics
@@ -75,6 +75,12 @@ def run_pair(engine: specrs.Engine, spec: dict, prompts: list[dict], temperature
                                           if r["accepted_per_draft"] > 0]),
         "coupled_equals_plain_sampling": identical,
     }
+
+
+def report(args: argparse.Namespace, results: list[dict]) -> dict:
+    return {"bench": "verification_bench", "prompts": args.prompts, "categories": args.categories,
+            "k": args.k, "max_tokens": args.max_tokens, "seed": args.seed, "results": results,
+            "machine": bench.machine_info()}
 
 
 def main() -> None:
@@ -101,16 +107,13 @@ def main() -> None:
                      **run_pair(engine, spec, prompts, temperature, args.k, args.max_tokens, args.seed)}
             results.append(entry)
             a, d, ratio = entry["acceptance"], entry["accepted_per_draft"], entry["coupled_over_rejection"]
+            if args.out:  # after each pair, so an interrupted run keeps what it measured
+                bench.write_json(args.out, report(args, results))
             print(f"{name:24s} T={temperature:.1f}: acceptance coupled {a['coupled']['mean']:.3f} "
                   f"vs rejection {a['rejection']['mean']:.3f}; accepted per draft {d['coupled']['mean']:.2f} vs "
-                  f"{d['rejection']['mean']:.2f} (k={args.k}); coupled/rejection per prompt median "
+                  f"{d['rejection']['mean']:.2f}; coupled/rejection per prompt median "
                   f"{ratio['median']:.2f} (min {ratio['min']:.2f}, max {ratio['max']:.2f}, n={ratio['n']}); "
                   f"coupled = plain sampling: {entry['coupled_equals_plain_sampling']}", flush=True)
-    report = {"bench": "verification_bench", "prompts": args.prompts, "categories": args.categories,
-              "k": args.k, "max_tokens": args.max_tokens, "seed": args.seed, "results": results,
-              "machine": bench.machine_info()}
-    if args.out:
-        bench.write_json(args.out, report)
 
 
 if __name__ == "__main__":

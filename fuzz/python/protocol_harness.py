@@ -23,7 +23,7 @@ SERVER_CONFIGS = [None, {"method": "ngram", "num_speculative_tokens": 4, "prompt
 def server_speculations() -> list[protocol.ServerSpeculation]:
     out = []
     for config in SERVER_CONFIGS:
-        parsed = None if config is None else json.loads(protocol._config_json(config))
+        parsed = None if config is None else json.loads(protocol._parse_config(config).to_json())
         out.append(protocol.ServerSpeculation(parsed))
     return out
 
