@@ -44,7 +44,7 @@ def test_the_object_says_what_rusts_parse_says(engine):
     draft = _specrs.SpeculativeConfig.from_json('{"method": "draft", "model": "d.gguf", "num_speculative_tokens": 3}')
     assert draft.method == "draft_model"
     assert draft.weights() == {"method": "draft_model", "model": "d.gguf"}
-    assert draft.verification == "coupled"
+    assert draft.verification == "auto"
     assert _specrs.SpeculativeConfig.from_json(
         '{"method": "draft", "model": "d.gguf", "num_speculative_tokens": 3, "verification": "rejection"}'
     ).verification == "rejection"

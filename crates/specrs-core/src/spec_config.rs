@@ -182,22 +182,35 @@ pub struct DraftModelParams {
 /// verified (`"verification"`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verification {
+    /// Coupled for seeded requests (their output is asked to be reproducible), rejection for
+    /// unseeded ones (more drafts accepted: benches/README.md, verification_bench). The default.
+    Auto,
     /// The draft draws each token with the uniform the target samples that position with
     /// (`Sampler::uniform_at`), and a draft token is accepted iff it equals the target's own
     /// sample: every emitted token is the one plain sampling emits, whatever the draft lengths,
-    /// batch-mates or timing. The default.
+    /// batch-mates or timing.
     Coupled,
     /// The draft draws from its own random stream and the target verifies by rejection sampling
-    /// with the draft's probabilities (Leviathan et al.): exact in distribution, and accepts at
-    /// least as often, but a seeded request's tokens depend on its draft lengths.
+    /// with the draft's probabilities (Leviathan et al.): exact in distribution, and accepts more
+    /// often, but a seeded request's tokens depend on its draft lengths.
     Rejection,
 }
 
 impl Verification {
     pub fn name(self) -> &'static str {
         match self {
+            Self::Auto => "auto",
             Self::Coupled => "coupled",
             Self::Rejection => "rejection",
+        }
+    }
+
+    /// Whether a request seeded (`seeded`) or not draws its model drafts in coupled form.
+    pub fn couples(self, seeded: bool) -> bool {
+        match self {
+            Self::Auto => seeded,
+            Self::Coupled => true,
+            Self::Rejection => false,
         }
     }
 }
@@ -226,7 +239,7 @@ pub struct SpeculativeConfig {
     /// (n-gram and suffix drafts, chains and trees; default on).
     pub grammar_drafts: bool,
     /// Sampled drafts of the methods whose drafts carry probabilities: coupled (the output is
-    /// plain sampling's, token for token) or rejection sampling.
+    /// plain sampling's, token for token), rejection sampling, or auto (coupled when seeded).
     pub verification: Verification,
     pub schedule: Schedule,
     /// Costs the adaptive length reads from the config instead of measuring them (specrs keys):
@@ -530,12 +543,13 @@ impl SpeculativeConfig {
             }
         };
         let verification = match map.get("verification") {
-            None | Some(Value::Null) => Verification::Coupled,
+            None | Some(Value::Null) => Verification::Auto,
+            Some(Value::String(s)) if s == "auto" => Verification::Auto,
             Some(Value::String(s)) if s == "coupled" => Verification::Coupled,
             Some(Value::String(s)) if s == "rejection" => Verification::Rejection,
             Some(other) => {
                 return Err(Error::config(format!(
-                    "'verification' must be \"coupled\" or \"rejection\" (got {})",
+                    "'verification' must be \"auto\", \"coupled\" or \"rejection\" (got {})",
                     shown(&other.to_string())
                 )))
             }
@@ -646,7 +660,7 @@ impl SpeculativeConfig {
         }
         // Written only when not the default, so the JSON of configs without it (suffix caches'
         // keys on disk among them) stays what it was.
-        if self.verification != Verification::Coupled {
+        if self.verification != Verification::Auto {
             map.insert("verification".into(), self.verification.name().into());
         }
         if self.schedule == Schedule::Heuristic {
@@ -1065,19 +1079,24 @@ mod tests {
     }
 
     #[test]
-    fn verification_is_coupled_by_default_and_only_for_drafts_drawn_from_a_model() {
+    fn verification_is_auto_by_default_and_only_for_drafts_drawn_from_a_model() {
         let draft = r#""method": "draft_model", "model": "d.gguf", "num_speculative_tokens": 2"#;
-        let coupled = SpeculativeConfig::from_json(&format!("{{{draft}}}")).unwrap();
-        assert_eq!(coupled.verification, Verification::Coupled);
-        assert!(!coupled.to_json().contains("verification"), "the default is not written: {}", coupled.to_json());
-        let rejection = SpeculativeConfig::from_json(&format!(r#"{{{draft}, "verification": "rejection"}}"#)).unwrap();
-        assert_eq!(rejection.verification, Verification::Rejection);
-        assert_eq!(SpeculativeConfig::from_json(&rejection.to_json()).unwrap(), rejection);
-        let explicit = SpeculativeConfig::from_json(&format!(r#"{{{draft}, "verification": "coupled"}}"#)).unwrap();
-        assert_eq!(explicit, coupled);
+        let auto = SpeculativeConfig::from_json(&format!("{{{draft}}}")).unwrap();
+        assert_eq!(auto.verification, Verification::Auto);
+        assert!(!auto.to_json().contains("verification"), "the default is not written: {}", auto.to_json());
+        let explicit = SpeculativeConfig::from_json(&format!(r#"{{{draft}, "verification": "auto"}}"#)).unwrap();
+        assert_eq!(explicit, auto);
+        for (name, verification) in [("coupled", Verification::Coupled), ("rejection", Verification::Rejection)] {
+            let config =
+                SpeculativeConfig::from_json(&format!(r#"{{{draft}, "verification": "{name}"}}"#)).unwrap();
+            assert_eq!(config.verification, verification);
+            assert_eq!(SpeculativeConfig::from_json(&config.to_json()).unwrap(), config);
+        }
+        assert!(Verification::Auto.couples(true) && !Verification::Auto.couples(false));
+        assert!(Verification::Coupled.couples(false) && !Verification::Rejection.couples(true));
         for (bad, says) in [
-            (format!(r#"{{{draft}, "verification": "gumbel"}}"#), "must be \"coupled\" or \"rejection\""),
-            (format!(r#"{{{draft}, "verification": true}}"#), "must be \"coupled\" or \"rejection\""),
+            (format!(r#"{{{draft}, "verification": "gumbel"}}"#), "must be \"auto\", \"coupled\" or \"rejection\""),
+            (format!(r#"{{{draft}, "verification": true}}"#), "must be \"auto\", \"coupled\" or \"rejection\""),
             (
                 r#"{"method": "ngram", "num_speculative_tokens": 2, "verification": "coupled"}"#.into(),
                 "have no probabilities",

@@ -16,12 +16,12 @@
 //! token drawn from p given it is not x is drawn from norm(max(0, p - onehot(x)))), and it emits
 //! the very token plain decoding draws at that position: a seeded request's output does not
 //! depend on its draft lengths, nor on whether it speculated at all. So a scheduler may cut the
-//! drafts of such requests by load without changing any output (engine/scheduler.rs). Model
-//! drafts use it too by default: they draw each sampled token with the same positional uniform
-//! over their own q and hand no q over (`proposer/draft_model.rs`, the config's "verification"),
-//! so any draft is exact this way and a close draft is accepted. Drafts with probabilities
-//! ("verification": "rejection", or a custom proposer's) keep the sequential stream: their output
-//! depends on the draft itself.
+//! drafts of such requests by load without changing any output (engine/scheduler.rs). Seeded
+//! requests' model drafts use it too by default (the config's "verification": "auto"): they draw
+//! each sampled token with the same positional uniform over their own q and hand no q over
+//! (`proposer/draft_model.rs`), so any draft is exact this way and a close draft is accepted.
+//! Drafts with probabilities (unseeded requests' under "auto", "rejection", a custom proposer's)
+//! keep the sequential stream: their output depends on the draft itself.
 //!
 //! Token trees are verified by `tree::verify_tree`, the same rules walked over a tree. Both are
 //! one-sequence wrappers over the one walk of `host.rs`, which verifies a whole `batch::VerifyBatch`.

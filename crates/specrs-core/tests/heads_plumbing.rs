@@ -19,7 +19,7 @@ use specrs_core::model::Tap;
 use specrs_core::proposer::draft_model::DraftDrawing;
 use specrs_core::proposer::heads::layer::TreeRows;
 use specrs_core::proposer::heads::{Head, HeadProposer, ParallelHead, RecurrentHead};
-use specrs_core::spec_config::{TreeConfig, TreeMode};
+use specrs_core::spec_config::{TreeConfig, TreeMode, Verification};
 use specrs_core::{Engine, Result, SamplingParams};
 
 const MAX_TOKENS: usize = 32;
@@ -162,6 +162,7 @@ fn speculation(head: Head, engine: &Engine, tree: bool) -> Speculation {
         draft_confidence_threshold: 0.0,
         grammar_drafts: true,
         one_hot_drafts: false,
+        verification: Verification::Coupled,
         verify_cost_source: None,
         draft_cost_source: None,
     }

@@ -45,8 +45,9 @@ impl PySpeculativeConfig {
         self.inner.adaptive_draft_length
     }
 
-    /// How sampled drafts of model-based methods are drawn and verified: "coupled" (the output
-    /// is plain sampling's, token for token) or "rejection".
+    /// How sampled drafts of model-based methods are drawn and verified: "auto" (coupled when the
+    /// request sets a seed), "coupled" (the output is plain sampling's, token for token) or
+    /// "rejection".
     #[getter]
     fn verification(&self) -> &'static str {
         self.inner.verification.name()

@@ -51,6 +51,9 @@ pub struct Speculation {
     /// form and a sampled request's tokens do not depend on its draft lengths (verify.rs). A
     /// custom proposer may return probabilities, so it counts as not.
     pub one_hot_drafts: bool,
+    /// How model drafts are drawn and verified (the config's "verification"): the session gives
+    /// the proposer the seed it verifies with when this says coupled for every request.
+    pub verification: Verification,
     /// Where the draft-length policy's verification curve and draft cost came from (None
     /// without the policy; no draft cost source for model-free proposers, whose c is 0).
     pub verify_cost_source: Option<CostSource>,
@@ -176,7 +179,9 @@ impl Engine {
                 Method::Ngram { .. } | Method::Suffix(_) | Method::Auto { draft: None }
             ) || (config.tree.is_on()
                 && matches!(config.method, Method::Head { .. } | Method::DraftModel(_) | Method::QuantizedSelf { .. }))
-                || (config.verification == Verification::Coupled && !matches!(config.method, Method::Custom)),
+                // Auto couples exactly the seeded requests, whose output can depend on anything.
+                || (config.verification != Verification::Rejection && !matches!(config.method, Method::Custom)),
+            verification: config.verification,
             verify_cost_source: costs.as_ref().map(|c| c.verify_cost_source),
             draft_cost_source: costs.and_then(|c| c.draft_cost_source),
         })
@@ -191,7 +196,7 @@ impl Engine {
         let target_vocab = self.model.info().vocab_size;
         let drawing = DraftDrawing {
             confidence_threshold: config.draft_confidence_threshold,
-            coupled: config.verification == Verification::Coupled,
+            verification: config.verification,
         };
         let proposer: Box<dyn Proposer> = match (&config.method, custom) {
             (Method::Custom, Some(proposer)) => proposer,

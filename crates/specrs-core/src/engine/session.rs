@@ -46,6 +46,7 @@ use crate::proposer::chains_together::ChainJob;
 use crate::proposer::tree::{path_tokens, rank_paths};
 use crate::proposer::{Draft, Feedback, ProposeInput, TreeLimits};
 use crate::sampler::Sampler;
+use crate::spec_config::Verification;
 use crate::tokenizer::TextTokenizer;
 use crate::verify::batch::{SeqRule, VerifyBatchBuilder};
 use crate::verify::host::sequence_inputs;
@@ -90,10 +91,15 @@ impl Engine {
         let sampler = Sampler::new(params.seed);
         let mut speculation = speculation;
         if let Some(speculation) = speculation.as_mut() {
-            // With the seed the verifier draws with (drawn above for an unseeded request): a
-            // coupled draft draws with the same positional uniforms.
-            let seeded = SamplingParams { seed: Some(sampler.seed()), ..params.clone() };
-            speculation.proposer.begin(&prompt_ids, &seeded)?;
+            // A coupled draft draws with the verifier's positional uniforms: under "coupled" an
+            // unseeded request's proposer gets the seed drawn above; under "auto" it stays
+            // unseeded (and drafts for rejection sampling).
+            if speculation.verification == Verification::Coupled && params.seed.is_none() {
+                let seeded = SamplingParams { seed: Some(sampler.seed()), ..params.clone() };
+                speculation.proposer.begin(&prompt_ids, &seeded)?;
+            } else {
+                speculation.proposer.begin(&prompt_ids, &params)?;
+            }
         }
         Ok(Session {
             model: self.model.clone(),

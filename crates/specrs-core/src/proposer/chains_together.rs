@@ -100,6 +100,7 @@ mod tests {
     use crate::gguf::GgufFile;
     use crate::model::CausalLm;
     use crate::proposer::draft_model::DraftDrawing;
+    use crate::spec_config::Verification;
     use crate::proposer::{Draft, Feedback, Proposer};
 
     /// The golden tiny llama (hidden 64, 2 layers) on the CPU decoder, whose rows are bitwise the
@@ -113,8 +114,8 @@ mod tests {
     /// ones drawn for rejection sampling (q rows) and coupled, with a confidence threshold.
     fn requests() -> Vec<(SamplingParams, DraftDrawing, Vec<u32>, usize)> {
         let sampled = |seed| SamplingParams { temperature: 0.9, seed: Some(seed), ..SamplingParams::greedy(32) };
-        let rejection = DraftDrawing { confidence_threshold: 0.0, coupled: false };
-        let coupled_cut = DraftDrawing { confidence_threshold: 0.2, coupled: true };
+        let rejection = DraftDrawing { confidence_threshold: 0.0, verification: Verification::Rejection };
+        let coupled_cut = DraftDrawing { confidence_threshold: 0.2, verification: Verification::Auto };
         vec![
             (SamplingParams::greedy(32), DraftDrawing::COUPLED, vec![1, 2, 3, 4, 5, 6, 7], 4),
             (sampled(7), rejection, vec![9, 8], 3),

@@ -9,8 +9,8 @@
 //! model's KV cache and the tokens it holds) and `DynamicTree` (the EAGLE-2 tree search the
 //! hidden-state heads run too).
 //!
-//! A sampled chain is drawn in one of two ways (`DraftDrawing::coupled`, the config's
-//! "verification"): coupled, each token by inverse CDF over q with the uniform the target samples
+//! A sampled chain is drawn in one of two ways (`DraftDrawing::verification`, the config's
+//! "verification"; "auto" couples seeded requests): coupled, each token by inverse CDF over q with the uniform the target samples
 //! that output position with (`Sampler::uniform_at` under the request's seed), and verified
 //! without q, so the output is plain sampling's token for token; or from the draft's own random
 //! stream, with q rows for rejection sampling.
@@ -33,6 +33,7 @@ use crate::error::{Error, Result};
 use crate::kv_cache::{KvBytes, KvCache};
 use crate::model::{CausalLm, ForwardBatch, LogitRows, SeqRows};
 use crate::proposer::{Draft, Feedback, Proposer, TreeLimits};
+use crate::spec_config::Verification;
 use crate::sampler::{argmax, draw_with, probabilities, Sampler};
 
 /// Mixed into the request seed so the draft's random stream differs from the verifier's.
@@ -43,15 +44,15 @@ const DRAFT_SEED_SALT: u64 = 0x5eed_d4af_7000_0001;
 pub struct DraftDrawing {
     /// A chain stops after a token whose q is below this (0: off).
     pub confidence_threshold: f32,
-    /// Draw with the target's positional uniforms and leave q out (coupled verification); else
-    /// draw from the draft's own stream and keep q (rejection sampling).
-    pub coupled: bool,
+    /// Coupled: draw with the target's positional uniforms and leave q out; rejection: draw
+    /// from the draft's own stream and keep q; auto: coupled when the request has a seed.
+    pub verification: Verification,
 }
 
 impl DraftDrawing {
     /// Coupled, no confidence threshold: what the engine's own greedy drafts (cost measuring,
     /// `head_draft`) and the tests use.
-    pub const COUPLED: Self = Self { confidence_threshold: 0.0, coupled: true };
+    pub const COUPLED: Self = Self { confidence_threshold: 0.0, verification: Verification::Coupled };
 }
 
 /// Turns draft logits into a draft token and its q row.
@@ -82,14 +83,15 @@ pub(crate) struct DraftedToken {
 }
 
 impl DraftSampler {
-    /// `params.seed` should be the seed the request's verifier samples with (the session passes
-    /// it resolved for unseeded requests): a coupled draft drawn with another seed stays exact,
-    /// but its tokens are independent of the target's and rarely accepted.
+    /// `params.seed`: the seed the request's verifier samples with, which a coupled draft draws
+    /// with; None for an unseeded request under "auto" (it draws from its own stream: rejection).
+    /// The session passes an unseeded request's drawn seed where the config says "coupled".
     pub fn new(params: &SamplingParams, draft_vocab: usize, target_vocab: usize, drawing: DraftDrawing) -> Self {
+        let coupled = drawing.verification.couples(params.seed.is_some());
         Self {
             params: params.clone(),
             sampler: Sampler::new(params.seed.map(|s| s ^ DRAFT_SEED_SALT)),
-            coupled_to: drawing.coupled.then(|| Sampler::new(params.seed)),
+            coupled_to: coupled.then(|| Sampler::new(params.seed)),
             target_vocab,
             usable_vocab: draft_vocab.min(target_vocab),
             confidence_threshold: drawing.confidence_threshold,
@@ -760,7 +762,7 @@ mod tests {
         // q = 0 is never a child; a confidence threshold stops expansion below it.
         let mut tree = DynamicTree::new(3, TreeLimits { max_nodes: 8, max_children: 4 });
         tree.add_children(
-            &DraftSampler::new(&params, 4, 4, DraftDrawing { confidence_threshold: 0.2, coupled: true }),
+            &DraftSampler::new(&params, 4, 4, DraftDrawing { confidence_threshold: 0.2, verification: Verification::Coupled }),
             -1,
             &ln([0.9, 0.1, 0.0, 0.0]),
         );
@@ -779,7 +781,7 @@ mod tests {
         let target = Sampler::new(Some(11));
         let mut coupled = DraftSampler::new(&params, 6, 8, DraftDrawing::COUPLED);
         let mut own_stream =
-            DraftSampler::new(&params, 6, 8, DraftDrawing { confidence_threshold: 0.0, coupled: false });
+            DraftSampler::new(&params, 6, 8, DraftDrawing { confidence_threshold: 0.0, verification: Verification::Rejection });
         let (mut agree, mut differ) = (0, 0);
         for position in 0..200 {
             let token = coupled.draw(&logits, position);

@@ -292,9 +292,9 @@ impl IndexedTail {
 
 /// One request's proposer.
 pub trait Proposer: Send {
-    /// Called once before the request's first step with its prompt and sampling parameters (the
-    /// seed resolved: the one the request's verifier draws with). Draft models create their cache
-    /// here; they read the prompt at their first `propose`.
+    /// Called once before the request's first step with its prompt and sampling parameters (with
+    /// the seed the request's verifier draws with, when seeded or coupled). Draft models create
+    /// their cache here; they read the prompt at their first `propose`.
     fn begin(&mut self, _prompt: &[u32], _params: &SamplingParams) -> Result<()> {
         Ok(())
     }
