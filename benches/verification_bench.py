@@ -12,7 +12,7 @@ both verify the same number of draft tokens per step), and a plain sampled run w
 whose tokens the coupled run must equal (checked and reported).
 
 Workload: the first prompt of each of --categories Spec-Bench categories (../shared/data/spec_bench
-by default), chat-templated, --max-tokens each.
+by default), chat-templated where the model has a template, --max-tokens each.
 
     python benches/verification_bench.py --out bench-results/verification_bench.json
 
@@ -101,7 +101,8 @@ def main() -> None:
     for name in args.pairs:
         target, spec = PAIRS[name]
         engine = engines.setdefault(target, specrs.Engine(target))
-        prompts = bench.tokenize_prompts(engine, all_prompts, args.max_tokens, chat=True)
+        chat = engine.info()["has_chat_template"]  # Gemma 3's GGUF has none: its prompts go as text
+        prompts = bench.tokenize_prompts(engine, all_prompts, args.max_tokens, chat=chat)
         for temperature in args.temperatures:
             entry = {"pair": name, "target": target, "spec": spec, "temperature": temperature,
                      **run_pair(engine, spec, prompts, temperature, args.k, args.max_tokens, args.seed)}

@@ -1087,8 +1087,7 @@ mod tests {
         let explicit = SpeculativeConfig::from_json(&format!(r#"{{{draft}, "verification": "auto"}}"#)).unwrap();
         assert_eq!(explicit, auto);
         for (name, verification) in [("coupled", Verification::Coupled), ("rejection", Verification::Rejection)] {
-            let config =
-                SpeculativeConfig::from_json(&format!(r#"{{{draft}, "verification": "{name}"}}"#)).unwrap();
+            let config = SpeculativeConfig::from_json(&format!(r#"{{{draft}, "verification": "{name}"}}"#)).unwrap();
             assert_eq!(config.verification, verification);
             assert_eq!(SpeculativeConfig::from_json(&config.to_json()).unwrap(), config);
         }

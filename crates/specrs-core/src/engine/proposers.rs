@@ -194,10 +194,8 @@ impl Engine {
         custom: Option<Box<dyn Proposer>>,
     ) -> Result<Box<dyn Proposer>> {
         let target_vocab = self.model.info().vocab_size;
-        let drawing = DraftDrawing {
-            confidence_threshold: config.draft_confidence_threshold,
-            verification: config.verification,
-        };
+        let drawing =
+            DraftDrawing { confidence_threshold: config.draft_confidence_threshold, verification: config.verification };
         let proposer: Box<dyn Proposer> = match (&config.method, custom) {
             (Method::Custom, Some(proposer)) => proposer,
             (Method::Custom, None) => {

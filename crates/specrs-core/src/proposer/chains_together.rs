@@ -100,8 +100,8 @@ mod tests {
     use crate::gguf::GgufFile;
     use crate::model::CausalLm;
     use crate::proposer::draft_model::DraftDrawing;
-    use crate::spec_config::Verification;
     use crate::proposer::{Draft, Feedback, Proposer};
+    use crate::spec_config::Verification;
 
     /// The golden tiny llama (hidden 64, 2 layers) on the CPU decoder, whose rows are bitwise the
     /// same whatever else is in the forward.

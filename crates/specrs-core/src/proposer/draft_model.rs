@@ -33,8 +33,8 @@ use crate::error::{Error, Result};
 use crate::kv_cache::{KvBytes, KvCache};
 use crate::model::{CausalLm, ForwardBatch, LogitRows, SeqRows};
 use crate::proposer::{Draft, Feedback, Proposer, TreeLimits};
-use crate::spec_config::Verification;
 use crate::sampler::{argmax, draw_with, probabilities, Sampler};
+use crate::spec_config::Verification;
 
 /// Mixed into the request seed so the draft's random stream differs from the verifier's.
 const DRAFT_SEED_SALT: u64 = 0x5eed_d4af_7000_0001;
@@ -762,7 +762,12 @@ mod tests {
         // q = 0 is never a child; a confidence threshold stops expansion below it.
         let mut tree = DynamicTree::new(3, TreeLimits { max_nodes: 8, max_children: 4 });
         tree.add_children(
-            &DraftSampler::new(&params, 4, 4, DraftDrawing { confidence_threshold: 0.2, verification: Verification::Coupled }),
+            &DraftSampler::new(
+                &params,
+                4,
+                4,
+                DraftDrawing { confidence_threshold: 0.2, verification: Verification::Coupled },
+            ),
             -1,
             &ln([0.9, 0.1, 0.0, 0.0]),
         );
@@ -780,8 +785,12 @@ mod tests {
         let p = probabilities(&logits, &params);
         let target = Sampler::new(Some(11));
         let mut coupled = DraftSampler::new(&params, 6, 8, DraftDrawing::COUPLED);
-        let mut own_stream =
-            DraftSampler::new(&params, 6, 8, DraftDrawing { confidence_threshold: 0.0, verification: Verification::Rejection });
+        let mut own_stream = DraftSampler::new(
+            &params,
+            6,
+            8,
+            DraftDrawing { confidence_threshold: 0.0, verification: Verification::Rejection },
+        );
         let (mut agree, mut differ) = (0, 0);
         for position in 0..200 {
             let token = coupled.draw(&logits, position);
