@@ -46,10 +46,10 @@ pub struct Speculation {
     pub draft_confidence_threshold: f32,
     /// Grammar-forced tokens open the drafts of requests with a grammar (`spec_config.rs`).
     pub grammar_drafts: bool,
-    /// Whether no draft carries probabilities (ngram, suffix, the trees of heads and draft
-    /// models, and every draft drawn in coupled form), so every draft is verified in coupled
-    /// form and a sampled request's tokens do not depend on its draft lengths (verify.rs). A
-    /// custom proposer may return probabilities, so it counts as not.
+    /// Whether a seeded request's drafts carry no probabilities (ngram, suffix, the trees of
+    /// heads and draft models, model drafts unless "verification" is "rejection"), so they are
+    /// verified in coupled form and a seeded sampled request's tokens do not depend on its draft
+    /// lengths (verify.rs). A custom proposer may return probabilities, so it counts as not.
     pub one_hot_drafts: bool,
     /// How model drafts are drawn and verified (the config's "verification"): the session gives
     /// the proposer the seed it verifies with when this says coupled for every request.
