@@ -24,6 +24,7 @@
 //! exactly the prompt plus every generated token but the newest one (which the next forward
 //! consumes), so `cache.len() == all_ids.len() - 1`; rejected draft tokens never stay in the cache.
 
+use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -94,12 +95,12 @@ impl Engine {
             // A coupled draft draws with the verifier's positional uniforms: under "coupled" an
             // unseeded request's proposer gets the seed drawn above; under "auto" it stays
             // unseeded (and drafts for rejection sampling).
-            if speculation.verification == Verification::Coupled && params.seed.is_none() {
-                let seeded = SamplingParams { seed: Some(sampler.seed()), ..params.clone() };
-                speculation.proposer.begin(&prompt_ids, &seeded)?;
+            let drafting = if speculation.verification == Verification::Coupled && params.seed.is_none() {
+                Cow::Owned(SamplingParams { seed: Some(sampler.seed()), ..params.clone() })
             } else {
-                speculation.proposer.begin(&prompt_ids, &params)?;
-            }
+                Cow::Borrowed(&params)
+            };
+            speculation.proposer.begin(&prompt_ids, &drafting)?;
         }
         Ok(Session {
             model: self.model.clone(),

@@ -10,10 +10,10 @@
 //! hidden-state heads run too).
 //!
 //! A sampled chain is drawn in one of two ways (`DraftDrawing::verification`, the config's
-//! "verification"; "auto" couples seeded requests): coupled, each token by inverse CDF over q with the uniform the target samples
-//! that output position with (`Sampler::uniform_at` under the request's seed), and verified
-//! without q, so the output is plain sampling's token for token; or from the draft's own random
-//! stream, with q rows for rejection sampling.
+//! "verification"; "auto" couples seeded requests): coupled, each token by inverse CDF over q
+//! with the uniform the target samples that output position with (`Sampler::uniform_at` under
+//! the request's seed), and verified without q, so the output is plain sampling's token for
+//! token; or from the draft's own random stream, with q rows for rejection sampling.
 //!
 //! Tree drafts are deterministic (no q rows, for greedy and sampled requests alike): the verifier
 //! then draws the target's token from p and accepts the child equal to it, which is exact for any
@@ -113,17 +113,19 @@ impl DraftSampler {
             return DraftedToken { token_id, probs: None, confident };
         }
         let mut q = probabilities(logits, &self.params);
-        if let Some(target) = &self.coupled_to {
+        let token_id = match &self.coupled_to {
             // The target's token at this position is draw_with(p, the same uniform): the two
             // agree wherever q's and p's cumulative sums put this uniform in the same token.
-            let token_id = draw_with(&q, target.uniform_at(position));
-            let confident = q[token_id as usize] >= self.confidence_threshold;
-            return DraftedToken { token_id, probs: None, confident };
-        }
-        let token_id = self.sampler.draw(&q);
+            Some(target) => draw_with(&q, target.uniform_at(position)),
+            None => self.sampler.draw(&q),
+        };
         let confident = q[token_id as usize] >= self.confidence_threshold;
-        q.resize(self.target_vocab, 0.0);
-        DraftedToken { token_id, probs: Some(q), confident }
+        // A coupled draft is verified without q (one-hot in coupled form).
+        let probs = self.coupled_to.is_none().then(|| {
+            q.resize(self.target_vocab, 0.0);
+            q
+        });
+        DraftedToken { token_id, probs, confident }
     }
 
     /// A deterministic tree node's children from its `logits` (`[draft_vocab]`): the `k` most
@@ -333,6 +335,11 @@ impl DraftBuilder {
         Self { start: context_len, token_ids: Vec::new(), probs: Vec::new(), has_probs: false }
     }
 
+    /// The length of the context the chain follows: its first token's output position.
+    pub fn context_len(&self) -> usize {
+        self.start
+    }
+
     /// The output position the next token is emitted at (`DraftSampler::draw`'s `position`).
     pub fn next_position(&self) -> usize {
         self.start + self.token_ids.len()
@@ -516,8 +523,8 @@ pub struct DraftModelProposer {
 /// any other call undoes it first (the sampler as before it; the cache catches up as usual), so
 /// every draft is the one this request would have drafted alone.
 struct AheadChain {
-    context_len: usize,
     max_tokens: usize,
+    /// Knows the context length it was drafted after (`DraftBuilder::context_len`).
     draft: DraftBuilder,
     /// Still drawing (the chain is not at its length and its last token was confident).
     drawing: bool,
@@ -563,8 +570,8 @@ impl DraftModelProposer {
         }
         let sampler_before = sampler.clone();
         let unseen = self.cache.catch_up(context);
-        let (context_len, draft) = (context.len(), DraftBuilder::after(context.len()));
-        self.ahead = Some(AheadChain { context_len, max_tokens, draft, drawing: true, sampler_before });
+        let draft = DraftBuilder::after(context.len());
+        self.ahead = Some(AheadChain { max_tokens, draft, drawing: true, sampler_before });
         Some(context[unseen..].to_vec())
     }
 
@@ -589,7 +596,7 @@ impl DraftModelProposer {
     /// arguments; any other is undone.
     fn chain_ahead(&mut self, context: &[u32], max_tokens: usize) -> Option<Draft> {
         let ahead = self.ahead.as_ref()?;
-        if ahead.drawing || ahead.context_len != context.len() || ahead.max_tokens != max_tokens {
+        if ahead.drawing || ahead.draft.context_len() != context.len() || ahead.max_tokens != max_tokens {
             self.undo_chain();
             return None;
         }
