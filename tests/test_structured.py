@@ -37,12 +37,20 @@ LIST_PROMPT = [{"role": "user", "content": "List five fruits, one per line, then
 
 # Every proposer family whose drafts can be cut or extended by a grammar: model-free chains (with
 # and without the grammar's forced run), "auto" over the lookups, a tree, and the shipped EAGLE-3 head.
+#
+# The adaptive configs pin their verification curve (v(n) = t(n) / t(1)): measured, it follows how
+# busy the machine is, and with it the draft lengths the forced-draft counts below depend on.
+def pinned_costs(k):
+    return {"verify_cost_ratios": [1.0 + 0.05 * n for n in range(k + 1)]}
+
+
 SPECULATIVE_CONFIGS = {
-    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+              **pinned_costs(4)},
     "ngram_no_grammar_drafts": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-                                "prompt_lookup_max": 3, "grammar_drafts": False},
-    "suffix": {"method": "suffix", "num_speculative_tokens": 6},
-    "auto": {"method": "auto", "num_speculative_tokens": 6},
+                                "prompt_lookup_max": 3, "grammar_drafts": False, **pinned_costs(4)},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 6, **pinned_costs(6)},
+    "auto": {"method": "auto", "num_speculative_tokens": 6, **pinned_costs(6)},
     "ngram_tree": {"method": "ngram", "num_speculative_tokens": 8, "tree": True, "tree_top_k": 3,
                    "prompt_lookup_min": 1, "prompt_lookup_max": 3},
     "suffix_tree": {"method": "suffix", "num_speculative_tokens": 8, "tree": True},
