@@ -155,14 +155,18 @@ def test_without_measuring_on_demand_a_request_gets_the_nearest_figures(cache_di
 
 
 def test_suffix_caches_are_bounded_and_the_engines_own_is_kept(model_path):
-    default = {"method": "suffix", "num_speculative_tokens": 8}
+    # The verification curve pinned, as the accepted counts compared below follow the draft
+    # lengths a measured curve (how busy the machine is) would choose.
+    ratios = [1.0 + 0.05 * n for n in range(9)]
+    default = {"method": "suffix", "num_speculative_tokens": 8, "verify_cost_ratios": ratios}
     engine = specrs.Engine(model_path, speculative_config=default)
     params = SamplingParams(temperature=0, max_tokens=32)
     first = engine.generate(PROMPT, params)
     # Ten other suffix configs, one request each: each gets a cache, the oldest go.
     for depth in range(10, 20):
         engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4),
-                        speculative_config={"method": "suffix", "suffix_decoding_max_tree_depth": depth})
+                        speculative_config={"method": "suffix", "suffix_decoding_max_tree_depth": depth,
+                                            "verify_cost_ratios": ratios})
     memory = engine.memory()
     assert memory["num_suffix_caches"] == 8
     assert memory["suffix_cache_bytes"] > 0
