@@ -39,8 +39,11 @@ def test_every_method_has_facts_and_python_reads_them():
         # The facts say what the parser does: a config holding every key the method owns loads
         # exactly the weights its weight_keys name.
         config = {"method": name, "num_speculative_tokens": 2}
-        config.update({key: "weights.gguf" if key == "model" else "q8_0" if key == "quantization" else 2
-                       for key in f["keys"] if not key.startswith("suffix_decoding_")})
+        values = {"model": "weights.gguf", "quantization": "q8_0", "draft_method": "eagle3"}
+        # "auto"'s draft-model key and its head keys exclude each other; its head form holds every
+        # weight key.
+        config.update({key: values.get(key, 2) for key in f["keys"]
+                       if not key.startswith("suffix_decoding_") and (name, key) != ("auto", "max_model_len")})
         weights = _specrs.SpeculativeConfig.from_json(json.dumps(config)).weights()
         assert (weights is not None) == bool(f["weight_keys"]), name
         if weights is not None:

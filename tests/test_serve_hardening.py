@@ -136,7 +136,12 @@ def test_shipped_heads_and_the_startup_weights_stay_usable(served, engine, head_
     assert again["model"] == head_copies["eagle3"]
     assert speculation.for_request({"num_speculative_tokens": 2}).weights()["model"] == head_copies["eagle3"]
     assert speculation.for_request({"method": "eagle3"}).weights()["model"] == shipped["eagle3"]
+    # "auto" with a head draws on the same weights: the shipped head, never a path of the client's.
+    auto = speculation.for_request({"method": "auto", "draft_method": "eagle3"}).weights()
+    assert auto["method"] == "eagle3" and auto["model"] == shipped["eagle3"]
     for other in ({"method": "eagle3", "model": "/etc/passwd", "num_speculative_tokens": 2},
+                  {"method": "auto", "draft_method": "eagle3", "model": "/etc/passwd"},
+                  {"method": "auto", "draft_method": "mlp_speculator", "model": head_copies["mlp_speculator"]},
                   {"method": "eagle3", "model": head_copies["eagle3"], "quantization": "q4_0",
                    "num_speculative_tokens": 2},
                   {"method": "mlp_speculator", "model": head_copies["mlp_speculator"], "num_speculative_tokens": 2}):

@@ -96,6 +96,44 @@ def test_sampling_with_a_shipped_head_matches_plain_sampling(engine, method):
     assert_same_distribution(plain, speculative)
 
 
+# "auto" with a head: the head's draft cost and the verification curve pinned, so the head's
+# turn does not hang on what the machine measures (on this CPU, with its measured c and its prompt
+# to read, auto leaves SmolLM2's heads unread: benches/README.md).
+AUTO_COSTS = {"draft_cost": 0.0, "verify_cost_ratios": [1.0 + 0.2 * n for n in range(9)]}
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mlp_speculator"])
+def test_auto_with_a_shipped_head_drafts_from_it_keeps_greedy_identity_and_plain_sampling(engine, method):
+    """The head joins auto's lookups by "draft_method" (its shipped weights filled in, auto's own
+    k kept); it sees every step's hidden rows whoever drafted, so its drafts stay right after
+    lookup steps; a parallel head is asked for at most its sub-heads' tokens."""
+    filled = json.loads(engine.config_json({"method": "auto", "draft_method": method}))
+    assert filled["model"] == str(HEADS_DIR / SHIPPED["smollm2-135m"]["heads"][method])
+    assert filled["num_speculative_tokens"] == 8  # auto's k, not the head's default
+    assert filled.get("quantization") == HEAD_METHODS[method].get("quantization")
+    config = {"method": "auto", "draft_method": method, **AUTO_COSTS}
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+    lookup_drafts = 0
+    for prompt in prompts_for("smollm2-135m", engine):
+        r = engine.generate(prompt, params, speculative_config=config)
+        assert r.token_ids == engine.generate(prompt, params, speculative_config=False).token_ids
+        drafters = r.metrics["drafters"]
+        for key in counts:
+            counts[key] += drafters[method][key]
+        lookup_drafts += drafters["suffix"]["num_drafts"] + drafters["ngram"]["num_drafts"]
+    assert counts["num_drafts"] > 0 and counts["num_accepted_tokens"] > 0, counts
+    assert lookup_drafts > 0, "the lookups drafted between the head's drafts"
+    if method == "mlp_speculator":
+        assert counts["num_draft_tokens"] <= 3 * counts["num_drafts"], counts  # its 3 sub-heads
+    # Seeded sampling couples the head's draws to the target's: plain sampling's tokens.
+    sampled = SamplingParams(max_tokens=32, temperature=0.8, seed=11)
+    prompt = chat(PROMPTS["coding"])
+    r = engine.generate(prompt, sampled, speculative_config=config)
+    assert r.token_ids == engine.generate(prompt, sampled, speculative_config=False).token_ids
+    assert r.metrics["drafters"][method]["num_drafts"] > 0
+
+
 def test_no_shipped_head_for_another_model_names_what_ships():
     engine = specrs.Engine(str(ROOT / "tests" / "golden" / "hf" / "llama"))
     with pytest.raises(ConfigError, match=r"no eagle3 head ships for the loaded model.*specrs ships: eagle3 for smollm2-135m"):
@@ -108,3 +146,5 @@ def test_a_config_that_names_its_own_head_is_left_alone(engine):
     config = {"method": "eagle3", "model": "/somewhere/else"}
     assert with_shipped_head(config, engine.info()) == config
     assert with_shipped_head({"method": "ngram"}, {}) == {"method": "ngram"}
+    auto = {"method": "auto", "draft_method": "eagle3", "model": "/somewhere/else"}
+    assert with_shipped_head(auto, engine.info()) == auto

@@ -262,7 +262,8 @@ class Engine:
     "eagle", "mtp" (whose "model" defaults to the target's own checkpoint), "mlp_speculator",
     "medusa"), or {"method": "auto", "model": "qwen2.5-coder-0.5b"}: per step, the cheapest
     drafter by expected tokens per unit of cost among suffix, n-gram and the draft model (a known
-    model's name stands for its file wherever a draft model goes).
+    model's name stands for its file wherever a draft model goes), or a head in its place:
+    {"method": "auto", "draft_method": "eagle3"} (the shipped head without "model").
     Any method but "auto" drafts token trees with "tree": true (or "auto": chain or tree per step by cost),
     "tree_depth", "tree_top_k", or vLLM's static "speculative_token_tree"; num_speculative_tokens
     is then the node budget.

@@ -64,7 +64,7 @@ pub const MAX_EXIT_LAYER: usize = 1024;
 pub const MAX_DRAFT_COST: f64 = 100.0;
 
 /// Every key a speculative config may hold: vLLM's, then specrs' own.
-pub const KEYS: [&str; 24] = [
+pub const KEYS: [&str; 25] = [
     "method",
     "num_speculative_tokens",
     "prompt_lookup_min",
@@ -89,6 +89,7 @@ pub const KEYS: [&str; 24] = [
     "tree_top_k",
     "grammar_drafts",
     "verification",
+    "draft_method",
 ];
 
 /// Every method a speculative config may name (besides aliases such as `draft` and `[ngram]`);
@@ -119,8 +120,9 @@ pub enum Method {
     /// at load; None keeps them f32.
     Head { method: HeadMethod, model: Option<String>, quantization: Option<String> },
     /// Per step, the drafter with the most expected tokens per unit of cost among the model-free
-    /// lookups (suffix, n-gram) and, with `draft`, a draft model (`proposer/auto.rs`).
-    Auto { draft: Option<DraftModelParams> },
+    /// lookups (suffix, n-gram) and, with `model`, a model drafter: a `DraftModel` or a `Head`
+    /// (`proposer/auto.rs`).
+    Auto { model: Option<Box<Method>> },
 }
 
 impl Method {
@@ -330,6 +332,36 @@ impl SpeculativeConfig {
         if max_model_len == Some(0) {
             return Err(Error::config("max_model_len must be >= 1 (got 0); leave it out to use the draft's context"));
         }
+        // A hidden-state head's "model" and "quantization" (its own method, or "auto"'s drafter).
+        let head_params = |head: HeadMethod| -> Result<Method> {
+            let name = head.name();
+            let model = match map.get("model") {
+                None | Some(Value::Null) if head == HeadMethod::Mtp => None,
+                Some(Value::String(model)) if !model.is_empty() => Some(model.clone()),
+                _ => {
+                    return Err(Error::config(format!(
+                        "method '{name}' needs \"model\": the path of the head's directory (config.json + \
+                         *.safetensors), or a llama.cpp eagle3 / nextn MTP .gguf file"
+                    )))
+                }
+            };
+            let quantization = match map.get("quantization") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(q))
+                    if matches!(parse_quant_type(q).map(quant_type_name).as_deref(), Ok("q8_0" | "q4_0")) =>
+                {
+                    Some(q.to_ascii_lowercase())
+                }
+                Some(other) => {
+                    return Err(Error::config(format!(
+                        "a head's 'quantization' is \"q8_0\" or \"q4_0\" (got {}); leave it out to keep the \
+                         head's weights in f32",
+                        shown(&other.to_string())
+                    )))
+                }
+            };
+            Ok(Method::Head { method: head, model, quantization })
+        };
         let draft_params = || -> Result<DraftModelParams> {
             match map.get("model") {
                 Some(Value::String(model)) if !model.is_empty() => {
@@ -419,11 +451,8 @@ impl SpeculativeConfig {
                         "method 'auto' drafts chains (each step's drafter picks its own length); remove \"tree\"",
                     ));
                 }
-                let draft = match map.get("model") {
-                    None | Some(Value::Null) => None,
-                    Some(_) => Some(draft_params()?),
-                };
-                (Method::Auto { draft }, num_speculative_tokens.unwrap_or(methods::DEFAULT_AUTO_K))
+                let model = auto_model_drafter(map, &head_params, &draft_params)?;
+                (Method::Auto { model: model.map(Box::new) }, num_speculative_tokens.unwrap_or(methods::DEFAULT_AUTO_K))
             }
             "pard" => {
                 let mask_token_id = optional_count(map, "mask_token_id")?.ok_or_else(|| {
@@ -457,33 +486,7 @@ impl SpeculativeConfig {
                 (Method::QuantizedSelf { quantization, max_model_len }, required_k()?)
             }
             head if HeadMethod::from_name(head).is_some() => {
-                let head_method = HeadMethod::from_name(head).expect("matched above");
-                let model = match map.get("model") {
-                    None | Some(Value::Null) if head_method == HeadMethod::Mtp => None,
-                    Some(Value::String(model)) if !model.is_empty() => Some(model.clone()),
-                    _ => {
-                        return Err(Error::config(format!(
-                            "method '{head}' needs \"model\": the path of the head's directory (config.json + \
-                             *.safetensors), or a llama.cpp eagle3 / nextn MTP .gguf file"
-                        )))
-                    }
-                };
-                let quantization = match map.get("quantization") {
-                    None | Some(Value::Null) => None,
-                    Some(Value::String(q))
-                        if matches!(parse_quant_type(q).map(quant_type_name).as_deref(), Ok("q8_0" | "q4_0")) =>
-                    {
-                        Some(q.to_ascii_lowercase())
-                    }
-                    Some(other) => {
-                        return Err(Error::config(format!(
-                            "a head's 'quantization' is \"q8_0\" or \"q4_0\" (got {}); leave it out to keep the \
-                             head's weights in f32",
-                            shown(&other.to_string())
-                        )))
-                    }
-                };
-                (Method::Head { method: head_method, model, quantization }, required_k()?)
+                (head_params(HeadMethod::from_name(head).expect("matched above"))?, required_k()?)
             }
             _ => (Method::Custom, required_k()?),
         };
@@ -612,21 +615,35 @@ impl SpeculativeConfig {
     /// same weights (the engine's draft and head caches are keyed by these values), so a server
     /// can tell a request that reuses its weights from one that would load new ones.
     pub fn weights(&self) -> Option<Map<String, Value>> {
+        // "auto"'s model drafter is loaded as its own method's weights are (one engine cache entry
+        // per file), so a server holding them lets requests use them either way; without one,
+        // "auto" loads nothing.
+        if let Method::Auto { .. } = self.method {
+            return self.model_drafter().and_then(|drafter| drafter.weights());
+        }
         let keys = self.method.weight_keys();
-        // "auto" without a draft model loads nothing.
-        if keys.is_empty() || matches!(self.method, Method::Auto { draft: None }) {
+        if keys.is_empty() {
             return None;
         }
         let all = self.to_map();
         let mut weights = Map::new();
-        // "auto"'s draft model is loaded as draft_model's is (one engine cache entry per file), so
-        // a server holding one lets requests use it either way.
-        let loaded_as = if matches!(self.method, Method::Auto { .. }) { "draft_model" } else { self.method_name() };
-        weights.insert("method".into(), loaded_as.into());
+        weights.insert("method".into(), self.method_name().into());
         for key in keys {
             weights.insert((*key).into(), all.get(*key).cloned().unwrap_or(Value::Null));
         }
         Some(weights)
+    }
+
+    /// "auto"'s model drafter as a config of its own method (a draft model's or a head's, with
+    /// this config's k, costs and drawing): what loads it, measures its cost and builds it. None
+    /// for every other method and for "auto" over the lookups alone.
+    pub fn model_drafter(&self) -> Option<SpeculativeConfig> {
+        match &self.method {
+            Method::Auto { model: Some(model) } => {
+                Some(SpeculativeConfig { method: (**model).clone(), ..self.clone() })
+            }
+            _ => None,
+        }
     }
 
     /// The settings of this config's engine-wide suffix cache: a suffix config's own, or "auto"'s
@@ -679,6 +696,14 @@ impl SpeculativeConfig {
                 map.insert("max_model_len".into(), len.into());
             }
         };
+        let head = |model: &Option<String>, quantization: &Option<String>, map: &mut Map<String, Value>| {
+            if let Some(model) = model {
+                map.insert("model".into(), model.clone().into());
+            }
+            if let Some(q) = quantization {
+                map.insert("quantization".into(), q.clone().into());
+            }
+        };
         match &self.method {
             Method::Ngram { prompt_lookup_min, prompt_lookup_max } => {
                 map.insert("prompt_lookup_min".into(), (*prompt_lookup_min).into());
@@ -691,8 +716,17 @@ impl SpeculativeConfig {
                 map.insert("suffix_decoding_min_token_prob".into(), f64::from(p.min_token_prob).into());
             }
             Method::Custom => {}
-            Method::DraftModel(d) | Method::Auto { draft: Some(d) } => draft(d, &mut map),
-            Method::Auto { draft: None } => {}
+            Method::DraftModel(d) => draft(d, &mut map),
+            // A draft model's keys alone, as before heads could join (this JSON keys suffix caches
+            // on disk); a head's with its "draft_method".
+            Method::Auto { model } => match model.as_deref() {
+                Some(Method::DraftModel(d)) => draft(d, &mut map),
+                Some(Method::Head { method, model, quantization }) => {
+                    head(model, quantization, &mut map);
+                    map.insert("draft_method".into(), method.name().into());
+                }
+                _ => {}
+            },
             Method::Pard { draft: d, mask_token_id } => {
                 draft(d, &mut map);
                 map.insert("mask_token_id".into(), (*mask_token_id).into());
@@ -700,14 +734,7 @@ impl SpeculativeConfig {
             Method::LayerSkip { exit_layer } => {
                 map.insert("exit_layer".into(), (*exit_layer).into());
             }
-            Method::Head { model, quantization, .. } => {
-                if let Some(model) = model {
-                    map.insert("model".into(), model.clone().into());
-                }
-                if let Some(q) = quantization {
-                    map.insert("quantization".into(), q.clone().into());
-                }
-            }
+            Method::Head { model, quantization, .. } => head(model, quantization, &mut map),
             Method::QuantizedSelf { quantization, max_model_len } => {
                 map.insert("quantization".into(), quantization.clone().into());
                 if let Some(len) = max_model_len {
@@ -730,6 +757,51 @@ fn method_name(method: &Method) -> &'static str {
         Method::Pard { .. } => "pard",
         Method::Head { method, .. } => method.name(),
         Method::Auto { .. } => "auto",
+    }
+}
+
+/// "auto"'s model drafter: by "draft_method" ("draft_model", the default where "model" is given,
+/// or a hidden-state head), parsed by that method's own rules; None without either key. A key
+/// auto takes for one kind of drafter is refused with the other.
+fn auto_model_drafter(
+    map: &Map<String, Value>,
+    head_params: &dyn Fn(HeadMethod) -> Result<Method>,
+    draft_params: &dyn Fn() -> Result<DraftModelParams>,
+) -> Result<Option<Method>> {
+    let refuse = |key: &str, drafter: &str| -> Result<()> {
+        match map.get(key) {
+            None | Some(Value::Null) => Ok(()),
+            Some(_) => Err(Error::config(format!(
+                "'{key}' does not apply to auto's {drafter}; remove it (it is a {})",
+                if key == "max_model_len" { "draft model's key" } else { "head's key" }
+            ))),
+        }
+    };
+    let heads = HeadMethod::ALL.map(HeadMethod::name).join(", ");
+    match map.get("draft_method") {
+        None | Some(Value::Null) => match map.get("model") {
+            None | Some(Value::Null) => {
+                refuse("max_model_len", "lookups (no \"model\")")?;
+                refuse("quantization", "lookups (no \"model\")")?;
+                Ok(None)
+            }
+            Some(_) => {
+                refuse("quantization", "draft model")?;
+                Ok(Some(Method::DraftModel(draft_params()?)))
+            }
+        },
+        Some(Value::String(name)) if name == "draft_model" => {
+            refuse("quantization", "draft model")?;
+            Ok(Some(Method::DraftModel(draft_params()?)))
+        }
+        Some(Value::String(name)) if HeadMethod::from_name(name).is_some() => {
+            refuse("max_model_len", &format!("{name} head"))?;
+            head_params(HeadMethod::from_name(name).expect("matched above")).map(Some)
+        }
+        Some(other) => Err(Error::config(format!(
+            "'draft_method' is auto's model drafter: \"draft_model\" or a head ({heads}); got {}",
+            shown(&other.to_string())
+        ))),
     }
 }
 
@@ -1042,9 +1114,12 @@ mod tests {
     fn config_with_every_key(spec: &MethodSpec, method: &str, extra: &str) -> Result<SpeculativeConfig> {
         let mut map: Map<String, Value> = serde_json::from_str(extra).unwrap();
         map.insert("method".into(), method.into());
-        for key in spec.keys {
+        // "auto"'s draft-model key and its head keys exclude each other; its head form holds
+        // every weight key.
+        for key in spec.keys.iter().filter(|&&key| !(spec.name == "auto" && key == "max_model_len")) {
             let value: Value = match *key {
                 "model" => "weights.gguf".into(),
+                "draft_method" => "eagle3".into(),
                 "quantization" => "q8_0".into(),
                 "suffix_decoding_max_spec_factor" | "suffix_decoding_min_token_prob" => 0.5.into(),
                 "suffix_decoding_max_tree_depth" => methods::DEFAULT_SUFFIX_MAX_TREE_DEPTH.into(),
@@ -1056,22 +1131,66 @@ mod tests {
     }
 
     #[test]
-    fn auto_takes_an_optional_draft_model_and_refuses_what_it_decides_itself() {
+    fn auto_takes_an_optional_model_drafter_and_refuses_what_it_decides_itself() {
         let auto = SpeculativeConfig::from_json(r#"{"method": "auto"}"#).unwrap();
-        assert_eq!(auto.method, Method::Auto { draft: None });
+        assert_eq!(auto.method, Method::Auto { model: None });
         assert_eq!(auto.num_speculative_tokens, methods::DEFAULT_AUTO_K);
-        assert_eq!(auto.weights(), None, "auto without a draft model loads nothing");
+        assert_eq!(auto.weights(), None, "auto without a model drafter loads nothing");
+        assert_eq!(auto.model_drafter(), None);
         let with_draft = SpeculativeConfig::from_json(r#"{"method": "auto", "model": "d.gguf"}"#).unwrap();
         let draft_model = SpeculativeConfig::from_json(
             r#"{"method": "draft_model", "model": "d.gguf", "num_speculative_tokens": 2}"#,
         );
         assert_eq!(with_draft.weights(), draft_model.unwrap().weights(), "the same weights as draft_model's");
         assert_eq!(SpeculativeConfig::from_json(&with_draft.to_json()).unwrap(), with_draft);
+        assert!(!with_draft.to_json().contains("draft_method"), "a draft model's JSON is as it was");
+        let explicit =
+            SpeculativeConfig::from_json(r#"{"method": "auto", "model": "d.gguf", "draft_method": "draft_model"}"#);
+        assert_eq!(explicit.unwrap(), with_draft);
+        // A head joins the lookups by "draft_method"; it loads (and a server checks) the head's
+        // weights as the head method's own config does, and drafts with auto's k.
+        let with_head = SpeculativeConfig::from_json(
+            r#"{"method": "auto", "draft_method": "eagle3", "model": "h", "quantization": "Q8_0"}"#,
+        )
+        .unwrap();
+        let head =
+            Method::Head { method: HeadMethod::Eagle3, model: Some("h".into()), quantization: Some("q8_0".into()) };
+        assert_eq!(with_head.method, Method::Auto { model: Some(Box::new(head.clone())) });
+        let drafter = with_head.model_drafter().unwrap();
+        assert_eq!((drafter.method, drafter.num_speculative_tokens), (head, methods::DEFAULT_AUTO_K));
+        let eagle3 = SpeculativeConfig::from_json(
+            r#"{"method": "eagle3", "model": "h", "quantization": "q8_0", "num_speculative_tokens": 3}"#,
+        );
+        assert_eq!(with_head.weights(), eagle3.unwrap().weights());
+        assert_eq!(SpeculativeConfig::from_json(&with_head.to_json()).unwrap(), with_head);
+        let mtp = SpeculativeConfig::from_json(r#"{"method": "auto", "draft_method": "mtp"}"#).unwrap();
+        assert_eq!(
+            mtp.method,
+            Method::Auto {
+                model: Some(Box::new(Method::Head { method: HeadMethod::Mtp, model: None, quantization: None }))
+            }
+        );
         for (bad, says) in [
             (r#"{"method": "auto", "tree": true}"#, "remove \"tree\""),
             (r#"{"method": "auto", "adaptive_draft_length": false}"#, "remove adaptive_draft_length"),
             (r#"{"method": "auto", "model": ""}"#, "needs \"model\""),
             (r#"{"method": "auto", "exit_layer": 3}"#, "exit_layer"),
+            (r#"{"method": "auto", "draft_method": "eagle3"}"#, "method 'eagle3' needs \"model\""),
+            (r#"{"method": "auto", "draft_method": "ngram", "model": "h"}"#, "'draft_method' is auto's model drafter"),
+            (r#"{"method": "auto", "draft_method": 3}"#, "\"draft_model\" or a head (eagle, eagle3, mtp"),
+            (
+                r#"{"method": "auto", "model": "d.gguf", "quantization": "q8_0"}"#,
+                "'quantization' does not apply to auto's draft model",
+            ),
+            (
+                r#"{"method": "auto", "draft_method": "medusa", "model": "h", "max_model_len": 9}"#,
+                "'max_model_len' does not apply to auto's medusa head",
+            ),
+            (r#"{"method": "auto", "quantization": "q8_0"}"#, "'quantization' does not apply to auto's lookups"),
+            (
+                r#"{"method": "eagle3", "model": "h", "draft_method": "eagle3", "num_speculative_tokens": 3}"#,
+                "'draft_method' applies to method auto only",
+            ),
         ] {
             let e = SpeculativeConfig::from_json(bad).unwrap_err().to_string();
             assert!(e.contains(says), "{bad}: {e}");

@@ -108,6 +108,10 @@ impl RecurrentHead for OracleRecurrent {
         Ok(Tensor::from_vec(p, (n, 1), &Device::Cpu)?)
     }
 
+    fn context_row_share(&self) -> f64 {
+        1.0
+    }
+
     /// `[n, vocab]`: row i picks the token two after its position.
     fn logits(&self, hidden: &Tensor, _: usize) -> Result<Tensor> {
         let rows = hidden.flatten_all()?.to_vec1::<f32>()?;

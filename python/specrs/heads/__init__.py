@@ -1,6 +1,6 @@
 """Heads that ship with specrs: hidden-state proposers trained here (`specrs train-head`) for the
-named models, found by `{"method": "eagle3"}` (or "mlp_speculator") with no "model" key, with no
-path and no download.
+named models, found by `{"method": "eagle3"}` (or "mlp_speculator", or "auto" with that
+"draft_method") with no "model" key, with no path and no download.
 
 A head is trained on one target file's hidden states, so it is matched to the loaded target by
 what identifies that file (architecture, vocabulary, depth and weight bytes), not by a name the
@@ -73,4 +73,9 @@ def with_shipped_head(config: dict[str, Any], info: Mapping[str, Any]) -> dict[s
         if "speculative_token_tree" in config:
             defaults.pop("num_speculative_tokens", None)  # a static tree's size is its node budget
         return {**defaults, **config, "model": shipped_head(info, method)}
+    # "auto" with a head among its drafters: the head's weights and quantization, auto's own k.
+    drafter = config.get("draft_method")
+    if method == "auto" and isinstance(drafter, str) and drafter in HEAD_METHODS and "model" not in config:
+        defaults = {key: value for key, value in HEAD_METHODS[drafter].items() if key == "quantization"}
+        return {**defaults, **config, "model": shipped_head(info, drafter)}
     return config

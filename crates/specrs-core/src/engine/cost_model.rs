@@ -8,7 +8,6 @@
 //! (and so the same tokens) every time it runs on one engine once the engine's figures are
 //! measured (`Engine::wait_for_costs`), and in later processes that read the same cache.
 
-use std::borrow::Cow;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -137,7 +136,10 @@ impl Engine {
         table: &CostTable,
         config: &SpeculativeConfig,
     ) -> Result<Option<(f64, CostSource, Option<Spread>)>> {
-        let config = &model_drafter(config);
+        // "auto"'s drafts cost what its model drafter's cost (so the background thread times that
+        // drafter, not whichever drafter "auto" would pick).
+        let drafter = self.auto_model_drafter(config)?;
+        let config = drafter.as_ref().unwrap_or(config);
         let Some(key) = self.draft_identity(config)? else { return Ok(None) };
         self.costs.want_draft_cost(
             &key,
@@ -165,10 +167,9 @@ impl Engine {
             format!("{}:{}:{}", canonical.display(), meta.map_or(0, |m| m.len()), mtime.map_or(0, |d| d.as_nanos()))
         };
         Ok(match &config.method {
-            Method::Ngram { .. } | Method::Suffix(_) | Method::Custom | Method::Auto { draft: None } => None,
-            Method::DraftModel(d) | Method::Auto { draft: Some(d) } => {
-                Some(format!("draft_model:{}", file(Path::new(&d.model))))
-            }
+            // "auto" is costed by its model drafter's own config (`draft_cost`).
+            Method::Ngram { .. } | Method::Suffix(_) | Method::Custom | Method::Auto { .. } => None,
+            Method::DraftModel(d) => Some(format!("draft_model:{}", file(Path::new(&d.model)))),
             Method::Pard { draft, mask_token_id } => Some(format!(
                 "pard:{}:{mask_token_id}:k={}",
                 file(Path::new(&draft.model)),
@@ -192,8 +193,8 @@ impl Engine {
             Ok(self.draft_model(path)?.weight_bytes() as f64 / self.model.weight_bytes().max(1) as f64)
         };
         Ok(match &config.method {
-            Method::Ngram { .. } | Method::Suffix(_) | Method::Custom | Method::Auto { draft: None } => 0.0,
-            Method::DraftModel(d) | Method::Auto { draft: Some(d) } => bytes(Path::new(&d.model))?,
+            Method::Ngram { .. } | Method::Suffix(_) | Method::Custom | Method::Auto { .. } => 0.0,
+            Method::DraftModel(d) => bytes(Path::new(&d.model))?,
             Method::Pard { draft, .. } => bytes(Path::new(&draft.model))? / config.num_speculative_tokens as f64,
             Method::QuantizedSelf { quantization, .. } => bytes(&self.quantized_self_path(quantization)?)?,
             Method::LayerSkip { exit_layer } => *exit_layer as f64 / self.model.info().num_layers.max(1) as f64,
@@ -289,17 +290,6 @@ impl Engine {
 /// `[t(1), ..., t(max_n)]` seconds at `context_len` in `table`, with its source and spread:
 /// extended past the curve's end along its last slope (then `Extrapolated`), None if nothing is
 /// stored.
-/// The config whose drafts cost what `config`'s model drafts cost: "auto"'s draft model alone
-/// (so the background thread times the draft model, not whichever drafter "auto" would pick).
-fn model_drafter(config: &SpeculativeConfig) -> Cow<'_, SpeculativeConfig> {
-    match &config.method {
-        Method::Auto { draft: Some(draft) } => {
-            Cow::Owned(SpeculativeConfig { method: Method::DraftModel(draft.clone()), ..config.clone() })
-        }
-        _ => Cow::Borrowed(config),
-    }
-}
-
 fn curve_s(table: &CostTable, context_len: usize, max_n: usize) -> Option<(Vec<f64>, CostSource, Option<Spread>)> {
     let Figure { value: curve, source, spread } = table.curves.get(&context_len)?;
     let max_n = max_n.max(1);

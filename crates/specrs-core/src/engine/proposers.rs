@@ -14,7 +14,7 @@ use crate::draft_length::{DraftLengthPolicy, HeuristicSchedule};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::model::{self, CausalLm};
-use crate::proposer::auto::AutoProposer;
+use crate::proposer::auto::{AutoProposer, ModelDrafter};
 use crate::proposer::draft_model::{DraftDrawing, DraftModelProposer};
 use crate::proposer::heads::load::{load as load_head, LoadedHead};
 use crate::proposer::heads::HeadProposer;
@@ -176,7 +176,7 @@ impl Engine {
             // Heads and draft models draft deterministic top-k trees in tree mode.
             one_hot_drafts: matches!(
                 config.method,
-                Method::Ngram { .. } | Method::Suffix(_) | Method::Auto { draft: None }
+                Method::Ngram { .. } | Method::Suffix(_) | Method::Auto { model: None }
             ) || (config.tree.is_on()
                 && matches!(config.method, Method::Head { .. } | Method::DraftModel(_) | Method::QuantizedSelf { .. }))
                 // Auto couples exactly the seeded requests, whose output can depend on anything.
@@ -227,24 +227,19 @@ impl Engine {
                 drawing,
                 self.draft_kv.clone(),
             )),
-            (Method::Auto { draft }, None) => {
+            (Method::Auto { .. }, None) => {
                 let lookups: Vec<(&'static str, Box<dyn Proposer>)> = vec![
                     ("suffix", Box::new(SuffixProposer::new(SuffixParams::default(), self.suffix_cache(config)?))),
                     ("ngram", Box::new(NgramProposer::new(AUTO_NGRAM.0, AUTO_NGRAM.1))),
                 ];
                 let costs = self.policy_costs(config)?;
-                let model = match draft {
-                    Some(draft) => Some((
-                        "draft_model",
-                        Box::new(DraftModelProposer::new(
-                            self.draft_model(&draft.model)?,
-                            draft.max_model_len,
-                            target_vocab,
-                            drawing,
-                            self.draft_kv.clone(),
-                        )) as Box<dyn Proposer>,
-                        costs.draft_cost,
-                    )),
+                let model = match self.auto_model_drafter(config)? {
+                    Some(drafter) => Some(ModelDrafter {
+                        name: drafter.method_name(),
+                        proposer: self.proposer(&drafter, None)?,
+                        draft_cost: costs.draft_cost,
+                        max_tokens: drafter.num_speculative_tokens,
+                    }),
                     None => None,
                 };
                 Box::new(AutoProposer::new(&costs.verify_cost_ratios, lookups, model))
@@ -279,6 +274,19 @@ impl Engine {
             }
         };
         Ok(proposer)
+    }
+
+    /// "auto"'s model drafter as a config of its own (`SpeculativeConfig::model_drafter`), its k
+    /// capped at what the drafter drafts per step (a parallel head: one token per sub-head), so
+    /// it builds and its cost is measured at the lengths auto can ask of it.
+    pub(super) fn auto_model_drafter(&self, config: &SpeculativeConfig) -> Result<Option<SpeculativeConfig>> {
+        let Some(mut drafter) = config.model_drafter() else { return Ok(None) };
+        if let Method::Head { method, model, quantization } = &drafter.method {
+            if let Some(max) = self.head(*method, model.as_deref(), quantization.as_deref())?.head.max_draft_tokens() {
+                drafter.num_speculative_tokens = drafter.num_speculative_tokens.min(max);
+            }
+        }
+        Ok(Some(drafter))
     }
 
     /// The engine-wide suffix cache of `config` (created on first use; see `MAX_SUFFIX_CACHES`):

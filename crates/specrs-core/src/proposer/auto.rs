@@ -1,9 +1,10 @@
 //! `"method": "auto"`: one proposer that picks, at each step, the drafter with the most expected
 //! tokens per unit of cost. The drafters are the model-free lookups (suffix decoding, n-gram) and,
-//! when the config names one, a draft model. Each keeps its own acceptance estimate on this
-//! request (`DraftLengthPolicy`) and its own cost: a lookup costs nothing to draft (c = 0), a
-//! draft model c per draft token (in target steps, measured per engine); all share the target's
-//! verification curve v(n).
+//! when the config names one, a model drafter: a draft model or a hidden-state head
+//! (`"draft_method"`). Each keeps its own acceptance estimate on this request
+//! (`DraftLengthPolicy`) and its own cost: a lookup costs nothing to draft (c = 0), a model
+//! drafter c per draft token (in target steps, measured per engine); all share the target's
+//! verification curve v(n). Below, "the model" is the model drafter of either kind.
 //!
 //! A step: every lookup drafts first (microseconds), and its draft's length bounds its best
 //! length; the draft model's best length is bounded by k only, and it drafts only if chosen, so a
@@ -21,15 +22,19 @@
 //!
 //! Invariant: one drafter's draft is verified per step, and only that drafter observes the
 //! verdict; a drafter left out keeps its state (the draft model's cache catches up on the context
-//! it missed at its next draft, `DraftCache::catch_up`). The choice reads only the context and
-//! past verdicts, never the verifier's random stream, so auto is lossless like every proposer.
+//! it missed at its next draft, `DraftCache::catch_up`; a head keeps the target's hidden rows of
+//! every step, which auto hands it whoever drafted, and reads those it missed at its next draft).
+//! The choice reads only the context and past verdicts, never the verifier's random stream, so
+//! auto is lossless like every proposer.
 
 use crate::config::SamplingParams;
 use crate::draft_length::{DraftLengthPolicy, Verdict};
 use crate::error::Result;
 use crate::metrics::DrafterCounts;
+use crate::model::Tap;
 use crate::proposer::draft_model::DraftModelProposer;
 use crate::proposer::{Draft, Feedback, Proposer};
+use candle_core::Tensor;
 
 /// One drafter "auto" chooses among.
 struct Drafter {
@@ -38,7 +43,20 @@ struct Drafter {
     policy: DraftLengthPolicy,
     /// A lookup drafts before the choice (it costs nothing); a model only when chosen.
     is_lookup: bool,
+    /// The longest draft it makes (k; a parallel head: its sub-heads).
+    max_tokens: usize,
     counts: DrafterCounts,
+}
+
+/// The model drafter "auto" may pick besides the lookups: a draft model or a hidden-state head.
+pub struct ModelDrafter {
+    /// Its method's name (`metrics["drafters"]`).
+    pub name: &'static str,
+    pub proposer: Box<dyn Proposer>,
+    /// c: its time per draft token over one target step.
+    pub draft_cost: f64,
+    /// The longest draft it makes.
+    pub max_tokens: usize,
 }
 
 impl Drafter {
@@ -49,15 +67,21 @@ impl Drafter {
     /// On a 2-core CPU a 0.5B draft's prompt costs tens of target steps, so it is read only where
     /// the draft would win that back; where a draft forward is cheap (a GPU) it is read at once.
     /// Before its first verified draft the prior acceptance judges it (no free trial: it is not free).
+    /// A recurrent head's cache reads one row per context position as a draft model's does, at
+    /// its layer's share of c (`Proposer::context_row_share`: a row skips the LM head); a
+    /// parallel head keeps none (`kv_len` None: nothing to read).
     fn plan_model(&self, max_len: usize, context_len: usize) -> Verdict {
         let unseen = context_len.saturating_sub(self.proposer.kv_len().unwrap_or(context_len)).max(1);
-        let overhead = self.policy.draft_cost() * (unseen - 1) as f64 * self.policy.cost_per_row();
-        self.policy.plan_with_overhead(max_len, overhead)
+        let overhead = self.policy.draft_cost()
+            * self.proposer.context_row_share()
+            * (unseen - 1) as f64
+            * self.policy.cost_per_row();
+        self.policy.plan_with_overhead(max_len.min(self.max_tokens), overhead)
     }
 }
 
 pub struct AutoProposer {
-    /// Lookups first, then the draft model (if any).
+    /// Lookups first, then the model drafter (if any).
     drafters: Vec<Drafter>,
     /// The drafter whose draft the last `propose` returned, and that draft's length.
     chosen: Option<(usize, usize)>,
@@ -75,21 +99,22 @@ struct Choice {
 
 impl AutoProposer {
     /// `verify_cost_ratios`: `[k + 1]` v(n) = t(n) / t(1); `lookups`: the model-free drafters by
-    /// name; `model`: a draft model by name with its cost per draft token c.
+    /// name; `model`: the model drafter, if any.
     pub fn new(
         verify_cost_ratios: &[f64],
         lookups: Vec<(&'static str, Box<dyn Proposer>)>,
-        model: Option<(&'static str, Box<dyn Proposer>, f64)>,
+        model: Option<ModelDrafter>,
     ) -> Self {
-        let drafter = |name: &'static str, proposer, is_lookup, draft_cost| Drafter {
+        let drafter = |name: &'static str, proposer, is_lookup, draft_cost, max_tokens| Drafter {
             proposer,
             policy: DraftLengthPolicy::new(verify_cost_ratios, draft_cost),
             is_lookup,
+            max_tokens,
             counts: DrafterCounts { name, ..DrafterCounts::default() },
         };
         let mut drafters: Vec<Drafter> =
-            lookups.into_iter().map(|(name, proposer)| drafter(name, proposer, true, 0.0)).collect();
-        drafters.extend(model.map(|(name, proposer, c)| drafter(name, proposer, false, c)));
+            lookups.into_iter().map(|(name, proposer)| drafter(name, proposer, true, 0.0, usize::MAX)).collect();
+        drafters.extend(model.map(|m| drafter(m.name, m.proposer, false, m.draft_cost, m.max_tokens)));
         Self { drafters, chosen: None, decided: None }
     }
 
@@ -165,6 +190,24 @@ impl Proposer for AutoProposer {
         self.drafters.iter().all(|d| d.proposer.drafts_from_context_alone())
     }
 
+    /// A head's taps (the lookups and a draft model read none).
+    fn taps(&self) -> Vec<Tap> {
+        self.drafters.iter().flat_map(|d| d.proposer.taps()).collect()
+    }
+
+    /// Every step's hidden rows go to the head whichever drafter drafted, so it sees every
+    /// context position once (as its invariant asks), reading those it missed at its next draft.
+    fn observe_hidden(&mut self, start: usize, hidden: &[Tensor]) -> Result<()> {
+        self.drafters
+            .iter_mut()
+            .filter(|d| !d.proposer.taps().is_empty())
+            .try_for_each(|d| d.proposer.observe_hidden(start, hidden))
+    }
+
+    fn target_context_dropped(&mut self) {
+        self.drafters.iter_mut().for_each(|d| d.proposer.target_context_dropped());
+    }
+
     fn observe(&mut self, feedback: &Feedback<'_>) -> Result<()> {
         let Some((i, num_draft_tokens)) = self.chosen.take() else { return Ok(()) };
         let drafter = &mut self.drafters[i];
@@ -219,13 +262,87 @@ mod tests {
         (Box::new(Fixed { tokens: tokens.to_vec(), calls: calls.clone(), kv_len: None }), calls)
     }
 
+    fn draft_model(proposer: Box<dyn Proposer>, draft_cost: f64) -> Option<ModelDrafter> {
+        Some(ModelDrafter { name: "draft_model", proposer, draft_cost, max_tokens: 16 })
+    }
+
+    /// A head: drafts `tokens` and logs the starts of the hidden rows it is handed.
+    struct Head {
+        tokens: Vec<u32>,
+        calls: Arc<Mutex<Vec<usize>>>,
+        hidden_starts: Arc<Mutex<Vec<usize>>>,
+        dropped: Arc<Mutex<usize>>,
+    }
+
+    impl Proposer for Head {
+        fn propose(&mut self, _context: &[u32], max_tokens: usize) -> Result<Draft> {
+            self.calls.lock().unwrap().push(max_tokens);
+            Ok(Draft::tokens(self.tokens.iter().copied().take(max_tokens).collect()))
+        }
+
+        fn taps(&self) -> Vec<Tap> {
+            vec![Tap::Residual(2), Tap::FinalNorm]
+        }
+
+        fn observe_hidden(&mut self, start: usize, _hidden: &[Tensor]) -> Result<()> {
+            self.hidden_starts.lock().unwrap().push(start);
+            Ok(())
+        }
+
+        fn target_context_dropped(&mut self) {
+            *self.dropped.lock().unwrap() += 1;
+        }
+    }
+
+    #[test]
+    fn a_head_sees_every_steps_hidden_rows_and_drafts_at_most_its_sub_heads() {
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let hidden_starts = Arc::new(Mutex::new(Vec::new()));
+        let dropped = Arc::new(Mutex::new(0));
+        let head = Head {
+            tokens: vec![9; 8],
+            calls: calls.clone(),
+            hidden_starts: hidden_starts.clone(),
+            dropped: dropped.clone(),
+        };
+        let (lookup, _) = fixed(&[5; 6]);
+        let model = ModelDrafter { name: "mlp_speculator", proposer: Box::new(head), draft_cost: 0.01, max_tokens: 3 };
+        let mut auto = AutoProposer::new(&RATIOS, vec![("suffix", lookup)], Some(model));
+        assert_eq!(auto.taps(), vec![Tap::Residual(2), Tap::FinalNorm], "the session must tap for the head");
+        let rows = Tensor::zeros((1, 4), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+        // The lookup wins while accepted whole; the head is handed each step's rows all the same.
+        for start in 0..3 {
+            auto.observe_hidden(start, &[rows.clone(), rows.clone()]).unwrap();
+            let draft = step(&mut auto, 8, 8).token_ids;
+            assert!(!draft.is_empty() && draft.iter().all(|&t| t == 5), "{draft:?}");
+        }
+        assert_eq!(*hidden_starts.lock().unwrap(), vec![0, 1, 2]);
+        assert!(calls.lock().unwrap().is_empty(), "the head never drafted");
+        // The lookup now rejected and the head accepted: the (nearly free) head takes over, asked
+        // for at most its 3 tokens.
+        let drafts: Vec<Vec<u32>> = (0..12)
+            .map(|_| {
+                let draft = auto.propose(&[1, 2, 3], 8).unwrap();
+                let n = if draft.token_ids.first() == Some(&9) { draft.token_ids.len() } else { 0 };
+                auto.observe(&Feedback::accepted(n, &draft.token_ids[..n], &(0..n).collect::<Vec<_>>())).unwrap();
+                draft.token_ids
+            })
+            .collect();
+        assert_eq!(drafts.last(), Some(&vec![9; 3]), "{drafts:?}");
+        let lengths = calls.lock().unwrap().clone();
+        assert!(lengths.iter().all(|&n| (1..=3).contains(&n)), "{lengths:?}");
+        assert_eq!(auto.drafter_counts()[1].name, "mlp_speculator");
+        auto.target_context_dropped();
+        assert_eq!(*dropped.lock().unwrap(), 1);
+    }
+
     #[test]
     fn a_draft_model_far_behind_the_context_drafts_only_where_reading_it_is_cheap() {
         let model = |kv_len, c| {
             let calls = Arc::new(Mutex::new(Vec::new()));
             let model = Box::new(Fixed { tokens: vec![9; 8], calls: calls.clone(), kv_len: Some(kv_len) });
             let (empty, _) = fixed(&[]);
-            (AutoProposer::new(&RATIOS, vec![("suffix", empty)], Some(("draft_model", model, c))), calls)
+            (AutoProposer::new(&RATIOS, vec![("suffix", empty)], draft_model(model, c)), calls)
         };
         // The context is [1, 2, 3]; a cache of 2 leaves one token unseen: no catch-up cost.
         let (mut caught_up, _) = model(2, 0.2);
@@ -254,7 +371,7 @@ mod tests {
     fn a_free_lookup_match_wins_and_an_empty_lookup_falls_back_to_the_model() {
         let (suffix, suffix_calls) = fixed(&[7; 12]);
         let (model, model_calls) = fixed(&[9; 16]);
-        let mut auto = AutoProposer::new(&RATIOS, vec![("suffix", suffix)], Some(("draft_model", model, 0.4)));
+        let mut auto = AutoProposer::new(&RATIOS, vec![("suffix", suffix)], draft_model(model, 0.4));
         // The lookup matched: drafted for free (first at the prior's best length, then, accepted,
         // at its whole match), and the model never ran.
         let first = step(&mut auto, 8, 8);
@@ -270,7 +387,7 @@ mod tests {
         // No match: the model drafts (at c = 0.2 its prior acceptance pays for one token).
         let (empty, _) = fixed(&[]);
         let (model, model_calls) = fixed(&[9; 16]);
-        let mut auto = AutoProposer::new(&RATIOS, vec![("suffix", empty)], Some(("draft_model", model, 0.2)));
+        let mut auto = AutoProposer::new(&RATIOS, vec![("suffix", empty)], draft_model(model, 0.2));
         let draft = step(&mut auto, 8, 8);
         assert_eq!(draft.token_ids[0], 9);
         assert_eq!(model_calls.lock().unwrap().len(), 1);
@@ -290,7 +407,7 @@ mod tests {
     fn a_model_that_keeps_missing_stops_drafting_and_a_well_accepted_lookup_beats_a_model() {
         let (empty, _) = fixed(&[]);
         let (model, model_calls) = fixed(&[9; 16]);
-        let mut auto = AutoProposer::new(&RATIOS, vec![("ngram", empty)], Some(("draft_model", model, 0.4)));
+        let mut auto = AutoProposer::new(&RATIOS, vec![("ngram", empty)], draft_model(model, 0.4));
         for _ in 0..4 {
             step(&mut auto, 8, 0);
         }
@@ -301,7 +418,7 @@ mod tests {
         // A lookup accepted whole beats a model accepted whole: the same tokens cost no drafting.
         let (lookup, _) = fixed(&[5; 4]);
         let (model, model_calls) = fixed(&[9; 16]);
-        let mut auto = AutoProposer::new(&RATIOS, vec![("suffix", lookup)], Some(("draft_model", model, 0.4)));
+        let mut auto = AutoProposer::new(&RATIOS, vec![("suffix", lookup)], draft_model(model, 0.4));
         let drafts: Vec<Vec<u32>> = (0..6).map(|_| step(&mut auto, 8, 8).token_ids).collect();
         assert!(drafts.iter().all(|d| !d.is_empty() && d.iter().all(|&t| t == 5)), "{drafts:?}");
         assert_eq!(drafts.last(), Some(&vec![5; 4]));

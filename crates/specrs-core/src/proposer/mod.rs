@@ -360,6 +360,13 @@ pub trait Proposer: Send {
     /// rows) drops it.
     fn target_context_dropped(&mut self) {}
 
+    /// What reading one context row costs as a share of drafting one token (`kv_len`'s positions
+    /// behind the context are read before the next draft): 1 for a draft model (as its measured
+    /// cost c is charged now), less for a recurrent head (`RecurrentHead::context_row_share`).
+    fn context_row_share(&self) -> f64 {
+        1.0
+    }
+
     /// What the target made of the last draft.
     fn observe(&mut self, _feedback: &Feedback<'_>) -> Result<()> {
         Ok(())

@@ -131,9 +131,10 @@ pub const ALL: [MethodSpec; 13] = [
     MethodSpec {
         name: "auto",
         aliases: &[],
-        // The draft model's, when one joins the lookups.
-        keys: DRAFT_KEYS,
-        weight_keys: &["model"],
+        // Its model drafter's, when one joins the lookups: a draft model's or a head's
+        // (`"draft_method"`); `SpeculativeConfig::weights` names the drafter's method.
+        keys: &["model", "max_model_len", "quantization", "draft_method"],
+        weight_keys: HEAD_KEYS,
         default_k: Some(DEFAULT_AUTO_K),
         draft_probs: true,
         needs_proposer_object: false,

@@ -26,7 +26,7 @@ use candle_core::Tensor;
 
 use super::layer::{HeadLayer, Rows, TreeRows};
 use super::weights::Linear;
-use super::{embed_rows, lm_head_logits, rms, scatter_vocab, RecurrentHead};
+use super::{embed_rows, lm_head_logits, rms, row_share, scatter_vocab, RecurrentHead};
 use crate::error::Result;
 use crate::kv_cache::{KvBytes, KvCache};
 use crate::model::{CausalLm, Tap};
@@ -163,6 +163,17 @@ impl RecurrentHead for EagleHead {
         rows: &TreeRows,
     ) -> Result<Tensor> {
         self.layer(&mut caches[0], &self.embed(tokens)?, hidden, Rows::Tree(rows))
+    }
+
+    /// A context row runs `fc` and the layer; a draft step the layer (EAGLE-3 feeds its output
+    /// back past `fc`; EAGLE-1's `fc` reads every step's embedding) and the LM head.
+    fn context_row_share(&self) -> f64 {
+        let row = self.fc.num_weights() + self.layer.num_weights();
+        let step = match self.version {
+            EagleVersion::One => row,
+            EagleVersion::Three => self.layer.num_weights(),
+        };
+        row_share(row, step, self.lm_head.as_ref(), self.target.as_ref())
     }
 
     fn logits(&self, hidden: &Tensor, _step: usize) -> Result<Tensor> {

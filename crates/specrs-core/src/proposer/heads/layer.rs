@@ -176,6 +176,11 @@ pub struct HeadLayer {
 }
 
 impl HeadLayer {
+    /// How many weights one row through the layer multiplies (its linear layers').
+    pub fn num_weights(&self) -> usize {
+        [&self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down].iter().map(|l| l.num_weights()).sum()
+    }
+
     pub fn load(w: &mut HeadWeights, names: &LayerNames, shape: LayerShape) -> Result<Self> {
         let s = &shape;
         let (q_width, kv_width) = (s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim);

@@ -98,6 +98,24 @@ pub trait RecurrentHead: Send + Sync {
     /// step `step` (0: `extend`), since heads with several layers have one LM head each. A head
     /// with a draft vocabulary puts -inf on every target token outside it.
     fn logits(&self, hidden: &Tensor, step: usize) -> Result<Tensor>;
+    /// What a context row read by `extend` costs as a share of a draft step, by the weights each
+    /// multiplies: a row runs the layer but not the LM head, which only the row drafted from
+    /// reads (for a small model's head, most of a step's weights).
+    fn context_row_share(&self) -> f64;
+}
+
+/// `RecurrentHead::context_row_share` of a head whose context row multiplies `row_weights` and
+/// whose draft step multiplies `step_weights` and then an LM head: `own_lm_head`, or the
+/// target's (`[vocab, hidden]`).
+pub(crate) fn row_share(
+    row_weights: usize,
+    step_weights: usize,
+    own_lm_head: Option<&Linear>,
+    target: &dyn CausalLm,
+) -> f64 {
+    let info = target.info();
+    let lm_head = own_lm_head.map_or(info.vocab_size * info.hidden_size, Linear::num_weights);
+    row_weights as f64 / (step_weights + lm_head).max(1) as f64
 }
 
 /// A head that drafts token i with its i-th sub-head from the target's last hidden state.
@@ -460,6 +478,13 @@ impl Proposer for HeadProposer {
 
     fn taps(&self) -> Vec<Tap> {
         self.head.taps()
+    }
+
+    fn context_row_share(&self) -> f64 {
+        match &self.head {
+            Head::Recurrent(head) => head.context_row_share(),
+            Head::Parallel(_) => 1.0, // keeps no context rows (`kv_len` is None)
+        }
     }
 
     fn target_context_dropped(&mut self) {

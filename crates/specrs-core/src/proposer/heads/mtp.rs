@@ -24,7 +24,7 @@ use candle_core::Tensor;
 
 use super::layer::{HeadLayer, Rows, TreeRows};
 use super::weights::Linear;
-use super::{embed_rows, lm_head_logits, rms, RecurrentHead};
+use super::{embed_rows, lm_head_logits, rms, row_share, RecurrentHead};
 use crate::error::Result;
 use crate::kv_cache::{KvBytes, KvCache};
 use crate::model::{CausalLm, Tap};
@@ -141,6 +141,14 @@ impl RecurrentHead for MtpHead {
     ) -> Result<Tensor> {
         let l = step % self.layers.len();
         self.run(l, &mut caches[l], &self.embed(tokens)?, hidden, Rows::Tree(rows))
+    }
+
+    /// A context row runs every MTP layer (each keeps a cache of the context); a draft step one
+    /// layer and its LM head.
+    fn context_row_share(&self) -> f64 {
+        let weights = |l: &MtpLayer| l.eh_proj.num_weights() + l.block.num_weights();
+        let first = &self.layers[0];
+        row_share(self.layers.iter().map(weights).sum(), weights(first), first.head.as_ref(), self.target.as_ref())
     }
 
     fn logits(&self, hidden: &Tensor, step: usize) -> Result<Tensor> {

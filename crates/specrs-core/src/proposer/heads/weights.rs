@@ -35,9 +35,16 @@ enum Weight {
 pub struct Linear {
     weight: Weight,
     bias: Option<Tensor>,
+    /// out_features * in_features: what one row through it multiplies.
+    num_weights: usize,
 }
 
 impl Linear {
+    /// How many weights one row through it multiplies (out_features * in_features).
+    pub fn num_weights(&self) -> usize {
+        self.num_weights
+    }
+
     /// `[n, in_features]` -> `[n, out_features]` f32.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match &self.weight {
@@ -245,7 +252,7 @@ impl HeadWeights {
             }
         };
         let bias = self.optional(&format!("{name}.bias"), &[out_features])?;
-        Ok(Linear { weight, bias })
+        Ok(Linear { weight, bias, num_weights: out_features * in_features })
     }
 
     /// An integer vector (`d2t`) as i64 values on the host, checked to have `len` entries.
