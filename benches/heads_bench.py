@@ -17,7 +17,9 @@ Configurations (specrs, one Engine per model and temperature):
 - eagle3 k=4 with a fixed draft length (every draft verified whole, vLLM's behaviour), and eagle3
   k=4 with specrs' default adaptive draft length;
 - mlp_speculator k=3, fixed (its heads draft 3 tokens);
-- ngram k=4 (prompt_lookup_min 2, max 4) and suffix k=4, fixed, beside them.
+- ngram k=4 (prompt_lookup_min 2, max 4) and suffix k=4, fixed, beside them;
+- or `--configs JSON`, a list in their place (e.g. "auto" with a head's "draft_method"; the
+  per-drafter counts of "auto" are printed and written under "drafters").
 Without "model" the engine fills in the head specrs ships for the loaded model (specrs.heads);
 where none ships the configuration is skipped with a note, so the script also runs before heads
 ship. `--head MODEL:METHOD=DIR` (or `--eagle3 DIR` / `--mlp DIR` for the first of `--models`)
@@ -108,12 +110,13 @@ def parse_heads(args: argparse.Namespace, models: list[str]) -> dict[tuple[str, 
     return heads
 
 
-def runnable_configs(engine: specrs.Engine, model: str, heads: dict) -> tuple[list[dict], list[dict]]:
+def runnable_configs(engine: specrs.Engine, model: str, heads: dict,
+                     configs: list[dict] | None = None) -> tuple[list[dict], list[dict]]:
     """(configs to run, skipped [{config, reason}]) for `model`. `Engine.prepare` loads each head
     now, so a missing or broken one is found before any time is spent, and the head's load time
     stays out of the first measured request."""
-    configs, skipped = [], []
-    for config in model_configs():
+    runnable, skipped = [], []
+    for config in configs if configs is not None else model_configs():
         if config["method"] in HEAD_METHODS and (model, config["method"]) in heads:
             config = {**config, "model": heads[(model, config["method"])]}
         try:
@@ -124,8 +127,8 @@ def runnable_configs(engine: specrs.Engine, model: str, heads: dict) -> tuple[li
             # No shipped head for this model (or a wheel from before heads shipped).
             skipped.append({"config": bench.config_label(config), "reason": str(e)})
             continue
-        configs.append(config)
-    return configs, skipped
+        runnable.append(config)
+    return runnable, skipped
 
 
 def uses_chat(engine: specrs.Engine) -> bool:
@@ -243,14 +246,14 @@ def evaluate_goals(results: dict, configs_by_label: dict) -> dict:
 
 def format_table(results: dict, greedy: bool) -> str:
     """Overall figures per configuration."""
-    lines = ["| config | mean acc. len | acceptance per position | decode tok/s | speedup | vs llama.cpp |"
-             + (" same output as baseline |" if greedy else ""),
-             "|---|---|---|---|---|---|" + ("---|" if greedy else "")]
+    lines = ["| config | mean acc. len | acceptance per position | tokens per forward | decode tok/s | speedup | "
+             "vs llama.cpp |" + (" same output as baseline |" if greedy else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if greedy else "")]
     for label, entry in results.items():
         r = entry["overall"]
         per_pos = " ".join(f"{rate:.2f}" for rate in r["acceptance_rate_per_pos"]) or "-"
         line = (f"| {label} | {bench.fmt(r['mean_acceptance_length'], '.2f')} | {per_pos} | "
-                f"{r['decode_tokens_per_s']:.1f} | {bench.fmt(r['speedup'], '.2f', 'x')} | "
+                f"{r['tokens_per_forward']:.2f} | {r['decode_tokens_per_s']:.1f} | {bench.fmt(r['speedup'], '.2f', 'x')} | "
                 f"{bench.fmt(r['vs_llama_cpp'], '.2f', 'x')} |")
         if greedy:
             matching = r["num_matching_baseline"]
@@ -274,6 +277,18 @@ def format_category_table(results: dict, categories: list[str]) -> str:
     return "\n".join(lines)
 
 
+def drafter_totals(records: list[dict]) -> dict:
+    """{config: {drafter: {num_drafts, num_draft_tokens, num_accepted_tokens}}} summed over the
+    requests of every configuration that reports its drafters ("auto")."""
+    totals: dict = {}
+    for record in records:
+        for name, counts in (record["metrics"].get("drafters") or {}).items():
+            entry = totals.setdefault(record["config"], {}).setdefault(name, dict.fromkeys(counts, 0))
+            for key, value in counts.items():
+                entry[key] += value
+    return totals
+
+
 def format_goals(goals: dict) -> str:
     lines = []
     for label, entry in goals.items():
@@ -292,7 +307,7 @@ def run_model(model: str, prompts: list[dict], args: argparse.Namespace, tempera
     if not chat:
         print(f"{model}: no chat template, prompts sent as plain text", file=sys.stderr)
     prompts = bench.tokenize_prompts(engine, [dict(p) for p in prompts], args.max_tokens, chat=chat)
-    configs, skipped = runnable_configs(engine, model, heads)
+    configs, skipped = runnable_configs(engine, model, heads, args.configs)
     for s in skipped:
         print(f"{model}: skipping {s['config']}: {s['reason']}", file=sys.stderr)
     configs_by_label = {bench.BASELINE_LABEL: None}
@@ -300,7 +315,7 @@ def run_model(model: str, prompts: list[dict], args: argparse.Namespace, tempera
         # The shipped head's path, as the engine fills it in (older wheels have no config_json).
         resolved = json.loads(engine.config_json(config)) if hasattr(engine, "config_json") else config
         configs_by_label[bench.config_label(config)] = {"requested": config, "resolved": resolved}
-    max_k = max(c["num_speculative_tokens"] for c in configs) if configs else 0
+    max_k = max(json.loads(engine.config_json(c))["num_speculative_tokens"] for c in configs) if configs else 0
     verify_cost = engine.verify_cost_ratios(max_k + 1) if max_k else None
 
     llm, eval_sizes = None, []
@@ -351,6 +366,7 @@ def run_model(model: str, prompts: list[dict], args: argparse.Namespace, tempera
                 "sampling": "greedy" if temperature == 0 else f"temp {temperature:g}, seed {args.seed}",
                 "threads": args.threads, "n_ctx": bench.DEFAULT_MAX_CONTEXT},
             "results": results,
+            "drafters": drafter_totals(records),
             "aggregates": {"overall": summary["overall"], "categories": summary["categories"]},
             "records": records,
         }
@@ -363,6 +379,9 @@ def run_model(model: str, prompts: list[dict], args: argparse.Namespace, tempera
         print(format_table(results, greedy=temperature == 0))
         print("\nMean acceptance length / speedup per category:\n")
         print(format_category_table(results, list(summary["categories"])))
+        for label, drafters in run["drafters"].items():
+            print(f"\n{label}: " + "; ".join(f"{name} {c['num_drafts']} drafts, {c['num_draft_tokens']} tokens, "
+                                            f"{c['num_accepted_tokens']} accepted" for name, c in drafters.items()))
         if "goals" in run:
             print("\nIssue 21 goals (overall):\n")
             print(format_goals(run["goals"]) or "- no eagle3 k=4 row ran (no head): goals not evaluated")
@@ -391,6 +410,9 @@ def main() -> int:
     ap.add_argument("--mlp", default=None, metavar="DIR", help="--head FIRST_MODEL:mlp_speculator=DIR")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads (default: all CPUs)")
     ap.add_argument("--no-llama", action="store_true", help="skip llama-cpp-python even when importable")
+    ap.add_argument("--configs", type=json.loads, default=None, metavar="JSON",
+                    help="a JSON list of speculative configs in place of the default ones (heads without "
+                         "\"model\", and \"auto\" with a head's \"draft_method\", get the shipped head)")
     ap.add_argument("--out", default="bench-results/heads_bench.json", help="JSON output path")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args()
