@@ -97,8 +97,8 @@ def test_sampling_with_a_shipped_head_matches_plain_sampling(engine, method):
 
 
 # "auto" with a head: the head's draft cost and the verification curve pinned, so the head's
-# turn does not hang on what the machine measures (on this CPU, with its measured c and its prompt
-# to read, auto leaves SmolLM2's heads unread: benches/README.md).
+# turn does not hang on what the machine measures (on this CPU, at measured costs, auto never reads
+# SmolLM2's EAGLE-3 head and drafts from its MLP speculator only now and then: benches/README.md).
 AUTO_COSTS = {"draft_cost": 0.0, "verify_cost_ratios": [1.0 + 0.2 * n for n in range(9)]}
 
 
