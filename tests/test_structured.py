@@ -36,7 +36,8 @@ HI_PROMPT = [{"role": "user", "content": "Say hi."}]
 LIST_PROMPT = [{"role": "user", "content": "List five fruits, one per line, then list them again."}]
 
 # Every proposer family whose drafts can be cut or extended by a grammar: model-free chains (with
-# and without the grammar's forced run), "auto" over the lookups, a tree, and the shipped EAGLE-3 head.
+# and without the grammar's forced run), "auto" over the lookups and with the shipped EAGLE-3 head,
+# a tree, and that head alone.
 #
 # The adaptive configs pin their verification curve (v(n) = t(n) / t(1)): measured, it follows how
 # busy the machine is, and with it the draft lengths the forced-draft counts below depend on.
@@ -51,6 +52,9 @@ SPECULATIVE_CONFIGS = {
                                 "prompt_lookup_max": 3, "grammar_drafts": False, **pinned_costs(4)},
     "suffix": {"method": "suffix", "num_speculative_tokens": 6, **pinned_costs(6)},
     "auto": {"method": "auto", "num_speculative_tokens": 6, **pinned_costs(6)},
+    # The shipped EAGLE-3 head beside the lookups, its drafts taken as free so that it drafts.
+    "auto_eagle3": {"method": "auto", "draft_method": "eagle3", "num_speculative_tokens": 6, "draft_cost": 0.0,
+                    **pinned_costs(6)},
     "ngram_tree": {"method": "ngram", "num_speculative_tokens": 8, "tree": True, "tree_top_k": 3,
                    "prompt_lookup_min": 1, "prompt_lookup_max": 3},
     "suffix_tree": {"method": "suffix", "num_speculative_tokens": 8, "tree": True},
@@ -123,11 +127,18 @@ def test_grammar_forced_drafts_are_accepted_under_greedy(engine):
         t = tree.metrics
         assert t["num_grammar_draft_tokens"] >= 5 and (t["num_tree_drafts"] > 0 or name == "suffix_tree"), t
         assert t["num_grammar_accepted_tokens"] == t["num_grammar_draft_tokens"], t
-    # "auto" without a draft model (lookups only) opens its drafts with the forced run too.
-    auto = run(engine, EXTRACT_PROMPT, params({"json_schema": PERSON_SCHEMA}), SPECULATIVE_CONFIGS["auto"])
-    assert auto.token_ids == out.token_ids
-    a = auto.metrics
-    assert a["num_grammar_draft_tokens"] >= 5 and a["num_grammar_accepted_tokens"] == a["num_grammar_draft_tokens"], a
+    # "auto" opens its drafts with the forced run too: over the lookups alone, and with a model
+    # drafter (a head), which drafts only where no forced run opened the step.
+    # (The head's config at another k: its own suffix cache, which has not seen this answer in the
+    # identity test, so the lookups do not draft the whole answer.)
+    fresh_eagle3 = {**SPECULATIVE_CONFIGS["auto_eagle3"], "num_speculative_tokens": 5, **pinned_costs(5)}
+    for config in (SPECULATIVE_CONFIGS["auto"], fresh_eagle3):
+        auto = run(engine, EXTRACT_PROMPT, params({"json_schema": PERSON_SCHEMA}), config)
+        assert auto.token_ids == out.token_ids
+        a = auto.metrics
+        assert a["num_grammar_draft_tokens"] >= 5, a
+        assert a["num_grammar_accepted_tokens"] == a["num_grammar_draft_tokens"], a
+    assert a["drafters"]["eagle3"]["num_drafts"] > 0, a["drafters"]
     off = run(engine, EXTRACT_PROMPT, params({"json_schema": PERSON_SCHEMA}),
               SPECULATIVE_CONFIGS["ngram_no_grammar_drafts"])
     assert off.metrics["num_grammar_draft_tokens"] == 0

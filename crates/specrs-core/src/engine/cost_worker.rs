@@ -578,6 +578,7 @@ impl CostBook {
                         max_tokens: k,
                         tree: None,
                         target_cache: &mut target_cache,
+                        num_unverified: 0,
                     };
                     Ok(proposer.propose_with(input)?.token_ids.len().max(1))
                 })?;

@@ -854,8 +854,8 @@ impl Session {
     }
 
     /// The tokens this request's grammar forces next, for the draft (chain or tree) of a proposer
-    /// that drafts from its context alone (n-gram, suffix), within `cap` and the tokens left;
-    /// empty otherwise.
+    /// that drafts after unverified tokens (n-gram, suffix, auto's lookups), within `cap` and the
+    /// tokens left; empty otherwise.
     fn forced_run(&mut self, cap: Option<usize>) -> Vec<u32> {
         /// A forced run is cheap to draft but costs a verify row per token: JSON keys take a few.
         const MAX_FORCED_TOKENS: usize = 16;
@@ -873,7 +873,7 @@ impl Session {
         let Some(speculation) = self.speculation.as_ref() else { return false };
         self.processor.as_ref().is_some_and(LogitsProcessor::has_grammar)
             && speculation.grammar_drafts
-            && speculation.proposer.drafts_from_context_alone()
+            && speculation.proposer.drafts_after_unverified_tokens()
     }
 
     /// The draft model's chain the next `plan_with(limits)` will draft, for a scheduler to draft
@@ -981,6 +981,7 @@ impl Session {
             max_tokens,
             tree: tree.map(|(_, limits)| limits),
             target_cache: &mut self.cache,
+            num_unverified: forced.len(),
         })?;
         let draft_s = t0.elapsed().as_secs_f64();
         self.spec_metrics.propose_s += draft_s;

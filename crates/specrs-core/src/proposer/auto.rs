@@ -16,6 +16,10 @@
 //! a draft. E.g. a suffix match of 12 tokens costs nothing and wins; an empty lookup
 //! falls back to the draft model; a request whose draft model keeps missing decodes plainly.
 //!
+//! A grammar's forced run opens auto's drafts as it opens a lookup's: after such unverified
+//! tokens a step chooses among the lookups only (`propose_with`), since a model drafter reads
+//! verified positions only.
+//!
 //! A scheduler that drafts model chains together (`chains_together.rs`) asks for the step's choice
 //! ahead (`model_chain`); the step's `propose` then takes that choice rather than choosing again,
 //! so each step is judged once, as alone.
@@ -33,7 +37,7 @@ use crate::error::Result;
 use crate::metrics::DrafterCounts;
 use crate::model::Tap;
 use crate::proposer::draft_model::DraftModelProposer;
-use crate::proposer::{Draft, Feedback, Proposer};
+use crate::proposer::{Draft, Feedback, ProposeInput, Proposer};
 use candle_core::Tensor;
 
 /// One drafter "auto" chooses among.
@@ -118,10 +122,11 @@ impl AutoProposer {
         Self { drafters, chosen: None, decided: None }
     }
 
-    /// The step's drafter (see the module header); None: no drafter with a positive length.
-    fn choose(&mut self, context: &[u32], max_tokens: usize) -> Result<Option<Choice>> {
+    /// The step's drafter (see the module header), among the lookups only with `lookups_only`;
+    /// None: no drafter with a positive length.
+    fn choose(&mut self, context: &[u32], max_tokens: usize, lookups_only: bool) -> Result<Option<Choice>> {
         let mut best: Option<Choice> = None;
-        for (i, drafter) in self.drafters.iter_mut().enumerate() {
+        for (i, drafter) in self.drafters.iter_mut().enumerate().filter(|(_, d)| d.is_lookup || !lookups_only) {
             let (plan, draft) = if drafter.is_lookup {
                 let draft = drafter.proposer.propose(context, max_tokens)?;
                 if draft.token_ids.is_empty() {
@@ -144,20 +149,10 @@ impl AutoProposer {
         }
         Ok(best)
     }
-}
 
-impl Proposer for AutoProposer {
-    fn begin(&mut self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
-        self.decided = None;
-        self.drafters.iter_mut().try_for_each(|d| d.proposer.begin(prompt, params))
-    }
-
-    fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {
-        self.chosen = None;
-        let choice = match self.decided.take() {
-            Some((context_len, max, choice)) if context_len == context.len() && max == max_tokens => choice,
-            _ => self.choose(context, max_tokens)?,
-        };
+    /// The draft of the step's `choice`: a lookup's, cut to its planned length, or the model
+    /// drafter's, drafted now; the drafter is noted for `observe`.
+    fn draft_of(&mut self, choice: Option<Choice>, context: &[u32]) -> Result<Draft> {
         let Some(Choice { drafter: i, plan, draft }) = choice else { return Ok(Draft::default()) };
         let draft = match draft {
             Some(mut draft) => {
@@ -171,11 +166,27 @@ impl Proposer for AutoProposer {
         }
         Ok(draft)
     }
+}
+
+impl Proposer for AutoProposer {
+    fn begin(&mut self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
+        self.decided = None;
+        self.drafters.iter_mut().try_for_each(|d| d.proposer.begin(prompt, params))
+    }
+
+    fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {
+        self.chosen = None;
+        let choice = match self.decided.take() {
+            Some((context_len, max, choice)) if context_len == context.len() && max == max_tokens => choice,
+            _ => self.choose(context, max_tokens, false)?,
+        };
+        self.draft_of(choice, context)
+    }
 
     /// The step's choice, made now and kept for its `propose`: the draft model's chain where the
     /// model wins.
     fn model_chain(&mut self, context: &[u32], max_tokens: usize) -> Result<Option<(&mut DraftModelProposer, usize)>> {
-        let choice = self.choose(context, max_tokens)?;
+        let choice = self.choose(context, max_tokens, false)?;
         let model = choice.as_ref().filter(|c| c.draft.is_none()).map(|c| (c.drafter, c.plan.length));
         self.decided = Some((context.len(), max_tokens, choice));
         match model {
@@ -184,10 +195,23 @@ impl Proposer for AutoProposer {
         }
     }
 
-    /// Without a draft model every drafter is a lookup, which drafts from its context alone: the
-    /// session may then open auto's drafts with the grammar's forced run, as for suffix or n-gram.
-    fn drafts_from_context_alone(&self) -> bool {
-        self.drafters.iter().all(|d| d.proposer.drafts_from_context_alone())
+    /// Its lookups draft from their context alone, so the session may open auto's drafts with
+    /// the grammar's forced run, as for suffix or n-gram; a step after one chooses among the
+    /// lookups only (`propose_with`).
+    fn drafts_after_unverified_tokens(&self) -> bool {
+        true
+    }
+
+    /// `propose`, but after unverified tokens (a forced run) only a lookup may draft: a model
+    /// drafter reads verified positions only (a draft model's cache, a head's hidden states).
+    fn propose_with(&mut self, input: ProposeInput<'_>) -> Result<Draft> {
+        if input.num_unverified == 0 {
+            return self.propose(input.context, input.max_tokens);
+        }
+        self.decided = None;
+        self.chosen = None;
+        let choice = self.choose(input.context, input.max_tokens, true)?;
+        self.draft_of(choice, input.context)
     }
 
     /// A head's taps (the lookups and a draft model read none).
@@ -423,6 +447,37 @@ mod tests {
         assert!(drafts.iter().all(|d| !d.is_empty() && d.iter().all(|&t| t == 5)), "{drafts:?}");
         assert_eq!(drafts.last(), Some(&vec![5; 4]));
         assert!(model_calls.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn after_unverified_tokens_only_a_lookup_drafts() {
+        let (empty, _) = fixed(&[]);
+        let (lookup, _) = fixed(&[5; 4]);
+        let (model, model_calls) = fixed(&[9; 16]);
+        let mut auto = AutoProposer::new(&RATIOS, vec![("ngram", empty), ("suffix", lookup)], draft_model(model, 0.01));
+        let mut cache = crate::kv_cache::KvCache::new(1, 4, 8, 8);
+        let mut propose = |auto: &mut AutoProposer, num_unverified| {
+            let input = ProposeInput {
+                context: &[1, 2, 3],
+                max_tokens: 8,
+                tree: None,
+                target_cache: &mut cache,
+                num_unverified,
+            };
+            auto.propose_with(input).unwrap().token_ids
+        };
+        assert!(auto.drafts_after_unverified_tokens());
+        let after_forced = propose(&mut auto, 2);
+        assert!(!after_forced.is_empty() && after_forced.iter().all(|&t| t == 5), "{after_forced:?}");
+        auto.observe(&Feedback::accepted(0, &[], &[])).unwrap();
+        // The lookup rejected, the (nearly free) model wins a step after verified tokens only.
+        assert!(model_calls.lock().unwrap().is_empty());
+        for _ in 0..4 {
+            propose(&mut auto, 2);
+            auto.observe(&Feedback::accepted(0, &[], &[])).unwrap();
+        }
+        assert!(model_calls.lock().unwrap().is_empty(), "the model never drafts after unverified tokens");
+        assert_eq!(propose(&mut auto, 0), vec![9; 1], "the prior's best length for the model");
     }
 
     #[test]

@@ -232,8 +232,11 @@ pub struct ProposeInput<'a> {
     pub max_tokens: usize,
     /// Some: a token tree may be returned, within these limits (`tree.rs`); None: a chain.
     pub tree: Option<TreeLimits>,
-    /// The target's cache, holding `context` but its last token.
+    /// The target's cache, holding `context` but its last token and the unverified ones.
     pub target_cache: &'a mut KvCache,
+    /// The last tokens of `context` nobody verified yet (a grammar's forced run): 0 but for
+    /// proposers that say `drafts_after_unverified_tokens`.
+    pub num_unverified: usize,
 }
 
 /// The target's verdict on one draft, with what hidden-state heads continue from.
@@ -264,7 +267,7 @@ impl Feedback<'_> {
 }
 
 /// The newest tokens of the context a model-free proposer indexed. The session may show such a
-/// proposer tokens nobody verified yet (a grammar's forced run, `drafts_from_context_alone`) and
+/// proposer tokens nobody verified yet (a grammar's forced run, `drafts_after_unverified_tokens`) and
 /// then take them back when the target rejects them; a context that disagrees with them tells
 /// the proposer to index from scratch rather than keep tokens the output does not hold.
 #[derive(Debug, Default)]
@@ -332,11 +335,12 @@ pub trait Proposer: Send {
         Ok(None)
     }
 
-    /// Whether `propose` depends on its `context` argument alone (n-gram, suffix decoding), so the
-    /// session may ask it to continue a context extended by tokens nobody verified yet (a
-    /// grammar's forced run). Proposers that keep state per verified position (draft models,
-    /// heads) say no.
-    fn drafts_from_context_alone(&self) -> bool {
+    /// Whether the session may ask it to continue a context extended by tokens nobody verified
+    /// yet (a grammar's forced run; `ProposeInput::num_unverified` says how many): the proposers
+    /// that draft from their `context` argument alone (n-gram, suffix decoding), and "auto", which
+    /// then drafts from its lookups only. Proposers that keep state per verified position (draft
+    /// models, heads) say no.
+    fn drafts_after_unverified_tokens(&self) -> bool {
         false
     }
 

@@ -247,7 +247,7 @@ impl Iterator for Occurrences<'_> {
 }
 
 impl Proposer for NgramProposer {
-    fn drafts_from_context_alone(&self) -> bool {
+    fn drafts_after_unverified_tokens(&self) -> bool {
         true
     }
 

@@ -905,7 +905,7 @@ fn shape_draft(
 }
 
 impl Proposer for SuffixProposer {
-    fn drafts_from_context_alone(&self) -> bool {
+    fn drafts_after_unverified_tokens(&self) -> bool {
         true
     }
 
