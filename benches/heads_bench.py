@@ -315,7 +315,8 @@ def run_model(model: str, prompts: list[dict], args: argparse.Namespace, tempera
         # The shipped head's path, as the engine fills it in (older wheels have no config_json).
         resolved = json.loads(engine.config_json(config)) if hasattr(engine, "config_json") else config
         configs_by_label[bench.config_label(config)] = {"requested": config, "resolved": resolved}
-    max_k = max(json.loads(engine.config_json(c))["num_speculative_tokens"] for c in configs) if configs else 0
+    max_k = max((entry["resolved"]["num_speculative_tokens"] for entry in configs_by_label.values() if entry),
+                default=0)
     verify_cost = engine.verify_cost_ratios(max_k + 1) if max_k else None
 
     llm, eval_sizes = None, []

@@ -777,32 +777,29 @@ fn auto_model_drafter(
             ))),
         }
     };
-    let heads = HeadMethod::ALL.map(HeadMethod::name).join(", ");
-    match map.get("draft_method") {
-        None | Some(Value::Null) => match map.get("model") {
-            None | Some(Value::Null) => {
-                refuse("max_model_len", "lookups (no \"model\")")?;
-                refuse("quantization", "lookups (no \"model\")")?;
-                Ok(None)
-            }
-            Some(_) => {
-                refuse("quantization", "draft model")?;
-                Ok(Some(Method::DraftModel(draft_params()?)))
-            }
-        },
-        Some(Value::String(name)) if name == "draft_model" => {
-            refuse("quantization", "draft model")?;
-            Ok(Some(Method::DraftModel(draft_params()?)))
+    let drafter = match (map.get("draft_method"), map.get("model")) {
+        (None | Some(Value::Null), None | Some(Value::Null)) => {
+            refuse("max_model_len", "lookups (no \"model\")")?;
+            refuse("quantization", "lookups (no \"model\")")?;
+            return Ok(None);
         }
-        Some(Value::String(name)) if HeadMethod::from_name(name).is_some() => {
-            refuse("max_model_len", &format!("{name} head"))?;
-            head_params(HeadMethod::from_name(name).expect("matched above")).map(Some)
-        }
-        Some(other) => Err(Error::config(format!(
-            "'draft_method' is auto's model drafter: \"draft_model\" or a head ({heads}); got {}",
-            shown(&other.to_string())
-        ))),
+        (None | Some(Value::Null), Some(_)) => "draft_model",
+        (Some(Value::String(name)), _) => name.as_str(),
+        (Some(other), _) => &other.to_string(),
+    };
+    if drafter == "draft_model" {
+        refuse("quantization", "draft model")?;
+        return Ok(Some(Method::DraftModel(draft_params()?)));
     }
+    let Some(head) = HeadMethod::from_name(drafter) else {
+        return Err(Error::config(format!(
+            "'draft_method' is auto's model drafter: \"draft_model\" or a head ({}); got {}",
+            HeadMethod::ALL.map(HeadMethod::name).join(", "),
+            shown(drafter)
+        )));
+    };
+    refuse("max_model_len", &format!("{drafter} head"))?;
+    head_params(head).map(Some)
 }
 
 fn optional_count(map: &Map<String, Value>, key: &str) -> Result<Option<usize>> {
