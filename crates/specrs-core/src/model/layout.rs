@@ -2,8 +2,8 @@
 //! tensor holds each weight of a block (GGUF names as llama.cpp writes them, Hugging Face names as
 //! transformers does) and the family flags that say which of them a model must have.
 //!
-//! `gguf_layout.rs` checks a GGUF file's shapes against these names, `cpu/decoder.rs` and
-//! `candle/decoder.rs` load their blocks by them, and `candle/decoder.rs` loads HF directories by them.
+//! `gguf_layout.rs` checks a GGUF file's shapes against these names, and `block.rs` loads every
+//! block by them, for both backends and both formats.
 //!
 //! Invariant: a weight's name exists here once per format; a backend never spells a tensor name
 //! itself, so the two backends cannot read different tensors for one model.
@@ -132,11 +132,11 @@ pub fn block_tensor(naming: Naming, family: &Family, layer: usize, role: Role) -
 }
 
 /// Where one input's projections are stored: one fused matrix whose output rows are cut into
-/// `widths` (Phi-3's q/k/v and gate/up), or one tensor per projection.
+/// `widths` (Phi-3's q/k/v and gate/up), or one tensor per projection, `widths[i]` rows each.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Projection {
     Fused { tensor: String, widths: Vec<usize> },
-    Separate(Vec<String>),
+    Separate { tensors: Vec<String>, widths: Vec<usize> },
 }
 
 /// q/k/v and gate/up of block `layer`, fused or separate as the file stores them (`has_weight`
@@ -149,19 +149,25 @@ pub fn projections(
 ) -> (Projection, Projection) {
     let family = Family::of(config);
     let t = |role| block_tensor(naming, &family, layer, role);
+    let has = |role| has_weight(&block_weight(naming, &family, layer, role));
     let (q_width, kv_width) = (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim);
-    let qkv = if has_weight(&block_weight(naming, &family, layer, Role::Qkv)) {
-        Projection::Fused { tensor: t(Role::Qkv), widths: vec![q_width, kv_width, kv_width] }
+    let qkv_widths = vec![q_width, kv_width, kv_width];
+    let qkv = if has(Role::Qkv) {
+        Projection::Fused { tensor: t(Role::Qkv), widths: qkv_widths }
     } else {
-        Projection::Separate(vec![t(Role::Q), t(Role::K), t(Role::V)])
+        Projection::Separate { tensors: vec![t(Role::Q), t(Role::K), t(Role::V)], widths: qkv_widths }
     };
-    // A separate gate marks separate projections: GGUF names a fused gate/up `ffn_up`, like a
-    // separate up.
-    let ffn = config.intermediate_size;
-    let gate_up = if has_weight(&block_weight(naming, &family, layer, Role::Gate)) {
-        Projection::Separate(vec![t(Role::Gate), t(Role::Up)])
+    // HF names a fused gate/up `mlp.gate_up_proj`, a name of its own; GGUF names it `ffn_up`, like
+    // a separate up, so there a separate gate marks separate projections.
+    let fused_gate_up = match naming {
+        Naming::Hf => has(Role::GateUp),
+        Naming::Gguf => !has(Role::Gate),
+    };
+    let ffn_widths = vec![config.intermediate_size; 2];
+    let gate_up = if fused_gate_up {
+        Projection::Fused { tensor: t(Role::GateUp), widths: ffn_widths }
     } else {
-        Projection::Fused { tensor: t(Role::GateUp), widths: vec![ffn, ffn] }
+        Projection::Separate { tensors: vec![t(Role::Gate), t(Role::Up)], widths: ffn_widths }
     };
     (qkv, gate_up)
 }

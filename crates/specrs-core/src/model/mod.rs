@@ -4,9 +4,10 @@
 //! and flags `families.rs` reads from GGUF keys and HF configs, `layout.rs` for the tensor names
 //! and the family's required weights): `cpu/`, GGUF files on the CPU with bitwise row
 //! independence, and `candle/`, in candle ops on any device: HF safetensors directories, seeded
-//! random models, and everything on CUDA. `loader.rs` picks. Neither backend imports the other's
-//! files: the CPU kernels both use (quantized matmuls, attention, ggml's math) are in `kernels/`,
-//! the rotary embedding in `rope.rs`.
+//! random models, and everything on CUDA. `loader.rs` picks. The block's weights and their one
+//! loader are shared (`block.rs`: each backend reads tensors into its own types); its forward is
+//! each backend's. Neither backend imports the other's files: the CPU kernels both use (quantized
+//! matmuls, attention, ggml's math) are in `kernels/`, the rotary embedding in `rope.rs`.
 //!
 //! The contract is `CausalLm::forward_batch` (`forward.rs`): many sequences, chains or token
 //! trees, explicit positions, logits for the rows asked for and hidden states at taps; the
@@ -17,6 +18,7 @@
 //! new ones; the caller rolls back with `KvCache::truncate` (a chain) or `KvCache::keep` (the
 //! accepted path of a tree).
 
+pub(crate) mod block;
 pub mod candle;
 pub mod config;
 pub mod cpu;
@@ -39,6 +41,7 @@ use candle_core::{Device, Tensor};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
+use block::Need;
 pub use config::DecoderConfig;
 use forward::check_token_ids;
 pub use forward::{ForwardBatch, ForwardOutput, LogitRows, SeqRows, Tap};
@@ -186,9 +189,9 @@ impl<'a> GgufWeights<'a> {
         Ok(Arc::new(t))
     }
 
-    /// `read(self, name)` when the file has a tensor `name` (biases, the norms some families add).
-    pub fn optional<T>(&mut self, name: &str, read: fn(&mut Self, &str) -> Result<T>) -> Result<Option<T>> {
-        if self.gguf.has_tensor(name) {
+    /// `read(self, name)` when `need` reads tensor `name` (biases, the norms some families add).
+    pub fn read_if<T>(&mut self, need: Need, name: &str, read: fn(&mut Self, &str) -> Result<T>) -> Result<Option<T>> {
+        if need.reads(self.gguf.has_tensor(name)) {
             read(self, name).map(Some)
         } else {
             Ok(None)

@@ -3,7 +3,9 @@
 //! directories, seeded random models, GGUF with attention soft-capping). Llama, Mistral, Qwen2/2.5,
 //! Qwen3, Gemma 3 and Phi-3 are one block with flags (`DecoderConfig`); which GGUF keys set them
 //! is in `families.rs`. Weights are GGUF tensors (specrs' kernels on the CPU, candle's quantized
-//! matmul on CUDA) or dense bf16/f16/f32 tensors (safetensors, seeded random weights).
+//! matmul on CUDA) or dense bf16/f16/f32 tensors (safetensors, seeded random weights), each block
+//! loaded by `model/block.rs`'s one loader through this file's readers (`GgufReader`, `HfReader`,
+//! `RandomReader`). Attention is `attention.rs`'s.
 //!
 //! A block: RMSNorm -> q/k/v projections (+ bias: Qwen2) -> per-head q/k RMSNorm (Qwen3, Gemma 3)
 //! -> rotary embedding (interleaved for GGUF llama, whose q/k are permuted for it; half-split
@@ -27,19 +29,19 @@ use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::ops::{rms_norm, softmax_last_dim};
+use candle_nn::ops::rms_norm;
 use candle_nn::rotary_emb::{rope, rope_i};
 
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
+use crate::model::block::{self, load_block, BlockReader, Need, Projections};
+use crate::model::candle::attention::{attention, softcap, tree_attention, Scores};
 use crate::model::config::DecoderConfig;
 use crate::model::forward::check_token_ids;
 use crate::model::hf_dir::HfWeights;
 use crate::model::kernels::qlinear::QLinear;
-use crate::model::layout::{
-    block_tensor, block_weight, global_tensor, global_weight, projections, Family, Global, Naming, Projection, Role,
-};
+use crate::model::layout::{global_tensor, global_weight, Family, Global, Naming};
 use crate::model::llama_config::LlamaConfig;
 use crate::model::random;
 use crate::model::rope::{Pairing, Rope};
@@ -103,43 +105,37 @@ fn quantized_weight(t: Arc<QTensor>) -> Result<Weight> {
     Ok(Weight::Quantized(QMatMul::from_arc(t)?))
 }
 
-/// Projections of one input (q/k/v, or gate/up) computed by one matmul whose output is split:
-/// stored fused (Phi-3), or dense weights stacked at load. On a GPU a decode step is dozens of
-/// small launches per layer, and each one saved is time saved.
-enum Projections {
-    Separate(Vec<Linear>),
-    Fused { linear: Linear, widths: Vec<usize> },
+/// Stacks one input's separate dense projections (q/k/v, or gate/up) and their biases into one
+/// matrix, so they run as one matmul whose output is split: on a GPU a decode step is dozens of
+/// small launches per layer, and each one saved is time saved. Quantized ones stay separate.
+fn stack_dense(linears: Vec<Linear>) -> Result<Projections<Linear>> {
+    let dense: Option<Vec<&Tensor>> = linears
+        .iter()
+        .map(|l| match &l.weight {
+            Weight::Dense(w) => Some(w),
+            Weight::Quantized(_) | Weight::Native(_) => None,
+        })
+        .collect();
+    let Some(weights) = dense else { return Ok(Projections::Separate(linears)) };
+    let widths = weights.iter().map(|w| w.dim(0)).collect::<candle_core::Result<Vec<_>>>()?;
+    let weight = Weight::Dense(Tensor::cat(&weights, 0)?);
+    let bias = if linears.iter().any(|l| l.bias.is_some()) {
+        let parts = linears
+            .iter()
+            .zip(&widths)
+            .map(|(l, &width)| match &l.bias {
+                Some(b) => Ok(b.clone()),
+                None => Ok(Tensor::zeros(width, weights[0].dtype(), weights[0].device())?),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Some(Tensor::cat(&parts, 0)?)
+    } else {
+        None
+    };
+    Ok(Projections::Fused { linear: Linear { weight, bias }, widths })
 }
 
-impl Projections {
-    /// Stacks dense weights (and their biases); quantized ones stay separate.
-    fn new(linears: Vec<Linear>) -> Result<Self> {
-        let dense: Option<Vec<&Tensor>> = linears
-            .iter()
-            .map(|l| match &l.weight {
-                Weight::Dense(w) => Some(w),
-                Weight::Quantized(_) | Weight::Native(_) => None,
-            })
-            .collect();
-        let Some(weights) = dense else { return Ok(Projections::Separate(linears)) };
-        let widths = weights.iter().map(|w| w.dim(0)).collect::<candle_core::Result<Vec<_>>>()?;
-        let weight = Weight::Dense(Tensor::cat(&weights, 0)?);
-        let bias = if linears.iter().any(|l| l.bias.is_some()) {
-            let parts = linears
-                .iter()
-                .zip(&widths)
-                .map(|(l, &width)| match &l.bias {
-                    Some(b) => Ok(b.clone()),
-                    None => Ok(Tensor::zeros(width, weights[0].dtype(), weights[0].device())?),
-                })
-                .collect::<Result<Vec<_>>>()?;
-            Some(Tensor::cat(&parts, 0)?)
-        } else {
-            None
-        };
-        Ok(Projections::Fused { linear: Linear { weight, bias }, widths })
-    }
-
+impl Projections<Linear> {
     /// `[n, in_features]` -> one `[n, width]` tensor per projection.
     fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
         match self {
@@ -159,21 +155,9 @@ impl Projections {
     }
 }
 
-struct Block {
-    attn_norm: Tensor,
-    /// q, k, v.
-    qkv: Projections,
-    /// `[head_dim]` f32, per-head RMSNorm of q and k before the rotation.
-    q_norm: Option<Tensor>,
-    k_norm: Option<Tensor>,
-    wo: Linear,
-    post_attn_norm: Option<Tensor>,
-    ffn_norm: Tensor,
-    /// gate, up.
-    gate_up: Projections,
-    w_down: Linear,
-    post_ffn_norm: Option<Tensor>,
-}
+/// The block (`model/block.rs`) with candle linears, its norms in the model's dtype and its q/k
+/// norms in f32 (q and k are normed in f32, `Decoder::heads`).
+type Block = block::Block<Linear, Tensor>;
 
 /// `[context_length, rope_dims / 2]` f32 rotary tables.
 struct RopeTables {
@@ -199,20 +183,11 @@ pub struct Decoder {
 }
 
 impl GgufWeights<'_> {
-    /// `{name}.weight`, with `{name}.bias` when the file has one.
-    fn linear(&mut self, name: &str) -> Result<Linear> {
+    /// `{name}.weight`, with `{name}.bias` when `bias` reads it.
+    fn linear(&mut self, name: &str, bias: Need) -> Result<Linear> {
         let weight = quantized_weight(self.qtensor(&format!("{name}.weight"))?)?;
-        let bias = self.optional(&format!("{name}.bias"), Self::vector)?;
+        let bias = self.read_if(bias, &format!("{name}.bias"), Self::vector)?;
         Ok(Linear { weight, bias })
-    }
-
-    fn projections(&mut self, stored: Projection) -> Result<Projections> {
-        match stored {
-            Projection::Fused { tensor, widths } => Ok(Projections::Fused { linear: self.linear(&tensor)?, widths }),
-            Projection::Separate(tensors) => {
-                Projections::new(tensors.iter().map(|t| self.linear(t)).collect::<Result<_>>()?)
-            }
-        }
     }
 
     /// A small tensor used in f32 (norms, biases).
@@ -221,11 +196,148 @@ impl GgufWeights<'_> {
     }
 }
 
+/// Reads a GGUF file's blocks into this backend's types. The shapes were checked against the
+/// same config before (`GgufWeights::new`), so the reader does not take them again.
+struct GgufReader<'r, 'a>(&'r mut GgufWeights<'a>);
+
+impl BlockReader for GgufReader<'_, '_> {
+    type Linear = Linear;
+    type Vector = Tensor;
+
+    fn has(&self, name: &str) -> bool {
+        self.0.gguf.has_tensor(name)
+    }
+
+    fn linear(&mut self, tensor: &str, _rows: usize, _cols: usize, bias: Need) -> Result<Linear> {
+        self.0.linear(tensor, bias)
+    }
+
+    fn norm(&mut self, name: &str, _len: usize) -> Result<Tensor> {
+        self.0.vector(name)
+    }
+
+    fn separate(&mut self, linears: Vec<Linear>) -> Result<Projections<Linear>> {
+        stack_dense(linears)
+    }
+}
+
+/// Reads a Hugging Face directory's tensors (dense, in the model's dtype), each checked against
+/// the shape the config implies (`HfWeights::tensor`).
+struct HfReader<'r> {
+    weights: &'r mut HfWeights,
+    /// Gemma's RMSNorm multiplies by (1 + weight); the stored weight is the offset.
+    norm_offset: bool,
+}
+
+impl BlockReader for HfReader<'_> {
+    type Linear = Linear;
+    type Vector = Tensor;
+
+    fn has(&self, name: &str) -> bool {
+        self.weights.has(name)
+    }
+
+    fn linear(&mut self, tensor: &str, rows: usize, cols: usize, bias: Need) -> Result<Linear> {
+        let bias_name = format!("{tensor}.bias");
+        let bias = match bias {
+            Need::Required => Some(self.weights.tensor(&bias_name, &[rows])?),
+            Need::IfStored => self.weights.optional(&bias_name, &[rows])?,
+            Need::Never => None,
+        };
+        let weight = Weight::Dense(self.weights.tensor(&format!("{tensor}.weight"), &[rows, cols])?);
+        Ok(Linear { weight, bias })
+    }
+
+    fn norm(&mut self, name: &str, len: usize) -> Result<Tensor> {
+        let t = self.weights.tensor(name, &[len])?;
+        Ok(if self.norm_offset { (t + 1.0)? } else { t })
+    }
+
+    fn head_norm(&mut self, name: &str, len: usize) -> Result<Tensor> {
+        Ok(self.norm(name, len)?.to_dtype(DType::F32)?)
+    }
+
+    fn separate(&mut self, linears: Vec<Linear>) -> Result<Projections<Linear>> {
+        stack_dense(linears)
+    }
+}
+
+/// Draws `Decoder::random`'s weights as the block loader asks for them: a Llama with no
+/// optional weight, each matrix from its own stream of the seed, in the order drawn.
+struct RandomReader<'d> {
+    seed: u64,
+    /// The last stream drawn.
+    stream: u64,
+    format: WeightFormat,
+    /// Of dense weights and norms.
+    dtype: DType,
+    device: &'d Device,
+    num_bytes: usize,
+}
+
+impl RandomReader<'_> {
+    /// `[rows, cols]` in `dtype` on `on`, with standard deviation 1/sqrt(cols): activations stay
+    /// O(1) at any depth.
+    fn draw(&mut self, rows: usize, cols: usize, on: &Device) -> Result<Tensor> {
+        self.stream += 1;
+        random::uniform((rows, cols), 1.0 / (cols as f32).sqrt(), self.seed, self.stream, self.dtype, on)
+    }
+
+    /// A `[rows, cols]` linear layer without bias, in `format`.
+    fn matrix(&mut self, rows: usize, cols: usize) -> Result<Linear> {
+        let weight = match self.format {
+            WeightFormat::Dense(_) => {
+                self.num_bytes += rows * cols * self.dtype.size_in_bytes();
+                Weight::Dense(self.draw(rows, cols, self.device)?)
+            }
+            WeightFormat::Quantized(q) => {
+                if !cols.is_multiple_of(q.block_size()) {
+                    return Err(Error::config(format!(
+                        "{q:?} packs rows in blocks of {} values, and this config has a {cols}-wide matrix; \
+                         pick sizes divisible by {0} or another dtype",
+                        q.block_size()
+                    )));
+                }
+                let w = QTensor::quantize_onto(&self.draw(rows, cols, &Device::Cpu)?, q, self.device)?;
+                self.num_bytes += w.storage_size_in_bytes();
+                quantized_weight(Arc::new(w))?
+            }
+        };
+        Ok(Linear::new(weight))
+    }
+}
+
+impl BlockReader for RandomReader<'_> {
+    type Linear = Linear;
+    type Vector = Tensor;
+
+    /// A random model stores nothing beyond what the loader requires: separate projections, no
+    /// bias, no optional norm.
+    fn has(&self, _name: &str) -> bool {
+        false
+    }
+
+    fn linear(&mut self, tensor: &str, rows: usize, cols: usize, bias: Need) -> Result<Linear> {
+        if bias == Need::Required {
+            return Err(Error::Internal(format!("random weights have no bias, and '{tensor}' needs one")));
+        }
+        self.matrix(rows, cols)
+    }
+
+    /// Norms of ones.
+    fn norm(&mut self, _name: &str, len: usize) -> Result<Tensor> {
+        Ok(Tensor::ones(len, self.dtype, self.device)?)
+    }
+
+    fn separate(&mut self, linears: Vec<Linear>) -> Result<Projections<Linear>> {
+        stack_dense(linears)
+    }
+}
+
 impl Decoder {
     /// A GGUF file of a family `families.rs` knows, on `device`.
     pub fn from_gguf(gguf: &mut GgufFile, config: DecoderConfig, device: &Device) -> Result<Self> {
         let mut w = GgufWeights::new(gguf, &config, device)?;
-        let family = Family::of(&config);
         let global = |g| global_weight(Naming::Gguf, g);
         let embed_q = w.qtensor(&global(Global::Embedding))?;
         // The lookup table is dequantized once (as candle's own quantized llama does): a gather
@@ -234,29 +346,12 @@ impl Decoder {
         let lm_head = if config.tie_word_embeddings {
             Linear::new(quantized_weight(embed_q)?)
         } else {
-            w.linear(global_tensor(Naming::Gguf, Global::Output))?
+            w.linear(global_tensor(Naming::Gguf, Global::Output), Need::IfStored)?
         };
         let final_norm = w.vector(&global(Global::FinalNorm))?;
+        let mut reader = GgufReader(&mut w);
         let blocks = (0..config.num_layers)
-            .map(|i| {
-                let t = |role| block_tensor(Naming::Gguf, &family, i, role);
-                let tw = |role| block_weight(Naming::Gguf, &family, i, role);
-                // Phi-3 stores q/k/v as one tensor, and gate/up as one `ffn_up` twice as wide.
-                let (qkv, gate_up) = projections(Naming::Gguf, &config, i, |name| w.gguf.has_tensor(name));
-                let (qkv, gate_up) = (w.projections(qkv)?, w.projections(gate_up)?);
-                Ok(Block {
-                    attn_norm: w.vector(&tw(Role::AttnNorm))?,
-                    qkv,
-                    q_norm: w.optional(&tw(Role::QNorm), GgufWeights::vector)?,
-                    k_norm: w.optional(&tw(Role::KNorm), GgufWeights::vector)?,
-                    wo: w.linear(&t(Role::AttnOutput))?,
-                    post_attn_norm: w.optional(&tw(Role::PostAttnNorm), GgufWeights::vector)?,
-                    ffn_norm: w.vector(&tw(Role::FfnNorm))?,
-                    gate_up,
-                    w_down: w.linear(&t(Role::Down))?,
-                    post_ffn_norm: w.optional(&tw(Role::PostFfnNorm), GgufWeights::vector)?,
-                })
-            })
+            .map(|i| load_block(&mut reader, Naming::Gguf, &config, i))
             .collect::<Result<Vec<_>>>()?;
         let weight_bytes = w.num_bytes;
         Self::assemble(config, DType::F32, embed, blocks, final_norm, lm_head, device, weight_bytes)
@@ -265,85 +360,17 @@ impl Decoder {
     /// A Hugging Face safetensors model (`hf_dir::open`), with transformers' tensor names.
     pub fn from_hf(w: &mut HfWeights, config: DecoderConfig) -> Result<Self> {
         let c = &config;
-        let family = Family::of(c);
-        let (hidden, ffn, vocab) = (c.hidden_size, c.intermediate_size, c.vocab_size);
-        let (q_width, kv_width) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
-        // Gemma's RMSNorm multiplies by (1 + weight); the stored weight is the offset.
-        let norm = |w: &mut HfWeights, name: &str, width: usize| -> Result<Tensor> {
-            let t = w.tensor(name, &[width])?;
-            Ok(if family.hf_norm_offset { (t + 1.0)? } else { t })
-        };
-        // As in gguf_layout.rs: Qwen3 and Gemma 3 need their q/k norms, Qwen2 its q/k/v biases.
-        let (qk_norm_required, qkv_bias_required) = (family.qk_norm, family.qkv_bias);
-        let f32_norm = |w: &mut HfWeights, name: &str| -> Result<Option<Tensor>> {
-            if !w.has(name) && !qk_norm_required {
-                return Ok(None);
-            }
-            Ok(Some(norm(w, name, c.head_dim)?.to_dtype(DType::F32)?))
-        };
-        let linear_with = |w: &mut HfWeights, name: &str, rows: usize, cols: usize, bias_required: bool| {
-            let bias_name = format!("{name}.bias");
-            let bias =
-                if bias_required { Some(w.tensor(&bias_name, &[rows])?) } else { w.optional(&bias_name, &[rows])? };
-            Ok::<_, Error>(Linear { weight: Weight::Dense(w.tensor(&format!("{name}.weight"), &[rows, cols])?), bias })
-        };
-        let linear = |w: &mut HfWeights, name: &str, rows: usize, cols: usize| linear_with(w, name, rows, cols, false);
-        let embed = w.tensor(&global_weight(Naming::Hf, Global::Embedding), &[vocab, hidden])?;
-        let lm_head = if w.has(&global_weight(Naming::Hf, Global::Output)) && !c.tie_word_embeddings {
-            linear(w, global_tensor(Naming::Hf, Global::Output), vocab, hidden)?
+        let (hidden, vocab) = (c.hidden_size, c.vocab_size);
+        let mut reader = HfReader { weights: w, norm_offset: Family::of(c).hf_norm_offset };
+        let embed = reader.weights.tensor(&global_weight(Naming::Hf, Global::Embedding), &[vocab, hidden])?;
+        let lm_head = if reader.has(&global_weight(Naming::Hf, Global::Output)) && !c.tie_word_embeddings {
+            reader.linear(global_tensor(Naming::Hf, Global::Output), vocab, hidden, Need::IfStored)?
         } else {
             Linear::new(Weight::Dense(embed.clone()))
         };
-        let final_norm = norm(w, &global_weight(Naming::Hf, Global::FinalNorm), hidden)?;
-        let blocks = (0..c.num_layers)
-            .map(|i| {
-                let t = |role| block_tensor(Naming::Hf, &family, i, role);
-                let tw = |role| block_weight(Naming::Hf, &family, i, role);
-                let qkv = if w.has(&tw(Role::Qkv)) {
-                    Projections::Fused {
-                        linear: linear(w, &t(Role::Qkv), q_width + 2 * kv_width, hidden)?,
-                        widths: vec![q_width, kv_width, kv_width],
-                    }
-                } else {
-                    let bias = qkv_bias_required;
-                    Projections::new(vec![
-                        linear_with(w, &t(Role::Q), q_width, hidden, bias)?,
-                        linear_with(w, &t(Role::K), kv_width, hidden, bias)?,
-                        linear_with(w, &t(Role::V), kv_width, hidden, bias)?,
-                    ])?
-                };
-                let gate_up = if w.has(&tw(Role::GateUp)) {
-                    Projections::Fused { linear: linear(w, &t(Role::GateUp), 2 * ffn, hidden)?, widths: vec![ffn, ffn] }
-                } else {
-                    Projections::new(vec![
-                        linear(w, &t(Role::Gate), ffn, hidden)?,
-                        linear(w, &t(Role::Up), ffn, hidden)?,
-                    ])?
-                };
-                let sandwich = |w: &mut HfWeights, role| -> Result<Option<Tensor>> {
-                    if family.sandwich_norms {
-                        Ok(Some(norm(w, &tw(role), hidden)?))
-                    } else {
-                        Ok(None)
-                    }
-                };
-                let (post_attn_norm, post_ffn_norm) =
-                    (sandwich(w, Role::PostAttnNorm)?, sandwich(w, Role::PostFfnNorm)?);
-                let ffn_norm = norm(w, &tw(Role::FfnNorm), hidden)?;
-                Ok(Block {
-                    attn_norm: norm(w, &tw(Role::AttnNorm), hidden)?,
-                    qkv,
-                    q_norm: f32_norm(w, &tw(Role::QNorm))?,
-                    k_norm: f32_norm(w, &tw(Role::KNorm))?,
-                    wo: linear(w, &t(Role::AttnOutput), hidden, q_width)?,
-                    post_attn_norm,
-                    ffn_norm,
-                    gate_up,
-                    w_down: linear(w, &t(Role::Down), hidden, ffn)?,
-                    post_ffn_norm,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let final_norm = reader.norm(&global_weight(Naming::Hf, Global::FinalNorm), hidden)?;
+        let blocks =
+            (0..c.num_layers).map(|i| load_block(&mut reader, Naming::Hf, c, i)).collect::<Result<Vec<_>>>()?;
         let (dtype, device, num_bytes) = (w.dtype, w.device.clone(), w.num_bytes);
         Self::assemble(config, dtype, embed, blocks, final_norm, lm_head, &device, num_bytes)
     }
@@ -361,60 +388,17 @@ impl Decoder {
             }
             WeightFormat::Quantized(_) => DType::F32,
         };
-        let mut stream = 0u64;
-        let mut num_bytes = 0usize;
-        let mut draw = |rows: usize, cols: usize, on: &Device| -> Result<Tensor> {
-            stream += 1;
-            random::uniform((rows, cols), 1.0 / (cols as f32).sqrt(), seed, stream, dtype, on)
-        };
-        let mut linear = |rows: usize, cols: usize| -> Result<Linear> {
-            let weight = match format {
-                WeightFormat::Dense(_) => {
-                    num_bytes += rows * cols * dtype.size_in_bytes();
-                    Weight::Dense(draw(rows, cols, device)?)
-                }
-                WeightFormat::Quantized(q) => {
-                    if !cols.is_multiple_of(q.block_size()) {
-                        return Err(Error::config(format!(
-                            "{q:?} packs rows in blocks of {} values, and this config has a {cols}-wide matrix; \
-                             pick sizes divisible by {0} or another dtype",
-                            q.block_size()
-                        )));
-                    }
-                    let w = QTensor::quantize_onto(&draw(rows, cols, &Device::Cpu)?, q, device)?;
-                    num_bytes += w.storage_size_in_bytes();
-                    quantized_weight(Arc::new(w))?
-                }
-            };
-            Ok(Linear::new(weight))
-        };
-        let (hidden, ffn, vocab) = (config.hidden_size, config.intermediate_size, config.vocab_size);
-        let kv_width = config.num_kv_heads() * config.head_dim();
-        let blocks = (0..config.num_hidden_layers)
-            .map(|_| {
-                Ok(Block {
-                    attn_norm: Tensor::ones(hidden, dtype, device)?,
-                    qkv: Projections::new(vec![
-                        linear(hidden, hidden)?,
-                        linear(kv_width, hidden)?,
-                        linear(kv_width, hidden)?,
-                    ])?,
-                    q_norm: None,
-                    k_norm: None,
-                    wo: linear(hidden, hidden)?,
-                    post_attn_norm: None,
-                    ffn_norm: Tensor::ones(hidden, dtype, device)?,
-                    gate_up: Projections::new(vec![linear(ffn, hidden)?, linear(ffn, hidden)?])?,
-                    w_down: linear(hidden, ffn)?,
-                    post_ffn_norm: None,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let lm_head = linear(vocab, hidden)?;
-        let embed = (draw(vocab, hidden, device)? * (hidden as f64).sqrt())?;
-        num_bytes += vocab * hidden * dtype.size_in_bytes();
-        let final_norm = Tensor::ones(hidden, dtype, device)?;
         let config = DecoderConfig::from_llama(config);
+        let mut reader = RandomReader { seed, stream: 0, format, dtype, device, num_bytes: 0 };
+        // The blocks draw first, then the LM head, then the embedding: the seeded models' order.
+        let blocks = (0..config.num_layers)
+            .map(|i| load_block(&mut reader, Naming::Hf, &config, i))
+            .collect::<Result<Vec<_>>>()?;
+        let (hidden, vocab) = (config.hidden_size, config.vocab_size);
+        let lm_head = reader.matrix(vocab, hidden)?;
+        let embed = (reader.draw(vocab, hidden, device)? * (hidden as f64).sqrt())?;
+        let num_bytes = reader.num_bytes + vocab * hidden * dtype.size_in_bytes();
+        let final_norm = Tensor::ones(hidden, dtype, device)?;
         Self::assemble(config, dtype, embed, blocks, final_norm, lm_head, device, num_bytes)
     }
 
@@ -514,9 +498,14 @@ impl Decoder {
         let num_blocks = batch.exit_layer.unwrap_or(self.blocks.len());
         let positions: Vec<u32> = batch.positions.iter().map(|&p| p as u32).collect();
         let positions = Tensor::new(positions.as_slice(), &self.device)?;
-        // Tree sequences: each row's ancestors (root first, itself last) within the sequence.
-        let paths: Vec<Option<Vec<Vec<usize>>>> = (0..batch.num_seqs())
-            .map(|s| (!batch.is_chain(s)).then(|| batch.seq_range(s).map(|row| batch.path(s, row)).collect()))
+        // Tree sequences: the cache cells each row sees, its sequence's past, then its path within
+        // the new rows (root first, itself last).
+        let tree_sees: Vec<Option<Vec<Vec<usize>>>> = (0..batch.num_seqs())
+            .map(|s| {
+                let past = pasts[s];
+                let sees = |row| (0..past).chain(batch.path(s, row).iter().map(|a| past + a)).collect();
+                (!batch.is_chain(s)).then(|| batch.seq_range(s).map(sees).collect())
+            })
             .collect();
 
         let ids = Tensor::new(batch.tokens.as_slice(), &self.device)?;
@@ -551,9 +540,9 @@ impl Decoder {
                 let (k_all, v_all) = (k_all.to_dtype(DType::F32)?, v_all.to_dtype(DType::F32)?);
                 let q_seq = q.narrow(1, start, len)?;
                 let scores = Scores { scale: c.attention_scale, logit_softcap: c.attn_logit_softcap, window };
-                attns.push(match &paths[s] {
+                attns.push(match &tree_sees[s] {
                     None => attention(&q_seq, &k_all, &v_all, past, scores)?,
-                    Some(paths) => tree_attention(&q_seq, &k_all, &v_all, past, paths, scores)?,
+                    Some(sees) => tree_attention(&q_seq, &k_all, &v_all, sees, scores)?,
                 });
             }
             let attn = Tensor::cat(&attns, 0)?; // [n, heads * hd]
@@ -613,111 +602,6 @@ impl Decoder {
 
 fn shape_bug(what: &str) -> Error {
     Error::Internal(format!("{what}: wrong number of projections"))
-}
-
-/// cap * tanh(x / cap).
-fn softcap(x: &Tensor, cap: f32) -> Result<Tensor> {
-    Ok(((x / cap as f64)?.tanh()? * cap as f64)?)
-}
-
-/// How attention scores are formed: `scale * q·k`, soft-capped, within a window of keys.
-#[derive(Debug, Clone, Copy)]
-struct Scores {
-    scale: f32,
-    logit_softcap: Option<f32>,
-    /// Keys a query sees, itself included.
-    window: Option<usize>,
-}
-
-/// Tree attention: row i of `q` (`[num_heads, n, head_dim]`) sees the `past` cached keys and the
-/// new rows `paths[i]` (its ancestors, itself last) of `k`, `v` (`[num_kv_heads, past + n,
-/// head_dim]`). Each row gathers exactly the keys it sees, in position order, and runs as the
-/// last row of a chain over them, so a node computes what its root-to-node path run as a chain
-/// computes for it (with the same kernels on the CPU).
-fn tree_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    past: usize,
-    paths: &[Vec<usize>],
-    scores: Scores,
-) -> Result<Tensor> {
-    // The cache views are strided (a prefix of each layer's buffer); gathers need them whole.
-    let (k, v) = (k.contiguous()?, v.contiguous()?);
-    let rows = paths
-        .iter()
-        .enumerate()
-        .map(|(i, path)| {
-            let cells: Vec<u32> = (0..past).chain(path.iter().map(|a| past + a)).map(|c| c as u32).collect();
-            let cells = Tensor::new(cells.as_slice(), q.device())?;
-            let (k, v) = (k.index_select(&cells, 1)?, v.index_select(&cells, 1)?);
-            attention(&q.narrow(1, i, 1)?, &k, &v, past + path.len() - 1, scores)
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok(Tensor::cat(&rows, 0)?)
-}
-
-/// Plain causal attention (no window, no soft-cap) for the heads' own layers
-/// (`proposer/heads/layer.rs`); the shapes are `attention`'s.
-pub(crate) fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: f32) -> Result<Tensor> {
-    attention(q, k, v, past, Scores { scale, logit_softcap: None, window: None })
-}
-
-/// Causal grouped-query attention in f32. `q`: `[num_heads, n, head_dim]` for positions
-/// `past..past + n`; `k`, `v`: `[num_kv_heads, past + n, head_dim]`. Returns `[n, num_heads *
-/// head_dim]`. Query heads sharing a kv head are folded into its rows, so keys and values are
-/// read once per kv head and never repeated. With a `window`, the query at position p sees keys
-/// p - window + 1..=p; keys no query of this step sees are not read at all.
-fn attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scores_of: Scores) -> Result<Tensor> {
-    let Scores { scale, logit_softcap, window } = scores_of;
-    let (num_heads, n, head_dim) = q.dims3()?;
-    if n > 1 && q.device().is_cpu() {
-        // One query row at a time over exactly the keys it sees: the same matmul shapes as a
-        // single-token step, so on the CPU a verify pass rounds like the steps it replaces.
-        let rows = (0..n)
-            .map(|i| {
-                let visible = past + i + 1;
-                let row = q.narrow(1, i, 1)?;
-                attention(&row, &k.narrow(1, 0, visible)?, &v.narrow(1, 0, visible)?, past + i, scores_of)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        return Ok(Tensor::cat(&rows, 0)?);
-    }
-    let num_kv_heads = k.dim(0)?;
-    let first_key = window.map_or(0, |w| (past + 1).saturating_sub(w));
-    let (k, v) = (k.narrow(1, first_key, past + n - first_key)?, v.narrow(1, first_key, past + n - first_key)?);
-    let total = k.dim(1)?;
-    let groups = num_heads / num_kv_heads;
-    let q = q.reshape((num_kv_heads, groups * n, head_dim))?;
-    let mut scores = (q.matmul(&k.t()?)? * scale as f64)?; // [kv_heads, groups * n, total]
-    if let Some(cap) = logit_softcap {
-        scores = softcap(&scores, cap)?;
-    }
-    if n > 1 {
-        // Row i (position past + i) sees key j (position first_key + j) when it is not in the
-        // future and, with a window, not too far in the past.
-        let mask: Vec<f32> = (0..n)
-            .flat_map(|i| {
-                (0..total).map(move |j| {
-                    let (query, key) = (past + i, first_key + j);
-                    let visible = key <= query && window.is_none_or(|w| query - key < w);
-                    if visible {
-                        0.0
-                    } else {
-                        f32::NEG_INFINITY
-                    }
-                })
-            })
-            .collect();
-        let mask = Tensor::from_vec(mask, (n, total), q.device())?;
-        scores = scores.reshape((num_kv_heads, groups, n, total))?.broadcast_add(&mask)?.reshape((
-            num_kv_heads,
-            groups * n,
-            total,
-        ))?;
-    }
-    let out = softmax_last_dim(&scores)?.matmul(&v)?; // [kv_heads, groups * n, head_dim]
-    Ok(out.reshape((num_heads, n, head_dim))?.transpose(0, 1)?.reshape((n, num_heads * head_dim))?)
 }
 
 impl CausalLm for Decoder {
@@ -853,33 +737,5 @@ mod tests {
             let diff = max_abs_diff(&f32_logits, &logits(format));
             assert!(diff < 0.1 * scale, "{format:?}: max |difference| {diff} at logit scale {scale}");
         }
-    }
-
-    /// A window of w: the query at position p attends to exactly keys p - w + 1..=p, in a
-    /// multi-row step and in a single-row one.
-    #[test]
-    fn sliding_window_sees_exactly_the_last_keys() {
-        let device = Device::Cpu;
-        // One head of dim 1; value j at key j, so the output is the mean of the visible keys'
-        // indices when all scores are equal (q = 0).
-        let (past, n, w) = (5, 3, 3);
-        let q = Tensor::zeros((1, n, 1), DType::F32, &device).unwrap();
-        let k = Tensor::zeros((1, past + n, 1), DType::F32, &device).unwrap();
-        let v = Tensor::arange(0f32, (past + n) as f32, &device).unwrap().reshape((1, past + n, 1)).unwrap();
-        let out = attention(&q, &k, &v, past, Scores { scale: 1.0, logit_softcap: None, window: Some(w) })
-            .unwrap()
-            .flatten_all()
-            .unwrap();
-        // Positions 5, 6, 7 see {3,4,5}, {4,5,6}, {5,6,7}.
-        assert_eq!(out.to_vec1::<f32>().unwrap(), [4.0, 5.0, 6.0]);
-        let single = attention(
-            &q.narrow(1, 0, 1).unwrap(),
-            &k,
-            &v,
-            past + n - 1,
-            Scores { scale: 1.0, logit_softcap: None, window: Some(w) },
-        )
-        .unwrap();
-        assert_eq!(single.flatten_all().unwrap().to_vec1::<f32>().unwrap(), [6.0]);
     }
 }

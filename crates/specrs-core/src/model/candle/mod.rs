@@ -1,9 +1,11 @@
 //! The candle backend: the same decoder block written in candle tensor ops, so it runs on any
 //! candle device (CUDA, and on the CPU what the CPU backend does not run: HF safetensors
-//! directories, seeded random models, GGUF with attention soft-capping).
+//! directories, seeded random models, GGUF with attention soft-capping). `decoder.rs` is the
+//! decoder; `attention.rs` the attention it and the heads' layers (`proposer/heads/layer.rs`) run.
 //!
-//! Invariant: it reads the same weights by the same names (`model/layout.rs`) and keeps the
-//! forward contract (`model/forward.rs`) within a stated tolerance rather than bitwise: cuBLAS
-//! and candle's dense CPU gemm pick kernels by shape.
+//! Invariant: it reads the same weights by the same names and loader (`model/layout.rs`,
+//! `model/block.rs`) and keeps the forward contract (`model/forward.rs`) within a stated
+//! tolerance rather than bitwise: cuBLAS and candle's dense CPU gemm pick kernels by shape.
 
+pub(crate) mod attention;
 pub mod decoder;

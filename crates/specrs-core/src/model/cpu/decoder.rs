@@ -6,7 +6,8 @@
 //! for it; halves otherwise; on the first `rope_dims` only: partial rotary; a base of its own on
 //! Gemma's sliding-window layers) -> grouped-query attention over the f16 cache (windowed where
 //! the layer says so) -> output projection (-> RMSNorm: Gemma) -> residual -> RMSNorm -> SiLU or
-//! GELU (Gemma) gated MLP (gate and up fused: Phi-3) (-> RMSNorm: Gemma) -> residual.
+//! GELU (Gemma) gated MLP (gate and up fused: Phi-3) (-> RMSNorm: Gemma) -> residual. The block's
+//! weights are `model/block.rs`'s, loaded by its one loader through `GgufReader`.
 //!
 //! Invariant: a token's logits are bitwise the same however the sequence was split into forwards
 //! (prefill, single steps, a k+1-token verify pass): every step is row-independent (quantized
@@ -35,14 +36,13 @@ use candle_core::{Device, Tensor};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::{KvCache, Slots};
+use crate::model::block::{self, load_block, BlockReader, Need, Projections};
 use crate::model::config::DecoderConfig;
 use crate::model::forward::check_token_ids;
 use crate::model::kernels::attention::{Attention, HeadShape, RowView};
 use crate::model::kernels::ggml_math::{geglu, swiglu};
 use crate::model::kernels::qlinear::QLinear;
-use crate::model::layout::{
-    block_tensor, block_weight, global_weight, projections, Family, Global, Naming, Projection, Role,
-};
+use crate::model::layout::{global_weight, Family, Global, Naming};
 use crate::model::rope::{Pairing, Rope};
 use crate::model::{select_vocab, CausalLm, ForwardBatch, ForwardOutput, GgufWeights, ModelInfo, Tap};
 
@@ -74,14 +74,7 @@ impl Linear {
     }
 }
 
-/// Projections of one input: separate matrices, or one fused matrix whose output rows are cut
-/// into `widths` (Phi-3's attn_qkv and double-width ffn_up).
-enum Projections {
-    Separate(Vec<Linear>),
-    Fused { linear: Linear, widths: Vec<usize> },
-}
-
-impl Projections {
+impl Projections<Linear> {
     fn bytes(&self) -> usize {
         match self {
             Projections::Separate(linears) => linears.iter().map(Linear::bytes).sum(),
@@ -117,21 +110,8 @@ impl Projections {
     }
 }
 
-struct Block {
-    attn_norm: Vec<f32>,
-    /// q, k, v.
-    qkv: Projections,
-    /// `[head_dim]`: Qwen3, Gemma.
-    q_norm: Option<Vec<f32>>,
-    k_norm: Option<Vec<f32>>,
-    wo: Linear,
-    post_attn_norm: Option<Vec<f32>>,
-    ffn_norm: Vec<f32>,
-    /// gate, up.
-    gate_up: Projections,
-    w_down: Linear,
-    post_ffn_norm: Option<Vec<f32>>,
-}
+/// The block (`model/block.rs`) with quantized matrices and f32 norms.
+type Block = block::Block<Linear, Vec<f32>>;
 
 impl Block {
     /// Bytes of weights one row's pass through the block reads: every matrix, bias and norm.
@@ -167,25 +147,32 @@ pub struct CpuDecoder {
 }
 
 impl GgufWeights<'_> {
-    /// `{name}.weight`, with `{name}.bias` when the file has one.
-    fn cpu_linear(&mut self, name: &str) -> Result<Linear> {
-        let weight = QLinear::new(self.qtensor(&format!("{name}.weight"))?)?;
-        let bias = self.optional(&format!("{name}.bias"), Self::f32_vec)?;
-        Ok(Linear { weight, bias })
-    }
-
-    fn cpu_projections(&mut self, stored: Projection) -> Result<Projections> {
-        Ok(match stored {
-            Projection::Fused { tensor, widths } => Projections::Fused { linear: self.cpu_linear(&tensor)?, widths },
-            Projection::Separate(tensors) => {
-                Projections::Separate(tensors.iter().map(|t| self.cpu_linear(t)).collect::<Result<_>>()?)
-            }
-        })
-    }
-
     /// Norm weights and biases are small and used in f32.
     fn f32_vec(&mut self, name: &str) -> Result<Vec<f32>> {
         Ok(self.qtensor(name)?.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?)
+    }
+}
+
+/// Reads a GGUF file's blocks into this backend's types. The shapes were checked against the
+/// same config before (`GgufWeights::new`), so the reader does not take them again.
+struct GgufReader<'r, 'a>(&'r mut GgufWeights<'a>);
+
+impl BlockReader for GgufReader<'_, '_> {
+    type Linear = Linear;
+    type Vector = Vec<f32>;
+
+    fn has(&self, name: &str) -> bool {
+        self.0.gguf.has_tensor(name)
+    }
+
+    fn linear(&mut self, tensor: &str, _rows: usize, _cols: usize, bias: Need) -> Result<Linear> {
+        let weight = QLinear::new(self.0.qtensor(&format!("{tensor}.weight"))?)?;
+        let bias = self.0.read_if(bias, &format!("{tensor}.bias"), GgufWeights::f32_vec)?;
+        Ok(Linear { weight, bias })
+    }
+
+    fn norm(&mut self, name: &str, _len: usize) -> Result<Vec<f32>> {
+        self.0.f32_vec(name)
     }
 }
 
@@ -211,25 +198,9 @@ impl CpuDecoder {
             QLinear::new(w.qtensor(&global(Global::Output))?)?
         };
         let final_norm = w.f32_vec(&global(Global::FinalNorm))?;
+        let mut reader = GgufReader(&mut w);
         let blocks = (0..config.num_layers)
-            .map(|i| {
-                let t = |role| block_tensor(Naming::Gguf, &family, i, role);
-                let tw = |role| block_weight(Naming::Gguf, &family, i, role);
-                let (qkv, gate_up) = projections(Naming::Gguf, &config, i, |name| w.gguf.has_tensor(name));
-                let (qkv, gate_up) = (w.cpu_projections(qkv)?, w.cpu_projections(gate_up)?);
-                Ok(Block {
-                    attn_norm: w.f32_vec(&tw(Role::AttnNorm))?,
-                    qkv,
-                    q_norm: w.optional(&tw(Role::QNorm), GgufWeights::f32_vec)?,
-                    k_norm: w.optional(&tw(Role::KNorm), GgufWeights::f32_vec)?,
-                    wo: w.cpu_linear(&t(Role::AttnOutput))?,
-                    post_attn_norm: w.optional(&tw(Role::PostAttnNorm), GgufWeights::f32_vec)?,
-                    ffn_norm: w.f32_vec(&tw(Role::FfnNorm))?,
-                    gate_up,
-                    w_down: w.cpu_linear(&t(Role::Down))?,
-                    post_ffn_norm: w.optional(&tw(Role::PostFfnNorm), GgufWeights::f32_vec)?,
-                })
-            })
+            .map(|i| load_block(&mut reader, Naming::Gguf, &config, i))
             .collect::<Result<Vec<_>>>()?;
         let weight_bytes = w.num_bytes;
         let step_weight_bytes = lm_head.resident_bytes()

@@ -11,20 +11,22 @@
 //!
 //! Rows come as a chain after the cache, or as token-tree rows (`TreeRows`: EAGLE-2's batched draft
 //! steps), where each row attends to the context rows of the cache, its own ancestors' rows and
-//! itself only (an additive mask over the keys), so it computes what a chain run of its path
-//! computes for its last row, up to summation order.
+//! itself only. Both run on the candle decoder's attention (`model/candle/attention.rs`): a tree
+//! row gathers the keys it sees and runs as the last row of a chain over them, so it computes
+//! what a chain run of its path computes for its last row (bitwise on the CPU; on a GPU, where a
+//! chain's rows run as one matmul, up to its rounding).
 //!
 //! Invariant: `forward` appends exactly its rows to the cache, after the rows it held, so
 //! `KvCache::truncate` rolls drafts back.
 
 use candle_core::{DType, Device, Tensor};
-use candle_nn::ops::{rms_norm, softmax_last_dim};
+use candle_nn::ops::rms_norm;
 use candle_nn::rotary_emb::{rope, rope_i};
 
 use super::weights::{HeadWeights, Linear};
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvBytes, KvCache};
-use crate::model::candle::decoder::causal_attention;
+use crate::model::candle::attention::{causal_attention, tree_attention, Scores};
 use crate::model::rope::{Pairing, Rope};
 use std::sync::Arc;
 
@@ -129,9 +131,9 @@ impl Rows<'_> {
 }
 
 impl TreeRows<'_> {
-    /// `[n, past + n]` additive mask over the keys of a cache that held `past` rows before these
-    /// `n`: 0 where row i sees the key, -inf elsewhere.
-    fn mask(&self, n: usize, past: usize, device: &Device) -> Result<Tensor> {
+    /// Per new row, the cache rows it sees, in position order: the context rows, its ancestors'
+    /// rows and its own (`past + i` in a cache that held `past` rows before these `n`).
+    fn key_cells(&self, n: usize, past: usize) -> Result<Vec<Vec<usize>>> {
         if self.positions.len() != n || self.ancestors.len() != n || self.context > past {
             return Err(Error::Internal(format!(
                 "tree rows: {n} rows with {} positions and {} ancestor lists over {} context rows of {past}",
@@ -140,20 +142,21 @@ impl TreeRows<'_> {
                 self.context
             )));
         }
-        let total = past + n;
-        let mut mask = vec![f32::NEG_INFINITY; n * total];
-        for (i, (row, ancestors)) in mask.chunks_mut(total).zip(self.ancestors).enumerate() {
-            if ancestors.windows(2).any(|w| w[0] >= w[1]) || ancestors.iter().any(|&a| a < self.context || a >= past) {
-                return Err(Error::Internal(format!(
-                    "tree row {i}: ancestor rows {ancestors:?} must increase within {}..{past}",
-                    self.context
-                )));
-            }
-            row[..self.context].fill(0.0);
-            ancestors.iter().for_each(|&a| row[a] = 0.0);
-            row[past + i] = 0.0;
-        }
-        Ok(Tensor::from_vec(mask, (n, total), device)?)
+        self.ancestors
+            .iter()
+            .enumerate()
+            .map(|(i, ancestors)| {
+                if ancestors.windows(2).any(|w| w[0] >= w[1])
+                    || ancestors.iter().any(|&a| a < self.context || a >= past)
+                {
+                    return Err(Error::Internal(format!(
+                        "tree row {i}: ancestor rows {ancestors:?} must increase within {}..{past}",
+                        self.context
+                    )));
+                }
+                Ok((0..self.context).chain(ancestors.iter().copied()).chain([past + i]).collect())
+            })
+            .collect()
     }
 }
 
@@ -253,7 +256,7 @@ impl HeadLayer {
         let scale = 1.0 / (s.head_dim as f32).sqrt();
         let attn = match rows {
             Rows::Chain(_) => causal_attention(&q, &k_all, &v_all, past, scale)?, // [n, heads * hd]
-            Rows::Tree(tree) => masked_attention(&q, &k_all, &v_all, &tree.mask(n, past, &self.device)?, scale)?,
+            Rows::Tree(tree) => tree_attention(&q, &k_all, &v_all, &tree.key_cells(n, past)?, Scores::plain(scale))?,
         };
         cache.commit(n);
         let x = (residual + self.o.forward(&attn)?)?;
@@ -261,21 +264,4 @@ impl HeadLayer {
         let mlp = self.down.forward(&(self.gate.forward(&h)?.silu()? * self.up.forward(&h)?)?)?;
         Ok((x + mlp)?)
     }
-}
-
-/// Grouped-query attention in f32 under an additive `mask` `[n, total]`: `q` `[num_heads, n,
-/// head_dim]`, `k`, `v` `[num_kv_heads, total, head_dim]`; returns `[n, num_heads * head_dim]`.
-/// Query heads sharing a kv head are folded into its rows (query head h reads kv head h / groups),
-/// as `causal_attention` does. Masked keys get exp(-inf) = 0 weight, so a row's result is the one
-/// over the keys it sees alone, up to summation order.
-fn masked_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, scale: f32) -> Result<Tensor> {
-    let (num_heads, n, head_dim) = q.dims3()?;
-    let (num_kv_heads, total, _) = k.dims3()?;
-    let groups = num_heads / num_kv_heads;
-    let q = q.reshape((num_kv_heads, groups * n, head_dim))?;
-    let scores = (q.matmul(&k.t()?)? * scale as f64)?; // [kv_heads, groups * n, total]
-    let scores = scores.reshape((num_kv_heads, groups, n, total))?.broadcast_add(mask)?;
-    let scores = scores.reshape((num_kv_heads, groups * n, total))?;
-    let out = softmax_last_dim(&scores)?.matmul(v)?; // [kv_heads, groups * n, head_dim]
-    Ok(out.reshape((num_heads, n, head_dim))?.transpose(0, 1)?.reshape((n, num_heads * head_dim))?)
 }
