@@ -128,7 +128,14 @@ impl ConstraintCompiler {
                 why_the_matcher_stops(&message)
             ))
         })?;
-        Ok(Constraint { matcher, tok_env: self.factory.tok_env().clone(), kind, consumed: 0, eos_after_end: false })
+        Ok(Constraint {
+            matcher,
+            tok_env: self.factory.tok_env().clone(),
+            kind,
+            consumed: 0,
+            eos_after_end: false,
+            last_mask: None,
+        })
     }
 }
 
@@ -217,9 +224,14 @@ pub struct TokenMask {
     allowed: SimpleVob,
 }
 
+/// Whether `mask` allows `token` (an id past it is not allowed).
+fn mask_allows(mask: &SimpleVob, token: u32) -> bool {
+    (token as usize) < mask.len() && mask.is_allowed(token)
+}
+
 impl TokenMask {
     pub fn contains(&self, token: u32) -> bool {
-        (token as usize) < self.allowed.len() && self.allowed.is_allowed(token)
+        mask_allows(&self.allowed, token)
     }
 
     /// Number of allowed ids.
@@ -263,6 +275,9 @@ pub struct Constraint {
     /// An EOS consumed after the grammar had already ended. llguidance takes no token once its
     /// grammar can go no further, so this one is held here, where `rollback` can undo it.
     eos_after_end: bool,
+    /// The mask `allowed_tokens` last gave at the current position (None once the position
+    /// moved), so `consume` can tell a token the mask allowed from one the caller made up.
+    last_mask: Option<SimpleVob>,
 }
 
 // The engine moves sessions, and so their constraints, across threads; one compiler serves all.
@@ -286,6 +301,7 @@ impl Constraint {
             kind: self.kind,
             consumed: 0,
             eos_after_end: false,
+            last_mask: None,
         }
     }
 
@@ -303,6 +319,7 @@ impl Constraint {
         } else {
             armed(&mut self.matcher, |m| m.compute_mask()).map_err(|e| self.failed("computing the token mask", e))?
         };
+        self.last_mask = Some(allowed.clone());
         Ok(TokenMask { allowed })
     }
 
@@ -318,16 +335,26 @@ impl Constraint {
     /// changing it: the longest prefix `consume` would take. A prefix ends at its first EOS (an
     /// EOS is valid only where the grammar may end). 0 when the matcher has failed.
     pub fn valid_prefix_len(&mut self, draft: &[u32]) -> usize {
+        // A draft the matcher could not check has no valid token; the matcher's error, if it
+        // keeps one, fails the next consume.
+        self.checked_prefix_len(draft).unwrap_or(0)
+    }
+
+    /// `valid_prefix_len`, with the matcher's failure as the error `failed` names (a grammar
+    /// limit is the grammar's 400, not "token not allowed").
+    fn checked_prefix_len(&mut self, draft: &[u32]) -> Result<usize> {
         if self.eos_consumed() || self.matcher.is_error() {
-            return 0;
+            return Ok(0);
         }
         if self.matcher.is_stopped() {
             // The grammar ended without an EOS: exactly one EOS may follow.
-            return usize::from(draft.first().is_some_and(|&t| self.is_eos(t)));
+            return Ok(usize::from(draft.first().is_some_and(|&t| self.is_eos(t))));
         }
         // llguidance treats an id past its vocabulary as a fatal error; such an id is just invalid.
         let in_vocab = draft.iter().position(|&t| t as usize >= self.vocab_size()).unwrap_or(draft.len());
-        armed(&mut self.matcher, |m| m.validate_tokens(&draft[..in_vocab])).unwrap_or(0).min(in_vocab)
+        let valid = armed(&mut self.matcher, |m| m.validate_tokens(&draft[..in_vocab]))
+            .map_err(|e| self.failed("checking tokens before consuming them", e))?;
+        Ok(valid.min(in_vocab))
     }
 
     /// Advances the grammar over `tokens` (the tokens the output kept). Fails, changing nothing,
@@ -337,12 +364,22 @@ impl Constraint {
         if tokens.is_empty() {
             return Ok(());
         }
-        let valid = self.valid_prefix_len(tokens);
+        let valid = self.checked_prefix_len(tokens)?;
         if valid < tokens.len() {
             let why = if self.eos_consumed() || (valid > 0 && self.is_eos(tokens[valid - 1])) {
                 "the output already ended with an EOS token"
             } else if self.is_finished() {
                 "the grammar is complete and only an EOS token may follow"
+            } else if valid == 0 && self.last_mask.as_ref().is_some_and(|mask| mask_allows(mask, tokens[0])) {
+                // llguidance's mask over-approximates where its lexer gives up deciding a regex
+                // exactly (a large or deeply nested pattern): it allowed this token, its parser
+                // refuses it. The grammar is the cause, so it is the grammar's 400.
+                return Err(Error::config(format!(
+                    "the {} is past what llguidance's parser decides exactly: its token mask allowed token {} \
+                     here and its parser then refused it (typically a large or deeply nested regex pattern); \
+                     simplify the {} and resend",
+                    self.kind, tokens[0], self.kind
+                )));
             } else {
                 "the grammar does not allow it there"
             };
@@ -354,6 +391,7 @@ impl Constraint {
                 self.kind
             )));
         }
+        self.last_mask = None;
         if self.matcher.is_stopped() {
             // valid_prefix_len allowed exactly one EOS after the grammar's end.
             self.eos_after_end = true;
@@ -377,6 +415,7 @@ impl Constraint {
                 self.kind
             )));
         }
+        self.last_mask = None;
         let from_matcher = n - usize::from(self.eos_after_end && n > 0);
         if from_matcher > 0 {
             armed(&mut self.matcher, |m| m.rollback(from_matcher)).map_err(|e| self.failed("rolling back", e))?;
