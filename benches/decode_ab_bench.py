@@ -5,6 +5,7 @@ fresh process. Used to check that a change to the model layer costs no decode sp
     python benches/decode_ab_bench.py --a-wheel OLD.whl [--b-wheel NEW.whl] [--rounds 5] [--out ab.json]
         [--model qwen2.5-coder-1.5b ...]   # default: smollm2-135m and gemma3-270m
         [--batch 16 --speculative '{"method": "ngram", "num_speculative_tokens": 4}']
+        [--b-engine '{"kv_layout": "paged"}']   # Engine keyword arguments of one side
 
 With `--batch N`, N requests (the prompt, numbered) go through one batched `Engine.generate`
 (the scheduler), optionally speculative; the figure is then all their tokens over the call's
@@ -31,7 +32,7 @@ MODELS = ["smollm2-135m", "gemma3-270m"]
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 WORKER = """
 import json, sys, time, specrs
-engine = specrs.Engine(sys.argv[1])
+engine = specrs.Engine(sys.argv[1], **json.loads(sys.argv[6]))
 batch, spec = int(sys.argv[4]), json.loads(sys.argv[5])
 params = specrs.SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), ignore_eos=True)
 engine.generate(sys.argv[2], specrs.SamplingParams(temperature=0, max_tokens=8), speculative_config=spec)  # warm-up
@@ -55,12 +56,12 @@ def install(wheel: str, into: Path) -> Path:
     return into
 
 
-def run(site: Path | None, model: str, max_tokens: int, batch: int, speculative: str) -> dict:
+def run(site: Path | None, model: str, max_tokens: int, batch: int, speculative: str, engine: str) -> dict:
     env = dict(os.environ)
     if site is not None:
         env["PYTHONPATH"] = str(site) + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run(
-        [sys.executable, "-c", WORKER, model, PROMPT, str(max_tokens), str(batch), speculative],
+        [sys.executable, "-c", WORKER, model, PROMPT, str(max_tokens), str(batch), speculative, engine],
         env=env, check=True, capture_output=True, text=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -80,6 +81,9 @@ def main() -> None:
     parser.add_argument("--model", action="append", help=f"a model name or path (repeatable; default {MODELS})")
     parser.add_argument("--batch", type=int, default=1, help="requests in one batched generate (default 1)")
     parser.add_argument("--speculative", default="false", help="speculative config JSON (default false: off)")
+    parser.add_argument("--a-engine", default="{}", help="Engine keyword arguments of build A, JSON (default none)")
+    parser.add_argument("--b-engine", default="{}", help="Engine keyword arguments of build B, JSON (e.g. "
+                        "'{\"kv_layout\": \"paged\"}': the same wheel as A with another KV layout)")
     args = parser.parse_args()
     work = Path(args.work)
     site_a = install(args.a_wheel, work / "a")
@@ -88,8 +92,8 @@ def main() -> None:
     for model in args.model or MODELS:
         a, b, ratios = [], [], []
         for _ in range(args.rounds):
-            ra = run(site_a, model, args.max_tokens, args.batch, args.speculative)
-            rb = run(site_b, model, args.max_tokens, args.batch, args.speculative)
+            ra = run(site_a, model, args.max_tokens, args.batch, args.speculative, args.a_engine)
+            rb = run(site_b, model, args.max_tokens, args.batch, args.speculative, args.b_engine)
             if ra["tokens"] != rb["tokens"]:
                 if not args.numerics_change:
                     raise SystemExit(f"{model}: the two builds decoded different tokens")
@@ -108,7 +112,8 @@ def main() -> None:
               f"tok/s, B/A {results[model]['b_over_a']:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
     if args.out:
         report = {"rounds": args.rounds, "max_tokens": args.max_tokens, "batch": args.batch,
-                  "speculative": json.loads(args.speculative), "results": results}
+                  "speculative": json.loads(args.speculative), "a_engine": json.loads(args.a_engine),
+                  "b_engine": json.loads(args.b_engine), "results": results}
         Path(args.out).write_text(json.dumps(report, indent=2))
 
 

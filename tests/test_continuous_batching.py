@@ -207,3 +207,29 @@ def test_samples_are_refused_where_one_result_is_returned_and_checked_together(e
     with pytest.raises(ContextLengthError, match="max_kv_tokens"):
         scheduler.add_samples([5, 6], prompt, specrs.SamplingParams(n=2, max_tokens=1000), None, None)
     assert not scheduler.has_unfinished  # nothing was queued by the refused calls
+
+
+def test_a_paged_engine_generates_what_a_contiguous_one_does_within_its_pool(engine):
+    # 16 blocks of 16 positions: the five requests together need more (about 300 positions), so
+    # the scheduler budgets the pool in blocks, preempting instead of running it out.
+    paged = specrs.Engine(engine.model_path, kv_layout="paged", kv_block_size=16, max_kv_tokens=256)
+    assert paged.kv_pool == {"block_size": 16, "num_blocks": 16, "num_free": 16}
+    assert engine.kv_pool is None
+    params = [_params(i) for i in range(len(PROMPTS))]
+    got = paged.generate(PROMPTS, params, speculative_config=NGRAM, progress=False)
+    want = engine.generate(PROMPTS, params, speculative_config=NGRAM, progress=False)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert sum(len(r.prompt_token_ids) + len(r.token_ids) for r in got) > 256
+    assert paged.kv_pool["num_free"] == 16
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"kv_layout": "pages"}, "'contiguous' or 'paged'"),
+    ({"kv_layout": None}, "'contiguous' or 'paged'"),
+    ({"kv_layout": "paged", "kv_block_size": 0}, "kv_block_size must be a positive number"),
+    ({"kv_layout": "paged", "max_kv_tokens": -1}, "max_kv_tokens must be a positive number"),
+    ({"max_kv_tokens": 512}, "contiguous layout"),
+])
+def test_bad_kv_layout_settings_are_refused_by_name(engine, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        specrs.Engine(engine.model_path, **kwargs)

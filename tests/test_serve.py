@@ -398,3 +398,33 @@ def test_build_app_serves_a_custom_python_proposer(engine):
         assert out["usage"]["speculative"]["method"] == "custom" and proposer.calls > 0
         off = http.post("/v1/completions", json={**body, "speculative": False}).json()
         assert off["choices"][0]["text"] == out["choices"][0]["text"] and off["usage"]["speculative"] is None
+
+
+def test_a_paged_server_answers_parallel_streams_as_the_engine(engine, tmp_path):
+    """`--kv-layout paged`: one pool of --max-kv-tokens positions, budgeted by the scheduler in
+    blocks. 8 streams that together outgrow the pool are each answered as the engine answers alone
+    (some preempted and recomputed, none failed for want of a block)."""
+    flags = ["--kv-layout", "paged", "--kv-block-size", "16", "--max-kv-tokens", "320", "--max-num-seqs", "8",
+             "--speculative-config", json.dumps(NGRAM), "--log-level", "warning"]
+    with running_server(flags, tmp_path / "server.log") as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+        name = client.models.list().data[0].id
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+        results: dict[int, str] = {}
+        errors = []
+
+        def run(i):
+            try:
+                results[i] = _ask_streaming(client, name, prompts[i], 40, None, None)
+            except Exception as e:  # reported below; a thread's exception would be lost
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert _metric(base, "specrs:num_preemptions_total") > 0, "8 streams fit 320 positions: nothing preempted"
+    for i, prompt in enumerate(prompts):
+        assert results[i] == _local(engine, prompt, "chat", 40), f"stream {i}"

@@ -11,6 +11,7 @@ __version__: str
 GRAMMAR_LIMITS: dict[str, int]
 # SchedulerConfig::default() by field name, as Scheduler(...) takes them.
 SCHEDULER_DEFAULTS: dict[str, Any]
+DEFAULT_KV_BLOCK_SIZE: int
 __all__ = [
     "Engine",
     "SamplingParams",
@@ -25,6 +26,7 @@ __all__ = [
     "method_facts",
     "shipped_heads",
     "SCHEDULER_DEFAULTS",
+    "DEFAULT_KV_BLOCK_SIZE",
     "batch_accept",
     "batch_ngram",
     "batch_tree_accept",
@@ -168,7 +170,11 @@ class SpeculativeConfig:
 
 @final
 class Engine:
-    def __new__(cls, model_path: str, device: str = "cpu", max_model_len: int | None = None) -> Engine: ...
+    def __new__(cls, model_path: str, device: str = "cpu", max_model_len: int | None = None,
+                kv_layout: str = "contiguous", kv_block_size: int | None = None,
+                max_kv_tokens: int | None = None) -> Engine: ...
+    @property
+    def kv_pool(self) -> dict[str, int] | None: ...
     @staticmethod
     def random_llama(config_json: str, seed: int = 0, dtype: str = "bf16", device: str = "cpu") -> Engine: ...
     @property

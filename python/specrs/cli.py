@@ -22,7 +22,7 @@ import sys
 from collections import Counter
 
 from . import __version__, advise, bench, models, selftest, serve
-from .engine import Engine, SamplingParams, requantize
+from .engine import DEFAULT_KV_BLOCK_SIZE, Engine, SamplingParams, requantize
 from .errors import ConfigError, SpecrsError
 from .speedup import Speedup
 from .train import STAGES
@@ -136,7 +136,7 @@ def _serve(args: argparse.Namespace) -> int:
                 body_timeout_s=args.body_timeout if args.body_timeout is not None else serve.DEFAULT_BODY_TIMEOUT_S,
                 generation_config=args.generation_config, override_generation_config=args.override_generation_config,
                 allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-                **_connection_limits(args))
+                kv_layout=args.kv_layout, kv_block_size=args.kv_block_size, **_connection_limits(args))
     return 0
 
 
@@ -175,7 +175,8 @@ def _serve_ray(args: argparse.Namespace) -> int:
         share_suffix_cache=not args.no_share_suffix_cache, share_interval_s=args.suffix_share_interval,
         api_key=resolve_api_key(args.api_key), metrics_public=args.metrics_public,
         body_timeout_s=args.body_timeout if args.body_timeout is not None else serve.DEFAULT_BODY_TIMEOUT_S,
-        allow_special_tokens_in_content=args.allow_special_tokens_in_content)
+        allow_special_tokens_in_content=args.allow_special_tokens_in_content, kv_layout=args.kv_layout,
+        kv_block_size=args.kv_block_size)
     if settings.share_interval_s <= 0:
         raise ConfigError(f"--suffix-share-interval must be positive seconds (got {settings.share_interval_s})")
     if args.record_traffic is not None:
@@ -306,6 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-kv-tokens", type=int, default=None,
                      help="KV cache positions held by all running requests together; past it the newest "
                           "request is preempted and recomputed later (default: no bound but each context)")
+    srv.add_argument("--kv-layout", choices=("contiguous", "paged"), default="contiguous",
+                     help="contiguous: each request's KV cache grows as it needs; paged: one pool of "
+                          "--max-kv-tokens positions (default: one full context) allocated at startup, in blocks "
+                          "of --kv-block-size, budgeted by the scheduler in blocks (CPU decoder only)")
+    srv.add_argument("--kv-block-size", type=int, default=DEFAULT_KV_BLOCK_SIZE,
+                     help=f"positions per block of the paged KV layout (default: {DEFAULT_KV_BLOCK_SIZE})")
     srv.add_argument("--draft-budget", choices=serve.DRAFT_BUDGETS, default=serve.DEFAULT_DRAFT_BUDGET,
                      help="load: grant draft tokens where they pay at the current batch size, from the measured "
                           "batch cost curve and each request's acceptance (a request alone drafts as it would "

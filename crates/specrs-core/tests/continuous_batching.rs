@@ -9,6 +9,7 @@ mod common;
 use std::sync::Arc;
 
 use specrs_core::engine::FinishReason;
+use specrs_core::kv_cache::KvLayout;
 use specrs_core::{
     DraftBudget, Engine, Error, Generation, SamplingParams, Scheduler, SchedulerConfig, SpeculativeConfig, StepReport,
 };
@@ -124,7 +125,11 @@ fn assert_same(alone: &[Generation], batched: &Batched, skip: &[usize]) {
 /// nothing measured later (the load budget's batch curve, where a test does not pin one, is the
 /// nearest figure, which only shortens drafts that do not change tokens).
 fn load() -> Arc<Engine> {
-    let engine = Engine::load(common::smollm2_path(), "cpu").unwrap();
+    load_with(KvLayout::Contiguous)
+}
+
+fn load_with(layout: KvLayout) -> Arc<Engine> {
+    let engine = Engine::load(common::smollm2_path(), "cpu").unwrap().with_kv_layout(layout).unwrap();
     for config in METHODS.iter().flatten() {
         engine.prepare(&SpeculativeConfig::from_json(config).unwrap()).unwrap();
     }
@@ -169,17 +174,8 @@ fn sixteen_mixed_requests_batched_yield_what_they_yield_alone() {
 #[test]
 fn a_small_kv_budget_makes_requests_wait_and_be_preempted_without_changing_them() {
     let engine = load();
-    // 8 requests of 40 prompt tokens and up to 40 more: 4 fit at first, fewer as they grow.
-    let requests: Vec<Request> = mixed_requests(&engine, 8)
-        .into_iter()
-        .enumerate()
-        .map(|(i, mut r)| {
-            r.prompt_ids = engine.tokenizer().encode(&PROMPTS[i % PROMPTS.len()].repeat(12), true).unwrap();
-            r.prompt_ids.truncate(40);
-            r.params.max_tokens = 40;
-            r
-        })
-        .collect();
+    // 4 fit at first, fewer as they grow.
+    let requests = forty_and_forty(&engine);
     let expected = alone(&engine, &requests);
     let config = SchedulerConfig { max_kv_tokens: Some(200), prefill_chunk: Some(16), ..SchedulerConfig::default() };
     let mut scheduler = Scheduler::new(engine.clone(), config).unwrap();
@@ -194,6 +190,67 @@ fn a_small_kv_budget_makes_requests_wait_and_be_preempted_without_changing_them(
     let long = engine.tokenizer().encode(&PROMPTS[2].repeat(20), true).unwrap();
     let err = scheduler.add(99, long, SamplingParams::greedy(8), None).unwrap_err();
     assert!(matches!(err, Error::ContextLength(_)) && err.to_string().contains("max_kv_tokens"), "{err}");
+}
+
+/// 8 requests of 40 prompt tokens and up to 40 more.
+fn forty_and_forty(engine: &Engine) -> Vec<Request> {
+    mixed_requests(engine, 8)
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut r)| {
+            r.prompt_ids = engine.tokenizer().encode(&PROMPTS[i % PROMPTS.len()].repeat(12), true).unwrap();
+            r.prompt_ids.truncate(40);
+            r.params.max_tokens = 40;
+            r
+        })
+        .collect()
+}
+
+/// Under the paged layout the pool is the budget, counted in blocks: with no `max_kv_tokens` the
+/// scheduler admits and preempts so that no request ever runs the pool out of blocks (which
+/// would fail it), tokens stay those of a contiguous engine alone, samples of one prompt hold
+/// its full blocks once, and every block is back at the end.
+#[test]
+fn a_paged_pool_is_the_budget_in_blocks() {
+    let contiguous = load();
+    // 14 blocks of 16: a request takes 3 blocks to start and up to 5 as it grows.
+    let engine = load_with(KvLayout::Paged { block_size: 16, num_blocks: 14 });
+    let pool = engine.kv_pool().unwrap().clone();
+    let requests = forty_and_forty(&engine);
+    let expected = alone(&contiguous, &requests);
+    let config = SchedulerConfig { prefill_chunk: Some(16), ..SchedulerConfig::default() };
+    let mut scheduler = Scheduler::new(engine.clone(), config.clone()).unwrap();
+    let mut max_running = 0;
+    let mut min_free = pool.num_blocks();
+    let run = batched(&mut scheduler, &engine, &requests, |_, s| {
+        max_running = max_running.max(s.num_running());
+        min_free = min_free.min(pool.num_free());
+    });
+    assert_same(&expected, &run, &[]);
+    assert!(max_running < requests.len() && max_running >= 3, "{max_running} ran at once");
+    assert!(scheduler.totals().num_preemptions > 0, "nothing was preempted: {:?}", scheduler.totals());
+    assert!(min_free <= 4, "the pool was never close to full: {min_free} blocks free at least");
+    assert_eq!(pool.num_free(), pool.num_blocks(), "every block is back");
+
+    // A request that could never fit the pool is refused when added, naming the setting.
+    let long = engine.tokenizer().encode(&PROMPTS[2].repeat(20), true).unwrap();
+    let err = scheduler.add(99, long, SamplingParams::greedy(8), None).unwrap_err();
+    assert!(matches!(err, Error::ContextLength(_)) && err.to_string().contains("max_kv_tokens"), "{err}");
+    // max_kv_tokens bounds a paged pool further, in whole blocks; less than one block is refused.
+    let err = Scheduler::new(engine.clone(), SchedulerConfig { max_kv_tokens: Some(8), ..config.clone() }).err();
+    assert!(err.is_some_and(|e| e.to_string().contains("block")));
+
+    // Samples of one prompt: its full blocks are held once, so the four fit where four copies
+    // would not (4 x 4 blocks of prompt > 14), and the budget still preempts as they grow.
+    let prompt_ids = engine.tokenizer().encode(&PROMPTS[2].repeat(4), true).unwrap();
+    assert!(prompt_ids.len() > 48 && prompt_ids.len() <= 64, "{} prompt tokens", prompt_ids.len());
+    let params = SamplingParams { n: 4, ..sampled(40, 7) };
+    let want: Vec<Vec<u32>> =
+        (0..4).map(|i| contiguous.generate(prompt_ids.clone(), sampled(40, 7 + i), None).unwrap().token_ids).collect();
+    let (tokens, totals) = run_samples(&engine, config, &prompt_ids, &params, None, |_, _| {});
+    assert_eq!(tokens, want);
+    assert_eq!(totals.num_shared_prompt_tokens, 3 * (prompt_ids.len() - 1), "{totals:?}");
+    assert_eq!(pool.num_free(), pool.num_blocks());
 }
 
 #[test]

@@ -10,6 +10,7 @@ use specrs_core::chat_template::ChatMessage;
 use specrs_core::constraint::GrammarSpec;
 use specrs_core::costs::Spread;
 use specrs_core::engine::{Generation, StopReason, TokenLogprobs};
+use specrs_core::kv_cache::KvLayout;
 use specrs_core::metrics::{
     expected_speedup_refined, expected_speedup_textbook, verify_cost_at, RequestMetrics, SpecDecodeMetrics,
 };
@@ -733,10 +734,28 @@ pub struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model_path, device="cpu", max_model_len=None))]
-    fn new(py: Python<'_>, model_path: String, device: &str, max_model_len: Option<usize>) -> PyResult<Self> {
-        let device = device.to_string();
-        let engine = run_detached(py, move || Engine::load_capped(&model_path, &device, max_model_len))?;
+    /// `kv_layout`: "contiguous" or "paged" (blocks of `kv_block_size` positions from a pool of
+    /// `max_kv_tokens` positions, by default the model's context; None: `DEFAULT_KV_BLOCK_SIZE`):
+    /// `KvLayout::named`.
+    #[pyo3(signature = (model_path, device="cpu", max_model_len=None, kv_layout="contiguous", kv_block_size=None, max_kv_tokens=None))]
+    fn new(
+        py: Python<'_>,
+        model_path: String,
+        device: &str,
+        max_model_len: Option<usize>,
+        kv_layout: &str,
+        kv_block_size: Option<usize>,
+        max_kv_tokens: Option<usize>,
+    ) -> PyResult<Self> {
+        let (device, kv_layout) = (device.to_string(), kv_layout.to_string());
+        let kv_block_size = kv_block_size.unwrap_or(KvLayout::DEFAULT_BLOCK_SIZE);
+        let engine = run_detached(py, move || {
+            // Named before the weights load, so a bad layout fails fast.
+            KvLayout::named(&kv_layout, kv_block_size, max_kv_tokens, 1)?;
+            let engine = Engine::load_capped(&model_path, &device, max_model_len)?;
+            let context_length = engine.model().info().context_length;
+            engine.with_kv_layout(KvLayout::named(&kv_layout, kv_block_size, max_kv_tokens, context_length)?)
+        })?;
         Ok(Self { inner: Arc::new(engine) })
     }
 
@@ -755,6 +774,18 @@ impl PyEngine {
             Engine::random_llama(config, seed, &dtype, &device)
         })?;
         Ok(Self { inner: Arc::new(engine) })
+    }
+
+    /// The paged KV pool, or None under the contiguous layout: `{"block_size", "num_blocks",
+    /// "num_free"}` (blocks no sequence holds).
+    #[getter]
+    fn kv_pool<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(pool) = self.inner.kv_pool() else { return Ok(None) };
+        let dict = PyDict::new(py);
+        dict.set_item("block_size", pool.block_size())?;
+        dict.set_item("num_blocks", pool.num_blocks())?;
+        dict.set_item("num_free", pool.num_free())?;
+        Ok(Some(dict))
     }
 
     #[getter]

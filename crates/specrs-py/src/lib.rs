@@ -27,6 +27,7 @@ fn _specrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(facts::method_facts, m)?)?;
     m.add_function(wrap_pyfunction!(facts::shipped_heads, m)?)?;
     m.add("SCHEDULER_DEFAULTS", facts::scheduler_defaults(m.py())?)?;
+    m.add("DEFAULT_KV_BLOCK_SIZE", specrs_core::kv_cache::KvLayout::DEFAULT_BLOCK_SIZE)?;
     m.add_function(wrap_pyfunction!(batch::batch_accept, m)?)?;
     m.add_function(wrap_pyfunction!(batch::batch_ngram, m)?)?;
     m.add_function(wrap_pyfunction!(batch::batch_tree_accept, m)?)?;

@@ -45,6 +45,7 @@ pub mod cost_model;
 pub mod cost_worker;
 pub mod device;
 pub mod direct;
+mod kv_account;
 pub mod logits_processor;
 pub mod output_text;
 pub mod proposers;

@@ -4,11 +4,13 @@
 //!
 //! A step, in order:
 //! 1. **Preempt** (recompute, as vLLM does): while the running requests' KV positions plus one row
-//!    each (plus the whole draft of pinned requests) exceed `max_kv_tokens`, the newest running
+//!    each (plus the whole draft of pinned requests) exceed the KV budget, the newest running
 //!    request gives its target cache back and goes to the front of the queue, keeping its tokens,
 //!    sampler and proposer; when readmitted it feeds its context again, chunked like a prompt.
 //! 2. **Admit** waiting requests in arrival order (preempted ones first) while fewer than
-//!    `max_num_seqs` run and the context of all of them, plus one row each, fits `max_kv_tokens`.
+//!    `max_num_seqs` run and the context of all of them, plus one row each, fits the KV budget:
+//!    `max_kv_tokens` positions, or under a paged layout the pool's blocks (`kv_account.rs`, which
+//!    counts prefix blocks shared by samples once).
 //!    A request that does not fit blocks the ones behind it (first come, first served). Samples
 //!    of one prompt (`add_samples`) share its prefill: the first is prefilled; each other one
 //!    waits (holding the queue behind it) until the first's cache holds the prompt, starts with
@@ -39,6 +41,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
+use super::kv_account::KvAccount;
 use super::session::{Generation, PlanLimits, Session, StepPlan, TokenLogprobs};
 use super::step_together::{draft_chains, forward_and_commit};
 use super::{Engine, FinishReason, Speculation};
@@ -244,6 +247,8 @@ pub struct Scheduler {
     /// measurement lands, and the budget follows them at the next step (it only cuts drafts of
     /// requests whose tokens do not depend on them, so this changes speed, never output).
     cost_version: u64,
+    /// Target KV in the unit the engine's layout allocates (positions or blocks).
+    kv: KvAccount,
     waiting: VecDeque<Waiting>,
     /// In admission order: the newest is preempted first.
     running: Vec<Running>,
@@ -258,6 +263,7 @@ impl Scheduler {
     /// background, and each step reads it again once it changed). Never measures here.
     pub fn new(engine: Arc<Engine>, config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
+        let kv = KvAccount::of(&engine, config.max_kv_tokens)?;
         let cost_version = engine.cost_version();
         let (curve, cost_source) = match &config.cost_curve_s {
             Some(curve) => (curve.clone(), CostSource::Config),
@@ -274,6 +280,7 @@ impl Scheduler {
             cost,
             cost_source,
             cost_version,
+            kv,
             waiting: VecDeque::new(),
             running: Vec::new(),
             aborted: Vec::new(),
@@ -343,22 +350,10 @@ impl Scheduler {
     }
 
     /// What `add` checks of a new request: its settings, prompt and context (`check_request`),
-    /// and that prompt + max_tokens fits `max_kv_tokens` (or it could never finish).
+    /// and that prompt + max_tokens fits the KV budget (or it could never finish).
     fn check_new(&self, prompt_ids: &[u32], params: &SamplingParams) -> Result<()> {
         self.engine.check_request(prompt_ids, params)?;
-        if let Some(max_kv) = self.config.max_kv_tokens {
-            let needed = prompt_ids.len() + params.max_tokens;
-            if needed > max_kv {
-                return Err(Error::ContextLength(format!(
-                    "this request needs up to {needed} KV positions ({} in the prompt, {} max_tokens) but the \
-                     scheduler holds at most {max_kv} (max_kv_tokens); shorten the prompt, lower max_tokens or \
-                     raise max_kv_tokens",
-                    prompt_ids.len(),
-                    params.max_tokens
-                )));
-            }
-        }
-        Ok(())
+        self.kv.check_fits_alone(prompt_ids.len(), params.max_tokens)
     }
 
     fn contains(&self, id: u64) -> bool {
@@ -438,11 +433,10 @@ impl Scheduler {
         self.follow_engine_costs();
         let mut outputs = std::mem::take(&mut self.aborted);
         let mut report = StepReport::default();
-        let kv_budget = self.config.max_kv_tokens.unwrap_or(usize::MAX);
-        self.preempt_to_fit(kv_budget, &mut report);
-        self.admit(kv_budget, &mut report, &mut outputs);
+        self.preempt_to_fit(&mut report);
+        self.admit(&mut report, &mut outputs);
 
-        let limits = self.assign_rows(kv_budget, &mut report);
+        let limits = self.assign_rows(&mut report);
         let chains = match self.config.draft_chains_together {
             true => draft_chains(
                 self.running.iter_mut().zip(&limits).filter_map(|(r, limits)| Some((&mut r.session, (*limits)?))),
@@ -523,10 +517,11 @@ impl Scheduler {
     }
 
     /// Step 1: preempt the newest running requests until the rest fit the KV budget for a step.
-    fn preempt_to_fit(&mut self, kv_budget: usize, report: &mut StepReport) {
+    fn preempt_to_fit(&mut self, report: &mut StepReport) {
         loop {
-            let needed: usize = self.running.iter().map(|r| kv_need(&r.session)).sum();
-            if needed <= kv_budget || self.running.len() <= 1 {
+            let held = self.kv.held(self.running.iter().map(|r| r.session.kv_lens().0));
+            let growth: usize = self.running.iter().map(|r| self.kv_growth_next_step(&r.session)).sum();
+            if held + growth <= self.kv.budget() || self.running.len() <= 1 {
                 return;
             }
             let Running { id, mut session } = self.running.pop().expect("more than one request runs");
@@ -537,13 +532,19 @@ impl Scheduler {
     }
 
     /// Step 2: admit waiting requests, first come first served, while they fit.
-    fn admit(&mut self, kv_budget: usize, report: &mut StepReport, outputs: &mut Vec<RequestOutput>) {
+    fn admit(&mut self, report: &mut StepReport, outputs: &mut Vec<RequestOutput>) {
         while self.running.len() < self.config.max_num_seqs {
             let Some(front) = self.waiting.front() else { return };
-            let committed: usize = self.running.iter().map(|r| r.session.num_context_tokens() + 1).sum();
-            if committed + front.num_context_tokens() + 1 > kv_budget {
-                return;
-            }
+            // What the running requests hold once their whole context is fed, plus one row each.
+            let held = self.kv.held(self.running.iter().map(|r| r.session.kv_lens().0));
+            let to_hold: usize = self
+                .running
+                .iter()
+                .map(|r| {
+                    let len = r.session.kv_lens().0;
+                    self.kv.growth(len, (r.session.num_context_tokens() + 1).saturating_sub(len))
+                })
+                .sum();
             let shares_with = match front {
                 Waiting::New { first_sample: Some(first), prompt_ids, speculation, .. } => {
                     match self.prompt_share(*first, prompt_ids, speculation.as_ref()) {
@@ -554,6 +555,12 @@ impl Scheduler {
                 }
                 _ => None,
             };
+            // A sample sharing its first's prompt takes its positions but the last by reference.
+            let shared_len = shares_with.map_or(0, |_| front.num_context_tokens() - 1);
+            let front_cost = self.kv.new_sequence_cost(front.num_context_tokens() + 1, shared_len);
+            if held + to_hold + front_cost > self.kv.budget() {
+                return;
+            }
             match self.waiting.pop_front().expect("the queue has a front") {
                 Waiting::Preempted { id, session } => self.running.push(Running { id, session: *session }),
                 Waiting::New { id, prompt_ids, params, speculation, .. } => {
@@ -607,10 +614,10 @@ impl Scheduler {
     }
 
     /// Step 3: each running request's caps for this step (None: it sits the step out).
-    fn assign_rows(&mut self, kv_budget: usize, report: &mut StepReport) -> Vec<Option<PlanLimits>> {
-        let held: usize = self.running.iter().map(|r| r.session.kv_lens().0).sum();
+    fn assign_rows(&mut self, report: &mut StepReport) -> Vec<Option<PlanLimits>> {
+        let lens: Vec<usize> = self.running.iter().map(|r| r.session.kv_lens().0).collect();
         let mut token_left = self.config.max_num_batched_tokens;
-        let mut kv_left = kv_budget.saturating_sub(held);
+        let mut kv_left = self.kv.budget().saturating_sub(self.kv.held(lens.iter().copied()));
         let mut limits: Vec<Option<PlanLimits>> = vec![None; self.running.len()];
         let no_draft = |rows: usize| PlanLimits { max_context_rows: Some(rows), max_draft_tokens: Some(0) };
 
@@ -620,11 +627,12 @@ impl Scheduler {
             let Some(wish) = running.session.draft_wish() else { continue };
             report.num_draft_tokens_wanted += wish.max_tokens;
             let rows = 1 + if wish.pinned { wish.max_tokens } else { 0 };
-            if rows > token_left.min(kv_left) {
+            let kv_rows = self.kv.growth(lens[i], rows);
+            if rows > token_left || kv_rows > kv_left {
                 continue;
             }
             token_left -= rows;
-            kv_left -= rows;
+            kv_left -= kv_rows;
             if wish.pinned {
                 limits[i] = Some(PlanLimits { max_context_rows: None, max_draft_tokens: Some(wish.max_tokens) });
                 report.num_draft_tokens_granted += wish.max_tokens;
@@ -639,17 +647,22 @@ impl Scheduler {
             if limits[i].is_some() || to_feed == 0 {
                 continue;
             }
-            let chunk = to_feed.min(self.config.prefill_chunk.unwrap_or(usize::MAX)).min(token_left).min(kv_left);
+            let chunk = to_feed
+                .min(self.config.prefill_chunk.unwrap_or(usize::MAX))
+                .min(token_left)
+                .min(self.kv.rows_within(lens[i], kv_left));
             if chunk == 0 {
                 continue;
             }
             token_left -= chunk;
-            kv_left -= chunk;
+            kv_left -= self.kv.growth(lens[i], chunk);
             report.num_context_rows += chunk;
             limits[i] = Some(no_draft(chunk));
         }
-        // Drafts from what is left.
-        let max_draft_rows = token_left.min(kv_left);
+        // Drafts from what is left: at most the rows the KV left could take were they all one
+        // request's (exact for positions); each grant is then cut to the units still left.
+        let max_draft_rows =
+            token_left.min(budgeted.iter().map(|&(i, _)| self.kv.rows_within(lens[i] + 1, kv_left)).max().unwrap_or(0));
         let num_scheduled = limits.iter().filter(|l| l.is_some()).count();
         let wishes: Vec<DraftWish> = budgeted.iter().map(|(_, w)| *w).collect();
         let grants: Vec<usize> = match self.config.draft_budget {
@@ -671,10 +684,19 @@ impl Scheduler {
             }
         };
         for ((i, _), granted) in budgeted.iter().zip(grants) {
+            let granted = granted.min(self.kv.rows_within(lens[*i] + 1, kv_left));
+            kv_left -= self.kv.growth(lens[*i] + 1, granted);
             report.num_draft_tokens_granted += granted;
             limits[*i] = Some(PlanLimits { max_context_rows: None, max_draft_tokens: Some(granted) });
         }
         limits
+    }
+
+    /// KV units a running request takes beyond what it holds for its next step: one row and the
+    /// whole draft of a pinned request (which is never cut).
+    fn kv_growth_next_step(&self, session: &Session) -> usize {
+        let pinned_draft = session.draft_wish().filter(|w| w.pinned).map_or(0, |w| w.max_tokens);
+        self.kv.growth(session.kv_lens().0, 1 + pinned_draft)
     }
 
     fn count(&mut self, report: &StepReport) {
@@ -700,13 +722,6 @@ enum PromptShare {
     Later,
     /// Be prefilled like any request.
     Never,
-}
-
-/// KV positions a running request needs for its next step: what it holds, one row, and the whole
-/// draft of a pinned request (which is never cut).
-fn kv_need(session: &Session) -> usize {
-    let pinned_draft = session.draft_wish().filter(|w| w.pinned).map_or(0, |w| w.max_tokens);
-    session.kv_lens().0 + 1 + pinned_draft
 }
 
 /// Ends a request that was aborted (`error` None) or failed: its caches are freed (a panic there

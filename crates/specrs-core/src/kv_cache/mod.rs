@@ -133,6 +133,35 @@ pub enum KvLayout {
     Paged { block_size: usize, num_blocks: usize },
 }
 
+impl KvLayout {
+    /// Positions per block when a paged layout is named without one (vLLM's default).
+    pub const DEFAULT_BLOCK_SIZE: usize = 16;
+
+    /// The layout a user names: "contiguous", or "paged" with blocks of `block_size` positions
+    /// and a pool of `max_kv_tokens` positions rounded up to whole blocks (None: `context_length`,
+    /// one full-length sequence, as llama.cpp's `n_ctx` sizes its cache).
+    pub fn named(name: &str, block_size: usize, max_kv_tokens: Option<usize>, context_length: usize) -> Result<Self> {
+        match name {
+            "contiguous" if max_kv_tokens.is_none() => Ok(KvLayout::Contiguous),
+            "contiguous" => Err(Error::config(
+                "max_kv_tokens sizes the pool of the paged KV layout; the contiguous layout grows per \
+                 sequence (bound it with the scheduler's max_kv_tokens) or pass kv_layout='paged'",
+            )),
+            "paged" => {
+                if block_size == 0 || max_kv_tokens == Some(0) {
+                    return Err(Error::config(format!(
+                        "the paged KV layout needs kv_block_size and max_kv_tokens of at least 1 (got {block_size} \
+                         and {max_kv_tokens:?})"
+                    )));
+                }
+                let num_blocks = max_kv_tokens.unwrap_or(context_length).div_ceil(block_size);
+                Ok(KvLayout::Paged { block_size, num_blocks })
+            }
+            other => Err(Error::config(format!("unknown KV layout {other:?}: use 'contiguous' or 'paged'"))),
+        }
+    }
+}
+
 /// One sequence's keys and values in one layout.
 pub trait KvStore: Send + Sync {
     /// Positions held.
