@@ -227,6 +227,7 @@ def test_a_paged_engine_generates_what_a_contiguous_one_does_within_its_pool(eng
     ({"kv_layout": "pages"}, "'contiguous' or 'paged'"),
     ({"kv_layout": None}, "'contiguous' or 'paged'"),
     ({"kv_layout": "paged", "kv_block_size": 0}, "kv_block_size must be a positive number"),
+    ({"kv_layout": "paged", "kv_block_size": 12}, "power of two"),
     ({"kv_layout": "paged", "max_kv_tokens": -1}, "max_kv_tokens must be a positive number"),
     ({"max_kv_tokens": 512}, "contiguous layout"),
 ])

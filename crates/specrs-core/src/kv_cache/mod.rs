@@ -75,8 +75,9 @@ pub enum Slots<'a> {
     /// Position j is row `j % block_size` of block `j / block_size`: the sequence's block table
     /// resolved to its blocks' rows (`block_size * row_len` values each). Slices of the blocks
     /// this sequence holds, not of the whole pool, so another sequence writing its own blocks
-    /// meanwhile is never aliased.
-    Blocks { k: Vec<&'a [f16]>, v: Vec<&'a [f16]>, block_size: usize },
+    /// meanwhile is never aliased. `block_size` is `1 << block_shift`: attention resolves a
+    /// slot per value row, and a shift and a mask cost nothing where a division would.
+    Blocks { k: Vec<&'a [f16]>, v: Vec<&'a [f16]>, block_shift: u32 },
 }
 
 impl<'a> Slots<'a> {
@@ -93,7 +94,7 @@ impl<'a> Slots<'a> {
     pub fn run_len(&self, position: usize) -> usize {
         match self {
             Slots::Identity { .. } => usize::MAX,
-            Slots::Blocks { block_size, .. } => block_size - position % block_size,
+            Slots::Blocks { block_shift, .. } => (1 << block_shift) - (position & ((1 << block_shift) - 1)),
         }
     }
 
@@ -101,7 +102,9 @@ impl<'a> Slots<'a> {
     pub fn keys_from(&self, position: usize, row_len: usize) -> &'a [f16] {
         match self {
             Slots::Identity { k, .. } => &k[position * row_len..],
-            Slots::Blocks { k, block_size, .. } => &k[position / block_size][position % block_size * row_len..],
+            Slots::Blocks { k, block_shift, .. } => {
+                &k[position >> block_shift][(position & ((1 << block_shift) - 1)) * row_len..]
+            }
         }
     }
 
@@ -109,7 +112,9 @@ impl<'a> Slots<'a> {
     pub fn values_from(&self, position: usize, row_len: usize) -> &'a [f16] {
         match self {
             Slots::Identity { v, .. } => &v[position * row_len..],
-            Slots::Blocks { v, block_size, .. } => &v[position / block_size][position % block_size * row_len..],
+            Slots::Blocks { v, block_shift, .. } => {
+                &v[position >> block_shift][(position & ((1 << block_shift) - 1)) * row_len..]
+            }
         }
     }
 }
@@ -148,10 +153,10 @@ impl KvLayout {
                  sequence (bound it with the scheduler's max_kv_tokens) or pass kv_layout='paged'",
             )),
             "paged" => {
-                if block_size == 0 || max_kv_tokens == Some(0) {
+                if !block_size.is_power_of_two() || max_kv_tokens == Some(0) {
                     return Err(Error::config(format!(
-                        "the paged KV layout needs kv_block_size and max_kv_tokens of at least 1 (got {block_size} \
-                         and {max_kv_tokens:?})"
+                        "the paged KV layout needs a kv_block_size that is a power of two (e.g. 16) and a \
+                         max_kv_tokens of at least 1 (got {block_size} and {max_kv_tokens:?})"
                     )));
                 }
                 let num_blocks = max_kv_tokens.unwrap_or(context_length).div_ceil(block_size);

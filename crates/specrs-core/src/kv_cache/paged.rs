@@ -1,7 +1,7 @@
-//! The paged host layout: f16 rows in fixed-size blocks of `block_size` positions, drawn from a
-//! pool that one model's sequences share, allocated once so that no block ever moves; each
-//! sequence maps its positions to blocks through a block table (position j is row
-//! `j % block_size` of block `table[j / block_size]`).
+//! The paged host layout: f16 rows in fixed-size blocks of `block_size` positions (a power of
+//! two), drawn from a pool that one model's sequences share, allocated once so that no block
+//! ever moves; each sequence maps its positions to blocks through a block table (position j is
+//! row `j % block_size` of block `table[j / block_size]`).
 //!
 //! - `reserve` takes blocks from the pool (all or none); out of blocks is a `ContextLength`
 //!   error naming `max_kv_tokens`, never a panic. `truncate` and `release` return whole blocks.
@@ -60,10 +60,10 @@ impl PagedPool {
     /// A pool of `num_blocks` blocks of `block_size` positions for a model of `num_layers` layers
     /// of `row_len` (num_kv_heads * head_dim) values per position.
     pub fn new(num_layers: usize, row_len: usize, block_size: usize, num_blocks: usize) -> Result<Arc<Self>> {
-        if block_size == 0 || num_blocks == 0 || num_blocks > u32::MAX as usize {
+        if !block_size.is_power_of_two() || num_blocks == 0 || num_blocks > u32::MAX as usize {
             return Err(Error::Config(format!(
-                "a paged KV cache needs a block_size and a number of blocks of at least 1 (max_kv_tokens = \
-                 blocks * block_size); got {num_blocks} blocks of {block_size}"
+                "a paged KV cache needs a block_size that is a power of two (1, 2, 4, ... 16, 32, ...) and at \
+                 least 1 block (max_kv_tokens = blocks * block_size); got {num_blocks} blocks of {block_size}"
             )));
         }
         let size = num_blocks * block_size * row_len;
@@ -385,7 +385,7 @@ impl KvStore for PagedKv {
             k.push(bk);
             v.push(bv);
         }
-        Ok(KvView::Host(Slots::Blocks { k, v, block_size: self.pool.block_size }))
+        Ok(KvView::Host(Slots::Blocks { k, v, block_shift: self.pool.block_size.trailing_zeros() }))
     }
 
     fn share_prefix(&mut self, source: &dyn KvStore, len: usize) -> Result<()> {
@@ -484,7 +484,7 @@ mod tests {
             state ^= state << 17;
             (state % n as u64) as usize
         };
-        for block_size in [1, 2, 3, 16] {
+        for block_size in [1, 2, 4, 16] {
             let pool = PagedPool::new(2, ROW_LEN, block_size, 200).unwrap();
             let mut paged = KvCache::paged(&pool, 120);
             let mut contiguous = KvCache::new(2, ROW_LEN, 1, 120);
@@ -562,5 +562,6 @@ mod tests {
         assert_eq!(pool.num_free(), 1);
         assert!(matches!(b.reserve(65), Err(Error::ContextLength(_))), "past the context");
         assert!(PagedPool::new(1, ROW_LEN, 0, 3).is_err() && PagedPool::new(1, ROW_LEN, 4, 0).is_err());
+        assert!(PagedPool::new(1, ROW_LEN, 3, 3).is_err_and(|e| e.to_string().contains("power of two")));
     }
 }
