@@ -86,6 +86,18 @@ impl<'a> ValueRows<'a> {
     pub fn row(&self, j: usize) -> &'a [f16] {
         &self.view.kv.values_from(self.view.slot(self.first + j), self.stride)[self.offset..][..self.len]
     }
+
+    /// Cells `j..` whose rows lie `stride` apart in one run (cells held in place, to the end of
+    /// their run: one buffer, or one block): cell j's row from `offset` on, to the run's end, and
+    /// how many cells the run holds (at least 1; an extra cell is a run of its own). A kernel
+    /// resolves a slot per run instead of per row, which a paged cache's block lookup needs.
+    #[inline]
+    pub fn run(&self, j: usize) -> (&'a [f16], usize) {
+        let cell = self.first + j;
+        let slot = self.view.slot(cell);
+        let cells = if cell < self.view.prefix { (self.view.prefix - cell).min(self.view.kv.run_len(slot)) } else { 1 };
+        (&self.view.kv.values_from(slot, self.stride)[self.offset..], cells)
+    }
 }
 
 impl Attention {

@@ -122,6 +122,15 @@ fn every_set_gives_the_reference_sets_attention_and_exps() {
         for set in available_sets() {
             assert_eq!(attention.forward_rows_with(set, &q, &rows).unwrap(), want, "{} head_dim {head_dim}", set.name);
         }
+        // The same rows in blocks of 4 positions (a paged cache): the kernels walk runs of rows
+        // that end at each block's end, and give the same bits.
+        let block = 4 * kv_width;
+        let blocks = Slots::Blocks { k: k.chunks(block).collect(), v: v.chunks(block).collect(), block_shift: 2 };
+        let paged: Vec<RowView> = rows.iter().map(|r| RowView { kv: &blocks, ..*r }).collect();
+        for set in available_sets() {
+            let got = attention.forward_rows_with(set, &q, &paged).unwrap();
+            assert_eq!(got, want, "{} head_dim {head_dim}, paged", set.name);
+        }
     }
     let gate = random(1000, 4).iter().map(|v| v * 12.0).collect::<Vec<_>>();
     let up = random(1000, 5);

@@ -86,13 +86,24 @@ pub unsafe fn weighted_sum(value: &ValueRows, probs: &[f32], out: &mut [f32]) {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn chunk<const L: usize>(value: &ValueRows, probs: &[f32], d0: usize, out: &mut [f32]) {
     let mut acc = [_mm256_setzero_ps(); L];
-    for (j, &p) in probs.iter().enumerate() {
-        let row = value.row(j);
-        assert!(row.len() >= d0 + 8 * L, "weighted_sum: a value row of {} values", row.len());
-        let pv = _mm256_set1_ps(p);
-        for (l, acc) in acc.iter_mut().enumerate() {
-            *acc = _mm256_fmadd_ps(unsafe { load8(row.as_ptr().add(d0 + 8 * l)) }, pv, *acc);
+    let mut j = 0;
+    while j < probs.len() {
+        // The rows of one run lie `stride` apart: their slot is resolved once.
+        let (rows, run) = value.run(j);
+        let run = run.min(probs.len() - j);
+        assert!(
+            rows.len() >= (run - 1) * value.stride + d0 + 8 * L,
+            "weighted_sum: a run of {run} value rows in {} values",
+            rows.len()
+        );
+        for (r, &p) in probs[j..j + run].iter().enumerate() {
+            let row = unsafe { rows.as_ptr().add(r * value.stride) };
+            let pv = _mm256_set1_ps(p);
+            for (l, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm256_fmadd_ps(unsafe { load8(row.add(d0 + 8 * l)) }, pv, *acc);
+            }
         }
+        j += run;
     }
     for (l, acc) in acc.iter().enumerate() {
         unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(d0 + 8 * l), *acc) };
