@@ -464,6 +464,10 @@ impl Scheduler {
         let mut ended: Vec<usize> = Vec::new();
         if !plans.is_empty() {
             let planned: Vec<usize> = plans.iter().map(|(i, _)| *i).collect();
+            // The KV account of the step, named should the forward fail for want of KV room.
+            let lens: Vec<usize> = self.running.iter().map(|r| r.session.kv_lens().0).collect();
+            let kv_held = self.kv.held(lens.iter().copied());
+            let kv_planned: usize = plans.iter().map(|(i, p)| self.kv.growth(lens[*i], p.rows.tokens.len())).sum();
             let mut sessions: Vec<&mut Session> = self.running.iter_mut().map(|r| &mut r.session).collect();
             match guard(|| forward_and_commit(&mut sessions, plans)) {
                 Ok(committed) => {
@@ -493,7 +497,14 @@ impl Scheduler {
                 // The shared forward failed: every request in it has rows of it in its cache.
                 Err(error) => {
                     for i in planned {
-                        failed.push((i, Error::Internal(format!("the batched forward failed: {error}"))));
+                        failed.push((
+                            i,
+                            Error::Internal(format!(
+                                "the batched forward failed: {error} (KV before the step: {kv_held} of {} units \
+                                 held, {kv_planned} planned)",
+                                self.kv.budget()
+                            )),
+                        ));
                     }
                 }
             }
