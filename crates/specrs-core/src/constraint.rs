@@ -18,8 +18,9 @@
 //! - `compile` refuses input past a limit, a grammar llguidance cannot compile, one whose output
 //!   can reach a rule that never ends (`productive`), and one whose first steps fail (the first mask, the tokens forced at the start, the mask after them) with
 //!   an `Error::Config`; it never overflows a stack.
-//! - Every matcher call runs within `MATCHER_CALL_BUDGET` (`deadline`), so no grammar holds the
-//!   engine's step for longer.
+//! - Every matcher call runs within `MATCHER_CALL_BUDGET` of time (`deadline`) and keeps at most
+//!   `MATCHER_CALL_MEMORY` of memory (`call_memory`), so no grammar holds the engine's step for
+//!   longer or takes the server's memory.
 //! - Mid-output, a matcher that stops on one of llguidance's limits on a grammar's work (items
 //!   per parser row, work per token, the call budget: no check before compiling bounds them for
 //!   every grammar) is an `Error::Config` naming the limit, the request's error; any other
@@ -34,6 +35,7 @@
 //!   allowed.
 
 pub mod cache;
+mod call_memory;
 mod deadline;
 pub mod grammar_spec;
 pub mod limits;
@@ -41,6 +43,7 @@ mod productive;
 mod token_env;
 
 pub use cache::{GrammarCache, GrammarSource};
+pub use call_memory::MATCHER_CALL_MEMORY;
 pub use deadline::MATCHER_CALL_BUDGET;
 pub use grammar_spec::{GrammarSpec, GRAMMAR_SPEC_KEYS};
 
@@ -167,11 +170,12 @@ fn first_steps(matcher: &Matcher) -> std::result::Result<(), String> {
 /// Runs `call` on `matcher` armed with the call budget (`deadline`): past it, the matcher is
 /// cancelled and stays so.
 fn armed<T>(matcher: &mut Matcher, call: impl FnOnce(&mut Matcher) -> T) -> T {
-    let _armed = matcher.cancellation_handle().map(deadline::arm);
+    let _armed = matcher.cancellation_handle().map(|handle| (deadline::arm(handle.clone()), call_memory::arm(handle)));
     call(matcher)
 }
 
-/// llguidance's error once `deadline`'s watchdog cancelled a matcher call.
+/// llguidance's error once a matcher call was cancelled: by `deadline`'s watchdog, or by
+/// `call_memory`'s count.
 const CANCELLED: &str = "operation cancelled";
 /// llguidance's panic on `%ignore` beside a nested grammar, which the Lark check refuses up front
 /// (`limits/lark.rs`); kept as the grammar's error should a shape slip past it.
@@ -198,12 +202,18 @@ fn is_grammar_limit(message: &str) -> bool {
 }
 
 /// A hint at the usual cause of a matcher's stop, from llguidance's message.
-fn why_the_matcher_stops(message: &str) -> &'static str {
+fn why_the_matcher_stops(message: &str) -> String {
+    if message.contains(CANCELLED) {
+        return format!(
+            " (one step of it ran past the matcher's budget per call, MATCHER_CALL_BUDGET = {} s of time or \
+             MATCHER_CALL_MEMORY = {} MiB of memory: e.g. two greedy terminals back to back, the first of which \
+             swallows what the second needs, like `/b+/ /b+/`)",
+            MATCHER_CALL_BUDGET.as_secs(),
+            MATCHER_CALL_MEMORY >> 20
+        );
+    }
     if message.contains(IGNORE_BESIDE_NESTED) {
         " (llguidance fails on %ignore beside a nested grammar: drop the %ignore)"
-    } else if message.contains(CANCELLED) {
-        " (one step of it ran past the matcher's budget of MATCHER_CALL_BUDGET = 10 s: e.g. two greedy terminals \
-         back to back, the first of which swallows what the second needs, like `/b+/ /b+/`)"
     } else if message.contains("NoExtensionBias") {
         " (it allows no output: e.g. a $ref cycle with nothing in between, or a schema made only of itself)"
     } else if message.contains("items; max is") {
@@ -216,6 +226,7 @@ fn why_the_matcher_stops(message: &str) -> &'static str {
     } else {
         ""
     }
+    .to_string()
 }
 
 /// The set of token ids a constraint allows at one position. Shape: one bit per id of the

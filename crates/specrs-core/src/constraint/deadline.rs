@@ -7,7 +7,8 @@
 //! every other request, for ever. So every call runs armed: a watchdog thread cancels the matcher
 //! (llguidance's `CancellationHandle`, which it checks between bytes and parser rows) once the
 //! call has run `MATCHER_CALL_BUDGET`. A cancelled matcher stays cancelled, and the request ends
-//! with an `Error::Config` naming the budget (`Constraint::failed`).
+//! with an `Error::Config` naming the budget (`Constraint::failed`). The same calls also run under
+//! a memory budget (`call_memory`), since forcing bytes keeps parser state for each one.
 //!
 //! Invariants: a call that ends within the budget is untouched (arming and disarming only take a
 //! lock); a call that does not is cancelled within the budget plus one cancellation check. The
