@@ -75,9 +75,14 @@ pub enum Slots<'a> {
     /// Position j is row `j % block_size` of block `j / block_size`: the sequence's block table
     /// resolved to its blocks' rows (`block_size * row_len` values each). Slices of the blocks
     /// this sequence holds, not of the whole pool, so another sequence writing its own blocks
-    /// meanwhile is never aliased. `block_size` is `1 << block_shift`: attention resolves a
-    /// slot per value row, and a shift and a mask cost nothing where a division would.
+    /// meanwhile is never aliased. `block_size` is `1 << block_shift`, so resolving a slot is a
+    /// shift and a mask (attention resolves one per key row and one per run of value rows).
     Blocks { k: Vec<&'a [f16]>, v: Vec<&'a [f16]>, block_shift: u32 },
+}
+
+/// Position `position`'s block and row in it, for blocks of `1 << block_shift` rows.
+fn block_and_row(position: usize, block_shift: u32) -> (usize, usize) {
+    (position >> block_shift, position & ((1 << block_shift) - 1))
 }
 
 impl<'a> Slots<'a> {
@@ -94,7 +99,7 @@ impl<'a> Slots<'a> {
     pub fn run_len(&self, position: usize) -> usize {
         match self {
             Slots::Identity { .. } => usize::MAX,
-            Slots::Blocks { block_shift, .. } => (1 << block_shift) - (position & ((1 << block_shift) - 1)),
+            Slots::Blocks { block_shift, .. } => (1 << block_shift) - block_and_row(position, *block_shift).1,
         }
     }
 
@@ -103,7 +108,8 @@ impl<'a> Slots<'a> {
         match self {
             Slots::Identity { k, .. } => &k[position * row_len..],
             Slots::Blocks { k, block_shift, .. } => {
-                &k[position >> block_shift][(position & ((1 << block_shift) - 1)) * row_len..]
+                let (block, row) = block_and_row(position, *block_shift);
+                &k[block][row * row_len..]
             }
         }
     }
@@ -113,7 +119,8 @@ impl<'a> Slots<'a> {
         match self {
             Slots::Identity { v, .. } => &v[position * row_len..],
             Slots::Blocks { v, block_shift, .. } => {
-                &v[position >> block_shift][(position & ((1 << block_shift) - 1)) * row_len..]
+                let (block, row) = block_and_row(position, *block_shift);
+                &v[block][row * row_len..]
             }
         }
     }
