@@ -44,7 +44,7 @@ mod token_env;
 
 pub use cache::{GrammarCache, GrammarSource};
 pub use call_memory::MATCHER_CALL_MEMORY;
-pub use deadline::MATCHER_CALL_BUDGET;
+pub use deadline::{set_matcher_call_budget_for_fuzzing, MATCHER_CALL_BUDGET};
 pub use grammar_spec::{GrammarSpec, GRAMMAR_SPEC_KEYS};
 
 use llguidance::api::StopReason;

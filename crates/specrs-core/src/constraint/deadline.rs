@@ -16,6 +16,7 @@
 //! slowest compile at a limit takes well under a second), so whether a grammar that ends is
 //! refused never depends on the machine's speed.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -23,6 +24,17 @@ use llguidance::CancellationHandle;
 
 /// The longest one matcher call (a mask, forced tokens, consuming or checking tokens) may run.
 pub const MATCHER_CALL_BUDGET: Duration = Duration::from_secs(10);
+
+/// The budget calls are armed with, in milliseconds: `MATCHER_CALL_BUDGET` but in a fuzz target.
+static BUDGET_MS: AtomicU64 = AtomicU64::new(MATCHER_CALL_BUDGET.as_millis() as u64);
+
+/// Arms later calls with `budget` instead of `MATCHER_CALL_BUDGET`. For the `grammar_compile`
+/// fuzz target only: its inputs that force bytes for ever would each spend the whole budget, and
+/// a shorter one runs more inputs in the same time (a cancelled call is the same `Error::Config`).
+#[doc(hidden)]
+pub fn set_matcher_call_budget_for_fuzzing(budget: Duration) {
+    BUDGET_MS.store(budget.as_millis() as u64, Ordering::Relaxed);
+}
 
 /// One armed call.
 struct Watch {
@@ -61,7 +73,11 @@ pub(super) fn arm(handle: CancellationHandle) -> Armed {
     let mut watches = lock(&dog.watches);
     let id = watches.next_id;
     watches.next_id += 1;
-    watches.armed.push(Watch { id, deadline: Instant::now() + MATCHER_CALL_BUDGET, handle });
+    watches.armed.push(Watch {
+        id,
+        deadline: Instant::now() + Duration::from_millis(BUDGET_MS.load(Ordering::Relaxed)),
+        handle,
+    });
     if watches.armed.len() == 1 {
         dog.armed_first.notify_one();
     }
