@@ -8,8 +8,9 @@ Workload (as the anchor harness, shared/anchors/common.py):
   `--mt-bench group` (default) takes the first 10 of those in file order, exactly the anchors'
   selection (all "writing"); `spread` takes them round-robin over the 8 categories; `split` reports
   each of the 8 separately with `--num-per-category` prompts each.
-- SmolLM2's chat template (the GGUF's own, default system message included); prompts cut by
-  characters of the user text to fit 2048 - max_tokens tokens (specrs.bench.truncate_content).
+- SmolLM2's chat template (the GGUF's own, default system message included; `--no-chat`: the
+  user text alone, for a base model without one); prompts cut by characters of the user text to
+  fit 2048 - max_tokens tokens (specrs.bench.truncate_content).
 - greedy, 128 new tokens, stop at EOS.
 - any other prompt file (the code workload, benches/code_workload.jsonl): its own categories,
   `--num-per-category` prompts each (`select_prompts`).
@@ -236,6 +237,8 @@ def main() -> int:
                     help="a JSON list of speculative configs to run instead of the ngram/suffix grid, e.g. "
                          "'[{\"method\": \"auto\", \"model\": \"qwen2.5-coder-0.5b\"}]'")
     ap.add_argument("--plot", default=None, metavar="OUT.png", help="speedup and acceptance plot (needs matplotlib)")
+    ap.add_argument("--no-chat", action="store_true",
+                    help="prompts as plain text, for a base model without a chat template (gemma3-270m)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args()
 
@@ -258,7 +261,7 @@ def main() -> int:
 
     model_path = specrs.models.resolve_model(args.model)  # a path, or a name `specrs models` lists
     engine = specrs.Engine(model_path)
-    prompts = bench.tokenize_prompts(engine, prompts, args.max_tokens, chat=True)
+    prompts = bench.tokenize_prompts(engine, prompts, args.max_tokens, chat=not args.no_chat)
     params = specrs.SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     runners = [bench.specrs_runner(engine, None, params)] + [bench.specrs_runner(engine, c, params) for c in configs]
 

@@ -285,8 +285,10 @@ def first_target_tokens(engine, n):
 
 
 def test_mismatched_draft_tokenizer_names_the_first_differing_token(engine, tmp_path):
+    """For the methods that need the target's tokenizer (PARD, quantized_self's copy); a
+    draft_model with another tokenizer drafts text instead (test_cross_tokenizer.py)."""
     path = tiny_tokenizer_gguf(tmp_path / "tiny.gguf", first_target_tokens(engine, 2) + ["zzz-not-in-target"])
-    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 4}
+    spec = {"method": "pard", "model": path, "mask_token_id": MASK_TOKEN_ID, "num_speculative_tokens": 4}
     with pytest.raises(specrs.TokenizerMismatchError, match=r"token id 2 is \"zzz-not-in-target\" in the draft"):
         engine.generate("Hi", SamplingParams(temperature=0, max_tokens=4), speculative_config=spec)
     assert issubclass(specrs.TokenizerMismatchError, specrs.ModelLoadError)

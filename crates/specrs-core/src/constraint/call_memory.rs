@@ -163,7 +163,7 @@ mod tests {
         assert!(armed.kept() < 64 << 10, "{}", armed.kept());
         drop(armed);
         let after = vec![1u8; MATCHER_CALL_MEMORY * 2];
-        assert!(!handle.is_cancelled() && after.len() > 0);
+        assert!(!handle.is_cancelled() && !after.is_empty());
     }
 
     #[test]

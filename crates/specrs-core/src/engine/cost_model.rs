@@ -190,7 +190,7 @@ impl Engine {
     /// target's (PARD drafts k tokens per forward), a layer-skip draft's share of the layers.
     fn prior_draft_cost(&self, config: &SpeculativeConfig) -> Result<f64> {
         let bytes = |path: &Path| -> Result<f64> {
-            Ok(self.draft_model(path)?.weight_bytes() as f64 / self.model.weight_bytes().max(1) as f64)
+            Ok(self.draft(path, false)?.model.weight_bytes() as f64 / self.model.weight_bytes().max(1) as f64)
         };
         Ok(match &config.method {
             Method::Ngram { .. } | Method::Suffix(_) | Method::Custom | Method::Auto { .. } => 0.0,

@@ -99,7 +99,7 @@ pub struct Engine {
     /// (cost_worker.rs).
     costs: Arc<CostBook>,
     /// Draft models by file path, loaded once and shared by every request.
-    drafts: Mutex<HashMap<PathBuf, Arc<dyn CausalLm>>>,
+    drafts: Mutex<HashMap<PathBuf, proposers::LoadedDraft>>,
     /// Hidden-state heads by method, path and quantization, loaded once and shared by every request.
     heads: Mutex<HashMap<HeadKey, LoadedHead>>,
     /// The file or directory the target was loaded from (an MTP head's default checkpoint).
@@ -234,7 +234,7 @@ impl Engine {
 
     /// Bytes of weights and KV caches.
     pub fn memory(&self) -> Result<MemoryReport> {
-        let draft_weight_bytes = lock(&self.drafts)?.values().map(|d| d.weight_bytes()).sum::<usize>()
+        let draft_weight_bytes = lock(&self.drafts)?.values().map(|d| d.model.weight_bytes()).sum::<usize>()
             + lock(&self.heads)?.values().map(|h| h.weight_bytes).sum::<usize>();
         let suffix_caches: Vec<_> = lock(&self.suffix_caches)?.iter().map(|(_, cache)| cache.clone()).collect();
         let mut suffix_cache_bytes = 0;

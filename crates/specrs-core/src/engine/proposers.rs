@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::model::{self, CausalLm};
 use crate::proposer::auto::{AutoProposer, ModelDrafter};
+use crate::proposer::cross_tokenizer::CrossTokenizerProposer;
 use crate::proposer::draft_model::{DraftDrawing, DraftModelProposer};
 use crate::proposer::heads::load::{load as load_head, LoadedHead};
 use crate::proposer::heads::HeadProposer;
@@ -60,6 +61,15 @@ pub struct Speculation {
     pub draft_cost_source: Option<CostSource>,
 }
 
+/// A draft model file as loaded: the model, its tokenizer, and why that tokenizer is not the
+/// target's (the `TokenizerMismatch` message), if it is not.
+#[derive(Clone)]
+pub(crate) struct LoadedDraft {
+    pub model: Arc<dyn CausalLm>,
+    pub tokenizer: Arc<TextTokenizer>,
+    pub other_tokenizer: Option<String>,
+}
+
 /// At most this many engine-wide suffix caches (one per distinct suffix config) are kept. A new
 /// config past it evicts the least recently used one other than the engine's own default (requests
 /// in flight keep theirs until they end), so clients cycling through configs cannot grow memory
@@ -74,15 +84,30 @@ impl Engine {
     /// The draft model in the GGUF file at `path`, loaded on first use. Its tokenizer must be the
     /// target's (or a prefix of it): `Error::TokenizerMismatch` otherwise.
     pub fn draft_model(&self, path: impl AsRef<Path>) -> Result<Arc<dyn CausalLm>> {
-        let path = path.as_ref();
+        Ok(self.draft(path.as_ref(), true)?.model)
+    }
+
+    /// The draft model in the GGUF file at `path` and its tokenizer, loaded on first use. With
+    /// `same_tokenizer`, a tokenizer that is not the target's is `Error::TokenizerMismatch`
+    /// (before the weights load); without, such a draft loads too (`other_tokenizer`).
+    pub(crate) fn draft(&self, path: &Path, same_tokenizer: bool) -> Result<LoadedDraft> {
         let key = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
-        if let Some(draft) = lock(&self.drafts)?.get(&key) {
-            return Ok(draft.clone());
+        let cached = lock(&self.drafts)?.get(&key).cloned();
+        if let Some(draft) = cached {
+            return match (&draft.other_tokenizer, same_tokenizer) {
+                (Some(mismatch), true) => Err(Error::TokenizerMismatch(mismatch.clone())),
+                _ => Ok(draft),
+            };
         }
         let mut gguf = GgufFile::open(path)?;
-        let draft_tokenizer = TextTokenizer::from_gguf(&gguf)?;
-        self.tokenizer.check_draft_compatible(&draft_tokenizer, &path.display().to_string())?;
-        let draft: Arc<dyn CausalLm> = Arc::from(model::loader::load(&mut gguf, self.model.device())?);
+        let tokenizer = TextTokenizer::from_gguf(&gguf)?;
+        let other_tokenizer = match self.tokenizer.check_draft_compatible(&tokenizer, &path.display().to_string()) {
+            Ok(()) => None,
+            Err(Error::TokenizerMismatch(message)) if !same_tokenizer => Some(message),
+            Err(other) => return Err(other),
+        };
+        let model: Arc<dyn CausalLm> = Arc::from(model::loader::load(&mut gguf, self.model.device())?);
+        let draft = LoadedDraft { model, tokenizer: Arc::new(tokenizer), other_tokenizer };
         lock(&self.drafts)?.insert(key, draft.clone());
         Ok(draft)
     }
@@ -213,13 +238,26 @@ impl Engine {
                 Box::new(NgramProposer::new(*prompt_lookup_min, *prompt_lookup_max))
             }
             (Method::Suffix(params), None) => Box::new(SuffixProposer::new(params.clone(), self.suffix_cache(config)?)),
-            (Method::DraftModel(draft), None) => Box::new(DraftModelProposer::new(
-                self.draft_model(&draft.model)?,
-                draft.max_model_len,
-                target_vocab,
-                drawing,
-                self.draft_kv.clone(),
-            )),
+            (Method::DraftModel(draft), None) => {
+                let loaded = self.draft(Path::new(&draft.model), false)?;
+                match loaded.other_tokenizer {
+                    // A draft with a tokenizer of its own drafts text (`cross_tokenizer.rs`).
+                    Some(_) => Box::new(CrossTokenizerProposer::new(
+                        loaded.model,
+                        loaded.tokenizer,
+                        self.tokenizer.clone(),
+                        draft.max_model_len,
+                        self.draft_kv.clone(),
+                    )),
+                    None => Box::new(DraftModelProposer::new(
+                        loaded.model,
+                        draft.max_model_len,
+                        target_vocab,
+                        drawing,
+                        self.draft_kv.clone(),
+                    )),
+                }
+            }
             (Method::QuantizedSelf { quantization, max_model_len }, None) => Box::new(DraftModelProposer::new(
                 self.draft_model(self.quantized_self_path(quantization)?)?,
                 *max_model_len,

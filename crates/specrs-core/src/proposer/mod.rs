@@ -11,6 +11,7 @@
 
 pub mod auto;
 pub mod chains_together;
+pub mod cross_tokenizer;
 pub mod draft_model;
 pub mod heads;
 pub mod layer_skip;
