@@ -37,16 +37,6 @@ use specrs_fuzz::grammar_gen;
 /// Tokens walked after a successful compile.
 const WALK_TOKENS: usize = 6;
 
-/// GPT-2's byte-level alphabet: the character that stands for each byte in a token's text.
-fn byte_char(byte: u8) -> char {
-    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xa1..=0xac | 0xae..=0xff);
-    if printable(byte) {
-        return char::from(byte);
-    }
-    let rank = (0..byte).filter(|&b| !printable(b)).count() as u32;
-    char::from_u32(256 + rank).unwrap()
-}
-
 /// A byte-level BPE tokenizer: the 256 bytes, merges for pieces grammars force (`{"`, `": `,
 /// runs of `a`), and an EOS.
 fn compiler() -> &'static ConstraintCompiler {
@@ -74,32 +64,7 @@ fn compiler() -> &'static ConstraintCompiler {
             ("[", "\""),
             ("\"", "]"),
         ];
-        let mut vocab = serde_json::Map::new();
-        for b in 0..=255u8 {
-            vocab.insert(byte_char(b).to_string(), json!(vocab.len()));
-        }
-        for (a, b) in merges {
-            vocab.insert(format!("{a}{b}"), json!(vocab.len()));
-        }
-        let eos = vocab.len();
-        let tokenizer = json!({
-            "version": "1.0", "truncation": null, "padding": null,
-            "added_tokens": [{"id": eos, "content": "<|endoftext|>", "single_word": false, "lstrip": false,
-                              "rstrip": false, "normalized": false, "special": true}],
-            "normalizer": null,
-            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
-            "post_processor": null,
-            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "vocab": vocab,
-                      "merges": merges.iter().map(|(a, b)| format!("{a} {b}")).collect::<Vec<_>>()},
-        });
-        let dir = std::env::temp_dir().join(format!("specrs-fuzz-grammar-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("scratch dir");
-        std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).expect("tokenizer.json");
-        std::fs::write(dir.join("tokenizer_config.json"), r#"{"eos_token": "<|endoftext|>"}"#).expect("config");
-        let tokenizer = TextTokenizer::from_hf_dir(&dir).expect("the fuzz tokenizer");
-        let _ = std::fs::remove_dir_all(&dir);
+        let tokenizer = TextTokenizer::gpt2_style_for_tests(&merges, "<|endoftext|>").expect("the fuzz tokenizer");
         // A second per matcher call instead of ten: an input that forces bytes for ever (a
         // `ConfigError` naming the budget either way) costs a tenth of the time.
         specrs_core::constraint::set_matcher_call_budget_for_fuzzing(std::time::Duration::from_secs(1));

@@ -228,6 +228,51 @@ impl TextTokenizer {
         Ok(Self { inner, bos_token_id, add_bos, eos_token_ids, chat_template, special_text, vocab_size })
     }
 
+    /// A GPT-2-style byte-level BPE: the 256 bytes, then `merges` in order (each pair's tokens
+    /// written in GPT-2's byte alphabet, e.g. `Ġ` for a space), then the special token `eos`. For
+    /// the tests and the fuzz targets that need a real BPE with chosen merges; loaded through
+    /// `from_hf_dir` like a model's.
+    #[doc(hidden)]
+    pub fn gpt2_style_for_tests(merges: &[(&str, &str)], eos: &str) -> Result<Self> {
+        // GPT-2's byte alphabet: printable bytes stand for themselves, the rest for 256 + rank.
+        let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xa1..=0xac | 0xae..=0xff);
+        let byte_char = |byte: u8| match printable(byte) {
+            true => char::from(byte),
+            false => char::from_u32(256 + (0..byte).filter(|&b| !printable(b)).count() as u32).unwrap_or('?'),
+        };
+        let mut vocab = serde_json::Map::new();
+        for b in 0..=255u8 {
+            vocab.insert(byte_char(b).to_string(), serde_json::json!(vocab.len()));
+        }
+        for (a, b) in merges {
+            vocab.insert(format!("{a}{b}"), serde_json::json!(vocab.len()));
+        }
+        let tokenizer = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [{"id": vocab.len(), "content": eos, "single_word": false, "lstrip": false,
+                              "rstrip": false, "normalized": false, "special": true}],
+            "normalizer": null,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+            "post_processor": null,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "vocab": vocab,
+                      "merges": merges.iter().map(|(a, b)| format!("{a} {b}")).collect::<Vec<_>>()},
+        });
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("specrs-byte-level-bpe-{}-{n}", std::process::id()));
+        let write = |name: &str, text: String| {
+            std::fs::write(dir.join(name), text).map_err(|e| Error::Internal(format!("writing {name}: {e}")))
+        };
+        std::fs::create_dir_all(&dir).map_err(|e| Error::Internal(format!("creating {}: {e}", dir.display())))?;
+        write("tokenizer.json", tokenizer.to_string())?;
+        write("tokenizer_config.json", serde_json::json!({ "eos_token": eos }).to_string())?;
+        let loaded = Self::from_hf_dir(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        loaded
+    }
+
     /// For models without a tokenizer (seeded random weights): token i is the word `t{i}`, and
     /// text is those words separated by spaces. No BOS, EOS or chat template, so generation
     /// always runs to max_tokens.

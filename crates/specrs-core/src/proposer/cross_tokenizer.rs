@@ -153,47 +153,9 @@ mod tests {
     /// A byte-level BPE tokenizer (GPT-2's alphabet) with merges that cross what a draft would
     /// write: `he`+`llo`, spaces before words, a run of spaces, and a special token.
     fn target() -> TextTokenizer {
-        let dir = std::env::temp_dir().join(format!(
-            "specrs-cross-tokenizer-{}-{:?}",
-            std::process::id(),
-            std::thread::current().id()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let byte_char = |byte: u8| {
-            let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xa1..=0xac | 0xae..=0xff);
-            if printable(byte) {
-                char::from(byte)
-            } else {
-                char::from_u32(256 + (0..byte).filter(|&b| !printable(b)).count() as u32).unwrap()
-            }
-        };
         let merges =
             [("h", "e"), ("l", "l"), ("ll", "o"), ("he", "llo"), ("Ġ", "w"), ("Ġw", "o"), ("Ġ", "Ġ"), ("ĠĠ", "Ġ")];
-        let mut vocab = serde_json::Map::new();
-        for b in 0..=255u8 {
-            vocab.insert(byte_char(b).to_string(), serde_json::json!(vocab.len()));
-        }
-        for (a, b) in merges {
-            vocab.insert(format!("{a}{b}"), serde_json::json!(vocab.len()));
-        }
-        let eos = vocab.len();
-        let json = serde_json::json!({
-            "version": "1.0", "truncation": null, "padding": null,
-            "added_tokens": [{"id": eos, "content": "<|end|>", "single_word": false, "lstrip": false,
-                              "rstrip": false, "normalized": false, "special": true}],
-            "normalizer": null,
-            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
-            "post_processor": null,
-            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "vocab": vocab,
-                      "merges": merges.iter().map(|(a, b)| format!("{a} {b}")).collect::<Vec<_>>()},
-        });
-        std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
-        std::fs::write(dir.join("tokenizer_config.json"), r#"{"eos_token": "<|end|>"}"#).unwrap();
-        let tokenizer = TextTokenizer::from_hf_dir(&dir).unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
-        tokenizer
+        TextTokenizer::gpt2_style_for_tests(&merges, "<|end|>").unwrap()
     }
 
     /// The rule's promise: whatever text follows the continuation, plain tokenization of the
