@@ -36,6 +36,8 @@ const WINDOW: usize = 4;
 /// A draft model with a tokenizer of its own, drafting for the target's.
 pub struct CrossTokenizerProposer {
     cache: DraftCache,
+    /// Draft positions the cache was allocated for (`begin`).
+    capacity: usize,
     target_tokenizer: Arc<TextTokenizer>,
     draft_tokenizer: Arc<TextTokenizer>,
 }
@@ -48,15 +50,16 @@ impl CrossTokenizerProposer {
         max_model_len: Option<usize>,
         kv_bytes: Arc<KvBytes>,
     ) -> Self {
-        Self { cache: DraftCache::new(draft, max_model_len, kv_bytes), target_tokenizer, draft_tokenizer }
+        Self { cache: DraftCache::new(draft, max_model_len, kv_bytes), capacity: 0, target_tokenizer, draft_tokenizer }
     }
 }
 
 impl Proposer for CrossTokenizerProposer {
     fn begin(&mut self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
-        // Draft tokens per target token vary with the text; a budget of twice the target's
-        // positions (at least the draft's own max_model_len bounds it) holds any likely output.
-        self.cache.begin(2 * (prompt.len() + params.max_tokens) + 16)
+        // Draft tokens per target token vary with the text: the cache holds twice the target's
+        // positions (within the draft's max_model_len); a context past it gets no drafts.
+        self.capacity = 2 * (prompt.len() + params.max_tokens) + 16;
+        self.cache.begin(self.capacity)
     }
 
     fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {
@@ -70,7 +73,8 @@ impl Proposer for CrossTokenizerProposer {
         let draft_context = self.draft_tokenizer.encode(&text, true)?;
         // One draft token past the target's budget: the last target token is dropped.
         let num_draft = max_tokens + 1;
-        if draft_context.is_empty() || !self.cache.fits(draft_context.len() + num_draft - 1) {
+        let needed = draft_context.len() + num_draft - 1;
+        if draft_context.is_empty() || needed > self.capacity || !self.cache.fits(needed) {
             return Ok(Draft::default());
         }
         let usable_vocab = self.draft_tokenizer.vocab_size();
