@@ -50,6 +50,14 @@ Cases, and what computes their reference:
   medusa_llama                              medusa-llm 0.1 (MedusaModel.medusa_head)
   medusa_qwen2_vllm                         independent torch (vLLM medusa format), checked against
                                             medusa-llm's ResBlock
+  dflash_llama, dflash_qwen3_options,       dflash 0.1.0 DFlashDraftModel (from_pretrained of the written files),
+  dflash_qwen2_causal                       run with dflash_generate's KV-cache pattern and checked against a full
+                                            recompute; block logits at 3 steps of one request (the prompt, then
+                                            s + 1 accepted drafts and a random target token appended, s = 0, 1:
+                                            `later_steps`). llama: dflash's default taps on a 2-layer target
+                                            (layer 1's output = transformers' last, final-normed hidden state),
+                                            block 4; qwen3: 2 layers, taps [0, 1], block 5, input_embedding_scale,
+                                            output_multiplier, final_logit_softcapping; qwen2: is_causal, taps [0]
   eagle3_llama_gguf                         no computation of its own: the committed
                                             eagle3_llama_speculators head re-encoded as llama.cpp's `eagle3`
                                             GGUF (head.gguf) the way its convert_hf_to_gguf.py writes it,
@@ -68,9 +76,11 @@ Needs (CPU is enough; the libraries are installed without their serving/training
     /tmp/ref/bin/pip install --no-deps eagle-llm==1.2.1 medusa-llm==0.1 specforge==0.2.0 speculators==0.9.0
     /tmp/ref/bin/pip install pydantic datasets openai hs-connectors==0.9.0   # what importing speculators needs
     /tmp/ref/bin/pip install gguf==0.19.0                                     # llama.cpp's gguf-py (eagle3_llama_gguf)
+    /tmp/ref/bin/pip install --no-deps dflash==0.1.0                          # the dflash_* cases
     /tmp/ref/bin/python scripts/make_head_golden.py [case ...]
 (written with torch 2.15.0, transformers 5.24.0, safetensors 0.8.0, pydantic 2.14.4, datasets 5.2.0,
-openai 3.57.0, hs-connectors 0.9.0, gguf 0.19.0; two runs write byte-identical files)
+openai 3.57.0, hs-connectors 0.9.0, gguf 0.19.0; the dflash_* cases with transformers 5.25.0 and dflash
+0.1.0; two runs write byte-identical files)
 """
 
 from __future__ import annotations
@@ -990,6 +1000,79 @@ def eagle3_llama_gguf(case, seed):
     return want, ref["draft_token_ids"], f"tensors bit-exact, eagle3.cpp graph vs ref {diff:.1e}"
 
 
+def dflash(case, family, seed, num_layers, layer_ids, block, options):
+    """A DFlash block drafter (PyPI dflash 0.1.0, DFlashDraftModel) over `family`, and its block logits at
+    three contexts of one request: the prompt, then the prompt plus accepted drafts and a target token
+    twice. The drafter runs with dflash's own KV-cache pattern (dflash_generate: context rows appended,
+    the block cropped away after each draft) and by full recompute; the two must agree."""
+    from dflash.model import DFlashDraftModel, _crop_to, _make_cache, _output_head, _raw_input_embeddings
+    from dflash.model import extract_context_feature
+    from transformers import Qwen3Config
+
+    tgt, r, d = Target(family), Rand(seed), fresh(case)
+    options = dict(options)
+    causal = options.pop("is_causal", False)
+    dflash_config = {"block_size": block, "mask_token_id": 5, **options}
+    if layer_ids is not None:
+        dflash_config["target_layer_ids"] = layer_ids
+    cfg = Qwen3Config(
+        hidden_size=H, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=EPS, vocab_size=V, max_position_embeddings=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+        num_target_layers=tgt.config.num_hidden_layers, dflash_config=dflash_config,
+        **({"is_causal": True} if causal else {}),
+    )
+    cfg.dflash_config = dflash_config
+    model = DFlashDraftModel(cfg).float().eval()
+    r.fill(model)
+    model.save_pretrained(d)
+    model = DFlashDraftModel.from_pretrained(d, dtype=torch.float32).eval()  # compute from the files
+    head = _output_head(tgt.model)
+    scale = float(dflash_config.get("input_embedding_scale", 1.0))
+
+    def features(context):  # [1, len - 1, taps * H]: the target over all but the newest token
+        out = tgt.model(torch.tensor([context[:-1]]), output_hidden_states=True)
+        return extract_context_feature(out.hidden_states, model.target_layer_ids)
+
+    def block_logits(context, th, cache, first):  # rows of th are positions first..len(context) - 2
+        start = len(context) - 1
+        ids = torch.tensor([[context[-1]] + [model.mask_token_id] * (block - 1)])
+        hidden = model(target_hidden=th, noise_embedding=_raw_input_embeddings(tgt.model, ids, scale),
+                       position_ids=torch.arange(first, start + block)[None], past_key_values=cache,
+                       use_cache=cache is not None)[:, 1 - block:, :]
+        if cache is not None:
+            _crop_to(cache, start)
+        return model.compute_logits(hidden, head)[0]  # [block - 1, V]
+
+    prompt = prompt_ids(seed)
+    contexts, cache, fed = [prompt], _make_cache(model.config), 0
+    steps = []
+    with torch.no_grad():
+        for s in range(3):
+            context = contexts[-1]
+            th = features(context)
+            cached = block_logits(context, th[:, fed:], cache, fed)
+            fed = th.shape[1]
+            recomputed = block_logits(context, th, None, 0)
+            diff = (cached - recomputed).abs().max().item()
+            assert diff < TOL, f"{case}: cached vs recomputed {diff}"
+            drafts = [greedy(row) for row in cached]
+            steps.append((context, drafts, cached, diff))
+            # The target accepts s + 1 drafts and writes its own token after them.
+            contexts.append(context + drafts[: s + 1] + [int(torch.randint(3, V, (1,), generator=r.g))])
+    write_reference(case, "dflash", tgt.path, d, "dflash 0.1.0 (DFlashDraftModel, dflash_generate's cache)",
+                    prompt, steps[0][1], steps[0][2])
+    ref = json.loads((d / "reference.json").read_text())
+    ref["later_steps"] = [
+        {"context_ids": c, "draft_token_ids": t, "logits": [[round(x, 6) for x in row.tolist()] for row in lg]}
+        for c, t, lg, _ in steps[1:]
+    ]
+    (d / "reference.json").write_text(json.dumps(ref) + "\n")
+    logits = torch.cat([lg for _, _, lg, _ in steps])
+    worst = max(diff for *_, diff in steps)
+    return logits, steps[0][1], f"3 steps, cached vs recomputed {worst:.1e}, taps {model.target_layer_ids}"
+
+
 CASES = {
     "eagle_llama": lambda s: eagle1("eagle_llama", "llama", s),
     "eagle_qwen2": lambda s: eagle1("eagle_qwen2", "qwen2", s),
@@ -1008,6 +1091,12 @@ CASES = {
     # last, so the seeds of the cases above (1000 * (index + 1) + attempt) do not move
     "eagle3_llama_gguf": lambda s: eagle3_llama_gguf("eagle3_llama_gguf", s),
     "mtp_llama_deepseek_2layers": lambda s: mtp_two_layers("mtp_llama_deepseek_2layers", s),
+    # dflash's defaults on a 2-layer target: one draft layer tapping layer 1's output (the last: after
+    # the final norm), bidirectional blocks of 4
+    "dflash_llama": lambda s: dflash("dflash_llama", "llama", s, 1, None, 4, {}),
+    "dflash_qwen3_options": lambda s: dflash("dflash_qwen3_options", "qwen3", s, 2, [0, 1], 5, {
+        "input_embedding_scale": 0.5, "output_multiplier": 1.5, "final_logit_softcapping": 20.0}),
+    "dflash_qwen2_causal": lambda s: dflash("dflash_qwen2_causal", "qwen2", s, 1, [0], 4, {"is_causal": True}),
 }
 DERIVED = {"eagle3_llama_gguf"}  # re-encodes another case's committed files: no seed of its own
 

@@ -1,7 +1,7 @@
 """Random hidden-state heads in the formats the field publishes, written with numpy (no torch), for
 tests on real targets: EAGLE-1 (the EAGLE repository's directory), EAGLE-3 (speculators'), MTP
-(llama.cpp's nextn tensors in a GGUF file), the IBM MLP speculator and Medusa (vLLM's format with a
-truncated vocabulary). Their acceptance is near zero; they test loading, rollback and losslessness.
+(llama.cpp's nextn tensors in a GGUF file), the IBM MLP speculator, Medusa (vLLM's format with a
+truncated vocabulary) and DFlash block drafters (dflash's). Their acceptance is near zero; they test loading, rollback and losslessness.
 Reference logits for these formats come from scripts/make_head_golden.py on tiny targets."""
 
 from __future__ import annotations
@@ -168,4 +168,29 @@ def write_medusa(out: Path, s: dict = SMOLLM2, seed: int = 5, num_heads: int = 3
         "num_heads": num_heads, "num_hidden_layers": 1, "hidden_size": h, "vocab_size": s["vocab"],
         "truncated_vocab_size": truncated, "original_lm_head": True, "medusa_fc_bias": True, **config,
     }))
+    return out
+
+
+def write_dflash(out: Path, s: dict = SMOLLM2, seed: int = 6, num_layers: int = 1, block_size: int = 8,
+                 layer_ids: list[int] | None = None, mask_token_id: int = 0, **config) -> Path:
+    """A DFlash block drafter as PyPI dflash 0.1.0 saves one (DFlashDraftModel: a Qwen3 config with
+    num_target_layers and dflash_config; layers.{i}.* with q/k norms, fc over the tapped layers,
+    hidden_norm, norm). Without layer_ids, dflash's own default taps for the target's depth."""
+    out.mkdir(parents=True, exist_ok=True)
+    r = Random(seed)
+    h, hd = s["hidden"], s["head_dim"]
+    num_taps = len(layer_ids) if layer_ids is not None else num_layers
+    t = {"fc.weight": r.linear(h, num_taps * h), "hidden_norm.weight": r.norm(h), "norm.weight": r.norm(h)}
+    for i in range(num_layers):
+        t |= llama_layer(r, f"layers.{i}", s, h)
+        t[f"layers.{i}.self_attn.q_norm.weight"] = r.norm(hd)
+        t[f"layers.{i}.self_attn.k_norm.weight"] = r.norm(hd)
+    write_safetensors(out / "model.safetensors", t)
+    dflash_config = {"block_size": block_size, "mask_token_id": mask_token_id}
+    if layer_ids is not None:
+        dflash_config["target_layer_ids"] = layer_ids
+    (out / "config.json").write_text(json.dumps(llama_config(
+        s, architectures=["DFlashDraftModel"], model_type="qwen3", num_hidden_layers=num_layers,
+        num_target_layers=s["layers"], dflash_config=dflash_config, **config,
+    )))
     return out

@@ -1,8 +1,9 @@
-"""Hidden-state heads (EAGLE-1, EAGLE-3, MTP, MLP speculator, Medusa) through the Python API.
+"""Hidden-state heads (EAGLE-1, EAGLE-3, MTP, MLP speculator, Medusa, DFlash) through the Python API.
 
 - Greedy identity on the real default model with a random head of each kind written in a
   published format (tests/head_writer.py): acceptance is near zero, and every step still equals
-  plain greedy decoding; the head's cache rolls back with the target's.
+  plain greedy decoding; the head's cache rolls back with the target's. A DFlash drafter also on
+  Qwen2.5-Coder-0.5B (another family, a 152k vocabulary).
 - The sampled distribution with speculation equals plain sampling, with one head of each kind, on
   the tiny Llama target and its golden heads (fast enough for hundreds of seeds).
 - Bad heads: each mismatch or unsupported option is a ModelLoadError or ConfigError naming the fix.
@@ -13,7 +14,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from head_writer import SMOLLM2, write_eagle, write_eagle3, write_medusa, write_mlp_speculator, write_mtp_gguf
+from head_writer import (
+    SMOLLM2,
+    write_dflash,
+    write_eagle,
+    write_eagle3,
+    write_medusa,
+    write_mlp_speculator,
+    write_mtp_gguf,
+)
 from test_speculative import PROMPTS, assert_same_distribution, chat, sample_with_and_without
 
 import specrs
@@ -35,6 +44,7 @@ def heads(tmp_path_factory):
         "mtp": str(write_mtp_gguf(d / "mtp.gguf")),
         "mlp_speculator": str(write_mlp_speculator(d / "mlp")),
         "medusa": str(write_medusa(d / "medusa")),
+        "dflash": str(write_dflash(d / "dflash", num_layers=2)),
     }
 
 
@@ -51,14 +61,14 @@ def baselines(engine):
     }
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "mlp_speculator", "medusa"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "mlp_speculator", "medusa", "dflash"])
 def test_greedy_identity_with_every_head(engine, baselines, heads, method):
     k = 3
     for name, text in PROMPTS.items():
         stream = engine.stream(chat(text), SamplingParams(temperature=0, max_tokens=MAX_TOKENS), speculative_config=spec(method, heads[method], k))
         for _ in stream:
             target_len, head_len = stream.kv_lens()
-            if head_len is not None and method in ("eagle", "eagle3", "mtp"):
+            if head_len is not None and method in ("eagle", "eagle3", "mtp", "dflash"):
                 # The head holds exactly the positions the target read (no draft rows left).
                 assert head_len <= target_len
         r = stream.result
@@ -121,6 +131,7 @@ GOLDEN_HEADS = {
     "mtp": "mtp_llama_deepseek",
     "mlp_speculator": "mlp_speculator_llama",
     "medusa": "medusa_llama",
+    "dflash": "dflash_llama",
 }
 
 
@@ -193,6 +204,20 @@ def test_bad_heads_name_the_fix(engine, heads, tmp_path):
                         speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     # Parallel heads draft at most one token per sub-head.
     refused(ConfigError, r"at most 3 tokens.*num_speculative_tokens to at most 3", "medusa", heads["medusa"], k=5)
+    # DFlash: another target's drafter, taps past the target's last layer, more drafts than its
+    # trained block holds, no mask token, the DFlash2 variant.
+    refused(ModelLoadError, r"hidden size is 576.*trained\s+for another model", "dflash",
+            str(write_dflash(tmp_path / "dflash_small", tiny)))
+    refused(ModelLoadError, r"names layer 30.*has 30\s+layers", "dflash",
+            str(write_dflash(tmp_path / "dflash_deep", layer_ids=[2, 30])))
+    refused(ModelLoadError, r"reads 2 tapped hidden states.*taps 3 layers", "dflash",
+            edited(heads["dflash"], tmp_path / "dflash_taps", dflash_config={
+                "block_size": 8, "mask_token_id": 0, "target_layer_ids": [1, 2, 3]}))
+    refused(ConfigError, r"at most 7 tokens.*blocks of 8.*num_speculative_tokens to at most 7", "dflash",
+            heads["dflash"], k=8)
+    refused(ModelLoadError, r"mask_token_id is missing", "dflash",
+            edited(heads["dflash"], tmp_path / "dflash_mask", dflash_config={"block_size": 8}))
+    refused(ConfigError, r"DFlash2 drafter", "dflash", edited(heads["dflash"], tmp_path / "dflash2", conv_kernel_size=4))
     refused(ModelLoadError, r"does not exist", "eagle", str(tmp_path / "missing"))
 
 
@@ -207,3 +232,22 @@ def test_bad_heads_name_the_fix(engine, heads, tmp_path):
 def test_bad_head_configs(engine, config, match):
     with pytest.raises(ConfigError, match=match):
         engine.generate("hi", SamplingParams(temperature=0, max_tokens=4), speculative_config=config)
+
+
+# Qwen2.5-Coder-0.5B's shape (a DFlash drafter's MLP kept small: it is random anyway).
+QWEN_05B = dict(hidden=896, heads=14, kv_heads=2, head_dim=64, ffn=1024, vocab=151936, layers=24, rope_theta=1e6)
+
+
+def test_greedy_identity_with_a_dflash_drafter_on_qwen(tmp_path):
+    """A random two-layer DFlash drafter over Qwen2.5-Coder-0.5B (dflash's default taps for 24
+    layers): chains of every length its block allows and a tree give plain greedy decoding."""
+    engine = specrs.Engine("qwen2.5-coder-0.5b")
+    drafter = str(write_dflash(tmp_path / "dflash", QWEN_05B, num_layers=2, block_size=6, mask_token_id=151643))
+    prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    params = SamplingParams(temperature=0, max_tokens=20)
+    plain = engine.generate(prompt, params, speculative_config=False).token_ids
+    for config in (spec("dflash", drafter, 1), spec("dflash", drafter, 5),
+                   {**spec("dflash", drafter, 5), "tree": True, "tree_depth": 3, "tree_top_k": 2}):
+        r = engine.generate(prompt, params, speculative_config=config)
+        assert r.token_ids == plain, config
+        assert r.metrics["num_drafts"] > 0

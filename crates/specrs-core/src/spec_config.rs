@@ -151,11 +151,19 @@ pub enum HeadMethod {
     MlpSpeculator,
     /// Medusa: one residual-block head per drafted position.
     Medusa,
+    /// DFlash: a block drafter over tapped target layers, one forward per block of drafts.
+    DFlash,
 }
 
 impl HeadMethod {
-    pub const ALL: [HeadMethod; 5] =
-        [HeadMethod::Eagle, HeadMethod::Eagle3, HeadMethod::Mtp, HeadMethod::MlpSpeculator, HeadMethod::Medusa];
+    pub const ALL: [HeadMethod; 6] = [
+        HeadMethod::Eagle,
+        HeadMethod::Eagle3,
+        HeadMethod::Mtp,
+        HeadMethod::MlpSpeculator,
+        HeadMethod::Medusa,
+        HeadMethod::DFlash,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -164,6 +172,7 @@ impl HeadMethod {
             HeadMethod::Mtp => "mtp",
             HeadMethod::MlpSpeculator => "mlp_speculator",
             HeadMethod::Medusa => "medusa",
+            HeadMethod::DFlash => "dflash",
         }
     }
 

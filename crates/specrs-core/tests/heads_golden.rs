@@ -5,6 +5,10 @@
 //! same files, drafts greedily from the same prompt, and must give the same tokens and the same
 //! logits at every draft step within `TOLERANCE`.
 //!
+//! Block drafters (DFlash) also carry the reference's block logits at two later steps of the same
+//! request (`later_steps`: the context grown by accepted drafts and a target token), where the
+//! head's cache must carry the earlier context.
+//!
 //! Then the losslessness every head must keep: greedy speculative decoding with each head, at
 //! several k and several requests stepped together, gives plain greedy decoding's tokens.
 
@@ -34,6 +38,20 @@ struct Case {
     draft_token_ids: Vec<u32>,
     /// `[steps][vocab]`, None outside a draft vocabulary.
     logits: Vec<Vec<Option<f32>>>,
+    /// Later steps of the same request: context, draft tokens, logits.
+    later_steps: Vec<(Vec<u32>, Vec<u32>, Vec<Vec<Option<f32>>>)>,
+}
+
+fn u32_list(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+fn logit_rows(v: &Value) -> Vec<Vec<Option<f32>>> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|row| row.as_array().unwrap().iter().map(|x| x.as_f64().map(|f| f as f32)).collect())
+        .collect()
 }
 
 fn cases() -> Vec<Case> {
@@ -44,22 +62,25 @@ fn cases() -> Vec<Case> {
         .filter(|p| p.exists())
         .map(|path| {
             let v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-            let ids = |key: &str| -> Vec<u32> {
-                v[key].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-            };
             Case {
                 name: v["case"].as_str().unwrap().to_string(),
                 method: v["method"].as_str().unwrap().to_string(),
                 target: repo_root().join(v["target"].as_str().unwrap()),
                 model: v["model"].as_str().map(|m| repo_root().join(m)),
-                prompt_ids: ids("prompt_ids"),
-                draft_token_ids: ids("draft_token_ids"),
-                logits: v["logits"]
+                prompt_ids: u32_list(&v["prompt_ids"]),
+                draft_token_ids: u32_list(&v["draft_token_ids"]),
+                logits: logit_rows(&v["logits"]),
+                later_steps: v["later_steps"]
                     .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|row| row.as_array().unwrap().iter().map(|x| x.as_f64().map(|f| f as f32)).collect())
-                    .collect(),
+                    .map(|steps| {
+                        steps
+                            .iter()
+                            .map(|s| {
+                                (u32_list(&s["context_ids"]), u32_list(&s["draft_token_ids"]), logit_rows(&s["logits"]))
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default(),
             }
         })
         .collect();
@@ -104,7 +125,7 @@ fn every_head_drafts_the_reference_logits() {
     let methods: std::collections::BTreeSet<&str> = cases.iter().map(|c| c.method.as_str()).collect();
     assert_eq!(
         methods.into_iter().collect::<Vec<_>>(),
-        ["eagle", "eagle3", "medusa", "mlp_speculator", "mtp"],
+        ["dflash", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp"],
         "every head method has golden cases"
     );
     for case in &cases {
@@ -121,8 +142,32 @@ fn every_head_drafts_the_reference_logits() {
     }
 }
 
+/// A block drafter's later steps: the same request's context grown twice, its cache carried over.
+#[test]
+fn block_drafters_draft_the_reference_logits_at_later_steps() {
+    let cases: Vec<Case> = cases().into_iter().filter(|c| !c.later_steps.is_empty()).collect();
+    assert!(cases.len() >= 2, "the DFlash cases carry later steps");
+    for case in &cases {
+        let engine = Engine::load(&case.target, "cpu").unwrap();
+        let k = case.logits.len();
+        let mut contexts = vec![case.prompt_ids.clone()];
+        contexts.extend(case.later_steps.iter().map(|(context, _, _)| context.clone()));
+        let steps = engine.head_draft_steps(&config(case, k), &contexts, k).unwrap();
+        for (i, ((tokens, logits), (_, want_tokens, want_logits))) in
+            steps[1..].iter().zip(&case.later_steps).enumerate()
+        {
+            assert_eq!(tokens, want_tokens, "{} step {}: draft tokens", case.name, i + 2);
+            let worst = max_relative_difference(logits, want_logits);
+            assert!(worst <= TOLERANCE, "{} step {}: max relative logit difference {worst}", case.name, i + 2);
+            println!("{:<36} step {}: max relative logit difference {worst:.2e}", case.name, i + 2);
+        }
+    }
+}
+
 /// `"quantization": "q8_0"` quantizes a head's linear weights at load: its first step's logits
-/// stay within 3% of the f32 reference's largest logit (measured: see the output).
+/// stay within 3% of the f32 reference's largest logit (measured: see the output), 4% for a
+/// DFlash block, whose every layer reads keys and values of the quantized `fc` output over the
+/// whole context (measured 2.0-3.1%; a two-layer MTP head reaches 2.2%).
 #[test]
 fn q8_0_heads_stay_close_to_the_reference() {
     for case in cases() {
@@ -131,7 +176,8 @@ fn q8_0_heads_stay_close_to_the_reference() {
         let (_, logits) = engine.head_draft(&quantized, &case.prompt_ids, 1).unwrap();
         let worst = max_relative_difference(&logits, &case.logits[..1]);
         println!("{:<36} q8_0: max relative logit difference {worst:.2e}", case.name);
-        assert!(worst < 0.03, "{}: {worst}", case.name);
+        let bound = if case.method == "dflash" { 0.04 } else { 0.03 };
+        assert!(worst < bound, "{}: {worst}", case.name);
     }
 }
 
@@ -175,7 +221,9 @@ fn greedy_speculation_with_every_head_is_plain_greedy_decoding() {
     for case in cases() {
         let engine = Engine::load(&case.target, "cpu").unwrap();
         let plain = greedy(&engine, &case.prompt_ids, None);
-        let max_k = if matches!(case.method.as_str(), "medusa" | "mlp_speculator") { case.logits.len() } else { 5 };
+        // Parallel heads draft one token per sub-head, a block drafter its block.
+        let max_k =
+            if matches!(case.method.as_str(), "medusa" | "mlp_speculator" | "dflash") { case.logits.len() } else { 5 };
         for k in [1, max_k] {
             let speculation = engine.speculation(&config(&case, k), None).unwrap();
             let spec = greedy(&engine, &case.prompt_ids, Some(speculation));

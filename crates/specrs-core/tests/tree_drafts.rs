@@ -35,6 +35,7 @@ const RECURRENT: [&str; 8] = [
     "mtp_qwen2_mimo",
 ];
 const PARALLEL: [&str; 4] = ["mlp_speculator_llama", "mlp_speculator_qwen2", "medusa_llama", "medusa_qwen2_vllm"];
+const BLOCK: [&str; 2] = ["dflash_llama", "dflash_qwen3_options"];
 
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -87,7 +88,7 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
 fn head_trees_are_valid_and_lead_with_the_greedy_chain() {
     let limits = TreeLimits { max_nodes: 10, max_children: 3 };
     let depth = 4;
-    for name in RECURRENT.iter().chain(&PARALLEL) {
+    for name in RECURRENT.iter().chain(&PARALLEL).chain(&BLOCK) {
         let (engine, head, prompt) = golden(name);
         let vocab = engine.model().info().vocab_size;
         let mut tree_proposer = primed(&engine, &head, &prompt, &greedy());
@@ -321,7 +322,7 @@ fn tree_speculation_with_every_head_and_a_draft_model_is_plain_greedy_decoding()
     let params = SamplingParams { max_tokens: 24, ignore_eos: true, ..greedy() };
     let tree_keys = serde_json::json!({"num_speculative_tokens": 8, "tree": true, "tree_depth": 3, "tree_top_k": 3});
     let mut seen_draft_model = false;
-    for name in RECURRENT.iter().chain(&PARALLEL) {
+    for name in RECURRENT.iter().chain(&PARALLEL).chain(&BLOCK) {
         let path = repo_root().join("tests/golden/heads").join(name).join("reference.json");
         let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
         let (engine, _, prompt) = golden(name);

@@ -12,7 +12,10 @@ use crate::model::{ForwardBatch, LogitRows, SeqRows, Tap};
 use crate::proposer::draft_model::DraftDrawing;
 use crate::proposer::heads::HeadProposer;
 use crate::proposer::Proposer;
-use crate::spec_config::{Method, SpeculativeConfig};
+use crate::spec_config::{HeadMethod, Method, SpeculativeConfig};
+
+/// A head's draft tokens and the logits `[steps][vocab]` it recorded (`Engine::head_draft`).
+pub type HeadDraft = (Vec<u32>, Vec<Vec<f32>>);
 
 impl Engine {
     /// Teacher-forced logits `[ids.len(), vocab_size]` (row-major) from one forward over `ids`.
@@ -114,7 +117,7 @@ impl Engine {
 
     /// The greedy draft of `num_tokens` tokens that `config`'s head proposes after `prompt_ids`,
     /// with its logits at each step (`[num_tokens][vocab_size]`, -inf outside a draft
-    /// vocabulary): the target runs over the prompt but its newest token, as in a request, and the
+    /// vocabulary; a block head's whole block): the target runs over the prompt but its newest token, as in a request, and the
     /// head drafts from its hidden states. The heads' golden tests compare these with the
     /// reference implementations.
     pub fn head_draft(
@@ -122,29 +125,55 @@ impl Engine {
         config: &SpeculativeConfig,
         prompt_ids: &[u32],
         num_tokens: usize,
-    ) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
+    ) -> Result<HeadDraft> {
+        let mut steps = self.head_draft_steps(config, &[prompt_ids.to_vec()], num_tokens)?;
+        Ok(steps.remove(0))
+    }
+
+    /// `head_draft` at each of `contexts` in turn, as one request's steps: each context extends
+    /// the one before it (accepted drafts and the target's token), and the target and the head
+    /// read only the positions that are new, so the head's own cache carries over between steps.
+    pub fn head_draft_steps(
+        &self,
+        config: &SpeculativeConfig,
+        contexts: &[Vec<u32>],
+        num_tokens: usize,
+    ) -> Result<Vec<HeadDraft>> {
         let Method::Head { method, model, quantization } = &config.method else {
             return Err(Error::config(format!(
-                "head_draft needs a head method (eagle, eagle3, mtp, mlp_speculator, medusa), not '{}'",
+                "head_draft needs a head method ({}), not '{}'",
+                HeadMethod::ALL.map(HeadMethod::name).join(", "),
                 config.method_name()
             )));
         };
-        if prompt_ids.len() < 2 || num_tokens == 0 {
+        let (Some(first), Some(last)) = (contexts.first(), contexts.last()) else {
+            return Err(Error::config("head_draft_steps needs at least one context"));
+        };
+        if first.len() < 2 || num_tokens == 0 {
             return Err(Error::config("head_draft needs a prompt of at least 2 tokens and num_tokens >= 1"));
+        }
+        if contexts.windows(2).any(|w| w[1].len() <= w[0].len() || !w[1].starts_with(&w[0])) {
+            return Err(Error::config("head_draft_steps: each context must extend the one before it"));
         }
         let head = self.head(*method, model.as_deref(), quantization.as_deref())?.head;
         let vocab = self.model.info().vocab_size;
         let mut proposer = HeadProposer::new(head, method.name(), vocab, DraftDrawing::COUPLED, self.draft_kv.clone());
         proposer.record_logits();
         let params = SamplingParams { max_tokens: num_tokens + 1, temperature: 0.0, ..SamplingParams::default() };
-        proposer.begin(prompt_ids, &params)?;
-        let read = &prompt_ids[..prompt_ids.len() - 1];
-        let mut batch = ForwardBatch::chain(read, 0, LogitRows::None)?;
-        batch.taps = proposer.taps();
-        let mut cache = self.model.new_cache(read.len())?;
-        let hidden = self.model.forward_batch(&batch, &mut [&mut cache])?.hidden;
-        proposer.observe_hidden(0, &hidden)?;
-        let draft = proposer.propose(prompt_ids, num_tokens)?;
-        Ok((draft.token_ids, proposer.take_recorded()))
+        proposer.begin(last, &params)?;
+        let mut cache = self.model.new_cache(last.len())?;
+        let mut read = 0;
+        let mut steps = Vec::with_capacity(contexts.len());
+        for context in contexts {
+            // The target reads every token but the newest, as in a request.
+            let mut batch = ForwardBatch::chain(&context[read..context.len() - 1], read, LogitRows::None)?;
+            batch.taps = proposer.taps();
+            let hidden = self.model.forward_batch(&batch, &mut [&mut cache])?.hidden;
+            proposer.observe_hidden(read, &hidden)?;
+            read = context.len() - 1;
+            let draft = proposer.propose(context, num_tokens)?;
+            steps.push((draft.token_ids, proposer.take_recorded()));
+        }
+        Ok(steps)
     }
 }

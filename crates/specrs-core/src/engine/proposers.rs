@@ -301,10 +301,10 @@ impl Engine {
                 } else {
                     (config.num_speculative_tokens, "num_speculative_tokens")
                 };
-                if let Some(max) = head.max_draft_tokens().filter(|&max| depth > max) {
+                if let Some((max, why)) = head.max_draft_tokens().filter(|(max, _)| depth > *max) {
                     return Err(Error::config(format!(
-                        "{key} is {depth} but this {} head drafts at most {max} tokens deep (one per \
-                         sub-head); set {key} to at most {max}",
+                        "{key} is {depth} but this {} head drafts at most {max} tokens deep ({why}); set {key} \
+                         to at most {max}",
                         method.name()
                     )));
                 }
@@ -320,7 +320,9 @@ impl Engine {
     pub(super) fn auto_model_drafter(&self, config: &SpeculativeConfig) -> Result<Option<SpeculativeConfig>> {
         let Some(mut drafter) = config.model_drafter() else { return Ok(None) };
         if let Method::Head { method, model, quantization } = &drafter.method {
-            if let Some(max) = self.head(*method, model.as_deref(), quantization.as_deref())?.head.max_draft_tokens() {
+            if let Some((max, _)) =
+                self.head(*method, model.as_deref(), quantization.as_deref())?.head.max_draft_tokens()
+            {
                 drafter.num_speculative_tokens = drafter.num_speculative_tokens.min(max);
             }
         }

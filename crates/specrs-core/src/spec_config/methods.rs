@@ -58,7 +58,7 @@ const fn head(name: &'static str) -> MethodSpec {
 }
 
 /// Every method, in the order error messages list them.
-pub const ALL: [MethodSpec; 13] = [
+pub const ALL: [MethodSpec; 14] = [
     MethodSpec {
         name: "ngram",
         aliases: &["[ngram]"],
@@ -144,6 +144,7 @@ pub const ALL: [MethodSpec; 13] = [
     head("mtp"),
     head("mlp_speculator"),
     head("medusa"),
+    head("dflash"),
 ];
 
 /// Every method's name, in `ALL`'s order.

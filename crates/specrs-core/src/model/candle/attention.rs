@@ -68,6 +68,18 @@ pub(crate) fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, 
     attention(q, k, v, past, Scores::plain(scale))
 }
 
+/// Grouped-query attention in f32 where every row of `q` (`[num_heads, n, head_dim]`) sees every
+/// key of `k`, `v` (`[num_kv_heads, total, head_dim]`), no mask: a DFlash block's rows, which
+/// attend to the context and to each other both ways. Returns `[n, num_heads * head_dim]`.
+pub(crate) fn full_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<Tensor> {
+    let (num_heads, n, head_dim) = q.dims3()?;
+    let num_kv_heads = k.dim(0)?;
+    let q = q.reshape((num_kv_heads, (num_heads / num_kv_heads) * n, head_dim))?;
+    let scores = (q.matmul(&k.t()?)? * scale as f64)?; // [kv_heads, groups * n, total]
+    let out = softmax_last_dim(&scores)?.matmul(&v.contiguous()?)?; // [kv_heads, groups * n, head_dim]
+    Ok(out.reshape((num_heads, n, head_dim))?.transpose(0, 1)?.reshape((n, num_heads * head_dim))?)
+}
+
 /// Causal grouped-query attention in f32. `q`: `[num_heads, n, head_dim]` for positions
 /// `past..past + n`; `k`, `v`: `[num_kv_heads, past + n, head_dim]`. Returns `[n, num_heads *
 /// head_dim]`. Query heads sharing a kv head are folded into its rows, so keys and values are

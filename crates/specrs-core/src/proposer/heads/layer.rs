@@ -16,8 +16,12 @@
 //! what a chain run of its path computes for its last row (bitwise on the CPU; on a GPU, where a
 //! chain's rows run as one matmul, up to its rounding).
 //!
+//! DFlash's layers use the same weights two other ways: context rows only write their keys and
+//! values (`append_context`), and a block's rows attend to the cache and to each other without
+//! being written (`forward_block`).
+//!
 //! Invariant: `forward` appends exactly its rows to the cache, after the rows it held, so
-//! `KvCache::truncate` rolls drafts back.
+//! `KvCache::truncate` rolls drafts back; `forward_block` leaves the cache as it was.
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::ops::rms_norm;
@@ -26,7 +30,7 @@ use candle_nn::rotary_emb::{rope, rope_i};
 use super::weights::{HeadWeights, Linear};
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvBytes, KvCache};
-use crate::model::candle::attention::{causal_attention, tree_attention, Scores};
+use crate::model::candle::attention::{causal_attention, full_attention, tree_attention, Scores};
 use crate::model::rope::{Pairing, Rope};
 use std::sync::Arc;
 
@@ -184,6 +188,11 @@ impl HeadLayer {
         [&self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down].iter().map(|l| l.num_weights()).sum()
     }
 
+    /// How many weights a row's keys and values multiply (`append_context`'s).
+    pub fn num_kv_weights(&self) -> usize {
+        self.k.num_weights() + self.v.num_weights()
+    }
+
     pub fn load(w: &mut HeadWeights, names: &LayerNames, shape: LayerShape) -> Result<Self> {
         let s = &shape;
         let (q_width, kv_width) = (s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim);
@@ -223,44 +232,118 @@ impl HeadLayer {
     /// `TreeRows` says. Keys carry their own positions, so a cache may skip positions (MTP layers
     /// cycled over draft steps).
     pub fn forward(&self, attn_input: &Tensor, residual: &Tensor, cache: &mut KvCache, rows: Rows) -> Result<Tensor> {
-        let s = &self.shape;
         let n = attn_input.dim(0)?;
         let past = cache.len();
         cache.reserve(n)?;
-        let positions = rows.positions(n);
-        let (cos, sin) = self.rope.tables_at(&positions);
-        let half = s.head_dim / 2;
-        let cos = Tensor::from_vec(cos, (n, half), &self.device)?;
-        let sin = Tensor::from_vec(sin, (n, half), &self.device)?;
-        let heads = |x: Tensor, num_heads: usize, rotate: bool, norm: Option<&Tensor>| -> Result<Tensor> {
-            let x = x.reshape((n, num_heads, s.head_dim))?.transpose(0, 1)?.contiguous()?; // [heads, n, hd]
-            let x = match norm {
-                Some(weight) => rms_norm(&x, weight, s.rms_eps)?,
-                None => x,
-            };
-            if !rotate {
-                return Ok(x);
-            }
-            let x = x.unsqueeze(0)?;
-            let rotated = match s.rope_pairing {
-                Pairing::Interleaved => rope_i(&x, &cos, &sin)?,
-                Pairing::Halves => rope(&x, &cos, &sin)?,
-            };
-            Ok(rotated.squeeze(0)?)
-        };
-        let q = heads(self.q.forward(attn_input)?, s.num_heads, true, self.q_norm.as_ref())?;
-        let k = heads(self.k.forward(attn_input)?, s.num_kv_heads, true, self.k_norm.as_ref())?;
-        let v = heads(self.v.forward(attn_input)?, s.num_kv_heads, false, None)?;
+        let rope = self.rope_tables(&rows.positions(n))?;
+        let q =
+            self.split_heads(self.q.forward(attn_input)?, self.shape.num_heads, self.q_norm.as_ref(), Some(&rope))?;
+        let (k, v) = self.keys_values(attn_input, &rope)?;
         cache.append_tensors(0, &k, &v)?;
         let (k_all, v_all) = cache.layer_tensors(0, past + n)?; // [kv_heads, past + n, hd]
-        let scale = 1.0 / (s.head_dim as f32).sqrt();
         let attn = match rows {
-            Rows::Chain(_) => causal_attention(&q, &k_all, &v_all, past, scale)?, // [n, heads * hd]
-            Rows::Tree(tree) => tree_attention(&q, &k_all, &v_all, &tree.key_cells(n, past)?, Scores::plain(scale))?,
+            Rows::Chain(_) => causal_attention(&q, &k_all, &v_all, past, self.scale())?, // [n, heads * hd]
+            Rows::Tree(tree) => {
+                tree_attention(&q, &k_all, &v_all, &tree.key_cells(n, past)?, Scores::plain(self.scale()))?
+            }
         };
         cache.commit(n);
-        let x = (residual + self.o.forward(&attn)?)?;
-        let h = rms_norm(&x, &self.post_attention_norm, s.rms_eps)?;
+        self.finish(&attn, residual)
+    }
+
+    /// DFlash's context rows: the keys and values of `x` `[n, attn_input_size]` at positions
+    /// `start..start + n`, appended to `cache`. They are never queries, so the rows run no
+    /// attention and no MLP.
+    pub fn append_context(&self, x: &Tensor, start: usize, cache: &mut KvCache) -> Result<()> {
+        let n = x.dim(0)?;
+        cache.reserve(n)?;
+        let (k, v) = self.keys_values(x, &self.rope_tables(&(start..start + n).collect::<Vec<_>>())?)?;
+        cache.append_tensors(0, &k, &v)?;
+        cache.commit(n);
+        Ok(())
+    }
+
+    /// DFlash's block: rows `attn_input` `[n, attn_input_size]` (residual `[n, hidden_size]`) at
+    /// positions `first..first + n`, each attending to every row `cache` holds and to the block's
+    /// rows: all of them, or (`causal`) those before it and itself. The output `[n, hidden_size]`
+    /// as `forward`'s; the cache is only read.
+    pub fn forward_block(
+        &self,
+        attn_input: &Tensor,
+        residual: &Tensor,
+        cache: &KvCache,
+        first: usize,
+        causal: bool,
+    ) -> Result<Tensor> {
+        let n = attn_input.dim(0)?;
+        let past = cache.len();
+        let rope = self.rope_tables(&(first..first + n).collect::<Vec<_>>())?;
+        let q =
+            self.split_heads(self.q.forward(attn_input)?, self.shape.num_heads, self.q_norm.as_ref(), Some(&rope))?;
+        let (k, v) = self.keys_values(attn_input, &rope)?; // [kv_heads, n, hd]
+        let (k_all, v_all) = if past == 0 {
+            (k, v)
+        } else {
+            let (k_past, v_past) = cache.layer_tensors(0, past)?;
+            (Tensor::cat(&[&k_past, &k], 1)?, Tensor::cat(&[&v_past, &v], 1)?) // [kv_heads, past + n, hd]
+        };
+        let attn = if causal {
+            causal_attention(&q, &k_all, &v_all, past, self.scale())?
+        } else {
+            full_attention(&q, &k_all, &v_all, self.scale())?
+        };
+        self.finish(&attn, residual)
+    }
+
+    fn scale(&self) -> f32 {
+        1.0 / (self.shape.head_dim as f32).sqrt()
+    }
+
+    /// RoPE's cos and sin `[n, head_dim / 2]` at `positions`.
+    fn rope_tables(&self, positions: &[usize]) -> Result<(Tensor, Tensor)> {
+        let (cos, sin) = self.rope.tables_at(positions);
+        let shape = (positions.len(), self.shape.head_dim / 2);
+        Ok((Tensor::from_vec(cos, shape, &self.device)?, Tensor::from_vec(sin, shape, &self.device)?))
+    }
+
+    /// `x` `[n, num_heads * head_dim]` as heads `[num_heads, n, head_dim]`, each RMS-normed by
+    /// `norm` and rotated by `rotation` (RoPE's tables) where given.
+    fn split_heads(
+        &self,
+        x: Tensor,
+        num_heads: usize,
+        norm: Option<&Tensor>,
+        rotation: Option<&(Tensor, Tensor)>,
+    ) -> Result<Tensor> {
+        let s = &self.shape;
+        let n = x.dim(0)?;
+        let x = x.reshape((n, num_heads, s.head_dim))?.transpose(0, 1)?.contiguous()?; // [heads, n, hd]
+        let x = match norm {
+            Some(weight) => rms_norm(&x, weight, s.rms_eps)?,
+            None => x,
+        };
+        let Some((cos, sin)) = rotation else { return Ok(x) };
+        let x = x.unsqueeze(0)?;
+        let rotated = match s.rope_pairing {
+            Pairing::Interleaved => rope_i(&x, cos, sin)?,
+            Pairing::Halves => rope(&x, cos, sin)?,
+        };
+        Ok(rotated.squeeze(0)?)
+    }
+
+    /// Rotated, normed keys and values `[num_kv_heads, n, head_dim]` of `x` `[n, attn_input_size]`.
+    fn keys_values(&self, x: &Tensor, rope: &(Tensor, Tensor)) -> Result<(Tensor, Tensor)> {
+        let kv_heads = self.shape.num_kv_heads;
+        let k = self.split_heads(self.k.forward(x)?, kv_heads, self.k_norm.as_ref(), Some(rope))?;
+        let v = self.split_heads(self.v.forward(x)?, kv_heads, None, None)?;
+        Ok((k, v))
+    }
+
+    /// The rest of the layer after attention `[n, num_heads * head_dim]`: the output projection
+    /// added to `residual`, then the post-attention norm and the MLP, added too.
+    fn finish(&self, attn: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        let x = (residual + self.o.forward(attn)?)?;
+        let h = rms_norm(&x, &self.post_attention_norm, self.shape.rms_eps)?;
         let mlp = self.down.forward(&(self.gate.forward(&h)?.silu()? * self.up.forward(&h)?)?)?;
         Ok((x + mlp)?)
     }

@@ -19,6 +19,12 @@
 //!   `{i}.{j}.linear.*` and `{i}.{num_layers}.weight`, saved as safetensors) or vLLM's
 //!   (`num_heads`, `num_hidden_layers`, `blocks.{i}.layers.{j}.*`, `lm_heads.{i}.weight`,
 //!   `original_lm_head`, `truncated_vocab_size` with `token_map`).
+//! - DFlash (`"dflash"`): PyPI `dflash` 0.1.0's `DFlashDraftModel` directory (a Qwen3
+//!   `config.json` with `num_target_layers` and `dflash_config`: `target_layer_ids`, `block_size`,
+//!   `mask_token_id`, `input_embedding_scale`, `output_multiplier`, `final_logit_softcapping`, each
+//!   also read at the top level as the reference does; `layers.{i}.*`, `fc`, `hidden_norm`, `norm`).
+//!   Its `DFlash2DraftModel` variant (dynamic convolutions and a candidate selector) is refused by
+//!   name.
 //!
 //! Invariant: a head is built only when it fits the target: hidden size, vocabulary and tap layers
 //! are checked against the target and every tensor against the head's config before a request
@@ -32,6 +38,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::Tensor;
 use serde_json::Value;
 
+use super::dflash::{DFlashHead, DFlashLayer};
 use super::eagle::{EagleHead, EagleVersion};
 use super::layer::{HeadLayer, LayerNames, LayerShape};
 use super::medusa::MedusaHead;
@@ -124,6 +131,7 @@ pub fn load(
         HeadMethod::Mtp => load_mtp_dir(&config, &mut w, target),
         HeadMethod::MlpSpeculator => load_mlp_speculator(&config, &mut w, target),
         HeadMethod::Medusa => load_medusa(&config, &mut w, target),
+        HeadMethod::DFlash => load_dflash(&config, &mut w, target),
     }?;
     Ok(LoadedHead { head, weight_bytes: w.num_bytes })
 }
@@ -803,4 +811,138 @@ fn load_medusa(config: &Config, w: &mut HeadWeights, target: Arc<dyn CausalLm>) 
     };
     let logit_scale = config.opt_f64("logit_scale")?.unwrap_or(1.0);
     Ok(Head::Parallel(Arc::new(MedusaHead { blocks, lm_heads, token_map, target_vocab, logit_scale })))
+}
+
+/// dflash's `build_target_layer_ids`: the layers whose outputs a drafter of `num_draft_layers`
+/// layers reads when its config names none, spread from layer 1 to layer `num_target_layers - 3`.
+fn dflash_default_layer_ids(num_target_layers: usize, num_draft_layers: usize) -> Vec<usize> {
+    if num_draft_layers == 1 {
+        return vec![num_target_layers / 2];
+    }
+    let (start, end) = (1.0, num_target_layers as f64 - 3.0);
+    // Python's round() rounds halves to even.
+    let round_half_even = |x: f64| {
+        let r = x.round();
+        if (x - x.trunc()).abs() == 0.5 && r % 2.0 != 0.0 {
+            r - x.signum()
+        } else {
+            r
+        }
+    };
+    (0..num_draft_layers)
+        .map(|i| round_half_even(start + i as f64 * (end - start) / (num_draft_layers - 1) as f64).max(0.0) as usize)
+        .collect()
+}
+
+fn load_dflash(config: &Config, w: &mut HeadWeights, target: Arc<dyn CausalLm>) -> Result<Head> {
+    let file = config.file.clone();
+    let info = target.info().clone();
+    if w.has("candidate_selector.hidden_projection.weight")
+        || config.get("conv_kernel_size").is_some()
+        || config.nested("dflash_config").is_some_and(|d| d.get("selector_rank").is_some())
+    {
+        return Err(Error::config(format!(
+            "{file} is a DFlash2 drafter (dynamic convolutions and a candidate selector); specrs reads DFlash \
+             drafters (DFlashDraftModel) only: use one of those"
+        )));
+    }
+    // dflash reads each option from `dflash_config` first, then from the config itself.
+    let dflash_config = config.nested("dflash_config");
+    let option = |key: &str| -> &Config {
+        match &dflash_config {
+            Some(d) if d.get(key).is_some() => d,
+            _ => config,
+        }
+    };
+    let hidden = config.usize("hidden_size")?;
+    check_hidden("hidden_size", hidden, target.as_ref(), &file)?;
+    if let Some(vocab) = config.opt_usize("vocab_size")? {
+        check_vocab(vocab, target.as_ref(), &file)?;
+    }
+    if let Some(layer_types) = config.get("layer_types").and_then(Value::as_array) {
+        if layer_types.iter().any(|t| t.as_str() != Some("full_attention")) {
+            return Err(Error::config(format!(
+                "{file}: layer_types {} has sliding-window layers; specrs runs DFlash drafters whose layers all \
+                 attend to the whole context (\"full_attention\")",
+                Value::Array(layer_types.clone())
+            )));
+        }
+    }
+    let num_layers = config.usize("num_hidden_layers")?;
+    if num_layers == 0 {
+        return Err(Error::model_load(format!(
+            "{file}: num_hidden_layers is 0; a DFlash drafter has at least one layer"
+        )));
+    }
+    let num_target_layers = config.opt_usize("num_target_layers")?;
+    let explicit_ids = option("target_layer_ids").usize_list("target_layer_ids")?;
+    if let Some(n) = num_target_layers.filter(|&n| n != info.num_layers && explicit_ids.is_none()) {
+        return Err(Error::model_load(format!(
+            "{file}: num_target_layers is {n} but the target has {} layers; this drafter was trained for another \
+             target: use a drafter trained for this one",
+            info.num_layers
+        )));
+    }
+    let layer_ids = explicit_ids.unwrap_or_else(|| dflash_default_layer_ids(info.num_layers, num_layers));
+    if let Some(&bad) = layer_ids.iter().find(|&&id| id >= info.num_layers) {
+        return Err(Error::model_load(format!(
+            "{file}: target_layer_ids {layer_ids:?} names layer {bad}, but the target has {} layers (0..{}); this \
+             drafter was trained for a deeper target: use a drafter trained for this one",
+            info.num_layers,
+            info.num_layers - 1
+        )));
+    }
+    // dflash taps hidden_states[id + 1], the output of layer id; transformers' last entry is after
+    // the final norm.
+    let hidden_state_ids: Vec<usize> = layer_ids.iter().map(|id| id + 1).collect();
+    check_taps(&hidden_state_ids, w.dims("fc.weight"), hidden, info.num_layers, &file, "target_layer_ids")?;
+    let taps = hidden_state_ids
+        .iter()
+        .map(|&i| if i == info.num_layers { Tap::FinalNorm } else { Tap::Residual(i) })
+        .collect();
+    let block_size = option("block_size").opt_usize("block_size")?.unwrap_or(16);
+    if block_size < 2 {
+        return Err(Error::model_load(format!(
+            "{file}: block_size is {block_size}; a DFlash block holds the newest token and at least one draft (2 or more)"
+        )));
+    }
+    let mask_token_id = option("mask_token_id").opt_usize("mask_token_id")?.ok_or_else(|| {
+        Error::model_load(format!(
+            "{file}: mask_token_id is missing (in dflash_config or at the top level); a DFlash drafter fills its \
+             block with the mask token it was trained with"
+        ))
+    })?;
+    if mask_token_id >= info.vocab_size {
+        return Err(Error::model_load(format!(
+            "{file}: mask_token_id {mask_token_id} is outside the target's vocabulary ({} tokens); this drafter \
+             belongs to another target",
+            info.vocab_size
+        )));
+    }
+    let softcap = option("final_logit_softcapping").opt_f64("final_logit_softcapping")?.filter(|&c| c > 0.0);
+    let shape = config.layer_shape(hidden, target.as_ref(), Pairing::Halves)?;
+    let eps = shape.rms_eps;
+    let layers = (0..num_layers)
+        .map(|i| {
+            Ok(DFlashLayer {
+                input_norm: w.tensor(&format!("layers.{i}.input_layernorm.weight"), &[hidden])?,
+                layer: HeadLayer::load(w, &LayerNames::hf(&format!("layers.{i}")), shape.clone())?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Head::Block(Arc::new(DFlashHead {
+        taps,
+        fc: w.linear("fc", hidden, layer_ids.len() * hidden)?,
+        hidden_norm: w.tensor("hidden_norm.weight", &[hidden])?,
+        layers,
+        norm: w.tensor("norm.weight", &[hidden])?,
+        block_size,
+        mask_token_id: mask_token_id as u32,
+        input_embedding_scale: option("input_embedding_scale").opt_f64("input_embedding_scale")?.unwrap_or(1.0),
+        output_multiplier: option("output_multiplier").opt_f64("output_multiplier")?.unwrap_or(1.0),
+        final_logit_softcapping: softcap,
+        causal: config.bool_or("is_causal", false)?,
+        target,
+        rms_eps: eps,
+    })))
 }

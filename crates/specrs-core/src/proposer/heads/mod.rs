@@ -1,14 +1,17 @@
 //! Hidden-state heads: small networks trained on the target's hidden states that draft from them.
 //! EAGLE-1/2 and EAGLE-3 (`eagle.rs`), MTP layers (`mtp.rs`), IBM's MLP speculator
-//! (`mlp_speculator.rs`) and Medusa (`medusa.rs`), loaded from the checkpoints the field publishes
-//! (`load.rs`).
+//! (`mlp_speculator.rs`), Medusa (`medusa.rs`) and DFlash block drafters (`dflash.rs`), loaded
+//! from the checkpoints the field publishes (`load.rs`).
 //!
-//! Two shapes of head share one proposer (`HeadProposer`):
+//! Three shapes of head share one proposer (`HeadProposer`):
 //! - recurrent heads (EAGLE, EAGLE-3, MTP) run a decoder layer with their own KV cache over the
 //!   context, pairing the target's hidden state at position j with the token at j + 1, then draft
 //!   autoregressively, feeding their own output hidden state back;
 //! - parallel heads (MLP speculator, Medusa) draft token i from the target's last hidden state
-//!   (and, for the MLP speculator, from the tokens drawn before it) with their i-th head.
+//!   (and, for the MLP speculator, from the tokens drawn before it) with their i-th head;
+//! - block heads (DFlash) keep a KV cache of the context's target hidden states and draft a whole
+//!   block in one forward: the newest token followed by mask tokens, one row of logits per
+//!   drafted position.
 //!
 //! Every drafted token of a chain is drawn from the head's own distribution q after the request's
 //! sampling settings and goes to the same verifier as every other draft, with q, so greedy output
@@ -18,7 +21,8 @@
 //! node's children are its top-k tokens under q, the best nodes of each depth are expanded in one
 //! batched step (recurrent heads: `RecurrentHead::step_tree`, each row attending to the context
 //! and its own ancestors only; parallel heads: `ParallelHead::step_rows`), and the best nodes by
-//! cumulative q are kept. Tree drafts are deterministic (no q), which the verifier checks exactly
+//! cumulative q are kept (block heads: every node of depth d gets its children from the block's
+//! row d, so the tree costs no forward beyond the block). Tree drafts are deterministic (no q), which the verifier checks exactly
 //! by drawing the target's token and accepting the child equal to it.
 //!
 //! Invariant: a head writes no target cache. Its own cache holds one position per context
@@ -27,6 +31,7 @@
 //! `propose_tree` returns, and the accepted tokens' positions are recomputed from the target's own
 //! hidden states at the next draft.
 
+pub mod dflash;
 pub mod eagle;
 pub mod layer;
 pub mod load;
@@ -143,11 +148,31 @@ pub trait ParallelHead: Send + Sync {
     }
 }
 
+/// A head that drafts a whole block of positions in one forward (DFlash).
+pub trait BlockHead: Send + Sync {
+    /// The target hidden states it reads, concatenated in this order into one row per position.
+    fn taps(&self) -> Vec<Tap>;
+    /// One empty cache per layer of the head.
+    fn new_caches(&self, capacity: usize, kv_bytes: &Arc<KvBytes>) -> Result<Vec<KvCache>>;
+    /// Reads context rows: `target_hidden` `[n, taps width]` of positions `start..start + n`.
+    fn extend(&self, caches: &mut [KvCache], target_hidden: &Tensor, start: usize) -> Result<()>;
+    /// How many tokens one block drafts (its rows after the newest context token).
+    fn block_len(&self) -> usize;
+    /// One block from the newest context token `anchor` at `position`: logits
+    /// `[block_len, target_vocab]` f32 of positions `position + 1..`, row i independent of what is
+    /// drawn at the others. Leaves the caches as they were.
+    fn block(&self, caches: &[KvCache], anchor: u32, position: usize) -> Result<Tensor>;
+    /// What a context row read by `extend` costs as a share of one drafted token's part of a
+    /// block.
+    fn context_row_share(&self) -> f64;
+}
+
 /// A loaded head, shared by every request of an engine.
 #[derive(Clone)]
 pub enum Head {
     Recurrent(Arc<dyn RecurrentHead>),
     Parallel(Arc<dyn ParallelHead>),
+    Block(Arc<dyn BlockHead>),
 }
 
 impl Head {
@@ -155,14 +180,20 @@ impl Head {
         match self {
             Head::Recurrent(h) => h.taps(),
             Head::Parallel(h) => vec![h.tap()],
+            Head::Block(h) => h.taps(),
         }
     }
 
-    /// The most tokens one draft may hold (a parallel head has one sub-head per token).
-    pub fn max_draft_tokens(&self) -> Option<usize> {
+    /// The most tokens one draft may hold (a parallel head has one sub-head per token, a block
+    /// head drafts its block), and why.
+    pub fn max_draft_tokens(&self) -> Option<(usize, String)> {
         match self {
             Head::Recurrent(_) => None,
-            Head::Parallel(h) => Some(h.num_heads()),
+            Head::Parallel(h) => Some((h.num_heads(), "one per sub-head".into())),
+            Head::Block(h) => Some((
+                h.block_len(),
+                format!("it was trained on blocks of {}: the newest token and the drafts", h.block_len() + 1),
+            )),
         }
     }
 }
@@ -175,7 +206,7 @@ pub struct HeadProposer {
     drawing: DraftDrawing,
     kv_bytes: Arc<KvBytes>,
     sampler: Option<DraftSampler>,
-    /// Recurrent heads' caches (one per head layer).
+    /// Recurrent and block heads' caches (one per head layer).
     caches: Vec<KvCache>,
     /// Context positions whose target hidden states the head has read into its caches.
     fed: usize,
@@ -211,7 +242,8 @@ impl HeadProposer {
 
     /// Keeps every draft step's logits from now on (`take_recorded`): what the golden tests
     /// compare with the reference implementations. A tree records every expanded node's, the
-    /// root's first, then depth by depth in frontier order.
+    /// root's first, then depth by depth in frontier order; a block head records its whole
+    /// block's rows, however many it draws from.
     pub fn record_logits(&mut self) {
         self.recorded = Some(Vec::new());
     }
@@ -422,6 +454,55 @@ impl HeadProposer {
         Ok(tree.draft(&tree.select()))
     }
 
+    /// A block head's logits rows `[block_len][target_vocab]` for the positions after `context`,
+    /// once it has read the pending context rows (recorded when recording).
+    fn block_rows(&mut self, head: &Arc<dyn BlockHead>, context: &[u32]) -> Result<Vec<Vec<f32>>> {
+        let (target_hidden, start) = self.take_pending(context.len())?;
+        head.extend(&mut self.caches, &target_hidden, start)?;
+        self.fed = start + target_hidden.dim(0)?;
+        let logits = head.block(&self.caches, context[context.len() - 1], context.len() - 1)?; // [block_len, vocab]
+        self.logit_rows(&logits)
+    }
+
+    /// A chain from one block: token i drawn from row i, for as long as the sampler is confident.
+    fn draft_block(&mut self, head: &Arc<dyn BlockHead>, context: &[u32], max_tokens: usize) -> Result<Draft> {
+        let rows = self.block_rows(head, context)?;
+        let sampler =
+            self.sampler.as_mut().ok_or_else(|| Error::Internal("head proposer used before begin()".into()))?;
+        let mut draft = DraftBuilder::after(context.len());
+        for row in rows.iter().take(max_tokens) {
+            if !draft.push(sampler.draw(row, draft.next_position())) {
+                break;
+            }
+        }
+        Ok(draft.build())
+    }
+
+    /// EAGLE-2's tree from one block: every node of depth d gets its children from row d + 1 (the
+    /// root's from row 0), as Medusa's heads give every node of a depth the same children.
+    fn tree_block(
+        &mut self,
+        head: &Arc<dyn BlockHead>,
+        context: &[u32],
+        max_depth: usize,
+        limits: TreeLimits,
+    ) -> Result<Draft> {
+        let rows = self.block_rows(head, context)?;
+        let sampler = self.sampler()?;
+        let mut tree = DynamicTree::new(max_depth.min(rows.len()), limits);
+        tree.add_children(sampler, -1, &rows[0]);
+        for (depth, row) in rows.iter().enumerate().skip(1) {
+            let frontier = tree.frontier(depth - 1);
+            if frontier.is_empty() {
+                break;
+            }
+            for x in frontier {
+                tree.add_children(sampler, x as i32, row);
+            }
+        }
+        Ok(tree.draft(&tree.select()))
+    }
+
     fn draft_parallel(&mut self, head: &Arc<dyn ParallelHead>, context: &[u32], max_tokens: usize) -> Result<Draft> {
         let (target_hidden, start) = self.take_pending(context.len())?;
         self.fed = start + target_hidden.dim(0)?;
@@ -445,8 +526,10 @@ impl HeadProposer {
 impl Proposer for HeadProposer {
     fn begin(&mut self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
         self.sampler = Some(DraftSampler::new(params, self.target_vocab, self.target_vocab, self.drawing));
+        let capacity = prompt.len() + params.max_tokens;
         self.caches = match &self.head {
-            Head::Recurrent(head) => head.new_caches(prompt.len() + params.max_tokens, &self.kv_bytes)?,
+            Head::Recurrent(head) => head.new_caches(capacity, &self.kv_bytes)?,
+            Head::Block(head) => head.new_caches(capacity, &self.kv_bytes)?,
             Head::Parallel(_) => Vec::new(),
         };
         self.fed = 0;
@@ -462,6 +545,7 @@ impl Proposer for HeadProposer {
         match self.head.clone() {
             Head::Recurrent(head) => self.draft_recurrent(&head, context, max_tokens),
             Head::Parallel(head) => self.draft_parallel(&head, context, max_tokens),
+            Head::Block(head) => self.draft_block(&head, context, max_tokens),
         }
     }
 
@@ -473,6 +557,7 @@ impl Proposer for HeadProposer {
             Head::Recurrent(head) if head.drafts_trees() => self.tree_recurrent(&head, context, max_depth, limits),
             Head::Recurrent(_) => self.propose(context, max_depth.min(limits.max_nodes)),
             Head::Parallel(head) => self.tree_parallel(&head, context, max_depth, limits),
+            Head::Block(head) => self.tree_block(&head, context, max_depth, limits),
         }
     }
 
@@ -483,6 +568,7 @@ impl Proposer for HeadProposer {
     fn context_row_share(&self) -> f64 {
         match &self.head {
             Head::Recurrent(head) => head.context_row_share(),
+            Head::Block(head) => head.context_row_share(),
             Head::Parallel(_) => 1.0, // keeps no context rows (`kv_len` is None)
         }
     }
