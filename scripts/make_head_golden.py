@@ -58,6 +58,12 @@ Cases, and what computes their reference:
                                             (layer 1's output = transformers' last, final-normed hidden state),
                                             block 4; qwen3: 2 layers, taps [0, 1], block 5, input_embedding_scale,
                                             output_multiplier, final_logit_softcapping; qwen2: is_causal, taps [0]
+  dspark_qwen3                              DSpark in mlx-dspark 0.20.3's standalone format (mlx does not install
+                                            here): the block by dflash 0.1.0's DFlashDraftModel with the same layer
+                                            weights, every row drafting (logits_start 0), its own LM head over a
+                                            128-token draft vocabulary (d2t), soft-cap 20, Markov head (rank 8) and
+                                            confidence head by an independent torch implementation of mlx-dspark's
+                                            formulas; 3 steps with confidences
   eagle3_llama_gguf                         no computation of its own: the committed
                                             eagle3_llama_speculators head re-encoded as llama.cpp's `eagle3`
                                             GGUF (head.gguf) the way its convert_hf_to_gguf.py writes it,
@@ -1073,6 +1079,102 @@ def dflash(case, family, seed, num_layers, layer_ids, block, options):
     return logits, steps[0][1], f"3 steps, cached vs recomputed {worst:.1e}, taps {model.target_layer_ids}"
 
 
+def dspark(case, family, seed):
+    """A DSpark drafter in mlx-dspark's standalone format (Qwen3 family): DFlash layers drafting from
+    the anchor's row too (logits_start 0), its own LM head over a draft vocabulary (d2t), a soft-cap,
+    a Markov head (rank 8) and a confidence head reading [row ; markov_w1[previous]]. mlx does not
+    install here: the block is dflash 0.1.0's DFlashDraftModel with the same weights (the layers and
+    the context are DFlash's, as mlx-dspark's model.py runs them), the heads an independent torch
+    implementation of mlx-dspark 0.20.3's formulas (model.py's VanillaMarkov and ConfidenceHead,
+    generate.py's cumulative confidence rule). Three steps of one request, as the dflash cases;
+    the reference also holds each drafted row's confidence."""
+    from dflash.model import DFlashDraftModel, _crop_to, _make_cache, _raw_input_embeddings
+    from dflash.model import extract_context_feature
+    from transformers import Qwen3Config
+
+    tgt, r, d = Target(family), Rand(seed), fresh(case)
+    block, rank, cap, layer_ids = 4, 8, 20.0, [0, 1]
+    cfg = Qwen3Config(
+        hidden_size=H, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, rms_norm_eps=EPS, vocab_size=V, max_position_embeddings=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+        num_target_layers=tgt.config.num_hidden_layers,
+        dflash_config={"block_size": block, "mask_token_id": 5, "target_layer_ids": layer_ids})
+    model = DFlashDraftModel(cfg).float().eval()
+    r.fill(model)
+    d2t, _ = draft_vocab(r)
+    draft_ids = torch.arange(DV) + d2t
+    heads = {"lm_head.weight": r.linear(DV, H), "markov_head.markov_w1.weight": r.n(V, rank),
+             "markov_head.markov_w2.weight": r.linear(DV, rank), "confidence_head.proj.weight": r.linear(1, H + rank),
+             "confidence_head.proj.bias": r.bias(1)}
+    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items() if "rotary" not in k}
+    save_file({**tensors, **heads, "d2t": d2t.to(torch.int64)}, d / "model.safetensors")
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["DSparkDraftModel"], "model_type": "qwen3", "hidden_size": H, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "rms_norm_eps": EPS, "rope_theta": 10000.0, "vocab_size": V, "block_size": block, "mask_token_id": 5,
+        "target_layer_ids": layer_ids, "logits_start": 0, "markov_rank": rank, "enable_confidence_head": True,
+        "confidence_head_with_markov": True, "final_logit_softcapping": cap, "draft_vocab_size": DV,
+        "num_target_layers": tgt.config.num_hidden_layers}, indent=2) + "\n")
+    w = load_file(d / "model.safetensors")  # compute the heads from the file
+
+    def features(context):
+        out = tgt.model(torch.tensor([context[:-1]]), output_hidden_states=True)
+        return extract_context_feature(out.hidden_states, model.target_layer_ids)
+
+    def rows(context, th, cache, first):  # [block, H]: every row drafts (logits_start 0)
+        start = len(context) - 1
+        ids = torch.tensor([[context[-1]] + [5] * (block - 1)])
+        hidden = model(target_hidden=th, noise_embedding=_raw_input_embeddings(tgt.model, ids),
+                       position_ids=torch.arange(first, start + block)[None], past_key_values=cache,
+                       use_cache=cache is not None)[0, -block:, :]
+        if cache is not None:
+            _crop_to(cache, start)
+        return hidden
+
+    def draft(context, hidden):  # greedy, row by row after the previous token
+        logits, drafts, confidences, previous = [], [], [], context[-1]
+        for row in hidden:
+            z = F.linear(row, w["lm_head.weight"])
+            z = cap * torch.tanh(z / cap)
+            code = w["markov_head.markov_w1.weight"][previous]
+            z = z + F.linear(code, w["markov_head.markov_w2.weight"])
+            conf = torch.sigmoid(F.linear(torch.cat([row, code]), w["confidence_head.proj.weight"],
+                                          w["confidence_head.proj.bias"]))
+            full = scatter_draft(z[None], d2t)[0]
+            previous = int(draft_ids[int(z.argmax())])
+            logits.append(full)
+            drafts.append(previous)
+            confidences.append(round(float(conf), 6))
+        return torch.stack(logits), drafts, confidences
+
+    prompt = prompt_ids(seed)
+    contexts, cache, fed, steps = [prompt], _make_cache(model.config), 0, []
+    with torch.no_grad():
+        for s in range(3):
+            context = contexts[-1]
+            th = features(context)
+            cached = rows(context, th[:, fed:], cache, fed)
+            fed = th.shape[1]
+            diff = (cached - rows(context, th, None, 0)).abs().max().item()
+            assert diff < TOL, f"{case}: cached vs recomputed {diff}"
+            logits, drafts, confidences = draft(context, cached)
+            steps.append((context, drafts, logits, confidences, diff))
+            contexts.append(context + drafts[: s + 1] + [int(torch.randint(3, V, (1,), generator=r.g))])
+    write_reference(case, "dspark", tgt.path, d, "dflash 0.1.0 block + independent torch (mlx-dspark 0.20.3 heads)",
+                    prompt, steps[0][1], steps[0][2])
+    ref = json.loads((d / "reference.json").read_text())
+    ref["confidences"] = steps[0][3]
+    ref["later_steps"] = [
+        {"context_ids": c, "draft_token_ids": t, "confidences": conf,
+         "logits": [[None if math.isnan(x) else round(x, 6) for x in row.tolist()] for row in lg]}
+        for c, t, lg, conf, _ in steps[1:]
+    ]
+    (d / "reference.json").write_text(json.dumps(ref) + "\n")
+    worst = max(diff for *_, diff in steps)
+    return torch.cat([lg for _, _, lg, _, _ in steps]), steps[0][1], f"3 steps, cached vs recomputed {worst:.1e}"
+
+
 CASES = {
     "eagle_llama": lambda s: eagle1("eagle_llama", "llama", s),
     "eagle_qwen2": lambda s: eagle1("eagle_qwen2", "qwen2", s),
@@ -1097,6 +1199,7 @@ CASES = {
     "dflash_qwen3_options": lambda s: dflash("dflash_qwen3_options", "qwen3", s, 2, [0, 1], 5, {
         "input_embedding_scale": 0.5, "output_multiplier": 1.5, "final_logit_softcapping": 20.0}),
     "dflash_qwen2_causal": lambda s: dflash("dflash_qwen2_causal", "qwen2", s, 1, [0], 4, {"is_causal": True}),
+    "dspark_qwen3": lambda s: dspark("dspark_qwen3", "qwen3", s),
 }
 DERIVED = {"eagle3_llama_gguf"}  # re-encodes another case's committed files: no seed of its own
 

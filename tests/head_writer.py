@@ -1,7 +1,7 @@
 """Random hidden-state heads in the formats the field publishes, written with numpy (no torch), for
 tests on real targets: EAGLE-1 (the EAGLE repository's directory), EAGLE-3 (speculators'), MTP
 (llama.cpp's nextn tensors in a GGUF file), the IBM MLP speculator, Medusa (vLLM's format with a
-truncated vocabulary) and DFlash block drafters (dflash's). Their acceptance is near zero; they test loading, rollback and losslessness.
+truncated vocabulary), DFlash block drafters (dflash's) and DSpark's (mlx-dspark's). Their acceptance is near zero; they test loading, rollback and losslessness.
 Reference logits for these formats come from scripts/make_head_golden.py on tiny targets."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from gguf_writer import FLOAT32, STRING, UINT32, GgufModel, Tensor
 
-from specrs.train.safetensors import write_safetensors
+from specrs.train.safetensors import read_safetensors, write_safetensors
 
 # SmolLM2-135M's shape (the default model).
 SMOLLM2 = dict(hidden=576, heads=9, kv_heads=3, head_dim=64, ffn=1536, vocab=49152, layers=30, rope_theta=100000.0)
@@ -193,4 +193,28 @@ def write_dflash(out: Path, s: dict = SMOLLM2, seed: int = 6, num_layers: int = 
         s, architectures=["DFlashDraftModel"], model_type="qwen3", num_hidden_layers=num_layers,
         num_target_layers=s["layers"], dflash_config=dflash_config, **config,
     )))
+    return out
+
+
+def write_dspark(out: Path, s: dict = SMOLLM2, seed: int = 7, block_size: int = 6, rank: int = 16,
+                 layer_ids: list[int] | None = None, mask_token_id: int = 0, **config) -> Path:
+    """A DSpark drafter in mlx-dspark's standalone format: DFlash's layers (one) drafting from the
+    anchor's row too (logits_start 0), the target's embedding and LM head, a Markov head of `rank`
+    and a confidence head reading [row ; markov_w1[previous]]."""
+    layer_ids = layer_ids if layer_ids is not None else [1, s["layers"] // 2, s["layers"] - 3]
+    write_dflash(out, s, seed, num_layers=1, block_size=block_size, layer_ids=layer_ids, mask_token_id=mask_token_id)
+    r = Random(seed + 100)
+    h, v = s["hidden"], s["vocab"]
+    tensors = {"markov_head.markov_w1.weight": r.rng.standard_normal((v, rank)).astype(np.float32),
+               "markov_head.markov_w2.weight": r.linear(v, rank),
+               "confidence_head.proj.weight": r.linear(1, h + rank),
+               "confidence_head.proj.bias": np.zeros(1, np.float32)}
+    write_safetensors(out / "model.safetensors", {**read_safetensors(str(out / "model.safetensors")), **tensors})
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["DSparkDraftModel"], "model_type": "qwen3", "hidden_size": h, "intermediate_size": s["ffn"],
+        "num_hidden_layers": 1, "num_attention_heads": s["heads"], "num_key_value_heads": s["kv_heads"],
+        "head_dim": s["head_dim"], "rms_norm_eps": 1e-5, "rope_theta": s["rope_theta"], "vocab_size": v,
+        "block_size": block_size, "mask_token_id": mask_token_id, "target_layer_ids": layer_ids, "logits_start": 0,
+        "markov_rank": rank, "enable_confidence_head": True, "confidence_head_with_markov": True, **config,
+    }))
     return out

@@ -1,4 +1,4 @@
-"""Hidden-state heads (EAGLE-1, EAGLE-3, MTP, MLP speculator, Medusa, DFlash) through the Python API.
+"""Hidden-state heads (EAGLE-1, EAGLE-3, MTP, MLP speculator, Medusa, DFlash, DSpark) through the Python API.
 
 - Greedy identity on the real default model with a random head of each kind written in a
   published format (tests/head_writer.py): acceptance is near zero, and every step still equals
@@ -17,6 +17,7 @@ import pytest
 from head_writer import (
     SMOLLM2,
     write_dflash,
+    write_dspark,
     write_eagle,
     write_eagle3,
     write_medusa,
@@ -45,6 +46,7 @@ def heads(tmp_path_factory):
         "mlp_speculator": str(write_mlp_speculator(d / "mlp")),
         "medusa": str(write_medusa(d / "medusa")),
         "dflash": str(write_dflash(d / "dflash", num_layers=2)),
+        "dspark": str(write_dspark(d / "dspark")),
     }
 
 
@@ -61,14 +63,14 @@ def baselines(engine):
     }
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "mlp_speculator", "medusa", "dflash"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "mlp_speculator", "medusa", "dflash", "dspark"])
 def test_greedy_identity_with_every_head(engine, baselines, heads, method):
     k = 3
     for name, text in PROMPTS.items():
         stream = engine.stream(chat(text), SamplingParams(temperature=0, max_tokens=MAX_TOKENS), speculative_config=spec(method, heads[method], k))
         for _ in stream:
             target_len, head_len = stream.kv_lens()
-            if head_len is not None and method in ("eagle", "eagle3", "mtp", "dflash"):
+            if head_len is not None and method in ("eagle", "eagle3", "mtp", "dflash", "dspark"):
                 # The head holds exactly the positions the target read (no draft rows left).
                 assert head_len <= target_len
         r = stream.result
@@ -132,6 +134,7 @@ GOLDEN_HEADS = {
     "mlp_speculator": "mlp_speculator_llama",
     "medusa": "medusa_llama",
     "dflash": "dflash_llama",
+    "dspark": "dspark_qwen3",
 }
 
 
@@ -218,6 +221,14 @@ def test_bad_heads_name_the_fix(engine, heads, tmp_path):
     refused(ModelLoadError, r"mask_token_id is missing", "dflash",
             edited(heads["dflash"], tmp_path / "dflash_mask", dflash_config={"block_size": 8}))
     refused(ConfigError, r"DFlash2 drafter", "dflash", edited(heads["dflash"], tmp_path / "dflash2", conv_kernel_size=4))
+    # DSpark: one named as DFlash, a Gemma 4 drafter, an option specrs does not run, a missing head.
+    refused(ConfigError, r'DSpark drafter.*"method": "dspark"', "dflash", heads["dspark"])
+    refused(ConfigError, r"model_type 'gemma4'.*Qwen3-family", "dspark",
+            edited(heads["dspark"], tmp_path / "dspark_gemma", model_type="gemma4"))
+    refused(ConfigError, r"attention_sink_bias is true", "dspark",
+            edited(heads["dspark"], tmp_path / "dspark_sinks", attention_sink_bias=True))
+    refused(ModelLoadError, r"markov_head.markov_w1.weight", "dspark",
+            str(write_dflash(tmp_path / "dflash_as_dspark", layer_ids=[1, 15, 27])))
     refused(ModelLoadError, r"does not exist", "eagle", str(tmp_path / "missing"))
 
 

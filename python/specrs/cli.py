@@ -387,12 +387,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=_serve)
 
     train = sub.add_parser("train-head", help="train a hidden-state head on the target's own outputs: stages data, "
-                           "features, eagle3, mlp_speculator, ship (the trainers need the train extra: `pip install "
+                           "features, eagle3, mlp_speculator, dflash, ship (the trainers need the train extra: `pip install "
                            "torch gguf tqdm`)")
     train.add_argument("stage", choices=list(STAGES),
                        help="data: self-instruct conversations written by the target; features: its hidden states "
                             "over them (or over a --record-traffic recording), cached; eagle3, mlp_speculator: "
-                            "train that head, or fine-tune one with --init; ship: store a head in bfloat16 where "
+                            "train that head, or fine-tune one with --init; dflash: train a DFlash block drafter; ship: store a head in bfloat16 where "
                             "specrs finds it by name (`specrs train-head STAGE -h`)")
     train.add_argument("rest", nargs=argparse.REMAINDER, help="the stage's own flags")
     train.set_defaults(func=_train_head)

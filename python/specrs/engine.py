@@ -266,7 +266,7 @@ class Engine:
     "q4_0", ...}, {"method": "pard", "model": ..., "mask_token_id": ..., ...}, or a hidden-state
     head: {"method": "eagle3", "model": "head_dir_or.gguf", "num_speculative_tokens": 3} (also
     "eagle", "mtp" (whose "model" defaults to the target's own checkpoint), "mlp_speculator",
-    "medusa", "dflash" (a block drafter: num_speculative_tokens <= its block_size - 1)), or {"method": "auto", "model": "qwen2.5-coder-0.5b"}: per step, the cheapest
+    "medusa", "dflash" (a block drafter: num_speculative_tokens <= its block_size - 1), "dspark"), or {"method": "auto", "model": "qwen2.5-coder-0.5b"}: per step, the cheapest
     drafter by expected tokens per unit of cost among suffix, n-gram and the draft model (a known
     model's name stands for its file wherever a draft model goes), or a head in its place:
     {"method": "auto", "draft_method": "eagle3"} (the shipped head without "model").

@@ -153,16 +153,19 @@ pub enum HeadMethod {
     Medusa,
     /// DFlash: a block drafter over tapped target layers, one forward per block of drafts.
     DFlash,
+    /// DSpark: DFlash plus a Markov head and a confidence head.
+    DSpark,
 }
 
 impl HeadMethod {
-    pub const ALL: [HeadMethod; 6] = [
+    pub const ALL: [HeadMethod; 7] = [
         HeadMethod::Eagle,
         HeadMethod::Eagle3,
         HeadMethod::Mtp,
         HeadMethod::MlpSpeculator,
         HeadMethod::Medusa,
         HeadMethod::DFlash,
+        HeadMethod::DSpark,
     ];
 
     pub fn name(self) -> &'static str {
@@ -173,6 +176,7 @@ impl HeadMethod {
             HeadMethod::MlpSpeculator => "mlp_speculator",
             HeadMethod::Medusa => "medusa",
             HeadMethod::DFlash => "dflash",
+            HeadMethod::DSpark => "dspark",
         }
     }
 

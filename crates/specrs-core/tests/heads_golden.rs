@@ -40,6 +40,8 @@ struct Case {
     logits: Vec<Vec<Option<f32>>>,
     /// Later steps of the same request: context, draft tokens, logits.
     later_steps: Vec<(Vec<u32>, Vec<u32>, Vec<Vec<Option<f32>>>)>,
+    /// DSpark's confidence head: each drafted row's confidence at the first step.
+    confidences: Vec<f32>,
 }
 
 fn u32_list(v: &Value) -> Vec<u32> {
@@ -80,6 +82,10 @@ fn cases() -> Vec<Case> {
                             })
                             .collect()
                     })
+                    .unwrap_or_default(),
+                confidences: v["confidences"]
+                    .as_array()
+                    .map(|c| c.iter().map(|x| x.as_f64().unwrap() as f32).collect())
                     .unwrap_or_default(),
             }
         })
@@ -125,7 +131,7 @@ fn every_head_drafts_the_reference_logits() {
     let methods: std::collections::BTreeSet<&str> = cases.iter().map(|c| c.method.as_str()).collect();
     assert_eq!(
         methods.into_iter().collect::<Vec<_>>(),
-        ["dflash", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp"],
+        ["dflash", "dspark", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp"],
         "every head method has golden cases"
     );
     for case in &cases {
@@ -162,6 +168,39 @@ fn block_drafters_draft_the_reference_logits_at_later_steps() {
             println!("{:<36} step {}: max relative logit difference {worst:.2e}", case.name, i + 2);
         }
     }
+}
+
+/// DSpark's confidence head ends a draft by its rule: the leading rows whose running product of
+/// confidences reaches `draft_confidence_threshold`, at least one. Thresholds between the
+/// reference's running products give every length from 1 to the whole block.
+#[test]
+fn the_dspark_confidence_head_cuts_drafts_where_the_running_product_falls_below_the_threshold() {
+    let case = cases().into_iter().find(|c| !c.confidences.is_empty()).expect("the dspark case has confidences");
+    let engine = Engine::load(&case.target, "cpu").unwrap();
+    let products: Vec<f32> = case
+        .confidences
+        .iter()
+        .scan(1.0f32, |p, &c| {
+            *p *= c;
+            Some(*p)
+        })
+        .collect();
+    let k = case.logits.len();
+    let mut lengths = Vec::new();
+    for j in 0..=k {
+        // Just below product j - 1 (keeps j rows) or, for j = 0, above the first (keeps one).
+        let threshold = match j {
+            0 => (products[0] * 1.5).min(0.999),
+            _ => products[j - 1] * 0.999,
+        };
+        let config = config_with(&case, k, serde_json::json!({"draft_confidence_threshold": threshold}));
+        let (tokens, _) = engine.head_draft(&config, &case.prompt_ids, k).unwrap();
+        let want = products.iter().take_while(|&&p| p >= threshold).count().max(1);
+        assert_eq!(tokens.len(), want, "threshold {threshold}: products {products:?}");
+        assert_eq!(tokens, case.draft_token_ids[..want], "a cut draft is the whole draft's prefix");
+        lengths.push(tokens.len());
+    }
+    println!("dspark: running confidence products {products:?}, draft lengths {lengths:?}");
 }
 
 /// `"quantization": "q8_0"` quantizes a head's linear weights at load: its first step's logits
@@ -222,8 +261,11 @@ fn greedy_speculation_with_every_head_is_plain_greedy_decoding() {
         let engine = Engine::load(&case.target, "cpu").unwrap();
         let plain = greedy(&engine, &case.prompt_ids, None);
         // Parallel heads draft one token per sub-head, a block drafter its block.
-        let max_k =
-            if matches!(case.method.as_str(), "medusa" | "mlp_speculator" | "dflash") { case.logits.len() } else { 5 };
+        let max_k = if matches!(case.method.as_str(), "medusa" | "mlp_speculator" | "dflash" | "dspark") {
+            case.logits.len()
+        } else {
+            5
+        };
         for k in [1, max_k] {
             let speculation = engine.speculation(&config(&case, k), None).unwrap();
             let spec = greedy(&engine, &case.prompt_ids, Some(speculation));

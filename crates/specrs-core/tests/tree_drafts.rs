@@ -35,7 +35,7 @@ const RECURRENT: [&str; 8] = [
     "mtp_qwen2_mimo",
 ];
 const PARALLEL: [&str; 4] = ["mlp_speculator_llama", "mlp_speculator_qwen2", "medusa_llama", "medusa_qwen2_vllm"];
-const BLOCK: [&str; 2] = ["dflash_llama", "dflash_qwen3_options"];
+const BLOCK: [&str; 3] = ["dflash_llama", "dflash_qwen3_options", "dspark_qwen3"];
 
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")

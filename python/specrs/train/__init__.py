@@ -11,8 +11,8 @@ from .. import extras
 
 # Stage name on the command line -> module under specrs.train.
 STAGES = {"data": "selfinstruct", "features": "features", "eagle3": "eagle3",
-          "mlp_speculator": "mlp_speculator", "ship": "ship"}
-TRAINERS = ("eagle3", "mlp_speculator")
+          "mlp_speculator": "mlp_speculator", "dflash": "dflash", "ship": "ship"}
+TRAINERS = ("eagle3", "mlp_speculator", "dflash")
 
 
 def run_stage(stage: str, argv: list[str]) -> int:

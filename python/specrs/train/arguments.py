@@ -1,4 +1,4 @@
-"""The command lines of the head trainers (`specrs train-head eagle3 | mlp_speculator`), kept apart
+"""The command lines of the head trainers (`specrs train-head eagle3 | mlp_speculator | dflash`), kept apart
 from their torch code: `specrs train-head eagle3 --help` shows the flags on a machine without the
 train extra, and a run without torch fails after its flags were checked, saying how to get it.
 
@@ -62,4 +62,23 @@ def mlp_speculator() -> argparse.ArgumentParser:
     parser.add_argument("--vocab", type=int, default=49152, help="the target's vocabulary size")
     parser.add_argument("--inner", type=int, default=256)
     parser.add_argument("--n-predict", type=int, default=3)
+    return parser
+
+
+def dflash() -> argparse.ArgumentParser:
+    parser = stage_parser("dflash", "dflash")
+    add_trainer_arguments(parser, lr=6e-4)
+    parser.add_argument("--target", required=True, help="the target's GGUF or Hugging Face directory "
+                        "(its embedding, LM head and depth are read)")
+    parser.add_argument("--layers", type=int, default=1, help="the drafter's decoder layers")
+    parser.add_argument("--block-size", type=int, default=8,
+                        help="rows of a block: the newest token and block-size - 1 drafts")
+    parser.add_argument("--anchors", type=int, default=16, help="blocks trained per conversation per step")
+    parser.add_argument("--decay", type=float, default=0.8, help="loss weight of block row j: decay^(j - 1)")
+    parser.add_argument("--mask-token-id", type=int, default=None,
+                        help="the mask token (default: the token the cached responses use least)")
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--ffn", type=int, default=1536)
+    parser.add_argument("--rope-theta", type=float, default=100000.0)
     return parser

@@ -265,7 +265,7 @@ def train(args: argparse.Namespace) -> dict:
     train_ids, held_out = split(shards.lines, args.held_out)
     before = evaluate(head, shards, held_out, args.ttt_steps) if args.init is not None and held_out else None
     report = fit("eagle3", head, shards, train_ids,
-                 lambda i: losses(head, *conversation_tensors(shards, i, with_taps=True), args.ttt_steps),
+                 lambda i, _step: losses(head, *conversation_tensors(shards, i, with_taps=True), args.ttt_steps),
                  args, clip=0.5)
     write_speculators(head, args.out, shards.index["layers"], embedding.shape[0])
     report["train_tokens"] = int(sum(shards.items[i][2] - shards.items[i][1] for i in train_ids))

@@ -24,9 +24,11 @@ from .features import Shards
 
 
 def fit(name: str, model: torch.nn.Module, shards: Shards, train_ids: list[int],
-        step_loss: Callable[[int], torch.Tensor | None], args: argparse.Namespace, clip: float) -> dict:
-    """Trains `model` for `args.epochs` passes over `train_ids`; `step_loss(i)` is conversation i's
-    loss (None when it has nothing to learn). Returns {"steps", "seconds", "last_loss"}."""
+        step_loss: Callable[[int, int], torch.Tensor | None], args: argparse.Namespace, clip: float) -> dict:
+    """Trains `model` for `args.epochs` passes over `train_ids`; `step_loss(i, step)` is conversation
+    i's loss at training step `step` (None when it has nothing to learn; a loss that draws at random
+    seeds its draws with the step, so a resumed run draws what an unbroken one would). Returns
+    {"steps", "seconds", "last_loss"}."""
     if not train_ids:
         raise SystemExit(f"{args.features} has no conversation to train on (all {len(shards.items)} held out)")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -52,7 +54,7 @@ def fit(name: str, model: torch.nn.Module, shards: Shards, train_ids: list[int],
         for group in opt.param_groups:
             group["lr"] = lr
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            loss = step_loss(order[step % len(train_ids)])
+            loss = step_loss(order[step % len(train_ids)], step)
         if loss is not None:
             opt.zero_grad()
             loss.backward()

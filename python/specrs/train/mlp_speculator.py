@@ -159,7 +159,7 @@ def train(args: argparse.Namespace) -> dict:
     train_ids, held_out = split(shards.lines, args.held_out)
     before = evaluate(model, shards, held_out) if args.init is not None and held_out else None
 
-    def step_loss(i: int) -> torch.Tensor | None:
+    def step_loss(i: int, _step: int) -> torch.Tensor | None:
         tokens, mask, _, final = conversation_tensors(shards, i, with_taps=False)
         return loss(model, tokens, mask, final)
 

@@ -117,15 +117,11 @@ impl Engine {
 
     /// The greedy draft of `num_tokens` tokens that `config`'s head proposes after `prompt_ids`,
     /// with its logits at each step (`[num_tokens][vocab_size]`, -inf outside a draft
-    /// vocabulary; a block head's whole block): the target runs over the prompt but its newest token, as in a request, and the
-    /// head drafts from its hidden states. The heads' golden tests compare these with the
+    /// vocabulary): the target runs over the prompt but its newest token, as in a request, and the
+    /// head drafts from its hidden states (a draft shorter than `num_tokens` where the config's
+    /// `draft_confidence_threshold` ends it). The heads' golden tests compare these with the
     /// reference implementations.
-    pub fn head_draft(
-        &self,
-        config: &SpeculativeConfig,
-        prompt_ids: &[u32],
-        num_tokens: usize,
-    ) -> Result<HeadDraft> {
+    pub fn head_draft(&self, config: &SpeculativeConfig, prompt_ids: &[u32], num_tokens: usize) -> Result<HeadDraft> {
         let mut steps = self.head_draft_steps(config, &[prompt_ids.to_vec()], num_tokens)?;
         Ok(steps.remove(0))
     }
@@ -157,7 +153,9 @@ impl Engine {
         }
         let head = self.head(*method, model.as_deref(), quantization.as_deref())?.head;
         let vocab = self.model.info().vocab_size;
-        let mut proposer = HeadProposer::new(head, method.name(), vocab, DraftDrawing::COUPLED, self.draft_kv.clone());
+        // Coupled, as the greedy draft is; the config's confidence threshold applies.
+        let drawing = DraftDrawing { confidence_threshold: config.draft_confidence_threshold, ..DraftDrawing::COUPLED };
+        let mut proposer = HeadProposer::new(head, method.name(), vocab, drawing, self.draft_kv.clone());
         proposer.record_logits();
         let params = SamplingParams { max_tokens: num_tokens + 1, temperature: 0.0, ..SamplingParams::default() };
         proposer.begin(last, &params)?;

@@ -58,7 +58,7 @@ const fn head(name: &'static str) -> MethodSpec {
 }
 
 /// Every method, in the order error messages list them.
-pub const ALL: [MethodSpec; 14] = [
+pub const ALL: [MethodSpec; 15] = [
     MethodSpec {
         name: "ngram",
         aliases: &["[ngram]"],
@@ -145,6 +145,7 @@ pub const ALL: [MethodSpec; 14] = [
     head("mlp_speculator"),
     head("medusa"),
     head("dflash"),
+    head("dspark"),
 ];
 
 /// Every method's name, in `ALL`'s order.

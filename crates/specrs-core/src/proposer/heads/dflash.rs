@@ -18,16 +18,21 @@
 //! mask rows follow it, and the drafter was trained on full blocks (the reference shortens the
 //! block only at the end of its output buffer).
 //!
+//! DSpark drafters (`dspark.rs`) are this drafter plus a Markov head and a confidence head, and
+//! may draft from the anchor's row too (`logits_start` 0), ship their own embedding and LM head
+//! (over a draft vocabulary mapped by `d2t`): the same struct with those parts filled in.
+//!
 //! Invariant: each layer's cache holds the keys and values of exactly the context positions the
 //! head has read (`extend`); a block is never written to it.
 
 use std::sync::Arc;
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
+use super::dspark::{ConfidenceHead, MarkovHead};
 use super::layer::HeadLayer;
 use super::weights::Linear;
-use super::{rms, row_share, BlockHead};
+use super::{embed_rows, lm_head_logits, rms, row_share, scatter_vocab, BlockHead};
 use crate::error::Result;
 use crate::kv_cache::{KvBytes, KvCache};
 use crate::model::candle::attention::softcap;
@@ -49,16 +54,29 @@ pub struct DFlashHead {
     /// `[hidden]`
     pub hidden_norm: Tensor,
     pub layers: Vec<DFlashLayer>,
-    /// `[hidden]`, before the target's LM head.
+    /// `[hidden]`, before the LM head.
     pub norm: Tensor,
     /// Rows of one block: the newest context token and `block_size - 1` masks.
     pub block_size: usize,
+    /// The first row whose output drafts: 1 for DFlash (the anchor's row only carries it), 0
+    /// for DSpark heads that also draft from the anchor's row (`logits_start`).
+    pub first_drafting_row: usize,
     pub mask_token_id: u32,
+    /// The drafter's own embedding `[vocab, hidden]` (DSpark may ship one); None: the target's.
+    pub embed: Option<Tensor>,
+    /// What the block's embedding rows are multiplied by (DFlash's `input_embedding_scale`).
     pub input_embedding_scale: f64,
+    /// The drafter's own LM head `[V_out, hidden]` (DSpark may ship one); None: the target's.
+    pub lm_head: Option<Linear>,
+    /// `[V_out]` u32 target ids of the drafter's vocabulary (DSpark's `d2t`); None: the target's.
+    pub draft_to_target: Option<Tensor>,
     pub output_multiplier: f64,
     pub final_logit_softcapping: Option<f64>,
     /// Block rows attend causally among themselves (`is_causal`); by default both ways.
     pub causal: bool,
+    /// DSpark's heads.
+    pub markov: Option<MarkovHead>,
+    pub confidence: Option<ConfidenceHead>,
     pub target: Arc<dyn CausalLm>,
     pub rms_eps: f32,
 }
@@ -81,13 +99,13 @@ impl BlockHead for DFlashHead {
     }
 
     fn block_len(&self) -> usize {
-        self.block_size - 1
+        self.block_size - self.first_drafting_row
     }
 
     fn block(&self, caches: &[KvCache], anchor: u32, position: usize) -> Result<Tensor> {
         let mut tokens = vec![self.mask_token_id; self.block_size];
         tokens[0] = anchor;
-        let mut hidden = self.target.embed(&tokens)?.to_dtype(DType::F32)?; // [block, hidden]
+        let mut hidden = embed_rows(self.embed.as_ref(), self.target.as_ref(), &tokens)?; // [block, hidden]
         if self.input_embedding_scale != 1.0 {
             hidden = (hidden * self.input_embedding_scale)?;
         }
@@ -95,24 +113,42 @@ impl BlockHead for DFlashHead {
             let normed = rms(&hidden, &layer.input_norm, self.rms_eps)?;
             hidden = layer.layer.forward_block(&normed, &hidden, cache, position, self.causal)?;
         }
-        let drafted = rms(&hidden.narrow(0, 1, self.block_size - 1)?, &self.norm, self.rms_eps)?; // [block - 1, hidden]
-        let mut logits = self.target.lm_head(&drafted, None)?.to_dtype(DType::F32)?; // [block - 1, vocab]
+        let drafting = hidden.narrow(0, self.first_drafting_row, self.block_len())?;
+        rms(&drafting, &self.norm, self.rms_eps) // [block_len, hidden]
+    }
+
+    fn logits(&self, rows: &Tensor, previous: &[u32]) -> Result<Tensor> {
+        let mut logits = lm_head_logits(self.lm_head.as_ref(), self.target.as_ref(), rows)?; // [n, V_out]
         if self.output_multiplier != 1.0 {
             logits = (logits * self.output_multiplier)?;
         }
-        match self.final_logit_softcapping {
-            Some(cap) => softcap(&logits, cap as f32),
+        if let Some(cap) = self.final_logit_softcapping {
+            logits = softcap(&logits, cap as f32)?;
+        }
+        if let Some(markov) = &self.markov {
+            logits = (logits + markov.bias(previous)?)?;
+        }
+        match &self.draft_to_target {
+            Some(ids) => scatter_vocab(&logits, ids, self.target.info().vocab_size, rows.device()),
             None => Ok(logits),
         }
     }
 
+    fn reads_previous(&self) -> bool {
+        self.markov.is_some()
+    }
+
+    fn confidence(&self, rows: &Tensor, previous: &[u32]) -> Result<Option<Vec<f32>>> {
+        self.confidence.as_ref().map(|c| c.confidence(rows, previous, self.markov.as_ref())).transpose()
+    }
+
     /// A context row runs `fc` and every layer's key and value projections; a block runs every
-    /// layer over `block_size` rows and the LM head over `block_size - 1`, shared by the tokens
+    /// layer over `block_size` rows and the LM head over its drafting rows, shared by the tokens
     /// it drafts.
     fn context_row_share(&self) -> f64 {
         let row = self.fc.num_weights() + self.layers.iter().map(|l| l.layer.num_kv_weights()).sum::<usize>();
         let layers: usize = self.layers.iter().map(|l| l.layer.num_weights()).sum();
-        let per_token = (self.block_size * layers) as f64 / (self.block_size - 1) as f64;
-        row_share(row, per_token.round() as usize, None, self.target.as_ref())
+        let per_token = (self.block_size * layers) as f64 / self.block_len() as f64;
+        row_share(row, per_token.round() as usize, self.lm_head.as_ref(), self.target.as_ref())
     }
 }

@@ -25,6 +25,9 @@
 //!   also read at the top level as the reference does; `layers.{i}.*`, `fc`, `hidden_norm`, `norm`).
 //!   Its `DFlash2DraftModel` variant (dynamic convolutions and a candidate selector) is refused by
 //!   name.
+//! - DSpark (`"dspark"`): mlx-dspark's standalone config (Qwen3 family; `load_dspark` lists what
+//!   it reads), the DFlash tensors plus `markov_head.*`, `confidence_head.*` and, when shipped,
+//!   `embed_tokens`, `lm_head` and `d2t`.
 //!
 //! Invariant: a head is built only when it fits the target: hidden size, vocabulary and tap layers
 //! are checked against the target and every tensor against the head's config before a request
@@ -39,6 +42,7 @@ use candle_core::Tensor;
 use serde_json::Value;
 
 use super::dflash::{DFlashHead, DFlashLayer};
+use super::dspark::{ConfidenceHead, MarkovHead};
 use super::eagle::{EagleHead, EagleVersion};
 use super::layer::{HeadLayer, LayerNames, LayerShape};
 use super::medusa::MedusaHead;
@@ -132,6 +136,7 @@ pub fn load(
         HeadMethod::MlpSpeculator => load_mlp_speculator(&config, &mut w, target),
         HeadMethod::Medusa => load_medusa(&config, &mut w, target),
         HeadMethod::DFlash => load_dflash(&config, &mut w, target),
+        HeadMethod::DSpark => load_dspark(&config, &mut w, target),
     }?;
     Ok(LoadedHead { head, weight_bytes: w.num_bytes })
 }
@@ -834,6 +839,95 @@ fn dflash_default_layer_ids(num_target_layers: usize, num_draft_layers: usize) -
         .collect()
 }
 
+/// What a DFlash-style block drafter's config says, however its format spells it.
+struct BlockDrafterOptions {
+    /// The target layers whose outputs it reads (dflash's `target_layer_ids`).
+    layer_ids: Vec<usize>,
+    block_size: usize,
+    first_drafting_row: usize,
+    mask_token_id: usize,
+    input_embedding_scale: f64,
+    output_multiplier: f64,
+    final_logit_softcapping: Option<f64>,
+    causal: bool,
+    shape: LayerShape,
+}
+
+/// The block drafter both formats share: taps checked against the target, `fc`, `hidden_norm`,
+/// `layers.{i}.*` (Qwen3 blocks), `norm`; DSpark's own parts are filled in by its reader.
+fn block_drafter(
+    o: BlockDrafterOptions,
+    w: &mut HeadWeights,
+    target: Arc<dyn CausalLm>,
+    file: &str,
+) -> Result<DFlashHead> {
+    let info = target.info().clone();
+    let hidden = o.shape.hidden_size;
+    check_hidden("hidden_size", hidden, target.as_ref(), file)?;
+    if let Some(&bad) = o.layer_ids.iter().find(|&&id| id >= info.num_layers) {
+        return Err(Error::model_load(format!(
+            "{file}: target_layer_ids {:?} names layer {bad}, but the target has {} layers (0..{}); this drafter \
+             was trained for a deeper target: use a drafter trained for this one",
+            o.layer_ids,
+            info.num_layers,
+            info.num_layers - 1
+        )));
+    }
+    // The drafter taps hidden_states[id + 1], the output of layer id; transformers' last entry is
+    // after the final norm.
+    let hidden_state_ids: Vec<usize> = o.layer_ids.iter().map(|id| id + 1).collect();
+    check_taps(&hidden_state_ids, w.dims("fc.weight"), hidden, info.num_layers, file, "target_layer_ids")?;
+    if o.block_size <= o.first_drafting_row {
+        return Err(Error::model_load(format!(
+            "{file}: block_size is {}; a block holds the newest token and at least one draft",
+            o.block_size
+        )));
+    }
+    if o.mask_token_id >= info.vocab_size {
+        return Err(Error::model_load(format!(
+            "{file}: mask_token_id {} is outside the target's vocabulary ({} tokens); this drafter belongs to \
+             another target",
+            o.mask_token_id, info.vocab_size
+        )));
+    }
+    let num_layers = (0..).take_while(|i| w.has(&format!("layers.{i}.input_layernorm.weight"))).count();
+    if num_layers == 0 {
+        return Err(Error::model_load(format!("{file}: the drafter has no layers.0.* tensors")));
+    }
+    let layers = (0..num_layers)
+        .map(|i| {
+            Ok(DFlashLayer {
+                input_norm: w.tensor(&format!("layers.{i}.input_layernorm.weight"), &[hidden])?,
+                layer: HeadLayer::load(w, &LayerNames::hf(&format!("layers.{i}")), o.shape.clone())?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(DFlashHead {
+        taps: hidden_state_ids
+            .iter()
+            .map(|&i| if i == info.num_layers { Tap::FinalNorm } else { Tap::Residual(i) })
+            .collect(),
+        fc: w.linear("fc", hidden, o.layer_ids.len() * hidden)?,
+        hidden_norm: w.tensor("hidden_norm.weight", &[hidden])?,
+        layers,
+        norm: w.tensor("norm.weight", &[hidden])?,
+        block_size: o.block_size,
+        first_drafting_row: o.first_drafting_row,
+        mask_token_id: o.mask_token_id as u32,
+        embed: None,
+        input_embedding_scale: o.input_embedding_scale,
+        lm_head: None,
+        draft_to_target: None,
+        output_multiplier: o.output_multiplier,
+        final_logit_softcapping: o.final_logit_softcapping.filter(|&c| c > 0.0),
+        causal: o.causal,
+        markov: None,
+        confidence: None,
+        target,
+        rms_eps: o.shape.rms_eps,
+    })
+}
+
 fn load_dflash(config: &Config, w: &mut HeadWeights, target: Arc<dyn CausalLm>) -> Result<Head> {
     let file = config.file.clone();
     let info = target.info().clone();
@@ -846,6 +940,11 @@ fn load_dflash(config: &Config, w: &mut HeadWeights, target: Arc<dyn CausalLm>) 
              drafters (DFlashDraftModel) only: use one of those"
         )));
     }
+    if w.has("markov_head.markov_w1.weight") {
+        return Err(Error::config(format!(
+            "{file} is a DSpark drafter (it has a Markov head); set \"method\": \"dspark\""
+        )));
+    }
     // dflash reads each option from `dflash_config` first, then from the config itself.
     let dflash_config = config.nested("dflash_config");
     let option = |key: &str| -> &Config {
@@ -854,8 +953,6 @@ fn load_dflash(config: &Config, w: &mut HeadWeights, target: Arc<dyn CausalLm>) 
             _ => config,
         }
     };
-    let hidden = config.usize("hidden_size")?;
-    check_hidden("hidden_size", hidden, target.as_ref(), &file)?;
     if let Some(vocab) = config.opt_usize("vocab_size")? {
         check_vocab(vocab, target.as_ref(), &file)?;
     }
@@ -869,11 +966,6 @@ fn load_dflash(config: &Config, w: &mut HeadWeights, target: Arc<dyn CausalLm>) 
         }
     }
     let num_layers = config.usize("num_hidden_layers")?;
-    if num_layers == 0 {
-        return Err(Error::model_load(format!(
-            "{file}: num_hidden_layers is 0; a DFlash drafter has at least one layer"
-        )));
-    }
     let num_target_layers = config.opt_usize("num_target_layers")?;
     let explicit_ids = option("target_layer_ids").usize_list("target_layer_ids")?;
     if let Some(n) = num_target_layers.filter(|&n| n != info.num_layers && explicit_ids.is_none()) {
@@ -883,66 +975,125 @@ fn load_dflash(config: &Config, w: &mut HeadWeights, target: Arc<dyn CausalLm>) 
             info.num_layers
         )));
     }
-    let layer_ids = explicit_ids.unwrap_or_else(|| dflash_default_layer_ids(info.num_layers, num_layers));
-    if let Some(&bad) = layer_ids.iter().find(|&&id| id >= info.num_layers) {
-        return Err(Error::model_load(format!(
-            "{file}: target_layer_ids {layer_ids:?} names layer {bad}, but the target has {} layers (0..{}); this \
-             drafter was trained for a deeper target: use a drafter trained for this one",
-            info.num_layers,
-            info.num_layers - 1
-        )));
-    }
-    // dflash taps hidden_states[id + 1], the output of layer id; transformers' last entry is after
-    // the final norm.
-    let hidden_state_ids: Vec<usize> = layer_ids.iter().map(|id| id + 1).collect();
-    check_taps(&hidden_state_ids, w.dims("fc.weight"), hidden, info.num_layers, &file, "target_layer_ids")?;
-    let taps = hidden_state_ids
-        .iter()
-        .map(|&i| if i == info.num_layers { Tap::FinalNorm } else { Tap::Residual(i) })
-        .collect();
-    let block_size = option("block_size").opt_usize("block_size")?.unwrap_or(16);
-    if block_size < 2 {
-        return Err(Error::model_load(format!(
-            "{file}: block_size is {block_size}; a DFlash block holds the newest token and at least one draft (2 or more)"
-        )));
-    }
     let mask_token_id = option("mask_token_id").opt_usize("mask_token_id")?.ok_or_else(|| {
         Error::model_load(format!(
             "{file}: mask_token_id is missing (in dflash_config or at the top level); a DFlash drafter fills its \
              block with the mask token it was trained with"
         ))
     })?;
-    if mask_token_id >= info.vocab_size {
-        return Err(Error::model_load(format!(
-            "{file}: mask_token_id {mask_token_id} is outside the target's vocabulary ({} tokens); this drafter \
-             belongs to another target",
-            info.vocab_size
-        )));
-    }
-    let softcap = option("final_logit_softcapping").opt_f64("final_logit_softcapping")?.filter(|&c| c > 0.0);
-    let shape = config.layer_shape(hidden, target.as_ref(), Pairing::Halves)?;
-    let eps = shape.rms_eps;
-    let layers = (0..num_layers)
-        .map(|i| {
-            Ok(DFlashLayer {
-                input_norm: w.tensor(&format!("layers.{i}.input_layernorm.weight"), &[hidden])?,
-                layer: HeadLayer::load(w, &LayerNames::hf(&format!("layers.{i}")), shape.clone())?,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok(Head::Block(Arc::new(DFlashHead {
-        taps,
-        fc: w.linear("fc", hidden, layer_ids.len() * hidden)?,
-        hidden_norm: w.tensor("hidden_norm.weight", &[hidden])?,
-        layers,
-        norm: w.tensor("norm.weight", &[hidden])?,
-        block_size,
-        mask_token_id: mask_token_id as u32,
+    let options = BlockDrafterOptions {
+        layer_ids: explicit_ids.unwrap_or_else(|| dflash_default_layer_ids(info.num_layers, num_layers.max(1))),
+        block_size: option("block_size").opt_usize("block_size")?.unwrap_or(16),
+        first_drafting_row: 1,
+        mask_token_id,
         input_embedding_scale: option("input_embedding_scale").opt_f64("input_embedding_scale")?.unwrap_or(1.0),
         output_multiplier: option("output_multiplier").opt_f64("output_multiplier")?.unwrap_or(1.0),
-        final_logit_softcapping: softcap,
+        final_logit_softcapping: option("final_logit_softcapping").opt_f64("final_logit_softcapping")?,
         causal: config.bool_or("is_causal", false)?,
-        target,
-        rms_eps: eps,
-    })))
+        shape: config.layer_shape(config.usize("hidden_size")?, target.as_ref(), Pairing::Halves)?,
+    };
+    Ok(Head::Block(Arc::new(block_drafter(options, w, target, &file)?)))
+}
+
+/// mlx-dspark's standalone DSpark config (Qwen3 family): the DFlash drafter's keys at the top
+/// level (SpecForge's packaging nests `target_layer_ids` and `mask_token_id` in `dflash_config`),
+/// plus `logits_start`, `markov_rank`, `enable_confidence_head`, `confidence_head_with_markov`,
+/// `draft_vocab_size` (with `d2t`), and its own `embed_tokens` / `lm_head` when it ships them.
+/// What mlx-dspark reads but specrs does not run is refused by name.
+fn load_dspark(config: &Config, w: &mut HeadWeights, target: Arc<dyn CausalLm>) -> Result<Head> {
+    let file = config.file.clone();
+    let info = target.info().clone();
+    let model_type = config.str("model_type").unwrap_or("");
+    if !model_type.contains("qwen3") || model_type == "qwen3_5" {
+        return Err(Error::config(format!(
+            "{file}: model_type '{model_type}'; specrs reads Qwen3-family DSpark drafters (model_type qwen3); Gemma 4 \
+             drafters (RoPE and taps defined in mlx-vlm) and qwen3_5's gated, offset-norm layers are not read"
+        )));
+    }
+    for key in ["log_snr_conditioning", "attention_sink_bias", "enable_qwen35_gated_q_proj"] {
+        if config.bool_or(key, false)? {
+            return Err(Error::config(format!("{file}: {key} is true; specrs does not run that DSpark option")));
+        }
+    }
+    if config.get("rope_is_neox_style").is_some_and(|v| v == &Value::Bool(false))
+        || config.get("sliding_window").is_some()
+    {
+        return Err(Error::config(format!(
+            "{file}: interleaved RoPE (rope_is_neox_style false) and sliding windows are DSpark options specrs does not run"
+        )));
+    }
+    check_vocab(config.usize("vocab_size")?, target.as_ref(), &file)?;
+    let nested = config.nested("dflash_config");
+    let option = |key: &str| -> &Config {
+        match &nested {
+            Some(d) if config.get(key).is_none() && d.get(key).is_some() => d,
+            _ => config,
+        }
+    };
+    let layer_ids = option("target_layer_ids").usize_list("target_layer_ids")?.ok_or_else(|| {
+        Error::model_load(format!("{file}: target_layer_ids is missing; a DSpark config names the layers it taps"))
+    })?;
+    let first_drafting_row = match (config.opt_usize("logits_start")?, config.get("sample_from_anchor")) {
+        (Some(start), _) => start,
+        (None, Some(Value::Bool(false))) => 1,
+        (None, _) => 0,
+    };
+    let hidden = config.usize("hidden_size")?;
+    let num_heads = config.usize("num_attention_heads")?;
+    // DSpark's defaults, where they differ from a Llama config's.
+    let mut shape = config.layer_shape(hidden, target.as_ref(), Pairing::Halves)?;
+    shape.num_kv_heads = config.opt_usize("num_key_value_heads")?.unwrap_or(8.min(num_heads));
+    if config.get("rope_theta").is_none() && config.nested("rope_parameters").is_none() {
+        shape.rope_theta = 1e6;
+    }
+    let causal = config.bool_or("dflash_query_causal", false)?
+        || nested.as_ref().map_or(Ok(false), |d| d.bool_or("causal", false))?;
+    let options = BlockDrafterOptions {
+        layer_ids,
+        block_size: option("block_size").usize("block_size")?,
+        first_drafting_row,
+        mask_token_id: option("mask_token_id").usize("mask_token_id")?,
+        input_embedding_scale: info.embed_scale.map_or(1.0, f64::from),
+        output_multiplier: 1.0,
+        final_logit_softcapping: config.opt_f64("final_logit_softcapping")?,
+        causal,
+        shape,
+    };
+    let mut head = block_drafter(options, w, target, &file)?;
+    let out_vocab = match config.opt_usize("draft_vocab_size")? {
+        Some(v) if v != info.vocab_size => {
+            if !w.has("d2t") {
+                return Err(Error::model_load(format!(
+                    "{file}: draft_vocab_size is {v} but there is no 'd2t' tensor mapping the draft vocabulary to the \
+                     target's; add the d2t tensor the drafter was trained with"
+                )));
+            }
+            let offsets: Vec<i64> = w.ids("d2t", v)?.into_iter().enumerate().map(|(i, d)| i as i64 + d).collect();
+            let ids = draft_ids(offsets, info.vocab_size, "d2t", &file)?;
+            head.draft_to_target = Some(Tensor::new(ids, head.norm.device())?);
+            v
+        }
+        _ => info.vocab_size,
+    };
+    if w.has("embed_tokens.weight") {
+        head.embed = Some(w.tensor("embed_tokens.weight", &[info.vocab_size, hidden])?);
+    }
+    if w.has("lm_head.weight") || out_vocab != info.vocab_size {
+        head.lm_head = Some(w.linear("lm_head", out_vocab, hidden)?);
+    }
+    let rank = config.opt_usize("markov_rank")?.unwrap_or(256);
+    if rank > 0 {
+        head.markov = Some(MarkovHead {
+            w1: w.tensor("markov_head.markov_w1.weight", &[info.vocab_size, rank])?,
+            w2: w.linear("markov_head.markov_w2", out_vocab, rank)?,
+        });
+    }
+    if config.bool_or("enable_confidence_head", true)? {
+        let with_markov = config.bool_or("confidence_head_with_markov", true)? && head.markov.is_some();
+        head.confidence = Some(ConfidenceHead {
+            proj: w.linear("confidence_head.proj", 1, hidden + if with_markov { rank } else { 0 })?,
+            with_markov,
+        });
+    }
+    Ok(Head::Block(Arc::new(head)))
 }

@@ -1,7 +1,7 @@
 //! Hidden-state heads: small networks trained on the target's hidden states that draft from them.
 //! EAGLE-1/2 and EAGLE-3 (`eagle.rs`), MTP layers (`mtp.rs`), IBM's MLP speculator
-//! (`mlp_speculator.rs`), Medusa (`medusa.rs`) and DFlash block drafters (`dflash.rs`), loaded
-//! from the checkpoints the field publishes (`load.rs`).
+//! (`mlp_speculator.rs`), Medusa (`medusa.rs`), DFlash block drafters (`dflash.rs`) and DSpark's
+//! (`dspark.rs`), loaded from the checkpoints the field publishes (`load.rs`).
 //!
 //! Three shapes of head share one proposer (`HeadProposer`):
 //! - recurrent heads (EAGLE, EAGLE-3, MTP) run a decoder layer with their own KV cache over the
@@ -9,9 +9,9 @@
 //!   autoregressively, feeding their own output hidden state back;
 //! - parallel heads (MLP speculator, Medusa) draft token i from the target's last hidden state
 //!   (and, for the MLP speculator, from the tokens drawn before it) with their i-th head;
-//! - block heads (DFlash) keep a KV cache of the context's target hidden states and draft a whole
-//!   block in one forward: the newest token followed by mask tokens, one row of logits per
-//!   drafted position.
+//! - block heads (DFlash, DSpark) keep a KV cache of the context's target hidden states and draft
+//!   a whole block in one forward: the newest token followed by mask tokens, one output row per
+//!   drafted position (whose logits, with DSpark's Markov head, also read the token before it).
 //!
 //! Every drafted token of a chain is drawn from the head's own distribution q after the request's
 //! sampling settings and goes to the same verifier as every other draft, with q, so greedy output
@@ -32,6 +32,7 @@
 //! hidden states at the next draft.
 
 pub mod dflash;
+pub mod dspark;
 pub mod eagle;
 pub mod layer;
 pub mod load;
@@ -148,7 +149,7 @@ pub trait ParallelHead: Send + Sync {
     }
 }
 
-/// A head that drafts a whole block of positions in one forward (DFlash).
+/// A head that drafts a whole block of positions in one forward (DFlash, DSpark).
 pub trait BlockHead: Send + Sync {
     /// The target hidden states it reads, concatenated in this order into one row per position.
     fn taps(&self) -> Vec<Tap>;
@@ -156,12 +157,25 @@ pub trait BlockHead: Send + Sync {
     fn new_caches(&self, capacity: usize, kv_bytes: &Arc<KvBytes>) -> Result<Vec<KvCache>>;
     /// Reads context rows: `target_hidden` `[n, taps width]` of positions `start..start + n`.
     fn extend(&self, caches: &mut [KvCache], target_hidden: &Tensor, start: usize) -> Result<()>;
-    /// How many tokens one block drafts (its rows after the newest context token).
+    /// How many tokens one block drafts.
     fn block_len(&self) -> usize;
-    /// One block from the newest context token `anchor` at `position`: logits
-    /// `[block_len, target_vocab]` f32 of positions `position + 1..`, row i independent of what is
-    /// drawn at the others. Leaves the caches as they were.
+    /// One block from the newest context token `anchor` at `position`: the output rows
+    /// `[block_len, hidden]` that draft positions `position + 1..`, in order. Leaves the caches
+    /// as they were.
     fn block(&self, caches: &[KvCache], anchor: u32, position: usize) -> Result<Tensor>;
+    /// Logits `[n, target_vocab]` f32 of drafting rows `rows` `[n, hidden]`, each after the token
+    /// `previous[i]` (the token drafted before it, or the anchor), which only a Markov head reads.
+    fn logits(&self, rows: &Tensor, previous: &[u32]) -> Result<Tensor>;
+    /// Whether `logits` reads `previous` (DSpark's Markov head): then row i's logits wait for
+    /// token i - 1 to be drawn, and a tree's nodes of one depth get different children.
+    fn reads_previous(&self) -> bool {
+        false
+    }
+    /// DSpark's confidence head: for each of `rows` `[n, hidden]` after `previous[i]`, the
+    /// probability that its draft is accepted; None for heads without one.
+    fn confidence(&self, _rows: &Tensor, _previous: &[u32]) -> Result<Option<Vec<f32>>> {
+        Ok(None)
+    }
     /// What a context row read by `extend` costs as a share of one drafted token's part of a
     /// block.
     fn context_row_share(&self) -> f64;
@@ -242,8 +256,8 @@ impl HeadProposer {
 
     /// Keeps every draft step's logits from now on (`take_recorded`): what the golden tests
     /// compare with the reference implementations. A tree records every expanded node's, the
-    /// root's first, then depth by depth in frontier order; a block head records its whole
-    /// block's rows, however many it draws from.
+    /// root's first, then depth by depth in frontier order; a block head without a Markov head
+    /// records the rows a chain may draw from (the first `max_tokens`), one per depth of a tree.
     pub fn record_logits(&mut self) {
         self.recorded = Some(Vec::new());
     }
@@ -454,24 +468,59 @@ impl HeadProposer {
         Ok(tree.draft(&tree.select()))
     }
 
-    /// A block head's logits rows `[block_len][target_vocab]` for the positions after `context`,
-    /// once it has read the pending context rows (recorded when recording).
-    fn block_rows(&mut self, head: &Arc<dyn BlockHead>, context: &[u32]) -> Result<Vec<Vec<f32>>> {
+    /// A block head's output rows `[block_len, hidden]` for the positions after `context`, once
+    /// it has read the pending context rows.
+    fn block_rows(&mut self, head: &Arc<dyn BlockHead>, context: &[u32]) -> Result<Tensor> {
         let (target_hidden, start) = self.take_pending(context.len())?;
         head.extend(&mut self.caches, &target_hidden, start)?;
         self.fed = start + target_hidden.dim(0)?;
-        let logits = head.block(&self.caches, context[context.len() - 1], context.len() - 1)?; // [block_len, vocab]
-        self.logit_rows(&logits)
+        head.block(&self.caches, context[context.len() - 1], context.len() - 1)
     }
 
-    /// A chain from one block: token i drawn from row i, for as long as the sampler is confident.
+    /// A chain from one block: token i drawn from row i (after token i - 1, for a Markov head),
+    /// for as long as the drafts are confident against `draft_confidence_threshold`: by the
+    /// sampler's q (the token below it is kept, the draft ends after it), or with a confidence head
+    /// by DSpark's rule (the leading rows whose running product of confidences reaches it, at
+    /// least one).
     fn draft_block(&mut self, head: &Arc<dyn BlockHead>, context: &[u32], max_tokens: usize) -> Result<Draft> {
-        let rows = self.block_rows(head, context)?;
-        let sampler =
-            self.sampler.as_mut().ok_or_else(|| Error::Internal("head proposer used before begin()".into()))?;
+        let rows = self.block_rows(head, context)?; // [block_len, hidden]
+        let n = rows.dim(0)?.min(max_tokens);
+        let anchor = context[context.len() - 1];
+        // Without a Markov head every row's logits are known at once: one LM head pass.
+        let all_logits = if head.reads_previous() {
+            None
+        } else {
+            Some(self.logit_rows(&head.logits(&rows.narrow(0, 0, n)?, &vec![anchor; n])?)?)
+        };
+        let threshold = self.drawing.confidence_threshold;
+        let mut running_confidence = 1.0f32;
         let mut draft = DraftBuilder::after(context.len());
-        for row in rows.iter().take(max_tokens) {
-            if !draft.push(sampler.draw(row, draft.next_position())) {
+        let mut previous = anchor;
+        for i in 0..n {
+            let row = rows.narrow(0, i, 1)?;
+            let logits = match &all_logits {
+                Some(all) => all[i].clone(),
+                None => self.logit_rows(&head.logits(&row, &[previous])?)?.remove(0),
+            };
+            let confidence = head.confidence(&row, &[previous])?;
+            let mut last = false;
+            if let Some(confidence) = &confidence {
+                running_confidence *= confidence[0];
+                if threshold > 0.0 && running_confidence < threshold {
+                    if draft.len() > 0 {
+                        break;
+                    }
+                    last = true; // DSpark always drafts one token
+                }
+            }
+            let sampler =
+                self.sampler.as_mut().ok_or_else(|| Error::Internal("head proposer used before begin()".into()))?;
+            let mut token = sampler.draw(&logits, draft.next_position());
+            if confidence.is_some() {
+                token.confident = !last;
+            }
+            previous = token.token_id;
+            if !draft.push(token) {
                 break;
             }
         }
@@ -479,7 +528,8 @@ impl HeadProposer {
     }
 
     /// EAGLE-2's tree from one block: every node of depth d gets its children from row d + 1 (the
-    /// root's from row 0), as Medusa's heads give every node of a depth the same children.
+    /// root's from row 0), as Medusa's heads give every node of a depth the same children; with a
+    /// Markov head each node's row is read after the node's own token.
     fn tree_block(
         &mut self,
         head: &Arc<dyn BlockHead>,
@@ -487,16 +537,28 @@ impl HeadProposer {
         max_depth: usize,
         limits: TreeLimits,
     ) -> Result<Draft> {
-        let rows = self.block_rows(head, context)?;
-        let sampler = self.sampler()?;
-        let mut tree = DynamicTree::new(max_depth.min(rows.len()), limits);
-        tree.add_children(sampler, -1, &rows[0]);
-        for (depth, row) in rows.iter().enumerate().skip(1) {
+        let rows = self.block_rows(head, context)?; // [block_len, hidden]
+        let block_len = rows.dim(0)?;
+        let anchor = context[context.len() - 1];
+        let mut tree = DynamicTree::new(max_depth.min(block_len), limits);
+        let root = self.logit_rows(&head.logits(&rows.narrow(0, 0, 1)?, &[anchor])?)?;
+        tree.add_children(self.sampler()?, -1, &root[0]);
+        for depth in 1..block_len {
             let frontier = tree.frontier(depth - 1);
             if frontier.is_empty() {
                 break;
             }
-            for x in frontier {
+            let row = rows.narrow(0, depth, 1)?;
+            let logits = if head.reads_previous() {
+                let previous: Vec<u32> = frontier.iter().map(|&x| tree.nodes[x].token_id).collect();
+                let repeated = row.broadcast_as((frontier.len(), row.dim(1)?))?.contiguous()?;
+                self.logit_rows(&head.logits(&repeated, &previous)?)?
+            } else {
+                let one = self.logit_rows(&head.logits(&row, &[anchor])?)?.remove(0);
+                vec![one; frontier.len()]
+            };
+            let sampler = self.sampler()?;
+            for (&x, row) in frontier.iter().zip(&logits) {
                 tree.add_children(sampler, x as i32, row);
             }
         }
