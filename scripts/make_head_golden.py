@@ -315,8 +315,13 @@ def draft_vocab(r: Rand) -> tuple[torch.Tensor, torch.Tensor]:
     return sel - torch.arange(DV), t2d
 
 
+def json_rows(logits: torch.Tensor) -> list:
+    """Logit rows for reference.json: rounded to 6 decimals, null outside a draft vocabulary (NaN)."""
+    return [[None if math.isnan(x) else round(x, 6) for x in row.tolist()] for row in logits]
+
+
 def write_reference(case, method, target_dir, model_dir, library, prompt, drafts, logits):
-    rows = [[None if math.isnan(x) else round(x, 6) for x in row.tolist()] for row in logits]
+    rows = json_rows(logits)
     doc = {
         "case": case,
         "method": method,
@@ -1006,13 +1011,47 @@ def eagle3_llama_gguf(case, seed):
     return want, ref["draft_token_ids"], f"tensors bit-exact, eagle3.cpp graph vs ref {diff:.1e}"
 
 
+def block_request(case, method, library, tgt, d, r, model, prompt, run, draft):
+    """Three steps of one request with a block drafter (dflash, dspark): at each context, the
+    drafter's output `run(context, target rows, cache, first row's position)` with dflash_generate's
+    KV-cache pattern (context rows appended, the block cropped away) and by full recompute, which
+    must agree, and its greedy draft `draft(context, output) -> (drafts, logits, extra keys)`; then
+    the target accepts s + 1 drafts and writes a random token after them. Writes reference.json
+    with `later_steps`; returns (every step's logits, the first step's drafts, the largest
+    cached-vs-recomputed difference)."""
+    from dflash.model import _make_cache, extract_context_feature
+
+    def features(context):  # [1, len - 1, taps * H]: the target over all but the newest token
+        out = tgt.model(torch.tensor([context[:-1]]), output_hidden_states=True)
+        return extract_context_feature(out.hidden_states, model.target_layer_ids)
+
+    contexts, cache, fed, steps = [prompt], _make_cache(model.config), 0, []
+    with torch.no_grad():
+        for s in range(3):
+            context = contexts[-1]
+            th = features(context)
+            cached = run(context, th[:, fed:], cache, fed)
+            fed = th.shape[1]
+            diff = (cached - run(context, th, None, 0)).abs().max().item()
+            assert diff < TOL, f"{case}: cached vs recomputed {diff}"
+            drafts, logits, extra = draft(context, cached)
+            steps.append((context, drafts, logits, extra, diff))
+            contexts.append(context + drafts[: s + 1] + [int(torch.randint(3, V, (1,), generator=r.g))])
+    write_reference(case, method, tgt.path, d, library, prompt, steps[0][1], steps[0][2])
+    ref = json.loads((d / "reference.json").read_text())
+    ref.update(steps[0][3])
+    ref["later_steps"] = [{"context_ids": c, "draft_token_ids": t, **extra, "logits": json_rows(lg)}
+                          for c, t, lg, extra, _ in steps[1:]]
+    (d / "reference.json").write_text(json.dumps(ref) + "\n")
+    return torch.cat([lg for _, _, lg, _, _ in steps]), steps[0][1], max(diff for *_, diff in steps)
+
+
 def dflash(case, family, seed, num_layers, layer_ids, block, options):
     """A DFlash block drafter (PyPI dflash 0.1.0, DFlashDraftModel) over `family`, and its block logits at
     three contexts of one request: the prompt, then the prompt plus accepted drafts and a target token
     twice. The drafter runs with dflash's own KV-cache pattern (dflash_generate: context rows appended,
     the block cropped away after each draft) and by full recompute; the two must agree."""
-    from dflash.model import DFlashDraftModel, _crop_to, _make_cache, _output_head, _raw_input_embeddings
-    from dflash.model import extract_context_feature
+    from dflash.model import DFlashDraftModel, _crop_to, _output_head, _raw_input_embeddings
     from transformers import Qwen3Config
 
     tgt, r, d = Target(family), Rand(seed), fresh(case)
@@ -1036,10 +1075,6 @@ def dflash(case, family, seed, num_layers, layer_ids, block, options):
     head = _output_head(tgt.model)
     scale = float(dflash_config.get("input_embedding_scale", 1.0))
 
-    def features(context):  # [1, len - 1, taps * H]: the target over all but the newest token
-        out = tgt.model(torch.tensor([context[:-1]]), output_hidden_states=True)
-        return extract_context_feature(out.hidden_states, model.target_layer_ids)
-
     def block_logits(context, th, cache, first):  # rows of th are positions first..len(context) - 2
         start = len(context) - 1
         ids = torch.tensor([[context[-1]] + [model.mask_token_id] * (block - 1)])
@@ -1050,33 +1085,10 @@ def dflash(case, family, seed, num_layers, layer_ids, block, options):
             _crop_to(cache, start)
         return model.compute_logits(hidden, head)[0]  # [block - 1, V]
 
-    prompt = prompt_ids(seed)
-    contexts, cache, fed = [prompt], _make_cache(model.config), 0
-    steps = []
-    with torch.no_grad():
-        for s in range(3):
-            context = contexts[-1]
-            th = features(context)
-            cached = block_logits(context, th[:, fed:], cache, fed)
-            fed = th.shape[1]
-            recomputed = block_logits(context, th, None, 0)
-            diff = (cached - recomputed).abs().max().item()
-            assert diff < TOL, f"{case}: cached vs recomputed {diff}"
-            drafts = [greedy(row) for row in cached]
-            steps.append((context, drafts, cached, diff))
-            # The target accepts s + 1 drafts and writes its own token after them.
-            contexts.append(context + drafts[: s + 1] + [int(torch.randint(3, V, (1,), generator=r.g))])
-    write_reference(case, "dflash", tgt.path, d, "dflash 0.1.0 (DFlashDraftModel, dflash_generate's cache)",
-                    prompt, steps[0][1], steps[0][2])
-    ref = json.loads((d / "reference.json").read_text())
-    ref["later_steps"] = [
-        {"context_ids": c, "draft_token_ids": t, "logits": [[round(x, 6) for x in row.tolist()] for row in lg]}
-        for c, t, lg, _ in steps[1:]
-    ]
-    (d / "reference.json").write_text(json.dumps(ref) + "\n")
-    logits = torch.cat([lg for _, _, lg, _ in steps])
-    worst = max(diff for *_, diff in steps)
-    return logits, steps[0][1], f"3 steps, cached vs recomputed {worst:.1e}, taps {model.target_layer_ids}"
+    logits, drafts, worst = block_request(
+        case, "dflash", "dflash 0.1.0 (DFlashDraftModel, dflash_generate's cache)", tgt, d, r, model, prompt_ids(seed),
+        block_logits, lambda context, lg: ([greedy(row) for row in lg], lg, {}))
+    return logits, drafts, f"3 steps, cached vs recomputed {worst:.1e}, taps {model.target_layer_ids}"
 
 
 def dspark(case, family, seed):
@@ -1088,8 +1100,7 @@ def dspark(case, family, seed):
     implementation of mlx-dspark 0.20.3's formulas (model.py's VanillaMarkov and ConfidenceHead,
     generate.py's cumulative confidence rule). Three steps of one request, as the dflash cases;
     the reference also holds each drafted row's confidence."""
-    from dflash.model import DFlashDraftModel, _crop_to, _make_cache, _raw_input_embeddings
-    from dflash.model import extract_context_feature
+    from dflash.model import DFlashDraftModel, _crop_to, _raw_input_embeddings
     from transformers import Qwen3Config
 
     tgt, r, d = Target(family), Rand(seed), fresh(case)
@@ -1118,10 +1129,6 @@ def dspark(case, family, seed):
         "num_target_layers": tgt.config.num_hidden_layers}, indent=2) + "\n")
     w = load_file(d / "model.safetensors")  # compute the heads from the file
 
-    def features(context):
-        out = tgt.model(torch.tensor([context[:-1]]), output_hidden_states=True)
-        return extract_context_feature(out.hidden_states, model.target_layer_ids)
-
     def rows(context, th, cache, first):  # [block, H]: every row drafts (logits_start 0)
         start = len(context) - 1
         ids = torch.tensor([[context[-1]] + [5] * (block - 1)])
@@ -1146,33 +1153,12 @@ def dspark(case, family, seed):
             logits.append(full)
             drafts.append(previous)
             confidences.append(round(float(conf), 6))
-        return torch.stack(logits), drafts, confidences
+        return drafts, torch.stack(logits), {"confidences": confidences}
 
-    prompt = prompt_ids(seed)
-    contexts, cache, fed, steps = [prompt], _make_cache(model.config), 0, []
-    with torch.no_grad():
-        for s in range(3):
-            context = contexts[-1]
-            th = features(context)
-            cached = rows(context, th[:, fed:], cache, fed)
-            fed = th.shape[1]
-            diff = (cached - rows(context, th, None, 0)).abs().max().item()
-            assert diff < TOL, f"{case}: cached vs recomputed {diff}"
-            logits, drafts, confidences = draft(context, cached)
-            steps.append((context, drafts, logits, confidences, diff))
-            contexts.append(context + drafts[: s + 1] + [int(torch.randint(3, V, (1,), generator=r.g))])
-    write_reference(case, "dspark", tgt.path, d, "dflash 0.1.0 block + independent torch (mlx-dspark 0.20.3 heads)",
-                    prompt, steps[0][1], steps[0][2])
-    ref = json.loads((d / "reference.json").read_text())
-    ref["confidences"] = steps[0][3]
-    ref["later_steps"] = [
-        {"context_ids": c, "draft_token_ids": t, "confidences": conf,
-         "logits": [[None if math.isnan(x) else round(x, 6) for x in row.tolist()] for row in lg]}
-        for c, t, lg, conf, _ in steps[1:]
-    ]
-    (d / "reference.json").write_text(json.dumps(ref) + "\n")
-    worst = max(diff for *_, diff in steps)
-    return torch.cat([lg for _, _, lg, _, _ in steps]), steps[0][1], f"3 steps, cached vs recomputed {worst:.1e}"
+    logits, drafts, worst = block_request(
+        case, "dspark", "dflash 0.1.0 block + independent torch (mlx-dspark 0.20.3 heads)", tgt, d, r, model,
+        prompt_ids(seed), rows, draft)
+    return logits, drafts, f"3 steps, cached vs recomputed {worst:.1e}"
 
 
 CASES = {

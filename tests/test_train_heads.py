@@ -116,6 +116,21 @@ def held_out_prompts(tiny) -> list[list[int]]:
     return [rows[i]["prompt_ids"] for i in range(0, len(rows), 10)]  # --held-out 0.1: every 10th line
 
 
+def assert_training_pays(tiny, method: str, untrained: dict, trained: dict, untrained_dir: str, trained_dir: str):
+    """Training lowered the held-out loss; specrs measures higher acceptance drafting with the
+    trained head than with the untrained one on the held-out prompts; and the trainer's replay of
+    greedy drafting over the held-out conversations (the same prompts and greedy answers)
+    predicts what specrs measures drafting with the written head."""
+    assert trained["held_out"]["loss"] < 0.7 * untrained["held_out"]["loss"]
+    config = lambda d: {"method": method, "model": str(tiny["dir"] / d), "num_speculative_tokens": K,  # noqa: E731
+                        "adaptive_draft_length": False}
+    prompts = held_out_prompts(tiny)
+    before, _ = specrs_acceptance(tiny["engine"], config(untrained_dir), prompts)
+    after, mean_length = specrs_acceptance(tiny["engine"], config(trained_dir), prompts)
+    assert after > before + 0.15, (before, after)
+    assert abs(mean_length - trained["held_out"]["mean_acceptance_length"]) < 0.1, (mean_length, trained)
+
+
 @pytest.fixture(scope="module")
 def eagle3_heads(tiny):
     untrained = train_eagle3(tiny, tiny["dir"] / "eagle3-untrained", 0)
@@ -136,17 +151,8 @@ def eagle3_pair(request, tiny, eagle3_heads):
 
 def test_eagle3_training_lowers_loss_and_raises_specrs_acceptance(tiny, eagle3_pair):
     untrained, trained, untrained_dir, trained_dir = eagle3_pair
-    assert trained["held_out"]["loss"] < 0.7 * untrained["held_out"]["loss"]
     assert trained["held_out"]["mean_acceptance_length"] > untrained["held_out"]["mean_acceptance_length"] + 0.3
-    config = lambda d: {"method": "eagle3", "model": str(tiny["dir"] / d), "num_speculative_tokens": K,  # noqa: E731
-                        "adaptive_draft_length": False}
-    prompts = held_out_prompts(tiny)
-    before, _ = specrs_acceptance(tiny["engine"], config(untrained_dir), prompts)
-    after, mean_length = specrs_acceptance(tiny["engine"], config(trained_dir), prompts)
-    assert after > before + 0.15, (before, after)
-    # The trainer's replay of greedy drafting over the held-out conversations (the same prompts
-    # and greedy answers) predicts what specrs measures drafting with the written head.
-    assert abs(mean_length - trained["held_out"]["mean_acceptance_length"]) < 0.1, (mean_length, trained)
+    assert_training_pays(tiny, "eagle3", untrained, trained, untrained_dir, trained_dir)
 
 
 def test_mlp_speculator_training_lowers_loss_and_raises_specrs_acceptance(tiny):
@@ -155,14 +161,7 @@ def test_mlp_speculator_training_lowers_loss_and_raises_specrs_acceptance(tiny):
     run = lambda out, epochs: mlp_speculator.train(mlp_speculator.arguments().parse_args(  # noqa: E731
         [*common, "--out", str(tiny["dir"] / out), "--epochs", str(epochs)]))
     untrained, trained = run("mlp-untrained", 0), run("mlp", 6)
-    assert trained["held_out"]["loss"] < 0.7 * untrained["held_out"]["loss"]
-    config = lambda d: {"method": "mlp_speculator", "model": str(tiny["dir"] / d), "num_speculative_tokens": K,  # noqa: E731
-                        "adaptive_draft_length": False}
-    prompts = held_out_prompts(tiny)
-    before, _ = specrs_acceptance(tiny["engine"], config("mlp-untrained"), prompts)
-    after, mean_length = specrs_acceptance(tiny["engine"], config("mlp"), prompts)
-    assert after > before + 0.15, (before, after)
-    assert abs(mean_length - trained["held_out"]["mean_acceptance_length"]) < 0.1, (mean_length, trained)
+    assert_training_pays(tiny, "mlp_speculator", untrained, trained, "mlp-untrained", "mlp")
     # Tied weights are stored once (what vLLM names for a tied speculator), not per sub-head.
     assert "speculator.emb.1.weight" not in read_safetensors(str(tiny["dir"] / "mlp" / "model.safetensors"))
 
@@ -175,16 +174,7 @@ def test_dflash_training_lowers_loss_and_raises_specrs_acceptance(tiny):
     run = lambda out, epochs: dflash.train(dflash.arguments().parse_args(  # noqa: E731
         [*common, "--out", str(tiny["dir"] / out), "--epochs", str(epochs)]))
     untrained, trained = run("dflash-untrained", 0), run("dflash", 6)
-    assert trained["held_out"]["loss"] < 0.7 * untrained["held_out"]["loss"]
-    config = lambda d: {"method": "dflash", "model": str(tiny["dir"] / d), "num_speculative_tokens": K,  # noqa: E731
-                        "adaptive_draft_length": False}
-    prompts = held_out_prompts(tiny)
-    before, _ = specrs_acceptance(tiny["engine"], config("dflash-untrained"), prompts)
-    after, mean_length = specrs_acceptance(tiny["engine"], config("dflash"), prompts)
-    assert after > before + 0.15, (before, after)
-    # The replay of greedy block drafting over the held-out conversations predicts what specrs
-    # measures drafting with the written drafter.
-    assert abs(mean_length - trained["held_out"]["mean_acceptance_length"]) < 0.1, (mean_length, trained)
+    assert_training_pays(tiny, "dflash", untrained, trained, "dflash-untrained", "dflash")
 
 
 def test_a_stopped_run_resumes_to_the_weights_of_an_unbroken_one(tiny, monkeypatch):
