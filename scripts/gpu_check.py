@@ -26,6 +26,10 @@
     draw's CDF boundary under float noise, a near-tie, see draw_near_tie); and `n`
     samples sharing the prompt's prefill (the KV cache copied on the device) against each
     seeded request alone.
+(f) block drafters on the device (issue 44): random DFlash and DSpark drafters in the small model's
+    shape (tests/head_writer.py), chains of their whole block, a DFlash tree, and DSpark with its
+    confidence head cutting drafts: greedy output equal to plain greedy output on the device (a
+    divergence within NEAR_TIE is a near-tie), and the drafts they made.
 (e) token trees through the engine on the device (the tree kernel verifies temperature-only
     requests): a proposer replaying the recorded continuation as a binary tree (at each depth the
     right token and a wrong one, the right one first with probability a), greedy and seeded at
@@ -209,6 +213,44 @@ def part_d(specrs, device: str) -> dict:
     out["samples"] = {"num_equal": sum(a == b for a, b in zip(samples, alone)), "n": 3,
                       "ok": samples == alone}
     print(f"(d) processed requests and samples on {device}: {out}", flush=True)
+    return out
+
+
+def part_f(specrs, device: str) -> dict:
+    """Random DFlash and DSpark drafters on the small f32 model: greedy identity on the device."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from head_writer import write_dflash, write_dspark
+
+    import tempfile
+
+    shape = dict(hidden=SMALL["hidden_size"], heads=SMALL["num_attention_heads"], kv_heads=SMALL["num_key_value_heads"],
+                 head_dim=SMALL["hidden_size"] // SMALL["num_attention_heads"], ffn=SMALL["intermediate_size"],
+                 vocab=SMALL["vocab_size"], layers=SMALL["num_hidden_layers"], rope_theta=10000.0)
+    engine = specrs.Engine.random(SMALL, seed=SEED, dtype="f32", device=device)
+    params = specrs.SamplingParams(max_tokens=48, temperature=0.0)
+    prompt = fixed_ids(24, SMALL["vocab_size"], salt=4)
+    plain = engine.generate(prompt, params).token_ids
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        dflash = str(write_dflash(Path(tmp) / "dflash", shape, num_layers=2, block_size=8, layer_ids=[0, 2]))
+        dspark = str(write_dspark(Path(tmp) / "dspark", shape, block_size=6, layer_ids=[0, 2]))
+        runs = {
+            "dflash k=7": {"method": "dflash", "model": dflash, "num_speculative_tokens": 7},
+            "dflash tree": {"method": "dflash", "model": dflash, "num_speculative_tokens": 8, "tree": True,
+                            "tree_depth": 4, "tree_top_k": 2},
+            "dspark k=6": {"method": "dspark", "model": dspark, "num_speculative_tokens": 6},
+            "dspark k=6, confidence 0.3": {"method": "dspark", "model": dspark, "num_speculative_tokens": 6,
+                                           "draft_confidence_threshold": 0.3},
+        }
+        for name, config in runs.items():
+            spec = engine.generate(prompt, params, speculative_config={**config, "adaptive_draft_length": False})
+            result = {"identical": spec.token_ids == plain, "first_difference": first_difference(plain, spec.token_ids),
+                      "num_drafts": spec.metrics["num_drafts"], "num_draft_tokens": spec.metrics["num_draft_tokens"]}
+            if not result["identical"]:
+                result.update(divergence(engine, prompt, plain, spec.token_ids, NEAR_TIE["f32"]))
+            result["ok"] = result["num_drafts"] > 0 and (result["identical"] or result["near_tie"])
+            out[name] = result
+    print(f"(f) block drafters on {device}: {out}", flush=True)
     return out
 
 
@@ -637,7 +679,7 @@ def part_c(specrs, device: str, num_tokens: int) -> dict:
 
 def failures(report: dict) -> list[str]:
     """Everything that decides the exit status, one line each."""
-    out = [f"({part}) raised {report[part]['error']}" for part in "abcde" if "error" in report.get(part, {})]
+    out = [f"({part}) raised {report[part]['error']}" for part in "abcdef" if "error" in report.get(part, {})]
     for fmt, r in report.get("a", {}).items():
         if fmt in FORMAT_TOLERANCES and not r["ok"]:
             out.append(f"(a) {fmt} logits {report['device']} vs cpu: relative max difference {r['rel_max_diff']:.3g} "
@@ -681,11 +723,16 @@ def failures(report: dict) -> list[str]:
                 f"diverged from plain at token {r['first_difference']}" if not r["identical"] else
                 f"{r['num_tree_drafts']} trees drafted, {r['num_accepted_tokens']} tokens accepted in "
                 f"{r['num_drafts']} drafts"))
+    for name, r in report.get("f", {}).items():
+        if isinstance(r, dict) and not r.get("ok", True):
+            out.append(f"(f) {name}: " + ("no draft was made" if not r["num_drafts"] else
+                       f"diverged from plain greedy at token {r['first_difference']} (logit gap {fmt_gap(r)})"))
     return out
 
 
 def near_ties(report: dict) -> list[str]:
     rows = [(f"(a) {n}", g) for n, g in report.get("a", {}).get("greedy_identity", {}).items()]
+    rows += [(f"(f) {n}", r) for n, r in report.get("f", {}).items() if isinstance(r, dict)]
     rows += [(f"(c) a={r['a']} k={r['k']}", r) for r in report.get("c", {}).get("rows", [])]
     ties = [f"{name}: near-tie at token {r['diverged_at']} (logit gap {fmt_gap(r)})" for name, r in rows
             if r.get("near_tie")]
@@ -772,6 +819,7 @@ def main() -> int:
     # (c), the longest, runs last.
     for part, run in (("a", lambda: part_a(specrs, device)), ("b", lambda: part_b(specrs, device)),
                       ("d", lambda: part_d(specrs, device)), ("e", lambda: part_e(specrs, device)),
+                      ("f", lambda: part_f(specrs, device)),
                       ("c", lambda: part_c(specrs, device, args.tokens))):
         try:
             report[part] = run()
