@@ -58,12 +58,14 @@ Cases, and what computes their reference:
                                             (layer 1's output = transformers' last, final-normed hidden state),
                                             block 4; qwen3: 2 layers, taps [0, 1], block 5, input_embedding_scale,
                                             output_multiplier, final_logit_softcapping; qwen2: is_causal, taps [0]
-  dspark_qwen3                              DSpark in mlx-dspark 0.20.3's standalone format (mlx does not install
-                                            here): the block by dflash 0.1.0's DFlashDraftModel with the same layer
-                                            weights, every row drafting (logits_start 0), its own LM head over a
-                                            128-token draft vocabulary (d2t), soft-cap 20, Markov head (rank 8) and
-                                            confidence head by an independent torch implementation of mlx-dspark's
-                                            formulas; 3 steps with confidences
+  dspark_qwen3                              DSpark in mlx-dspark 0.20.3's standalone format: every row drafting
+                                            (logits_start 0), its own LM head over a 128-token draft vocabulary
+                                            (d2t), soft-cap 20, Markov head (rank 8) and confidence head; 3 steps
+                                            with confidences. Computed twice, and the two must agree: dflash 0.1.0's
+                                            DFlashDraftModel for the block (same layer weights) with an independent
+                                            torch implementation of the heads, and mlx-dspark's own DSparkDrafter
+                                            (load_drafter, f32, on mlx's CPU backend: mlx-cpu 0.32.4, with mlx-lm
+                                            0.32.2 and mlx-vlm 0.7.10 installed for its imports)
   eagle3_llama_gguf                         no computation of its own: the committed
                                             eagle3_llama_speculators head re-encoded as llama.cpp's `eagle3`
                                             GGUF (head.gguf) the way its convert_hf_to_gguf.py writes it,
@@ -83,6 +85,8 @@ Needs (CPU is enough; the libraries are installed without their serving/training
     /tmp/ref/bin/pip install pydantic datasets openai hs-connectors==0.9.0   # what importing speculators needs
     /tmp/ref/bin/pip install gguf==0.19.0                                     # llama.cpp's gguf-py (eagle3_llama_gguf)
     /tmp/ref/bin/pip install --no-deps dflash==0.1.0                          # the dflash_* cases
+    /tmp/ref/bin/pip install "mlx[cpu]==0.32.4" pillow requests               # dspark_qwen3: mlx-dspark
+    /tmp/ref/bin/pip install --no-deps mlx-dspark==0.20.3 mlx-lm==0.32.2 mlx-vlm==0.7.10
     /tmp/ref/bin/python scripts/make_head_golden.py [case ...]
 (written with torch 2.15.0, transformers 5.24.0, safetensors 0.8.0, pydantic 2.14.4, datasets 5.2.0,
 openai 3.57.0, hs-connectors 0.9.0, gguf 0.19.0; the dflash_* cases with transformers 5.25.0 and dflash
@@ -1156,9 +1160,54 @@ def dspark(case, family, seed):
         return drafts, torch.stack(logits), {"confidences": confidences}
 
     logits, drafts, worst = block_request(
-        case, "dspark", "dflash 0.1.0 block + independent torch (mlx-dspark 0.20.3 heads)", tgt, d, r, model,
-        prompt_ids(seed), rows, draft)
-    return logits, drafts, f"3 steps, cached vs recomputed {worst:.1e}"
+        case, "dspark", "mlx-dspark 0.20.3 (DSparkDrafter on mlx's CPU backend), equal to dflash 0.1.0's block + "
+        "independent torch heads", tgt, d, r, model, prompt_ids(seed), rows, draft)
+    agree = check_with_mlx_dspark(d, tgt, model.target_layer_ids)
+    return logits, drafts, f"3 steps, cached vs recomputed {worst:.1e}, mlx-dspark vs torch {agree:.1e}"
+
+
+def check_with_mlx_dspark(d: Path, tgt: Target, layer_ids: list[int]) -> float:
+    """Replays the written reference.json's steps with mlx-dspark's own drafter (load_drafter, f32,
+    not quantized; its context cache, backbone, greedy Markov draft and confidence head), the
+    target's embedding bound as mlx-dspark binds a reuse-embed head's; every step's logits must
+    match the torch computation within TOL (relative to the step's largest logit) and its drafts
+    and confidences exactly (to the 6 decimals written). Returns the largest difference."""
+    import mlx.core as mx
+    from dflash.model import extract_context_feature
+    from mlx_dspark.load import load_drafter
+
+    ref = json.loads((d / "reference.json").read_text())
+    steps = [(ref["prompt_ids"], ref["draft_token_ids"], ref["logits"], ref["confidences"])]
+    steps += [(s["context_ids"], s["draft_token_ids"], s["logits"], s["confidences"]) for s in ref["later_steps"]]
+    drafter, config = load_drafter(str(d), quantize=False)
+    embedding = mx.array(tgt.embed.numpy())
+    drafter.bind_embed(lambda ids: embedding[ids])
+    caches, fed, worst = drafter.make_ctx_cache(), 0, 0.0
+    for context, want_drafts, want_logits, want_confidences in steps:
+        with torch.no_grad():
+            out = tgt.model(torch.tensor([context[:-1]]), output_hidden_states=True)
+            th = extract_context_feature(out.hidden_states, layer_ids)
+        drafter.update_context(mx.array(th[:, fed:].numpy()), fed, caches)
+        fed = th.shape[1]
+        start = len(context) - 1
+        ids = mx.array([[context[-1]] + [config.mask_token_id] * (config.block_size - 1)])
+        hidden = drafter.head_slice(drafter.backbone(drafter.embed(ids), start, caches), config.block_size)[0]
+        base = drafter.compute_logits(hidden)
+        drafts = drafter.sample_block(base, context[-1]).tolist()
+        previous = mx.array([context[-1]] + drafts[:-1])
+        biased = base + drafter.markov_head.step_bias(previous)
+        confidences = mx.sigmoid(drafter.confidence_logits(hidden, previous)).tolist()
+        full = torch.full((len(drafts), V), float("nan"))
+        full[:, drafter._draft_to_target.tolist()] = torch.tensor(biased.tolist())
+        want = torch.tensor([[float("nan") if x is None else x for x in row] for row in want_logits])
+        scale = torch.nan_to_num(want).abs().max().item()
+        diff = torch.nan_to_num(full - want).abs().max().item() / max(scale, 1.0)
+        assert torch.equal(full.isnan(), want.isnan()), "draft vocabulary"
+        assert drafts == want_drafts, (drafts, want_drafts)
+        assert max(abs(a - b) for a, b in zip(confidences, want_confidences)) < 1e-5, (confidences, want_confidences)
+        assert diff < TOL, f"mlx-dspark vs torch {diff}"
+        worst = max(worst, diff)
+    return worst
 
 
 CASES = {

@@ -1,5 +1,6 @@
 //! DSpark's two heads on top of a DFlash block drafter (DeepSeek, 2026), as mlx-dspark 0.20.3
-//! stores and runs them (`markov_head.*`, `confidence_head.*`; read, not copied).
+//! stores and runs them (`markov_head.*`, `confidence_head.*`; read, not copied; the golden case
+//! `dspark_qwen3` is computed by mlx-dspark's own drafter).
 //!
 //! - Markov head: a rank-r bias on a drafting row's logits from the token drafted before it,
 //!   `markov_w2 · markov_w1[previous]` (`[V_out]`), added after the soft-cap. It reads no hidden
