@@ -1019,7 +1019,8 @@ fn load_dspark(config: &Config, w: &mut HeadWeights, target: Arc<dyn CausalLm>) 
         || config.get("sliding_window").is_some()
     {
         return Err(Error::config(format!(
-            "{file}: interleaved RoPE (rope_is_neox_style false) and sliding windows are DSpark options specrs does not run"
+            "{file}: interleaved RoPE (rope_is_neox_style false) and sliding windows are DSpark options specrs \
+             does not run"
         )));
     }
     check_vocab(config.usize("vocab_size")?, target.as_ref(), &file)?;
@@ -1076,7 +1077,10 @@ fn load_dspark(config: &Config, w: &mut HeadWeights, target: Arc<dyn CausalLm>) 
         _ => info.vocab_size,
     };
     if w.has("embed_tokens.weight") {
+        // Its own table, unscaled for the Qwen3 family (mlx-dspark scales Gemma 4's only); a head
+        // reusing the target's embeds as the target does (`input_embedding_scale` above).
         head.embed = Some(w.tensor("embed_tokens.weight", &[info.vocab_size, hidden])?);
+        head.input_embedding_scale = 1.0;
     }
     if w.has("lm_head.weight") || out_vocab != info.vocab_size {
         head.lm_head = Some(w.linear("lm_head", out_vocab, hidden)?);

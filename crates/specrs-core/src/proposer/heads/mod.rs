@@ -22,8 +22,9 @@
 //! batched step (recurrent heads: `RecurrentHead::step_tree`, each row attending to the context
 //! and its own ancestors only; parallel heads: `ParallelHead::step_rows`), and the best nodes by
 //! cumulative q are kept (block heads: every node of depth d gets its children from the block's
-//! row d, so the tree costs no forward beyond the block). Tree drafts are deterministic (no q), which the verifier checks exactly
-//! by drawing the target's token and accepting the child equal to it.
+//! row d, so the tree costs no forward beyond the block). Tree drafts are deterministic (no q),
+//! which the verifier checks exactly by drawing the target's token and accepting the child equal
+//! to it.
 //!
 //! Invariant: a head writes no target cache. Its own cache holds one position per context
 //! position whose target hidden state it has read (`fed`), and nothing past it between drafts:
