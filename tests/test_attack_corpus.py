@@ -35,7 +35,7 @@ from test_serve_hardening import CHAT, REQUIRED_KEYS, head_copies, served  # noq
 
 # Methods that load weights when given a path (issue 38 item 2), and quantized_self, which
 # loads the target again by another key.
-HEAD_METHODS = ["eagle", "eagle3", "mtp", "mlp_speculator", "medusa", "dflash", "draft_model", "pard", "quantized_self"]
+HEAD_METHODS = ["eagle", "eagle3", "mtp", "mlp_speculator", "medusa", "dflash", "dspark", "draft_model", "pard", "quantized_self"]
 SECRET = "s3cr3t"  # in head_copies' planted config.json; no answer may echo it
 PASSWD = "root:x:0:0"  # /etc/passwd's first line
 ERROR_COUNTERS = ["specrs:request_success_total", "vllm:request_success_total"]

@@ -313,7 +313,7 @@ def test_draft_vocabulary_that_is_a_prefix_of_the_targets_passes_the_check(engin
         ({"method": "pard", "model": "MODEL", "mask_token_id": 10**6, "num_speculative_tokens": 4}, "mask_token_id"),
         ({"method": "quantized_self", "quantization": "q9_9", "num_speculative_tokens": 4}, "q4_0"),
         ({"method": "layer_skip", "exit_layer": 4, "num_speculative_tokens": 4, "model": "x.gguf"},
-         "applies to method draft_model / pard / auto / eagle / eagle3 / mtp / mlp_speculator / medusa only"),
+         "applies to method draft_model / pard / auto / eagle / eagle3 / mtp / mlp_speculator / medusa / dflash / dspark only"),
     ],
 )
 def test_bad_draft_configs_name_the_fix(engine, model_path, spec, fix):

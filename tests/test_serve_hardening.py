@@ -83,7 +83,7 @@ def test_every_method_that_takes_a_path_is_refused_one(served, head_copies):
     server never loaded gets the same 400, and nothing is loaded. A new method that takes a path
     is covered by this loop without anyone adding it."""
     methods = _specrs.Engine.speculative_methods()
-    assert {"draft_model", "pard", "eagle", "eagle3", "mtp", "mlp_speculator", "medusa", "dflash"} <= set(methods)
+    assert {"draft_model", "pard", "eagle", "eagle3", "mtp", "mlp_speculator", "medusa", "dflash", "dspark"} <= set(methods)
     loaded_before = served.engine.memory()["draft_weight_bytes"]
     paths = ["/etc/passwd", "/no/such/path", head_copies["secret"], *(v for k, v in head_copies.items()
                                                                          if k != "secret")]
@@ -104,7 +104,7 @@ def test_every_method_that_takes_a_path_is_refused_one(served, head_copies):
             # Whether the path exists, is a file, or holds a head: the answer is the same.
             assert all(body == bodies[0] for body in bodies), (method, bodies)
     assert set(taking_paths) == {"draft_model", "pard", "auto", "eagle", "eagle3", "mtp", "mlp_speculator", "medusa",
-                                 "dflash"}
+                                 "dflash", "dspark"}
     assert served.engine.memory()["draft_weight_bytes"] == loaded_before
     assert httpx.get(f"{served.base}/health").json()["status"] == "ok"
 
