@@ -843,6 +843,8 @@ fn dflash_default_layer_ids(num_target_layers: usize, num_draft_layers: usize) -
 struct BlockDrafterOptions {
     /// The target layers whose outputs it reads (dflash's `target_layer_ids`).
     layer_ids: Vec<usize>,
+    /// The drafter's decoder layers (`num_hidden_layers`): each one's tensors must be there.
+    num_layers: usize,
     block_size: usize,
     first_drafting_row: usize,
     mask_token_id: usize,
@@ -890,11 +892,10 @@ fn block_drafter(
             o.mask_token_id, info.vocab_size
         )));
     }
-    let num_layers = (0..).take_while(|i| w.has(&format!("layers.{i}.input_layernorm.weight"))).count();
-    if num_layers == 0 {
-        return Err(Error::model_load(format!("{file}: the drafter has no layers.0.* tensors")));
+    if o.num_layers == 0 {
+        return Err(Error::model_load(format!("{file}: num_hidden_layers is 0; a drafter has at least one layer")));
     }
-    let layers = (0..num_layers)
+    let layers = (0..o.num_layers)
         .map(|i| {
             Ok(DFlashLayer {
                 input_norm: w.tensor(&format!("layers.{i}.input_layernorm.weight"), &[hidden])?,
@@ -983,6 +984,7 @@ fn load_dflash(config: &Config, w: &mut HeadWeights, target: Arc<dyn CausalLm>) 
     })?;
     let options = BlockDrafterOptions {
         layer_ids: explicit_ids.unwrap_or_else(|| dflash_default_layer_ids(info.num_layers, num_layers.max(1))),
+        num_layers,
         block_size: option("block_size").opt_usize("block_size")?.unwrap_or(16),
         first_drafting_row: 1,
         mask_token_id,
@@ -1051,6 +1053,7 @@ fn load_dspark(config: &Config, w: &mut HeadWeights, target: Arc<dyn CausalLm>) 
         || nested.as_ref().map_or(Ok(false), |d| d.bool_or("causal", false))?;
     let options = BlockDrafterOptions {
         layer_ids,
+        num_layers: config.usize("num_hidden_layers")?,
         block_size: option("block_size").usize("block_size")?,
         first_drafting_row,
         mask_token_id: option("mask_token_id").usize("mask_token_id")?,
