@@ -111,13 +111,16 @@ def test_tree_acceptance_bad_input():
 
 
 def _cuda_or_skip():
-    """Skips where no GPU can be used (a CPU-only build, or no device that opens). The probe is a
-    device copy, which runs none of our kernels, so a kernel that fails to compile or launch on a
-    present GPU raises in the test itself: a failure, not a skip."""
+    """Skips where no GPU can be used (a CPU-only build, or no device that opens). The probe only
+    opens the device (read_bandwidth refuses a 0-byte buffer after opening it, before any kernel),
+    so a kernel that fails to compile or launch on a present GPU raises in the test itself: a
+    failure, not a skip."""
     try:
-        _specrs.copy_bandwidth("cuda", 1 << 20, 1)
+        _specrs.read_bandwidth("cuda", 0, 1)
     except specrs.DeviceError as e:
         pytest.skip(f"no CUDA here: {e}")
+    except specrs.ConfigError:
+        pass  # the device opened
 
 
 @pytest.mark.parametrize("with_probs", [False, True])
@@ -192,7 +195,7 @@ def test_a_kernel_that_fails_on_a_present_gpu_fails_its_test(monkeypatch):
             raise specrs.DeviceError("NVRTC on ngram.cu: simulated compile failure")
         return cpu_ngram(*args)
 
-    monkeypatch.setattr(_specrs, "copy_bandwidth", lambda device, num_bytes, repeats: 1e12)
+    monkeypatch.setattr(_specrs, "read_bandwidth", lambda device, num_bytes, repeats: 1e12)
     monkeypatch.setattr(_specrs, "batch_ngram", ngram)
     try:
         test_cuda_ngram_equals_the_cpu_reference()

@@ -453,6 +453,11 @@ class Engine:
     def info(self) -> dict:
         return self._inner.info()
 
+    def step_read_bytes(self, context_len: int) -> int:
+        """Bytes one single-row decode step reads at `context_len` positions: the weights but the
+        embedding table, and the KV cache. Over `_specrs.read_bandwidth(device)`, the step's bound."""
+        return self._inner.step_read_bytes(context_len)
+
     def check_params(self, params: SamplingParams) -> None:
         """Raises ConfigError for what a request with `params` would be refused at its start:
         token ids outside the vocabulary, or a grammar that does not compile (llguidance's reason)."""

@@ -6,7 +6,7 @@
 //! `spec_config`) and `metrics`; `constraint` holds outputs to a grammar (JSON schema, regex,
 //! Lark; llguidance); `quantize` writes requantized GGUF copies (the `quantized_self` draft);
 //! `bandwidth` measures the memory roof decode steps are held against; `batch` holds the batched
-//! kernels (CPU references, and CUDA with the `cuda` feature).
+//! kernels (CPU references, and CUDA with the `cuda` feature); `nvrtc` compiles our CUDA sources.
 //! The Python bindings live in `specrs-py`.
 
 pub mod bandwidth;
@@ -24,6 +24,8 @@ pub mod gguf;
 pub mod kv_cache;
 pub mod metrics;
 pub mod model;
+#[cfg(feature = "cuda")]
+pub mod nvrtc;
 pub mod proposer;
 pub mod quantize;
 pub mod sampler;

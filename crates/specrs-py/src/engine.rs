@@ -716,14 +716,35 @@ pub fn cache_dir() -> String {
     specrs_core::engine::cache_dir().display().to_string()
 }
 
-/// Device-to-device copy bandwidth in bytes per second (read plus write), median of `repeats`.
+/// Bytes read per second on `device`: the best of `repeats` passes of a read-only reduction over
+/// `num_bytes` (`bandwidth::read_bandwidth`; a decode step's roof).
 #[pyfunction]
 #[pyo3(signature = (device="cpu", num_bytes=1 << 30, repeats=10))]
-pub fn copy_bandwidth(py: Python<'_>, device: &str, num_bytes: usize, repeats: usize) -> PyResult<f64> {
+pub fn read_bandwidth(py: Python<'_>, device: &str, num_bytes: usize, repeats: usize) -> PyResult<f64> {
     let device = device.to_string();
     run_detached(py, move || {
-        specrs_core::bandwidth::copy_bandwidth(&specrs_core::engine::parse_device(&device)?, num_bytes, repeats)
+        specrs_core::bandwidth::read_bandwidth(&specrs_core::engine::parse_device(&device)?, num_bytes, repeats)
     })
+}
+
+/// The fused decoder ops (`model/candle/fused.rs`) on random inputs on `device` against their CPU
+/// references: {op and dtype: {"max_abs_diff", "tolerance", "ok"}} (the device check's).
+#[pyfunction]
+#[pyo3(signature = (device="cpu"))]
+pub fn check_fused_kernels<'py>(py: Python<'py>, device: &str) -> PyResult<Bound<'py, PyDict>> {
+    let device = device.to_string();
+    let report = run_detached(py, move || {
+        specrs_core::model::candle::fused::check_against_reference(&specrs_core::engine::parse_device(&device)?)
+    })?;
+    let d = PyDict::new(py);
+    for (name, diff, tolerance) in report {
+        let row = PyDict::new(py);
+        row.set_item("max_abs_diff", diff)?;
+        row.set_item("tolerance", tolerance)?;
+        row.set_item("ok", diff <= tolerance)?;
+        d.set_item(name, row)?;
+    }
+    Ok(d)
 }
 
 #[pyclass(name = "Engine", module = "specrs._specrs", frozen)]
@@ -819,6 +840,13 @@ impl PyEngine {
     fn request_prompt(&self, prompt_ids: &Bound<'_, PyAny>, params: &PySamplingParams) -> PyResult<Vec<u32>> {
         let prompt_ids = token_ids_arg(prompt_ids, "prompt token id")?;
         guard(|| Ok(self.inner.request_prompt(&prompt_ids, &params.inner).to_vec())).map_err(to_py)
+    }
+
+    /// Bytes one single-row decode step reads at `context_len` positions: the weights but the
+    /// embedding table, and the KV cache (`CausalLm::step_read_bytes`). Over `read_bandwidth`, the
+    /// step's bound.
+    fn step_read_bytes(&self, context_len: usize) -> PyResult<usize> {
+        guard(|| Ok(self.inner.model().step_read_bytes(context_len))).map_err(to_py)
     }
 
     /// Model facts: architecture, vocab_size, context_length (after any max_model_len cap),

@@ -9,64 +9,14 @@
 //! an H200, 7 of 400 sampled chain sequences at vocabulary 32000, each within 2e-5 of the mass of
 //! a boundary: scripts/gpu_check.py measures each such case's distance from its boundary).
 
-use std::sync::OnceLock;
-
-use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
-use candle_core::cuda_backend::CudaDevice;
 use candle_core::{Device, Storage, Tensor};
 
 use super::accept::{AcceptInput, AcceptOutput};
 use super::ngram::NgramInput;
 use super::tree_accept::{TreeAcceptInput, TreeAcceptOutput};
 use crate::error::{Error, Result};
-
-const ACCEPT_SOURCE: &str = include_str!("../../../../cuda/accept.cu");
-const NGRAM_SOURCE: &str = include_str!("../../../../cuda/ngram.cu");
-/// PTX of `accept.cu` (`accept_kernel` and `tree_accept_kernel`), compiled once per process.
-static ACCEPT_PTX: OnceLock<String> = OnceLock::new();
-/// Threads per block; the kernels' `BLOCK`.
-const BLOCK: u32 = 256;
-
-fn device_error(what: &str, e: impl std::fmt::Display) -> Error {
-    Error::Device(format!("{what}: {e}"))
-}
-
-/// PTX of `source` for this device's architecture, compiled once per process (every GPU of one
-/// machine is assumed to share an architecture).
-fn ptx(device: &CudaDevice, name: &str, source: &str, cache: &'static OnceLock<String>) -> Result<&'static str> {
-    if let Some(ptx) = cache.get() {
-        return Ok(ptx);
-    }
-    let context = device.cuda_stream().context().clone();
-    let attribute = |a| context.attribute(a).map_err(|e| device_error("reading the compute capability", e));
-    let major = attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-    let minor = attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-    let compiled = compile(name, source, &format!("compute_{major}{minor}"))?;
-    Ok(cache.get_or_init(|| compiled))
-}
-
-fn compile(name: &str, source: &str, arch: &str) -> Result<String> {
-    let options = CompileOptions {
-        options: vec![format!("--gpu-architecture={arch}")],
-        name: Some(name.to_string()),
-        ..Default::default()
-    };
-    let ptx = compile_ptx_with_opts(source, options).map_err(|e| device_error(&format!("NVRTC on {name}"), e))?;
-    Ok(ptx.to_src())
-}
-
-fn open(ordinal: usize) -> Result<Device> {
-    Device::new_cuda(ordinal).map_err(|e| device_error(&format!("opening CUDA device {ordinal}"), e))
-}
-
-fn cuda_device(device: &Device) -> Result<&CudaDevice> {
-    match device {
-        Device::Cuda(d) => Ok(d),
-        other => Err(Error::Device(format!("the CUDA kernels need a CUDA device, got {other:?}"))),
-    }
-}
+use crate::nvrtc::{cuda_device, device_error, function, open, ACCEPT, BLOCK, NGRAM};
 
 /// Refuses target logits that are not `[batch, rows, vocab]`.
 fn check_dims(target_logits: &Tensor, expected: [usize; 3]) -> Result<()> {
@@ -86,11 +36,7 @@ pub fn accept_on_device(target_logits: &Tensor, input: &AcceptInput) -> Result<A
     let logits = target_logits.to_dtype(candle_core::DType::F32)?.contiguous()?;
     let device = cuda_device(logits.device())?;
 
-    let func = device.get_or_load_custom_func(
-        "accept_kernel",
-        "specrs_accept",
-        ptx(device, "accept.cu", ACCEPT_SOURCE, &ACCEPT_PTX)?,
-    )?;
+    let func = function(device, &ACCEPT, "accept_kernel")?;
     let stream = device.cuda_stream();
     let copy = |what: &str, e| device_error(&format!("copying {what} to the device"), e);
     let draft_ids = stream.clone_htod(input.draft_token_ids).map_err(|e| copy("draft tokens", e))?;
@@ -108,7 +54,7 @@ pub fn accept_on_device(target_logits: &Tensor, input: &AcceptInput) -> Result<A
         return Err(Error::Device("target_logits is not stored on a CUDA device".into()));
     };
     let logits_view = cuda_storage.as_cuda_slice::<f32>()?.slice(layout.start_offset()..);
-    let mut launch = func.builder();
+    let mut launch = stream.launch_builder(&func);
     launch
         .arg(&logits_view)
         .arg(&draft_ids)
@@ -146,12 +92,7 @@ pub fn tree_accept_on_device(target_logits: &Tensor, input: &TreeAcceptInput) ->
     let logits = target_logits.to_dtype(candle_core::DType::F32)?.contiguous()?;
     let device = cuda_device(logits.device())?;
 
-    // The module of accept_kernel (one source, one PTX), whichever of the two loads it first.
-    let func = device.get_or_load_custom_func(
-        "tree_accept_kernel",
-        "specrs_accept",
-        ptx(device, "accept.cu", ACCEPT_SOURCE, &ACCEPT_PTX)?,
-    )?;
+    let func = function(device, &ACCEPT, "tree_accept_kernel")?;
     let stream = device.cuda_stream();
     let copy = |what: &str, e| device_error(&format!("copying {what} to the device"), e);
     // Zero-length device buffers are not valid pointers; n = 0 (a batch of empty trees) gets one
@@ -173,7 +114,7 @@ pub fn tree_accept_on_device(target_logits: &Tensor, input: &TreeAcceptInput) ->
         return Err(Error::Device("target_logits is not stored on a CUDA device".into()));
     };
     let logits_view = cuda_storage.as_cuda_slice::<f32>()?.slice(layout.start_offset()..);
-    let mut launch = func.builder();
+    let mut launch = stream.launch_builder(&func);
     launch
         .arg(&logits_view)
         .arg(&draft_ids)
@@ -206,9 +147,7 @@ pub fn ngram_lookup_on_device(device: &Device, input: &NgramInput) -> Result<(Ve
     input.check()?;
     let (batch, k) = (input.lengths.len(), input.k);
     let device = cuda_device(device)?;
-    static PTX: OnceLock<String> = OnceLock::new();
-    let func =
-        device.get_or_load_custom_func("ngram_kernel", "specrs_ngram", ptx(device, "ngram.cu", NGRAM_SOURCE, &PTX)?)?;
+    let func = function(device, &NGRAM, "ngram_kernel")?;
     let stream = device.cuda_stream();
     let copy = |e| device_error("copying n-gram inputs to the device", e);
     let histories = stream.clone_htod(input.histories).map_err(copy)?;
@@ -216,7 +155,7 @@ pub fn ngram_lookup_on_device(device: &Device, input: &NgramInput) -> Result<(Ve
     let mut drafts = stream.alloc_zeros::<u32>(batch * k.max(1)).map_err(copy)?;
     let mut draft_lengths = stream.alloc_zeros::<u32>(batch).map_err(copy)?;
     let scalars = [input.max_len, input.min_n, input.max_n, k].map(|x| x as u32);
-    let mut launch = func.builder();
+    let mut launch = stream.launch_builder(&func);
     launch.arg(&histories).arg(&lengths);
     for scalar in &scalars {
         launch.arg(scalar);
@@ -254,45 +193,13 @@ pub fn ngram_lookup_from_host(ordinal: usize, input: &NgramInput) -> Result<(Vec
     ngram_lookup_on_device(&open(ordinal)?, input)
 }
 
-/// PTX for both kernel sources, for an architecture such as "compute_90", without a device: what
-/// CI runs to keep the kernel sources compiling under NVRTC on machines with no GPU.
-pub fn compile_for(arch: &str) -> Result<Vec<(String, String)>> {
-    [("accept.cu", ACCEPT_SOURCE), ("ngram.cu", NGRAM_SOURCE)]
-        .into_iter()
-        .map(|(name, source)| Ok((name.to_string(), compile(name, source, arch)?)))
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::super::accept::accept;
     use super::super::ngram::ngram_lookup;
     use super::super::tree_accept::tree_accept;
     use super::*;
-
-    /// Runs without a GPU: NVRTC only needs its library.
-    #[test]
-    fn kernels_compile_with_nvrtc() {
-        for (name, ptx) in compile_for("compute_90").unwrap() {
-            let entries: &[&str] =
-                if name == "accept.cu" { &["accept_kernel", "tree_accept_kernel"] } else { &["ngram_kernel"] };
-            for entry in entries {
-                assert!(ptx.contains(&format!(".entry {entry}(")), "{name}: no {entry} in its PTX");
-            }
-        }
-    }
-
-    /// Whether GPU 0 opens. Only where it does not do the device tests below return early; on a
-    /// machine with a GPU, a kernel that fails to compile, load or launch fails them.
-    fn gpu_present() -> bool {
-        match open(0) {
-            Ok(_) => true,
-            Err(e) => {
-                eprintln!("no CUDA device here ({e}); the kernels were not run on a GPU");
-                false
-            }
-        }
-    }
+    use crate::nvrtc::gpu_present;
 
     /// A small deterministic generator in [0, 1).
     struct Lcg(u64);

@@ -47,6 +47,17 @@ pub struct DecoderConfig {
 }
 
 impl DecoderConfig {
+    /// Bytes of keys and values one query row reads at `context` positions, `value_bytes` per
+    /// stored value: every layer's, a sliding-window layer's up to its window.
+    pub fn kv_read_bytes(&self, context: usize, value_bytes: usize) -> usize {
+        let row = 2 * self.num_kv_heads * self.head_dim * value_bytes;
+        let window = |sliding: bool| match self.sliding_window {
+            Some(w) if sliding => context.min(w),
+            _ => context,
+        };
+        self.sliding_layers.iter().map(|&sliding| window(sliding) * row).sum()
+    }
+
     /// A plain Llama with transformers' layout (half-split RoPE).
     pub fn from_llama(config: &LlamaConfig) -> Self {
         let head_dim = config.head_dim();

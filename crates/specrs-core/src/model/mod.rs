@@ -91,10 +91,17 @@ pub trait CausalLm: Send + Sync {
     fn weight_bytes(&self) -> usize;
 
     /// Bytes of weights one single-row step reads: every matrix, norm and the LM head, not the
-    /// embedding table (one row of it is gathered). The CPU decoder counts what it holds; the
-    /// default (the other backends) is `weight_bytes`, an upper bound.
-    fn step_weight_bytes(&self) -> usize {
-        self.weight_bytes()
+    /// embedding table (one row of it is gathered; a tied table is read whole as the LM head).
+    fn step_weight_bytes(&self) -> usize;
+
+    /// Bytes of KV cache one single-row step reads at `context` positions (keys and values of
+    /// every layer; a sliding-window layer reads its window).
+    fn kv_read_bytes(&self, context: usize) -> usize;
+
+    /// Bytes one single-row decode step reads at `context` positions: its weights and its KV
+    /// cache. Over the device's read bandwidth (`bandwidth::read_bandwidth`) it is the step's bound.
+    fn step_read_bytes(&self, context: usize) -> usize {
+        self.step_weight_bytes() + self.kv_read_bytes(context)
     }
 
     /// A cache for one sequence with `capacity` positions allocated up front.

@@ -30,13 +30,13 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::ops::rms_norm;
-use candle_nn::rotary_emb::{rope, rope_i};
 
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
 use crate::model::block::{self, load_block, BlockReader, Need, Projections};
 use crate::model::candle::attention::{attention, softcap, tree_attention, Scores};
+use crate::model::candle::fused::{act_mul, add_rms_norm, qkv_heads, HeadsSpec};
 use crate::model::config::DecoderConfig;
 use crate::model::forward::check_token_ids;
 use crate::model::hf_dir::HfWeights;
@@ -93,6 +93,37 @@ impl Linear {
     }
 }
 
+impl Linear {
+    /// Bytes a forward reads from this layer: its weight as stored, and its bias.
+    fn bytes(&self) -> usize {
+        let tensor_bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let weight = match &self.weight {
+            Weight::Native(w) => w.resident_bytes(),
+            Weight::Quantized(QMatMul::QTensor(q)) => q.storage_size_in_bytes(),
+            Weight::Quantized(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) | Weight::Dense(t) => tensor_bytes(t),
+        };
+        weight + self.bias.as_ref().map_or(0, tensor_bytes)
+    }
+}
+
+/// Bytes one single-row step reads from a block: every projection and norm once.
+fn block_bytes(block: &Block) -> usize {
+    let projections = |p: &Projections<Linear>| match p {
+        Projections::Separate(linears) => linears.iter().map(Linear::bytes).sum(),
+        Projections::Fused { linear, .. } => linear.bytes(),
+    };
+    let norms = [
+        Some(&block.attn_norm),
+        block.q_norm.as_ref(),
+        block.k_norm.as_ref(),
+        block.post_attn_norm.as_ref(),
+        Some(&block.ffn_norm),
+        block.post_ffn_norm.as_ref(),
+    ];
+    let norm_bytes: usize = norms.into_iter().flatten().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum();
+    projections(&block.qkv) + block.wo.bytes() + projections(&block.gate_up) + block.w_down.bytes() + norm_bytes
+}
+
 /// A quantized weight: specrs' native kernel where it has one for this type on the CPU, candle's
 /// quantized matmul otherwise (other types, and CUDA).
 fn quantized_weight(t: Arc<QTensor>) -> Result<Weight> {
@@ -136,6 +167,17 @@ fn stack_dense(linears: Vec<Linear>) -> Result<Projections<Linear>> {
 }
 
 impl Projections<Linear> {
+    /// `[n, in_features]` -> `[n, sum of widths]`: the projections side by side (a fused matrix's
+    /// one output; separate ones concatenated).
+    fn forward_joined(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Projections::Separate(linears) => {
+                Ok(Tensor::cat(&linears.iter().map(|l| l.forward(x)).collect::<Result<Vec<_>>>()?, 1)?)
+            }
+            Projections::Fused { linear, .. } => linear.forward(x),
+        }
+    }
+
     /// `[n, in_features]` -> one `[n, width]` tensor per projection.
     fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
         match self {
@@ -180,6 +222,9 @@ pub struct Decoder {
     local_rope: Option<RopeTables>,
     device: Device,
     weight_bytes: usize,
+    /// Bytes of weights a single-row step reads (`CausalLm::step_weight_bytes`): the blocks, the
+    /// final norm and the LM head, not the embedding table (a step looks up one of its rows).
+    step_weight_bytes: usize,
 }
 
 impl GgufWeights<'_> {
@@ -435,55 +480,24 @@ impl Decoder {
         };
         // On the CPU its quantized matmuls run on the kernel set (`kernels/qlinear.rs`).
         let kernels = if device.is_cpu() { crate::model::kernels::checked_kernels()?.name } else { "cuda" };
+        let final_norm = final_norm.to_dtype(dtype)?;
+        let step_weight_bytes = blocks.iter().map(block_bytes).sum::<usize>()
+            + lm_head.bytes()
+            + final_norm.elem_count() * dtype.size_in_bytes();
         Ok(Self {
             info: ModelInfo::of(&config, kernels),
             dtype,
             embed: embed.to_dtype(dtype)?,
             blocks,
-            final_norm: final_norm.to_dtype(dtype)?,
+            final_norm,
             lm_head,
             global_rope,
             local_rope,
             device: device.clone(),
             weight_bytes,
+            step_weight_bytes,
             config,
         })
-    }
-
-    /// `[n, heads * head_dim]` -> `[heads, n, head_dim]` f32, normed per head when the family
-    /// says so, then rotated for `positions` (`[n]` u32).
-    fn heads(
-        &self,
-        x: &Tensor,
-        num_heads: usize,
-        norm: Option<&Tensor>,
-        layer: usize,
-        positions: &Tensor,
-    ) -> Result<Tensor> {
-        let n = x.dim(0)?;
-        let head_dim = self.config.head_dim;
-        let heads = x.to_dtype(DType::F32)?.reshape((n, num_heads, head_dim))?.transpose(0, 1)?.contiguous()?;
-        let heads = match norm {
-            Some(weight) => rms_norm(&heads, weight, self.config.rms_eps)?,
-            None => heads,
-        };
-        let tables = match (&self.local_rope, self.config.sliding_layers[layer]) {
-            (Some(local), true) => local,
-            _ => &self.global_rope,
-        };
-        let cos = tables.cos.index_select(positions, 0)?; // [n, rope_dims / 2]
-        let sin = tables.sin.index_select(positions, 0)?;
-        let rotate = |x: &Tensor| -> Result<Tensor> {
-            let x = x.contiguous()?.unsqueeze(0)?; // [1, heads, n, rope_dims]
-            let rotated = if self.config.rope_interleaved { rope_i(&x, &cos, &sin)? } else { rope(&x, &cos, &sin)? };
-            Ok(rotated.squeeze(0)?)
-        };
-        let dims = self.config.rope_dims;
-        if dims == head_dim {
-            return rotate(&heads);
-        }
-        let rotated = rotate(&heads.narrow(2, 0, dims)?)?;
-        Ok(Tensor::cat(&[rotated, heads.narrow(2, dims, head_dim - dims)?], 2)?)
     }
 
     fn forward_layers(&self, batch: &ForwardBatch, caches: &mut [&mut KvCache]) -> Result<ForwardOutput> {
@@ -493,7 +507,6 @@ impl Decoder {
         for (s, cache) in caches.iter_mut().enumerate() {
             cache.reserve(batch.seq_range(s).len())?;
         }
-        let n = batch.num_rows();
         let eps = c.rms_eps;
         let num_blocks = batch.exit_layer.unwrap_or(self.blocks.len());
         let positions: Vec<u32> = batch.positions.iter().map(|&p| p as u32).collect();
@@ -523,12 +536,34 @@ impl Decoder {
             Ok(())
         };
         capture(&mut taps, 0, &x)?;
+        // The attention norm of the layer about to run: the first layer's here, each later one's
+        // fused with the residual add that ends the layer before it.
+        let mut h = match self.blocks.first() {
+            Some(block) if num_blocks > 0 => rms_norm(&x, &block.attn_norm, eps)?,
+            _ => x.clone(),
+        };
         for (layer, block) in self.blocks[..num_blocks].iter().enumerate() {
-            let h = rms_norm(&x, &block.attn_norm, eps)?;
-            let [q, k, v]: [Tensor; 3] = block.qkv.forward(&h)?.try_into().map_err(|_| shape_bug("qkv"))?;
-            let q = self.heads(&q, c.num_heads, block.q_norm.as_ref(), layer, &positions)?; // [heads, n, hd]
-            let k = self.heads(&k, c.num_kv_heads, block.k_norm.as_ref(), layer, &positions)?; // [kv_heads, n, hd]
-            let v = v.to_dtype(DType::F32)?.reshape((n, c.num_kv_heads, c.head_dim))?.transpose(0, 1)?; // [kv_heads, n, hd]
+            let tables = match (&self.local_rope, c.sliding_layers[layer]) {
+                (Some(local), true) => local,
+                _ => &self.global_rope,
+            };
+            let spec = HeadsSpec {
+                num_heads: c.num_heads,
+                num_kv_heads: c.num_kv_heads,
+                head_dim: c.head_dim,
+                rope_dims: c.rope_dims,
+                interleaved: c.rope_interleaved,
+                cos: &tables.cos,
+                sin: &tables.sin,
+                q_norm: block.q_norm.as_ref(),
+                k_norm: block.k_norm.as_ref(),
+                eps,
+            };
+            // [heads + 2 kv_heads, n, hd] f32: q normed and rotated, then k, then v.
+            let heads = qkv_heads(&block.qkv.forward_joined(&h)?, &positions, &spec)?;
+            let q = heads.narrow(0, 0, c.num_heads)?; // [heads, n, hd]
+            let k = heads.narrow(0, c.num_heads, c.num_kv_heads)?; // [kv_heads, n, hd]
+            let v = heads.narrow(0, c.num_heads + c.num_kv_heads, c.num_kv_heads)?; // [kv_heads, n, hd]
             let window = c.sliding_window.filter(|_| c.sliding_layers[layer]);
             let mut attns = Vec::with_capacity(batch.num_seqs());
             for (s, cache) in caches.iter_mut().enumerate() {
@@ -550,16 +585,20 @@ impl Decoder {
             if let Some(norm) = &block.post_attn_norm {
                 out = rms_norm(&out, norm, eps)?;
             }
-            x = (x + out)?;
+            let (sum, ffn_in) = add_rms_norm(&x, &out.to_dtype(x.dtype())?, &block.ffn_norm, eps)?;
+            x = sum;
 
-            let h = rms_norm(&x, &block.ffn_norm, eps)?;
-            let [gate, up]: [Tensor; 2] = block.gate_up.forward(&h)?.try_into().map_err(|_| shape_bug("gate_up"))?;
-            let gate = if c.gelu { gate.gelu()? } else { gate.silu()? };
-            let mut mlp = block.w_down.forward(&(gate * up)?)?; // [n, ffn] -> [n, hidden]
+            let [gate, up]: [Tensor; 2] =
+                block.gate_up.forward(&ffn_in)?.try_into().map_err(|_| shape_bug("gate_up"))?;
+            let mut mlp = block.w_down.forward(&act_mul(&gate, &up, c.gelu)?)?; // [n, ffn] -> [n, hidden]
             if let Some(norm) = &block.post_ffn_norm {
                 mlp = rms_norm(&mlp, norm, eps)?;
             }
-            x = (x + mlp)?;
+            let mlp = mlp.to_dtype(x.dtype())?;
+            match self.blocks[..num_blocks].get(layer + 1) {
+                Some(next) => (x, h) = add_rms_norm(&x, &mlp, &next.attn_norm, eps)?,
+                None => x = (x + mlp)?, // the final norm runs on the logit rows only
+            }
             capture(&mut taps, layer + 1, &x)?;
         }
         for (s, cache) in caches.iter_mut().enumerate() {
@@ -615,6 +654,14 @@ impl CausalLm for Decoder {
 
     fn weight_bytes(&self) -> usize {
         self.weight_bytes
+    }
+
+    fn step_weight_bytes(&self) -> usize {
+        self.step_weight_bytes
+    }
+
+    fn kv_read_bytes(&self, context: usize) -> usize {
+        self.config.kv_read_bytes(context, self.dtype.size_in_bytes())
     }
 
     fn new_cache(&self, capacity: usize) -> Result<KvCache> {
@@ -681,6 +728,25 @@ mod tests {
         assert!(diff < 1e-4, "max |logit difference| {diff}");
         let last = model.forward_rows(&tokens[..3], &mut model.new_cache(3).unwrap(), LogitRows::Last).unwrap();
         assert!(max_abs_diff(&last, &whole.narrow(0, 2, 1).unwrap()) < 1e-4);
+    }
+
+    /// A step reads every weight but the embedding table (the random model's head is its own
+    /// matrix), and its KV: keys and values of every layer, a sliding layer's up to its window.
+    #[test]
+    fn a_step_reads_the_weights_but_the_embedding_and_its_kv() {
+        let config = tiny();
+        let model = Decoder::random(&config, 3, WeightFormat::Dense(DType::BF16), &Device::Cpu).unwrap();
+        let (h, v) = (config.hidden_size, config.vocab_size);
+        // The random model's weight_bytes counts its matrices; a step also reads 7 norms of
+        // [hidden] (2 per layer and the final one).
+        assert_eq!(model.step_weight_bytes(), model.weight_bytes() - v * h * 2 + 7 * h * 2);
+        // 3 layers x (k + v) x 2 kv heads x head_dim 8 x 2 bytes per position.
+        let row = 3 * 2 * 2 * 8 * 2;
+        assert_eq!(model.kv_read_bytes(40), 40 * row);
+        assert_eq!(model.step_read_bytes(40), model.step_weight_bytes() + 40 * row);
+        let mut sliding = model.config.clone();
+        (sliding.sliding_window, sliding.sliding_layers) = (Some(4), vec![true, false, true]);
+        assert_eq!(sliding.kv_read_bytes(40, 2), (4 + 40 + 4) * row / 3);
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The candle backend: the same decoder block written in candle tensor ops, so it runs on any
 //! candle device (CUDA, and on the CPU what the CPU backend does not run: HF safetensors
 //! directories, seeded random models, GGUF with attention soft-capping). `decoder.rs` is the
-//! decoder; `attention.rs` the attention it and the heads' layers (`proposer/heads/layer.rs`) run.
+//! decoder; `attention.rs` the attention it and the heads' layers (`proposer/heads/layer.rs`) run;
+//! `fused.rs` the fused ops (residual add + norm, activation * up) with their CUDA kernels.
 //!
 //! Invariant: it reads the same weights by the same names and loader (`model/layout.rs`,
 //! `model/block.rs`) and keeps the forward contract (`model/forward.rs`) within a stated
@@ -9,3 +10,4 @@
 
 pub(crate) mod attention;
 pub mod decoder;
+pub mod fused;

@@ -276,6 +276,11 @@ impl CausalLm for CpuDecoder {
         self.step_weight_bytes
     }
 
+    fn kv_read_bytes(&self, context: usize) -> usize {
+        // The host cache holds f16 (`kv_cache/contiguous.rs`).
+        self.config.kv_read_bytes(context, 2)
+    }
+
     fn new_cache(&self, capacity: usize) -> Result<KvCache> {
         let i = &self.info;
         Ok(KvCache::new(i.num_layers, i.num_kv_heads * i.head_dim, capacity, i.context_length))

@@ -1,0 +1,167 @@
+// Fused decoder-block kernels: one launch where candle runs two to four.
+// The CPU references, with the full contract, are in crates/specrs-core/src/model/candle/fused.rs
+// (each op's `cpu_fwd`): the same f32 arithmetic, rounded once to the activation dtype.
+//   add_rms_norm_*: x' = x + delta (rounded to the dtype, as the residual stream is stored), and
+//                   rms_norm(x') * weight; out[0] = x', out[1] = the normed row. One block per row.
+//   qkv_heads_*:    the q/k/v projection's output [n, (H + 2 KV) * hd] -> heads [H + 2 KV, n, hd] in
+//                   f32: q and k heads RMS-normed per head where the family has q/k norms, then
+//                   rotated (RoPE, halves or interleaved pairs, the first rope_dims of a head) at the
+//                   row's position read on the device; v heads copied. One block per (head, row).
+//   act_mul_*:      act(gate) * up with act = SiLU or GELU (tanh form), the activation rounded to the
+//                   dtype first (as candle stores it between its two ops); gate and up are row-strided
+//                   views (the halves of a fused gate/up matmul's output). A grid-stride loop.
+// Compiled at run time with NVRTC, so it uses no headers: bf16 and f16 are converted by hand
+// (bf16 rounds to nearest even, as the `half` crate does). blockDim.x must be BLOCK.
+
+#define BLOCK 256
+
+__device__ __forceinline__ float load(const float* p, unsigned long long i) { return p[i]; }
+__device__ __forceinline__ void store(float* p, unsigned long long i, float v) { p[i] = v; }
+
+__device__ __forceinline__ float load(const unsigned short* p, unsigned long long i) {
+    return __uint_as_float(((unsigned int)p[i]) << 16);
+}
+__device__ __forceinline__ unsigned short to_bf16(float v) {
+    unsigned int u = __float_as_uint(v);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+__device__ __forceinline__ void store(unsigned short* p, unsigned long long i, float v) { p[i] = to_bf16(v); }
+
+// f16 travels as its own type tag so it overloads apart from bf16's unsigned short.
+struct half_bits { unsigned short bits; };
+__device__ __forceinline__ float load(const half_bits* p, unsigned long long i) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(p[i].bits));
+    return f;
+}
+__device__ __forceinline__ void store(half_bits* p, unsigned long long i, float v) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    p[i].bits = h;
+}
+
+// v as the dtype stores it (an intermediate candle would have stored between two ops).
+template <typename T>
+__device__ __forceinline__ float round_as(float v) {
+    T t;
+    store(&t, 0, v);
+    return load(&t, 0);
+}
+
+template <typename T>
+__device__ void add_rms_norm(const T* x, const T* delta, const T* weight, T* out,
+                             unsigned int rows, unsigned int hidden, float eps) {
+    __shared__ float scratch[BLOCK];
+    const unsigned long long row = blockIdx.x;
+    const unsigned long long base = row * hidden;
+    T* sum_out = out;                                  // [rows, hidden]: x + delta
+    T* norm_out = out + (unsigned long long)rows * hidden;  // [rows, hidden]: its rms norm
+    float squares = 0.0f;
+    for (unsigned int j = threadIdx.x; j < hidden; j += BLOCK) {
+        store(sum_out, base + j, load(x, base + j) + load(delta, base + j));
+        float v = load(sum_out, base + j);  // the stored (rounded) value, as the residual holds it
+        squares += v * v;
+    }
+    scratch[threadIdx.x] = squares;
+    __syncthreads();
+    for (int s = BLOCK / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) scratch[threadIdx.x] += scratch[threadIdx.x + s];
+        __syncthreads();
+    }
+    const float m = sqrtf(scratch[0] / (float)hidden + eps);
+    for (unsigned int j = threadIdx.x; j < hidden; j += BLOCK) {
+        store(norm_out, base + j, load(sum_out, base + j) / m * load(weight, j));
+    }
+}
+
+template <typename T>
+__device__ void act_mul(const T* gate, unsigned long long gate_stride, const T* up, unsigned long long up_stride,
+                        T* out, unsigned int rows, unsigned int width, unsigned int gelu) {
+    const unsigned long long total = (unsigned long long)rows * width;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * BLOCK + threadIdx.x; i < total;
+         i += (unsigned long long)gridDim.x * BLOCK) {
+        const unsigned long long r = i / width, c = i % width;
+        const float g = load(gate, r * gate_stride + c);
+        float a;
+        if (gelu) {
+            a = 0.5f * g * (1.0f + tanhf(0.7978845608f * g * (1.0f + 0.044715f * g * g)));
+        } else {
+            a = g / (1.0f + expf(-g));
+        }
+        store(out, i, round_as<T>(a) * load(up, r * up_stride + c));
+    }
+}
+
+template <typename T>
+__device__ void qkv_heads(const T* qkv, unsigned long long row_stride, const unsigned int* positions,
+                          const float* q_norm, const float* k_norm, unsigned int has_q_norm, unsigned int has_k_norm,
+                          const float* cos, const float* sin, float* out, unsigned int n, unsigned int num_heads,
+                          unsigned int num_kv_heads, unsigned int head_dim, unsigned int rope_dims,
+                          unsigned int interleaved, float eps) {
+    __shared__ float row[1024];  // one head's values (head_dim <= 1024, checked by the host)
+    __shared__ float scratch[BLOCK];
+    const unsigned int head = blockIdx.x / n, r = blockIdx.x % n;
+    const bool is_q = head < num_heads, is_k = !is_q && head < num_heads + num_kv_heads;
+    const T* src = qkv + (unsigned long long)r * row_stride + (unsigned long long)head * head_dim;
+    for (unsigned int j = threadIdx.x; j < head_dim; j += BLOCK) row[j] = load(src, j);
+    __syncthreads();
+    const float* norm = is_q && has_q_norm ? q_norm : (is_k && has_k_norm ? k_norm : 0);
+    if (norm) {
+        float squares = 0.0f;
+        for (unsigned int j = threadIdx.x; j < head_dim; j += BLOCK) squares += row[j] * row[j];
+        scratch[threadIdx.x] = squares;
+        __syncthreads();
+        for (int s = BLOCK / 2; s > 0; s >>= 1) {
+            if (threadIdx.x < s) scratch[threadIdx.x] += scratch[threadIdx.x + s];
+            __syncthreads();
+        }
+        const float m = sqrtf(scratch[0] / (float)head_dim + eps);
+        __syncthreads();
+        for (unsigned int j = threadIdx.x; j < head_dim; j += BLOCK) row[j] = row[j] / m * norm[j];
+        __syncthreads();
+    }
+    float* dst = out + ((unsigned long long)head * n + r) * head_dim;
+    const unsigned int half = rope_dims / 2;
+    const unsigned long long table = (unsigned long long)positions[r] * half;
+    for (unsigned int j = threadIdx.x; j < head_dim; j += BLOCK) {
+        float v = row[j];
+        if ((is_q || is_k) && j < rope_dims) {
+            // candle's rope / rope_i, term for term.
+            if (interleaved) {
+                const unsigned int i = j / 2;
+                const float c = cos[table + i], s = sin[table + i];
+                v = (j % 2 == 0) ? row[j] * c - row[j + 1] * s : row[j - 1] * s + row[j] * c;
+            } else {
+                const unsigned int i = j % half;
+                const float c = cos[table + i], s = sin[table + i];
+                v = (j < half) ? row[j] * c - row[j + half] * s : row[j - half] * s + row[j] * c;
+            }
+        }
+        dst[j] = v;
+    }
+}
+
+#define INSTANTIATE(SUFFIX, T)                                                                      \
+extern "C" __global__ void add_rms_norm_##SUFFIX(const T* x, const T* delta, const T* weight, T* out, \
+                                                 unsigned int rows, unsigned int hidden, float eps) { \
+    add_rms_norm<T>(x, delta, weight, out, rows, hidden, eps);                                     \
+}                                                                                                   \
+extern "C" __global__ void act_mul_##SUFFIX(const T* gate, unsigned long long gate_stride, const T* up, \
+                                            unsigned long long up_stride, T* out, unsigned int rows, \
+                                            unsigned int width, unsigned int gelu) {               \
+    act_mul<T>(gate, gate_stride, up, up_stride, out, rows, width, gelu);                          \
+}                                                                                                   \
+extern "C" __global__ void qkv_heads_##SUFFIX(const T* qkv, unsigned long long row_stride,           \
+        const unsigned int* positions, const float* q_norm, const float* k_norm, unsigned int has_q_norm, \
+        unsigned int has_k_norm, const float* cos, const float* sin, float* out, unsigned int n,     \
+        unsigned int num_heads, unsigned int num_kv_heads, unsigned int head_dim, unsigned int rope_dims, \
+        unsigned int interleaved, float eps) {                                                      \
+    qkv_heads<T>(qkv, row_stride, positions, q_norm, k_norm, has_q_norm, has_k_norm, cos, sin, out, n, \
+                 num_heads, num_kv_heads, head_dim, rope_dims, interleaved, eps);                   \
+}
+
+INSTANTIATE(f32, float)
+INSTANTIATE(bf16, unsigned short)
+INSTANTIATE(f16, half_bits)
