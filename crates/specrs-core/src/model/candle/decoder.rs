@@ -91,9 +91,7 @@ impl Linear {
             None => y,
         })
     }
-}
 
-impl Linear {
     /// Bytes a forward reads from this layer: its weight as stored, and its bias.
     fn bytes(&self) -> usize {
         let tensor_bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();

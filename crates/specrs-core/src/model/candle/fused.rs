@@ -325,9 +325,13 @@ struct QkvHeads {
     eps: f32,
 }
 
-/// An f32 tensor's values on the CPU (the op's tables and norms; contiguous by construction).
-fn cpu_f32(t: &Tensor) -> candle_core::Result<Vec<f32>> {
-    t.flatten_all()?.to_vec1::<f32>()
+/// The f32 values of a contiguous CPU tensor's storage, read in place (the rotary tables span the
+/// whole context: copying them per layer would cost more than the layer).
+fn cpu_f32<'a>(storage: &'a candle_core::Storage, layout: &Layout) -> candle_core::Result<&'a [f32]> {
+    match (storage, layout.contiguous_offsets()) {
+        (candle_core::Storage::Cpu(CpuStorage::F32(values)), Some((start, end))) => Ok(&values[start..end]),
+        _ => Err(op_error("qkv_heads", "its tables and norms must be contiguous f32 on the CPU".into())),
+    }
 }
 
 impl QkvHeads {
@@ -365,9 +369,12 @@ impl QkvHeads {
         row_stride: usize,
     ) -> candle_core::Result<Vec<f32>> {
         let (hd, half) = (self.head_dim, self.rope_dims / 2);
-        let (cos, sin) = (cpu_f32(&self.cos)?, cpu_f32(&self.sin)?);
-        let q_norm = self.q_norm.as_ref().map(cpu_f32).transpose()?;
-        let k_norm = self.k_norm.as_ref().map(cpu_f32).transpose()?;
+        // Read guards on the op's tables and norms, held while the slices are in use.
+        let guards = [Some(&self.cos), Some(&self.sin), self.q_norm.as_ref(), self.k_norm.as_ref()]
+            .map(|t| t.map(Tensor::storage_and_layout));
+        let slice = |i: usize| guards[i].as_ref().map(|(storage, layout)| cpu_f32(storage, layout)).transpose();
+        let (cos, sin) = (slice(0)?.expect("cos is given"), slice(1)?.expect("sin is given"));
+        let (q_norm, k_norm) = (slice(2)?, slice(3)?);
         let context = cos.len() / half.max(1);
         if let Some(p) = positions.iter().find(|&&p| p as usize >= context) {
             return Err(op_error("qkv_heads", format!("position {p} is past the rotary tables' {context}")));
@@ -377,9 +384,9 @@ impl QkvHeads {
             let (is_q, is_k) =
                 (head < self.num_heads, head >= self.num_heads && head < self.num_heads + self.num_kv_heads);
             let norm = if is_q {
-                q_norm.as_deref()
+                q_norm
             } else if is_k {
-                k_norm.as_deref()
+                k_norm
             } else {
                 None
             };
