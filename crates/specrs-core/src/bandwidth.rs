@@ -74,7 +74,7 @@ fn cuda_read_seconds(
     let context = stream.context().clone();
     let failed = |what: &'static str| move |e: DriverError| device_error(what, e);
     let n4 = (num_bytes / 16) as u64;
-    // Ones, written by the device, so every page is resident before the first timed pass.
+    // Ones copied from the host: every page is resident and written before the first timed pass.
     let data = stream.clone_htod(&vec![1.0f32; (n4 * 4) as usize]).map_err(failed("filling the buffer"))?;
     let sms = context
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)

@@ -70,7 +70,7 @@ pub fn cuda_device(device: &Device) -> Result<&CudaDevice> {
 /// per process (every GPU of one machine is assumed to share an architecture). Launch it on the
 /// device's stream (`device.cuda_stream().launch_builder(&f)`), so it orders after candle's work.
 pub fn function(device: &CudaDevice, source: &Source, entry: &str) -> Result<CudaFunction> {
-    static PTX: [OnceLock<String>; 4] = [const { OnceLock::new() }; 4];
+    static PTX: [OnceLock<String>; SOURCES.len()] = [const { OnceLock::new() }; SOURCES.len()];
     let index = SOURCES.iter().position(|s| s.file == source.file).expect("every source is in SOURCES");
     let ptx = match PTX[index].get() {
         Some(ptx) => ptx,

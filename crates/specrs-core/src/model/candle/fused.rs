@@ -7,11 +7,14 @@
 //!   residual stream the next layer adds to).
 //! - `act_mul(gate, up, gelu)`: SiLU(gate) * up, or GELU(gate) * up (tanh form), over row-strided
 //!   views (the halves of a fused gate/up matmul's output, with no copy).
+//! - `qkv_heads(qkv, positions, spec)`: the q/k/v projection's output split into f32 heads, q and
+//!   k normed per head where the family has q/k norms and rotated at positions read on the device.
 //!
 //! Invariant: the arithmetic is f32, rounded once to the activation dtype at each stored value. In
 //! f32 the CPU reference is bitwise candle's `x + delta`, `candle_nn::ops::rms_norm`, `silu`/`gelu`
-//! and `*` (the same expressions in the same order); in bf16/f16 it rounds once where candle's
-//! half-precision ops round at every step. The device kernels sum a row's squares in another order
+//! and `*`, and for `qkv_heads` the cast, split, `rms_norm` and `rope`/`rope_i` (the same
+//! expressions in the same order); in bf16/f16 it rounds once where candle's half-precision ops
+//! round at every step. The device kernels sum a row's squares in another order
 //! and use the device's `expf`/`tanhf`, so they match the reference within `tolerance`.
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
