@@ -623,9 +623,7 @@ def main() -> int:
           flush=True)
     if on_gpu:
         try:
-            specrs._specrs.read_bandwidth(device, 0, 1)  # opens the device, then refuses 0 bytes
-        except specrs.ConfigError:
-            pass
+            gpu_check.open_device(specrs, device)
         except Exception as e:
             # No silent CPU-against-CPU run: asked for a GPU, a missing one is a failure.
             report["failures"] = [f"cannot open {device}: {type(e).__name__}: {e}"]

@@ -102,6 +102,16 @@ def library_dirs() -> list[str]:
     return found
 
 
+def open_device(specrs, device: str) -> None:
+    """Opens `device` and runs none of our kernels, so a kernel that fails on a present GPU fails its
+    own check, not this probe: read_bandwidth opens the device, then refuses a 0-byte buffer with a
+    ConfigError. Raises what opening the device raised (a DeviceError where none opens)."""
+    try:
+        specrs._specrs.read_bandwidth(device, 0, 1)
+    except specrs.ConfigError:
+        pass
+
+
 def ensure_cuda_libraries() -> None:
     """The dynamic loader reads LD_LIBRARY_PATH at start-up only, so set it and start again."""
     if os.environ.get(REEXEC_MARK):
@@ -811,9 +821,7 @@ def main() -> int:
     report = {"device": device, "cuda_library_dirs": os.environ.get("LD_LIBRARY_PATH", "")}
     if device != "cpu":
         try:
-            specrs._specrs.read_bandwidth(device, 0, 1)  # opens the device, then refuses 0 bytes
-        except specrs.ConfigError:
-            pass
+            open_device(specrs, device)
         except specrs.SpecrsError as e:
             # No silent CPU-against-CPU run: asked for a GPU, a missing one is a failure.
             report["failures"] = [f"cannot open {device}: {e}"]
