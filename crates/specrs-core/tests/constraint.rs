@@ -7,15 +7,12 @@
 //! that differs from the previous token: always the lowest id would write `!!!...` inside a JSON
 //! string forever, while this choice closes strings at once (`!` then `"`, which follows it).
 
-mod common;
-#[path = "common/constraint_fixture.rs"]
-mod constraint_fixture;
-
-use constraint_fixture::fixture;
 use serde_json::{json, Value};
 use specrs_core::constraint::{Constraint, ConstraintCompiler, GrammarSpec};
 use specrs_core::tokenizer::TextTokenizer;
 use specrs_core::Error;
+
+use crate::common::constraint_fixture::fixture;
 
 /// Longest walk a test grammar needs; a walk that has not finished by then is a failure.
 const MAX_WALK_TOKENS: usize = 64;

@@ -4,8 +4,6 @@
 //! with a request aborted mid-batch, and with the load budget cutting drafts; at batch 1 the budget
 //! grants what the request asks for.
 
-mod common;
-
 use std::sync::Arc;
 
 use specrs_core::engine::FinishReason;
@@ -13,6 +11,8 @@ use specrs_core::kv_cache::KvLayout;
 use specrs_core::{
     DraftBudget, Engine, Error, Generation, SamplingParams, Scheduler, SchedulerConfig, SpeculativeConfig, StepReport,
 };
+
+use crate::common;
 
 const PROMPTS: [&str; 4] = [
     "The capital of France is",

@@ -6,11 +6,11 @@
 //! the whole starts with the context and then the drafted tokens, so a draft never holds a token
 //! plain decoding of that text would not emit there.
 
-mod common;
-
 use specrs_core::gguf::GgufFile;
 use specrs_core::proposer::cross_tokenizer::target_tokens_after;
 use specrs_core::tokenizer::TextTokenizer;
+
+use crate::common;
 
 fn tokenizer(path: std::path::PathBuf) -> TextTokenizer {
     TextTokenizer::from_gguf(&GgufFile::open(path).expect("open the GGUF")).expect("its tokenizer")

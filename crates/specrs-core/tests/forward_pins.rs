@@ -10,12 +10,8 @@
 //! model/cpu/repack.rs), so every pin is keyed by the set that made it, and a machine whose set has
 //! no pin fails (never passes silently). Pins live in tests/golden/pins/forward_pins.txt; generate
 //! or regenerate (only for an intended change, saying why in the commit) the running set's with
-//! `SPECRS_WRITE_PINS=1 cargo test --release -p specrs-core --test forward_pins`; on a VNNI machine
+//! `SPECRS_WRITE_PINS=1 cargo test --release -p specrs-core --test integration forward_pins::`; on a VNNI machine
 //! add `SPECRS_CPU_KERNELS=avx2` to generate the AVX2 set's too.
-
-mod common;
-#[path = "common/pins.rs"]
-mod pins;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -25,9 +21,12 @@ use specrs_core::gguf::GgufFile;
 use specrs_core::kv_cache::KvCache;
 use specrs_core::model::{self, CausalLm, ForwardBatch, LogitRows, SeqRows, Tap};
 
+use crate::common;
+use crate::common::pins;
+
 const PIN_FILE: &str = "forward_pins.txt";
 const HEADER: &str = "forward_pins.rs: FNV-1a of today's logit and hidden bits per CPU kernel set.\n\
-    Regenerate the running set: SPECRS_WRITE_PINS=1 cargo test --release -p specrs-core --test forward_pins\n\
+    Regenerate the running set: SPECRS_WRITE_PINS=1 cargo test --release -p specrs-core --test integration forward_pins::\n\
     (SPECRS_CPU_KERNELS=avx2 selects the AVX2 set on a VNNI machine)";
 const FAMILIES: [&str; 6] = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"];
 
@@ -115,7 +114,7 @@ fn forwards_equal_the_pinned_ones_of_this_kernel_set() {
         }
     }
     let how = format!(
-        "SPECRS_WRITE_PINS=1{} cargo test --release -p specrs-core --test forward_pins",
+        "SPECRS_WRITE_PINS=1{} cargo test --release -p specrs-core --test integration forward_pins::",
         if set == "avx2" { " SPECRS_CPU_KERNELS=avx2" } else { "" }
     );
     pins::check(PIN_FILE, HEADER, &format!("{set}/"), &got, &how);

@@ -5,14 +5,12 @@
 //! matcher does never reaches the next request's start; a failing spec is never kept and fails the
 //! same way every time; the cache keeps the most recently used entries within its bounds.
 
-mod common;
-#[path = "common/constraint_fixture.rs"]
-mod constraint_fixture;
-
-use constraint_fixture::fixture;
 use serde_json::{json, Value};
 use specrs_core::constraint::{Constraint, GrammarCache, GrammarSource, GrammarSpec};
 use specrs_core::{Engine, Error, SamplingParams};
+
+use crate::common;
+use crate::common::constraint_fixture::fixture;
 
 /// An engine of its own for each test, so that its counters count that test's compiles alone.
 fn engine() -> Engine {

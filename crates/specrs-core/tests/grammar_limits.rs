@@ -5,11 +5,6 @@
 //! at the first token (`a{1000000}`, `(x{1000}){1000}`, a 20,000-string choice, `$ref` cycles)
 //! are refused when compiled; what compiles at a limit also runs.
 
-mod common;
-#[path = "common/constraint_fixture.rs"]
-mod constraint_fixture;
-
-use constraint_fixture::fixture;
 use serde_json::{json, Map, Value};
 use specrs_core::constraint::limits::{
     COMPILE_STACK_BYTES, MAX_CHOICES, MAX_CHOICE_BYTES, MAX_JSON_NESTING, MAX_LARK_DEPTH, MAX_LARK_RULES,
@@ -17,6 +12,8 @@ use specrs_core::constraint::limits::{
 };
 use specrs_core::constraint::{Constraint, GrammarSpec};
 use specrs_core::Error;
+
+use crate::common::constraint_fixture::fixture;
 
 /// Tokens a walk through a grammar at a limit takes before it must have run without error.
 const WALK_TOKENS: usize = 64;

@@ -8,8 +8,6 @@
 //! with token trees (EAGLE-2's dynamic tree; the right token is every node's first child), where
 //! the session gathers the accepted path's rows for the head.
 
-mod common;
-
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
@@ -21,6 +19,8 @@ use specrs_core::proposer::heads::layer::TreeRows;
 use specrs_core::proposer::heads::{Head, HeadProposer, ParallelHead, RecurrentHead};
 use specrs_core::spec_config::{TreeConfig, TreeMode, Verification};
 use specrs_core::{Engine, Result, SamplingParams};
+
+use crate::common;
 
 const MAX_TOKENS: usize = 32;
 const K: usize = 3;

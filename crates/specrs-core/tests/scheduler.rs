@@ -3,9 +3,9 @@
 //! sampling, with and without speculation, with prompts of different lengths, chunked prefill,
 //! and sessions finishing at different steps.
 
-mod common;
-
 use specrs_core::{step_together, Engine, SamplingParams, Session, SpeculativeConfig};
+
+use crate::common;
 
 const PROMPTS: [&str; 4] = [
     "The capital of France is",

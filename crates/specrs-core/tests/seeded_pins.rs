@@ -11,21 +11,20 @@
 //! the set that made them and a set without pins fails. Pins live in
 //! tests/golden/pins/seeded_pins.txt; generate or regenerate (only for an intended change, saying
 //! why in the commit) the running set's with
-//! `SPECRS_WRITE_PINS=1 cargo test --release -p specrs-core --test seeded_pins`; on a VNNI machine
+//! `SPECRS_WRITE_PINS=1 cargo test --release -p specrs-core --test integration seeded_pins::`; on a VNNI machine
 //! add `SPECRS_CPU_KERNELS=avx2` to generate the AVX2 set's too.
-
-mod common;
-#[path = "common/pins.rs"]
-mod pins;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use specrs_core::{Engine, SamplingParams, Scheduler, SchedulerConfig, Speculation, SpeculativeConfig};
 
+use crate::common;
+use crate::common::pins;
+
 const PIN_FILE: &str = "seeded_pins.txt";
 const HEADER: &str = "seeded_pins.rs: today's seeded SmolLM2 token ids per CPU kernel set.\n\
-    Regenerate the running set: SPECRS_WRITE_PINS=1 cargo test --release -p specrs-core --test seeded_pins\n\
+    Regenerate the running set: SPECRS_WRITE_PINS=1 cargo test --release -p specrs-core --test integration seeded_pins::\n\
     (SPECRS_CPU_KERNELS=avx2 selects the AVX2 set on a VNNI machine)";
 
 /// Repetitive enough that n-gram and suffix drafts are proposed and partly accepted.
@@ -135,7 +134,7 @@ fn seeded_outputs_equal_the_pinned_ones_of_this_kernel_set() {
         got.insert(format!("{set}/scheduler/request{id}"), format!("{t:?}"));
     }
     let how = format!(
-        "SPECRS_WRITE_PINS=1{} cargo test --release -p specrs-core --test seeded_pins",
+        "SPECRS_WRITE_PINS=1{} cargo test --release -p specrs-core --test integration seeded_pins::",
         if set == "avx2" { " SPECRS_CPU_KERNELS=avx2" } else { "" }
     );
     pins::check(PIN_FILE, HEADER, &format!("{set}/"), &got, &how);

@@ -4,10 +4,10 @@
 //! completes inside a draft that was accepted past it; and the suffix cache learns only the
 //! emitted tokens.
 
-mod common;
-
 use specrs_core::engine::{FinishReason, StopReason};
 use specrs_core::{Engine, Generation, SamplingParams, SpeculativeConfig};
+
+use crate::common;
 
 /// Prompts whose answers repeat what came before, so drafts are accepted several tokens deep.
 const PROMPTS: [&str; 2] = [

@@ -4,13 +4,13 @@
 //! - the output equals plain greedy decoding, with trees actually verified (several children);
 //! - a custom proposer's trees with wrong branches and the right one at every rank.
 
-mod common;
-
 use specrs_core::kv_cache::KvCache;
 use specrs_core::model::{ForwardBatch, LogitRows};
 use specrs_core::proposer::{Draft, Proposer, TreeLimits};
 use specrs_core::spec_config::SpeculativeConfig;
 use specrs_core::{Engine, SamplingParams};
+
+use crate::common;
 
 fn engine() -> Engine {
     Engine::load(common::smollm2_path(), "cpu").expect("load SmolLM2")

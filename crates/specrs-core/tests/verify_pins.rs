@@ -8,10 +8,7 @@
 //! Invariant: pure f32 arithmetic and ChaCha8, no model and no CPU kernel, so the pins are the same
 //! on every machine. The committed values live in tests/golden/pins/verify_pins.txt; regenerate
 //! them (only for an intended change, saying why in the commit) with
-//! `SPECRS_WRITE_PINS=1 cargo test --release -p specrs-core --test verify_pins`.
-
-#[path = "common/pins.rs"]
-mod pins;
+//! `SPECRS_WRITE_PINS=1 cargo test --release -p specrs-core --test integration verify_pins::`.
 
 use std::collections::BTreeMap;
 
@@ -19,9 +16,11 @@ use specrs_core::sampler::{argmax, Sampler};
 use specrs_core::verify::{tree::verify_tree, verify};
 use specrs_core::SamplingParams;
 
+use crate::common::pins;
+
 const PIN_FILE: &str = "verify_pins.txt";
 const HEADER: &str = "verify_pins.rs: today's verification outputs (path, tokens, next sequential uniform's bits).\n\
-    Regenerate: SPECRS_WRITE_PINS=1 cargo test --release -p specrs-core --test verify_pins";
+    Regenerate: SPECRS_WRITE_PINS=1 cargo test --release -p specrs-core --test integration verify_pins::";
 
 /// A fixed 64-bit LCG (Knuth's MMIX constants): the cases' only randomness.
 struct Lcg(u64);
@@ -211,7 +210,7 @@ fn verification_outputs_equal_the_pinned_ones() {
         HEADER,
         "",
         &got,
-        "SPECRS_WRITE_PINS=1 cargo test --release -p specrs-core --test verify_pins",
+        "SPECRS_WRITE_PINS=1 cargo test --release -p specrs-core --test integration verify_pins::",
     );
 }
 

@@ -1,5 +1,5 @@
-//! The SmolLM2 tokenizer and its constraint compiler, built once per test binary (constraint.rs
-//! and grammar_limits.rs include this file; the other tests do not need it).
+//! The SmolLM2 tokenizer and its constraint compiler, built once for the constraint tests
+//! (constraint.rs, grammar_cache.rs, grammar_limits.rs).
 
 use std::sync::OnceLock;
 
@@ -15,7 +15,7 @@ pub struct Fixture {
 pub fn fixture() -> &'static Fixture {
     static FIXTURE: OnceLock<Fixture> = OnceLock::new();
     FIXTURE.get_or_init(|| {
-        let gguf = GgufFile::open(super::common::smollm2_path()).expect("open SmolLM2");
+        let gguf = GgufFile::open(super::smollm2_path()).expect("open SmolLM2");
         let tokenizer = TextTokenizer::from_gguf(&gguf).expect("SmolLM2 tokenizer");
         let started = std::time::Instant::now();
         let compiler = ConstraintCompiler::new(&tokenizer).expect("constraint compiler");

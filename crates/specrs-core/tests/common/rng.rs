@@ -1,5 +1,5 @@
-//! xorshift64*: the random forwards' only randomness, seeded per property (forward_batch.rs and
-//! kv_layouts.rs include this file; the other tests do not need it).
+//! xorshift64*: the random forwards' only randomness, seeded per property (forward_batch.rs,
+//! kv_layouts.rs).
 
 pub struct Rng(pub u64);
 

@@ -37,6 +37,12 @@ SAVE_TIMEOUT_S = 30.0
 
 logger = logging.getLogger("specrs.serve")
 LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# Ray Serve gives its HTTP proxy 5 s to report ready, three times, then kills it and `serve.start`
+# fails ("The actor died unexpectedly"). A loaded 2-core machine took longer (the test suite beside
+# a build): a local instance waits up to a minute. Read by Ray Serve's controller, which inherits
+# the environment of the Ray instance `ray.init` starts.
+PROXY_READY_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+PROXY_READY_TIMEOUT_S = 60
 
 
 def require_ray() -> None:
@@ -139,6 +145,7 @@ def run(settings, *, host: str = "127.0.0.1", port: int = 8000, ray_address: str
         # Ray's local-only mode (its default on macOS and Windows): every Ray process binds to the
         # loopback address instead of this node's network address. Read when Ray is imported.
         os.environ.setdefault(LOCAL_ONLY_ENV, "0")
+        os.environ.setdefault(PROXY_READY_ENV, str(PROXY_READY_TIMEOUT_S))
     require_ray()
     import ray
     from ray import serve

@@ -16,12 +16,12 @@
 //!
 //! Invariant: `forward_rows` scores every new token against the cached keys plus its own
 //! predecessors (causal, windowed where the layer says so), and appends exactly the new positions
-//! to the cache. Unlike `cpu/decoder.rs` it does not promise bitwise row independence: cuBLAS (and
-//! candle's CPU gemm for dense weights) picks its kernels by shape, so a k+1-token verify can round
-//! differently from single steps, and greedy speculative output equals plain greedy output except
-//! at near-ties (the GPU check counts them). On the CPU with weights specrs' kernels run (Q4_0,
-//! Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) every matmul is row-independent and attention is computed one
-//! query row at a time, so there the two are equal.
+//! to the cache. On CUDA it does not promise bitwise row independence: cuBLAS picks its kernels by
+//! shape, so a k+1-token verify can round differently from single steps, and greedy speculative
+//! output equals plain greedy output except at near-ties (the GPU check counts them). On the CPU
+//! specrs' kernels run every dense weight (f32, bf16, f16: `kernels/dense.rs`) and the quantized
+//! ones they have (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), each row-independent, and attention is
+//! computed one query row at a time, so there the two are equal.
 //! Attention runs in f32 over the cache (kept in the model's dtype: f32 for quantized weights,
 //! bf16/f16 for dense ones), which keeps those differences at the matmuls' rounding.
 
@@ -41,6 +41,7 @@ use crate::model::config::DecoderConfig;
 use crate::model::forward::check_token_ids;
 use crate::model::hf_dir::HfWeights;
 use crate::model::kernels::qlinear::QLinear;
+use crate::model::kernels::{self, dense};
 use crate::model::layout::{global_tensor, global_weight, Family, Global, Naming};
 use crate::model::llama_config::LlamaConfig;
 use crate::model::random;
@@ -60,7 +61,8 @@ enum Weight {
     /// change each other.
     Native(QLinear),
     Quantized(QMatMul),
-    /// `[out_features, in_features]`, in the activation dtype.
+    /// `[out_features, in_features]`, in the activation dtype. On the CPU specrs' dense kernels
+    /// (`kernels/dense.rs`) run it, whose rows never change each other; candle's gemm elsewhere.
     Dense(Tensor),
 }
 
@@ -79,7 +81,10 @@ impl Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match &self.weight {
             Weight::Quantized(w) => w.forward(x)?,
-            Weight::Dense(w) => x.matmul(&w.t()?)?,
+            Weight::Dense(w) => match dense::forward(kernels::kernels(), w, x)? {
+                Some(y) => y,
+                None => x.matmul(&w.t()?)?,
+            },
             Weight::Native(w) => {
                 let n = x.dim(0)?;
                 let rows = w.forward_rows(&x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, n)?;

@@ -5,8 +5,9 @@
 //! `fused.rs` the fused ops (residual add + norm, activation * up) with their CUDA kernels.
 //!
 //! Invariant: it reads the same weights by the same names and loader (`model/layout.rs`,
-//! `model/block.rs`) and keeps the forward contract (`model/forward.rs`) within a stated
-//! tolerance rather than bitwise: cuBLAS and candle's dense CPU gemm pick kernels by shape.
+//! `model/block.rs`) and keeps the forward contract (`model/forward.rs`): bitwise on the CPU, where
+//! specrs' row-independent kernels run its matmuls (`model/kernels/`), within a stated tolerance on
+//! CUDA, where cuBLAS picks kernels by shape.
 
 pub(crate) mod attention;
 pub mod decoder;

@@ -1,8 +1,8 @@
 //! specrs's own CPU kernels, shared by every backend that runs GGUF weights on the CPU (the CPU
 //! decoder `model/cpu/`, candle's CPU path, the heads): quantized matmuls (`qlinear.rs`, with
-//! `kquants.rs` for Q4_K/Q6_K and `repack.rs`'s tiled layout), attention over the f16 cache
-//! (`attention.rs`), ggml's exp/SiLU/GELU (`ggml_math.rs`), and `parallel.rs`, which splits their
-//! work across cores. `format.rs` names the weight formats they read.
+//! `kquants.rs` for Q4_K/Q6_K and `repack.rs`'s tiled layout), dense f32/bf16/f16 matmuls for
+//! candle's CPU path (`dense.rs`), attention over the f16 cache (`attention.rs`), ggml's
+//! exp/SiLU/GELU (`ggml_math.rs`), and `parallel.rs`, which splits their work across cores. `format.rs` names the weight formats they read.
 //!
 //! The instruction-set-specific inner loops live in one folder per ISA (`reference.rs`, scalar
 //! and portable; `x86_avx2/`; `x86_avx512_vnni/`), each exporting a `KernelSet`; `kernels()`
@@ -16,6 +16,7 @@
 //! (`model/forward.rs`); and within one process every kernel call runs the same set.
 
 pub mod attention;
+pub mod dense;
 pub mod format;
 pub mod ggml_math;
 pub mod kquants;
@@ -70,6 +71,10 @@ pub struct KernelSet {
     pub softmax_exps: unsafe fn(&mut [f32], f32),
     /// `gate[i] = silu(gate[i]) * up[i]`.
     pub swiglu: unsafe fn(&mut [f32], &[f32]),
+    /// Dense matmul dots (`dense.rs`): `out[f * out_stride + r] = reference::dot_f32(weights row
+    /// f, x row r)` for every f32 weight row and activation row of `in_features` values:
+    /// `(weights, x, in_features, out, out_stride)`. Bitwise the reference in every set.
+    pub dense_dots: unsafe fn(&[f32], &[f32], usize, &mut [f32], usize),
 }
 
 impl std::fmt::Debug for KernelSet {

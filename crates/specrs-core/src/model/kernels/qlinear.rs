@@ -294,7 +294,7 @@ fn matmul(
 
 /// `[rows, cols]` -> `[cols, rows]`, 8 x 8 at a time: a store per value at a stride of `rows`
 /// floats (a power of two, so every line lands in the same cache set) cost ~6% of prefill.
-fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+pub(super) fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     const TILE: usize = 8;
     let mut out = vec![0f32; rows * cols];
     for r0 in (0..rows).step_by(TILE) {

@@ -29,6 +29,7 @@ pub const KERNELS: KernelSet = KernelSet {
     weighted_sum,
     softmax_exps,
     swiglu,
+    dense_dots,
 };
 
 fn f16_at(bytes: &[u8], at: usize) -> f32 {
@@ -159,6 +160,29 @@ pub fn dot(a: &[f16], b: &[f32]) -> f32 {
         sum = x.to_f32().mul_add(*y, sum);
     }
     sum
+}
+
+/// `dot` with f32 weights: 8 lanes of fused multiply-adds, `reduce_lanes`, then the tail.
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let full = a.len() / 8 * 8;
+    let mut lanes = [0f32; 8];
+    for (i, (x, y)) in a[..full].iter().zip(&b[..full]).enumerate() {
+        lanes[i % 8] = x.mul_add(*y, lanes[i % 8]);
+    }
+    let mut sum = reduce_lanes(&lanes);
+    for (x, y) in a[full..].iter().zip(&b[full..]) {
+        sum = x.mul_add(*y, sum);
+    }
+    sum
+}
+
+/// `KernelSet::dense_dots`: `out[f * out_stride + r] = dot_f32(weights row f, x row r)`.
+fn dense_dots(weights: &[f32], x: &[f32], in_features: usize, out: &mut [f32], out_stride: usize) {
+    for (f, weight) in weights.chunks_exact(in_features).enumerate() {
+        for (r, row) in x.chunks_exact(in_features).enumerate() {
+            out[f * out_stride + r] = dot_f32(weight, row);
+        }
+    }
 }
 
 /// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).

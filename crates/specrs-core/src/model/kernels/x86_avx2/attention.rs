@@ -52,7 +52,7 @@ pub unsafe fn scaled_dots(query: &[f32], keys: &[f16], stride: usize, scale: f32
 /// the same tree for every j (`reference::reduce_lanes`).
 #[inline]
 #[target_feature(enable = "avx2")]
-fn reduce_8x8(v: [__m256; 8]) -> __m256 {
+pub(super) fn reduce_8x8(v: [__m256; 8]) -> __m256 {
     let t0 = _mm256_hadd_ps(v[0], v[1]);
     let t1 = _mm256_hadd_ps(v[2], v[3]);
     let t2 = _mm256_hadd_ps(v[4], v[5]);
