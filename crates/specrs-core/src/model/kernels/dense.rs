@@ -5,14 +5,12 @@
 //! speculation differed from plain greedy decoding at near-ties. Here every output is one dot
 //! product summed in one fixed order (`KernelSet::dense_dots`), whatever else is computed with it.
 //!
-//! The weight rows of a task are widened to f32 once (bf16 is exact in f32, f16 too) and dotted
-//! with the activation rows `ROWS_PER_BLOCK` at a time, so a decode step reads each weight once and
-//! a prefill chunk re-reads only activations.
+//! A task's weight rows are dotted with the activation rows `ROWS_PER_BLOCK` at a time, widened
+//! to f32 as they are loaded (exact: every bf16 and f16 is an f32), so a decode step reads each
+//! weight once, in its stored size, and a prefill chunk re-reads only activations.
 //!
 //! Invariant: `out[r][f] = dot(x row r, weight row f)` in `reference::dot_f32`'s order, bitwise
 //! the same for every kernel set and every `num_rows`.
-
-use std::cell::RefCell;
 
 use candle_core::{CpuStorage, DType, Storage, Tensor};
 use half::slice::HalfFloatSliceExt;
@@ -23,7 +21,7 @@ use super::qlinear::transpose;
 use super::KernelSet;
 use crate::error::{Error, Result};
 
-/// Weight rows per parallel task: widened together, then reused by every activation block.
+/// Weight rows per parallel task, reused by every activation block.
 const FEATURES_PER_TASK: usize = 16;
 /// Activation rows dotted with a task's weights at once: 64 rows of 4096 f32 stay in L2.
 const ROWS_PER_BLOCK: usize = 64;
@@ -36,8 +34,8 @@ pub enum DenseWeight<'a> {
     F16(&'a [f16]),
 }
 
-impl DenseWeight<'_> {
-    fn len(&self) -> usize {
+impl<'a> DenseWeight<'a> {
+    pub(crate) fn len(&self) -> usize {
         match self {
             DenseWeight::F32(w) => w.len(),
             DenseWeight::Bf16(w) => w.len(),
@@ -45,35 +43,24 @@ impl DenseWeight<'_> {
         }
     }
 
-    /// `f(values start..start + len as f32)`: exact, every bf16 and f16 is an f32. Widened values
-    /// go to a per-thread buffer, reused across calls.
-    fn widened<R>(&self, start: usize, len: usize, f: impl FnOnce(&[f32]) -> R) -> R {
-        thread_local! {
-            static WIDENED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Values `start..start + len`.
+    fn slice(&self, start: usize, len: usize) -> DenseWeight<'a> {
+        match *self {
+            DenseWeight::F32(w) => DenseWeight::F32(&w[start..start + len]),
+            DenseWeight::Bf16(w) => DenseWeight::Bf16(&w[start..start + len]),
+            DenseWeight::F16(w) => DenseWeight::F16(&w[start..start + len]),
         }
-        let narrow = match self {
-            DenseWeight::F32(w) => return f(&w[start..start + len]),
-            DenseWeight::Bf16(w) => Narrow::Bf16(&w[start..start + len]),
-            DenseWeight::F16(w) => Narrow::F16(&w[start..start + len]),
-        };
-        WIDENED.with_borrow_mut(|buf| {
-            buf.resize(len, 0.0);
-            match narrow {
-                // bf16 is an f32's upper half.
-                Narrow::Bf16(w) => {
-                    buf.iter_mut().zip(w).for_each(|(o, v)| *o = f32::from_bits((v.to_bits() as u32) << 16))
-                }
-                // half converts with F16C where the CPU has it.
-                Narrow::F16(w) => w.convert_to_f32_slice(buf),
-            }
-            f(buf)
-        })
     }
-}
 
-enum Narrow<'a> {
-    Bf16(&'a [bf16]),
-    F16(&'a [f16]),
+    /// Values `start..start + out.len()` as f32 into `out`: exact, every bf16 and f16 is an f32.
+    pub(crate) fn widen_into(&self, start: usize, out: &mut [f32]) {
+        let end = start + out.len();
+        match self {
+            DenseWeight::F32(w) => out.copy_from_slice(&w[start..end]),
+            DenseWeight::Bf16(w) => w[start..end].convert_to_f32_slice(out),
+            DenseWeight::F16(w) => w[start..end].convert_to_f32_slice(out),
+        }
+    }
 }
 
 /// `x`: `[num_rows, in_features]` row-major -> `[num_rows, out_features]`.
@@ -96,16 +83,15 @@ pub fn matmul(
     let mut by_feature = vec![0f32; out_features * num_rows];
     for_each_chunk_mut(&mut by_feature, FEATURES_PER_TASK * num_rows, |task, chunk| {
         let features = chunk.len() / num_rows;
-        weight.widened(task * FEATURES_PER_TASK * in_features, features * in_features, |rows| {
-            for first in (0..num_rows).step_by(ROWS_PER_BLOCK) {
-                let block = ROWS_PER_BLOCK.min(num_rows - first);
-                let x = &x[first * in_features..(first + block) * in_features];
-                // SAFETY: `kernels` runs on this CPU (the caller's); `rows` holds `features` rows
-                // and `x` `block` rows of `in_features`; `chunk` holds `features` rows of
-                // `num_rows`, which the kernel writes from column `first`.
-                unsafe { (kernels.dense_dots)(rows, x, in_features, &mut chunk[first..], num_rows) };
-            }
-        })
+        let rows = weight.slice(task * FEATURES_PER_TASK * in_features, features * in_features);
+        for first in (0..num_rows).step_by(ROWS_PER_BLOCK) {
+            let block = ROWS_PER_BLOCK.min(num_rows - first);
+            let x = &x[first * in_features..(first + block) * in_features];
+            // SAFETY: `kernels` runs on this CPU (the caller's); `rows` holds `features` rows and
+            // `x` `block` rows of `in_features`; `chunk` holds `features` rows of `num_rows`,
+            // which the kernel writes from column `first`.
+            unsafe { (kernels.dense_dots)(rows, x, in_features, &mut chunk[first..], num_rows) };
+        }
     });
     Ok(if num_rows == 1 { by_feature } else { transpose(&by_feature, out_features, num_rows) })
 }
@@ -140,7 +126,9 @@ mod tests {
     use crate::model::kernels::{available_sets, reference};
 
     fn widen(weight: DenseWeight, n: usize) -> Vec<f32> {
-        weight.widened(0, n, <[f32]>::to_vec)
+        let mut out = vec![0f32; n];
+        weight.widen_into(0, &mut out);
+        out
     }
 
     #[test]

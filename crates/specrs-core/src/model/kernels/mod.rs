@@ -72,9 +72,9 @@ pub struct KernelSet {
     /// `gate[i] = silu(gate[i]) * up[i]`.
     pub swiglu: unsafe fn(&mut [f32], &[f32]),
     /// Dense matmul dots (`dense.rs`): `out[f * out_stride + r] = reference::dot_f32(weights row
-    /// f, x row r)` for every f32 weight row and activation row of `in_features` values:
+    /// f as f32, x row r)` for every weight row and activation row of `in_features` values:
     /// `(weights, x, in_features, out, out_stride)`. Bitwise the reference in every set.
-    pub dense_dots: unsafe fn(&[f32], &[f32], usize, &mut [f32], usize),
+    pub dense_dots: unsafe fn(dense::DenseWeight, &[f32], usize, &mut [f32], usize),
 }
 
 impl std::fmt::Debug for KernelSet {

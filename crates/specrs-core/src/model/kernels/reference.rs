@@ -9,6 +9,7 @@
 use half::f16;
 
 use super::attention::ValueRows;
+use super::dense::DenseWeight;
 use super::format::{Format, BLOCK};
 use super::ggml_math::{expf, hsum8, silu};
 use super::kquants::{self, Q8KRows};
@@ -176,11 +177,13 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
-/// `KernelSet::dense_dots`: `out[f * out_stride + r] = dot_f32(weights row f, x row r)`.
-fn dense_dots(weights: &[f32], x: &[f32], in_features: usize, out: &mut [f32], out_stride: usize) {
-    for (f, weight) in weights.chunks_exact(in_features).enumerate() {
+/// `KernelSet::dense_dots`: `out[f * out_stride + r] = dot_f32(weights row f as f32, x row r)`.
+fn dense_dots(weights: DenseWeight, x: &[f32], in_features: usize, out: &mut [f32], out_stride: usize) {
+    let mut weight = vec![0f32; in_features];
+    for f in 0..weights.len() / in_features {
+        weights.widen_into(f * in_features, &mut weight);
         for (r, row) in x.chunks_exact(in_features).enumerate() {
-            out[f * out_stride + r] = dot_f32(weight, row);
+            out[f * out_stride + r] = dot_f32(&weight, row);
         }
     }
 }
