@@ -10,8 +10,8 @@
 //! model/cpu/repack.rs), so every pin is keyed by the set that made it, and a machine whose set has
 //! no pin fails (never passes silently). Pins live in tests/golden/pins/forward_pins.txt; generate
 //! or regenerate (only for an intended change, saying why in the commit) the running set's with
-//! `SPECRS_WRITE_PINS=1 cargo test --release -p specrs-core --test integration forward_pins::`; on a VNNI machine
-//! add `SPECRS_CPU_KERNELS=avx2` to generate the AVX2 set's too.
+//! `SPECRS_WRITE_PINS=1 cargo test --release -p specrs-core --test integration forward_pins::`;
+//! on a VNNI machine add `SPECRS_CPU_KERNELS=avx2` to generate the AVX2 set's too.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

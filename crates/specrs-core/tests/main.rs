@@ -1,7 +1,7 @@
 //! Every integration test of specrs-core, in one test binary: each file beside this one is a
 //! module. One binary links the crate (thin LTO in release) once, where one binary per file linked
-//! it 18 times, most of `cargo test --release`'s build time on a clean machine. Run one file's tests
-//! with `cargo test --release -p specrs-core --test integration <file>::`.
+//! it 18 times (22-73 s each here). Run one file's tests with
+//! `cargo test --release -p specrs-core --test integration <file>::`.
 
 mod common;
 

@@ -3,16 +3,17 @@
 //! ngram drafting trees, and a layer-skip draft model (rejection sampling with draft probabilities;
 //! its costs are pinned in its config so its draft lengths do not depend on timing), and of one
 //! `Scheduler` run with two requests. The same layer-skip draft in coupled form (the default) is
-//! not pinned: its tokens must be plain sampling's ("off"), at any draft lengths. The identity tests (continuous_batching.rs, scheduler.rs)
-//! compare two runs of one build; these compare a build with the code the pins were made by, so a
-//! refactor of the verifier, the step driver or the KV store must keep every token.
+//! not pinned: its tokens must be plain sampling's ("off"), at any draft lengths. The identity
+//! tests (continuous_batching.rs, scheduler.rs) compare two runs of one build; these compare a
+//! build with the code the pins were made by, so a refactor of the verifier, the step driver or
+//! the KV store must keep every token.
 //!
 //! Invariant: the tokens depend on the CPU kernel set (see forward_pins.rs), so pins are keyed by
 //! the set that made them and a set without pins fails. Pins live in
 //! tests/golden/pins/seeded_pins.txt; generate or regenerate (only for an intended change, saying
 //! why in the commit) the running set's with
-//! `SPECRS_WRITE_PINS=1 cargo test --release -p specrs-core --test integration seeded_pins::`; on a VNNI machine
-//! add `SPECRS_CPU_KERNELS=avx2` to generate the AVX2 set's too.
+//! `SPECRS_WRITE_PINS=1 cargo test --release -p specrs-core --test integration seeded_pins::`;
+//! on a VNNI machine add `SPECRS_CPU_KERNELS=avx2` to generate the AVX2 set's too.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -2,7 +2,8 @@
 //! decoder `model/cpu/`, candle's CPU path, the heads): quantized matmuls (`qlinear.rs`, with
 //! `kquants.rs` for Q4_K/Q6_K and `repack.rs`'s tiled layout), dense f32/bf16/f16 matmuls for
 //! candle's CPU path (`dense.rs`), attention over the f16 cache (`attention.rs`), ggml's
-//! exp/SiLU/GELU (`ggml_math.rs`), and `parallel.rs`, which splits their work across cores. `format.rs` names the weight formats they read.
+//! exp/SiLU/GELU (`ggml_math.rs`), and `parallel.rs`, which splits their work across cores.
+//! `format.rs` names the weight formats they read.
 //!
 //! The instruction-set-specific inner loops live in one folder per ISA (`reference.rs`, scalar
 //! and portable; `x86_avx2/`; `x86_avx512_vnni/`), each exporting a `KernelSet`; `kernels()`

@@ -151,28 +151,23 @@ fn swiglu(gate: &mut [f32], up: &[f32]) {
 /// `reduce_lanes`, then any tail (lengths not a multiple of 8) added in order. The scalar twin of
 /// every set's `scaled_dots`.
 pub fn dot(a: &[f16], b: &[f32]) -> f32 {
-    let full = a.len() / 8 * 8;
-    let mut lanes = [0f32; 8];
-    for (i, (x, y)) in a[..full].iter().zip(&b[..full]).enumerate() {
-        lanes[i % 8] = x.to_f32().mul_add(*y, lanes[i % 8]);
-    }
-    let mut sum = reduce_lanes(&lanes);
-    for (x, y) in a[full..].iter().zip(&b[full..]) {
-        sum = x.to_f32().mul_add(*y, sum);
-    }
-    sum
+    dot_widened(a, b, f16::to_f32)
 }
 
-/// `dot` with f32 weights: 8 lanes of fused multiply-adds, `reduce_lanes`, then the tail.
+/// `dot` with f32 weights: the scalar twin of every set's `dense_dots`.
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    dot_widened(a, b, |x| x)
+}
+
+fn dot_widened<T: Copy>(a: &[T], b: &[f32], widen: impl Fn(T) -> f32) -> f32 {
     let full = a.len() / 8 * 8;
     let mut lanes = [0f32; 8];
     for (i, (x, y)) in a[..full].iter().zip(&b[..full]).enumerate() {
-        lanes[i % 8] = x.mul_add(*y, lanes[i % 8]);
+        lanes[i % 8] = widen(*x).mul_add(*y, lanes[i % 8]);
     }
     let mut sum = reduce_lanes(&lanes);
     for (x, y) in a[full..].iter().zip(&b[full..]) {
-        sum = x.mul_add(*y, sum);
+        sum = widen(*x).mul_add(*y, sum);
     }
     sum
 }
