@@ -16,8 +16,7 @@ use candle_core::{CpuStorage, DType, Storage, Tensor};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
-use super::parallel::for_each_chunk_mut;
-use super::qlinear::transpose;
+use super::qlinear::by_feature_tasks;
 use super::KernelSet;
 use crate::error::{Error, Result};
 
@@ -79,9 +78,7 @@ pub fn matmul(
             x.len()
         )));
     }
-    // Feature-major scratch so each task writes one contiguous slice.
-    let mut by_feature = vec![0f32; out_features * num_rows];
-    for_each_chunk_mut(&mut by_feature, FEATURES_PER_TASK * num_rows, |task, chunk| {
+    Ok(by_feature_tasks(out_features, num_rows, FEATURES_PER_TASK, |task, chunk| {
         let features = chunk.len() / num_rows;
         let rows = weight.slice(task * FEATURES_PER_TASK * in_features, features * in_features);
         for first in (0..num_rows).step_by(ROWS_PER_BLOCK) {
@@ -92,8 +89,7 @@ pub fn matmul(
             // which the kernel writes from column `first`.
             unsafe { (kernels.dense_dots)(rows, x, in_features, &mut chunk[first..], num_rows) };
         }
-    });
-    Ok(if num_rows == 1 { by_feature } else { transpose(&by_feature, out_features, num_rows) })
+    }))
 }
 
 /// `x @ weightᵀ` for a contiguous `[out_features, in_features]` CPU tensor in f32, bf16 or f16

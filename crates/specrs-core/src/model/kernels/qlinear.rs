@@ -262,9 +262,7 @@ fn matmul(
     num_rows: usize,
 ) -> Vec<f32> {
     let row_bytes = in_features / format.block_len() * format.block_bytes();
-    // Feature-major scratch so each task writes one contiguous slice.
-    let mut by_feature = vec![0f32; out_features * num_rows];
-    for_each_chunk_mut(&mut by_feature, FEATURES_PER_TASK * num_rows, |task, chunk| {
+    by_feature_tasks(out_features, num_rows, FEATURES_PER_TASK, |task, chunk| {
         if let (1, Activations::Q8_0(rows), Some(dot_features)) = (num_rows, rows, kernels.qdot_features) {
             // Decoding: several weight rows against the one activation row, for independent
             // work per block (the kernel is bound by instruction latency, not bandwidth).
@@ -285,7 +283,19 @@ fn matmul(
                 dot_rows(kernels, format, weight, rows, group_start, &mut out[group_start..group_start + group]);
             }
         }
-    });
+    })
+}
+
+/// A matmul's `[num_rows, out_features]` output from parallel tasks over its features:
+/// `task(index, chunk)` fills features `index * features_per_task..` (the last task may have
+/// fewer), feature-major (`chunk`: `[features, num_rows]`), so each task writes one contiguous
+/// slice; the result is transposed back.
+pub(super) fn by_feature_tasks<F>(out_features: usize, num_rows: usize, features_per_task: usize, task: F) -> Vec<f32>
+where
+    F: Fn(usize, &mut [f32]) + Sync,
+{
+    let mut by_feature = vec![0f32; out_features * num_rows];
+    for_each_chunk_mut(&mut by_feature, features_per_task * num_rows, task);
     if num_rows == 1 {
         return by_feature;
     }
@@ -294,7 +304,7 @@ fn matmul(
 
 /// `[rows, cols]` -> `[cols, rows]`, 8 x 8 at a time: a store per value at a stride of `rows`
 /// floats (a power of two, so every line lands in the same cache set) cost ~6% of prefill.
-pub(super) fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     const TILE: usize = 8;
     let mut out = vec![0f32; rows * cols];
     for r0 in (0..rows).step_by(TILE) {
