@@ -142,11 +142,12 @@ def main() -> int:
     for name, cs in costs.items():
         c = statistics.median(cs)
         c_draft = statistics.median(block_costs[name])
+        # expected_speedup's c is a whole draft's cost over t(1): k * c for a head that drafts
+        # token by token, one block's cost for a DFlash drafter whatever k verifies of it.
         if configs[name]["method"] == "dflash":
-            # A block costs the same whatever k verifies of it: per token, c_draft / k.
-            ks, cost_at = range(1, BLOCK), (lambda k: c_draft / k)
+            ks, cost_at = range(1, BLOCK), (lambda k: c_draft)
         else:
-            ks, cost_at = range(1, 2 * K + 1), (lambda k: c)
+            ks, cost_at = range(1, 2 * K + 1), (lambda k: k * c)
         speedup = lambda a, k: specrs.expected_speedup(a, k, cost_at(k), curve)  # noqa: E731
         best = {a: max((speedup(a, k), k) for k in ks) for a in ACCEPTANCE}
         rows[name] = {

@@ -95,6 +95,33 @@ def test_greedy_identity_with_other_settings(engine, baselines, draft_path, extr
     check_identity(engine, baselines, config(method, 4, draft_path, **extra))
 
 
+def test_pard_drafts_are_costed_per_draft(model_path, draft_path, monkeypatch):
+    """PARD drafts its whole block in one forward, so the draft-length policy charges it c per
+    draft, whatever its length: its prior is one forward of the draft (the draft's weight bytes
+    over the target's) at every k, where a draft model's is that per token; its measured figure
+    is timed per draft and cached under its own key."""
+    monkeypatch.setenv("SPECRS_COST_CACHE", "0")
+    engine = specrs.Engine(model_path)
+    engine.set_measure_on_demand(False)
+    adaptive = {"adaptive_draft_length": True}
+    per_token = engine.prepare(config("draft_model", 4, draft_path, **adaptive))
+    per_draft = [engine.prepare(config("pard", k, draft_path, **adaptive)) for k in (2, 4)]
+    assert (per_token["draft_cost_unit"], per_token["draft_cost_source"]) == ("token", "prior")
+    assert [(c["draft_cost_unit"], c["draft_cost_source"]) for c in per_draft] == [("draft", "prior")] * 2
+    assert per_draft[0]["draft_cost"] == per_draft[1]["draft_cost"] == per_token["draft_cost"] > 0
+    # A pinned c is read in the method's unit.
+    pinned = engine.prepare(config("pard", 4, draft_path, draft_cost=0.7, **adaptive))
+    assert (pinned["draft_cost"], pinned["draft_cost_unit"], pinned["draft_cost_source"]) == (0.7, "draft", "config")
+    engine.set_measure_on_demand(True)
+    engine.prepare(config("pard", 4, draft_path, **adaptive))
+    assert engine.wait_for_costs()
+    measured = engine.prepare(config("pard", 4, draft_path, **adaptive))
+    assert (measured["draft_cost_unit"], measured["draft_cost_source"]) == ("draft", "measured")
+    assert measured["draft_cost"] > 0
+    figures = [f["what"] for f in engine.cost_status()["figures"]]
+    assert any(what.startswith("draft cost of pard:") and what.endswith(":k=4:per_draft") for what in figures), figures
+
+
 def test_draft_of_the_target_itself_accepts_everything(engine, model_path):
     """The target as its own draft: every greedy draft token must pass, so any slip in the draft
     cache (a missed rollback, an off-by-one position) shows up as a rejection."""

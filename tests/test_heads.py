@@ -105,15 +105,18 @@ def test_dynamic_draft_length_with_a_head(engine, baselines, heads, extra):
     assert r.metrics["num_drafts"] > 0
 
 
-def test_head_draft_cost_is_measured_when_prepared(engine, heads):
+@pytest.mark.parametrize(("method", "unit"), [("eagle3", "token"), ("dflash", "draft")])
+def test_head_draft_cost_is_measured_when_prepared(engine, heads, method, unit):
     """The adaptive length's draft cost c for a head is queued at prepare and measured by the
     engine's background thread (a head step after a context whose hidden states it has read), not
-    guessed."""
-    config = {"method": "eagle3", "model": heads["eagle3"], "num_speculative_tokens": 3}
+    guessed: per token for a recurrent head, per draft for a block drafter (its one forward
+    drafts the whole block)."""
+    config = {"method": method, "model": heads[method], "num_speculative_tokens": 3}
     engine.prepare(config)
     assert engine.wait_for_costs()
     costs = engine.prepare(config)
     assert costs["draft_cost_source"] in ("measured", "cached")
+    assert costs["draft_cost_unit"] == unit
     assert 0.0 < costs["draft_cost"] < 5.0
 
 

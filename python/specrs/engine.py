@@ -168,7 +168,8 @@ def expected_speedup(
     verify_cost_ratio: float | Sequence[float] | None = None,
 ) -> float:
     """Expected speedup over plain decoding for per-token acceptance a, k draft tokens per step
-    and draft cost c (relative to one target step): the textbook (1 - a^(k+1)) / ((1 - a)(1 + c)),
+    and draft cost c, a whole draft's drafting time over one target step (k times the cost per
+    token of a proposer that drafts token by token; one forward's for a block drafter): the textbook (1 - a^(k+1)) / ((1 - a)(1 + c)),
     or, given the measured verify cost ratio v = t(k+1)/t(1), (1 - a^(k+1)) / ((1 - a)(v + c)).
     `verify_cost_ratio` may also be the whole curve [v(1), v(2), ...]
     (`Engine.verify_cost_ratios`); v(k+1) is read off it, interpolated for a fractional k."""
@@ -363,7 +364,9 @@ class Engine:
     def prepare(self, speculative_config: SpecConfig) -> dict:
         """Loads what `speculative_config` needs (draft weights), so its first request does not
         pay for it, and returns the adaptive-length costs a request with it reads now
-        (`verify_cost_ratios` [v(1), ..., v(k+1)], `draft_cost`), where each came from (`measured`,
+        (`verify_cost_ratios` [v(1), ..., v(k+1)], `draft_cost` c over one target step and its
+        `draft_cost_unit`: per "token", or per "draft" for a method that drafts a whole block in one
+        forward: pard, dflash, dspark), where each came from (`measured`,
         `cached`: from `$SPECRS_CACHE_DIR/costs/`, keyed by model file, device and thread count;
         `config`, `extrapolated`, `prior`) and its spread (`{"ratio": median try / fastest,
         "tries"}`). Figures nobody measured are measured by a background thread while no request

@@ -1,6 +1,6 @@
 //! The two costs the adaptive draft length weighs (`draft_length.rs`): the verification cost curve
 //! t(n), seconds of one target forward over n new tokens on a fixed-length context, and each
-//! draft's cost per token c (drafting time over t(1)). Every figure says where it came from —
+//! draft's cost c (drafting time over t(1), per draft token or per draft: `DraftCost`). Every figure says where it came from —
 //! measured in this process, read from the on-disk cache a previous process measured on this
 //! machine, given in the speculative config, extrapolated past the measured curve, or a prior — so
 //! the metrics can say when a figure is not a measurement.
@@ -57,6 +57,65 @@ impl CostSource {
             CostSource::Extrapolated => "extrapolated",
             CostSource::Prior => "prior",
         }
+    }
+}
+
+/// What drafting costs, in single-token target steps t(1). A proposer that runs once per draft
+/// token (a draft model, a recurrent head) costs `value` per token: m * c for an m-token draft. A
+/// block drafter (PARD, DFlash, DSpark) drafts the whole block in one forward, so a short draft
+/// costs what a long one does: c per draft, whatever its length. Charging a block drafter per
+/// token would make its short drafts look cheaper than they are.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DraftCost {
+    pub value: f64,
+    pub unit: DraftCostUnit,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftCostUnit {
+    Token,
+    Draft,
+}
+
+impl DraftCostUnit {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DraftCostUnit::Token => "token",
+            DraftCostUnit::Draft => "draft",
+        }
+    }
+}
+
+impl DraftCost {
+    /// A model-free proposer's: its microseconds do not matter next to a forward.
+    pub const FREE: DraftCost = DraftCost { value: 0.0, unit: DraftCostUnit::Token };
+
+    pub fn per_token(value: f64) -> Self {
+        Self { value, unit: DraftCostUnit::Token }
+    }
+
+    /// The cost of a draft of `num_tokens` tokens (none: 0).
+    pub fn of(self, num_tokens: usize) -> f64 {
+        match (self.unit, num_tokens) {
+            (_, 0) => 0.0,
+            (DraftCostUnit::Token, m) => m as f64 * self.value,
+            (DraftCostUnit::Draft, _) => self.value,
+        }
+    }
+
+    /// What one more token adds to a draft of `num_tokens`.
+    pub fn marginal(self, num_tokens: usize) -> f64 {
+        self.of(num_tokens + 1) - self.of(num_tokens)
+    }
+
+    pub fn is_free(self) -> bool {
+        self.value <= 0.0
+    }
+}
+
+impl std::fmt::Display for DraftCost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:.2} per {}", self.value, self.unit.as_str())
     }
 }
 

@@ -9,7 +9,8 @@
 //! tokens per second of the whole batch, and none once they stop paying.
 //!
 //! Model: a step with R rows takes T(R) seconds (`BatchCost`, measured: one forward over R rows
-//! on a 512-token context) plus, for model-based drafts, c_i * T(1) per draft token of request i.
+//! on a 512-token context) plus, for model-based drafts, c_i * T(1) per draft token of request i
+//! (per draft, for a block drafter: its first draft token carries the whole forward).
 //! Request i with per-token acceptance a_i yields 1 + a_i + ... + a_i^d tokens from a d-token
 //! draft, so its j-th draft token adds a_i^j expected tokens. `grant` adds draft tokens one at a
 //! time, each time the one with the largest gain per unit of its cost, and keeps the prefix of
@@ -21,6 +22,8 @@
 //! `max_draft_rows`. This only shortens drafts of requests whose tokens do not depend on them, so
 //! it changes speed, never output.
 
+use crate::costs::DraftCost;
+
 /// What one decoding request would draft alone this step, and what the budget needs to price it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DraftWish {
@@ -28,8 +31,8 @@ pub struct DraftWish {
     pub max_tokens: usize,
     /// Its measured per-token acceptance (the prior until it has drafted).
     pub acceptance: f64,
-    /// c: its drafting time per draft token over T(1) (0 for model-free proposers).
-    pub draft_cost: f64,
+    /// c: its drafting time over T(1), per token or per draft (free for model-free proposers).
+    pub draft_cost: DraftCost,
     /// Granted whole, whatever the load.
     pub pinned: bool,
 }
@@ -87,14 +90,15 @@ pub fn grant(wishes: &[DraftWish], fixed_rows: usize, max_draft_rows: usize, cos
         grants[i] = granted;
         left -= granted;
         rows += granted;
-        draft_time += granted as f64 * wish.draft_cost * cost.time_s(1);
+        draft_time += wish.draft_cost.of(granted) * cost.time_s(1);
         tokens += (1..=granted).map(|j| wish.acceptance.powi(j as i32)).sum::<f64>();
     }
     let base_tokens = wishes.len() as f64;
     let rate = |tokens: f64, rows: usize, draft_time: f64| (base_tokens + tokens) / (cost.time_s(rows) + draft_time);
 
     // Greedy order: the next draft token with the largest gain per unit of its cost, where one
-    // row costs ~1 (in units of T(1)) plus its drafting cost c.
+    // row costs ~1 (in units of T(1)) plus what it adds to its draft's cost (c per token; a
+    // block drafter's first token carries its whole forward, the rest none).
     let mut trial = grants.clone();
     let mut best = (rate(tokens, rows, draft_time), trial.clone());
     while left > 0 {
@@ -102,17 +106,17 @@ pub fn grant(wishes: &[DraftWish], fixed_rows: usize, max_draft_rows: usize, cos
             .iter()
             .enumerate()
             .filter(|(i, w)| !w.pinned && trial[*i] < w.max_tokens)
-            .map(|(i, w)| (i, w.acceptance.powi(trial[i] as i32 + 1) / (1.0 + w.draft_cost)))
+            .map(|(i, w)| (i, w.acceptance.powi(trial[i] as i32 + 1) / (1.0 + w.draft_cost.marginal(trial[i]))))
             .fold(None, |best: Option<(usize, f64)>, (i, value)| match best {
                 Some((_, b)) if b >= value => best,
                 _ => Some((i, value)),
             });
         let Some((i, _)) = next else { break };
+        draft_time += wishes[i].draft_cost.marginal(trial[i]) * cost.time_s(1);
         trial[i] += 1;
         left -= 1;
         rows += 1;
         tokens += wishes[i].acceptance.powi(trial[i] as i32);
-        draft_time += wishes[i].draft_cost * cost.time_s(1);
         let now = rate(tokens, rows, draft_time);
         if now > best.0 {
             best = (now, trial.clone());
@@ -124,9 +128,10 @@ pub fn grant(wishes: &[DraftWish], fixed_rows: usize, max_draft_rows: usize, cos
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::costs::DraftCostUnit;
 
     fn wish(max_tokens: usize, acceptance: f64) -> DraftWish {
-        DraftWish { max_tokens, acceptance, draft_cost: 0.0, pinned: false }
+        DraftWish { max_tokens, acceptance, draft_cost: DraftCost::FREE, pinned: false }
     }
 
     /// A CPU-like curve: ~flat while the weights dominate, then linear in rows (the knee at 8).
@@ -175,9 +180,17 @@ mod tests {
     fn drafting_cost_counts() {
         // A model-based draft whose tokens cost as much as a target step does not pay at a = 0.5.
         let free = BatchCost::new(&[1.0; 16]).unwrap();
-        let costly = DraftWish { draft_cost: 1.0, ..wish(4, 0.5) };
+        let costly = DraftWish { draft_cost: DraftCost::per_token(1.0), ..wish(4, 0.5) };
         assert_eq!(grant(&[costly], 1, 64, &free), vec![0]);
         assert_eq!(grant(&[wish(4, 0.5)], 1, 64, &free), vec![4]);
+        // A block drafter's forward costing a target step pays once for its whole draft: at
+        // a = 0.9 four tokens yield 4.1 for 2 steps, where per token they would cost 5.
+        let block = |a| DraftWish { draft_cost: DraftCost { value: 1.0, unit: DraftCostUnit::Draft }, ..wish(4, a) };
+        assert_eq!(grant(&[block(0.9)], 1, 64, &free), vec![4]);
+        let per_token = DraftWish { draft_cost: DraftCost::per_token(1.0), ..wish(4, 0.9) };
+        assert_eq!(grant(&[per_token], 1, 64, &free), vec![0]);
+        // At a = 0.5 even the whole block (1.94 tokens for 2 steps) does not pay.
+        assert_eq!(grant(&[block(0.5)], 1, 64, &free), vec![0]);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Cost-aware draft length: before each draft, the length that maximizes expected tokens per unit
 //! of cost, from this request's measured acceptance, the engine's measured verification cost
-//! curve and the draft's measured cost per token.
+//! curve and the draft's measured cost.
 //!
 //! Why: on a CPU, verifying n tokens costs v(n) = t(n)/t(1) > 1 single-token steps (about 1.4 at
 //! n = 2 and 2.4 at n = 5 for SmolLM2 on 2 cores), so a long draft that is mostly rejected is
@@ -9,7 +9,8 @@
 //! (1 - a^(m+1)) / (1 - a) tokens for a cost of v(m+1); the best m may be 0 (stop speculating).
 //!
 //! Drafting itself costs time for model-based proposers (a draft model forward per token): the
-//! draft cost per token, c (in units of t(1)), adds m * c to the cost of an m-token draft. The
+//! draft cost per token, c (in units of t(1)), adds m * c to the cost of an m-token draft; a block
+//! drafter (PARD, DFlash, DSpark: one forward per draft) adds c whatever m (`costs::DraftCost`). The
 //! length is the proposer's `max_tokens`, so a draft that would not pay is never computed. Both
 //! cost figures are measured once per engine (not per request), so the chosen lengths, and with
 //! them a seeded request's sampled tokens, do not depend on timing noise.
@@ -23,6 +24,8 @@
 //!
 //! Invariant: this only shortens drafts, so it changes speed, never output.
 
+use crate::costs::DraftCost;
+
 /// Per-request acceptance estimate and the verification cost curve.
 #[derive(Debug, Clone)]
 pub struct DraftLengthPolicy {
@@ -32,8 +35,8 @@ pub struct DraftLengthPolicy {
     accepted: f64,
     /// Discounted count of drafts that ended in a rejection (each one failed trial).
     rejections: f64,
-    /// c: drafting time per draft token over t(1), measured once per engine and config.
-    draft_cost: f64,
+    /// c: drafting time over t(1) (per token or per draft), measured once per engine and config.
+    draft_cost: DraftCost,
     /// Whether a draft of this request has been verified yet.
     observed: bool,
 }
@@ -46,8 +49,8 @@ const DISCOUNT: f64 = 0.9;
 
 impl DraftLengthPolicy {
     /// `verify_costs_s`: `[t(1), t(2), ..., t(k+1)]`, seconds of one forward over n tokens;
-    /// `draft_cost`: c, drafting time per draft token over t(1) (0 for model-free proposers).
-    pub fn new(verify_costs_s: &[f64], draft_cost: f64) -> Self {
+    /// `draft_cost`: c, drafting time over t(1) (`DraftCost::FREE` for model-free proposers).
+    pub fn new(verify_costs_s: &[f64], draft_cost: DraftCost) -> Self {
         Self {
             verify_cost_ratios: verify_costs_s.iter().map(|t| t / verify_costs_s[0]).collect(),
             accepted: 0.0,
@@ -84,8 +87,8 @@ impl DraftLengthPolicy {
         (self.accepted + PRIOR_ACCEPTED) / (self.accepted + self.rejections + PRIOR_ACCEPTED + PRIOR_REJECTED)
     }
 
-    /// c: drafting time per draft token over t(1).
-    pub fn draft_cost(&self) -> f64 {
+    /// c: drafting time over t(1), per token or per draft.
+    pub fn draft_cost(&self) -> DraftCost {
         self.draft_cost
     }
 
@@ -104,7 +107,7 @@ impl DraftLengthPolicy {
     /// model catching up on context it has not read: "auto", `proposer/auto.rs`).
     pub fn plan_with_overhead(&self, max_len: usize, overhead: f64) -> Verdict {
         let (best, best_drafting) = self.best_rates(max_len, overhead);
-        if self.observed || self.draft_cost > 0.0 {
+        if self.observed || !self.draft_cost.is_free() {
             best
         } else {
             best_drafting
@@ -149,7 +152,7 @@ impl DraftLengthPolicy {
         for m in 1..=max_len {
             pass_all *= a;
             expected_tokens += pass_all;
-            let rate = expected_tokens / (self.verify_cost_ratios[m] + m as f64 * c + overhead);
+            let rate = expected_tokens / (self.verify_cost_ratios[m] + c.of(m) + overhead);
             if rate > best.predicted_speedup {
                 best = verdict(m, rate);
             }
@@ -174,7 +177,7 @@ pub struct Verdict {
     pub observed: bool,
     /// v(length + 1).
     pub verify_cost_ratio: f64,
-    pub draft_cost: f64,
+    pub draft_cost: DraftCost,
 }
 
 /// transformers' "heuristic" schedule for k: +2 after a fully accepted draft, -1 after any
@@ -206,11 +209,12 @@ impl HeuristicSchedule {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::costs::DraftCostUnit;
 
     #[test]
     fn flat_cost_drafts_everything_steep_cost_drafts_little() {
-        let mut flat = DraftLengthPolicy::new(&[1.0; 9], 0.0);
-        let mut steep = DraftLengthPolicy::new(&[1.0, 1.4, 1.6, 2.0, 2.4, 2.9, 3.1, 3.8, 4.4], 0.0);
+        let mut flat = DraftLengthPolicy::new(&[1.0; 9], DraftCost::FREE);
+        let mut steep = DraftLengthPolicy::new(&[1.0, 1.4, 1.6, 2.0, 2.4, 2.9, 3.1, 3.8, 4.4], DraftCost::FREE);
         for _ in 0..50 {
             flat.observe(4, 3); // a = 0.75
             steep.observe(4, 3);
@@ -223,7 +227,7 @@ mod tests {
 
     #[test]
     fn low_acceptance_stops_speculating() {
-        let mut policy = DraftLengthPolicy::new(&[1.0, 1.4, 1.6, 2.0, 2.4], 0.0);
+        let mut policy = DraftLengthPolicy::new(&[1.0, 1.4, 1.6, 2.0, 2.4], DraftCost::FREE);
         assert!(policy.best_length(4) >= 1, "the prior should let a new request try drafts");
         for _ in 0..20 {
             policy.observe(4, 0);
@@ -246,19 +250,19 @@ mod tests {
     #[test]
     fn a_new_request_tries_a_free_draft_even_where_the_prior_says_it_would_not_pay() {
         // a = 0.5: m = 1 gives 1.5 / 1.6, m = 2 1.75 / 1.9; neither beats plain decoding.
-        let mut policy = DraftLengthPolicy::new(&[1.0, 1.6, 1.9], 0.0);
+        let mut policy = DraftLengthPolicy::new(&[1.0, 1.6, 1.9], DraftCost::FREE);
         assert_eq!(policy.best_length(2), 1);
         policy.observe(1, 0);
         assert_eq!(policy.best_length(2), 0);
         // A draft model's first draft reads the prompt: the prior decides.
-        assert_eq!(DraftLengthPolicy::new(&[1.0, 1.6, 1.9], 0.01).best_length(2), 0);
+        assert_eq!(DraftLengthPolicy::new(&[1.0, 1.6, 1.9], DraftCost::per_token(0.01)).best_length(2), 0);
     }
 
     #[test]
     fn draft_cost_shortens_drafts() {
-        let mut free = DraftLengthPolicy::new(&[1.0; 9], 0.0);
-        let mut costly = DraftLengthPolicy::new(&[1.0; 9], 0.3);
-        let mut as_costly_as_the_target = DraftLengthPolicy::new(&[1.0; 9], 1.0);
+        let mut free = DraftLengthPolicy::new(&[1.0; 9], DraftCost::FREE);
+        let mut costly = DraftLengthPolicy::new(&[1.0; 9], DraftCost::per_token(0.3));
+        let mut as_costly_as_the_target = DraftLengthPolicy::new(&[1.0; 9], DraftCost::per_token(1.0));
         for _ in 0..50 {
             for policy in [&mut free, &mut costly, &mut as_costly_as_the_target] {
                 policy.observe(4, 3); // a ~ 0.74
@@ -268,6 +272,29 @@ mod tests {
         // c = 0.3: m = 2 gives 2.28 / 1.6 = 1.43, m = 3 2.69 / 1.9 = 1.41, m = 8 3.6 / 3.4 = 1.06.
         assert_eq!(costly.best_length(8), 2);
         assert_eq!(as_costly_as_the_target.best_length(8), 0);
+    }
+
+    /// A block drafter pays its one forward whatever the length: where a whole block costs a
+    /// target step, a one-token draft does not pay (1.74 tokens for 2 steps) and the full block
+    /// does (3.57 for 2), while the same cost spread over 8 tokens (c = 0.125 per token) would
+    /// have priced the one-token draft at an eighth of its forward.
+    #[test]
+    fn a_block_drafters_short_drafts_cost_its_whole_forward() {
+        let per_draft = DraftCost { value: 1.0, unit: DraftCostUnit::Draft };
+        let mut block = DraftLengthPolicy::new(&[1.0; 9], per_draft);
+        let mut spread_per_token = DraftLengthPolicy::new(&[1.0; 9], DraftCost::per_token(0.125));
+        for _ in 0..50 {
+            block.observe(4, 3); // a ~ 0.74
+            spread_per_token.observe(4, 3);
+        }
+        assert_eq!(block.best_length(8), 8);
+        assert_eq!(block.best_length(1), 0);
+        let one = block.verdict(1).unwrap();
+        assert!((one.predicted_speedup - 1.738 / 2.0).abs() < 0.01, "{one:?}");
+        assert!(spread_per_token.plan(1).predicted_speedup > 1.5);
+        assert_eq!((per_draft.of(0), per_draft.of(1), per_draft.of(8)), (0.0, 1.0, 1.0));
+        assert_eq!((per_draft.marginal(0), per_draft.marginal(3)), (1.0, 0.0));
+        assert_eq!(DraftCost::per_token(0.25).marginal(3), 0.25);
     }
 
     #[test]

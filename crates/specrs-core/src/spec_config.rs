@@ -7,6 +7,7 @@
 
 use serde_json::{Map, Value};
 
+use crate::costs::DraftCostUnit;
 use crate::error::{Error, Result};
 use crate::quantize::{parse_quant_type, quant_type_name};
 
@@ -135,6 +136,17 @@ impl Method {
     /// (`MethodSpec::weight_keys`); empty for the methods that load none.
     pub fn weight_keys(&self) -> &'static [&'static str] {
         self.spec().weight_keys
+    }
+
+    /// How its drafting is charged (`costs::DraftCost`): per draft for a method that drafts a
+    /// whole block in one forward (`MethodSpec::one_forward_per_draft`), else per draft token;
+    /// "auto" as its model drafter.
+    pub fn draft_cost_unit(&self) -> DraftCostUnit {
+        match self {
+            Method::Auto { model: Some(drafter) } => drafter.draft_cost_unit(),
+            method if method.spec().one_forward_per_draft => DraftCostUnit::Draft,
+            _ => DraftCostUnit::Token,
+        }
     }
 }
 
@@ -266,7 +278,8 @@ pub struct SpeculativeConfig {
 }
 
 /// `verify_cost_ratios` ([v(1) = 1, v(2), ...], v(n) = t(n)/t(1)) and `draft_cost` (c, drafting
-/// time per draft token over t(1)); None = measured by the engine.
+/// time over t(1) per draft token, or per draft for a method that drafts a block in one forward:
+/// `Method::draft_cost_unit`); None = measured by the engine.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ConfigCosts {
     pub verify_cost_ratios: Option<Vec<f64>>,
@@ -589,7 +602,9 @@ impl SpeculativeConfig {
         };
         if let Some(c) = costs.draft_cost.filter(|c| !(0.0..=MAX_DRAFT_COST).contains(c)) {
             return Err(Error::config(format!(
-                "draft_cost must be in [0, {MAX_DRAFT_COST}] (got {c}): drafting time per draft token over one target step"
+                "draft_cost must be in [0, {MAX_DRAFT_COST}] (got {c}): drafting time per draft token (per draft for {}) \
+                 over one target step",
+                methods::ALL.iter().filter(|m| m.one_forward_per_draft).map(|m| m.name).collect::<Vec<_>>().join(", ")
             )));
         }
         if !adaptive_draft_length && (costs.verify_cost_ratios.is_some() || costs.draft_cost.is_some()) {
@@ -919,6 +934,26 @@ mod tests {
         let err = parse(text).unwrap_err();
         assert!(matches!(err, Error::Config(_)), "{err:?}");
         err.to_string()
+    }
+
+    /// Block drafters are charged per draft (`costs::DraftCost`); "auto" as its model drafter.
+    #[test]
+    fn block_drafters_are_charged_per_draft() {
+        let unit = |text: &str| parse(text).unwrap().method.draft_cost_unit();
+        let k = r#""num_speculative_tokens": 4"#;
+        for (config, expected) in [
+            (format!(r#"{{"method": "pard", "model": "d", "mask_token_id": 3, {k}}}"#), DraftCostUnit::Draft),
+            (format!(r#"{{"method": "dflash", "model": "h", {k}}}"#), DraftCostUnit::Draft),
+            (format!(r#"{{"method": "dspark", "model": "h", {k}}}"#), DraftCostUnit::Draft),
+            (r#"{"method": "auto", "draft_method": "dflash", "model": "h"}"#.to_string(), DraftCostUnit::Draft),
+            (format!(r#"{{"method": "draft_model", "model": "d", {k}}}"#), DraftCostUnit::Token),
+            (format!(r#"{{"method": "eagle3", "model": "h", {k}}}"#), DraftCostUnit::Token),
+            (r#"{"method": "auto", "model": "d"}"#.to_string(), DraftCostUnit::Token),
+            (r#"{"method": "auto"}"#.to_string(), DraftCostUnit::Token),
+            (format!(r#"{{"method": "ngram", {k}}}"#), DraftCostUnit::Token),
+        ] {
+            assert_eq!(unit(&config), expected, "{config}");
+        }
     }
 
     #[test]

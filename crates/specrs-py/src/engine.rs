@@ -1018,7 +1018,8 @@ impl PyEngine {
     /// Loads what `config` (a `SpeculativeConfig` or its JSON text) needs (draft weights) and
     /// queues its adaptive-length costs for the background thread unless known (the disk cache),
     /// so its first request pays for neither: a dict of the costs a request reads now
-    /// (`verify_cost_ratios`, `draft_cost`), their sources and spreads.
+    /// (`verify_cost_ratios`, `draft_cost` and its unit: per "token" or per "draft"), their
+    /// sources and spreads.
     fn prepare<'py>(&self, py: Python<'py>, config: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
         let config = config_arg(config)?;
         let engine = self.inner.clone();
@@ -1027,7 +1028,8 @@ impl PyEngine {
         d.set_item("verify_cost_ratios", costs.verify_cost_ratios)?;
         d.set_item("verify_cost_source", costs.verify_cost_source.as_str())?;
         d.set_item("verify_cost_spread", spread_dict(py, costs.verify_cost_spread)?)?;
-        d.set_item("draft_cost", costs.draft_cost)?;
+        d.set_item("draft_cost", costs.draft_cost.value)?;
+        d.set_item("draft_cost_unit", costs.draft_cost.unit.as_str())?;
         d.set_item("draft_cost_source", costs.draft_cost_source.map(|s| s.as_str()))?;
         d.set_item("draft_cost_spread", spread_dict(py, costs.draft_cost_spread)?)?;
         Ok(d)

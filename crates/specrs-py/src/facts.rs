@@ -10,7 +10,7 @@ use specrs_core::spec_config::{methods, shipped};
 use specrs_core::SchedulerConfig;
 
 /// `{name: {"aliases", "keys", "weight_keys", "default_k", "draft_probs",
-/// "needs_proposer_object"}}` for every speculative method, in the order messages list them
+/// "one_forward_per_draft", "needs_proposer_object"}}` for every speculative method, in the order messages list them
 /// (`MethodSpec`'s fields).
 #[pyfunction]
 pub fn method_facts(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
@@ -22,6 +22,7 @@ pub fn method_facts(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         fact.set_item("weight_keys", spec.weight_keys.to_vec())?;
         fact.set_item("default_k", spec.default_k)?;
         fact.set_item("draft_probs", spec.draft_probs)?;
+        fact.set_item("one_forward_per_draft", spec.one_forward_per_draft)?;
         fact.set_item("needs_proposer_object", spec.needs_proposer_object)?;
         facts.set_item(spec.name, fact)?;
     }

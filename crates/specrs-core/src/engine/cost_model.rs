@@ -12,9 +12,9 @@ use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::cost_worker::CostStatus;
+use super::cost_worker::{CostStatus, DraftProbe};
 use super::Engine;
-use crate::costs::{extend_ratios, prior_ratios, CostSource, CostTable, Figure, Spread};
+use crate::costs::{extend_ratios, prior_ratios, CostSource, CostTable, DraftCost, DraftCostUnit, Figure, Spread};
 use crate::error::{Error, Result};
 use crate::metrics::{expected_speedup_refined, expected_speedup_textbook, verify_cost_at, SpecDecodeMetrics};
 use crate::spec_config::{Method, SpeculativeConfig, MAX_SPECULATIVE_TOKENS};
@@ -40,8 +40,8 @@ pub struct PolicyCosts {
     pub verify_cost_source: CostSource,
     /// How disturbed the curve's timings were (None: not timed).
     pub verify_cost_spread: Option<Spread>,
-    /// c: drafting time per draft token over t(1).
-    pub draft_cost: f64,
+    /// c: drafting time over t(1), per draft token or per draft (`Method::draft_cost_unit`).
+    pub draft_cost: DraftCost,
     pub draft_cost_source: Option<CostSource>,
     pub draft_cost_spread: Option<Spread>,
 }
@@ -103,11 +103,12 @@ impl Engine {
                 }
             }
         };
+        let unit = config.method.draft_cost_unit();
         let (draft_cost, draft_cost_source, draft_cost_spread) = match config.costs.draft_cost {
-            Some(c) => (c, Some(CostSource::Config), None),
+            Some(c) => (DraftCost { value: c, unit }, Some(CostSource::Config), None),
             None => match self.draft_cost(&table, config)? {
-                Some((c, source, spread)) => (c, Some(source), spread),
-                None => (0.0, None, None),
+                Some((c, source, spread)) => (DraftCost { value: c, unit }, Some(source), spread),
+                None => (DraftCost::FREE, None, None),
             },
         };
         Ok(PolicyCosts {
@@ -127,10 +128,11 @@ impl Engine {
         POLICY_CONTEXT_LEN.min(context.saturating_sub(MAX_SPECULATIVE_TOKENS + 1)).max(1)
     }
 
-    /// c: drafting time per draft token over one target step, for model-based drafts (None for
-    /// model-free ones, whose microseconds do not matter): the engine's figure, else a prior from
-    /// the draft's size (decoding is memory-bound, so a draft costs about its weight bytes over
-    /// the target's per token) while the background thread measures it (on a 128-token context).
+    /// c: drafting time per draft token (per draft for a block drafter) over one target step, for
+    /// model-based drafts (None for model-free ones, whose microseconds do not matter): the
+    /// engine's figure, else a prior from the draft's size (decoding is memory-bound, so a draft
+    /// forward costs about its weight bytes over the target's) while the background thread
+    /// measures it (on a 128-token context).
     fn draft_cost(
         &self,
         table: &CostTable,
@@ -141,21 +143,22 @@ impl Engine {
         let drafter = self.auto_model_drafter(config)?;
         let config = drafter.as_ref().unwrap_or(config);
         let Some(key) = self.draft_identity(config)? else { return Ok(None) };
-        self.costs.want_draft_cost(
-            &key,
-            config.num_speculative_tokens,
-            self.policy_context_len(),
-            matches!(config.method, Method::LayerSkip { .. }),
-            || self.proposer(config, None),
-        )?;
+        let probe = DraftProbe {
+            k: config.num_speculative_tokens,
+            policy_context_len: self.policy_context_len(),
+            reads_target_cache: matches!(config.method, Method::LayerSkip { .. }),
+            unit: config.method.draft_cost_unit(),
+        };
+        self.costs.want_draft_cost(&key, probe, || self.proposer(config, None))?;
         if let Some(known) = table.draft_costs.get(&key) {
             return Ok(Some((known.value, known.source, known.spread)));
         }
         Ok(Some((self.prior_draft_cost(config)?, CostSource::Prior, None)))
     }
 
-    /// What a draft's cost depends on (the draft's weights, how many layers, PARD's k), so every
-    /// config drafting alike shares one figure; None for model-free methods.
+    /// What a draft's cost depends on (the draft's weights, how many layers, PARD's k, and the
+    /// unit it is measured in), so every config drafting alike shares one figure; None for
+    /// model-free methods.
     fn draft_identity(&self, config: &SpeculativeConfig) -> Result<Option<String>> {
         let file = |path: &Path| {
             let meta = std::fs::metadata(path).ok();
@@ -166,7 +169,7 @@ impl Engine {
             let canonical = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
             format!("{}:{}:{}", canonical.display(), meta.map_or(0, |m| m.len()), mtime.map_or(0, |d| d.as_nanos()))
         };
-        Ok(match &config.method {
+        let identity = match &config.method {
             // "auto" is costed by its model drafter's own config (`draft_cost`).
             Method::Ngram { .. } | Method::Suffix(_) | Method::Custom | Method::Auto { .. } => None,
             Method::DraftModel(d) => Some(format!("draft_model:{}", file(Path::new(&d.model)))),
@@ -183,11 +186,17 @@ impl Engine {
                 model.as_deref().map_or_else(|| "target".to_string(), |m| file(Path::new(m))),
                 quantization.as_deref().unwrap_or("f32")
             )),
-        })
+        };
+        // Figures cached before block drafters were charged per draft were per token: not reused.
+        Ok(identity.map(|key| match config.method.draft_cost_unit() {
+            DraftCostUnit::Token => key,
+            DraftCostUnit::Draft => format!("{key}:per_draft"),
+        }))
     }
 
-    /// The prior draft cost per token (see `draft_cost`): a draft model's weight bytes over the
-    /// target's (PARD drafts k tokens per forward), a layer-skip draft's share of the layers.
+    /// The prior draft cost (see `draft_cost`): a draft model's weight bytes over the target's
+    /// (per forward: a token's, or PARD's whole draft), a layer-skip draft's share of the layers,
+    /// a head's share of the weights (per forward: a token's, or a block drafter's whole block).
     fn prior_draft_cost(&self, config: &SpeculativeConfig) -> Result<f64> {
         let bytes = |path: &Path| -> Result<f64> {
             Ok(self.draft(path, false)?.model.weight_bytes() as f64 / self.model.weight_bytes().max(1) as f64)
@@ -195,7 +204,7 @@ impl Engine {
         Ok(match &config.method {
             Method::Ngram { .. } | Method::Suffix(_) | Method::Custom | Method::Auto { .. } => 0.0,
             Method::DraftModel(d) => bytes(Path::new(&d.model))?,
-            Method::Pard { draft, .. } => bytes(Path::new(&draft.model))? / config.num_speculative_tokens as f64,
+            Method::Pard { draft, .. } => bytes(Path::new(&draft.model))?,
             Method::QuantizedSelf { quantization, .. } => bytes(&self.quantized_self_path(quantization)?)?,
             Method::LayerSkip { exit_layer } => *exit_layer as f64 / self.model.info().num_layers.max(1) as f64,
             // One layer (a few sub-heads) of the target's width: its share of the target's

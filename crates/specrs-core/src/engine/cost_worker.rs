@@ -22,7 +22,9 @@ use std::time::{Duration, Instant};
 use candle_core::Tensor;
 
 use crate::config::SamplingParams;
-use crate::costs::{enough_rounds, estimate_rounds, CostSource, CostTable, DiskCache, Rounds, Spread, MAX_TRIES};
+use crate::costs::{
+    enough_rounds, estimate_rounds, CostSource, CostTable, DiskCache, DraftCostUnit, Rounds, Spread, MAX_TRIES,
+};
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvBytes, KvCache};
 use crate::model::{CausalLm, ForwardBatch, LogitRows};
@@ -48,15 +50,20 @@ pub(crate) enum Job {
     /// The verification curve at `context_len` up to `max_n` tokens; `refresh`: measured whole
     /// again (its stored figure was noisy), kept if quieter.
     Curve { context_len: usize, max_n: usize, refresh: bool },
-    /// The draft cost of the draft `key` names, drafting `k` tokens per round with `proposer`
-    /// (built for it when queued), over t(1) of the curve at `policy_context_len`.
-    DraftCost {
-        key: String,
-        k: usize,
-        policy_context_len: usize,
-        reads_target_cache: bool,
-        proposer: Box<dyn Proposer>,
-    },
+    /// The draft cost of the draft `key` names, timed as `probe` says with `proposer` (built for
+    /// it when queued).
+    DraftCost { key: String, probe: DraftProbe, proposer: Box<dyn Proposer> },
+}
+
+/// How one draft's cost is timed: drafts of `k` tokens, over t(1) of the curve at
+/// `policy_context_len`, per draft token or per draft (`unit`); `reads_target_cache`: the draft
+/// reads the target's own cache (layer skip), which the timing fills first.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DraftProbe {
+    pub k: usize,
+    pub policy_context_len: usize,
+    pub reads_target_cache: bool,
+    pub unit: DraftCostUnit,
 }
 
 impl Job {
@@ -212,9 +219,7 @@ impl CostBook {
     pub fn want_draft_cost(
         self: &Arc<Self>,
         key: &str,
-        k: usize,
-        policy_context_len: usize,
-        reads_target_cache: bool,
+        probe: DraftProbe,
         make_proposer: impl FnOnce() -> Result<Box<dyn Proposer>>,
     ) -> Result<()> {
         if !self.measure_on_demand.load(Ordering::Relaxed) {
@@ -235,7 +240,7 @@ impl CostBook {
             }
         }
         let proposer = make_proposer()?;
-        let job = Job::DraftCost { key: key.to_string(), k, policy_context_len, reads_target_cache, proposer };
+        let job = Job::DraftCost { key: key.to_string(), probe, proposer };
         self.push(lock(&self.queue), job);
         Ok(())
     }
@@ -357,11 +362,8 @@ impl CostBook {
     fn run(&self, job: Job) -> Result<Option<String>> {
         match job {
             Job::Curve { context_len, max_n, refresh } => self.run_curve(context_len, max_n, refresh),
-            Job::DraftCost { key, k, policy_context_len, reads_target_cache, mut proposer } => {
-                let gate = Gate::Background;
-                let Some((cost, spread)) =
-                    self.measure_draft(proposer.as_mut(), k, policy_context_len, reads_target_cache, gate)?
-                else {
+            Job::DraftCost { key, probe, mut proposer } => {
+                let Some((cost, spread)) = self.measure_draft(proposer.as_mut(), probe, Gate::Background)? else {
                     return Ok(None);
                 };
                 if !lock(&self.table).set_draft_cost(&key, cost, spread) {
@@ -369,9 +371,11 @@ impl CostBook {
                 }
                 self.changed();
                 Ok(Some(format!(
-                    "measured the draft cost of {key} in the background: c = {cost:.3} of a target step (spread \
-                     {:.2} over {} tries)",
-                    spread.ratio, spread.tries
+                    "measured the draft cost of {key} in the background: c = {cost:.3} of a target step per {} \
+                     (spread {:.2} over {} tries)",
+                    probe.unit.as_str(),
+                    spread.ratio,
+                    spread.tries
                 )))
             }
         }
@@ -516,20 +520,20 @@ impl CostBook {
         Ok((0..ns.len()).map(|i| median(&rounds.iter().filter_map(|r| r[i]).collect::<Vec<_>>())).collect())
     }
 
-    /// c, drafting time per draft token over one target step, and its spread; None if the engine
-    /// went away. Each round times one target forward over 1 token on a `policy_context_len`-token
-    /// cache (the step the policy's curve starts at) and one draft of `k` tokens on a
-    /// `DRAFT_CONTEXT_LEN`-token context, so c is their median ratio within a round. A head reads
+    /// c, drafting time per draft token (per draft, with `DraftCostUnit::Draft`) over one target
+    /// step, and its spread; None if the engine went away. Each round times one target forward
+    /// over 1 token on a `policy_context_len`-token cache (the step the policy's curve starts at)
+    /// and one draft of `k` tokens on a `DRAFT_CONTEXT_LEN`-token context, so c is their median
+    /// ratio within a round. A head reads
     /// the target's hidden states: round r drafts after a context one token longer, as a step whose
     /// draft was rejected hands the head one new row.
     fn measure_draft(
         &self,
         proposer: &mut dyn Proposer,
-        k: usize,
-        policy_context_len: usize,
-        reads_target_cache: bool,
+        draft_probe: DraftProbe,
         gate: Gate,
     ) -> Result<Option<(f64, Spread)>> {
+        let DraftProbe { k, policy_context_len, reads_target_cache, unit } = draft_probe;
         let probe = probe_tokens(self.model.info().vocab_size, policy_context_len, 1);
         let Some(mut step_cache) = self.filled_cache(policy_context_len, 1, gate)? else { return Ok(None) };
         let context = probe_tokens(self.model.info().vocab_size, 0, DRAFT_CONTEXT_LEN + MAX_ROUNDS + 1);
@@ -583,7 +587,10 @@ impl CostBook {
                     Ok(proposer.propose_with(input)?.token_ids.len().max(1))
                 })?;
                 proposer.observe(&Feedback::accepted(0, &[], &[]))?;
-                Ok(attempt.per(|num_tokens| num_tokens as f64))
+                Ok(attempt.per(|num_tokens| match unit {
+                    DraftCostUnit::Token => num_tokens as f64,
+                    DraftCostUnit::Draft => 1.0,
+                }))
             },
             |rounds| enough_rounds(rounds, 2),
         )?;

@@ -35,7 +35,7 @@ use super::output_text::OutputText;
 use super::step_together::step_together;
 use super::{lock, Engine, Speculation};
 use crate::config::SamplingParams;
-use crate::costs::CostSource;
+use crate::costs::{CostSource, DraftCost};
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::draft_budget::DraftWish;
 use crate::draft_length::Verdict;
@@ -1072,7 +1072,7 @@ impl Session {
         Some(DraftWish {
             max_tokens: own,
             acceptance,
-            draft_cost: policy.map_or(0.0, |p| p.draft_cost()),
+            draft_cost: policy.map_or(DraftCost::FREE, |p| p.draft_cost()),
             pinned: self.output_depends_on_draft_lengths(),
         })
     }
@@ -1215,7 +1215,7 @@ impl Session {
         Some(match (reason, self.cost_idle) {
             (IdleReason::Cost, Some(CostIdle::Chain(v))) => format!(
                 "predicted speedup {:.2}x < 1 at {} acceptance {:.2} (best draft length {}: verify cost v({}) = {:.2}, \
-                 draft cost c = {:.2}; {sources})",
+                 draft cost c = {}; {sources})",
                 v.predicted_speedup,
                 if v.observed { "measured" } else { "the prior's" },
                 v.acceptance,

@@ -21,6 +21,7 @@
 //! Invariant: the chooser only removes nodes from a draft, so it changes speed, never output
 //! (tree verification is exact for any tree, verify/tree.rs).
 
+use crate::costs::{DraftCost, DraftCostUnit};
 use crate::proposer::tree::{depths, sibling_ranks};
 
 /// Per-request acceptance by (depth, rank) and the cost curve.
@@ -28,9 +29,10 @@ use crate::proposer::tree::{depths, sibling_ranks};
 pub struct TreeChooser {
     /// `[max_rows]`: v(n) = t(n) / t(1) for n = 1..=max_rows.
     cost_ratios: Vec<f64>,
-    /// Drafting time per tree level over t(1): the engine's per-token figure at first, then this
-    /// request's measured one (`observe_timing`); 0 for model-free proposers.
-    draft_cost: f64,
+    /// Drafting time over t(1) per tree level (per tree, for a block drafter, whose one forward
+    /// drafts every level): the engine's figure at first, then this request's measured one
+    /// (`observe_timing`); free for model-free proposers.
+    draft_cost: DraftCost,
     /// `[depth][rank]` discounted accepted counts and trials (the parent was accepted).
     accepted: Vec<Vec<f64>>,
     trials: Vec<Vec<f64>>,
@@ -56,8 +58,8 @@ pub struct Choice {
 
 impl TreeChooser {
     /// `verify_costs_s`: `[t(1), t(2), ...]`, seconds of one forward over n rows; `draft_cost`:
-    /// drafting time per tree level over t(1).
-    pub fn new(verify_costs_s: &[f64], draft_cost: f64) -> Self {
+    /// drafting time over t(1) per tree level (or per tree).
+    pub fn new(verify_costs_s: &[f64], draft_cost: DraftCost) -> Self {
         Self {
             cost_ratios: verify_costs_s.iter().map(|t| t / verify_costs_s[0]).collect(),
             draft_cost,
@@ -117,7 +119,7 @@ impl TreeChooser {
         let deepest = |n: usize| order[..n].iter().map(|&i| depths[i] + 1).max().unwrap_or(0);
         // Before any evidence, a free proposer tries its best positive size (as the chain policy
         // does): the prior alone knows nothing of this request's text.
-        let (n, _) = self.best_size(&order, &values, self.may_skip(), |n| self.draft_cost * deepest(n) as f64);
+        let (n, _) = self.best_size(&order, &values, self.may_skip(), |n| self.draft_cost.of(deepest(n)));
         deepest(n)
     }
 
@@ -152,18 +154,23 @@ impl TreeChooser {
     }
 
     /// Records what drafting a tree `depth` levels deep took (`draft_s`) beside the verify forward
-    /// over `rows` rows (`forward_s`): the draft cost per level, in units of this request's own
-    /// single-row step t(1) = forward_s / v(rows), follows it (exponential average). A tree level
+    /// over `rows` rows (`forward_s`): the draft cost per level (per tree, for a block drafter),
+    /// in units of this request's own single-row step t(1) = forward_s / v(rows), follows it
+    /// (exponential average). A tree level
     /// of a head or a draft model expands several frontier rows and ranks them on the host, which
     /// the per-token cost measured for chains underestimates. Only speed depends on it: the trees
     /// of such proposers are deterministic, so their outputs do not depend on their shape.
     pub fn observe_timing(&mut self, draft_s: f64, depth: usize, forward_s: f64, rows: usize) {
         let Some(&v) = self.cost_ratios.get(rows.saturating_sub(1)) else { return };
-        if depth == 0 || forward_s <= 0.0 || self.draft_cost <= 0.0 {
+        if depth == 0 || forward_s <= 0.0 || self.draft_cost.is_free() {
             return; // model-free proposers keep c = 0: their drafting is noise next to a forward
         }
-        let measured = draft_s / depth as f64 / (forward_s / v);
-        self.draft_cost = (1.0 - TIMING_WEIGHT) * self.draft_cost + TIMING_WEIGHT * measured;
+        let units = match self.draft_cost.unit {
+            DraftCostUnit::Token => depth as f64,
+            DraftCostUnit::Draft => 1.0,
+        };
+        let measured = draft_s / units / (forward_s / v);
+        self.draft_cost.value = (1.0 - TIMING_WEIGHT) * self.draft_cost.value + TIMING_WEIGHT * measured;
     }
 
     /// Records a step that drafted nothing: the evidence ages, so drafting resumes after a while.
@@ -174,7 +181,7 @@ impl TreeChooser {
     /// Whether no draft may be the best choice: once this request has a verified tree, or when
     /// drafting costs time. Before that a free proposer's tree is always tried.
     fn may_skip(&self) -> bool {
-        self.observed || self.draft_cost > 0.0
+        self.observed || !self.draft_cost.is_free()
     }
 
     fn forget(&mut self) {
@@ -274,7 +281,7 @@ mod tests {
     /// rank-0 child is accepted with probability `a0` and rank 1 with `a1` (deterministically
     /// interleaved).
     fn trained(costs: &[f64], a0: f64, a1: f64) -> TreeChooser {
-        let mut chooser = TreeChooser::new(costs, 0.0);
+        let mut chooser = TreeChooser::new(costs, DraftCost::FREE);
         let (parents, _) = full_tree(3, 39, 3);
         let kids = crate::proposer::tree::children(&parents);
         for step in 0..40 {
@@ -324,7 +331,7 @@ mod tests {
 
     #[test]
     fn kept_sets_keep_sibling_prefixes_and_planning_stops_drafting_when_it_does_not_pay() {
-        let mut chooser = TreeChooser::new(&[1.0, 1.01, 1.02, 1.03, 1.04, 1.05], 0.0);
+        let mut chooser = TreeChooser::new(&[1.0, 1.01, 1.02, 1.03, 1.04, 1.05], DraftCost::FREE);
         // Rank 1 at the root always wins, rank 0 never.
         let parents = vec![-1, -1, 0, 1];
         for _ in 0..30 {
@@ -337,13 +344,13 @@ mod tests {
         // Chains always accepted whole, siblings never seen: the planned depth follows the chain,
         // not the imagined siblings' prior.
         let gentle: Vec<f64> = (1..=17).map(|n| 1.0 + 0.08 * (n - 1) as f64).collect();
-        let mut chains = TreeChooser::new(&gentle, 0.0);
+        let mut chains = TreeChooser::new(&gentle, DraftCost::FREE);
         for _ in 0..30 {
             chains.observe(&[-1, 0, 1, 2], &[0, 1, 2, 3]);
         }
         assert!(chains.planned_depth(8, 16, 4) >= 6, "{}", chains.planned_depth(8, 16, 4));
         // A draft costing a whole step per level never pays at 10% acceptance.
-        let mut costly = TreeChooser::new(&[1.0, 1.3, 1.6, 1.9, 2.2], 1.0);
+        let mut costly = TreeChooser::new(&[1.0, 1.3, 1.6, 1.9, 2.2], DraftCost::per_token(1.0));
         for _ in 0..30 {
             costly.observe(&[-1, 0], &[]);
         }
@@ -355,7 +362,7 @@ mod tests {
         // So steep that the prior's tree never pays: the first tree is still verified (something
         // to learn from), and once it was, skipping is allowed again.
         let steep: Vec<f64> = (1..=9).map(|n| 1.0 + 2.0 * (n - 1) as f64).collect();
-        let mut chooser = TreeChooser::new(&steep, 0.0);
+        let mut chooser = TreeChooser::new(&steep, DraftCost::FREE);
         let parents = vec![-1, -1, 0, 1];
         assert!(!chooser.choose(&parents).keep.is_empty());
         assert!(chooser.planned_depth(4, 8, 2) > 0);
@@ -363,6 +370,30 @@ mod tests {
         assert!(chooser.choose(&parents).keep.is_empty());
         assert_eq!(chooser.planned_depth(4, 8, 2), 0);
         // A costly proposer planned by the prior alone: skipping stays allowed.
-        assert_eq!(TreeChooser::new(&steep, 1.0).planned_depth(4, 8, 2), 0);
+        assert_eq!(TreeChooser::new(&steep, DraftCost::per_token(1.0)).planned_depth(4, 8, 2), 0);
+    }
+
+    /// A block drafter's tree costs one forward however deep: a deep tree is planned where the
+    /// same cost charged per level plans none, and its timing is kept per tree.
+    #[test]
+    fn a_block_drafters_tree_costs_one_forward_whatever_its_depth() {
+        let flat = [1.0; 17];
+        let per_draft = DraftCost { value: 1.5, unit: DraftCostUnit::Draft };
+        let mut block = TreeChooser::new(&flat, per_draft);
+        let mut per_level = TreeChooser::new(&flat, DraftCost::per_token(1.5));
+        let chain: Vec<i32> = (-1..7).collect();
+        for chooser in [&mut block, &mut per_level] {
+            for _ in 0..30 {
+                chooser.observe(&chain, &[0, 1, 2, 3, 4, 5, 6, 7]); // every level passes
+            }
+        }
+        // ~9 tokens for 2.5 steps; per level, one token is ~2 for 2.5 and deeper is worse.
+        assert_eq!(block.planned_depth(8, 8, 1), 8);
+        assert_eq!(per_level.planned_depth(8, 8, 1), 0);
+        // 8 levels in 0.4 s beside a 1 s forward over 1 row: 0.4 per tree, 0.05 per level.
+        block.observe_timing(0.4, 8, 1.0, 1);
+        per_level.observe_timing(0.4, 8, 1.0, 1);
+        assert!((block.draft_cost.value - (0.7 * 1.5 + 0.3 * 0.4)).abs() < 1e-12);
+        assert!((per_level.draft_cost.value - (0.7 * 1.5 + 0.3 * 0.05)).abs() < 1e-12);
     }
 }

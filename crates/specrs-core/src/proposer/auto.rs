@@ -32,6 +32,7 @@
 //! auto is lossless like every proposer.
 
 use crate::config::SamplingParams;
+use crate::costs::DraftCost;
 use crate::draft_length::{DraftLengthPolicy, Verdict};
 use crate::error::Result;
 use crate::metrics::DrafterCounts;
@@ -57,8 +58,8 @@ pub struct ModelDrafter {
     /// Its method's name (`metrics["drafters"]`).
     pub name: &'static str,
     pub proposer: Box<dyn Proposer>,
-    /// c: its time per draft token over one target step.
-    pub draft_cost: f64,
+    /// c: its drafting time over one target step, per token or per draft.
+    pub draft_cost: DraftCost,
     /// The longest draft it makes.
     pub max_tokens: usize,
 }
@@ -66,8 +67,8 @@ pub struct ModelDrafter {
 impl Drafter {
     /// The draft model's length to draft and the speedup it promises, charged for reading the
     /// context it has not seen (the tokens other drafters' steps added, or the whole prompt before
-    /// its first draft) in its first forward: the m * c of an m-token draft covers one row of it,
-    /// each of the other `unseen - 1` rows adds c times the cost of a row (the verify curve's slope).
+    /// its first draft) in its first forward: the draft's own cost covers one row of it, each of
+    /// the other `unseen - 1` rows adds c times the cost of a row (the verify curve's slope).
     /// On a 2-core CPU a 0.5B draft's prompt costs tens of target steps, so it is read only where
     /// the draft would win that back; where a draft forward is cheap (a GPU) it is read at once.
     /// Before its first verified draft the prior acceptance judges it (no free trial: it is not free).
@@ -76,7 +77,7 @@ impl Drafter {
     /// parallel head keeps none (`kv_len` None: nothing to read).
     fn plan_model(&self, max_len: usize, context_len: usize) -> Verdict {
         let unseen = context_len.saturating_sub(self.proposer.kv_len().unwrap_or(context_len)).max(1);
-        let overhead = self.policy.draft_cost()
+        let overhead = self.policy.draft_cost().value
             * self.proposer.context_row_share()
             * (unseen - 1) as f64
             * self.policy.cost_per_row();
@@ -116,8 +117,10 @@ impl AutoProposer {
             max_tokens,
             counts: DrafterCounts { name, ..DrafterCounts::default() },
         };
-        let mut drafters: Vec<Drafter> =
-            lookups.into_iter().map(|(name, proposer)| drafter(name, proposer, true, 0.0, usize::MAX)).collect();
+        let mut drafters: Vec<Drafter> = lookups
+            .into_iter()
+            .map(|(name, proposer)| drafter(name, proposer, true, DraftCost::FREE, usize::MAX))
+            .collect();
         drafters.extend(model.map(|m| drafter(m.name, m.proposer, false, m.draft_cost, m.max_tokens)));
         Self { drafters, chosen: None, decided: None }
     }
@@ -287,7 +290,12 @@ mod tests {
     }
 
     fn draft_model(proposer: Box<dyn Proposer>, draft_cost: f64) -> Option<ModelDrafter> {
-        Some(ModelDrafter { name: "draft_model", proposer, draft_cost, max_tokens: 16 })
+        Some(ModelDrafter {
+            name: "draft_model",
+            proposer,
+            draft_cost: DraftCost::per_token(draft_cost),
+            max_tokens: 16,
+        })
     }
 
     /// A head: drafts `tokens` and logs the starts of the hidden rows it is handed.
@@ -330,7 +338,12 @@ mod tests {
             dropped: dropped.clone(),
         };
         let (lookup, _) = fixed(&[5; 6]);
-        let model = ModelDrafter { name: "mlp_speculator", proposer: Box::new(head), draft_cost: 0.01, max_tokens: 3 };
+        let model = ModelDrafter {
+            name: "mlp_speculator",
+            proposer: Box::new(head),
+            draft_cost: DraftCost::per_token(0.01),
+            max_tokens: 3,
+        };
         let mut auto = AutoProposer::new(&RATIOS, vec![("suffix", lookup)], Some(model));
         assert_eq!(auto.taps(), vec![Tap::Residual(2), Tap::FinalNorm], "the session must tap for the head");
         let rows = Tensor::zeros((1, 4), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();

@@ -365,9 +365,11 @@ pub trait Proposer: Send {
     /// rows) drops it.
     fn target_context_dropped(&mut self) {}
 
-    /// What reading one context row costs as a share of drafting one token (`kv_len`'s positions
-    /// behind the context are read before the next draft): 1 for a draft model (as its measured
-    /// cost c is charged now), less for a recurrent head (`RecurrentHead::context_row_share`).
+    /// What reading one context row costs as a share of what its draft cost c is charged for
+    /// (`kv_len`'s positions behind the context are read before the next draft): one drafted
+    /// token, or a block drafter's whole block (`costs::DraftCost`). 1 for a draft model (a row is
+    /// a one-row forward, as c is; about that for PARD's forward too), less for a head
+    /// (`RecurrentHead::context_row_share`, `BlockHead::context_row_share`).
     fn context_row_share(&self) -> f64 {
         1.0
     }

@@ -1,6 +1,7 @@
 //! The speculative methods' facts: one row per method a config may name, saying its aliases, the
 //! keys only it takes, the weights it loads, its default draft length, whether its drafts can
-//! carry probabilities and whether it needs a proposer object from the caller.
+//! carry probabilities, whether it drafts a whole block in one forward and whether it needs a
+//! proposer object from the caller.
 //!
 //! Invariant: this table is the one place these facts live. The parser (`spec_config.rs`) reads
 //! its names, aliases and key owners; Python reads it through `_specrs.method_facts()` (the
@@ -28,6 +29,9 @@ pub struct MethodSpec {
     /// Its chain drafts can carry draft probabilities (sampled drafts, verified by rejection
     /// sampling, cut by draft_confidence_threshold); false: one-hot drafts only.
     pub draft_probs: bool,
+    /// It drafts a whole block in ONE forward (PARD, DFlash, DSpark), so a short draft costs what
+    /// a long one does and its drafting is charged per draft, not per token (`costs::DraftCost`).
+    pub one_forward_per_draft: bool,
     /// It drafts through a proposer object the caller passes (Python `propose(context_ids, k)`),
     /// which a config alone (a server request, say) cannot supply.
     pub needs_proposer_object: bool,
@@ -53,6 +57,7 @@ const fn head(name: &'static str) -> MethodSpec {
         weight_keys: HEAD_KEYS,
         default_k: None,
         draft_probs: true,
+        one_forward_per_draft: false,
         needs_proposer_object: false,
     }
 }
@@ -66,6 +71,7 @@ pub const ALL: [MethodSpec; 15] = [
         weight_keys: &[],
         default_k: None,
         draft_probs: false,
+        one_forward_per_draft: false,
         needs_proposer_object: false,
     },
     MethodSpec {
@@ -80,6 +86,7 @@ pub const ALL: [MethodSpec; 15] = [
         weight_keys: &[],
         default_k: Some(DEFAULT_SUFFIX_MAX_TREE_DEPTH),
         draft_probs: false,
+        one_forward_per_draft: false,
         needs_proposer_object: false,
     },
     MethodSpec {
@@ -90,6 +97,7 @@ pub const ALL: [MethodSpec; 15] = [
         default_k: None,
         // The proposer may return (token_ids, draft_probs).
         draft_probs: true,
+        one_forward_per_draft: false,
         needs_proposer_object: true,
     },
     MethodSpec {
@@ -99,6 +107,7 @@ pub const ALL: [MethodSpec; 15] = [
         weight_keys: &["model"],
         default_k: None,
         draft_probs: true,
+        one_forward_per_draft: false,
         needs_proposer_object: false,
     },
     MethodSpec {
@@ -108,6 +117,7 @@ pub const ALL: [MethodSpec; 15] = [
         weight_keys: &[],
         default_k: None,
         draft_probs: true,
+        one_forward_per_draft: false,
         needs_proposer_object: false,
     },
     MethodSpec {
@@ -117,6 +127,7 @@ pub const ALL: [MethodSpec; 15] = [
         weight_keys: &["quantization"],
         default_k: None,
         draft_probs: true,
+        one_forward_per_draft: false,
         needs_proposer_object: false,
     },
     MethodSpec {
@@ -126,6 +137,7 @@ pub const ALL: [MethodSpec; 15] = [
         weight_keys: &["model"],
         default_k: None,
         draft_probs: true,
+        one_forward_per_draft: true,
         needs_proposer_object: false,
     },
     MethodSpec {
@@ -137,6 +149,7 @@ pub const ALL: [MethodSpec; 15] = [
         weight_keys: HEAD_KEYS,
         default_k: Some(DEFAULT_AUTO_K),
         draft_probs: true,
+        one_forward_per_draft: false,
         needs_proposer_object: false,
     },
     head("eagle"),
@@ -144,8 +157,8 @@ pub const ALL: [MethodSpec; 15] = [
     head("mtp"),
     head("mlp_speculator"),
     head("medusa"),
-    head("dflash"),
-    head("dspark"),
+    MethodSpec { one_forward_per_draft: true, ..head("dflash") },
+    MethodSpec { one_forward_per_draft: true, ..head("dspark") },
 ];
 
 /// Every method's name, in `ALL`'s order.

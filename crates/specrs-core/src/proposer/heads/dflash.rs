@@ -142,13 +142,15 @@ impl BlockHead for DFlashHead {
         self.confidence.as_ref().map(|c| c.confidence(rows, previous, self.markov.as_ref())).transpose()
     }
 
-    /// A context row runs `fc` and every layer's key and value projections; a block runs every
-    /// layer over `block_size` rows and the LM head over its drafting rows, shared by the tokens
-    /// it drafts.
+    /// A context row runs `fc` and every layer's key and value projections; a block (one draft,
+    /// what its cost c is charged for: `costs::DraftCost`) runs every layer over `block_size`
+    /// rows and the LM head over its `block_len` drafting rows. The share is the row's weights
+    /// over the block's: per drafted token's, over `block_len`.
     fn context_row_share(&self) -> f64 {
         let row = self.fc.num_weights() + self.layers.iter().map(|l| l.layer.num_kv_weights()).sum::<usize>();
         let layers: usize = self.layers.iter().map(|l| l.layer.num_weights()).sum();
         let per_token = (self.block_size * layers) as f64 / self.block_len() as f64;
         row_share(row, per_token.round() as usize, self.lm_head.as_ref(), self.target.as_ref())
+            / self.block_len() as f64
     }
 }

@@ -177,8 +177,8 @@ pub trait BlockHead: Send + Sync {
     fn confidence(&self, _rows: &Tensor, _previous: &[u32]) -> Result<Option<Vec<f32>>> {
         Ok(None)
     }
-    /// What a context row read by `extend` costs as a share of one drafted token's part of a
-    /// block.
+    /// What a context row read by `extend` costs as a share of one block (one draft, what a
+    /// block drafter's cost c is charged for).
     fn context_row_share(&self) -> f64;
 }
 
