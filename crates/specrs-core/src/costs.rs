@@ -111,7 +111,29 @@ impl DraftCost {
     pub fn is_free(self) -> bool {
         self.value <= 0.0
     }
+
+    /// Follows one timed draft (an exponential average, `TIMING_WEIGHT` per timing): `draft_s`
+    /// seconds for a draft of `num_tokens` tokens (or tree levels), beside a forward over `rows`
+    /// rows that took `forward_s`, whose single-row step t(1) is forward_s / v(rows) on
+    /// `verify_cost_ratios` (`[v(1), ...]`). A free cost stays free (a lookup's microseconds are
+    /// noise next to a forward); a forward past the curve's end teaches nothing.
+    pub fn follow(&mut self, draft_s: f64, num_tokens: usize, forward_s: f64, rows: usize, verify_cost_ratios: &[f64]) {
+        let Some(&v) = rows.checked_sub(1).and_then(|i| verify_cost_ratios.get(i)) else { return };
+        if num_tokens == 0 || forward_s <= 0.0 || self.is_free() {
+            return;
+        }
+        let units = match self.unit {
+            DraftCostUnit::Token => num_tokens as f64,
+            DraftCostUnit::Draft => 1.0,
+        };
+        let measured = draft_s / units / (forward_s / v);
+        self.value = (1.0 - TIMING_WEIGHT) * self.value + TIMING_WEIGHT * measured;
+    }
 }
+
+/// Weight of each new timing in a request's own draft cost (`DraftCost::follow`): a memory of a
+/// few drafts.
+const TIMING_WEIGHT: f64 = 0.3;
 
 impl std::fmt::Display for DraftCost {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

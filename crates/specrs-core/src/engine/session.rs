@@ -247,6 +247,14 @@ pub enum StopReason {
     TokenId(u32),
 }
 
+/// The forward a step's rows were part of: its seconds and its rows (every session's, in a
+/// batched forward), which a request's own draft cost is timed against.
+#[derive(Debug, Clone, Copy)]
+pub struct ForwardTiming {
+    pub seconds: f64,
+    pub rows: usize,
+}
+
 /// What one step produced.
 #[derive(Debug, Default)]
 pub struct StepOutput {
@@ -349,7 +357,8 @@ pub struct Session {
     engine_metrics: Arc<Mutex<EngineMetrics>>,
     /// At most this many prompt tokens per step (None: the whole prompt in the first step).
     prefill_chunk: Option<usize>,
-    /// The last tree draft's drafting seconds and depth, for the tree chooser's draft cost.
+    /// The last tree draft's drafting seconds and depth, for the tree chooser's draft cost (None
+    /// where it read a backlog of context first).
     tree_draft_timing: Option<(f64, usize)>,
     /// Grammar, penalties, logit_bias, min_tokens (None: the logits are sampled as they come).
     processor: Option<LogitsProcessor>,
@@ -477,7 +486,7 @@ impl Session {
 
     /// Reads the forward's answer to `plan`: `logits` `[plan.rows.logit_rows.len(), vocab]` and
     /// the proposer's taps over the plan's rows (each `[plan.rows.tokens.len(), hidden]`);
-    /// `forward_s` is the forward's time (shared by every session in a batched one). Verifies the
+    /// `forward` is the forward's time and rows (every session's, in a batched one). Verifies the
     /// draft, keeps the accepted positions in the cache, tells the proposer, emits the tokens.
     /// (`step_together` verifies every session of a host forward in one call instead:
     /// `verify_part`, then `commit_verdict`.)
@@ -486,7 +495,7 @@ impl Session {
         plan: StepPlan,
         logits: &Tensor,
         hidden: &[(Tap, Tensor)],
-        forward_s: f64,
+        forward: ForwardTiming,
     ) -> Result<StepOutput> {
         if self.commit_context(&plan, hidden)? {
             return Ok(StepOutput::default());
@@ -494,7 +503,7 @@ impl Session {
         let t0 = Instant::now();
         let (verification, host_logits) = self.verify_step(logits, &plan.draft)?;
         let verify_s = t0.elapsed().as_secs_f64();
-        self.apply_verification(plan, verification, host_logits.as_deref(), hidden, forward_s, verify_s)
+        self.apply_verification(plan, verification, host_logits.as_deref(), hidden, forward, verify_s)
     }
 
     /// The start of every commit: checks the forward added exactly the plan's rows and counts it;
@@ -550,7 +559,7 @@ impl Session {
     /// `commit` of a session verified in the step's one verification: `accepted` (its accepted
     /// nodes, root's child first), `next_token` and the sequential uniforms the walk read, over its
     /// processed `host_logits` `[n + 1, vocab]`; `verify_s`: that verification's seconds (shared by
-    /// every session in it, like `forward_s`).
+    /// every session in it, like `forward`).
     #[allow(clippy::too_many_arguments)] // the verdict's three parts and commit's own inputs
     pub(super) fn commit_verdict(
         &mut self,
@@ -560,7 +569,7 @@ impl Session {
         uniforms_used: usize,
         host_logits: &[f32],
         hidden: &[(Tap, Tensor)],
-        forward_s: f64,
+        forward: ForwardTiming,
         verify_s: f64,
     ) -> Result<StepOutput> {
         self.sampler.skip_uniforms(uniforms_used);
@@ -568,7 +577,7 @@ impl Session {
         let mut token_ids: Vec<u32> = accepted_path.iter().map(|&node| plan.draft.token_ids[node]).collect();
         token_ids.push(next_token);
         let verification = TreeVerification { accepted_path, token_ids };
-        self.apply_verification(plan, verification, Some(host_logits), hidden, forward_s, verify_s)
+        self.apply_verification(plan, verification, Some(host_logits), hidden, forward, verify_s)
     }
 
     /// The rest of a commit, once the draft is verified (in `verify_s` seconds): keeps the
@@ -580,7 +589,7 @@ impl Session {
         verification: TreeVerification,
         host_logits: Option<&[f32]>,
         hidden: &[(Tap, Tensor)],
-        forward_s: f64,
+        forward: ForwardTiming,
         verify_s: f64,
     ) -> Result<StepOutput> {
         let t1 = Instant::now();
@@ -611,7 +620,7 @@ impl Session {
             if num_draft_tokens == 0 && self.speculation.is_some() {
                 self.spec_metrics.observe_idle(plan.idle.unwrap_or(IdleReason::NoDraft));
             }
-            self.spec_metrics.forward_s += forward_s;
+            self.spec_metrics.forward_s += forward.seconds;
             self.spec_metrics.verify_s += verify_s + t1.elapsed().as_secs_f64();
         }
         if num_draft_tokens > 0 {
@@ -628,14 +637,17 @@ impl Session {
             if draft.is_tree() {
                 self.spec_metrics.observe_tree(num_draft_tokens, draft.depth(), num_accepted);
             }
+            // The tree chooser follows this request's drafting time where its tokens do not depend
+            // on its draft lengths and the config does not pin c.
+            let tree_draft_timing = self.tree_draft_timing.take().filter(|_| self.follows_draft_timings());
             if let Some(speculation) = self.speculation.as_mut() {
                 if let Some((policy, (drafted, accepted))) = speculation.draft_length.as_mut().zip(own_observation) {
                     policy.observe(drafted, accepted);
                 }
                 if let Some((chooser, (parents, accepted_path))) = speculation.tree_chooser.as_mut().zip(own_tree) {
                     chooser.observe(&parents, &accepted_path);
-                    if let Some((draft_s, depth)) = self.tree_draft_timing.take() {
-                        chooser.observe_timing(draft_s, depth, forward_s, plan.rows.tokens.len());
+                    if let Some((draft_s, depth)) = tree_draft_timing {
+                        chooser.observe_timing(draft_s, depth, forward.seconds, forward.rows);
                     }
                 }
                 if let Some((schedule, (drafted, accepted))) = speculation.schedule.as_mut().zip(own_observation) {
@@ -975,6 +987,14 @@ impl Session {
             extended = [self.all_ids.as_slice(), forced].concat();
             &extended
         };
+        // A draft that first reads context its proposer has not seen (a draft model's first draft
+        // reads the prompt; one after skipped steps, what they added) times that reading, not
+        // drafting: the tree chooser does not follow it. Without a comparable `kv_len` (a draft in
+        // another tokenizer), only the first draft is known to read a backlog.
+        let reads_backlog = match speculation.proposer.kv_len() {
+            Some(kv_len) => context.len().saturating_sub(kv_len) > max_tokens + 1,
+            None => self.spec_metrics.num_drafts == 0,
+        };
         let t0 = Instant::now();
         let mut draft = speculation.proposer.propose_with(ProposeInput {
             context,
@@ -987,7 +1007,7 @@ impl Session {
         self.spec_metrics.propose_s += draft_s;
         let vocab = self.model.info().vocab_size;
         draft.validate(max_tokens, tree.map(|(_, limits)| limits), vocab, speculation.method)?;
-        self.tree_draft_timing = tree.map(|_| (draft_s, draft.depth()));
+        self.tree_draft_timing = tree.filter(|_| !reads_backlog).map(|_| (draft_s, draft.depth()));
         let mut pruned_by_chooser = false;
         if draft.parents.is_some() {
             let before = draft.token_ids.len();
@@ -1088,6 +1108,14 @@ impl Session {
             return false;
         }
         !speculation.one_hot_drafts || self.model.device().is_cuda()
+    }
+
+    /// Whether the tree chooser follows this request's own drafting times: not where its tokens
+    /// depend on its draft lengths (a seeded request's would then depend on timing noise), nor
+    /// where the config pins the draft cost.
+    fn follows_draft_timings(&self) -> bool {
+        let pinned = self.speculation.as_ref().is_some_and(|s| s.draft_cost_source == Some(CostSource::Config));
+        !pinned && !self.output_depends_on_draft_lengths()
     }
 
     /// Frees the target KV cache of an unfinished request (a scheduler short of KV memory); the

@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 
-use super::session::{PlanLimits, Session, StepOutput, StepPlan};
+use super::session::{ForwardTiming, PlanLimits, Session, StepOutput, StepPlan};
 use crate::error::{guard, Error, Result};
 use crate::kv_cache::KvCache;
 use crate::model::{ForwardBatch, SeqRows, Tap};
@@ -91,7 +91,8 @@ pub(super) fn forward_and_commit(sessions: &mut [&mut Session], plans: Vec<(usiz
     let t0 = Instant::now();
     let out = model.forward_batch(&batch, &mut caches)?;
     out.logits.device().synchronize()?;
-    let forward_s = t0.elapsed().as_secs_f64();
+    let forward =
+        ForwardTiming { seconds: t0.elapsed().as_secs_f64(), rows: rows.iter().map(|r| r.tokens.len()).sum() };
 
     // Each session's taps over its own rows.
     let hidden: Vec<Result<Vec<(Tap, Tensor)>>> = session_taps
@@ -117,11 +118,11 @@ pub(super) fn forward_and_commit(sessions: &mut [&mut Session], plans: Vec<(usiz
             let logits = out.logits.narrow(0, logit_start, num_logits)?;
             logit_start += num_logits;
             let session = &mut *sessions[i];
-            outcomes.push((i, hidden.and_then(|hidden| guard(|| session.commit(plan, &logits, &hidden, forward_s)))));
+            outcomes.push((i, hidden.and_then(|hidden| guard(|| session.commit(plan, &logits, &hidden, forward)))));
         }
-        return Ok(Committed { outcomes, forward_s, num_verifier_calls });
+        return Ok(Committed { outcomes, forward_s: forward.seconds, num_verifier_calls });
     }
-    verify_once_and_commit(sessions, plans, &out.logits, hidden, forward_s)
+    verify_once_and_commit(sessions, plans, &out.logits, hidden, forward)
 }
 
 /// The host path of `forward_and_commit`: each session's part of the one verification
@@ -133,7 +134,7 @@ fn verify_once_and_commit(
     plans: Vec<(usize, StepPlan)>,
     logits: &Tensor,
     hidden: Vec<Result<Vec<(Tap, Tensor)>>>,
-    forward_s: f64,
+    forward: ForwardTiming,
 ) -> Result<Committed> {
     let verify_started = Instant::now();
     let vocab = logits.dim(1)?;
@@ -216,7 +217,7 @@ fn verify_once_and_commit(
                             uniforms_used,
                             &host[values],
                             &hidden,
-                            forward_s,
+                            forward,
                             verify_s,
                         )
                     });
@@ -232,7 +233,7 @@ fn verify_once_and_commit(
     }
     HOST_LOGITS.with_borrow_mut(|buffer| *buffer = processed);
     let outcomes = outcomes.into_iter().map(|o| o.expect("every plan has an outcome")).collect();
-    Ok(Committed { outcomes, forward_s, num_verifier_calls })
+    Ok(Committed { outcomes, forward_s: forward.seconds, num_verifier_calls })
 }
 
 thread_local! {

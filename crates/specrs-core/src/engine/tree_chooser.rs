@@ -21,7 +21,7 @@
 //! Invariant: the chooser only removes nodes from a draft, so it changes speed, never output
 //! (tree verification is exact for any tree, verify/tree.rs).
 
-use crate::costs::{DraftCost, DraftCostUnit};
+use crate::costs::DraftCost;
 use crate::proposer::tree::{depths, sibling_ranks};
 
 /// Per-request acceptance by (depth, rank) and the cost curve.
@@ -44,8 +44,6 @@ pub struct TreeChooser {
 const DISCOUNT: f64 = 0.9;
 /// Trials' worth of weight the rank's pooled rate has in each (depth, rank) estimate.
 const POOLED_WEIGHT: f64 = 2.0;
-/// Weight of each new timing in the draft cost per level.
-const TIMING_WEIGHT: f64 = 0.3;
 
 /// What the chooser picked for one step.
 #[derive(Debug, Clone, PartialEq)]
@@ -156,21 +154,13 @@ impl TreeChooser {
     /// Records what drafting a tree `depth` levels deep took (`draft_s`) beside the verify forward
     /// over `rows` rows (`forward_s`): the draft cost per level (per tree, for a block drafter),
     /// in units of this request's own single-row step t(1) = forward_s / v(rows), follows it
-    /// (exponential average). A tree level
-    /// of a head or a draft model expands several frontier rows and ranks them on the host, which
-    /// the per-token cost measured for chains underestimates. Only speed depends on it: the trees
-    /// of such proposers are deterministic, so their outputs do not depend on their shape.
+    /// (`DraftCost::follow`). A tree level of a head or a draft model expands several frontier
+    /// rows and ranks them on the host, which the per-token cost measured for chains
+    /// underestimates. Only speed depends on it: the trees of such proposers are deterministic, so
+    /// their outputs do not depend on their shape (the session follows no timing where a pinned
+    /// cost must hold).
     pub fn observe_timing(&mut self, draft_s: f64, depth: usize, forward_s: f64, rows: usize) {
-        let Some(&v) = self.cost_ratios.get(rows.saturating_sub(1)) else { return };
-        if depth == 0 || forward_s <= 0.0 || self.draft_cost.is_free() {
-            return; // model-free proposers keep c = 0: their drafting is noise next to a forward
-        }
-        let units = match self.draft_cost.unit {
-            DraftCostUnit::Token => depth as f64,
-            DraftCostUnit::Draft => 1.0,
-        };
-        let measured = draft_s / units / (forward_s / v);
-        self.draft_cost.value = (1.0 - TIMING_WEIGHT) * self.draft_cost.value + TIMING_WEIGHT * measured;
+        self.draft_cost.follow(draft_s, depth, forward_s, rows, &self.cost_ratios);
     }
 
     /// Records a step that drafted nothing: the evidence ages, so drafting resumes after a while.
@@ -276,6 +266,7 @@ fn full_tree(max_depth: usize, max_nodes: usize, max_children: usize) -> (Vec<i3
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::costs::DraftCostUnit;
 
     /// Trains a chooser on `steps` verified full trees (3 children per node, depth 3) where the
     /// rank-0 child is accepted with probability `a0` and rank 1 with `a1` (deterministically
@@ -395,5 +386,9 @@ mod tests {
         per_level.observe_timing(0.4, 8, 1.0, 1);
         assert!((block.draft_cost.value - (0.7 * 1.5 + 0.3 * 0.4)).abs() < 1e-12);
         assert!((per_level.draft_cost.value - (0.7 * 1.5 + 0.3 * 0.05)).abs() < 1e-12);
+        // A batched forward over more rows than the curve holds says nothing of t(1).
+        let before = block.draft_cost;
+        block.observe_timing(0.4, 8, 1.0, flat.len() + 1);
+        assert_eq!(block.draft_cost, before);
     }
 }
