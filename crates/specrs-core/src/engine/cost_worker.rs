@@ -524,9 +524,8 @@ impl CostBook {
     /// step, and its spread; None if the engine went away. Each round times one target forward
     /// over 1 token on a `policy_context_len`-token cache (the step the policy's curve starts at)
     /// and one draft of `k` tokens on a `DRAFT_CONTEXT_LEN`-token context, so c is their median
-    /// ratio within a round. A head reads
-    /// the target's hidden states: round r drafts after a context one token longer, as a step whose
-    /// draft was rejected hands the head one new row.
+    /// ratio within a round. A head reads the target's hidden states: round r drafts after a
+    /// context one token longer, as a step whose draft was rejected hands the head one new row.
     fn measure_draft(
         &self,
         proposer: &mut dyn Proposer,
