@@ -1,9 +1,9 @@
 //! The two costs the adaptive draft length weighs (`draft_length.rs`): the verification cost curve
 //! t(n), seconds of one target forward over n new tokens on a fixed-length context, and each
-//! draft's cost c (drafting time over t(1), per draft token or per draft: `DraftCost`). Every figure says where it came from —
-//! measured in this process, read from the on-disk cache a previous process measured on this
-//! machine, given in the speculative config, extrapolated past the measured curve, or a prior — so
-//! the metrics can say when a figure is not a measurement.
+//! draft's cost c (drafting time over t(1), per draft token or per draft: `DraftCost`). Every
+//! figure says where it came from — measured in this process, read from the on-disk cache a
+//! previous process measured on this machine, given in the speculative config, extrapolated past
+//! the measured curve, or a prior — so the metrics can say when a figure is not a measurement.
 //!
 //! Why a disk cache: the measurements take seconds, and a user's first request must not wait for
 //! them (nor a server's first client). They depend on the model file, the device and the thread
