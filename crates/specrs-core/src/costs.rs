@@ -78,6 +78,14 @@ pub enum DraftCostUnit {
 }
 
 impl DraftCostUnit {
+    /// How many units a draft of `num_tokens` (> 0) tokens is charged: its tokens, or one draft.
+    pub fn count(self, num_tokens: usize) -> f64 {
+        match self {
+            DraftCostUnit::Token => num_tokens as f64,
+            DraftCostUnit::Draft => 1.0,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             DraftCostUnit::Token => "token",
@@ -96,11 +104,10 @@ impl DraftCost {
 
     /// The cost of a draft of `num_tokens` tokens (none: 0).
     pub fn of(self, num_tokens: usize) -> f64 {
-        match (self.unit, num_tokens) {
-            (_, 0) => 0.0,
-            (DraftCostUnit::Token, m) => m as f64 * self.value,
-            (DraftCostUnit::Draft, _) => self.value,
+        if num_tokens == 0 {
+            return 0.0;
         }
+        self.unit.count(num_tokens) * self.value
     }
 
     /// What one more token adds to a draft of `num_tokens`.
@@ -122,11 +129,7 @@ impl DraftCost {
         if num_tokens == 0 || forward_s <= 0.0 || self.is_free() {
             return;
         }
-        let units = match self.unit {
-            DraftCostUnit::Token => num_tokens as f64,
-            DraftCostUnit::Draft => 1.0,
-        };
-        let measured = draft_s / units / (forward_s / v);
+        let measured = draft_s / self.unit.count(num_tokens) / (forward_s / v);
         self.value = (1.0 - TIMING_WEIGHT) * self.value + TIMING_WEIGHT * measured;
     }
 }

@@ -586,10 +586,7 @@ impl CostBook {
                     Ok(proposer.propose_with(input)?.token_ids.len().max(1))
                 })?;
                 proposer.observe(&Feedback::accepted(0, &[], &[]))?;
-                Ok(attempt.per(|num_tokens| match unit {
-                    DraftCostUnit::Token => num_tokens as f64,
-                    DraftCostUnit::Draft => 1.0,
-                }))
+                Ok(attempt.per(|num_tokens| unit.count(num_tokens)))
             },
             |rounds| enough_rounds(rounds, 2),
         )?;

@@ -91,8 +91,7 @@ pub(super) fn forward_and_commit(sessions: &mut [&mut Session], plans: Vec<(usiz
     let t0 = Instant::now();
     let out = model.forward_batch(&batch, &mut caches)?;
     out.logits.device().synchronize()?;
-    let forward =
-        ForwardTiming { seconds: t0.elapsed().as_secs_f64(), rows: rows.iter().map(|r| r.tokens.len()).sum() };
+    let forward = ForwardTiming { seconds: t0.elapsed().as_secs_f64(), rows: batch.num_rows() };
 
     // Each session's taps over its own rows.
     let hidden: Vec<Result<Vec<(Tap, Tensor)>>> = session_taps
