@@ -3,9 +3,11 @@
 8 minutes; --budget-s, default 450 s, keeps it well inside).
 
     python3 scripts/gpu_bench.py --wheel dist-cuda/specrs-*.whl [--out DIR] [--device cuda|cpu]
-                                 [--tokens N] [--budget-s S]
+                                 [--tokens N] [--budget-s S] [--kv-layout paged|contiguous]
 
-On a Llama-3-8B-shaped bf16 model with random weights (`specrs.Engine.random("llama3-8b")`):
+On a Llama-3-8B-shaped bf16 model with random weights (`specrs.Engine.random("llama3-8b")`), its
+KV cache in the paged layout by default (a pool sized for batch 32; each layer writes and attends
+every request's rows in one kernel each, cuda/paged_attention.cu), or the contiguous one:
 
 (1) bound: the device's read bandwidth (`read_bandwidth`: a read-only reduction, best of 10
     passes over 2 GiB) and the bytes one single-row decode step reads at a context
@@ -13,8 +15,8 @@ On a Llama-3-8B-shaped bf16 model with random weights (`specrs.Engine.random("ll
     the fastest a token can come, taken at the mean context of the timed batch-1 run (prompt +
     half the generated tokens);
 (2) kernels against references on the device: scripts/gpu_check.py's part (b) (acceptance, tree
-    acceptance and n-gram kernels against their CPU references) and `check_fused_kernels`
-    (each fused kernel against its unfused path);
+    acceptance and n-gram kernels against their CPU references) and `check_decoder_kernels`
+    (each fused kernel, the paged KV write and the paged attention against their references);
 (3) identity: greedy speculative decoding (a replay proposer, k = 4, a = 0.9) against plain greedy
     decoding (a divergence whose two logits lie within gpu_check.NEAR_TIE of the largest is a
     near-tie, reported, not a failure); a seeded request (T = 0.8) run twice plain gives the same
@@ -126,19 +128,20 @@ def part_bound(specrs, engine, device: str, num_tokens: int) -> dict:
 
 
 def part_kernels(specrs, device: str) -> dict:
-    """gpu_check's kernels against their CPU references, and the fused kernels against their
-    references; each half that raises is a failure row of its own."""
+    """gpu_check's kernels against their CPU references, and the decoder's kernels (fused ops,
+    paged KV write and attention) against theirs; each half that raises is a failure row of its
+    own."""
     out = {}
     try:
         out["reference"] = gpu_check.part_b(specrs, device)
     except Exception as e:  # a kernel that fails to compile or launch: a failure row, not a crash
         out["reference"] = error_dict(e)
     try:
-        fused = specrs._specrs.check_fused_kernels(device)
-        out["fused"] = {name: dict(r) for name, r in fused.items()}
+        decoder = specrs._specrs.check_decoder_kernels(device)
+        out["decoder"] = {name: dict(r) for name, r in decoder.items()}
     except Exception as e:
-        out["fused"] = error_dict(e)
-    print(f"(2) fused kernels on {device}: {out['fused']}", flush=True)
+        out["decoder"] = error_dict(e)
+    print(f"(2) decoder kernels on {device}: {out['decoder']}", flush=True)
     return out
 
 
@@ -424,7 +427,7 @@ def failures(report: dict) -> list[str]:
                                                                     "batches")
            if isinstance(report.get(part), dict) and "error" in report[part]]
     kernels = report.get("kernels", {})
-    for half in ("reference", "fused"):
+    for half in ("reference", "decoder"):
         rows = kernels.get(half, {})
         if "error" in rows:
             out.append(f"(2) {half} kernels raised {rows['error']}")
@@ -485,8 +488,8 @@ def fmt(x, spec: str, scale: float = 1.0, missing: str = "-") -> str:
 
 def table(report: dict) -> str:
     lines = [(f"gpu_bench on {report['device']} ({report.get('gpu_name') or 'cpu'}): {report['shape']} "
-              f"{report['dtype']}, {report['tokens']} tokens per request, {report['elapsed_s']:.0f} s of "
-              f"{report['budget_s']:.0f} s")]
+              f"{report['dtype']}, {report.get('kv_layout', 'contiguous')} KV, {report['tokens']} tokens per request, "
+              f"{report['elapsed_s']:.0f} s of {report['budget_s']:.0f} s")]
     b, itl = report.get("bound", {}), report.get("itl", {})
     bound_s, itl_s = b.get("bound_s"), itl.get("itl_s")
     ratio = itl_s / bound_s if itl_s and bound_s else None
@@ -552,7 +555,7 @@ def table(report: dict) -> str:
             lines.append(f"| peer batch {batch} (transformers {peer.get('transformers')}, static cache, "
                          f"{'compiled' if compiled else 'eager'}) | {text} | - |")
     kernels = report.get("kernels", {})
-    for half in ("reference", "fused"):
+    for half in ("reference", "decoder"):
         rows = kernels.get(half, {})
         if "error" in rows or "skipped" in rows:
             text = f"FAIL: {one_line(rows['error'])}" if "error" in rows else rows["skipped"]
@@ -594,6 +597,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128, help="tokens per timed request")
     parser.add_argument("--budget-s", type=float, default=450.0, help="seconds the whole run may take")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--kv-layout", choices=("paged", "contiguous"), default="paged",
+                        help="the engine's KV layout (paged: one pool sized for the largest batch)")
     parser.add_argument("--peer-only", action="store_true",
                         help="run only the peer and write peer.json to --out (how the main run starts it)")
     args = parser.parse_args()
@@ -617,10 +622,11 @@ def main() -> int:
     shape, dtype = ("llama3-8b", "bf16") if on_gpu else (gpu_check.CPU_TIMING, "f32")
     report: dict = {"device": device, "gpu_name": gpu_name() if on_gpu else None,
                     "shape": shape if isinstance(shape, str) else "gpu_check.CPU_TIMING", "dtype": dtype,
-                    "tokens": args.tokens, "budget_s": args.budget_s, "goals": GOALS, "seed": gpu_check.SEED}
+                    "tokens": args.tokens, "budget_s": args.budget_s, "goals": GOALS, "seed": gpu_check.SEED,
+                    "kv_layout": args.kv_layout}
     where = f"{device} ({report['gpu_name']})" if report["gpu_name"] else device
-    print(f"gpu_bench on {where}: {report['shape']} {dtype}, {args.tokens} tokens, budget {args.budget_s:.0f} s",
-          flush=True)
+    print(f"gpu_bench on {where}: {report['shape']} {dtype}, {args.kv_layout} KV, {args.tokens} tokens, budget "
+          f"{args.budget_s:.0f} s", flush=True)
     if on_gpu:
         try:
             gpu_check.open_device(specrs, device)
@@ -638,7 +644,10 @@ def main() -> int:
     engine = None
     try:
         t0 = time.perf_counter()
-        engine = specrs.Engine.random(shape, seed=gpu_check.SEED, dtype=dtype, device=device)
+        # A paged pool holds every request of the largest batch at once (its drafts included).
+        layout = {"kv_layout": "paged", "max_kv_tokens": max(BATCH_SIZES) * (PROMPT_LEN + args.tokens + 4 * K)} \
+            if args.kv_layout == "paged" else {}
+        engine = specrs.Engine.random(shape, seed=gpu_check.SEED, dtype=dtype, device=device, **layout)
         # Fixed k and no draft budget read no cost figure: no background measurement between runs.
         engine.set_measure_on_demand(False)
         info = engine.info()

@@ -7,6 +7,7 @@ the draft budget; tests/test_serve.py the server.)"""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -221,6 +222,23 @@ def test_a_paged_engine_generates_what_a_contiguous_one_does_within_its_pool(eng
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert sum(len(r.prompt_token_ids) + len(r.token_ids) for r in got) > 256
     assert paged.kv_pool["num_free"] == 16
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_paged_pool_on_the_candle_decoder_generates_what_contiguous_does(family):
+    # An HF directory runs the candle decoder: its paged pool is a tensor per layer on its device,
+    # written and attended for every request's rows at once (model/candle/paged_attention.rs).
+    model = Path(__file__).parent / "golden" / "hf" / family
+    contiguous = specrs.Engine(str(model))
+    paged = specrs.Engine(str(model), kv_layout="paged", kv_block_size=4, max_kv_tokens=96)
+    prompts = [[3, 7, 11, 3, 7, 11, 3], [5, 9, 5, 9, 5], [2, 4, 6, 8, 2, 4, 6, 8, 2, 4]]
+    params = [specrs.SamplingParams(max_tokens=12 + 3 * i, temperature=0, ignore_eos=True) for i in range(3)]
+    tree = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1, "tree": True, "tree_top_k": 2}
+    for config in (None, NGRAM, tree):
+        got = paged.generate(prompts, params, speculative_config=config, progress=False)
+        want = contiguous.generate(prompts, params, speculative_config=config, progress=False)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want], config
+        assert paged.kv_pool["num_free"] == 24
 
 
 @pytest.mark.parametrize("kwargs, match", [

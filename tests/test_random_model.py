@@ -128,9 +128,9 @@ def test_read_bandwidth_and_the_bytes_a_step_reads():
     assert per_position > 0 and engine.step_read_bytes(100) - engine.step_read_bytes(0) == 100 * per_position
 
 
-def test_the_fused_kernels_reference_checks_itself_on_the_cpu():
-    report = specrs._specrs.check_fused_kernels("cpu")
-    assert {"add_rms_norm norm F32", "silu_mul BF16", "gelu_mul F32"} <= set(report)
+def test_the_decoder_kernels_reference_checks_itself_on_the_cpu():
+    report = specrs._specrs.check_decoder_kernels("cpu")
+    assert {"add_rms_norm norm F32", "silu_mul BF16", "gelu_mul F32", "paged_attention window 8 BF16"} <= set(report)
     assert all(row["ok"] and row["max_abs_diff"] == 0.0 for row in report.values())
 
 
@@ -331,11 +331,12 @@ def test_gpu_bench_script_runs_its_cpu_mode(tmp_path):
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_bench.json").read_text())
-    assert report["failures"] == []
+    assert report["failures"] == [] and report["kv_layout"] == "paged"  # the step over the paged pool
     bound = report["bound"]
     assert bound["bound_s"] == pytest.approx(bound["step_read_bytes"] / bound["read_bandwidth_bytes_per_s"])
     assert bound["step_read_bytes"] < report["engine"]["weight_bytes"]  # no embedding table
-    assert all(r["ok"] for r in report["kernels"]["fused"].values())
+    assert all(r["ok"] for r in report["kernels"]["decoder"].values())
+    assert {"write_kv BF16", "paged_attention softcap F32"} <= set(report["kernels"]["decoder"])
     assert report["identity"]["greedy"]["ok"] and report["identity"]["seeded_repeat"]["identical"]
     for batch in ("1", "8", "32"):
         row = report["batches"][batch]

@@ -245,6 +245,15 @@ class TextStream:
         return GenerationResult._from_dict(self._inner.result())
 
 
+
+def _check_token_counts(*settings: tuple[str, Any, str | None]) -> None:
+    """Each (name, value, what None means) is a positive int, or None where None means something."""
+    for name, value, none_means in settings:
+        if (value is None and none_means is None) or value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name} must be a positive number of tokens (got {value!r})"
+                              + (f"; leave it None {none_means}" if none_means else ""))
+
 class Engine:
     """A loaded model.
 
@@ -295,13 +304,9 @@ class Engine:
         kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
         max_kv_tokens: int | None = None,
     ):
-        for name, value, none_means in (("max_model_len", max_model_len, "for the model's own context"),
-                                        ("kv_block_size", kv_block_size, None),
-                                        ("max_kv_tokens", max_kv_tokens, "for one full context")):
-            if (value is None and none_means is None) or value is not None and (
-                    isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{name} must be a positive number of tokens (got {value!r})"
-                                  + (f"; leave it None {none_means}" if none_means else ""))
+        _check_token_counts(("max_model_len", max_model_len, "for the model's own context"),
+                            ("kv_block_size", kv_block_size, None),
+                            ("max_kv_tokens", max_kv_tokens, "for one full context"))
         if not isinstance(kv_layout, str):
             raise ConfigError(f"kv_layout must be 'contiguous' or 'paged' (got {kv_layout!r})")
         self.model_path = resolve_model(model)
@@ -325,6 +330,9 @@ class Engine:
         device: str = "cpu",
         speculative_config: SpecConfig | None = None,
         proposer: Any = None,
+        kv_layout: str = "contiguous",
+        kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
+        max_kv_tokens: int | None = None,
     ) -> "Engine":
         """A Llama with seeded random weights, for speed and numerics checks without a model
         file. `config`: transformers' LlamaConfig fields as a dict (vocab_size, hidden_size,
@@ -332,14 +340,20 @@ class Engine:
         max_position_embeddings, rope_theta, rms_norm_eps, tie_word_embeddings), or "llama3-8b".
         `dtype`: "bf16", "f16" or "f32". The same seed gives the same weights on every device.
         Its tokenizer is the numbered vocabulary "t0 t1 ...", with no EOS, so every request runs
-        to max_tokens; pass prompts as token ids."""
+        to max_tokens; pass prompts as token ids. `kv_layout`, `kv_block_size`, `max_kv_tokens`:
+        as `Engine`'s."""
+        _check_token_counts(("kv_block_size", kv_block_size, None),
+                            ("max_kv_tokens", max_kv_tokens, "for one full context"))
+        if not isinstance(kv_layout, str):
+            raise ConfigError(f"kv_layout must be 'contiguous' or 'paged' (got {kv_layout!r})")
         config_json = config if isinstance(config, str) else json.dumps(dict(config))
         engine = cls.__new__(cls)
         engine.model_path = None
         start_s = time.perf_counter()
         logger.info("building a random Llama (%s, %s) on %s", config if isinstance(config, str) else "custom shape",
                     dtype, device)
-        engine._inner = _specrs.Engine.random_llama(config_json, seed, dtype, device)
+        engine._inner = _specrs.Engine.random_llama(config_json, seed, dtype, device, kv_layout, kv_block_size,
+                                                    max_kv_tokens)
         logger.info("built in %.1f s", time.perf_counter() - start_s)
         engine.device = device
         engine.allow_special_tokens_in_content = False  # its numbered vocabulary has no chat template

@@ -2,6 +2,9 @@
 //! device's architecture on first use (once per process), and the helpers the kernels' hosts share
 //! (`batch/cuda.rs`, `model/candle/fused.rs`, `bandwidth.rs`).
 //!
+//! A source's text may begin with `cuda/dtype.cuh` (load/store per dtype), prepended here: NVRTC
+//! compiles one string with no includes.
+//!
 //! Invariant: `SOURCES` lists every kernel source with its entry points, so the CPU suite compiles
 //! all of them for every architecture we ship for (`compile_for`) without a GPU.
 
@@ -34,7 +37,7 @@ pub const NGRAM: Source =
     Source { file: "ngram.cu", text: include_str!("../../../cuda/ngram.cu"), entries: &["ngram_kernel"] };
 pub const FUSED: Source = Source {
     file: "fused.cu",
-    text: include_str!("../../../cuda/fused.cu"),
+    text: concat!(include_str!("../../../cuda/dtype.cuh"), include_str!("../../../cuda/fused.cu")),
     entries: &[
         "add_rms_norm_f32",
         "add_rms_norm_bf16",
@@ -42,14 +45,62 @@ pub const FUSED: Source = Source {
         "act_mul_f32",
         "act_mul_bf16",
         "act_mul_f16",
+        "qkv_heads_f32",
+        "qkv_heads_bf16",
+        "qkv_heads_f16",
+    ],
+};
+pub const PAGED_ATTENTION: Source = Source {
+    file: "paged_attention.cu",
+    text: concat!(include_str!("../../../cuda/dtype.cuh"), include_str!("../../../cuda/paged_attention.cu")),
+    entries: &[
+        "write_kv_f32",
+        "write_kv_bf16",
+        "write_kv_f16",
+        "paged_attention_f32",
+        "paged_attention_bf16",
+        "paged_attention_f16",
     ],
 };
 pub const BANDWIDTH: Source =
     Source { file: "bandwidth.cu", text: include_str!("../../../cuda/bandwidth.cu"), entries: &["read_sum_kernel"] };
 
-pub const SOURCES: [&Source; 4] = [&ACCEPT, &NGRAM, &FUSED, &BANDWIDTH];
+pub const SOURCES: [&Source; 5] = [&ACCEPT, &NGRAM, &FUSED, &PAGED_ATTENTION, &BANDWIDTH];
 /// The architectures CI compiles every source for: Ampere (A100) and Hopper (H100, H200).
 pub const ARCHITECTURES: [&str; 2] = ["compute_80", "compute_90"];
+
+/// The suffix of a kernel's instance for an element dtype (`add_rms_norm_bf16`, ...).
+pub fn dtype_suffix(dtype: candle_core::DType) -> candle_core::Result<&'static str> {
+    match dtype {
+        candle_core::DType::F32 => Ok("f32"),
+        candle_core::DType::BF16 => Ok("bf16"),
+        candle_core::DType::F16 => Ok("f16"),
+        other => Err(candle_core::Error::Msg(format!("our kernels take f32, bf16 or f16, not {other:?}"))),
+    }
+}
+
+/// `$body` with `$t` the element type of `$dtype` (f32, `half::bf16` or `half::f16`); any other
+/// dtype is `dtype_suffix`'s error.
+macro_rules! by_dtype {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            candle_core::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            candle_core::DType::BF16 => {
+                type $t = half::bf16;
+                $body
+            }
+            candle_core::DType::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            other => Err($crate::nvrtc::dtype_suffix(other).unwrap_err()),
+        }
+    };
+}
+pub(crate) use by_dtype;
 
 pub fn device_error(what: &str, e: impl std::fmt::Display) -> Error {
     Error::Device(format!("{what}: {e}"))

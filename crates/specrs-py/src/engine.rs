@@ -727,14 +727,20 @@ pub fn read_bandwidth(py: Python<'_>, device: &str, num_bytes: usize, repeats: u
     })
 }
 
-/// The fused decoder ops (`model/candle/fused.rs`) on random inputs on `device` against their CPU
-/// references: {op and dtype: {"max_abs_diff", "tolerance", "ok"}} (the device check's).
+/// The candle decoder's own kernels on random inputs on `device` against their CPU references:
+/// the fused ops (`model/candle/fused.rs`) and the paged KV write and attention
+/// (`model/candle/paged_attention.rs`): {op and dtype: {"max_abs_diff", "tolerance", "ok"}} (the
+/// device check's).
 #[pyfunction]
 #[pyo3(signature = (device="cpu"))]
-pub fn check_fused_kernels<'py>(py: Python<'py>, device: &str) -> PyResult<Bound<'py, PyDict>> {
+pub fn check_decoder_kernels<'py>(py: Python<'py>, device: &str) -> PyResult<Bound<'py, PyDict>> {
     let device = device.to_string();
     let report = run_detached(py, move || {
-        specrs_core::model::candle::fused::check_against_reference(&specrs_core::engine::parse_device(&device)?)
+        use specrs_core::model::candle::{fused, paged_attention};
+        let device = specrs_core::engine::parse_device(&device)?;
+        let mut report = fused::check_against_reference(&device)?;
+        report.extend(paged_attention::check_against_reference(&device)?);
+        Ok(report)
     })?;
     let d = PyDict::new(py);
     for (name, diff, tolerance) in report {
@@ -781,18 +787,32 @@ impl PyEngine {
     }
 
     /// A Llama with seeded random weights: `config_json` uses transformers' LlamaConfig names
-    /// ("llama3-8b" for Llama 3 8B's shape); dtype "bf16" | "f16" | "f32".
+    /// ("llama3-8b" for Llama 3 8B's shape); dtype "bf16" | "f16" | "f32"; the KV layout as `new`'s.
     #[staticmethod]
-    #[pyo3(signature = (config_json, seed=0, dtype="bf16", device="cpu"))]
-    fn random_llama(py: Python<'_>, config_json: String, seed: u64, dtype: &str, device: &str) -> PyResult<Self> {
-        let (dtype, device) = (dtype.to_string(), device.to_string());
+    #[pyo3(signature = (config_json, seed=0, dtype="bf16", device="cpu", kv_layout="contiguous", kv_block_size=None, max_kv_tokens=None))]
+    #[allow(clippy::too_many_arguments)] // the model's and the layout's settings, as `new`
+    fn random_llama(
+        py: Python<'_>,
+        config_json: String,
+        seed: u64,
+        dtype: &str,
+        device: &str,
+        kv_layout: &str,
+        kv_block_size: Option<usize>,
+        max_kv_tokens: Option<usize>,
+    ) -> PyResult<Self> {
+        let (dtype, device, kv_layout) = (dtype.to_string(), device.to_string(), kv_layout.to_string());
+        let kv_block_size = kv_block_size.unwrap_or(KvLayout::DEFAULT_BLOCK_SIZE);
         let engine = run_detached(py, move || {
+            KvLayout::named(&kv_layout, kv_block_size, max_kv_tokens, 1)?;
             let config = if config_json == "llama3-8b" {
                 LlamaConfig::llama3_8b()
             } else {
                 LlamaConfig::from_json(&config_json)?
             };
-            Engine::random_llama(config, seed, &dtype, &device)
+            let engine = Engine::random_llama(config, seed, &dtype, &device)?;
+            let context_length = engine.model().info().context_length;
+            engine.with_kv_layout(KvLayout::named(&kv_layout, kv_block_size, max_kv_tokens, context_length)?)
         })?;
         Ok(Self { inner: Arc::new(engine) })
     }

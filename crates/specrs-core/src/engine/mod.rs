@@ -198,20 +198,21 @@ impl Engine {
     }
 
     /// Lays out the target's KV caches of requests started from now on as `layout`
-    /// (contiguous by default). Paged is the host layout: a model whose cache lives on a candle
-    /// device (the candle-ops decoder) is refused.
+    /// (contiguous by default). A paged pool lives where the model keeps its cache: f16 rows on
+    /// the host for the CPU decoder, or tensors in the model's dtype on its candle device.
     pub fn with_kv_layout(mut self, layout: KvLayout) -> Result<Self> {
         self.kv_pool = match layout {
             KvLayout::Contiguous => None,
             KvLayout::Paged { block_size, num_blocks } => {
-                if self.model.new_cache(1)?.host_layer(0).is_err() {
-                    return Err(Error::config(format!(
-                        "a paged KV cache is laid out on the host for the CPU decoder (GGUF on device 'cpu');                          this model keeps its cache on {:?}: use the contiguous layout",
-                        self.model.device().location()
-                    )));
-                }
                 let info = self.model.info();
-                Some(PagedPool::new(info.num_layers, info.num_kv_heads * info.head_dim, block_size, num_blocks)?)
+                let (num_layers, row_len) = (info.num_layers, info.num_kv_heads * info.head_dim);
+                let probe = self.model.new_cache(1)?;
+                if probe.host_layer(0).is_ok() {
+                    Some(PagedPool::new(num_layers, row_len, block_size, num_blocks)?)
+                } else {
+                    let (k, _) = probe.layer_tensors(0, 0)?;
+                    Some(PagedPool::on_device(num_layers, row_len, block_size, num_blocks, k.dtype(), k.device())?)
+                }
             }
         };
         Ok(self)

@@ -3,9 +3,10 @@
 //!
 //! - `contiguous.rs`: a buffer per layer per sequence, position i at row i, growing by doubling;
 //!   on the host (f16, the CPU decoder) or on a candle device (the candle-ops decoder).
-//! - `paged.rs` (host): fixed-size blocks from a pool preallocated once per model, whose
-//!   addresses never move; a block table per sequence; `keep` remaps whole blocks, `truncate`
-//!   returns them, and samples of one prompt share its full blocks instead of copying them.
+//! - `paged.rs`: fixed-size blocks from a pool preallocated once per model (f16 rows on the host,
+//!   or a tensor per layer on a candle device), whose addresses never move; a block table per
+//!   sequence; `keep` remaps whole blocks, `truncate` returns them, and samples of one prompt
+//!   share its full blocks instead of copying them.
 //!
 //! Invariant (every layout): positions `0..len()` of every layer hold the keys and values of the
 //! tokens the model has consumed, in order. A forward `reserve`s room, `append`s each layer's new
@@ -281,7 +282,7 @@ impl KvCache {
         Ok(Self::from_store(Box::new(store)))
     }
 
-    /// A paged host cache drawing blocks from `pool`, up to `max_len` positions.
+    /// A paged cache drawing blocks from `pool` (host or device), up to `max_len` positions.
     pub fn paged(pool: &Arc<PagedPool>, max_len: usize) -> Self {
         Self::from_store(Box::new(PagedKv::new(pool.clone(), max_len)))
     }
@@ -418,6 +419,14 @@ impl KvCache {
     /// to the cache's dtype) of `layer` after the held positions.
     pub fn append_tensors(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<()> {
         self.store.append(layer, KvRows::Device { k, v })
+    }
+
+    /// A sequence on a device paged pool: the pool and its block table, for a forward that
+    /// writes and reads every sequence's rows at once (`model/candle/paged_attention.rs`); None
+    /// for any other layout.
+    pub fn device_blocks(&self) -> Option<(&Arc<PagedPool>, &[u32])> {
+        let paged = self.store.as_any().downcast_ref::<PagedKv>()?;
+        paged.pool().device_layer(0).map(|_| (paged.pool(), paged.table()))
     }
 
     /// Device twin of `layer`: views `[num_kv_heads, num_positions, head_dim]` of the first

@@ -1,7 +1,11 @@
-//! The paged host layout: f16 rows in fixed-size blocks of `block_size` positions (a power of
-//! two), drawn from a pool that one model's sequences share, allocated once so that no block
-//! ever moves; each sequence maps its positions to blocks through a block table (position j is
-//! row `j % block_size` of block `table[j / block_size]`).
+//! The paged layout: rows in fixed-size blocks of `block_size` positions (a power of two), drawn
+//! from a pool that one model's sequences share, allocated once so that no block ever moves;
+//! each sequence maps its positions to blocks through a block table (position j is row
+//! `j % block_size` of block `table[j / block_size]`, slot `table[j / block_size] * block_size +
+//! j % block_size` of the pool). On the host the pool holds f16 rows (the CPU decoder reads them
+//! through `Slots`); on a candle device it holds one `[2, slots, row_len]` tensor per layer in the
+//! model's dtype, which the candle decoder writes and reads for a whole step at once
+//! (`model/candle/paged_attention.rs`, through `KvCache::device_blocks`).
 //!
 //! - `reserve` takes blocks from the pool (all or none); out of blocks is a `ContextLength`
 //!   error naming `max_kv_tokens`, never a panic. `truncate` and `release` return whole blocks.
@@ -22,6 +26,7 @@ use std::any::Any;
 use std::cell::UnsafeCell;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use candle_core::{DType, Device, Tensor};
 use half::f16;
 
 use super::{check_keep, check_prefix_source, context_error, KvRows, KvStore, KvView, Slots};
@@ -33,15 +38,22 @@ struct Allocator {
     holders: Vec<u32>,
 }
 
+/// Where a pool's rows live.
+enum Rows {
+    /// Per layer, keys and values of every slot, `row_len` f16 values each.
+    Host { k: Vec<Box<[UnsafeCell<f16>]>>, v: Vec<Box<[UnsafeCell<f16>]>> },
+    /// Per layer `[2, slots, row_len]` (keys, then values) in `dtype` on a candle device.
+    Device { layers: Vec<Tensor>, dtype: DType },
+}
+
 /// The blocks of one model's sequences: per layer, keys and values of `num_blocks * block_size`
-/// positions of `row_len` f16 values each.
+/// positions (slots) of `row_len` values each.
 pub struct PagedPool {
     block_size: usize,
     num_blocks: usize,
     num_layers: usize,
     row_len: usize,
-    k: Vec<Box<[UnsafeCell<f16>]>>,
-    v: Vec<Box<[UnsafeCell<f16>]>>,
+    rows: Rows,
     allocator: Mutex<Allocator>,
 }
 
@@ -57,29 +69,64 @@ fn zeroed_cells(len: usize) -> Box<[UnsafeCell<f16>]> {
 }
 
 impl PagedPool {
-    /// A pool of `num_blocks` blocks of `block_size` positions for a model of `num_layers` layers
-    /// of `row_len` (num_kv_heads * head_dim) values per position.
+    /// A host pool of `num_blocks` blocks of `block_size` positions for a model of `num_layers`
+    /// layers of `row_len` (num_kv_heads * head_dim) f16 values per position.
     pub fn new(num_layers: usize, row_len: usize, block_size: usize, num_blocks: usize) -> Result<Arc<Self>> {
-        if !block_size.is_power_of_two() || num_blocks == 0 || num_blocks > u32::MAX as usize {
-            return Err(Error::Config(format!(
-                "a paged KV cache needs a block_size that is a power of two (1, 2, 4, ... 16, 32, ...) and at \
-                 least 1 block (max_kv_tokens = blocks * block_size); got {num_blocks} blocks of {block_size}"
+        check_blocks(block_size, num_blocks)?;
+        let size = num_blocks * block_size * row_len;
+        let rows = Rows::Host {
+            k: (0..num_layers).map(|_| zeroed_cells(size)).collect(),
+            v: (0..num_layers).map(|_| zeroed_cells(size)).collect(),
+        };
+        Ok(Arc::new(Self::holding(rows, num_layers, row_len, block_size, num_blocks)))
+    }
+
+    /// A pool on `device` (any candle device, the CPU included) for the candle decoder, holding
+    /// keys and values in `dtype`: one `[2, slots, row_len]` tensor per layer, allocated now.
+    pub fn on_device(
+        num_layers: usize,
+        row_len: usize,
+        block_size: usize,
+        num_blocks: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Arc<Self>> {
+        check_blocks(block_size, num_blocks)?;
+        let slots = num_blocks * block_size;
+        if slots > u32::MAX as usize {
+            return Err(Error::config(format!(
+                "a paged KV pool of {slots} positions is past the 2^32 slots a step addresses"
             )));
         }
-        let size = num_blocks * block_size * row_len;
-        Ok(Arc::new(Self {
+        let layers = (0..num_layers)
+            .map(|_| Ok(Tensor::zeros((2, slots, row_len), dtype, device)?))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Arc::new(Self::holding(Rows::Device { layers, dtype }, num_layers, row_len, block_size, num_blocks)))
+    }
+
+    fn holding(rows: Rows, num_layers: usize, row_len: usize, block_size: usize, num_blocks: usize) -> Self {
+        Self {
             block_size,
             num_blocks,
             num_layers,
             row_len,
-            k: (0..num_layers).map(|_| zeroed_cells(size)).collect(),
-            v: (0..num_layers).map(|_| zeroed_cells(size)).collect(),
+            rows,
             // Popped from the back: blocks are handed out from 0 up.
             allocator: Mutex::new(Allocator {
                 free: (0..num_blocks as u32).rev().collect(),
                 holders: vec![0; num_blocks],
             }),
-        }))
+        }
+    }
+
+    /// `layer`'s `[2, slots, row_len]` keys and values on a device pool (None on the host): the
+    /// candle decoder writes a step's rows into it and attends over it (`PagedStep`). Writes
+    /// go only to slots of blocks their sequence holds alone (the module invariant).
+    pub fn device_layer(&self, layer: usize) -> Option<&Tensor> {
+        match &self.rows {
+            Rows::Device { layers, .. } => layers.get(layer),
+            Rows::Host { .. } => None,
+        }
     }
 
     pub fn block_size(&self) -> usize {
@@ -97,7 +144,11 @@ impl PagedPool {
 
     /// Bytes of one block (all layers, keys and values).
     pub fn block_bytes(&self) -> usize {
-        2 * self.num_layers * self.block_size * self.row_len * std::mem::size_of::<f16>()
+        let value_bytes = match &self.rows {
+            Rows::Host { .. } => std::mem::size_of::<f16>(),
+            Rows::Device { dtype, .. } => dtype.size_in_bytes(),
+        };
+        2 * self.num_layers * self.block_size * self.row_len * value_bytes
     }
 
     /// Blocks needed for `num_positions` positions.
@@ -169,17 +220,18 @@ impl PagedPool {
         unsafe { UnsafeCell::raw_get(cells.as_ptr()).add(block as usize * block_len) }
     }
 
-    /// `block`'s keys and values of `layer`.
+    /// `block`'s keys and values of `layer` on a host pool.
     ///
     /// SAFETY: the caller holds `block`, and no one writes it while the slices live (the module
     /// invariant: a holder writes only through `&mut` itself, and only blocks it holds alone).
-    unsafe fn block(&self, layer: usize, block: u32) -> (&[f16], &[f16]) {
+    unsafe fn block(&self, layer: usize, block: u32) -> Option<(&[f16], &[f16])> {
+        let Rows::Host { k, v } = &self.rows else { return None };
         let len = self.block_len();
         unsafe {
-            (
-                std::slice::from_raw_parts(Self::block_ptr(&self.k[layer], block, len), len),
-                std::slice::from_raw_parts(Self::block_ptr(&self.v[layer], block, len), len),
-            )
+            Some((
+                std::slice::from_raw_parts(Self::block_ptr(&k[layer], block, len), len),
+                std::slice::from_raw_parts(Self::block_ptr(&v[layer], block, len), len),
+            ))
         }
     }
 
@@ -187,17 +239,44 @@ impl PagedPool {
     /// (ranges may overlap within one block).
     ///
     /// SAFETY: the caller holds `dst` alone and holds `src`; no one else writes either meanwhile.
-    unsafe fn copy_rows(&self, src: u32, src_row: usize, dst: u32, dst_row: usize, num_rows: usize) {
+    unsafe fn copy_rows(&self, src: u32, src_row: usize, dst: u32, dst_row: usize, num_rows: usize) -> Result<()> {
         let (len, row_len) = (self.block_len(), self.row_len);
         debug_assert!(src_row + num_rows <= self.block_size && dst_row + num_rows <= self.block_size);
-        for cells in self.k.iter().chain(&self.v) {
-            unsafe {
-                let from = Self::block_ptr(cells, src, len).add(src_row * row_len);
-                let to = Self::block_ptr(cells, dst, len).add(dst_row * row_len);
-                std::ptr::copy(from, to, num_rows * row_len);
+        match &self.rows {
+            Rows::Host { k, v } => {
+                for cells in k.iter().chain(v) {
+                    unsafe {
+                        let from = Self::block_ptr(cells, src, len).add(src_row * row_len);
+                        let to = Self::block_ptr(cells, dst, len).add(dst_row * row_len);
+                        std::ptr::copy(from, to, num_rows * row_len);
+                    }
+                }
+            }
+            Rows::Device { layers, .. } => {
+                let slot = |block: u32, row: usize| block as usize * self.block_size + row;
+                for layer in layers {
+                    // A copy first: slice_set may not read the tensor it writes.
+                    let rows = layer.narrow(1, slot(src, src_row), num_rows)?.contiguous()?;
+                    layer.slice_set(&rows, 1, slot(dst, dst_row))?;
+                }
             }
         }
+        Ok(())
     }
+}
+
+fn check_blocks(block_size: usize, num_blocks: usize) -> Result<()> {
+    if !block_size.is_power_of_two() || num_blocks == 0 || num_blocks > u32::MAX as usize {
+        return Err(Error::Config(format!(
+            "a paged KV cache needs a block_size that is a power of two (1, 2, 4, ... 16, 32, ...) and at \
+             least 1 block (max_kv_tokens = blocks * block_size); got {num_blocks} blocks of {block_size}"
+        )));
+    }
+    Ok(())
+}
+
+fn overflow(num_new: usize) -> Error {
+    Error::Internal(format!("kv cache overflow: call reserve({num_new}) before the forward"))
 }
 
 /// One sequence's block table into a shared pool.
@@ -218,6 +297,11 @@ impl PagedKv {
         &self.pool
     }
 
+    /// The block table: position j is in block `table()[j / block_size]`.
+    pub fn table(&self) -> &[u32] {
+        &self.table
+    }
+
     /// Makes table entry `index` a block this sequence holds alone, copying a shared one.
     fn make_writable(&mut self, index: usize) -> Result<()> {
         let block = self.table[index];
@@ -225,7 +309,10 @@ impl PagedKv {
             let [copy] = self.pool.allocate(1)?[..] else { unreachable!("allocate(1) returns one block") };
             // SAFETY: `copy` is fresh (held by this sequence alone); `block` is held here and,
             // shared, is written by no one.
-            unsafe { self.pool.copy_rows(block, 0, copy, 0, self.pool.block_size) };
+            if let Err(e) = unsafe { self.pool.copy_rows(block, 0, copy, 0, self.pool.block_size) } {
+                self.pool.give_back(&[copy]);
+                return Err(e);
+            }
             self.pool.give_back(&[block]);
             self.table[index] = copy;
         }
@@ -282,38 +369,55 @@ impl KvStore for PagedKv {
     }
 
     fn append(&mut self, layer: usize, rows: KvRows<'_>) -> Result<()> {
-        let KvRows::Host { k, v } = rows else {
-            return Err(Error::Internal("device append on a host cache".into()));
-        };
-        let (row_len, block_size) = (self.pool.row_len, self.pool.block_size);
-        let num_new = k.len() / row_len;
-        if self.len + num_new > self.capacity() || v.len() != k.len() || layer >= self.pool.num_layers {
-            return Err(Error::Internal(format!("kv cache overflow: call reserve({num_new}) before the forward")));
-        }
-        let mut row = 0;
-        while row < num_new {
-            let position = self.len + row;
-            let (block, offset) = (self.table[position / block_size], position % block_size);
-            let run = (block_size - offset).min(num_new - row);
-            debug_assert!(!self.pool.is_shared(block), "append into shared block {block}");
-            let values = row * row_len..(row + run) * row_len;
-            let len = self.pool.block_len();
-            for (cells, src) in [(&self.pool.k[layer], &k[values.clone()]), (&self.pool.v[layer], &v[values])] {
-                // SAFETY: `reserve` made the blocks from `len` on this sequence's alone, and
-                // `&mut self` means none of its views is alive.
-                let dst = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        PagedPool::block_ptr(cells, block, len).add(offset * row_len),
-                        src.len(),
-                    )
-                };
-                for (dst, &src) in dst.iter_mut().zip(src) {
-                    *dst = f16::from_f32(src);
+        match (rows, &self.pool.rows) {
+            (KvRows::Host { k, v }, Rows::Host { k: pool_k, v: pool_v }) => {
+                let (row_len, block_size) = (self.pool.row_len, self.pool.block_size);
+                let num_new = k.len() / row_len;
+                if self.len + num_new > self.capacity() || v.len() != k.len() || layer >= self.pool.num_layers {
+                    return Err(overflow(num_new));
                 }
+                let mut row = 0;
+                while row < num_new {
+                    let position = self.len + row;
+                    let (block, offset) = (self.table[position / block_size], position % block_size);
+                    let run = (block_size - offset).min(num_new - row);
+                    debug_assert!(!self.pool.is_shared(block), "append into shared block {block}");
+                    let values = row * row_len..(row + run) * row_len;
+                    let len = self.pool.block_len();
+                    for (cells, src) in [(&pool_k[layer], &k[values.clone()]), (&pool_v[layer], &v[values])] {
+                        // SAFETY: `reserve` made the blocks from `len` on this sequence's alone,
+                        // and `&mut self` means none of its views is alive.
+                        let dst = unsafe {
+                            std::slice::from_raw_parts_mut(
+                                PagedPool::block_ptr(cells, block, len).add(offset * row_len),
+                                src.len(),
+                            )
+                        };
+                        for (dst, &src) in dst.iter_mut().zip(src) {
+                            *dst = f16::from_f32(src);
+                        }
+                    }
+                    row += run;
+                }
+                Ok(())
             }
-            row += run;
+            (KvRows::Device { k, v }, Rows::Device { layers, .. }) => {
+                // k, v: [kv_heads, num_new, head_dim] -> [2 kv_heads, num_new, head_dim] f32.
+                let num_new = k.dim(1)?;
+                let Some(pool_layer) = layers.get(layer) else { return Err(overflow(num_new)) };
+                if self.len + num_new > self.capacity() || v.dims() != k.dims() {
+                    return Err(overflow(num_new));
+                }
+                let shift = self.pool.block_size.trailing_zeros();
+                let slots: Vec<u32> = (self.len..self.len + num_new)
+                    .map(|p| (self.table[p >> shift] << shift) | (p & (self.pool.block_size - 1)) as u32)
+                    .collect();
+                let rows = Tensor::cat(&[k, v], 0)?.to_dtype(DType::F32)?;
+                let slots = Tensor::new(slots.as_slice(), k.device())?;
+                crate::model::candle::paged_attention::write_rows(pool_layer, &rows, &slots)
+            }
+            _ => Err(Error::Internal("a host append on a device pool, or a device one on a host pool".into())),
         }
-        Ok(())
     }
 
     fn commit(&mut self, num_new: usize) {
@@ -363,7 +467,7 @@ impl KvStore for PagedKv {
                                 dst_row + r,
                                 1,
                             )
-                        };
+                        }?;
                     }
                 }
             }
@@ -375,13 +479,18 @@ impl KvStore for PagedKv {
     }
 
     /// Every block held, `block_size` positions each; rows past the held and appended positions
-    /// are stale.
+    /// are stale. A device pool is read for a whole step through `KvCache::device_blocks`.
     fn view(&self, layer: usize, _num_positions: usize) -> Result<KvView<'_>> {
+        if let Rows::Device { .. } = self.pool.rows {
+            return Err(Error::Internal(
+                "a device paged cache is read through its pool and block table (KvCache::device_blocks)".into(),
+            ));
+        }
         let (mut k, mut v) = (Vec::with_capacity(self.table.len()), Vec::with_capacity(self.table.len()));
         for &block in &self.table {
             // SAFETY: this sequence holds `block`; `&self` keeps it from writing, and a block it
             // shares is written by no one.
-            let (bk, bv) = unsafe { self.pool.block(layer, block) };
+            let (bk, bv) = unsafe { self.pool.block(layer, block) }.expect("a host pool");
             k.push(bk);
             v.push(bv);
         }
@@ -404,7 +513,7 @@ impl KvStore for PagedKv {
             let [copy] = self.pool.allocate(1)?[..] else { unreachable!("allocate(1) returns one block") };
             // SAFETY: `copy` is fresh; the source block is held by `from`, which `&` keeps from
             // writing.
-            unsafe { self.pool.copy_rows(from.table[full], 0, copy, 0, tail) };
+            unsafe { self.pool.copy_rows(from.table[full], 0, copy, 0, tail) }?;
             self.table.push(copy);
         }
         self.len = len;

@@ -33,10 +33,11 @@ use candle_nn::ops::rms_norm;
 
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, PagedPool};
 use crate::model::block::{self, load_block, BlockReader, Need, Projections};
 use crate::model::candle::attention::{attention, softcap, tree_attention, Scores};
 use crate::model::candle::fused::{act_mul, add_rms_norm, qkv_heads, HeadsSpec};
+use crate::model::candle::paged_attention::PagedStep;
 use crate::model::config::DecoderConfig;
 use crate::model::forward::check_token_ids;
 use crate::model::hf_dir::HfWeights;
@@ -512,11 +513,13 @@ impl Decoder {
         }
         let eps = c.rms_eps;
         let num_blocks = batch.exit_layer.unwrap_or(self.blocks.len());
+        let paged = self.paged_step(batch, caches, &pasts)?;
         let positions: Vec<u32> = batch.positions.iter().map(|&p| p as u32).collect();
         let positions = Tensor::new(positions.as_slice(), &self.device)?;
-        // Tree sequences: the cache cells each row sees, its sequence's past, then its path within
-        // the new rows (root first, itself last).
+        // Tree sequences on contiguous caches: the cache cells each row sees, its sequence's past,
+        // then its path within the new rows (root first, itself last). The paged step has masks.
         let tree_sees: Vec<Option<Vec<Vec<usize>>>> = (0..batch.num_seqs())
+            .filter(|_| paged.is_none())
             .map(|s| {
                 let past = pasts[s];
                 let sees = |row| (0..past).chain(batch.path(s, row).iter().map(|a| past + a)).collect();
@@ -568,22 +571,32 @@ impl Decoder {
             let k = heads.narrow(0, c.num_heads, c.num_kv_heads)?; // [kv_heads, n, hd]
             let v = heads.narrow(0, c.num_heads + c.num_kv_heads, c.num_kv_heads)?; // [kv_heads, n, hd]
             let window = c.sliding_window.filter(|_| c.sliding_layers[layer]);
-            let mut attns = Vec::with_capacity(batch.num_seqs());
-            for (s, cache) in caches.iter_mut().enumerate() {
-                let rows = batch.seq_range(s);
-                let (start, len, past) = (rows.start, rows.len(), pasts[s]);
-                cache.append_tensors(layer, &k.narrow(1, start, len)?, &v.narrow(1, start, len)?)?;
-                let (k_all, v_all) = cache.layer_tensors(layer, past + len)?; // [kv_heads, past + len, hd]
-                                                                              // Attention runs in f32 over what the cache holds in the model's dtype.
-                let (k_all, v_all) = (k_all.to_dtype(DType::F32)?, v_all.to_dtype(DType::F32)?);
-                let q_seq = q.narrow(1, start, len)?;
-                let scores = Scores { scale: c.attention_scale, logit_softcap: c.attn_logit_softcap, window };
-                attns.push(match &tree_sees[s] {
-                    None => attention(&q_seq, &k_all, &v_all, past, scores)?,
-                    Some(sees) => tree_attention(&q_seq, &k_all, &v_all, sees, scores)?,
-                });
-            }
-            let attn = Tensor::cat(&attns, 0)?; // [n, heads * hd]
+            let scores = Scores { scale: c.attention_scale, logit_softcap: c.attn_logit_softcap, window };
+            let attn = match &paged {
+                // Every sequence's rows written and attended at once, in the pool's dtype.
+                Some((step, pool)) => {
+                    let pool = pool.device_layer(layer).ok_or_else(|| shape_bug("paged pool layer"))?;
+                    step.write_kv(pool, &heads.narrow(0, c.num_heads, 2 * c.num_kv_heads)?)?;
+                    step.attention(&q, pool, c.num_kv_heads, scores)?
+                }
+                None => {
+                    let mut attns = Vec::with_capacity(batch.num_seqs());
+                    for (s, cache) in caches.iter_mut().enumerate() {
+                        let rows = batch.seq_range(s);
+                        let (start, len, past) = (rows.start, rows.len(), pasts[s]);
+                        cache.append_tensors(layer, &k.narrow(1, start, len)?, &v.narrow(1, start, len)?)?;
+                        let (k_all, v_all) = cache.layer_tensors(layer, past + len)?; // [kv_heads, past + len, hd]
+                                                                                      // Attention runs in f32 over what the cache holds in the model's dtype.
+                        let (k_all, v_all) = (k_all.to_dtype(DType::F32)?, v_all.to_dtype(DType::F32)?);
+                        let q_seq = q.narrow(1, start, len)?;
+                        attns.push(match &tree_sees[s] {
+                            None => attention(&q_seq, &k_all, &v_all, past, scores)?,
+                            Some(sees) => tree_attention(&q_seq, &k_all, &v_all, sees, scores)?,
+                        });
+                    }
+                    Tensor::cat(&attns, 0)? // [n, heads * hd]
+                }
+            };
             let mut out = block.wo.forward(&attn.to_dtype(self.dtype)?)?; // [n, hidden]
             if let Some(norm) = &block.post_attn_norm {
                 out = rms_norm(&out, norm, eps)?;
@@ -630,6 +643,27 @@ impl Decoder {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(ForwardOutput { logits, hidden })
+    }
+
+    /// The step over a device paged pool when every sequence's cache is on one (`None`: contiguous
+    /// caches, attended per sequence); a forward mixing the two is refused.
+    fn paged_step(
+        &self,
+        batch: &ForwardBatch,
+        caches: &[&mut KvCache],
+        pasts: &[usize],
+    ) -> Result<Option<(PagedStep, Arc<PagedPool>)>> {
+        let blocks: Vec<_> = caches.iter().map(|cache| cache.device_blocks()).collect();
+        let Some(Some((pool, _))) = blocks.first() else { return Ok(None) };
+        let mut tables = Vec::with_capacity(blocks.len());
+        for entry in &blocks {
+            match entry {
+                Some((other, table)) if Arc::ptr_eq(pool, other) => tables.push(*table),
+                _ => return Err(Error::Internal("a forward mixes caches of one paged pool with others".into())),
+            }
+        }
+        let step = PagedStep::new(batch, pasts, &tables, pool.block_size(), &self.device)?;
+        Ok(Some((step, Arc::clone(pool))))
     }
 
     /// The LM head and the final soft-cap: `[rows, hidden]` final-normed -> `[rows, vocab]` f32.

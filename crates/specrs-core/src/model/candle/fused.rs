@@ -85,7 +85,7 @@ pub fn qkv_heads(qkv: &Tensor, positions: &Tensor, spec: &HeadsSpec) -> Result<T
 }
 
 /// Element access in f32 for the dtypes activations take.
-trait Elem: Copy + Send + Sync + candle_core::WithDType {
+pub(crate) trait Elem: Copy + Send + Sync + candle_core::WithDType {
     fn get(self) -> f32;
     fn of(v: f32) -> Self;
 }
@@ -114,7 +114,7 @@ impl Elem for f16 {
     }
 }
 
-fn op_error(op: &str, what: String) -> candle_core::Error {
+pub(crate) fn op_error(op: &str, what: String) -> candle_core::Error {
     candle_core::Error::Msg(format!("{op}: {what}"))
 }
 
@@ -466,10 +466,9 @@ mod device {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{CudaStorage, DType};
-    use half::{bf16, f16};
+    use candle_core::CudaStorage;
 
-    use crate::nvrtc::{function, BLOCK, FUSED};
+    use crate::nvrtc::{by_dtype, dtype_suffix as suffix, function, BLOCK, FUSED};
 
     pub enum Scalar {
         U32(u32),
@@ -484,36 +483,6 @@ mod device {
 
     fn err(e: crate::error::Error) -> candle_core::Error {
         candle_core::Error::Msg(e.to_string())
-    }
-
-    fn suffix(dtype: DType) -> candle_core::Result<&'static str> {
-        match dtype {
-            DType::F32 => Ok("f32"),
-            DType::BF16 => Ok("bf16"),
-            DType::F16 => Ok("f16"),
-            other => Err(candle_core::Error::Msg(format!("the fused kernels take f32, bf16 or f16, not {other:?}"))),
-        }
-    }
-
-    /// `$body` with `$t` the element type of `$dtype` (f32, bf16 or f16).
-    macro_rules! by_dtype {
-        ($dtype:expr, $t:ident => $body:expr) => {
-            match $dtype {
-                DType::F32 => {
-                    type $t = f32;
-                    $body
-                }
-                DType::BF16 => {
-                    type $t = bf16;
-                    $body
-                }
-                DType::F16 => {
-                    type $t = f16;
-                    $body
-                }
-                other => Err(suffix(other).unwrap_err()),
-            }
-        };
     }
 
     /// `kernel_<dtype>(input0[, stride0], input1[, stride1], ..., out, scalars...)`: each input at
@@ -700,7 +669,7 @@ pub fn check_against_reference(device: &candle_core::Device) -> Result<Vec<(Stri
 }
 
 /// Values in [-4, 4) from a fixed linear congruential sequence (no random crate state shared).
-fn seeded_values(n: usize, seed: u64) -> Vec<f32> {
+pub(crate) fn seeded_values(n: usize, seed: u64) -> Vec<f32> {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
     (0..n)
         .map(|_| {
@@ -710,7 +679,7 @@ fn seeded_values(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+pub(crate) fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
     let (a, b) = (
         a.to_dtype(DType::F32)?.to_device(&candle_core::Device::Cpu)?,
         b.to_dtype(DType::F32)?.to_device(&candle_core::Device::Cpu)?,

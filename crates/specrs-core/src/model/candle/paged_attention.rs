@@ -1,0 +1,731 @@
+//! One step's keys and values written into a block-paged device pool and attention over it for
+//! every row of every sequence at once (chains and trees alike), in two ops per layer: candle
+//! custom ops whose `cpu_fwd` is the reference and whose `cuda_fwd` runs `cuda/paged_attention.cu`
+//! (NVRTC). This replaces, on a paged cache, the per-sequence appends, whole-cache f32 casts and
+//! per-tree-row gathers of `attention.rs`.
+//!
+//! A [`PagedStep`] describes the step once per forward (one u32 upload every layer reads): each
+//! row's sequence, position and slot, each sequence's past and block table, and each row's
+//! ancestor mask over its sequence's step rows (a chain's row i sees rows 0..=i; a tree row its
+//! path). Row r sees its sequence's past positions and the step rows its mask names, each within
+//! the layer's window by position, so a tree row computes what its path run as a chain computes.
+//!
+//! Invariant: a row's output depends only on its own query and the keys and values it sees, read
+//! in a fixed order (past positions ascending, then step rows ascending) — never on its
+//! batch-mates, its tree siblings or how many rows the step has. The reference is f32 throughout;
+//! the device kernel sums in another order (an online softmax over four warps), within
+//! `check_against_reference`'s tolerance.
+
+use candle_core::{CpuStorage, CustomOp3, DType, Device, InplaceOp3, Layout, Shape, Tensor};
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::model::candle::attention::Scores;
+use crate::model::candle::fused::{op_error, Elem};
+use crate::model::forward::ForwardBatch;
+
+/// The most dims a head may have here (a warp's 32 lanes hold up to 8 each on the device).
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// A forward's rows as the paged ops read them (see the module header); `descriptor` lives on
+/// the model's device, laid out as `cuda/paged_attention.cu` names it.
+pub(crate) struct PagedStep {
+    /// `row_seq[n] | row_pos[n] | row_slot[n] | seqs[4 S] | masks[n W] | tables[..]` u32.
+    descriptor: Tensor,
+    num_rows: usize,
+    num_seqs: usize,
+    /// u32 words per row's ancestor mask: enough bits for the longest sequence's step rows.
+    mask_words: usize,
+    block_shift: u32,
+}
+
+impl PagedStep {
+    /// The step of `batch`, whose sequence s has `pasts[s]` positions held and block table
+    /// `tables[s]` (blocks of `block_size` positions, a power of two), already reserved for the
+    /// step's rows; the step's rows are written at positions `pasts[s]..` in row order.
+    pub(crate) fn new(
+        batch: &ForwardBatch,
+        pasts: &[usize],
+        tables: &[&[u32]],
+        block_size: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        let (n, num_seqs) = (batch.num_rows(), batch.num_seqs());
+        if pasts.len() != num_seqs || tables.len() != num_seqs || !block_size.is_power_of_two() {
+            return Err(Error::Internal(format!(
+                "paged step: {num_seqs} sequences but {} pasts and {} tables, block size {block_size}",
+                pasts.len(),
+                tables.len()
+            )));
+        }
+        let block_shift = block_size.trailing_zeros();
+        let longest = (0..num_seqs).map(|s| batch.seq_range(s).len()).max().unwrap_or(0);
+        let mask_words = longest.div_ceil(32).max(1);
+        let u32_of = |x: usize, what: &str| {
+            u32::try_from(x).map_err(|_| Error::Internal(format!("paged step: {what} {x} is past u32")))
+        };
+        let (mut row_seq, mut row_pos, mut row_slot) = (vec![0u32; n], vec![0u32; n], vec![0u32; n]);
+        let mut seqs = Vec::with_capacity(4 * num_seqs);
+        let mut masks = vec![0u32; n * mask_words];
+        let mut flat_tables = Vec::new();
+        for (s, (&past, table)) in pasts.iter().zip(tables).enumerate() {
+            let rows = batch.seq_range(s);
+            seqs.extend([u32_of(past, "past")?, u32_of(rows.start, "row")?, u32_of(rows.len(), "rows")?]);
+            seqs.push(u32_of(flat_tables.len(), "table start")?);
+            flat_tables.extend_from_slice(table);
+            for row in rows.clone() {
+                let position = past + row - rows.start;
+                let Some(&block) = table.get(position >> block_shift) else {
+                    return Err(Error::Internal(format!(
+                        "paged step: position {position} of sequence {s} has no block (reserve before the forward)"
+                    )));
+                };
+                row_seq[row] = s as u32;
+                row_pos[row] = u32_of(batch.positions[row], "position")?;
+                let slot = ((block as usize) << block_shift) | (position & (block_size - 1));
+                row_slot[row] = u32_of(slot, "slot")?;
+                for ancestor in batch.path(s, row) {
+                    masks[row * mask_words + ancestor / 32] |= 1 << (ancestor % 32);
+                }
+            }
+        }
+        let descriptor: Vec<u32> = [row_seq, row_pos, row_slot, seqs, masks, flat_tables].concat();
+        Ok(Self {
+            descriptor: Tensor::new(descriptor.as_slice(), device)?,
+            num_rows: n,
+            num_seqs,
+            mask_words,
+            block_shift,
+        })
+    }
+
+    /// Writes the step's new keys and values, `rows [2 * num_kv_heads, n, head_dim]` f32 (k heads,
+    /// then v heads: the tail of `qkv_heads`' output), into their slots of one layer's `pool`
+    /// (`[2, num_slots, num_kv_heads * head_dim]`), rounded to its dtype.
+    pub(crate) fn write_kv(&self, pool: &Tensor, rows: &Tensor) -> Result<()> {
+        let n = self.num_rows;
+        write_rows(pool, rows, &self.descriptor.narrow(0, 2 * n, n)?) // the row_slot section
+    }
+
+    /// Attention of the step's rows: `q [num_heads, n, head_dim]` f32 over one layer's `pool`
+    /// (`[2, num_slots, num_kv_heads * head_dim]`, this step's rows already written) -> `[n,
+    /// num_heads * head_dim]` f32.
+    pub(crate) fn attention(&self, q: &Tensor, pool: &Tensor, num_kv_heads: usize, scores: Scores) -> Result<Tensor> {
+        let op = PagedAttention {
+            num_rows: self.num_rows,
+            num_seqs: self.num_seqs,
+            mask_words: self.mask_words,
+            num_kv_heads,
+            block_shift: self.block_shift,
+            scores,
+        };
+        if self.num_rows == 0 {
+            let (num_heads, _, head_dim) = q.dims3()?;
+            return Ok(Tensor::zeros((0, num_heads * head_dim), DType::F32, q.device())?);
+        }
+        Ok(q.contiguous()?.apply_op3_no_bwd(pool, &self.descriptor, &op)?)
+    }
+}
+
+/// Writes `rows [2 * num_kv_heads, n, head_dim]` f32 (k heads, then v heads) into the `slots
+/// [n]` u32 of one layer's `pool` (`[2, num_slots, num_kv_heads * head_dim]`), rounded to its
+/// dtype: a step's rows, or one sequence's appended ones.
+pub(crate) fn write_rows(pool: &Tensor, rows: &Tensor, slots: &Tensor) -> Result<()> {
+    let num_rows = slots.elem_count();
+    if num_rows == 0 {
+        return Ok(());
+    }
+    pool.inplace_op3(&rows.contiguous()?, slots, &WriteKv { num_rows })?;
+    Ok(())
+}
+
+/// The descriptor's sections for a step of `n` rows, `num_seqs` sequences and `mask_words`.
+struct Sections<'a> {
+    row_seq: &'a [u32],
+    row_pos: &'a [u32],
+    row_slot: &'a [u32],
+    seqs: &'a [u32],
+    masks: &'a [u32],
+    tables: &'a [u32],
+}
+
+impl<'a> Sections<'a> {
+    fn of(descriptor: &'a [u32], n: usize, num_seqs: usize, mask_words: usize) -> candle_core::Result<Self> {
+        let fixed = 3 * n + 4 * num_seqs + n * mask_words;
+        if descriptor.len() < fixed {
+            return Err(op_error("paged step", format!("descriptor of {} words, need {fixed}", descriptor.len())));
+        }
+        let (row_seq, rest) = descriptor.split_at(n);
+        let (row_pos, rest) = rest.split_at(n);
+        let (row_slot, rest) = rest.split_at(n);
+        let (seqs, rest) = rest.split_at(4 * num_seqs);
+        let (masks, tables) = rest.split_at(n * mask_words);
+        Ok(Self { row_seq, row_pos, row_slot, seqs, masks, tables })
+    }
+}
+
+/// A pool layer's (num_slots, row_len) and start offset, after checking it is `[2, slots, row_len]`
+/// contiguous.
+fn pool_shape(op: &str, layout: &Layout) -> candle_core::Result<(usize, usize, usize)> {
+    match (layout.dims(), layout.contiguous_offsets()) {
+        ([2, slots, row_len], Some((start, _))) => Ok((*slots, *row_len, start)),
+        (dims, _) => Err(op_error(op, format!("the pool must be [2, slots, row_len] contiguous, got {dims:?}"))),
+    }
+}
+
+/// A contiguous u32 input (the step descriptor, or slots).
+fn descriptor_of<'a>(op: &str, storage: &'a CpuStorage, layout: &Layout) -> candle_core::Result<&'a [u32]> {
+    match (storage, layout.contiguous_offsets()) {
+        (CpuStorage::U32(values), Some((start, end))) => Ok(&values[start..end]),
+        _ => Err(op_error(op, "the step descriptor and slots must be contiguous u32".into())),
+    }
+}
+
+struct WriteKv {
+    num_rows: usize,
+}
+
+impl WriteKv {
+    /// (kv_heads, head_dim, rows' start offset, pool's slots, row_len and start offset).
+    fn check(&self, pool: &Layout, rows: &Layout) -> candle_core::Result<(usize, usize, usize, [usize; 3])> {
+        let (slots, row_len, pool_start) = pool_shape("write_kv", pool)?;
+        match (rows.dims(), rows.contiguous_offsets()) {
+            ([heads, n, head_dim], Some((start, _)))
+                if *n == self.num_rows && heads % 2 == 0 && (heads / 2) * head_dim == row_len =>
+            {
+                Ok((heads / 2, *head_dim, start, [slots, row_len, pool_start]))
+            }
+            (dims, _) => Err(op_error(
+                "write_kv",
+                format!(
+                    "rows are {dims:?}, need [2 kv_heads, {}, head_dim] contiguous for rows of {row_len}",
+                    self.num_rows
+                ),
+            )),
+        }
+    }
+
+    fn reference<T: Elem>(&self, pool: &mut [T], rows: &[f32], row_slot: &[u32], shape: (usize, usize, [usize; 3])) {
+        let (kv_heads, head_dim, [slots, row_len, _]) = shape;
+        let n = self.num_rows;
+        for which in 0..2 {
+            for g in 0..kv_heads {
+                for (r, &slot) in row_slot.iter().enumerate() {
+                    let src = &rows[((which * kv_heads + g) * n + r) * head_dim..][..head_dim];
+                    let dst = &mut pool[(which * slots + slot as usize) * row_len + g * head_dim..][..head_dim];
+                    dst.iter_mut().zip(src).for_each(|(d, &s)| *d = T::of(s));
+                }
+            }
+        }
+    }
+}
+
+impl InplaceOp3 for WriteKv {
+    fn name(&self) -> &'static str {
+        "paged-write-kv"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<()> {
+        let (kv_heads, head_dim, rows_start, pool) = self.check(l1, l2)?;
+        let row_slot = descriptor_of("write_kv", s3, l3)?;
+        let slots = pool[0];
+        if let Some(bad) = row_slot.iter().find(|&&slot| slot as usize >= slots) {
+            return Err(op_error("write_kv", format!("slot {bad} is past the pool's {slots}")));
+        }
+        let CpuStorage::F32(rows) = s2 else { return Err(op_error("write_kv", "rows must be f32".into())) };
+        let rows = &rows[rows_start..];
+        let shape = (kv_heads, head_dim, pool);
+        match s1 {
+            CpuStorage::F32(p) => self.reference(&mut p[pool[2]..], rows, row_slot, shape),
+            CpuStorage::BF16(p) => self.reference(&mut p[pool[2]..], rows, row_slot, shape),
+            CpuStorage::F16(p) => self.reference(&mut p[pool[2]..], rows, row_slot, shape),
+            _ => return Err(op_error("write_kv", "the pool must be f32, bf16 or f16".into())),
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &mut candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<()> {
+        let (kv_heads, head_dim, rows_start, pool) = self.check(l1, l2)?;
+        device::write_kv(s1, pool, (s2, rows_start), (s3, l3.start_offset()), [self.num_rows, kv_heads, head_dim])
+    }
+}
+
+struct PagedAttention {
+    num_rows: usize,
+    num_seqs: usize,
+    mask_words: usize,
+    num_kv_heads: usize,
+    block_shift: u32,
+    scores: Scores,
+}
+
+impl PagedAttention {
+    /// (num_heads, head_dim, q's start, pool's slots, row_len and start).
+    fn check(&self, q: &Layout, pool: &Layout) -> candle_core::Result<(usize, usize, usize, [usize; 3])> {
+        let (slots, row_len, pool_start) = pool_shape("paged_attention", pool)?;
+        match (q.dims(), q.contiguous_offsets()) {
+            ([heads, n, head_dim], Some((start, _)))
+                if *n == self.num_rows
+                    && self.num_kv_heads > 0
+                    && heads % self.num_kv_heads == 0
+                    && self.num_kv_heads * head_dim == row_len
+                    && *head_dim <= MAX_HEAD_DIM =>
+            {
+                Ok((*heads, *head_dim, start, [slots, row_len, pool_start]))
+            }
+            (dims, _) => Err(op_error(
+                "paged_attention",
+                format!(
+                    "q is {dims:?}: need [heads, {}, head_dim] contiguous f32, heads a multiple of {} kv heads, \
+                     head_dim at most {MAX_HEAD_DIM}, {} kv heads * head_dim = the pool's {row_len}",
+                    self.num_rows, self.num_kv_heads, self.num_kv_heads
+                ),
+            )),
+        }
+    }
+
+    /// The slots row `r` sees, past positions ascending then step rows ascending, with their
+    /// positions.
+    fn keys_of(&self, d: &Sections, r: usize) -> Vec<usize> {
+        let s = d.row_seq[r] as usize;
+        let [past, first, rows, table_start] = [0, 1, 2, 3].map(|i| d.seqs[4 * s + i] as usize);
+        let table = &d.tables[table_start..];
+        let p = d.row_pos[r] as usize;
+        let sees = |key_position: usize| self.scores.window.is_none_or(|w| p.saturating_sub(key_position) < w);
+        let mask = &d.masks[r * self.mask_words..][..self.mask_words];
+        let shift = self.block_shift;
+        let past_slots =
+            (0..past).filter(|&c| sees(c)).map(|c| ((table[c >> shift] as usize) << shift) | (c & ((1 << shift) - 1)));
+        let step_slots = (0..rows)
+            .filter(|&j| (mask[j / 32] >> (j % 32)) & 1 == 1 && sees(d.row_pos[first + j] as usize))
+            .map(|j| d.row_slot[first + j] as usize);
+        past_slots.chain(step_slots).collect()
+    }
+
+    fn reference<T: Elem>(
+        &self,
+        q: &[f32],
+        pool: &[T],
+        d: &Sections,
+        shape: (usize, usize, [usize; 3]),
+    ) -> candle_core::Result<Vec<f32>> {
+        let (num_heads, head_dim, [slots, row_len, _]) = shape;
+        let n = self.num_rows;
+        let group = num_heads / self.num_kv_heads;
+        let Scores { scale, logit_softcap, .. } = self.scores;
+        let keys: Vec<Vec<usize>> = (0..n).map(|r| self.keys_of(d, r)).collect();
+        if let Some(r) = keys.iter().position(|k| k.is_empty() || k.iter().any(|&slot| slot >= slots)) {
+            return Err(op_error("paged_attention", format!("row {r} sees no key, or a slot past the pool's {slots}")));
+        }
+        let mut out = vec![0f32; n * num_heads * head_dim];
+        out.par_chunks_mut(num_heads * head_dim).enumerate().for_each(|(r, row_out)| {
+            for (h, dst) in row_out.chunks_mut(head_dim).enumerate() {
+                let query = &q[(h * n + r) * head_dim..][..head_dim];
+                let offset = (h / group) * head_dim;
+                let scores: Vec<f32> = keys[r]
+                    .iter()
+                    .map(|&slot| {
+                        let key = &pool[slot * row_len + offset..][..head_dim];
+                        let dot = query.iter().zip(key).map(|(a, b)| a * b.get()).sum::<f32>() * scale;
+                        logit_softcap.map_or(dot, |cap| cap * (dot / cap).tanh())
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let weights: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+                let total = weights.iter().sum::<f32>();
+                dst.fill(0.0);
+                for (&slot, w) in keys[r].iter().zip(&weights) {
+                    let value = &pool[(slots + slot) * row_len + offset..][..head_dim];
+                    dst.iter_mut().zip(value).for_each(|(o, v)| *o += w * v.get());
+                }
+                dst.iter_mut().for_each(|o| *o /= total);
+            }
+        });
+        Ok(out)
+    }
+}
+
+impl CustomOp3 for PagedAttention {
+    fn name(&self) -> &'static str {
+        "paged-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (num_heads, head_dim, q_start, pool) = self.check(l1, l2)?;
+        let d = Sections::of(descriptor_of("paged_attention", s3, l3)?, self.num_rows, self.num_seqs, self.mask_words)?;
+        let CpuStorage::F32(q) = s1 else { return Err(op_error("paged_attention", "q must be f32".into())) };
+        let q = &q[q_start..];
+        let shape = (num_heads, head_dim, pool);
+        let out = match s2 {
+            CpuStorage::F32(p) => self.reference(q, &p[pool[2]..], &d, shape)?,
+            CpuStorage::BF16(p) => self.reference(q, &p[pool[2]..], &d, shape)?,
+            CpuStorage::F16(p) => self.reference(q, &p[pool[2]..], &d, shape)?,
+            _ => return Err(op_error("paged_attention", "the pool must be f32, bf16 or f16".into())),
+        };
+        Ok((CpuStorage::F32(out), Shape::from((self.num_rows, num_heads * head_dim))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (num_heads, head_dim, q_start, pool) = self.check(l1, l2)?;
+        let out =
+            device::paged_attention(self, (s1, q_start), s2, pool, (s3, l3.start_offset()), [num_heads, head_dim])?;
+        Ok((out, Shape::from((self.num_rows, num_heads * head_dim))))
+    }
+}
+
+/// Launching `cuda/paged_attention.cu`'s kernels in the pool's dtype.
+#[cfg(feature = "cuda")]
+mod device {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::CudaStorage;
+
+    use crate::nvrtc::{by_dtype, dtype_suffix, function, BLOCK, PAGED_ATTENTION};
+
+    /// Threads per attention block: the kernel's WARPS warps.
+    const ATTENTION_THREADS: u32 = 4 * 32;
+
+    fn load(
+        device: &candle_core::CudaDevice,
+        kernel: &str,
+        dtype: candle_core::DType,
+    ) -> candle_core::Result<candle_core::cuda_backend::cudarc::driver::CudaFunction> {
+        let name = format!("{kernel}_{}", dtype_suffix(dtype)?);
+        function(device, &PAGED_ATTENTION, &name).map_err(|e| candle_core::Error::Msg(e.to_string()))
+    }
+
+    /// `write_kv_<dtype>(pool, rows, slots, n, kv_heads, head_dim, num_slots)`.
+    pub fn write_kv(
+        pool: &mut CudaStorage,
+        [slots, _, pool_start]: [usize; 3],
+        rows: (&CudaStorage, usize),
+        slots_in: (&CudaStorage, usize),
+        [n, kv_heads, head_dim]: [usize; 3],
+    ) -> candle_core::Result<()> {
+        let dtype = pool.dtype();
+        by_dtype!(dtype, T => {
+            let device = pool.device().clone();
+            let func = load(&device, "write_kv", dtype)?;
+            let rows_view = rows.0.as_cuda_slice::<f32>()?.slice(rows.1..);
+            let slots_view = slots_in.0.as_cuda_slice::<u32>()?.slice(slots_in.1..);
+            let mut pool_view = pool.as_cuda_slice_mut::<T>()?.slice_mut(pool_start..);
+            let total = 2 * n * kv_heads * head_dim;
+            let grid = total.div_ceil(BLOCK as usize).clamp(1, 4096) as u32;
+            let (n, kv_heads, head_dim, slots) = (n as u32, kv_heads as u32, head_dim as u32, slots as u64);
+            let stream = device.cuda_stream();
+            let mut builder = stream.launch_builder(&func);
+            builder.arg(&mut pool_view).arg(&rows_view).arg(&slots_view);
+            builder.arg(&n).arg(&kv_heads).arg(&head_dim).arg(&slots);
+            let config = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: the arguments match write_kv's signature; the host checked the shapes, and
+            // the slots lie in blocks the written sequences hold (PagedStep::new, PagedKv::append).
+            unsafe { builder.launch(config) }.w()?;
+            Ok(())
+        })
+    }
+
+    /// `paged_attention_<dtype>`: one block per (row, head).
+    pub fn paged_attention(
+        op: &super::PagedAttention,
+        q: (&CudaStorage, usize),
+        pool: &CudaStorage,
+        [slots, _, pool_start]: [usize; 3],
+        descriptor: (&CudaStorage, usize),
+        [num_heads, head_dim]: [usize; 2],
+    ) -> candle_core::Result<CudaStorage> {
+        by_dtype!(pool.dtype(), T => typed::<T>(op, q, pool, [slots, pool_start], descriptor, [num_heads, head_dim]))
+    }
+
+    fn typed<T: CudaDType + DeviceRepr>(
+        op: &super::PagedAttention,
+        q: (&CudaStorage, usize),
+        pool: &CudaStorage,
+        [slots, pool_start]: [usize; 2],
+        descriptor: (&CudaStorage, usize),
+        [num_heads, head_dim]: [usize; 2],
+    ) -> candle_core::Result<CudaStorage> {
+        let device = pool.device().clone();
+        let func = load(&device, "paged_attention", pool.dtype())?;
+        let q_view = q.0.as_cuda_slice::<f32>()?.slice(q.1..);
+        let pool_view = pool.as_cuda_slice::<T>()?.slice(pool_start..);
+        let desc_view = descriptor.0.as_cuda_slice::<u32>()?.slice(descriptor.1..);
+        // SAFETY: every element is written by the kernel (one block per row and head).
+        let mut out: CudaSlice<f32> = unsafe { device.alloc::<f32>(op.num_rows * num_heads * head_dim) }?;
+        let u32s = [op.num_rows, op.num_seqs, op.mask_words, num_heads, op.num_kv_heads, head_dim].map(|x| x as u32);
+        let slots = slots as u64;
+        let cap = op.scores.logit_softcap.unwrap_or(0.0);
+        let window = op.scores.window.map_or(0, |w| w.min(u32::MAX as usize) as u32);
+        let stream = device.cuda_stream();
+        let mut builder = stream.launch_builder(&func);
+        builder.arg(&q_view).arg(&pool_view).arg(&desc_view).arg(&mut out);
+        for x in &u32s {
+            builder.arg(x);
+        }
+        builder.arg(&slots).arg(&op.block_shift).arg(&op.scores.scale).arg(&cap).arg(&window);
+        let config = LaunchConfig {
+            grid_dim: (op.num_rows as u32, num_heads as u32, 1),
+            block_dim: (ATTENTION_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match paged_attention's signature; the host checked q's and the
+        // pool's shapes (head_dim at most 256, the kernel's per-lane arrays), and
+        // the descriptor's tables and slots lie in the pool (PagedStep::new).
+        unsafe { builder.launch(config) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, device))
+    }
+}
+
+/// The paged ops on `device` against their CPU references on the same inputs (pools in f32 and
+/// bf16): two sequences (a chain after 40 positions, a tree after 17) in blocks of 16 whose
+/// tables are out of order, plain, windowed and soft-capped. `(op and case, largest absolute
+/// difference, tolerance)`; on the CPU it compares the reference with itself, the device check
+/// (`scripts/gpu_bench.py`) runs it on a GPU.
+pub fn check_against_reference(device: &Device) -> Result<Vec<(String, f32, f32)>> {
+    use crate::model::candle::fused::{max_abs_diff, seeded_values};
+    use crate::model::forward::SeqRows;
+
+    let (heads, kv_heads, head_dim, block_size, num_blocks) = (8, 2, 128, 16, 12);
+    let slots = block_size * num_blocks;
+    let seqs = [SeqRows::tree(vec![1, 2, 3], vec![-1, 0, 1]), SeqRows::tree(vec![4, 5, 6, 7, 8], vec![-1, 0, 0, 1, 1])];
+    let pasts = [40, 17];
+    let tables: [&[u32]; 2] = [&[7, 2, 9], &[11, 0]];
+    let batch = ForwardBatch::new(&seqs, &pasts, Vec::new())?;
+    let n = batch.num_rows();
+    let cpu = Device::Cpu;
+    let draw = |shape: &[usize], seed: u64| -> Result<Tensor> {
+        let values = seeded_values(shape.iter().product(), seed);
+        Ok(Tensor::from_vec(values, shape, &cpu)?)
+    };
+    let q = (draw(&[heads, n, head_dim], 1)? * 0.25)?;
+    let rows = draw(&[2 * kv_heads, n, head_dim], 2)?;
+    let mut report = Vec::new();
+    for (dtype, tolerance) in [(DType::F32, 1e-4f32), (DType::BF16, 1e-3)] {
+        let pool = (draw(&[2, slots, kv_heads * head_dim], 3)? * 0.25)?.to_dtype(dtype)?;
+        let dev_pool = pool.to_device(device)?;
+        let step = PagedStep::new(&batch, &pasts, &tables, block_size, &cpu)?;
+        let dev_step = PagedStep::new(&batch, &pasts, &tables, block_size, device)?;
+        step.write_kv(&pool, &rows)?;
+        dev_step.write_kv(&dev_pool, &rows.to_device(device)?)?;
+        report.push((format!("write_kv {dtype:?}"), max_abs_diff(&pool, &dev_pool)?, 0.0));
+        for (case, logit_softcap, window) in
+            [("plain", None, None), ("window 8", None, Some(8)), ("softcap", Some(2.0), None)]
+        {
+            let scores = Scores { scale: 1.0 / (head_dim as f32).sqrt(), logit_softcap, window };
+            let want = step.attention(&q, &pool, kv_heads, scores)?;
+            let got = dev_step.attention(&q.to_device(device)?, &dev_pool, kv_heads, scores)?;
+            report.push((format!("paged_attention {case} {dtype:?}"), max_abs_diff(&want, &got)?, tolerance));
+        }
+    }
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::candle::attention::{attention, tree_attention};
+    use crate::model::candle::fused::{max_abs_diff, seeded_values};
+    use crate::model::forward::SeqRows;
+
+    const HEADS: usize = 4;
+    const KV_HEADS: usize = 2;
+    const HEAD_DIM: usize = 40;
+
+    fn tensor(shape: &[usize], seed: u64) -> Tensor {
+        let values = seeded_values(shape.iter().product(), seed);
+        (Tensor::from_vec(values, shape, &Device::Cpu).unwrap() * 0.3).unwrap()
+    }
+
+    /// `(pool, k, v)` for `positions` of one sequence laid out through `table`: the pool holds the
+    /// positions' rows at their slots, `k`, `v` (`[kv_heads, positions, hd]`) them in order.
+    fn laid_out(table: &[u32], block_size: usize, positions: usize, seed: u64) -> (Tensor, Tensor, Tensor) {
+        let slots = block_size * (*table.iter().max().unwrap() as usize + 1);
+        let pool = tensor(&[2, slots, KV_HEADS * HEAD_DIM], seed);
+        let slot_of = |p: usize| table[p / block_size] * block_size as u32 + (p % block_size) as u32;
+        let index = Tensor::new((0..positions).map(slot_of).collect::<Vec<u32>>().as_slice(), &Device::Cpu).unwrap();
+        let heads = |which: usize| {
+            let rows = pool.get(which).unwrap().index_select(&index, 0).unwrap(); // [positions, row_len]
+            rows.reshape((positions, KV_HEADS, HEAD_DIM)).unwrap().transpose(0, 1).unwrap().contiguous().unwrap()
+        };
+        let (k, v) = (heads(0), heads(1));
+        (pool, k, v)
+    }
+
+    /// A chain after a past and a tree after another, in one step: each sequence's rows equal
+    /// attention.rs's chain and tree attention over the same keys, with and without a window and
+    /// soft-cap, for several block sizes.
+    #[test]
+    fn the_reference_is_attention_rs_on_chains_and_trees() {
+        let parents = vec![-1, 0, 0, 1, 2, 4];
+        for block_size in [1, 4, 16] {
+            let (chain_past, tree_past) = (23, 9);
+            let blocks = |len: usize, first: u32| -> Vec<u32> {
+                // Blocks out of order: reversed from `first`.
+                (0..len.div_ceil(block_size) as u32).rev().map(|b| first + b).collect()
+            };
+            let chain_table = blocks(chain_past + 3, 0);
+            let tree_table = blocks(tree_past + parents.len(), chain_table.len() as u32);
+            let mut table = chain_table.clone();
+            table.extend(&tree_table);
+            let seqs = [SeqRows::tree(vec![1, 2, 3], vec![-1, 0, 1]), SeqRows::tree(vec![0; 6], parents.clone())];
+            let batch = ForwardBatch::new(&seqs, &[chain_past, tree_past], Vec::new()).unwrap();
+            let n = batch.num_rows();
+            // One pool holding both sequences; each sequence's keys in position order.
+            let (pool, _, _) = laid_out(&table, block_size, table.len() * block_size, 7);
+            let keys_of = |t: &[u32], len| {
+                let (slots, row_len) = (block_size * table.len(), KV_HEADS * HEAD_DIM);
+                let slot_of = |p: usize| t[p / block_size] as usize * block_size + p % block_size;
+                let index: Vec<u32> = (0..len).map(|p| slot_of(p) as u32).collect();
+                let index = Tensor::new(index.as_slice(), &Device::Cpu).unwrap();
+                let pick = |which: usize| {
+                    let rows = pool.narrow(0, which, 1).unwrap().reshape((slots, row_len)).unwrap();
+                    let rows = rows.index_select(&index, 0).unwrap();
+                    rows.reshape((len, KV_HEADS, HEAD_DIM)).unwrap().transpose(0, 1).unwrap().contiguous().unwrap()
+                };
+                (pick(0), pick(1))
+            };
+            let q = tensor(&[HEADS, n, HEAD_DIM], 8);
+            let step = PagedStep::new(
+                &batch,
+                &[chain_past, tree_past],
+                &[&chain_table, &tree_table],
+                block_size,
+                &Device::Cpu,
+            )
+            .unwrap();
+            for (logit_softcap, window) in [(None, None), (Some(1.5), None), (None, Some(5)), (Some(1.5), Some(12))] {
+                let scores = Scores { scale: 0.4, logit_softcap, window };
+                let got = step.attention(&q, &pool, KV_HEADS, scores).unwrap(); // [n, heads * hd]
+                let (k, v) = keys_of(&chain_table, chain_past + 3);
+                let chain = attention(&q.narrow(1, 0, 3).unwrap(), &k, &v, chain_past, scores).unwrap();
+                let (k, v) = keys_of(&tree_table, tree_past + 6);
+                let sees: Vec<Vec<usize>> = (3..n)
+                    .map(|row| (0..tree_past).chain(batch.path(1, row).iter().map(|a| tree_past + a)).collect())
+                    .collect();
+                let tree = tree_attention(&q.narrow(1, 3, 6).unwrap(), &k, &v, &sees, scores).unwrap();
+                let want = Tensor::cat(&[chain, tree], 0).unwrap();
+                let diff = max_abs_diff(&got, &want).unwrap();
+                assert!(diff < 1e-5, "block size {block_size}, softcap {logit_softcap:?}, window {window:?}: {diff}");
+            }
+        }
+    }
+
+    /// A sequence's rows are the same bits alone as beside another sequence's.
+    #[test]
+    fn a_rows_output_does_not_depend_on_its_batch_mates() {
+        let table: Vec<u32> = (0..8).rev().collect();
+        let (pool, _, _) = laid_out(&table, 4, 32, 3);
+        let q = tensor(&[HEADS, 7, HEAD_DIM], 4);
+        let scores = Scores { scale: 0.3, logit_softcap: None, window: None };
+        // Together: a 4-row tree (rows 1 and 2 siblings) and a 3-row chain on another table.
+        let other: Vec<u32> = vec![0, 1, 2];
+        let seqs = [SeqRows::tree(vec![0; 4], vec![-1, 0, 0, 2]), SeqRows::tree(vec![0; 3], vec![-1, 0, 1])];
+        let batch = ForwardBatch::new(&seqs, &[11, 5], Vec::new()).unwrap();
+        let together = PagedStep::new(&batch, &[11, 5], &[&table, &other], 4, &Device::Cpu).unwrap();
+        let together = together.attention(&q, &pool, KV_HEADS, scores).unwrap();
+        let bits = |t: &Tensor| {
+            t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        };
+        // Each sequence alone, and the tree's last row as the step's only row but its path.
+        for (s, rows) in [(0, 0..4), (1, 4..7)] {
+            let alone = ForwardBatch::new(&seqs[s..s + 1], &[[11, 5][s]], Vec::new()).unwrap();
+            let alone = PagedStep::new(&alone, &[[11, 5][s]], &[[&table[..], &other[..]][s]], 4, &Device::Cpu).unwrap();
+            let alone =
+                alone.attention(&q.narrow(1, rows.start, rows.len()).unwrap(), &pool, KV_HEADS, scores).unwrap();
+            assert_eq!(bits(&together.narrow(0, rows.start, rows.len()).unwrap()), bits(&alone), "sequence {s}");
+        }
+    }
+
+    /// The step's rows land in their slots (through out-of-order blocks) in the pool's dtype;
+    /// other slots are untouched; a row without a block is refused before any write.
+    #[test]
+    fn write_kv_puts_each_row_in_its_slot() {
+        let table: Vec<u32> = vec![3, 1];
+        let pool = Tensor::zeros((2, 16, KV_HEADS * HEAD_DIM), DType::BF16, &Device::Cpu).unwrap();
+        let batch = ForwardBatch::new(&[SeqRows::tree(vec![0; 3], vec![-1, 0, 1])], &[3], Vec::new()).unwrap();
+        let step = PagedStep::new(&batch, &[3], &[&table], 4, &Device::Cpu).unwrap();
+        let rows = tensor(&[2 * KV_HEADS, 3, HEAD_DIM], 9);
+        step.write_kv(&pool, &rows).unwrap();
+        // Positions 3, 4, 5: block 3 row 3 (slot 15), block 1 rows 0 and 1 (slots 4, 5).
+        let pool = pool.to_dtype(DType::F32).unwrap();
+        for (r, slot) in [(0, 15), (1, 4), (2, 5)] {
+            for which in 0..2 {
+                let stored = pool.get(which).unwrap().get(slot).unwrap();
+                let heads = rows.narrow(0, which * KV_HEADS, KV_HEADS).unwrap().narrow(1, r, 1).unwrap();
+                let want = heads.flatten_all().unwrap().to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+                assert_eq!(max_abs_diff(&stored, &want).unwrap(), 0.0, "row {r} slot {slot}");
+            }
+        }
+        let written: f32 = pool.abs().unwrap().sum_all().unwrap().to_scalar().unwrap();
+        let expected: f32 = rows
+            .to_dtype(DType::BF16)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar()
+            .unwrap();
+        assert!((written - expected).abs() < 1e-2, "nothing else written");
+        let long = ForwardBatch::new(&[SeqRows::tree(vec![0; 6], vec![-1, 0, 1, 2, 3, 4])], &[3], Vec::new()).unwrap();
+        let e = PagedStep::new(&long, &[3], &[&table], 4, &Device::Cpu).err().unwrap().to_string();
+        assert!(e.contains("no block"), "{e}");
+    }
+
+    /// On the CPU the check compares the reference with itself: every difference is zero.
+    #[test]
+    fn the_device_check_runs_on_the_cpu() {
+        for (name, diff, _) in check_against_reference(&Device::Cpu).unwrap() {
+            assert_eq!(diff, 0.0, "{name}");
+        }
+    }
+
+    /// On a machine with a GPU: the kernels against the references (the same check gpu_bench runs).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_paged_kernels_match_their_references_on_a_gpu() {
+        if !crate::nvrtc::gpu_present() {
+            return;
+        }
+        let device = crate::nvrtc::open(0).unwrap();
+        for (name, diff, tolerance) in check_against_reference(&device).unwrap() {
+            assert!(diff <= tolerance, "{name}: {diff} > {tolerance}");
+        }
+    }
+}

@@ -1,0 +1,152 @@
+// Attention over a block-paged KV pool for every row of a step at once, and the write of the
+// step's keys and values into their slots. The CPU references, with the full contract, are in
+// crates/specrs-core/src/model/candle/paged_attention.rs (`PagedStep`, each op's `cpu_fwd`).
+//
+// The pool of one layer is [2, num_slots, kv_heads * head_dim] (keys, then values) in the cache's
+// dtype; position c of a sequence is slot (table[c >> block_shift] << block_shift) | (c & mask).
+// The step descriptor is one u32 array (uploaded once per forward, read by every layer):
+//   row_seq[n] | row_pos[n] | row_slot[n] | seqs[4 * num_seqs] (past, first_row, num_rows,
+//   table_start) | masks[n * mask_words] | tables[...]
+// where bit j of row r's mask says r sees its sequence's step row j (its ancestors and itself:
+// a chain's row i sees rows 0..=i).
+//   write_kv_*:        rows [2 * kv_heads, n, head_dim] f32 (k heads, then v heads) into the
+//                      slots row_slot[n] (the descriptor's section), rounded to the pool's dtype.
+//                      A grid-stride loop.
+//   paged_attention_*: q [num_heads, n, head_dim] f32 -> out [n, num_heads * head_dim] f32. Row r
+//                      sees its sequence's past positions (those within the window) and the step
+//                      rows its mask names (within the window, by their positions); scores are
+//                      scale * q.k, soft-capped where cap > 0, softmax over them. One block of
+//                      WARPS warps per (row, head): each warp runs an online softmax over every
+//                      WARPS-th key, lane l holding dims l, l + 32, ... (head_dim at most 256,
+//                      checked by the host); the warps then combine. A row's result depends on its
+//                      own keys only, never on its batch-mates.
+// Compiled at run time with NVRTC after cuda/dtype.cuh.
+
+#define WARPS 4
+#define MAX_PER_LANE 8
+
+template <typename T>
+__device__ void write_kv(T* pool, const float* rows, const unsigned int* row_slot, unsigned int n,
+                         unsigned int kv_heads, unsigned int head_dim, unsigned long long num_slots) {
+    const unsigned long long row_len = (unsigned long long)kv_heads * head_dim;
+    const unsigned long long total = 2ull * n * row_len;
+    for (unsigned long long e = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+         e += (unsigned long long)gridDim.x * blockDim.x) {
+        const unsigned long long d = e % head_dim;
+        const unsigned long long r = (e / head_dim) % n;
+        const unsigned long long head = e / ((unsigned long long)head_dim * n);  // which * kv_heads + g
+        const unsigned long long which = head / kv_heads, g = head % kv_heads;
+        store(pool, (which * num_slots + row_slot[r]) * row_len + g * head_dim + d, rows[e]);
+    }
+}
+
+template <typename T>
+__device__ void paged_attention(const float* q, const T* pool, const unsigned int* desc, float* out,
+                                unsigned int n, unsigned int num_seqs, unsigned int mask_words,
+                                unsigned int num_heads, unsigned int kv_heads, unsigned int head_dim,
+                                unsigned long long num_slots, unsigned int block_shift, float scale,
+                                float cap, unsigned int window) {
+    __shared__ float warp_max[WARPS], warp_sum[WARPS];
+    __shared__ float warp_acc[WARPS][32 * MAX_PER_LANE];
+    const unsigned int r = blockIdx.x, h = blockIdx.y;
+    const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const unsigned int* row_seq = desc;
+    const unsigned int* row_pos = desc + n;
+    const unsigned int* row_slot = desc + 2 * n;
+    const unsigned int* seqs = desc + 3 * n;
+    const unsigned int* masks = seqs + 4 * num_seqs;
+    const unsigned int* tables = masks + (unsigned long long)n * mask_words;
+    const unsigned int s = row_seq[r];
+    const unsigned int past = seqs[4 * s], first = seqs[4 * s + 1], rows = seqs[4 * s + 2];
+    const unsigned int* table = tables + seqs[4 * s + 3];
+    const unsigned int* mask = masks + (unsigned long long)r * mask_words;
+    const unsigned int p = row_pos[r];
+    // Past keys from first_key on: a window of w sees positions p - w + 1..=p.
+    const unsigned int first_key = (window > 0 && p + 1 > window) ? p + 1 - window : 0;
+    const unsigned int num_past = past > first_key ? past - first_key : 0;
+    const unsigned int g = h / (num_heads / kv_heads);
+    const unsigned long long row_len = (unsigned long long)kv_heads * head_dim;
+    // Lane l holds dims l + 32 i for i < per; dims past head_dim are zeros that add nothing.
+    const unsigned int per = (head_dim + 31) / 32;
+    const T* keys = pool + g * head_dim + lane;
+    const T* values = pool + num_slots * row_len + g * head_dim + lane;
+    float qv[MAX_PER_LANE], acc[MAX_PER_LANE];
+    const float* qrow = q + ((unsigned long long)h * n + r) * head_dim + lane;
+    for (unsigned int i = 0; i < per; i++) {
+        qv[i] = lane + 32 * i < head_dim ? qrow[32 * i] : 0.0f;
+        acc[i] = 0.0f;
+    }
+    const float neg_inf = __int_as_float(0xff800000);
+    float m = neg_inf, l = 0.0f;
+    const unsigned int block_mask = (1u << block_shift) - 1;
+    for (unsigned int t = warp; t < num_past + rows; t += WARPS) {
+        unsigned long long slot;
+        if (t < num_past) {
+            const unsigned int c = first_key + t;
+            slot = ((unsigned long long)table[c >> block_shift] << block_shift) | (c & block_mask);
+        } else {
+            // Uniform across the warp: every lane skips or runs the key together.
+            const unsigned int j = t - num_past;
+            if (((mask[j / 32] >> (j % 32)) & 1u) == 0) continue;
+            if (window > 0 && p - row_pos[first + j] >= window) continue;
+            slot = row_slot[first + j];
+        }
+        float dot = 0.0f;
+        for (unsigned int i = 0; i < per; i++) {
+            if (lane + 32 * i < head_dim) dot += qv[i] * load(keys, slot * row_len + 32 * i);
+        }
+        for (int offset = 16; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+        float score = dot * scale;
+        if (cap > 0.0f) score = cap * tanhf(score / cap);
+        const float m_new = fmaxf(m, score);
+        const float correction = expf(m - m_new);  // 0 on the first key (m = -inf)
+        const float weight = expf(score - m_new);
+        l = l * correction + weight;
+        for (unsigned int i = 0; i < per; i++) {
+            const float v = lane + 32 * i < head_dim ? load(values, slot * row_len + 32 * i) : 0.0f;
+            acc[i] = acc[i] * correction + weight * v;
+        }
+        m = m_new;
+    }
+    if (lane == 0) {
+        warp_max[warp] = m;
+        warp_sum[warp] = l;
+    }
+    for (unsigned int i = 0; i < per; i++) warp_acc[warp][lane + 32 * i] = acc[i];
+    __syncthreads();
+    if (warp != 0) return;
+    float total_max = neg_inf;
+    for (int w = 0; w < WARPS; w++) total_max = fmaxf(total_max, warp_max[w]);
+    float total = 0.0f;
+    float scaled[WARPS];
+    for (int w = 0; w < WARPS; w++) {
+        scaled[w] = warp_sum[w] > 0.0f ? expf(warp_max[w] - total_max) : 0.0f;
+        total += warp_sum[w] * scaled[w];
+    }
+    float* dst = out + ((unsigned long long)r * num_heads + h) * head_dim;
+    for (unsigned int i = 0; i < per; i++) {
+        const unsigned int dim = lane + 32 * i;
+        if (dim >= head_dim) break;
+        float o = 0.0f;
+        for (int w = 0; w < WARPS; w++) o += warp_acc[w][dim] * scaled[w];
+        dst[dim] = o / total;
+    }
+}
+
+#define INSTANTIATE(SUFFIX, T)                                                                        \
+extern "C" __global__ void write_kv_##SUFFIX(T* pool, const float* rows, const unsigned int* row_slot,  \
+        unsigned int n, unsigned int kv_heads, unsigned int head_dim, unsigned long long num_slots) {  \
+    write_kv<T>(pool, rows, row_slot, n, kv_heads, head_dim, num_slots);                              \
+}                                                                                                     \
+extern "C" __global__ void paged_attention_##SUFFIX(const float* q, const T* pool,                      \
+        const unsigned int* desc, float* out, unsigned int n, unsigned int num_seqs,                   \
+        unsigned int mask_words, unsigned int num_heads, unsigned int kv_heads, unsigned int head_dim, \
+        unsigned long long num_slots, unsigned int block_shift, float scale, float cap,              \
+        unsigned int window) {                                                                        \
+    paged_attention<T>(q, pool, desc, out, n, num_seqs, mask_words, num_heads, kv_heads, head_dim,    \
+                       num_slots, block_shift, scale, cap, window);                                   \
+}
+
+INSTANTIATE(f32, float)
+INSTANTIATE(bf16, unsigned short)
+INSTANTIATE(f16, half_bits)
