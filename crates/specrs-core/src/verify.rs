@@ -27,6 +27,7 @@
 //! one-sequence wrappers over the one walk of `host.rs`, which verifies a whole `batch::VerifyBatch`.
 
 pub mod batch;
+pub mod device;
 pub mod host;
 #[cfg(test)]
 mod old_walks;

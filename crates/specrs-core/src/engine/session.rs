@@ -734,35 +734,39 @@ impl Session {
         speculation.proposer.observe_hidden(start, &rows)
     }
 
-    /// The target's verdict on `draft` from `logits` `[num_draft_tokens + 1, vocab]`. On a GPU,
-    /// requests whose distribution is softmax(logits / temperature) alone are decided where the
-    /// logits are, so only the counts and the tokens cross to the host; the rest (and the CPU) copy
-    /// the logits and run `verify`. Deterministic drafts (a chain, a tree, or none: plain
-    /// decoding) go to the tree acceptance kernel, a chain as a one-path tree, with the coupled
-    /// form's draws (`Sampler::uniform_at`): a seeded request emits the tokens plain sampling
-    /// emits, on the device as on the host, whatever the draft (the H200 showed chains verified
-    /// by the acceptance kernel, which draws from the sequential stream, parting from plain
-    /// sampling at the first token). Chains with draft probabilities go to the acceptance kernel
-    /// (exact rejection sampling on the sequential stream); trees with probabilities to the host.
-    /// Returns the host logits too when they were copied (processed, if the request processes
-    /// them), for the tokens' logprobs.
+    /// The target's verdict on `draft` from `logits` `[num_draft_tokens + 1, vocab]`, for a
+    /// session the step's one verification did not take (`verifies_on_device`). On a GPU, a
+    /// temperature-only chain with draft probabilities is decided by `cuda/accept.cu`'s acceptance
+    /// kernel where the logits are (exact rejection sampling on the sequential stream); the rest
+    /// copy the logits and run `verify` (processed, if the request processes them), returned too
+    /// for the tokens' logprobs.
     fn verify_step(&mut self, logits: &Tensor, draft: &Draft) -> Result<(TreeVerification, Option<Vec<f32>>)> {
         #[cfg(feature = "cuda")]
-        if logits.device().is_cuda() && self.params.is_temperature_only() && self.params.logprobs.is_none() {
-            match (&draft.parents, &draft.probs) {
-                (None, None) => {
-                    let chain: Vec<i32> = (0..draft.token_ids.len() as i32).map(|i| i - 1).collect();
-                    return Ok((self.verify_tree_on_device(logits, draft, &chain)?, None));
-                }
-                (None, Some(_)) => return Ok((self.verify_on_device(logits, draft)?, None)),
-                (Some(parents), None) => return Ok((self.verify_tree_on_device(logits, draft, parents)?, None)),
-                (Some(_), Some(_)) => {}
-            }
+        if logits.device().is_cuda()
+            && self.params.is_temperature_only()
+            && self.params.logprobs.is_none()
+            && draft.parents.is_none()
+            && draft.probs.is_some()
+        {
+            return Ok((self.verify_on_device(logits, draft)?, None));
         }
         let mut logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
         self.process_draft_logits(draft, &mut logits)?;
         let verification = self.verify_rows(&logits, draft)?;
         Ok((verification, Some(logits)))
+    }
+
+    /// Whether the step's one device verification decides this plan (`verify::device`): greedy or
+    /// temperature-only sampling of a one-hot draft (chain, tree or none), no logprobs, on a GPU.
+    /// Deterministic drafts are verified there in coupled form (one uniform per output position),
+    /// so a seeded request emits plain sampling's tokens on the device as on the host, whatever
+    /// the draft.
+    #[cfg(feature = "cuda")]
+    pub(super) fn verifies_on_device(&self, plan: &StepPlan) -> bool {
+        self.model.device().is_cuda()
+            && self.params.is_temperature_only()
+            && self.params.logprobs.is_none()
+            && plan.draft.probs.is_none()
     }
 
     /// `verify_step` on host logits `[num_draft_tokens + 1, vocab]`.
@@ -808,31 +812,6 @@ impl Session {
         let mut token_ids = draft.token_ids[..num_accepted_tokens].to_vec();
         token_ids.push(out.next_token_ids[0]);
         Ok(TreeVerification { accepted_path: (0..num_accepted_tokens).collect(), token_ids })
-    }
-
-    #[cfg(feature = "cuda")]
-    fn verify_tree_on_device(&mut self, logits: &Tensor, draft: &Draft, parents: &[i32]) -> Result<TreeVerification> {
-        let n = draft.token_ids.len();
-        let vocab = self.model.info().vocab_size;
-        let position = self.all_ids.len();
-        let uniforms: Vec<f32> = (0..=n).map(|depth| self.sampler.uniform_at(position + depth)).collect();
-        let input = crate::batch::tree_accept::TreeAcceptInput {
-            batch: 1,
-            max_nodes: n,
-            vocab_size: vocab,
-            target_logits: &[],
-            draft_token_ids: &draft.token_ids,
-            parents,
-            num_nodes: &[n as u32],
-            temperatures: &[self.params.temperature],
-            uniforms: &uniforms,
-        };
-        let out = crate::batch::cuda::tree_accept_on_device(&logits.reshape((1, n + 1, vocab))?, &input)?;
-        let num_accepted = out.num_accepted_tokens[0] as usize;
-        let accepted_path: Vec<usize> = out.accepted_nodes[..num_accepted].iter().map(|&node| node as usize).collect();
-        let mut token_ids: Vec<u32> = accepted_path.iter().map(|&node| draft.token_ids[node]).collect();
-        token_ids.push(out.next_token_ids[0]);
-        Ok(TreeVerification { accepted_path, token_ids })
     }
 
     /// The proposer's draft for this step: at most k tokens (fewer near max_tokens so a step never
@@ -1099,7 +1078,8 @@ impl Session {
 
     /// Whether this request's tokens would change if its drafts were cut: a seeded sampled request
     /// whose drafts carry probabilities (their rejection sampling draws depend on the draft), or
-    /// whose verification runs on a GPU (the acceptance kernel is uncoupled; verify.rs). Greedy
+    /// that runs on a GPU (cuBLAS picks kernels by the forward's shape, so a row's logits, and a
+    /// draw near a CDF boundary, may follow the draft lengths; model/candle/mod.rs). Greedy
     /// requests, unseeded ones (no output to reproduce) and one-hot drafts verified on the host
     /// emit the same tokens whatever their draft lengths.
     pub fn output_depends_on_draft_lengths(&self) -> bool {

@@ -1,7 +1,8 @@
 //! Steps of several sessions in one target forward: their draft models' chains are drafted
 //! together (`draft_chains`), each session plans its rows (`Session::plan`), the rows of all of
 //! them become one `ForwardBatch` over their caches, every session's draft is verified in one
-//! call on the host (`verify_once_and_commit`; per session on a GPU), and each session commits
+//! call on the host (`verify_once_and_commit`) or, on a GPU, one device call for every session
+//! whose verdict needs its logits alone (`verify_on_device_and_commit`), and each session commits
 //! its verdict and hidden rows.
 //!
 //! Invariant: because a row's logits do not depend on what else is in the forward (model/forward.rs;
@@ -108,20 +109,87 @@ pub(super) fn forward_and_commit(sessions: &mut [&mut Session], plans: Vec<(usiz
                 .collect()
         })
         .collect();
+    #[cfg(feature = "cuda")]
     if out.logits.device().is_cuda() {
-        let num_verifier_calls = plans.iter().filter(|(_, plan)| !plan.rows.logit_rows.is_empty()).count();
-        let mut logit_start = 0;
-        let mut outcomes = Vec::with_capacity(plans.len());
-        for ((i, plan), hidden) in plans.into_iter().zip(hidden) {
-            let num_logits = plan.rows.logit_rows.len();
-            let logits = out.logits.narrow(0, logit_start, num_logits)?;
-            logit_start += num_logits;
-            let session = &mut *sessions[i];
-            outcomes.push((i, hidden.and_then(|hidden| guard(|| session.commit(plan, &logits, &hidden, forward)))));
-        }
-        return Ok(Committed { outcomes, forward_s: forward.seconds, num_verifier_calls });
+        return verify_on_device_and_commit(sessions, plans, &out.logits, hidden, forward);
     }
     verify_once_and_commit(sessions, plans, &out.logits, hidden, forward)
+}
+
+/// The CUDA path of `forward_and_commit`: every session whose verdict needs its logits alone
+/// (`Session::verifies_on_device`: greedy or temperature-only, one-hot drafts, no logprobs) in ONE
+/// device verification where the logits are (`verify::device`: one gather, one kernel launch, the
+/// verdicts back), then each one's `commit_verdict`; the others (processed logits, logprobs,
+/// top-k/top-p/min-p, draft probabilities) each by its own `commit`, which copies its rows.
+#[cfg(feature = "cuda")]
+fn verify_on_device_and_commit(
+    sessions: &mut [&mut Session],
+    plans: Vec<(usize, StepPlan)>,
+    logits: &Tensor,
+    hidden: Vec<Result<Vec<(Tap, Tensor)>>>,
+    forward: ForwardTiming,
+) -> Result<Committed> {
+    let verify_started = Instant::now();
+    let mut outcomes: Vec<Option<(usize, Result<StepOutput>)>> = (0..plans.len()).map(|_| None).collect();
+    let mut builder = VerifyBatchBuilder::new(logits.dim(1)?);
+    // (plan index, session index, plan, its taps) of the sessions verified together, and the
+    // forward's logit row of each one's root.
+    let (mut together, mut root_rows) = (Vec::new(), Vec::new());
+    let mut num_verifier_calls = 0;
+    let mut logit_start = 0;
+    for (p, ((i, plan), hidden)) in plans.into_iter().zip(hidden).enumerate() {
+        let (start, num_logits) = (logit_start, plan.rows.logit_rows.len());
+        logit_start += num_logits;
+        let session = &mut *sessions[i];
+        if !session.verifies_on_device(&plan) {
+            num_verifier_calls += usize::from(num_logits > 0);
+            let outcome = logits
+                .narrow(0, start, num_logits)
+                .map_err(Error::from)
+                .and_then(|logits| hidden.and_then(|hidden| guard(|| session.commit(plan, &logits, &hidden, forward))));
+            outcomes[p] = Some((i, outcome));
+            continue;
+        }
+        let context =
+            hidden.and_then(|hidden| guard(|| session.commit_context(&plan, &hidden)).map(|done| (done, hidden)));
+        outcomes[p] = match context.and_then(|(done, hidden)| {
+            if !done {
+                guard(|| session.verify_part(&plan, &mut builder))?;
+            }
+            Ok((done, hidden))
+        }) {
+            Ok((false, hidden)) => {
+                root_rows.push(start);
+                together.push((p, i, plan, hidden));
+                None
+            }
+            Ok((true, _)) => Some((i, Ok(StepOutput::default()))),
+            Err(error) => Some((i, Err(error))),
+        };
+    }
+    if !together.is_empty() {
+        num_verifier_calls += 1;
+        match crate::verify::device::verify_batch_on_device(&builder.batch(), logits, &root_rows) {
+            Ok(verdicts) => {
+                let verify_s = verify_started.elapsed().as_secs_f64();
+                for (s, (p, i, plan, hidden)) in together.into_iter().enumerate() {
+                    let (accepted, next_token) = (verdicts.accepted(s), verdicts.next_tokens[s]);
+                    // No host logits: these sessions neither process them nor report logprobs.
+                    let outcome = guard(|| {
+                        sessions[i].commit_verdict(plan, accepted, next_token, 0, &[], &hidden, forward, verify_s)
+                    });
+                    outcomes[p] = Some((i, outcome));
+                }
+            }
+            Err(error) => {
+                for (p, i, ..) in together {
+                    outcomes[p] = Some((i, Err(Error::Internal(format!("the step's verification failed: {error}")))));
+                }
+            }
+        }
+    }
+    let outcomes = outcomes.into_iter().map(|o| o.expect("every plan has an outcome")).collect();
+    Ok(Committed { outcomes, forward_s: forward.seconds, num_verifier_calls })
 }
 
 /// The host path of `forward_and_commit`: each session's part of the one verification
