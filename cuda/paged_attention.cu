@@ -12,7 +12,8 @@
 //   write_kv_*:        rows [2 * kv_heads, n, head_dim] f32 (k heads, then v heads) into the
 //                      slots row_slot[n] (the descriptor's section), rounded to the pool's dtype.
 //                      A grid-stride loop.
-//   paged_attention_*: q [num_heads, n, head_dim] f32 -> out [n, num_heads * head_dim] f32. Row r
+//   paged_attention_*: q [num_heads, n, head_dim] f32 -> out [n, num_heads * head_dim] in the
+//                      pool's dtype (what the output projection reads: no cast after). Row r
 //                      sees its sequence's past positions (those within the window) and the step
 //                      rows its mask names (within the window, by their positions); scores are
 //                      scale * q.k, soft-capped where cap > 0, softmax over them. One block of
@@ -41,7 +42,7 @@ __device__ void write_kv(T* pool, const float* rows, const unsigned int* row_slo
 }
 
 template <typename T>
-__device__ void paged_attention(const float* q, const T* pool, const unsigned int* desc, float* out,
+__device__ void paged_attention(const float* q, const T* pool, const unsigned int* desc, T* out,
                                 unsigned int n, unsigned int num_seqs, unsigned int mask_words,
                                 unsigned int num_heads, unsigned int kv_heads, unsigned int head_dim,
                                 unsigned long long num_slots, unsigned int block_shift, float scale,
@@ -123,13 +124,13 @@ __device__ void paged_attention(const float* q, const T* pool, const unsigned in
         scaled[w] = warp_sum[w] > 0.0f ? expf(warp_max[w] - total_max) : 0.0f;
         total += warp_sum[w] * scaled[w];
     }
-    float* dst = out + ((unsigned long long)r * num_heads + h) * head_dim;
+    T* dst = out + ((unsigned long long)r * num_heads + h) * head_dim;
     for (unsigned int i = 0; i < per; i++) {
         const unsigned int dim = lane + 32 * i;
         if (dim >= head_dim) break;
         float o = 0.0f;
         for (int w = 0; w < WARPS; w++) o += warp_acc[w][dim] * scaled[w];
-        dst[dim] = o / total;
+        store(dst, dim, o / total);
     }
 }
 
@@ -139,7 +140,7 @@ extern "C" __global__ void write_kv_##SUFFIX(T* pool, const float* rows, const u
     write_kv<T>(pool, rows, row_slot, n, kv_heads, head_dim, num_slots);                              \
 }                                                                                                     \
 extern "C" __global__ void paged_attention_##SUFFIX(const float* q, const T* pool,                      \
-        const unsigned int* desc, float* out, unsigned int n, unsigned int num_seqs,                   \
+        const unsigned int* desc, T* out, unsigned int n, unsigned int num_seqs,                       \
         unsigned int mask_words, unsigned int num_heads, unsigned int kv_heads, unsigned int head_dim, \
         unsigned long long num_slots, unsigned int block_shift, float scale, float cap,              \
         unsigned int window) {                                                                        \

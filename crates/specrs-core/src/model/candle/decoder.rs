@@ -573,7 +573,8 @@ impl Decoder {
             let window = c.sliding_window.filter(|_| c.sliding_layers[layer]);
             let scores = Scores { scale: c.attention_scale, logit_softcap: c.attn_logit_softcap, window };
             let attn = match &paged {
-                // Every sequence's rows written and attended at once, in the pool's dtype.
+                // Every sequence's rows written and attended at once; the result comes in the
+                // pool's dtype, the model's, so the cast below is a no-op.
                 Some((step, pool)) => {
                     let pool = pool.device_layer(layer).ok_or_else(|| shape_bug("paged pool layer"))?;
                     step.write_kv(pool, &heads.narrow(0, c.num_heads, 2 * c.num_kv_heads)?)?;

@@ -12,8 +12,9 @@
 //!
 //! Invariant: a row's output depends only on its own query and the keys and values it sees, read
 //! in a fixed order (past positions ascending, then step rows ascending) — never on its
-//! batch-mates, its tree siblings or how many rows the step has. The reference is f32 throughout;
-//! the device kernel sums in another order (an online softmax over four warps), within
+//! batch-mates, its tree siblings or how many rows the step has. The reference computes in f32
+//! and rounds each output once to the pool's dtype (the model's, which the output projection
+//! reads); the device kernel sums in another order (an online softmax over four warps), within
 //! `check_against_reference`'s tolerance.
 
 use candle_core::{CpuStorage, CustomOp3, DType, Device, InplaceOp3, Layout, Shape, Tensor};
@@ -109,7 +110,7 @@ impl PagedStep {
 
     /// Attention of the step's rows: `q [num_heads, n, head_dim]` f32 over one layer's `pool`
     /// (`[2, num_slots, num_kv_heads * head_dim]`, this step's rows already written) -> `[n,
-    /// num_heads * head_dim]` f32.
+    /// num_heads * head_dim]` in the pool's dtype (computed in f32, rounded once).
     pub(crate) fn attention(&self, q: &Tensor, pool: &Tensor, num_kv_heads: usize, scores: Scores) -> Result<Tensor> {
         let op = PagedAttention {
             num_rows: self.num_rows,
@@ -121,7 +122,7 @@ impl PagedStep {
         };
         if self.num_rows == 0 {
             let (num_heads, _, head_dim) = q.dims3()?;
-            return Ok(Tensor::zeros((0, num_heads * head_dim), DType::F32, q.device())?);
+            return Ok(Tensor::zeros((0, num_heads * head_dim), pool.dtype(), q.device())?);
         }
         Ok(q.contiguous()?.apply_op3_no_bwd(pool, &self.descriptor, &op)?)
     }
@@ -325,7 +326,7 @@ impl PagedAttention {
         pool: &[T],
         d: &Sections,
         shape: (usize, usize, [usize; 3]),
-    ) -> candle_core::Result<Vec<f32>> {
+    ) -> candle_core::Result<Vec<T>> {
         let (num_heads, head_dim, [slots, row_len, _]) = shape;
         let n = self.num_rows;
         let group = num_heads / self.num_kv_heads;
@@ -334,8 +335,9 @@ impl PagedAttention {
         if let Some(r) = keys.iter().position(|k| k.is_empty() || k.iter().any(|&slot| slot >= slots)) {
             return Err(op_error("paged_attention", format!("row {r} sees no key, or a slot past the pool's {slots}")));
         }
-        let mut out = vec![0f32; n * num_heads * head_dim];
+        let mut out = vec![T::of(0.0); n * num_heads * head_dim];
         out.par_chunks_mut(num_heads * head_dim).enumerate().for_each(|(r, row_out)| {
+            let mut sums = vec![0f32; head_dim];
             for (h, dst) in row_out.chunks_mut(head_dim).enumerate() {
                 let query = &q[(h * n + r) * head_dim..][..head_dim];
                 let offset = (h / group) * head_dim;
@@ -350,12 +352,12 @@ impl PagedAttention {
                 let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let weights: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
                 let total = weights.iter().sum::<f32>();
-                dst.fill(0.0);
+                sums.fill(0.0);
                 for (&slot, w) in keys[r].iter().zip(&weights) {
                     let value = &pool[(slots + slot) * row_len + offset..][..head_dim];
-                    dst.iter_mut().zip(value).for_each(|(o, v)| *o += w * v.get());
+                    sums.iter_mut().zip(value).for_each(|(o, v)| *o += w * v.get());
                 }
-                dst.iter_mut().for_each(|o| *o /= total);
+                dst.iter_mut().zip(&sums).for_each(|(o, sum)| *o = T::of(sum / total));
             }
         });
         Ok(out)
@@ -382,12 +384,12 @@ impl CustomOp3 for PagedAttention {
         let q = &q[q_start..];
         let shape = (num_heads, head_dim, pool);
         let out = match s2 {
-            CpuStorage::F32(p) => self.reference(q, &p[pool[2]..], &d, shape)?,
-            CpuStorage::BF16(p) => self.reference(q, &p[pool[2]..], &d, shape)?,
-            CpuStorage::F16(p) => self.reference(q, &p[pool[2]..], &d, shape)?,
+            CpuStorage::F32(p) => CpuStorage::F32(self.reference(q, &p[pool[2]..], &d, shape)?),
+            CpuStorage::BF16(p) => CpuStorage::BF16(self.reference(q, &p[pool[2]..], &d, shape)?),
+            CpuStorage::F16(p) => CpuStorage::F16(self.reference(q, &p[pool[2]..], &d, shape)?),
             _ => return Err(op_error("paged_attention", "the pool must be f32, bf16 or f16".into())),
         };
-        Ok((CpuStorage::F32(out), Shape::from((self.num_rows, num_heads * head_dim))))
+        Ok((out, Shape::from((self.num_rows, num_heads * head_dim))))
     }
 
     #[cfg(feature = "cuda")]
@@ -485,7 +487,7 @@ mod device {
         let pool_view = pool.as_cuda_slice::<T>()?.slice(pool_start..);
         let desc_view = descriptor.0.as_cuda_slice::<u32>()?.slice(descriptor.1..);
         // SAFETY: every element is written by the kernel (one block per row and head).
-        let mut out: CudaSlice<f32> = unsafe { device.alloc::<f32>(op.num_rows * num_heads * head_dim) }?;
+        let mut out: CudaSlice<T> = unsafe { device.alloc::<T>(op.num_rows * num_heads * head_dim) }?;
         let u32s = [op.num_rows, op.num_seqs, op.mask_words, num_heads, op.num_kv_heads, head_dim].map(|x| x as u32);
         let slots = slots as u64;
         let cap = op.scores.logit_softcap.unwrap_or(0.0);
@@ -534,7 +536,9 @@ pub fn check_against_reference(device: &Device) -> Result<Vec<(String, f32, f32)
     let q = (draw(&[heads, n, head_dim], 1)? * 0.25)?;
     let rows = draw(&[2 * kv_heads, n, head_dim], 2)?;
     let mut report = Vec::new();
-    for (dtype, tolerance) in [(DType::F32, 1e-4f32), (DType::BF16, 1e-3)] {
+    // bf16 outputs: one rounding of results that differ in their last f32 bits may land a bf16
+    // step (2^-8 of the value) apart.
+    for (dtype, tolerance) in [(DType::F32, 1e-4f32), (DType::BF16, 1e-2)] {
         let pool = (draw(&[2, slots, kv_heads * head_dim], 3)? * 0.25)?.to_dtype(dtype)?;
         let dev_pool = pool.to_device(device)?;
         let step = PagedStep::new(&batch, &pasts, &tables, block_size, &cpu)?;
