@@ -23,7 +23,7 @@
 //                      own keys only, never on its batch-mates.
 // Compiled at run time with NVRTC after cuda/dtype.cuh.
 
-#define WARPS 4
+#define WARPS 8
 #define MAX_PER_LANE 8
 
 template <typename T>
@@ -73,8 +73,10 @@ __device__ void paged_attention(const float* q, const T* pool, const unsigned in
     const T* values = pool + num_slots * row_len + g * head_dim + lane;
     float qv[MAX_PER_LANE], acc[MAX_PER_LANE];
     const float* qrow = q + ((unsigned long long)h * n + r) * head_dim + lane;
-    for (unsigned int i = 0; i < per; i++) {
-        qv[i] = lane + 32 * i < head_dim ? qrow[32 * i] : 0.0f;
+    // Loops over the per-lane arrays run to MAX_PER_LANE, unrolled, so the arrays stay in registers.
+#pragma unroll
+    for (unsigned int i = 0; i < MAX_PER_LANE; i++) {
+        qv[i] = i < per && lane + 32 * i < head_dim ? qrow[32 * i] : 0.0f;
         acc[i] = 0.0f;
     }
     const float neg_inf = __int_as_float(0xff800000);
@@ -93,8 +95,9 @@ __device__ void paged_attention(const float* q, const T* pool, const unsigned in
             slot = row_slot[first + j];
         }
         float dot = 0.0f;
-        for (unsigned int i = 0; i < per; i++) {
-            if (lane + 32 * i < head_dim) dot += qv[i] * load(keys, slot * row_len + 32 * i);
+#pragma unroll
+        for (unsigned int i = 0; i < MAX_PER_LANE; i++) {
+            if (i < per && lane + 32 * i < head_dim) dot += qv[i] * load(keys, slot * row_len + 32 * i);
         }
         for (int offset = 16; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
         float score = dot * scale;
@@ -103,8 +106,9 @@ __device__ void paged_attention(const float* q, const T* pool, const unsigned in
         const float correction = expf(m - m_new);  // 0 on the first key (m = -inf)
         const float weight = expf(score - m_new);
         l = l * correction + weight;
-        for (unsigned int i = 0; i < per; i++) {
-            const float v = lane + 32 * i < head_dim ? load(values, slot * row_len + 32 * i) : 0.0f;
+#pragma unroll
+        for (unsigned int i = 0; i < MAX_PER_LANE; i++) {
+            const float v = i < per && lane + 32 * i < head_dim ? load(values, slot * row_len + 32 * i) : 0.0f;
             acc[i] = acc[i] * correction + weight * v;
         }
         m = m_new;
@@ -113,7 +117,10 @@ __device__ void paged_attention(const float* q, const T* pool, const unsigned in
         warp_max[warp] = m;
         warp_sum[warp] = l;
     }
-    for (unsigned int i = 0; i < per; i++) warp_acc[warp][lane + 32 * i] = acc[i];
+#pragma unroll
+    for (unsigned int i = 0; i < MAX_PER_LANE; i++) {
+        if (i < per) warp_acc[warp][lane + 32 * i] = acc[i];
+    }
     __syncthreads();
     if (warp != 0) return;
     float total_max = neg_inf;

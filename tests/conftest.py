@@ -1,4 +1,6 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,21 @@ def engine() -> specrs.Engine:
 @pytest.fixture(scope="session")
 def model_path() -> str:
     return specrs.default_model_path()
+
+
+@pytest.fixture
+def cuda() -> str:
+    """"cuda", or a skip where no GPU can be used (a CPU-only build, or no device that opens). The
+    probe only opens the device (scripts/gpu_check.py's open_device), so a kernel that fails to
+    compile or launch on a present GPU raises in the test itself: a failure, not a skip."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+    from gpu_check import open_device
+
+    try:
+        open_device(specrs, "cuda")
+    except specrs.DeviceError as e:
+        pytest.skip(f"no CUDA here: {e}")
+    return "cuda"
 
 
 def pytest_report_header(config):

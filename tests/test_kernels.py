@@ -19,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
 from gpu_check import (  # noqa: E402
     explain_accept_mismatches,
     explain_tree_mismatches,
-    open_device,
     random_accept_inputs,
     random_tree_accept_inputs,
     target_probs,
@@ -111,19 +110,8 @@ def test_tree_acceptance_bad_input():
         _specrs.batch_tree_accept(logits, drafts, parents, num_nodes, temps, uniforms, device="tpu")
 
 
-def _cuda_or_skip():
-    """Skips where no GPU can be used (a CPU-only build, or no device that opens). The probe only
-    opens the device (gpu_check.open_device), so a kernel that fails to compile or launch on a
-    present GPU raises in the test itself: a failure, not a skip."""
-    try:
-        open_device(specrs, "cuda")
-    except specrs.DeviceError as e:
-        pytest.skip(f"no CUDA here: {e}")
-
-
 @pytest.mark.parametrize("with_probs", [False, True])
-def test_cuda_acceptance_equals_the_cpu_reference(with_probs):
-    _cuda_or_skip()
+def test_cuda_acceptance_equals_the_cpu_reference(with_probs, cuda):
     inputs = random_accept_inputs(512, 4, 32000, seed=3, with_probs=with_probs)
     cpu = _specrs.batch_accept(*inputs[:5], draft_probs=inputs[5])
     gpu = _specrs.batch_accept(*inputs[:5], draft_probs=inputs[5], device="cuda")
@@ -133,8 +121,7 @@ def test_cuda_acceptance_equals_the_cpu_reference(with_probs):
     assert report["ok"], report
 
 
-def test_cuda_tree_acceptance_equals_the_cpu_reference():
-    _cuda_or_skip()
+def test_cuda_tree_acceptance_equals_the_cpu_reference(cuda):
     inputs = random_tree_accept_inputs(256, 16, 32000, seed=4)
     cpu = _specrs.batch_tree_accept(*inputs)
     gpu = _specrs.batch_tree_accept(*inputs, device="cuda")
@@ -175,8 +162,7 @@ def test_the_mismatch_account_explains_rounding_and_catches_wrong_draws():
     assert not explain_tree_mismatches(tree_inputs, tree, wrong)["ok"]
 
 
-def test_cuda_ngram_equals_the_cpu_reference():
-    _cuda_or_skip()
+def test_cuda_ngram_equals_the_cpu_reference(cuda):
     rng = np.random.default_rng(5)
     histories = rng.integers(0, 4, size=(256, 2048), dtype=np.uint32)
     lengths = [int(n) for n in rng.integers(1, 2049, size=256)]

@@ -134,13 +134,6 @@ def test_the_decoder_kernels_reference_checks_itself_on_the_cpu():
     assert all(row["ok"] and row["max_abs_diff"] == 0.0 for row in report.values())
 
 
-def _cuda_or_skip():
-    try:
-        gpu_check.open_device(specrs, "cuda")
-    except specrs.DeviceError as e:
-        pytest.skip(f"no CUDA here: {e}")
-
-
 def test_cuda_device_errors_name_the_build_or_the_device():
     try:
         specrs.Engine.random(TINY, device="cuda")
@@ -151,16 +144,14 @@ def test_cuda_device_errors_name_the_build_or_the_device():
 
 
 @pytest.mark.parametrize("dtype,tolerance", [("f32", 1e-3), ("bf16", 5e-2), ("q8_0", 5e-2)])
-def test_cuda_logits_match_the_cpu(dtype, tolerance):
-    _cuda_or_skip()
+def test_cuda_logits_match_the_cpu(dtype, tolerance, cuda):
     cpu = specrs.Engine.random(TINY, seed=5, dtype=dtype).logits(PROMPT)
     gpu = specrs.Engine.random(TINY, seed=5, dtype=dtype, device="cuda").logits(PROMPT)
     assert np.abs(cpu - gpu).max() <= tolerance * np.abs(cpu).max()
     assert (cpu.argmax(axis=1) == gpu.argmax(axis=1)).mean() >= 0.9
 
 
-def test_cuda_greedy_speculation_is_identical():
-    _cuda_or_skip()
+def test_cuda_greedy_speculation_is_identical(cuda):
     engine = specrs.Engine.random(TINY, seed=5, dtype="f32", device="cuda")
     params = specrs.SamplingParams(max_tokens=48, temperature=0.0)
     plain = engine.generate(PROMPT, params).token_ids

@@ -51,8 +51,7 @@ use crate::spec_config::Verification;
 use crate::tokenizer::TextTokenizer;
 use crate::verify::batch::{SeqRule, VerifyBatchBuilder};
 use crate::verify::host::sequence_inputs;
-use crate::verify::tree::{verify_tree, TreeVerification};
-use crate::verify::verify;
+use crate::verify::tree::TreeVerification;
 
 impl Engine {
     /// Starts a request, speculative when `speculation` is given. Fails with `ContextLength` when
@@ -312,7 +311,8 @@ pub struct PlanLimits {
     pub max_draft_tokens: Option<usize>,
 }
 
-/// One session's part of the next forward (`Session::plan`), handed back to `Session::commit`.
+/// One session's part of the next forward (`Session::plan`), handed back to its commit
+/// (`commit_context`, then `commit_verdict`).
 #[derive(Debug)]
 pub struct StepPlan {
     /// The rows to run after the session's cache.
@@ -484,28 +484,6 @@ impl Session {
         Ok(Some(StepPlan { rows, kind, draft, num_forced, cache_len, num_unseen, idle }))
     }
 
-    /// Reads the forward's answer to `plan`: `logits` `[plan.rows.logit_rows.len(), vocab]` and
-    /// the proposer's taps over the plan's rows (each `[plan.rows.tokens.len(), hidden]`);
-    /// `forward` is the forward's time and rows (every session's, in a batched one). Verifies the
-    /// draft, keeps the accepted positions in the cache, tells the proposer, emits the tokens.
-    /// (`step_together` verifies every session of a host forward in one call instead:
-    /// `verify_part`, then `commit_verdict`.)
-    pub fn commit(
-        &mut self,
-        plan: StepPlan,
-        logits: &Tensor,
-        hidden: &[(Tap, Tensor)],
-        forward: ForwardTiming,
-    ) -> Result<StepOutput> {
-        if self.commit_context(&plan, hidden)? {
-            return Ok(StepOutput::default());
-        }
-        let t0 = Instant::now();
-        let (verification, host_logits) = self.verify_step(logits, &plan.draft)?;
-        let verify_s = t0.elapsed().as_secs_f64();
-        self.apply_verification(plan, verification, host_logits.as_deref(), hidden, forward, verify_s)
-    }
-
     /// The start of every commit: checks the forward added exactly the plan's rows and counts it;
     /// a prompt chunk (no token, nothing to verify) is committed here (returns true).
     pub(super) fn commit_context(&mut self, plan: &StepPlan, hidden: &[(Tap, Tensor)]) -> Result<bool> {
@@ -531,16 +509,12 @@ impl Session {
         self.processor.is_some()
     }
 
-    /// Processes this session's host logits `[n + 1, vocab]` for `draft` in place, before they
-    /// are verified (the step's one verification, and `verify_step`); a no-op without a processor.
+    /// Processes this session's host logits `[n + 1, vocab]` for its plan's draft in place, before
+    /// the step's one verification; a no-op without a processor.
     pub(super) fn process_logits(&mut self, plan: &StepPlan, logits: &mut [f32]) -> Result<()> {
-        self.process_draft_logits(&plan.draft, logits)
-    }
-
-    fn process_draft_logits(&mut self, draft: &Draft, logits: &mut [f32]) -> Result<()> {
         let vocab = self.model.info().vocab_size;
         match self.processor.as_mut() {
-            Some(processor) => processor.process_rows(logits, vocab, &draft_paths(draft)),
+            Some(processor) => processor.process_rows(logits, vocab, &draft_paths(&plan.draft)),
             None => Ok(()),
         }
     }
@@ -577,17 +551,17 @@ impl Session {
         let mut token_ids: Vec<u32> = accepted_path.iter().map(|&node| plan.draft.token_ids[node]).collect();
         token_ids.push(next_token);
         let verification = TreeVerification { accepted_path, token_ids };
-        self.apply_verification(plan, verification, Some(host_logits), hidden, forward, verify_s)
+        self.apply_verification(plan, verification, host_logits, hidden, forward, verify_s)
     }
 
     /// The rest of a commit, once the draft is verified (in `verify_s` seconds): keeps the
     /// accepted positions, tells the proposer and the policies, emits the tokens (with logprobs
-    /// from `host_logits`).
+    /// from `host_logits`, which a request that reports none may leave empty).
     fn apply_verification(
         &mut self,
         plan: StepPlan,
         verification: TreeVerification,
-        host_logits: Option<&[f32]>,
+        host_logits: &[f32],
         hidden: &[(Tap, Tensor)],
         forward: ForwardTiming,
         verify_s: f64,
@@ -669,9 +643,9 @@ impl Session {
         for (&token, &row) in verification.token_ids.iter().zip(&rows) {
             self.all_ids.push(token);
             new_ids.push(token);
-            if let (Some(n), Some(logits)) = (self.params.logprobs, host_logits) {
+            if let Some(n) = self.params.logprobs {
                 let vocab = self.model.info().vocab_size;
-                let row = &logits[row * vocab..(row + 1) * vocab];
+                let row = &host_logits[row * vocab..(row + 1) * vocab];
                 new_logprobs.push(token_logprobs(row, token, n, self.params.temperature));
             }
             if let Some(processor) = self.processor.as_mut() {
@@ -734,84 +708,13 @@ impl Session {
         speculation.proposer.observe_hidden(start, &rows)
     }
 
-    /// The target's verdict on `draft` from `logits` `[num_draft_tokens + 1, vocab]`, for a
-    /// session the step's one verification did not take (`verifies_on_device`). On a GPU, a
-    /// temperature-only chain with draft probabilities is decided by `cuda/accept.cu`'s acceptance
-    /// kernel where the logits are (exact rejection sampling on the sequential stream); the rest
-    /// copy the logits and run `verify` (processed, if the request processes them), returned too
-    /// for the tokens' logprobs.
-    fn verify_step(&mut self, logits: &Tensor, draft: &Draft) -> Result<(TreeVerification, Option<Vec<f32>>)> {
-        #[cfg(feature = "cuda")]
-        if logits.device().is_cuda()
-            && self.params.is_temperature_only()
-            && self.params.logprobs.is_none()
-            && draft.parents.is_none()
-            && draft.probs.is_some()
-        {
-            return Ok((self.verify_on_device(logits, draft)?, None));
-        }
-        let mut logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
-        self.process_draft_logits(draft, &mut logits)?;
-        let verification = self.verify_rows(&logits, draft)?;
-        Ok((verification, Some(logits)))
-    }
-
-    /// Whether the step's one device verification decides this plan (`verify::device`): greedy or
-    /// temperature-only sampling of a one-hot draft (chain, tree or none), no logprobs, on a GPU.
-    /// Deterministic drafts are verified there in coupled form (one uniform per output position),
-    /// so a seeded request emits plain sampling's tokens on the device as on the host, whatever
-    /// the draft.
-    #[cfg(feature = "cuda")]
-    pub(super) fn verifies_on_device(&self, plan: &StepPlan) -> bool {
-        self.model.device().is_cuda()
-            && self.params.is_temperature_only()
-            && self.params.logprobs.is_none()
-            && plan.draft.probs.is_none()
-    }
-
-    /// `verify_step` on host logits `[num_draft_tokens + 1, vocab]`.
-    fn verify_rows(&mut self, logits: &[f32], draft: &Draft) -> Result<TreeVerification> {
-        let vocab = self.model.info().vocab_size;
-        let position = self.all_ids.len();
-        let probs = draft.probs.as_deref();
-        if let Some(parents) = &draft.parents {
-            return verify_tree(
-                logits,
-                vocab,
-                &draft.token_ids,
-                parents,
-                probs,
-                &self.params,
-                &mut self.sampler,
-                position,
-            );
-        }
-        let v = verify(logits, vocab, &draft.token_ids, probs, &self.params, &mut self.sampler, position)?;
-        Ok(TreeVerification { accepted_path: (0..v.num_accepted_tokens).collect(), token_ids: v.token_ids })
-    }
-
-    #[cfg(feature = "cuda")]
-    fn verify_on_device(&mut self, logits: &Tensor, draft: &Draft) -> Result<TreeVerification> {
-        let n = draft.token_ids.len();
-        let vocab = self.model.info().vocab_size;
-        let uniforms: Vec<f32> =
-            if self.params.is_greedy() { vec![0.0; n + 1] } else { (0..=n).map(|_| self.sampler.uniform()).collect() };
-        let input = crate::batch::accept::AcceptInput {
-            batch: 1,
-            max_draft_tokens: n,
-            vocab_size: vocab,
-            target_logits: &[],
-            draft_token_ids: &draft.token_ids,
-            num_draft_tokens: &[n as u32],
-            draft_probs: draft.probs.as_deref(),
-            temperatures: &[self.params.temperature],
-            uniforms: &uniforms,
-        };
-        let out = crate::batch::cuda::accept_on_device(&logits.reshape((1, n + 1, vocab))?, &input)?;
-        let num_accepted_tokens = out.num_accepted_tokens[0] as usize;
-        let mut token_ids = draft.token_ids[..num_accepted_tokens].to_vec();
-        token_ids.push(out.next_token_ids[0]);
-        Ok(TreeVerification { accepted_path: (0..num_accepted_tokens).collect(), token_ids })
+    /// Whether this plan's verdict needs its logits alone, so a GPU step verifies it where the
+    /// logits are (`verify::device`): greedy or temperature-only sampling of a one-hot draft
+    /// (chain, tree or none), no logprobs. Deterministic drafts are verified there in coupled form
+    /// (one uniform per output position), so a seeded request emits plain sampling's tokens on the
+    /// device as on the host, whatever the draft.
+    pub(super) fn needs_only_its_logits(&self, plan: &StepPlan) -> bool {
+        self.params.is_temperature_only() && self.params.logprobs.is_none() && plan.draft.probs.is_none()
     }
 
     /// The proposer's draft for this step: at most k tokens (fewer near max_tokens so a step never

@@ -2,13 +2,13 @@
 //! together (`draft_chains`), each session plans its rows (`Session::plan`), the rows of all of
 //! them become one `ForwardBatch` over their caches, every session's draft is verified in one
 //! call on the host (`verify_once_and_commit`) or, on a GPU, one device call for every session
-//! whose verdict needs its logits alone (`verify_on_device_and_commit`), and each session commits
-//! its verdict and hidden rows.
+//! whose verdict needs its logits alone and one host call for the rest
+//! (`verify_on_device_and_commit`), and each session commits its verdict and hidden rows.
 //!
 //! Invariant: because a row's logits do not depend on what else is in the forward (model/forward.rs;
 //! bitwise on the CPU backend), a session stepped here yields exactly the tokens it yields stepped
 //! alone. A failure of the shared forward fails the step of every session in it (their caches may
-//! hold rows of that forward; `Session::commit` was not reached, so they take no further step);
+//! hold rows of that forward; no commit was reached, so they take no further step);
 //! a failure in one session's plan or commit is that session's alone.
 
 use std::sync::Arc;
@@ -68,8 +68,8 @@ pub(super) struct Committed {
 /// The shared forward over `plans` (session index, plan), then the step's verification and each
 /// session's commit (a panic in one commit is that session's error alone). On the host, every
 /// session's draft is verified in ONE call (`verify::host::verify_batch` over the step's logits
-/// as the forward returned them); on a GPU each session still verifies its own where its logits
-/// are (`Session::commit`: the device kernels).
+/// as the forward returned them); on a GPU, one device call for the sessions that need their
+/// logits alone and one host call for the rest (`verify_on_device_and_commit`).
 pub(super) fn forward_and_commit(sessions: &mut [&mut Session], plans: Vec<(usize, StepPlan)>) -> Result<Committed> {
     let session_taps: Vec<Vec<Tap>> = plans.iter().map(|(i, _)| sessions[*i].taps()).collect();
     let mut taps: Vec<Tap> = Vec::new();
@@ -109,19 +109,18 @@ pub(super) fn forward_and_commit(sessions: &mut [&mut Session], plans: Vec<(usiz
                 .collect()
         })
         .collect();
-    #[cfg(feature = "cuda")]
-    if out.logits.device().is_cuda() {
+    if out.logits.device().is_cuda() || takes_the_device_path() {
         return verify_on_device_and_commit(sessions, plans, &out.logits, hidden, forward);
     }
     verify_once_and_commit(sessions, plans, &out.logits, hidden, forward)
 }
 
 /// The CUDA path of `forward_and_commit`: every session whose verdict needs its logits alone
-/// (`Session::verifies_on_device`: greedy or temperature-only, one-hot drafts, no logprobs) in ONE
+/// (`Session::needs_only_its_logits`: greedy or temperature-only, one-hot drafts, no logprobs) in ONE
 /// device verification where the logits are (`verify::device`: one gather, one kernel launch, the
-/// verdicts back), then each one's `commit_verdict`; the others (processed logits, logprobs,
-/// top-k/top-p/min-p, draft probabilities) each by its own `commit`, which copies its rows.
-#[cfg(feature = "cuda")]
+/// verdicts back); the others (processed logits, logprobs, top-k/top-p/min-p, draft
+/// probabilities) in ONE host verification of their rows, gathered on the device and copied once
+/// (`verify_once_and_commit`). Each implementation of the contract runs at most once per step.
 fn verify_on_device_and_commit(
     sessions: &mut [&mut Session],
     plans: Vec<(usize, StepPlan)>,
@@ -130,66 +129,83 @@ fn verify_on_device_and_commit(
     forward: ForwardTiming,
 ) -> Result<Committed> {
     let verify_started = Instant::now();
-    let mut outcomes: Vec<Option<(usize, Result<StepOutput>)>> = (0..plans.len()).map(|_| None).collect();
+    // The forward's logit rows of the sessions the host verifies, and those sessions.
+    let (mut host_rows, mut host_plans, mut host_hidden) = (Vec::new(), Vec::new(), Vec::new());
+    let mut outcomes: Vec<(usize, Result<StepOutput>)> = Vec::with_capacity(plans.len());
     let mut builder = VerifyBatchBuilder::new(logits.dim(1)?);
-    // (plan index, session index, plan, its taps) of the sessions verified together, and the
-    // forward's logit row of each one's root.
+    // (session index, plan, its taps) of the sessions verified on the device, and the forward's
+    // logit row of each one's root.
     let (mut together, mut root_rows) = (Vec::new(), Vec::new());
-    let mut num_verifier_calls = 0;
     let mut logit_start = 0;
-    for (p, ((i, plan), hidden)) in plans.into_iter().zip(hidden).enumerate() {
-        let (start, num_logits) = (logit_start, plan.rows.logit_rows.len());
-        logit_start += num_logits;
+    for ((i, plan), hidden) in plans.into_iter().zip(hidden) {
+        let rows = logit_start..logit_start + plan.rows.logit_rows.len();
+        logit_start = rows.end;
         let session = &mut *sessions[i];
-        if !session.verifies_on_device(&plan) {
-            num_verifier_calls += usize::from(num_logits > 0);
-            let outcome = logits
-                .narrow(0, start, num_logits)
-                .map_err(Error::from)
-                .and_then(|logits| hidden.and_then(|hidden| guard(|| session.commit(plan, &logits, &hidden, forward))));
-            outcomes[p] = Some((i, outcome));
+        if !session.needs_only_its_logits(&plan) {
+            host_rows.extend(rows.map(|row| row as u32));
+            host_plans.push((i, plan));
+            host_hidden.push(hidden);
             continue;
         }
         let context =
             hidden.and_then(|hidden| guard(|| session.commit_context(&plan, &hidden)).map(|done| (done, hidden)));
-        outcomes[p] = match context.and_then(|(done, hidden)| {
+        let part = context.and_then(|(done, hidden)| {
             if !done {
                 guard(|| session.verify_part(&plan, &mut builder))?;
             }
             Ok((done, hidden))
-        }) {
+        });
+        match part {
             Ok((false, hidden)) => {
-                root_rows.push(start);
-                together.push((p, i, plan, hidden));
-                None
+                root_rows.push(rows.start);
+                together.push((i, plan, hidden));
             }
-            Ok((true, _)) => Some((i, Ok(StepOutput::default()))),
-            Err(error) => Some((i, Err(error))),
-        };
+            Ok((true, _)) => outcomes.push((i, Ok(StepOutput::default()))),
+            Err(error) => outcomes.push((i, Err(error))),
+        }
     }
+    let mut num_verifier_calls = 0;
     if !together.is_empty() {
         num_verifier_calls += 1;
-        match crate::verify::device::verify_batch_on_device(&builder.batch(), logits, &root_rows) {
+        match crate::verify::device::verify_batch_at(&builder.batch(), logits, &root_rows) {
             Ok(verdicts) => {
                 let verify_s = verify_started.elapsed().as_secs_f64();
-                for (s, (p, i, plan, hidden)) in together.into_iter().enumerate() {
+                for (s, (i, plan, hidden)) in together.into_iter().enumerate() {
                     let (accepted, next_token) = (verdicts.accepted(s), verdicts.next_tokens[s]);
                     // No host logits: these sessions neither process them nor report logprobs.
                     let outcome = guard(|| {
                         sessions[i].commit_verdict(plan, accepted, next_token, 0, &[], &hidden, forward, verify_s)
                     });
-                    outcomes[p] = Some((i, outcome));
+                    outcomes.push((i, outcome));
                 }
             }
             Err(error) => {
-                for (p, i, ..) in together {
-                    outcomes[p] = Some((i, Err(Error::Internal(format!("the step's verification failed: {error}")))));
+                for (i, ..) in together {
+                    outcomes.push((i, Err(Error::Internal(format!("the step's verification failed: {error}")))));
                 }
             }
         }
     }
-    let outcomes = outcomes.into_iter().map(|o| o.expect("every plan has an outcome")).collect();
+    if !host_plans.is_empty() {
+        let host_logits = if host_rows.is_empty() {
+            logits.narrow(0, 0, 0)? // prompt chunks only: nothing to verify
+        } else {
+            logits.index_select(&Tensor::new(host_rows.as_slice(), logits.device())?, 0)?
+        };
+        let host = verify_once_and_commit(sessions, host_plans, &host_logits, host_hidden, forward)?;
+        outcomes.extend(host.outcomes);
+        num_verifier_calls += host.num_verifier_calls;
+    }
     Ok(Committed { outcomes, forward_s: forward.seconds, num_verifier_calls })
+}
+
+/// Whether this thread's CPU steps take the GPU's verification path (`cfg(test)` only: the tests of
+/// that path run it on the CPU, where `verify::device` runs the tree kernel's reference).
+fn takes_the_device_path() -> bool {
+    #[cfg(test)]
+    return tests::DEVICE_PATH.get();
+    #[cfg(not(test))]
+    return false;
 }
 
 /// The host path of `forward_and_commit`: each session's part of the one verification
@@ -309,4 +325,122 @@ thread_local! {
     /// so a fresh buffer per step came back from the kernel zeroed, page by page (Gemma 3 at 16
     /// requests decoded 0.82x of verifying session by session with a fresh copy each step).
     static HOST_LOGITS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use std::cell::Cell;
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::config::SamplingParams;
+    use crate::proposer::{Draft, Proposer, TreeLimits};
+    use crate::spec_config::SpeculativeConfig;
+    use crate::Engine;
+
+    thread_local! {
+        /// `takes_the_device_path` on this thread.
+        pub(in crate::engine) static DEVICE_PATH: Cell<bool> = const { Cell::new(false) };
+    }
+
+    const PROMPT: [u32; 6] = [7, 12, 19, 7, 12, 3];
+    const MAX_TOKENS: usize = 20;
+
+    /// Drafts the request's own plain output (a chain, or a tree whose right branch sits beside a
+    /// wrong sibling), wrong at depth 2 every third draft.
+    struct Replay {
+        expected: Vec<u32>,
+        step: usize,
+    }
+
+    impl Replay {
+        fn right(&mut self, context: &[u32], depth: usize) -> Vec<u32> {
+            self.step += 1;
+            let start = (context.len() - PROMPT.len()).min(self.expected.len());
+            let mut right: Vec<u32> = self.expected[start..].iter().take(depth).copied().collect();
+            if self.step % 3 == 0 && right.len() > 2 {
+                right[2] ^= 1;
+            }
+            right
+        }
+    }
+
+    impl Proposer for Replay {
+        fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {
+            Ok(Draft::tokens(self.right(context, max_tokens)))
+        }
+
+        fn propose_tree(&mut self, context: &[u32], max_depth: usize, limits: TreeLimits) -> Result<Draft> {
+            let right = self.right(context, max_depth.min(limits.max_nodes.saturating_sub(1)));
+            let Some(&first) = right.first() else { return Ok(Draft::default()) };
+            // The wrong sibling first on odd steps, second on even ones.
+            let (tokens, parents): (Vec<u32>, Vec<i32>) = if self.step % 2 == 1 {
+                let chain = right.iter().enumerate().map(|(d, &t)| (t, if d == 0 { -1 } else { d as i32 }));
+                std::iter::once((first ^ 1, -1)).chain(chain).unzip()
+            } else {
+                let chain = right.iter().enumerate().map(|(d, &t)| (t, d as i32 - 1));
+                chain.chain(std::iter::once((first ^ 1, -1))).unzip()
+            };
+            Ok(Draft::tree(tokens, parents))
+        }
+    }
+
+    /// Requests of every kind the GPU step splits: greedy and seeded coupled chains and trees and
+    /// plain decoding (its device verification), top-k and logprobs ones (its host verification),
+    /// each drafting its own plain output (`expected`, None: plain), stepped together to the end.
+    /// Returns each request's tokens and drafts.
+    fn run(device_path: bool, expected: Option<&[Vec<u32>]>) -> Vec<(Vec<u32>, usize)> {
+        DEVICE_PATH.set(device_path);
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden/hf/llama");
+        let engine = Engine::load(dir, "cpu").unwrap();
+        let seeded = |seed| SamplingParams { temperature: 0.8, seed: Some(seed), ..SamplingParams::greedy(MAX_TOKENS) };
+        let requests = [
+            (SamplingParams::greedy(MAX_TOKENS), false),
+            (seeded(1), true),
+            (seeded(2), false),
+            (SamplingParams { top_k: 5, ..seeded(3) }, false),
+            (SamplingParams { logprobs: Some(2), ..SamplingParams::greedy(MAX_TOKENS) }, true),
+            (seeded(4), false),
+        ];
+        let mut sessions: Vec<Session> = requests
+            .into_iter()
+            .enumerate()
+            .map(|(i, (params, tree))| {
+                let shape = if tree { r#", "tree": true, "tree_top_k": 2"# } else { "" };
+                let json = format!(
+                    r#"{{"method": "custom", "num_speculative_tokens": 4, "adaptive_draft_length": false{shape}}}"#
+                );
+                // The last request decodes plainly: only its prompt is cut into chunks.
+                let speculation = expected.filter(|_| i < 5).map(|expected| {
+                    let replay = Replay { expected: expected[i].clone(), step: 0 };
+                    engine.speculation(&SpeculativeConfig::from_json(&json).unwrap(), Some(Box::new(replay))).unwrap()
+                });
+                engine.start(PROMPT.to_vec(), SamplingParams { ignore_eos: true, ..params }, speculation).unwrap()
+            })
+            .collect();
+        sessions[5].set_prefill_chunk(Some(4)).unwrap();
+        while sessions.iter().any(|s| !s.is_finished()) {
+            let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
+            for result in step_together(&mut refs).unwrap() {
+                result.unwrap();
+            }
+        }
+        DEVICE_PATH.set(false);
+        sessions.iter().map(|s| (s.generated_ids().to_vec(), s.metrics().spec.num_drafts)).collect()
+    }
+
+    /// The GPU step's split verification (one device batch, one host batch of the rest), run on
+    /// the CPU through the tree kernel's reference: every request, drafting or not, emits its
+    /// plain output and drafts as on the host path.
+    #[test]
+    fn the_gpu_steps_split_verification_emits_the_host_paths_tokens() {
+        let plain: Vec<Vec<u32>> = run(false, None).into_iter().map(|(ids, _)| ids).collect();
+        let host = run(false, Some(&plain));
+        let split = run(true, Some(&plain));
+        assert_eq!(split, host);
+        for (i, (ids, drafts)) in split.iter().enumerate() {
+            assert_eq!(ids, &plain[i], "request {i}: speculative output is plain output");
+            assert!(i == 5 || *drafts > 3, "request {i} drafted {drafts} times");
+        }
+    }
 }

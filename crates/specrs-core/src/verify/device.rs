@@ -1,7 +1,8 @@
 //! The device verifier: a step's `VerifyBatch` sequences that need nothing but their logits (greedy,
 //! or coupled with temperature alone; one-hot drafts: chains, trees, plain decoding's empty draft)
 //! decided where the logits are, all of them in ONE launch of `cuda/accept.cu`'s tree kernel
-//! (`batch/cuda.rs`), so only the accepted nodes and next tokens come back to the host.
+//! (`batch/cuda.rs`), so only the accepted nodes and next tokens come back to the host. On the
+//! CPU the same layout runs through the kernel's reference, so the GPU step's path is tested here.
 //!
 //! The contract is the host verifier's (`host.rs`); the kernel reads a padded `[B, n + 1, V]`
 //! layout with one uniform per depth, so `DeviceVerify::new` lays the batch out that way: one
@@ -15,7 +16,7 @@
 //! reference up to sampled draws within rounding of a CDF boundary (`batch/cuda.rs`).
 
 use super::batch::{Mode, RowNoise, Verdicts, VerifyBatch};
-use crate::batch::tree_accept::{TreeAcceptInput, TreeAcceptOutput};
+use crate::batch::tree_accept::{tree_accept, TreeAcceptInput, TreeAcceptOutput};
 use crate::error::{Error, Result};
 
 /// A `VerifyBatch` in the tree kernel's padded layout.
@@ -129,27 +130,25 @@ impl DeviceVerify {
     }
 }
 
-/// `host::verify_batch` of `batch` (every sequence one `DeviceVerify::takes`) on CUDA `logits`
-/// `[rows, V]` (the forward's, sequence s's root at row `root_rows[s]`): one gather and one
-/// tree-kernel launch for the whole batch.
-#[cfg(feature = "cuda")]
-pub fn verify_batch_on_device(
-    batch: &VerifyBatch,
-    logits: &candle_core::Tensor,
-    root_rows: &[usize],
-) -> Result<Verdicts> {
+/// `host::verify_batch` of `batch` (every sequence one `DeviceVerify::takes`) where `logits`
+/// `[rows, V]` are (the forward's, sequence s's root at row `root_rows[s]`): on CUDA one gather
+/// and one tree-kernel launch for the whole batch; on the CPU (the GPU path's tests) the kernel's
+/// reference on the same layout.
+pub fn verify_batch_at(batch: &VerifyBatch, logits: &candle_core::Tensor, root_rows: &[usize]) -> Result<Verdicts> {
     let layout = DeviceVerify::new(batch, root_rows)?;
+    let empty = TreeAcceptOutput { num_accepted_tokens: vec![], accepted_nodes: vec![], next_token_ids: vec![] };
     if layout.batch == 0 {
-        return Ok(layout.verdicts(&TreeAcceptOutput {
-            num_accepted_tokens: vec![],
-            accepted_nodes: vec![],
-            next_token_ids: vec![],
-        }));
+        return Ok(layout.verdicts(&empty));
     }
     let index = candle_core::Tensor::new(layout.gather.as_slice(), logits.device())?;
-    let padded = logits.index_select(&index, 0)?.reshape((layout.batch, layout.max_nodes + 1, layout.vocab_size))?;
-    let out = crate::batch::cuda::tree_accept_on_device(&padded, &layout.input(&[]))?;
-    Ok(layout.verdicts(&out))
+    let padded = logits.index_select(&index, 0)?; // [B * (max_nodes + 1), V]
+    #[cfg(feature = "cuda")]
+    if logits.device().is_cuda() {
+        let padded = padded.reshape((layout.batch, layout.max_nodes + 1, layout.vocab_size))?;
+        return Ok(layout.verdicts(&crate::batch::cuda::tree_accept_on_device(&padded, &layout.input(&[]))?));
+    }
+    let values: Vec<f32> = padded.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1()?;
+    Ok(layout.verdicts(&tree_accept(&layout.input(&values))?))
 }
 
 #[cfg(test)]
@@ -157,14 +156,14 @@ mod tests {
     use super::super::batch::{SeqRule, VerifyBatchBuilder};
     use super::super::host::{sequence_inputs, verify_batch};
     use super::*;
-    use crate::batch::tree_accept::tree_accept;
     use crate::config::SamplingParams;
     use crate::sampler::Sampler;
+    use candle_core::{Device, Tensor};
 
     /// Random greedy and temperature-only coupled sequences (chains, trees, empty drafts, drafts
-    /// that follow the argmax) verified by the host walk and by the tree kernel's reference on the
-    /// device layout: the same verdicts, bitwise; the layout reads the rows where the caller's
-    /// logits hold them (here each sequence's after a junk row).
+    /// that follow the argmax) verified by the host walk and by `verify_batch_at` (the tree
+    /// kernel's reference on the device layout): the same verdicts, bitwise; the layout reads the
+    /// rows where the caller's logits hold them (here each sequence's after a junk row).
     #[test]
     fn the_device_layout_decides_what_the_host_walk_does() {
         let mut state = 0x1234_5678_9abc_def1u64;
@@ -216,11 +215,8 @@ mod tests {
                 let rows = batch.root_row(s)..batch.root_row(s) + batch.nodes(s).len() + 1;
                 caller.extend(&logits[rows.start * vocab..rows.end * vocab]);
             }
-            let layout = DeviceVerify::new(&batch, &roots).unwrap();
-            let gathered: Vec<f32> =
-                layout.gather.iter().flat_map(|&row| caller[row as usize * vocab..][..vocab].to_vec()).collect();
-            let out = tree_accept(&layout.input(&gathered)).unwrap();
-            assert_eq!(layout.verdicts(&out), want, "case {case}");
+            let caller = Tensor::from_vec(caller, (roots.len() + batch.num_rows(), vocab), &Device::Cpu).unwrap();
+            assert_eq!(verify_batch_at(&batch, &caller, &roots).unwrap(), want, "case {case}");
         }
     }
 

@@ -14,7 +14,7 @@
 //! in a fixed order (past positions ascending, then step rows ascending) — never on its
 //! batch-mates, its tree siblings or how many rows the step has. The reference computes in f32
 //! and rounds each output once to the pool's dtype (the model's, which the output projection
-//! reads); the device kernel sums in another order (an online softmax over four warps), within
+//! reads); the device kernel sums in another order (an online softmax over eight warps), within
 //! `check_against_reference`'s tolerance.
 
 use candle_core::{CpuStorage, CustomOp3, DType, Device, InplaceOp3, Layout, Shape, Tensor};
@@ -420,7 +420,7 @@ mod device {
     use crate::nvrtc::{by_dtype, dtype_suffix, function, BLOCK, PAGED_ATTENTION};
 
     /// Threads per attention block: the kernel's WARPS warps.
-    const ATTENTION_THREADS: u32 = 4 * 32;
+    const ATTENTION_THREADS: u32 = 8 * 32;
 
     fn load(
         device: &candle_core::CudaDevice,
