@@ -77,6 +77,24 @@ def test_greedy_speculation_is_identical_on_the_candle_model(random_engine, k):
         assert other.token_ids == random_engine.generate(PROMPT * 2, params).token_ids
 
 
+def test_a_paged_pool_on_the_candle_model_keeps_greedy_identity():
+    # The candle decoder on a paged pool (bf16 tensors on its device): one write and one attention
+    # op per layer for the step, speculative output = plain output on the same engine.
+    paged = specrs.Engine.random(TINY, seed=7, dtype="bf16", kv_layout="paged", kv_block_size=8, max_kv_tokens=256)
+    assert paged.kv_pool == {"block_size": 8, "num_blocks": 32, "num_free": 32}
+    params = specrs.SamplingParams(max_tokens=48, temperature=0.0)
+    plain = paged.generate(PROMPT, params)
+    config = {"method": "custom", "num_speculative_tokens": 4, "adaptive_draft_length": False}
+    spec = paged.generate(PROMPT, params, speculative_config=config,
+                          proposer=Replay(plain.token_ids, len(PROMPT), 0.8, seed=4))
+    assert spec.token_ids == plain.token_ids and spec.metrics["num_drafts"] > 0
+    assert paged.kv_pool["num_free"] == 32
+    with pytest.raises(specrs.ConfigError, match="power of two"):
+        specrs.Engine.random(TINY, kv_layout="paged", kv_block_size=3)
+    with pytest.raises(specrs.ConfigError, match="max_kv_tokens must be a positive number"):
+        specrs.Engine.random(TINY, kv_layout="paged", max_kv_tokens=0)
+
+
 def test_seeded_sampling_is_reproducible_with_speculation():
     engine = specrs.Engine.random(TINY, seed=3, dtype="f32")
     params = specrs.SamplingParams(max_tokens=32, temperature=0.8, seed=11)

@@ -245,7 +245,6 @@ class TextStream:
         return GenerationResult._from_dict(self._inner.result())
 
 
-
 def _check_token_counts(*settings: tuple[str, Any, str | None]) -> None:
     """Each (name, value, what None means) is a positive int, or None where None means something."""
     for name, value, none_means in settings:
@@ -253,6 +252,7 @@ def _check_token_counts(*settings: tuple[str, Any, str | None]) -> None:
                 isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"{name} must be a positive number of tokens (got {value!r})"
                               + (f"; leave it None {none_means}" if none_means else ""))
+
 
 class Engine:
     """A loaded model.
