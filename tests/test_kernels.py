@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
 from gpu_check import (  # noqa: E402
     explain_accept_mismatches,
     explain_tree_mismatches,
+    open_device,
     random_accept_inputs,
     random_tree_accept_inputs,
     target_probs,
@@ -182,7 +183,8 @@ def test_a_kernel_that_fails_on_a_present_gpu_fails_its_test(monkeypatch):
     monkeypatch.setattr(_specrs, "read_bandwidth", lambda device, num_bytes, repeats: 1e12)
     monkeypatch.setattr(_specrs, "batch_ngram", ngram)
     try:
-        test_cuda_ngram_equals_the_cpu_reference()
+        open_device(specrs, "cuda")  # the `cuda` fixture's probe (conftest.py): it passes
+        test_cuda_ngram_equals_the_cpu_reference("cuda")
     except pytest.skip.Exception as e:
         pytest.fail(f"a kernel failure on a present GPU was skipped: {e}")
     except specrs.DeviceError as e:
