@@ -70,19 +70,6 @@ fn assert_same(paged: &[Vec<Vec<f32>>], contiguous: &[Vec<Vec<f32>>], tolerance:
     }
 }
 
-/// A pool for `model`'s caches: f16 rows on the host for the CPU decoder, tensors on its device
-/// in its cache's dtype for the candle one.
-fn pool_for(model: &dyn CausalLm, block_size: usize, num_blocks: usize) -> Arc<PagedPool> {
-    let info = model.info();
-    let row_len = info.num_kv_heads * info.head_dim;
-    let probe = model.new_cache(1).unwrap();
-    if probe.host_layer(0).is_ok() {
-        return PagedPool::new(info.num_layers, row_len, block_size, num_blocks).unwrap();
-    }
-    let (k, _) = probe.layer_tensors(0, 0).unwrap();
-    PagedPool::on_device(info.num_layers, row_len, block_size, num_blocks, k.dtype(), k.device()).unwrap()
-}
-
 /// The script on `model` with blocks of `block_size`, checking every forward (bitwise, or within
 /// `tolerance`).
 fn paged_equals_contiguous(
@@ -97,7 +84,7 @@ fn paged_equals_contiguous(
     let (vocab, layers) = (info.vocab_size, info.num_layers);
     let max_len = info.context_length.min(96);
     let num_blocks = NUM_SEQS * max_len.div_ceil(block_size) + 4;
-    let pool = pool_for(model, block_size, num_blocks);
+    let pool = model.new_paged_pool(block_size, num_blocks).unwrap();
     let taps = vec![Tap::Residual(layers / 2), Tap::FinalNorm];
     let mut rng = Rng(seed);
     let mut paged: Vec<KvCache> = (0..NUM_SEQS).map(|_| KvCache::paged(&pool, info.context_length)).collect();
@@ -231,21 +218,14 @@ fn a_paged_engine_generates_what_a_contiguous_one_does() {
     let text = "List the planets: Mercury, Venus, Earth, Mars. Again: Mercury, Venus, Earth, Mars. Again:";
     let prompt = paged.tokenizer().encode(text, false).unwrap();
     let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(24) };
-    for config in [
+    let configs = [
         None,
         Some(r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}"#),
         Some(
             r#"{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "tree": true, "tree_top_k": 3}"#,
         ),
-    ] {
-        let speculation = |engine: &Engine| {
-            config.map(|c| engine.speculation(&SpeculativeConfig::from_json(c).unwrap(), None).unwrap())
-        };
-        let want = contiguous.generate(prompt.clone(), params.clone(), speculation(&contiguous)).unwrap();
-        let got = paged.generate(prompt.clone(), params.clone(), speculation(&paged)).unwrap();
-        assert_eq!(got.token_ids, want.token_ids, "{config:?}");
-        assert_eq!(pool.num_free(), 8, "{config:?}: the finished request returned its blocks");
-    }
+    ];
+    assert_same_tokens(&contiguous, &paged, &prompt, &params, &configs, "SmolLM2");
     let long: Vec<u32> = prompt.iter().cycle().take(8 * 16 + 1).copied().collect();
     let err = paged.generate(long, params.clone(), None).unwrap_err();
     assert!(matches!(err, Error::ContextLength(_)) && err.to_string().contains("max_kv_tokens"), "{err}");
@@ -267,23 +247,36 @@ fn a_device_paged_engine_generates_what_a_contiguous_one_does() {
         };
         let contiguous = engine(None);
         let paged = engine(Some(KvLayout::Paged { block_size: 16, num_blocks: 16 }));
-        let pool = paged.kv_pool().unwrap().clone();
-        let prompt: Vec<u32> = [5u32, 9, 13, 5, 9, 13, 5, 9].to_vec();
         let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(20) };
-        for config in [
+        let configs = [
             None,
             Some(r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}"#),
             Some(
                 r#"{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1, "tree": true, "tree_top_k": 2}"#,
             ),
-        ] {
-            let speculation = |engine: &Engine| {
-                config.map(|c| engine.speculation(&SpeculativeConfig::from_json(c).unwrap(), None).unwrap())
-            };
-            let want = contiguous.generate(prompt.clone(), params.clone(), speculation(&contiguous)).unwrap();
-            let got = paged.generate(prompt.clone(), params.clone(), speculation(&paged)).unwrap();
-            assert_eq!(got.token_ids, want.token_ids, "{family} {config:?}");
-            assert_eq!(pool.num_free(), 16, "{family} {config:?}: the request returned its blocks");
-        }
+        ];
+        assert_same_tokens(&contiguous, &paged, &[5, 9, 13, 5, 9, 13, 5, 9], &params, &configs, family);
+    }
+}
+
+/// Each speculative config (None: plain decoding) makes `paged` generate from `prompt` the tokens
+/// `contiguous` does, and every block of `paged`'s pool is back after each request.
+fn assert_same_tokens(
+    contiguous: &Engine,
+    paged: &Engine,
+    prompt: &[u32],
+    params: &SamplingParams,
+    configs: &[Option<&str>],
+    what: &str,
+) {
+    let pool = paged.kv_pool().expect("a paged engine");
+    for config in configs {
+        let speculation = |engine: &Engine| {
+            config.map(|c| engine.speculation(&SpeculativeConfig::from_json(c).unwrap(), None).unwrap())
+        };
+        let want = contiguous.generate(prompt.to_vec(), params.clone(), speculation(contiguous)).unwrap();
+        let got = paged.generate(prompt.to_vec(), params.clone(), speculation(paged)).unwrap();
+        assert_eq!(got.token_ids, want.token_ids, "{what} {config:?}");
+        assert_eq!(pool.num_free(), pool.num_blocks(), "{what} {config:?}: the request returned its blocks");
     }
 }

@@ -736,11 +736,7 @@ pub fn read_bandwidth(py: Python<'_>, device: &str, num_bytes: usize, repeats: u
 pub fn check_decoder_kernels<'py>(py: Python<'py>, device: &str) -> PyResult<Bound<'py, PyDict>> {
     let device = device.to_string();
     let report = run_detached(py, move || {
-        use specrs_core::model::candle::{fused, paged_attention};
-        let device = specrs_core::engine::parse_device(&device)?;
-        let mut report = fused::check_against_reference(&device)?;
-        report.extend(paged_attention::check_against_reference(&device)?);
-        Ok(report)
+        specrs_core::model::candle::check_kernels_against_references(&specrs_core::engine::parse_device(&device)?)
     })?;
     let d = PyDict::new(py);
     for (name, diff, tolerance) in report {

@@ -203,17 +203,7 @@ impl Engine {
     pub fn with_kv_layout(mut self, layout: KvLayout) -> Result<Self> {
         self.kv_pool = match layout {
             KvLayout::Contiguous => None,
-            KvLayout::Paged { block_size, num_blocks } => {
-                let info = self.model.info();
-                let (num_layers, row_len) = (info.num_layers, info.num_kv_heads * info.head_dim);
-                let probe = self.model.new_cache(1)?;
-                if probe.host_layer(0).is_ok() {
-                    Some(PagedPool::new(num_layers, row_len, block_size, num_blocks)?)
-                } else {
-                    let (k, _) = probe.layer_tensors(0, 0)?;
-                    Some(PagedPool::on_device(num_layers, row_len, block_size, num_blocks, k.dtype(), k.device())?)
-                }
-            }
+            KvLayout::Paged { block_size, num_blocks } => Some(self.model.new_paged_pool(block_size, num_blocks)?),
         };
         Ok(self)
     }

@@ -86,6 +86,13 @@ fn block_and_row(position: usize, block_shift: u32) -> (usize, usize) {
     (position >> block_shift, position & ((1 << block_shift) - 1))
 }
 
+/// Position `position`'s slot in a paged pool (its block's first slot plus its row) through a
+/// sequence's block `table` of blocks of `1 << block_shift` positions; None past the table.
+pub(crate) fn slot_of(table: &[u32], position: usize, block_shift: u32) -> Option<usize> {
+    let (block, row) = block_and_row(position, block_shift);
+    table.get(block).map(|&first| ((first as usize) << block_shift) | row)
+}
+
 impl<'a> Slots<'a> {
     /// Key and value values addressable (positions times `row_len`).
     pub fn num_values(&self) -> (usize, usize) {

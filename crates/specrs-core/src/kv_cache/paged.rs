@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use candle_core::{DType, Device, Tensor};
 use half::f16;
 
-use super::{check_keep, check_prefix_source, context_error, KvRows, KvStore, KvView, Slots};
+use super::{check_keep, check_prefix_source, context_error, slot_of, KvRows, KvStore, KvView, Slots};
 use crate::error::{Error, Result};
 
 /// Which blocks are free and how many sequences hold each.
@@ -42,8 +42,8 @@ struct Allocator {
 enum Rows {
     /// Per layer, keys and values of every slot, `row_len` f16 values each.
     Host { k: Vec<Box<[UnsafeCell<f16>]>>, v: Vec<Box<[UnsafeCell<f16>]>> },
-    /// Per layer `[2, slots, row_len]` (keys, then values) in `dtype` on a candle device.
-    Device { layers: Vec<Tensor>, dtype: DType },
+    /// Per layer `[2, slots, row_len]` (keys, then values) in the model's dtype on a candle device.
+    Device { layers: Vec<Tensor> },
 }
 
 /// The blocks of one model's sequences: per layer, keys and values of `num_blocks * block_size`
@@ -101,7 +101,7 @@ impl PagedPool {
         let layers = (0..num_layers)
             .map(|_| Ok(Tensor::zeros((2, slots, row_len), dtype, device)?))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Arc::new(Self::holding(Rows::Device { layers, dtype }, num_layers, row_len, block_size, num_blocks)))
+        Ok(Arc::new(Self::holding(Rows::Device { layers }, num_layers, row_len, block_size, num_blocks)))
     }
 
     fn holding(rows: Rows, num_layers: usize, row_len: usize, block_size: usize, num_blocks: usize) -> Self {
@@ -124,7 +124,7 @@ impl PagedPool {
     /// go only to slots of blocks their sequence holds alone (the module invariant).
     pub fn device_layer(&self, layer: usize) -> Option<&Tensor> {
         match &self.rows {
-            Rows::Device { layers, .. } => layers.get(layer),
+            Rows::Device { layers } => layers.get(layer),
             Rows::Host { .. } => None,
         }
     }
@@ -146,7 +146,7 @@ impl PagedPool {
     pub fn block_bytes(&self) -> usize {
         let value_bytes = match &self.rows {
             Rows::Host { .. } => std::mem::size_of::<f16>(),
-            Rows::Device { dtype, .. } => dtype.size_in_bytes(),
+            Rows::Device { layers } => layers.first().map_or(0, |layer| layer.dtype().size_in_bytes()),
         };
         2 * self.num_layers * self.block_size * self.row_len * value_bytes
     }
@@ -252,7 +252,7 @@ impl PagedPool {
                     }
                 }
             }
-            Rows::Device { layers, .. } => {
+            Rows::Device { layers } => {
                 let slot = |block: u32, row: usize| block as usize * self.block_size + row;
                 for layer in layers {
                     // A copy first: slice_set may not read the tensor it writes.
@@ -401,7 +401,7 @@ impl KvStore for PagedKv {
                 }
                 Ok(())
             }
-            (KvRows::Device { k, v }, Rows::Device { layers, .. }) => {
+            (KvRows::Device { k, v }, Rows::Device { layers }) => {
                 // k, v: [kv_heads, num_new, head_dim] -> [2 kv_heads, num_new, head_dim] f32.
                 let num_new = k.dim(1)?;
                 let Some(pool_layer) = layers.get(layer) else { return Err(overflow(num_new)) };
@@ -410,8 +410,8 @@ impl KvStore for PagedKv {
                 }
                 let shift = self.pool.block_size.trailing_zeros();
                 let slots: Vec<u32> = (self.len..self.len + num_new)
-                    .map(|p| (self.table[p >> shift] << shift) | (p & (self.pool.block_size - 1)) as u32)
-                    .collect();
+                    .map(|p| slot_of(&self.table, p, shift).map(|slot| slot as u32).ok_or_else(|| overflow(num_new)))
+                    .collect::<Result<_>>()?;
                 let rows = Tensor::cat(&[k, v], 0)?.to_dtype(DType::F32)?;
                 let slots = Tensor::new(slots.as_slice(), k.device())?;
                 crate::model::candle::paged_attention::write_rows(pool_layer, &rows, &slots)

@@ -40,7 +40,7 @@ use candle_core::{Device, Tensor};
 
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, PagedPool};
 use block::Need;
 pub use config::DecoderConfig;
 use forward::check_token_ids;
@@ -106,6 +106,11 @@ pub trait CausalLm: Send + Sync {
 
     /// A cache for one sequence with `capacity` positions allocated up front.
     fn new_cache(&self, capacity: usize) -> Result<KvCache>;
+
+    /// A pool of `num_blocks` blocks of `block_size` positions for this model's paged caches
+    /// (`KvCache::paged`), where `new_cache` keeps its rows: f16 on the host, or tensors in the
+    /// model's dtype on its device.
+    fn new_paged_pool(&self, block_size: usize, num_blocks: usize) -> Result<Arc<PagedPool>>;
 
     /// The contract (`forward.rs`): one forward over `batch`'s sequences, `caches[s]` holding
     /// sequence `s`'s past. Every new row is appended to its cache; logits come back for

@@ -41,10 +41,7 @@ pub struct DeviceVerify {
 impl DeviceVerify {
     /// Whether a sequence with `rule` and no q rows is decided by the device verifier.
     pub fn takes(rule: &super::batch::SeqRule, has_probs: bool) -> bool {
-        let temperature_only = rule.top_k == 0 && rule.top_p >= 1.0 && rule.min_p <= 0.0;
-        !has_probs
-            && matches!(rule.mode, Mode::Greedy | Mode::Coupled)
-            && (rule.mode == Mode::Greedy || temperature_only)
+        !has_probs && (rule.mode == Mode::Greedy || rule.mode == Mode::Coupled && rule.params().is_temperature_only())
     }
 
     /// `batch` laid out for the kernel; sequence s's root row is `root_rows[s]` of the caller's

@@ -655,12 +655,16 @@ impl Decoder {
         pasts: &[usize],
     ) -> Result<Option<(PagedStep, Arc<PagedPool>)>> {
         let blocks: Vec<_> = caches.iter().map(|cache| cache.device_blocks()).collect();
-        let Some(Some((pool, _))) = blocks.first() else { return Ok(None) };
+        if blocks.iter().all(Option::is_none) {
+            return Ok(None);
+        }
+        let mixed = || Error::Internal("a forward mixes caches of one paged pool with others".into());
+        let Some((pool, _)) = blocks[0] else { return Err(mixed()) };
         let mut tables = Vec::with_capacity(blocks.len());
         for entry in &blocks {
             match entry {
                 Some((other, table)) if Arc::ptr_eq(pool, other) => tables.push(*table),
-                _ => return Err(Error::Internal("a forward mixes caches of one paged pool with others".into())),
+                _ => return Err(mixed()),
             }
         }
         let step = PagedStep::new(batch, pasts, &tables, pool.block_size(), &self.device)?;
@@ -710,6 +714,18 @@ impl CausalLm for Decoder {
             i.head_dim,
             capacity,
             i.context_length,
+            self.dtype,
+            &self.device,
+        )
+    }
+
+    fn new_paged_pool(&self, block_size: usize, num_blocks: usize) -> Result<Arc<PagedPool>> {
+        let i = &self.info;
+        PagedPool::on_device(
+            i.num_layers,
+            i.num_kv_heads * i.head_dim,
+            block_size,
+            num_blocks,
             self.dtype,
             &self.device,
         )

@@ -846,17 +846,4 @@ mod tests {
         );
         assert!(e.is_err());
     }
-
-    /// On a machine with a GPU: the kernels against the references (the same check gpu_bench runs).
-    #[cfg(feature = "cuda")]
-    #[test]
-    fn the_fused_kernels_match_their_references_on_a_gpu() {
-        if !crate::nvrtc::gpu_present() {
-            return;
-        }
-        let device = crate::nvrtc::open(0).unwrap();
-        for (name, diff, tolerance) in check_against_reference(&device).unwrap() {
-            assert!(diff <= tolerance, "{name}: {diff} > {tolerance}");
-        }
-    }
 }

@@ -14,3 +14,43 @@ pub(crate) mod attention;
 pub mod decoder;
 pub mod fused;
 pub mod paged_attention;
+
+use candle_core::Device;
+
+use crate::error::Result;
+
+/// The decoder's own kernels on random inputs on `device` against their CPU references: the
+/// fused ops and the paged KV write and attention. `(op and case, largest absolute difference,
+/// tolerance)`; on the CPU each reference meets itself (every difference 0), and the device
+/// check (`scripts/gpu_bench.py`) runs it on a GPU.
+pub fn check_kernels_against_references(device: &Device) -> Result<Vec<(String, f32, f32)>> {
+    let mut report = fused::check_against_reference(device)?;
+    report.extend(paged_attention::check_against_reference(device)?);
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On the CPU the check compares each reference with itself: every difference is zero.
+    #[test]
+    fn the_kernel_check_runs_on_the_cpu() {
+        for (name, diff, _) in check_kernels_against_references(&Device::Cpu).unwrap() {
+            assert_eq!(diff, 0.0, "{name}");
+        }
+    }
+
+    /// On a machine with a GPU: the kernels against their references (gpu_bench's check).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_kernels_match_their_references_on_a_gpu() {
+        if !crate::nvrtc::gpu_present() {
+            return;
+        }
+        let device = crate::nvrtc::open(0).unwrap();
+        for (name, diff, tolerance) in check_kernels_against_references(&device).unwrap() {
+            assert!(diff <= tolerance, "{name}: {diff} > {tolerance}");
+        }
+    }
+}

@@ -35,7 +35,7 @@ use candle_core::{Device, Tensor};
 
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::kv_cache::{KvCache, Slots};
+use crate::kv_cache::{KvCache, PagedPool, Slots};
 use crate::model::block::{self, load_block, BlockReader, Need, Projections};
 use crate::model::config::DecoderConfig;
 use crate::model::forward::check_token_ids;
@@ -284,6 +284,11 @@ impl CausalLm for CpuDecoder {
     fn new_cache(&self, capacity: usize) -> Result<KvCache> {
         let i = &self.info;
         Ok(KvCache::new(i.num_layers, i.num_kv_heads * i.head_dim, capacity, i.context_length))
+    }
+
+    fn new_paged_pool(&self, block_size: usize, num_blocks: usize) -> Result<Arc<PagedPool>> {
+        let i = &self.info;
+        PagedPool::new(i.num_layers, i.num_kv_heads * i.head_dim, block_size, num_blocks)
     }
 
     fn forward_batch(&self, batch: &ForwardBatch, caches: &mut [&mut KvCache]) -> Result<ForwardOutput> {
