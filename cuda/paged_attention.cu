@@ -6,7 +6,8 @@
 // dtype; position c of a sequence is slot (table[c >> block_shift] << block_shift) | (c & mask).
 // The step descriptor is one u32 array (uploaded once per forward, read by every layer):
 //   row_seq[n] | row_pos[n] | row_slot[n] | seqs[4 * num_seqs] (past, first_row, num_rows,
-//   table_start) | masks[n * mask_words] | tables[...]
+//   table_start) | masks[n * mask_words] | tables[...] | (the decoder's sections: the rows'
+//   tokens and logit rows, which no kernel here reads)
 // where bit j of row r's mask says r sees its sequence's step row j (its ancestors and itself:
 // a chain's row i sees rows 0..=i).
 //   write_kv_*:        rows [2 * kv_heads, n, head_dim] f32 (k heads, then v heads) into the

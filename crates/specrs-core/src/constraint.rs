@@ -35,7 +35,7 @@
 //!   allowed.
 
 pub mod cache;
-mod call_memory;
+pub(crate) mod call_memory;
 mod deadline;
 pub mod grammar_spec;
 pub mod limits;

@@ -13,6 +13,9 @@
 //! `CancellationHandle`, which the time budget uses too: the request then ends with the same
 //! `Error::Config` naming both budgets).
 //!
+//! Under test the same allocator also counts a thread's large blocks (`buffers_allocated`): the
+//! candle decoder's launch count (`model/candle/launches.rs`).
+//!
 //! Invariants: only the calling thread's allocations count, so other requests' work (other
 //! threads) never cancels a call; outside an armed call the allocator is the system's plus one
 //! thread-local read; a call that keeps less than the budget is untouched; the count never
@@ -43,6 +46,8 @@ unsafe impl GlobalAlloc for CountingAllocator {
         let block = System.alloc(layout);
         if !block.is_null() {
             charge(layout.size() as isize);
+            #[cfg(test)]
+            count_buffer(0, layout.size());
         }
         block
     }
@@ -51,6 +56,8 @@ unsafe impl GlobalAlloc for CountingAllocator {
         let block = System.alloc_zeroed(layout);
         if !block.is_null() {
             charge(layout.size() as isize);
+            #[cfg(test)]
+            count_buffer(0, layout.size());
         }
         block
     }
@@ -64,6 +71,8 @@ unsafe impl GlobalAlloc for CountingAllocator {
         let moved = System.realloc(block, layout, new_size);
         if !moved.is_null() {
             charge(new_size as isize - layout.size() as isize);
+            #[cfg(test)]
+            count_buffer(layout.size(), new_size);
         }
         moved
     }
@@ -101,6 +110,44 @@ fn charge(bytes: isize) {
             account.handle.cancel();
         }
     });
+}
+
+#[cfg(test)]
+thread_local! {
+    /// `(smallest size counted, buffers counted)` while this thread counts its buffers.
+    static BUFFERS: Cell<Option<(usize, usize)>> = const { Cell::new(None) };
+}
+
+/// Counts a block grown from `old` to `new` bytes (`old` 0: a fresh one) if it crossed the size
+/// counted: a vector growing past it is one buffer, however many steps it took.
+#[cfg(test)]
+fn count_buffer(old: usize, new: usize) {
+    let _ = BUFFERS.try_with(|buffers| {
+        if let Some((min, count)) = buffers.get() {
+            if old < min && new >= min {
+                buffers.set(Some((min, count + 1)));
+            }
+        }
+    });
+}
+
+/// The blocks of at least `min_bytes` this thread allocates while `f` runs, plus what
+/// [`count_as`] adds (the decoder's launch count, `model/candle/launches.rs`).
+#[cfg(test)]
+pub(crate) fn buffers_allocated(min_bytes: usize, f: impl FnOnce()) -> usize {
+    BUFFERS.with(|buffers| buffers.set(Some((min_bytes, 0))));
+    f();
+    BUFFERS.with(|buffers| buffers.replace(None)).map_or(0, |(_, count)| count)
+}
+
+/// Runs `f` uncounted and counts `buffers` for it instead (when this thread counts): an op whose
+/// CPU internals allocate what its device launch does not, or an in-place one.
+#[cfg(test)]
+pub(crate) fn count_as<T>(buffers: usize, f: impl FnOnce() -> T) -> T {
+    let counting = BUFFERS.with(|b| b.replace(None));
+    let result = f();
+    BUFFERS.with(|b| b.set(counting.map(|(min, count)| (min, count + buffers))));
+    result
 }
 
 /// Counts what this thread keeps until dropped (the call ended, however); restores the account

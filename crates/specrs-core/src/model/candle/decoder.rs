@@ -38,6 +38,7 @@ use crate::model::block::{self, load_block, BlockReader, Need, Projections};
 use crate::model::candle::attention::{attention, softcap, tree_attention, Scores};
 use crate::model::candle::fused::{act_mul, add_rms_norm, qkv_heads, HeadsSpec};
 use crate::model::candle::paged_attention::PagedStep;
+use crate::model::candle::upload;
 use crate::model::config::DecoderConfig;
 use crate::model::forward::check_token_ids;
 use crate::model::hf_dir::HfWeights;
@@ -82,10 +83,7 @@ impl Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match &self.weight {
             Weight::Quantized(w) => w.forward(x)?,
-            Weight::Dense(w) => match dense::forward(kernels::kernels(), w, x)? {
-                Some(y) => y,
-                None => x.matmul(&w.t()?)?,
-            },
+            Weight::Dense(w) => dense_forward(w, x)?,
             Weight::Native(w) => {
                 let n = x.dim(0)?;
                 let rows = w.forward_rows(&x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, n)?;
@@ -107,6 +105,20 @@ impl Linear {
             Weight::Quantized(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) | Weight::Dense(t) => tensor_bytes(t),
         };
         weight + self.bias.as_ref().map_or(0, tensor_bytes)
+    }
+}
+
+/// `x [n, in_features]` times a dense `w [out_features, in_features]`: specrs' CPU kernels on the
+/// CPU, candle's matmul elsewhere. The launch count runs candle's on the CPU too, the path CUDA
+/// takes, as the one launch it is there (`launches.rs`).
+fn dense_forward(w: &Tensor, x: &Tensor) -> Result<Tensor> {
+    #[cfg(test)]
+    if crate::model::candle::launches::GPU_GEMMS.with(std::cell::Cell::get) {
+        return crate::model::candle::launches::one_launch(|| Ok(x.matmul(&w.t()?)?));
+    }
+    match dense::forward(kernels::kernels(), w, x)? {
+        Some(y) => Ok(y),
+        None => Ok(x.matmul(&w.t()?)?),
     }
 }
 
@@ -302,10 +314,6 @@ impl BlockReader for HfReader<'_> {
         Ok(if self.norm_offset { (t + 1.0)? } else { t })
     }
 
-    fn head_norm(&mut self, name: &str, len: usize) -> Result<Tensor> {
-        Ok(self.norm(name, len)?.to_dtype(DType::F32)?)
-    }
-
     fn separate(&mut self, linears: Vec<Linear>) -> Result<Projections<Linear>> {
         stack_dense(linears)
     }
@@ -430,6 +438,12 @@ impl Decoder {
     /// quantized matmul exactly as a GGUF file's do (embedding dense in f32). The same seed gives
     /// the same model on every device.
     pub fn random(config: &LlamaConfig, seed: u64, format: WeightFormat, device: &Device) -> Result<Self> {
+        Self::random_of(DecoderConfig::from_llama(config), seed, format, device)
+    }
+
+    /// [`Decoder::random`] of a decoder config: another family's graph (`config.architecture`)
+    /// over the same random weights, where the family needs no weight they lack (a bias).
+    pub(crate) fn random_of(config: DecoderConfig, seed: u64, format: WeightFormat, device: &Device) -> Result<Self> {
         let dtype = match format {
             WeightFormat::Dense(dtype @ (DType::BF16 | DType::F16 | DType::F32)) => dtype,
             WeightFormat::Dense(other) => {
@@ -437,7 +451,6 @@ impl Decoder {
             }
             WeightFormat::Quantized(_) => DType::F32,
         };
-        let config = DecoderConfig::from_llama(config);
         let mut reader = RandomReader { seed, stream: 0, format, dtype, device, num_bytes: 0 };
         // The blocks draw first, then the LM head, then the embedding: the seeded models' order.
         let blocks = (0..config.num_layers)
@@ -456,12 +469,18 @@ impl Decoder {
         config: DecoderConfig,
         dtype: DType,
         embed: Tensor,
-        blocks: Vec<Block>,
+        mut blocks: Vec<Block>,
         final_norm: Tensor,
         lm_head: Linear,
         device: &Device,
         weight_bytes: usize,
     ) -> Result<Self> {
+        // `qkv_heads` norms q and k in f32: cast their weights once here, not in every forward.
+        for block in &mut blocks {
+            for norm in [&mut block.q_norm, &mut block.k_norm] {
+                *norm = norm.take().map(|w| w.to_dtype(DType::F32)).transpose()?;
+            }
+        }
         let tables = |theta: f32, factor: f32| -> Result<RopeTables> {
             let half = config.rope_dims / 2;
             let factors = match (&config.rope_freq_factors, factor) {
@@ -514,8 +533,14 @@ impl Decoder {
         let eps = c.rms_eps;
         let num_blocks = batch.exit_layer.unwrap_or(self.blocks.len());
         let paged = self.paged_step(batch, caches, &pasts)?;
-        let positions: Vec<u32> = batch.positions.iter().map(|&p| p as u32).collect();
-        let positions = Tensor::new(positions.as_slice(), &self.device)?;
+        // The rows' tokens and positions on the device: the paged step's one upload holds them.
+        let (ids, positions) = match &paged {
+            Some((step, _)) => (step.tokens()?, step.positions()?),
+            None => {
+                let positions: Vec<u32> = batch.positions.iter().map(|&p| p as u32).collect();
+                (upload(&batch.tokens, &self.device)?, upload(&positions, &self.device)?)
+            }
+        };
         // Tree sequences on contiguous caches: the cache cells each row sees, its sequence's past,
         // then its path within the new rows (root first, itself last). The paged step has masks.
         let tree_sees: Vec<Option<Vec<Vec<usize>>>> = (0..batch.num_seqs())
@@ -527,7 +552,6 @@ impl Decoder {
             })
             .collect();
 
-        let ids = Tensor::new(batch.tokens.as_slice(), &self.device)?;
         let mut x = self.embed.index_select(&ids, 0)?; // [n, hidden]
         if let Some(scale) = c.embed_scale {
             x = (x * scale as f64)?;
@@ -627,8 +651,13 @@ impl Decoder {
         let logits = if batch.logit_rows.is_empty() {
             Tensor::zeros((0, c.vocab_size), DType::F32, &self.device)?
         } else {
-            let rows: Vec<u32> = batch.logit_rows.iter().map(|&r| r as u32).collect();
-            let rows = Tensor::new(rows.as_slice(), &self.device)?;
+            let rows = match &paged {
+                Some((step, _)) => step.logit_rows()?,
+                None => {
+                    let rows: Vec<u32> = batch.logit_rows.iter().map(|&r| r as u32).collect();
+                    upload(&rows, &self.device)?
+                }
+            };
             let normed = match &final_normed {
                 Some(normed) => normed.index_select(&rows, 0)?,
                 None => rms_norm(&x.index_select(&rows, 0)?, &self.final_norm, eps)?,
@@ -737,7 +766,7 @@ impl CausalLm for Decoder {
 
     fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
         check_token_ids(tokens, self.config.vocab_size)?;
-        let ids = Tensor::new(tokens, &self.device)?;
+        let ids = upload(tokens, &self.device)?;
         Ok(self.embed.index_select(&ids, 0)?.to_dtype(DType::F32)?) // [n, hidden]
     }
 

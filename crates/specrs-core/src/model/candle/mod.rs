@@ -3,7 +3,8 @@
 //! directories, seeded random models, GGUF with attention soft-capping). `decoder.rs` is the
 //! decoder; `attention.rs` the attention it and the heads' layers (`proposer/heads/layer.rs`) run;
 //! `fused.rs` the fused ops (residual add + norm, activation * up) with their CUDA kernels;
-//! `paged_attention.rs` the KV write and attention of a whole step over a paged device pool.
+//! `paged_attention.rs` the KV write and attention of a whole step over a paged device pool;
+//! `launches.rs` (tests) holds the paged step to its budget of launches and its one upload.
 //!
 //! Invariant: it reads the same weights by the same names and loader (`model/layout.rs`,
 //! `model/block.rs`) and keeps the forward contract (`model/forward.rs`): bitwise on the CPU, where
@@ -13,11 +14,27 @@
 pub(crate) mod attention;
 pub mod decoder;
 pub mod fused;
+#[cfg(test)]
+mod launches;
 pub mod paged_attention;
 
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 
 use crate::error::Result;
+
+#[cfg(test)]
+thread_local! {
+    /// u32 arrays this thread's forwards uploaded (the launch count's, `launches.rs`).
+    pub(crate) static UPLOADS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// `values` on `device`: every host-to-device copy of a decoder forward goes through here, so
+/// its uploads can be counted (a paged step makes one).
+pub(crate) fn upload(values: &[u32], device: &Device) -> Result<Tensor> {
+    #[cfg(test)]
+    UPLOADS.with(|n| n.set(n.get() + 1));
+    Ok(Tensor::new(values, device)?)
+}
 
 /// The decoder's own kernels on random inputs on `device` against their CPU references: the
 /// fused ops and the paged KV write and attention. `(op and case, largest absolute difference,

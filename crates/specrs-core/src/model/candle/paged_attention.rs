@@ -4,9 +4,10 @@
 //! (NVRTC). This replaces, on a paged cache, the per-sequence appends, whole-cache f32 casts and
 //! per-tree-row gathers of `attention.rs`.
 //!
-//! A [`PagedStep`] describes the step once per forward (one u32 upload every layer reads): each
-//! row's sequence, position and slot, each sequence's past and block table, and each row's
-//! ancestor mask over its sequence's step rows (a chain's row i sees rows 0..=i; a tree row its
+//! A [`PagedStep`] describes the step once per forward (one u32 upload every layer reads, and the
+//! forward's only one: the rows' tokens and logit rows ride along): each row's sequence, position
+//! and slot, each sequence's past and block table, and each row's ancestor mask over its
+//! sequence's step rows (a chain's row i sees rows 0..=i; a tree row its
 //! path). Row r sees its sequence's past positions and the step rows its mask names, each within
 //! the layer's window by position, so a tree row computes what its path run as a chain computes.
 //!
@@ -24,6 +25,7 @@ use crate::error::{Error, Result};
 use crate::kv_cache::slot_of;
 use crate::model::candle::attention::Scores;
 use crate::model::candle::fused::{op_error, Elem};
+use crate::model::candle::upload;
 use crate::model::forward::ForwardBatch;
 
 /// The most dims a head may have here (a warp's 32 lanes hold up to 8 each on the device).
@@ -32,8 +34,13 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// A forward's rows as the paged ops read them (see the module header); `descriptor` lives on
 /// the model's device, laid out as `cuda/paged_attention.cu` names it.
 pub(crate) struct PagedStep {
-    /// `row_seq[n] | row_pos[n] | row_slot[n] | seqs[4 S] | masks[n W] | tables[..]` u32.
+    /// `row_seq[n] | row_pos[n] | row_slot[n] | seqs[4 S] | masks[n W] | tables[T] | tokens[n] |
+    /// logit_rows[L]` u32: the forward's one upload (the kernels read up to the tables; the
+    /// decoder's token gather, rotations and logit rows read their sections).
     descriptor: Tensor,
+    /// Where the tokens section starts (`3 n + 4 S + n W + T`).
+    tokens_start: usize,
+    num_logit_rows: usize,
     num_rows: usize,
     num_seqs: usize,
     /// u32 words per row's ancestor mask: enough bits for the longest sequence's step rows.
@@ -90,14 +97,34 @@ impl PagedStep {
                 }
             }
         }
-        let descriptor: Vec<u32> = [row_seq, row_pos, row_slot, seqs, masks, flat_tables].concat();
+        let logit_rows = batch.logit_rows.iter().map(|&r| u32_of(r, "logit row")).collect::<Result<Vec<_>>>()?;
+        let tokens_start = 3 * n + seqs.len() + masks.len() + flat_tables.len();
+        let descriptor: Vec<u32> =
+            [row_seq, row_pos, row_slot, seqs, masks, flat_tables, batch.tokens.clone(), logit_rows].concat();
         Ok(Self {
-            descriptor: Tensor::new(descriptor.as_slice(), device)?,
+            descriptor: upload(&descriptor, device)?,
+            tokens_start,
+            num_logit_rows: batch.logit_rows.len(),
             num_rows: n,
             num_seqs,
             mask_words,
             block_shift,
         })
+    }
+
+    /// The rows' tokens `[n]` u32, on the device.
+    pub(crate) fn tokens(&self) -> Result<Tensor> {
+        Ok(self.descriptor.narrow(0, self.tokens_start, self.num_rows)?)
+    }
+
+    /// The rows' positions `[n]` u32, on the device.
+    pub(crate) fn positions(&self) -> Result<Tensor> {
+        Ok(self.descriptor.narrow(0, self.num_rows, self.num_rows)?)
+    }
+
+    /// The rows that get logits `[L]` u32 (batch-wide, increasing), on the device.
+    pub(crate) fn logit_rows(&self) -> Result<Tensor> {
+        Ok(self.descriptor.narrow(0, self.tokens_start + self.num_rows, self.num_logit_rows)?)
     }
 
     /// Writes the step's new keys and values, `rows [2 * num_kv_heads, n, head_dim]` f32 (k heads,
@@ -136,7 +163,11 @@ pub(crate) fn write_rows(pool: &Tensor, rows: &Tensor, slots: &Tensor) -> Result
     if num_rows == 0 {
         return Ok(());
     }
-    pool.inplace_op3(&rows.contiguous()?, slots, &WriteKv { num_rows })?;
+    let write = || pool.inplace_op3(&rows.contiguous()?, slots, &WriteKv { num_rows });
+    // In place, so no output buffer shows its launch to the launch count (`launches.rs`).
+    #[cfg(test)]
+    let write = || crate::constraint::call_memory::count_as(1, write);
+    write()?;
     Ok(())
 }
 
