@@ -100,7 +100,7 @@ impl PagedStep {
         let logit_rows = batch.logit_rows.iter().map(|&r| u32_of(r, "logit row")).collect::<Result<Vec<_>>>()?;
         let tokens_start = 3 * n + seqs.len() + masks.len() + flat_tables.len();
         let descriptor: Vec<u32> =
-            [row_seq, row_pos, row_slot, seqs, masks, flat_tables, batch.tokens.clone(), logit_rows].concat();
+            [&row_seq[..], &row_pos, &row_slot, &seqs, &masks, &flat_tables, &batch.tokens, &logit_rows].concat();
         Ok(Self {
             descriptor: upload(&descriptor, device)?,
             tokens_start,
