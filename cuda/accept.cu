@@ -188,65 +188,187 @@ extern "C" __global__ void accept_kernel(
     }
 }
 
-// Batched tree acceptance (deterministic trees): one block per sequence. The CPU reference, with
-// the full contract, is crates/specrs-core/src/batch/tree_accept.rs. From the root (row 0; row
-// i + 1 scores the token after node i), depth d's target token is the row's argmax (temperature 0)
-// or an inverse-CDF draw from softmax(row / temperature) with uniforms[d]; the first child (in node
-// index order) carrying that token is accepted and the walk goes on from it; when none does, the
-// target token is the next token.
+// Batched tree acceptance (deterministic trees) for a whole step in ONE launch. The CPU reference,
+// with the full contract, is crates/specrs-core/src/batch/tree_accept.rs (tree_accept_packed), which
+// also owns the packed descriptor's layout (PackedTrees):
+//   header   [4]     num_seqs B, max_nodes N, num_rows R, vocab chunks C
+//   seqs     [B, 2]  first_row, num_nodes (rows first_row ..= first_row + num_nodes: root, node i)
+//   rows     [R, 5]  logit_row, draft token, parent (int; root: -2), temperature (float bits),
+//                    uniform of the row's depth (float bits)
+//   counters [R + 1] zero on upload: each row's chunk blocks done, then rows done
+// Row i + 1 of a sequence scores the token after node i. A row's target token is its argmax
+// (temperature 0) or an inverse-CDF draw from softmax(row / temperature) with its uniform: it
+// depends on the row alone, so every row's target is computed at once, grid (R, C), each block
+// reducing one vocabulary chunk; the last block of a row to finish combines the row's chunks into
+// its target, and the last row to finish walks every sequence: from the root, the first child (in
+// node index order) carrying the current row's target is accepted and the walk goes on from it;
+// when none does, the target token is the next token.
+#define HEADER_WORDS 4
+#define SEQ_WORDS 2
+#define ROW_WORDS 5
+#define NO_NODE 0xffffffffu
+
+// Whether this block is the last of `expected` blocks to arrive at `counter`; its and every
+// earlier block's global writes are visible to it when it is (the threadFenceReduction pattern).
+__device__ bool last_to_arrive(unsigned int* counter, unsigned int expected, unsigned int* flag) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) *flag = atomicAdd(counter, 1u) == expected - 1;
+    __syncthreads();
+    return *flag != 0;
+}
+
+// Inverse-CDF draw inside [lo, hi) of a row with unnormalized weights exp((x - max) / T): the first
+// index whose running sum (from `offset`, the weight of the chunks before) passes `goal`, skipping
+// zero weights; the chunk's last nonzero index if rounding runs past it.
+__device__ unsigned int chunk_draw(const float* row, unsigned int lo, unsigned int hi, float max, float inv_t,
+                                   float offset, float goal, float* fscratch, unsigned int* uscratch) {
+    unsigned int last_nonzero = lo;
+    for (unsigned int base = lo; base < hi; base += BLOCK) {
+        unsigned int j = base + threadIdx.x;
+        float w = j < hi ? expf((row[j] - max) * inv_t) : 0.0f;
+        // Inclusive scan of this piece (Hillis-Steele).
+        fscratch[threadIdx.x] = w;
+        __syncthreads();
+        for (int stride = 1; stride < BLOCK; stride <<= 1) {
+            float add = threadIdx.x >= stride ? fscratch[threadIdx.x - stride] : 0.0f;
+            __syncthreads();
+            fscratch[threadIdx.x] += add;
+            __syncthreads();
+        }
+        float cumulative = offset + fscratch[threadIdx.x];
+        float piece_total = fscratch[BLOCK - 1];
+        __syncthreads();
+        unsigned int hit = (w > 0.0f && cumulative > goal) ? j : NO_NODE;
+        hit = block_min_index(hit, uscratch);
+        if (hit != NO_NODE) return hit;
+        unsigned int nonzero = (w > 0.0f) ? j : 0u;
+        unsigned int last = 0xffffffffu - block_min_index(0xffffffffu - nonzero, uscratch);
+        if (last > last_nonzero) last_nonzero = last;
+        offset += piece_total;
+    }
+    return last_nonzero;
+}
+
 extern "C" __global__ void tree_accept_kernel(
-    const float* target_logits,             // [batch, n + 1, v]
-    const unsigned int* draft_token_ids,    // [batch, n]
-    const int* parents,                     // [batch, n]; -1 = the root, parents before children
-    const unsigned int* num_nodes,          // [batch]
-    const float* temperatures,              // [batch]; 0 = greedy
-    const float* uniforms,                  // [batch, n + 1]
-    unsigned int n,
+    const float* logits,                    // [forward rows, v]
+    unsigned int* desc,                     // the packed descriptor above (its counters change)
+    unsigned int* scratch,                  // [R, C, 2] chunk partials, then [R] row targets
     unsigned int v,
-    unsigned int* num_accepted_tokens,      // [batch] out
-    unsigned int* accepted_nodes,           // [batch, n] out: the path, padded with 0xffffffff
-    unsigned int* next_token_ids)           // [batch] out
+    unsigned int* out)                      // [B, 2 + N] out: num_accepted, next token, path
 {
     __shared__ float fscratch[BLOCK];
     __shared__ unsigned int uscratch[BLOCK];
-    unsigned int s = blockIdx.x;
-    const float* logits = target_logits + (size_t)s * (n + 1) * v;
-    const unsigned int* drafts = draft_token_ids + (size_t)s * n;
-    const int* tree = parents + (size_t)s * n;
-    const float* u = uniforms + (size_t)s * (n + 1);
-    unsigned int* path = accepted_nodes + (size_t)s * n;
-    unsigned int count = num_nodes[s];
-    float temperature = temperatures[s];
+    __shared__ unsigned int flag;
+    __shared__ unsigned int pick_chunk;
+    __shared__ float pick_offset, pick_goal;
+    unsigned int num_seqs = desc[0], max_nodes = desc[1], num_rows = desc[2];
+    unsigned int chunks = gridDim.y;
+    unsigned int r = blockIdx.x;
+    const unsigned int* seqs = desc + HEADER_WORDS;
+    const unsigned int* rows = seqs + SEQ_WORDS * num_seqs;
+    unsigned int* row_done = desc + HEADER_WORDS + SEQ_WORDS * num_seqs + ROW_WORDS * num_rows;
+    unsigned int* rows_done = row_done + num_rows;
+    unsigned int* partials = scratch + (size_t)r * chunks * 2;
+    unsigned int* targets = scratch + (size_t)num_rows * chunks * 2;
+    const unsigned int* me = rows + (size_t)ROW_WORDS * r;
+    const float* row = logits + (size_t)me[0] * v;
+    float temperature = __uint_as_float(me[3]);
     float inv_t = temperature > 0.0f ? 1.0f / temperature : 0.0f;
-    int current = -1;  // the root
-    unsigned int depth = 0;
-    unsigned int next = 0;
+    unsigned int chunk = (v + chunks - 1) / chunks;
 
-    // A tree of count nodes is at most count deep: the walk ends by depth count.
-    for (; depth <= count; depth++) {
-        const float* row = logits + (size_t)(current + 1) * v;
-        unsigned int target;
-        if (temperature <= 0.0f) {
-            target = block_argmax(row, v, fscratch, uscratch);
-        } else {
-            float m, total;
-            softmax_stats(row, v, inv_t, &m, &total, fscratch);
-            target = block_draw(row, 0, -1, v, m, inv_t, total, false, u[depth], fscratch, uscratch);
+    // 1. This block's chunk: its max, then its first index holding the max (greedy) or its
+    //    softmax mass relative to its own max, sum exp((x - max) / T) (sampled).
+    unsigned int lo = min(blockIdx.y * chunk, v), hi = min(lo + chunk, v);
+    float m = NEG_INF;
+    for (unsigned int j = lo + threadIdx.x; j < hi; j += BLOCK) m = fmaxf(m, row[j]);
+    m = block_max(m, fscratch);
+    unsigned int second;
+    if (temperature <= 0.0f) {
+        unsigned int first = NO_NODE;
+        for (unsigned int j = lo + threadIdx.x; j < hi; j += BLOCK) {
+            if (row[j] == m) { first = j; break; }
         }
-        // The lowest-index child of `current` carrying the target token.
-        unsigned int child = 0xffffffffu;
-        for (unsigned int i = threadIdx.x; i < count; i += BLOCK) {
-            if (tree[i] == current && drafts[i] == target) { child = i; break; }
-        }
-        child = block_min_index(child, uscratch);
-        if (child == 0xffffffffu) { next = target; break; }
-        if (threadIdx.x == 0) path[depth] = child;
-        current = (int)child;
+        second = block_min_index(first, uscratch);
+    } else {
+        float total = 0.0f;
+        for (unsigned int j = lo + threadIdx.x; j < hi; j += BLOCK) total += expf((row[j] - m) * inv_t);
+        second = __float_as_uint(block_sum(total, fscratch));
     }
-    // Entries below depth hold the path (written by thread 0 above); the rest is padding.
-    for (unsigned int i = depth + threadIdx.x; i < n; i += BLOCK) path[i] = 0xffffffffu;
     if (threadIdx.x == 0) {
-        num_accepted_tokens[s] = depth;
-        next_token_ids[s] = next;
+        partials[2 * blockIdx.y] = __float_as_uint(m);
+        partials[2 * blockIdx.y + 1] = second;
+    }
+    if (!last_to_arrive(&row_done[r], chunks, &flag)) return;
+
+    // 2. The row's last block: its chunks combined into the row's target token.
+    const volatile unsigned int* parts = partials;
+    float best = NEG_INF;
+    for (unsigned int c = threadIdx.x; c < chunks; c += BLOCK) best = fmaxf(best, __uint_as_float(parts[2 * c]));
+    best = block_max(best, fscratch);
+    unsigned int target;
+    if (temperature <= 0.0f) {
+        // Chunks cover increasing ranges, so the lowest first index among the chunks holding the
+        // max is the row's lowest (as argmax in sampler.rs).
+        unsigned int first = NO_NODE;
+        for (unsigned int c = threadIdx.x; c < chunks; c += BLOCK) {
+            if (__uint_as_float(parts[2 * c]) == best) first = min(first, parts[2 * c + 1]);
+        }
+        target = block_min_index(first, uscratch);
+    } else {
+        // Chunk c's weight is its mass rescaled to the row's max; thread 0 finds, in order, the
+        // chunk where the running weight passes uniform * total (the last nonzero one if rounding
+        // runs past), then the block draws inside it.
+        if (threadIdx.x == 0) {
+            float total = 0.0f;
+            for (unsigned int c = 0; c < chunks; c++)
+                total += __uint_as_float(parts[2 * c + 1]) * expf((__uint_as_float(parts[2 * c]) - best) * inv_t);
+            float goal = __uint_as_float(me[4]) * total;
+            float offset = 0.0f, last_offset = 0.0f;
+            unsigned int pick = NO_NODE, last_nonzero = 0;
+            for (unsigned int c = 0; c < chunks && pick == NO_NODE; c++) {
+                float w = __uint_as_float(parts[2 * c + 1]) * expf((__uint_as_float(parts[2 * c]) - best) * inv_t);
+                if (w > 0.0f) {
+                    if (offset + w > goal) pick = c;
+                    last_nonzero = c;
+                    last_offset = offset;
+                }
+                offset += w;
+            }
+            pick_chunk = pick != NO_NODE ? pick : last_nonzero;
+            pick_offset = last_offset;
+            pick_goal = goal;
+        }
+        __syncthreads();
+        unsigned int c = pick_chunk;
+        unsigned int c_lo = min(c * chunk, v), c_hi = min(c_lo + chunk, v);
+        target = chunk_draw(row, c_lo, c_hi, best, inv_t, pick_offset, pick_goal, fscratch, uscratch);
+    }
+    if (threadIdx.x == 0) targets[r] = target;
+    if (!last_to_arrive(rows_done, num_rows, &flag)) return;
+
+    // 3. The last row's block: every sequence's walk, one thread each.
+    const volatile unsigned int* row_targets = targets;
+    for (unsigned int s = threadIdx.x; s < num_seqs; s += BLOCK) {
+        unsigned int first_row = seqs[SEQ_WORDS * s], count = seqs[SEQ_WORDS * s + 1];
+        unsigned int* o = out + (size_t)s * (2 + max_nodes);
+        int current = -1;  // the root
+        unsigned int depth = 0, next = 0;
+        // A child's index exceeds its parent's, so the walk ends by depth count.
+        for (;;) {
+            unsigned int want = row_targets[first_row + (unsigned int)(current + 1)];
+            unsigned int child = NO_NODE;
+            for (unsigned int i = 0; i < count; i++) {
+                const unsigned int* node = rows + (size_t)ROW_WORDS * (first_row + 1 + i);
+                if ((int)node[2] == current && node[1] == want) { child = i; break; }
+            }
+            if (child == NO_NODE) { next = want; break; }
+            o[2 + depth] = child;
+            depth++;
+            current = (int)child;
+        }
+        for (unsigned int i = depth; i < max_nodes; i++) o[2 + i] = NO_NODE;
+        o[0] = depth;
+        o[1] = next;
     }
 }

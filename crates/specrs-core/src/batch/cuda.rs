@@ -3,7 +3,7 @@
 //! so they order correctly after the forward pass that produced the logits.
 //!
 //! Invariant: same inputs, same outputs as the CPU references `accept::accept`,
-//! `tree_accept::tree_accept` and `ngram::ngram_lookup`. The n-gram lookup and greedy acceptance
+//! `tree_accept::tree_accept_packed` and `ngram::ngram_lookup`. The n-gram lookup and greedy acceptance
 //! (chain or tree) are exact; a sampled draw sums floats in another order, so a uniform lying within
 //! rounding of a CDF boundary can pick the neighbouring token (in a tree, and so another path; on
 //! an H200, 7 of 400 sampled chain sequences at vocabulary 32000, each within 2e-5 of the mass of
@@ -14,7 +14,7 @@ use candle_core::{Device, Storage, Tensor};
 
 use super::accept::{AcceptInput, AcceptOutput};
 use super::ngram::NgramInput;
-use super::tree_accept::{TreeAcceptInput, TreeAcceptOutput};
+use super::tree_accept::{PackedTrees, TreeAcceptInput, TreeAcceptOutput};
 use crate::error::{Error, Result};
 use crate::nvrtc::{cuda_device, device_error, function, open, ACCEPT, BLOCK, NGRAM};
 
@@ -78,68 +78,44 @@ pub fn accept_on_device(target_logits: &Tensor, input: &AcceptInput) -> Result<A
     })
 }
 
-/// `tree_accept::tree_accept` on the device. `target_logits` is the `[batch, n + 1, vocab]` f32
-/// tensor on a CUDA device (as the tree's verify forward leaves it); the rest of `input` comes from
-/// the host, and `input.target_logits` is ignored. The counts, paths and next tokens come back.
-pub fn tree_accept_on_device(target_logits: &Tensor, input: &TreeAcceptInput) -> Result<TreeAcceptOutput> {
-    let (b, n, v) = (input.batch, input.max_nodes, input.vocab_size);
-    check_dims(target_logits, [b, n + 1, v])?;
-    input.check_with_logits(target_logits.elem_count())?;
-    if b == 0 {
+/// `tree_accept::tree_accept_packed` on the device, in one launch: `logits` `[rows, vocab]` on a
+/// CUDA device (the forward's, read in place), `packed` the step's trees over them. ONE upload
+/// (the descriptor) and ONE download (the output words `[B, 2 + N]`).
+pub fn tree_accept_packed_on_device(logits: &Tensor, packed: &PackedTrees) -> Result<Vec<u32>> {
+    packed.check_logits(logits.dims2()?)?;
+    if packed.num_seqs() == 0 {
         // No block to launch (a grid of zero blocks is a launch error).
-        return Ok(TreeAcceptOutput { num_accepted_tokens: vec![], accepted_nodes: vec![], next_token_ids: vec![] });
+        return Ok(Vec::new());
     }
-    let logits = target_logits.to_dtype(candle_core::DType::F32)?.contiguous()?;
+    let logits = logits.to_dtype(candle_core::DType::F32)?.contiguous()?;
     let device = cuda_device(logits.device())?;
-
     let func = function(device, &ACCEPT, "tree_accept_kernel")?;
     let stream = device.cuda_stream();
-    let copy = |what: &str, e| device_error(&format!("copying {what} to the device"), e);
-    // Zero-length device buffers are not valid pointers; n = 0 (a batch of empty trees) gets one
-    // unread element instead.
-    let or_one = |values: &[u32]| if values.is_empty() { vec![0] } else { values.to_vec() };
-    let draft_ids = stream.clone_htod(&or_one(input.draft_token_ids)).map_err(|e| copy("draft tokens", e))?;
-    let parents_host = if input.parents.is_empty() { vec![-1] } else { input.parents.to_vec() };
-    let parents = stream.clone_htod(&parents_host).map_err(|e| copy("parents", e))?;
-    let num_nodes = stream.clone_htod(input.num_nodes).map_err(|e| copy("tree sizes", e))?;
-    let temperatures = stream.clone_htod(input.temperatures).map_err(|e| copy("temperatures", e))?;
-    let uniforms = stream.clone_htod(input.uniforms).map_err(|e| copy("uniforms", e))?;
-    let mut num_accepted = stream.alloc_zeros::<u32>(b).map_err(|e| copy("outputs", e))?;
-    let mut accepted_nodes = stream.alloc_zeros::<u32>(b * n.max(1)).map_err(|e| copy("outputs", e))?;
-    let mut next_tokens = stream.alloc_zeros::<u32>(b).map_err(|e| copy("outputs", e))?;
-    let (n32, v32) = (n as u32, v as u32);
+    crate::model::candle::count_upload();
+    let mut descriptor =
+        stream.clone_htod(&packed.words()).map_err(|e| device_error("copying the packed trees to the device", e))?;
+    let alloc = |e| device_error("allocating the acceptance's scratch", e);
+    // SAFETY: the kernel writes every scratch word before it reads it (partials, then targets).
+    let mut scratch = unsafe { stream.alloc::<u32>(packed.scratch_words()) }.map_err(alloc)?;
+    // SAFETY: the walk writes every output word.
+    let mut out = unsafe { stream.alloc::<u32>(packed.output_words()) }.map_err(alloc)?;
+    let v32 = packed.vocab_size as u32;
 
     let (storage, layout) = logits.storage_and_layout();
     let Storage::Cuda(cuda_storage) = &*storage else {
-        return Err(Error::Device("target_logits is not stored on a CUDA device".into()));
+        return Err(Error::Device("the logits are not stored on a CUDA device".into()));
     };
     let logits_view = cuda_storage.as_cuda_slice::<f32>()?.slice(layout.start_offset()..);
     let mut launch = stream.launch_builder(&func);
-    launch
-        .arg(&logits_view)
-        .arg(&draft_ids)
-        .arg(&parents)
-        .arg(&num_nodes)
-        .arg(&temperatures)
-        .arg(&uniforms)
-        .arg(&n32)
-        .arg(&v32)
-        .arg(&mut num_accepted)
-        .arg(&mut accepted_nodes)
-        .arg(&mut next_tokens);
-    let config = LaunchConfig { grid_dim: (b as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
-    // SAFETY: the argument list matches tree_accept_kernel's signature, every buffer has the size
-    // `check` verified (parents valid, so the walk stays inside the tree), and the kernel writes
-    // only its three outputs.
+    // The kernel counts in the descriptor's counters, so it is passed as written to.
+    launch.arg(&logits_view).arg(&mut descriptor).arg(&mut scratch).arg(&v32).arg(&mut out);
+    let grid = (packed.num_rows() as u32, packed.num_chunks() as u32, 1);
+    let config = LaunchConfig { grid_dim: grid, block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the argument list matches tree_accept_kernel's signature; `PackedTrees::push`
+    // checked every parent and token, the rows lie inside the logits (checked above), and the
+    // scratch and output have the sizes the descriptor implies.
     unsafe { launch.launch(config) }.map_err(|e| device_error("launching tree_accept_kernel", e))?;
-    let back = |e| device_error("copying the results back", e);
-    let mut accepted_nodes = stream.clone_dtoh(&accepted_nodes).map_err(back)?;
-    accepted_nodes.truncate(b * n);
-    Ok(TreeAcceptOutput {
-        num_accepted_tokens: stream.clone_dtoh(&num_accepted).map_err(back)?,
-        accepted_nodes,
-        next_token_ids: stream.clone_dtoh(&next_tokens).map_err(back)?,
-    })
+    stream.clone_dtoh(&out).map_err(|e| device_error("copying the verdicts back", e))
 }
 
 /// `ngram::ngram_lookup` on `device` (inputs from the host): the drafts `[batch, k]` and their lengths.
@@ -179,13 +155,15 @@ pub fn accept_from_host(ordinal: usize, input: &AcceptInput) -> Result<AcceptOut
     accept_on_device(&logits, input)
 }
 
-/// `tree_accept_on_device` with the logits copied from the host to GPU `ordinal` first (for the
-/// device check).
+/// `tree_accept::tree_accept` on GPU `ordinal`: the padded batch packed, its logits copied from
+/// the host (for the device check, which compares the kernel with the CPU reference).
 pub fn tree_accept_from_host(ordinal: usize, input: &TreeAcceptInput) -> Result<TreeAcceptOutput> {
+    input.check()?;
     let device = open(ordinal)?;
-    let shape = (input.batch, input.max_nodes + 1, input.vocab_size);
+    let shape = (input.batch * (input.max_nodes + 1), input.vocab_size);
     let logits = Tensor::from_slice(input.target_logits, shape, &device)?;
-    tree_accept_on_device(&logits, input)
+    let words = tree_accept_packed_on_device(&logits, &input.packed()?)?;
+    Ok(TreeAcceptOutput::from_words(&words, input.max_nodes))
 }
 
 /// `ngram_lookup_on_device` on GPU `ordinal`.
@@ -289,7 +267,8 @@ mod tests {
         if !gpu_present() {
             return;
         }
-        let (b, n, v) = (256, 16, 4096);
+        // Three full vocabulary chunks and a partial one, so a row's target combines four blocks.
+        let (b, n, v) = (64, 16, 3 * super::super::tree_accept::VOCAB_CHUNK + 123);
         let mut rng = Lcg(13);
         let below = |rng: &mut Lcg, m: usize| ((rng.next() * m as f32) as usize).min(m - 1);
         let (mut logits, mut drafts, mut parents, mut num_nodes) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());

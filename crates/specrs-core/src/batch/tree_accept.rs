@@ -14,6 +14,12 @@
 //! the next token and the walk ends. A tree of n nodes is at most n deep, so the walk reads at most
 //! uniforms 0..=n.
 //!
+//! The kernel reads one packed descriptor (`PackedTrees`: one upload per step) and the rows where
+//! the logits already are (the forward's, not a padded copy). Because a row's target token depends
+//! only on the row, its temperature and the uniform of its depth (never on the walk), the kernel
+//! computes every row's target at once, the vocabulary split across blocks, and walks the trees
+//! after; `tree_accept_packed` reads the same words on the CPU.
+//!
 //! Invariant: with `uniforms[s][d] = sampler.uniform_at(position + d)`, each sequence's result
 //! equals `verify_tree` on the same tree with `draft_probs = None` and temperature-only sampling
 //! parameters, driven by `sampler` at `position` (its coupled form draws depth d with
@@ -100,48 +106,215 @@ impl TreeAcceptInput<'_> {
     }
 }
 
-/// The CPU reference of `tree_accept_kernel` in `cuda/accept.cu`.
-pub fn tree_accept(input: &TreeAcceptInput) -> Result<TreeAcceptOutput> {
-    input.check()?;
-    let (n, v) = (input.max_nodes, input.vocab_size);
-    let mut out = TreeAcceptOutput {
-        num_accepted_tokens: Vec::with_capacity(input.batch),
-        accepted_nodes: vec![NO_NODE; input.batch * n],
-        next_token_ids: Vec::with_capacity(input.batch),
+/// Vocabulary entries one block of `tree_accept_kernel` reduces: a row's logits are split over
+/// ceil(vocab / VOCAB_CHUNK) blocks, so a 128k-token row is 32 blocks instead of one.
+pub const VOCAB_CHUNK: usize = 4096;
+
+/// Words of `PackedTrees`' sections (`cuda/accept.cu` reads them with the same numbers).
+const HEADER_WORDS: usize = 4;
+const SEQ_WORDS: usize = 2;
+const ROW_WORDS: usize = 5;
+
+/// A step's trees packed for `tree_accept_kernel`: ONE buffer of u32 words, uploaded once.
+///
+/// ```text
+/// header   [4]       num_seqs B, max_nodes N (the output's path width), num_rows R, vocab chunks C
+/// seqs     [B, 2]    first_row, num_nodes: rows first_row ..= first_row + num_nodes are the
+///                    sequence's root, then node i
+/// rows     [R, 5]    logit_row (in the caller's logits), draft token, parent (i32; a root's is
+///                    -2, unread), temperature (f32; 0 = greedy), uniform of the row's depth (f32)
+/// counters [R + 1]   zero: each row's chunk blocks done, then rows done (the kernel counts in them)
+/// ```
+///
+/// The kernel's output (`TreeAcceptOutput::from_words`) is `[B, 2 + N]`: num_accepted, next
+/// token, the path padded with `NO_NODE`; its scratch (per (row, chunk) partials, per row
+/// targets) is `scratch_words()` it never reads before writing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PackedTrees {
+    pub max_nodes: usize,
+    pub vocab_size: usize,
+    seqs: Vec<u32>,
+    rows: Vec<u32>,
+}
+
+impl PackedTrees {
+    /// No sequences yet; every path is at most `max_nodes` long.
+    pub fn new(max_nodes: usize, vocab_size: usize) -> Self {
+        Self { max_nodes, vocab_size, seqs: Vec::new(), rows: Vec::new() }
+    }
+
+    pub fn num_seqs(&self) -> usize {
+        self.seqs.len() / SEQ_WORDS
+    }
+
+    pub fn num_rows(&self) -> usize {
+        self.rows.len() / ROW_WORDS
+    }
+
+    /// Blocks per row: ceil(vocab / VOCAB_CHUNK).
+    pub fn num_chunks(&self) -> usize {
+        self.vocab_size.div_ceil(VOCAB_CHUNK).max(1)
+    }
+
+    /// Adds a sequence whose root row is `first_logit_row` of the caller's logits and node i's row
+    /// the one after it (a sequence's rows are consecutive, as a forward lays them out);
+    /// `row_uniforms` `[n + 1]` is each row's uniform (that of its depth: the root's 0, node i's
+    /// depth(i) + 1). Parents must precede their children and draft tokens lie in the vocabulary.
+    pub fn push(
+        &mut self,
+        first_logit_row: usize,
+        draft_token_ids: &[u32],
+        parents: &[i32],
+        temperature: f32,
+        row_uniforms: &[f32],
+    ) -> Result<()> {
+        let (s, n) = (self.num_seqs(), draft_token_ids.len());
+        let mut wrong = Vec::new();
+        if parents.len() != n || row_uniforms.len() != n + 1 {
+            wrong.push(format!("{n} draft tokens, {} parents, {} row uniforms", parents.len(), row_uniforms.len()));
+        }
+        if n > self.max_nodes {
+            wrong.push(format!("{n} nodes exceed max_nodes {}", self.max_nodes));
+        }
+        if let Some(t) = draft_token_ids.iter().find(|&&t| t as usize >= self.vocab_size) {
+            wrong.push(format!("draft token {t} is outside the vocabulary ({})", self.vocab_size));
+        }
+        if let Err((i, p)) = crate::tree::try_depths(parents) {
+            wrong.push(format!("parent {p} of node {i} is invalid (parents are -1 for the root or an earlier node)"));
+        }
+        if !wrong.is_empty() {
+            return Err(Error::Internal(format!("packed tree acceptance, sequence {s}: {}", wrong.join("; "))));
+        }
+        self.seqs.extend([self.num_rows() as u32, n as u32]);
+        for r in 0..=n {
+            let (token, parent) = if r == 0 { (0, -2) } else { (draft_token_ids[r - 1], parents[r - 1]) };
+            let logit_row = (first_logit_row + r) as u32;
+            self.rows.extend([logit_row, token, parent as u32, temperature.to_bits(), row_uniforms[r].to_bits()]);
+        }
+        Ok(())
+    }
+
+    /// The descriptor: header, sequences, rows, zeroed counters.
+    pub fn words(&self) -> Vec<u32> {
+        let (b, r) = (self.num_seqs(), self.num_rows());
+        let header = [b, self.max_nodes, r, self.num_chunks()].map(|x| x as u32);
+        let mut words = Vec::with_capacity(HEADER_WORDS + self.seqs.len() + self.rows.len() + r + 1);
+        words.extend(header);
+        words.extend(&self.seqs);
+        words.extend(&self.rows);
+        words.resize(words.len() + r + 1, 0);
+        words
+    }
+
+    /// The kernel's scratch: 2 words per (row, chunk), then one target per row.
+    pub fn scratch_words(&self) -> usize {
+        self.num_rows() * (2 * self.num_chunks() + 1)
+    }
+
+    /// The kernel's output words: `[B, 2 + N]`.
+    pub fn output_words(&self) -> usize {
+        self.num_seqs() * (2 + self.max_nodes)
+    }
+
+    /// Refuses logits `[rows, vocab]` that do not hold every row the trees read.
+    pub fn check_logits(&self, (num_rows, vocab_size): (usize, usize)) -> Result<()> {
+        let max_row = self.rows.chunks(ROW_WORDS).map(|row| row[0] as usize).max();
+        if vocab_size != self.vocab_size || max_row.is_some_and(|row| row >= num_rows) {
+            return Err(Error::Internal(format!(
+                "packed trees read rows up to {max_row:?} of {} vocabulary entries; the logits are [{num_rows}, {vocab_size}]",
+                self.vocab_size
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The CPU reference of `tree_accept_kernel` in `cuda/accept.cu`: the packed descriptor `words`
+/// (`PackedTrees::words`) over `logits` `[rows, vocab]`, read as the kernel reads them; returns
+/// the output words `[B, 2 + N]`. A row's target token is computed only when the walk reaches it
+/// (the kernel computes every row's; the target depends on the row alone, so the walk is the same).
+pub fn tree_accept_packed(words: &[u32], logits: &[f32], vocab_size: usize) -> Vec<u32> {
+    let (num_seqs, max_nodes, num_rows) = (words[0] as usize, words[1] as usize, words[2] as usize);
+    let seqs = &words[HEADER_WORDS..HEADER_WORDS + SEQ_WORDS * num_seqs];
+    let rows = &words[HEADER_WORDS + seqs.len()..][..ROW_WORDS * num_rows];
+    let row = |r: usize| &rows[r * ROW_WORDS..(r + 1) * ROW_WORDS];
+    let target = |r: usize| {
+        let [logit_row, _, _, temperature, uniform] = row(r).try_into().expect("five words per row");
+        let scores = &logits[logit_row as usize * vocab_size..][..vocab_size];
+        let temperature = f32::from_bits(temperature);
+        if temperature <= 0.0 {
+            argmax(scores)
+        } else {
+            let params = SamplingParams { temperature, ..SamplingParams::default() };
+            draw_with(&probabilities(scores, &params), f32::from_bits(uniform))
+        }
     };
-    for s in 0..input.batch {
-        let logits = &input.target_logits[s * (n + 1) * v..(s + 1) * (n + 1) * v];
-        let row = |r: usize| &logits[r * v..(r + 1) * v]; // r = 0: the root, i + 1: node i
-        let count = input.num_nodes[s] as usize;
-        let drafts = &input.draft_token_ids[s * n..s * n + count];
-        let parents = &input.parents[s * n..s * n + count];
-        let uniforms = &input.uniforms[s * (n + 1)..(s + 1) * (n + 1)];
-        let temperature = input.temperatures[s];
-        let params = SamplingParams { temperature, ..SamplingParams::default() };
-        let path = &mut out.accepted_nodes[s * n..(s + 1) * n];
+    let width = 2 + max_nodes;
+    let mut out = vec![NO_NODE; num_seqs * width];
+    for (s, seq) in seqs.chunks(SEQ_WORDS).enumerate() {
+        let (first_row, count) = (seq[0] as usize, seq[1] as usize);
+        let out = &mut out[s * width..(s + 1) * width];
         let mut current: i32 = -1; // the root
         let mut depth = 0;
         let next = loop {
-            let scores = row((current + 1) as usize);
-            let target = if temperature <= 0.0 {
-                argmax(scores)
-            } else {
-                draw_with(&probabilities(scores, &params), uniforms[depth])
-            };
+            let target = target(first_row + (current + 1) as usize);
             // The first child in index order whose token is the target's.
-            match (0..count).find(|&i| parents[i] == current && drafts[i] == target) {
+            let child = (0..count).find(|&i| {
+                let node = row(first_row + 1 + i);
+                node[2] as i32 == current && node[1] == target
+            });
+            match child {
                 Some(child) => {
-                    path[depth] = child as u32;
+                    out[2 + depth] = child as u32;
                     depth += 1;
                     current = child as i32;
                 }
                 None => break target,
             }
         };
-        out.num_accepted_tokens.push(depth as u32);
-        out.next_token_ids.push(next);
+        out[0] = depth as u32;
+        out[1] = next;
     }
-    Ok(out)
+    out
+}
+
+impl TreeAcceptOutput {
+    /// The kernel's output words `[B, 2 + max_nodes]` (`tree_accept_packed`) as this struct.
+    pub fn from_words(words: &[u32], max_nodes: usize) -> Self {
+        let rows = words.chunks(2 + max_nodes);
+        Self {
+            num_accepted_tokens: rows.clone().map(|row| row[0]).collect(),
+            accepted_nodes: rows.clone().flat_map(|row| row[2..].iter().copied()).collect(),
+            next_token_ids: rows.map(|row| row[1]).collect(),
+        }
+    }
+}
+
+impl TreeAcceptInput<'_> {
+    /// This padded batch packed: sequence s's rows start at logit row s * (n + 1).
+    pub fn packed(&self) -> Result<PackedTrees> {
+        self.check_with_logits(self.batch * (self.max_nodes + 1) * self.vocab_size)?;
+        let (n, mut packed) = (self.max_nodes, PackedTrees::new(self.max_nodes, self.vocab_size));
+        for s in 0..self.batch {
+            let count = self.num_nodes[s] as usize;
+            let parents = &self.parents[s * n..s * n + count];
+            let by_depth = &self.uniforms[s * (n + 1)..(s + 1) * (n + 1)];
+            let depths = crate::tree::depths(parents)?;
+            let row_uniforms: Vec<f32> =
+                std::iter::once(by_depth[0]).chain(depths.iter().map(|&d| by_depth[d + 1])).collect();
+            let drafts = &self.draft_token_ids[s * n..s * n + count];
+            packed.push(s * (n + 1), drafts, parents, self.temperatures[s], &row_uniforms)?;
+        }
+        Ok(packed)
+    }
+}
+
+/// The batch's acceptance on the CPU: `tree_accept_packed` of the padded batch packed.
+pub fn tree_accept(input: &TreeAcceptInput) -> Result<TreeAcceptOutput> {
+    input.check()?;
+    let packed = input.packed()?;
+    let words = tree_accept_packed(&packed.words(), input.target_logits, input.vocab_size);
+    Ok(TreeAcceptOutput::from_words(&words, input.max_nodes))
 }
 
 #[cfg(test)]

@@ -31,9 +31,15 @@ thread_local! {
 /// `values` on `device`: every host-to-device copy of a decoder forward goes through here, so
 /// its uploads can be counted (a paged step makes one).
 pub(crate) fn upload(values: &[u32], device: &Device) -> Result<Tensor> {
+    count_upload();
+    Ok(Tensor::new(values, device)?)
+}
+
+/// Counts one host-to-device copy for the tests (`UPLOADS`); every upload a step makes calls it,
+/// through `upload` or beside its own copy (the acceptance kernel's descriptor, `batch/cuda.rs`).
+pub(crate) fn count_upload() {
     #[cfg(test)]
     UPLOADS.with(|n| n.set(n.get() + 1));
-    Ok(Tensor::new(values, device)?)
 }
 
 /// The decoder's own kernels on random inputs on `device` against their CPU references: the
