@@ -17,11 +17,17 @@
 //                      pool's dtype (what the output projection reads: no cast after). Row r
 //                      sees its sequence's past positions (those within the window) and the step
 //                      rows its mask names (within the window, by their positions); scores are
-//                      scale * q.k, soft-capped where cap > 0, softmax over them. One block of
-//                      WARPS warps per (row, head): each warp runs an online softmax over every
-//                      WARPS-th key, lane l holding dims l, l + 32, ... (head_dim at most 256,
-//                      checked by the host); the warps then combine. A row's result depends on its
-//                      own keys only, never on its batch-mates.
+//                      scale * q.k, soft-capped where cap > 0, softmax over them. Blocks of
+//                      WARPS warps, grid (row, head, split): a row's keys (its past, then its step
+//                      rows) are cut into `splits` consecutive ranges (split-K: at small batches
+//                      a long context is walked by many blocks instead of one); in a block each
+//                      warp runs an online softmax over every WARPS-th key of its range, lane l
+//                      holding dims l, l + 32, ... (head_dim at most 256, checked by the host),
+//                      and the warps combine. With one split the block writes the row; with more,
+//                      each writes its (max, sum, unnormalized output) to `partials` and the last
+//                      of a (row, head)'s splits to finish combines them and sets its counter back
+//                      to zero. A row's result depends on its own keys only, never on its
+//                      batch-mates (the split count does: it is chosen per step by the host).
 // Compiled at run time with NVRTC after cuda/dtype.cuh.
 
 #define WARPS 8
@@ -47,10 +53,10 @@ __device__ void paged_attention(const float* q, const T* pool, const unsigned in
                                 unsigned int n, unsigned int num_seqs, unsigned int mask_words,
                                 unsigned int num_heads, unsigned int kv_heads, unsigned int head_dim,
                                 unsigned long long num_slots, unsigned int block_shift, float scale,
-                                float cap, unsigned int window) {
+                                float cap, unsigned int window, float* partials, unsigned int* counters) {
     __shared__ float warp_max[WARPS], warp_sum[WARPS];
     __shared__ float warp_acc[WARPS][32 * MAX_PER_LANE];
-    const unsigned int r = blockIdx.x, h = blockIdx.y;
+    const unsigned int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const unsigned int* row_seq = desc;
     const unsigned int* row_pos = desc + n;
@@ -83,7 +89,10 @@ __device__ void paged_attention(const float* q, const T* pool, const unsigned in
     const float neg_inf = __int_as_float(0xff800000);
     float m = neg_inf, l = 0.0f;
     const unsigned int block_mask = (1u << block_shift) - 1;
-    for (unsigned int t = warp; t < num_past + rows; t += WARPS) {
+    // This block's range of the row's keys (t indexes its past keys, then its step rows).
+    const unsigned int num_keys = num_past + rows, per_split = (num_keys + splits - 1) / splits;
+    const unsigned int t_end = min(num_keys, (split + 1) * per_split);
+    for (unsigned int t = split * per_split + warp; t < t_end; t += WARPS) {
         unsigned long long slot;
         if (t < num_past) {
             const unsigned int c = first_key + t;
@@ -133,12 +142,53 @@ __device__ void paged_attention(const float* q, const T* pool, const unsigned in
         total += warp_sum[w] * scaled[w];
     }
     T* dst = out + ((unsigned long long)r * num_heads + h) * head_dim;
-    for (unsigned int i = 0; i < per; i++) {
-        const unsigned int dim = lane + 32 * i;
-        if (dim >= head_dim) break;
+    if (splits == 1) {
+        for (unsigned int i = 0; i < per; i++) {
+            const unsigned int dim = lane + 32 * i;
+            if (dim >= head_dim) break;
+            float o = 0.0f;
+            for (int w = 0; w < WARPS; w++) o += warp_acc[w][dim] * scaled[w];
+            store(dst, dim, o / total);
+        }
+        return;
+    }
+    // Split-K: this split's max, sum and unnormalized output (relative to its max; a split with
+    // no key has sum 0 and is skipped below), then the last split of (r, h) combines them all.
+    const unsigned long long head_index = (unsigned long long)r * num_heads + h;
+    const unsigned int stride = head_dim + 2;
+    float* mine = partials + (head_index * splits + split) * stride;
+    if (lane == 0) {
+        mine[0] = total_max;
+        mine[1] = total;
+    }
+    for (unsigned int dim = lane; dim < head_dim; dim += 32) {
         float o = 0.0f;
         for (int w = 0; w < WARPS; w++) o += warp_acc[w][dim] * scaled[w];
-        store(dst, dim, o / total);
+        mine[2 + dim] = o;
+    }
+    __threadfence();
+    __syncwarp();
+    unsigned int ticket = 0;
+    if (lane == 0) ticket = atomicAdd(&counters[head_index], 1u);
+    ticket = __shfl_sync(0xffffffffu, ticket, 0);
+    if (ticket != splits - 1) return;
+    if (lane == 0) counters[head_index] = 0;  // ready for the next layer's launch
+    const volatile float* all = partials + head_index * splits * stride;
+    float best = neg_inf;
+    for (unsigned int z = 0; z < splits; z++) {
+        if (all[z * stride + 1] > 0.0f) best = fmaxf(best, all[z * stride]);
+    }
+    float sum = 0.0f;
+    for (unsigned int z = 0; z < splits; z++) {
+        const float l_z = all[z * stride + 1];
+        if (l_z > 0.0f) sum += l_z * expf(all[z * stride] - best);
+    }
+    for (unsigned int dim = lane; dim < head_dim; dim += 32) {
+        float o = 0.0f;
+        for (unsigned int z = 0; z < splits; z++) {
+            if (all[z * stride + 1] > 0.0f) o += all[z * stride + 2 + dim] * expf(all[z * stride] - best);
+        }
+        store(dst, dim, o / sum);
     }
 }
 
@@ -151,9 +201,9 @@ extern "C" __global__ void paged_attention_##SUFFIX(const float* q, const T* poo
         const unsigned int* desc, T* out, unsigned int n, unsigned int num_seqs,                       \
         unsigned int mask_words, unsigned int num_heads, unsigned int kv_heads, unsigned int head_dim, \
         unsigned long long num_slots, unsigned int block_shift, float scale, float cap,              \
-        unsigned int window) {                                                                        \
+        unsigned int window, float* partials, unsigned int* counters) {                               \
     paged_attention<T>(q, pool, desc, out, n, num_seqs, mask_words, num_heads, kv_heads, head_dim,    \
-                       num_slots, block_shift, scale, cap, window);                                   \
+                       num_slots, block_shift, scale, cap, window, partials, counters);               \
 }
 
 INSTANTIATE(f32, float)

@@ -26,7 +26,9 @@ every request's rows in one kernel each, cuda/paged_attention.cu), or the contig
     (goal <= 1.6x: printed, not a failure);
 (5) tokens/s (generated tokens over wall time, prefill included) at batch 1, 8 and 32, plain and
     with k = 4 drafts from the replay proposer at a = 0.7 and 0.9 (fixed k, no adaptive length,
-    draft budget off), each request replaying its own recorded plain greedy output at that batch;
+    draft budget off), each request replaying its own recorded plain greedy output at that batch,
+    and at batches 8 and 32 with n-gram drafts (looked up together on the device; identity with
+    plain greedy, its drafts counted; a random model drafts only where its output repeats);
     goals: batch 32 / batch 1 >= 12x, the a = 0.9 speedup >= 3x at batch 1. Batches run through
     `Engine.generate` over a list of prompts (continuous batching, max_num_seqs = batch size);
 (6) the peer on the same device, shape and call: transformers' LlamaForCausalLM with random bf16
@@ -71,6 +73,11 @@ PROMPT_LEN = 32
 K = 4
 ACCEPTANCES = (0.9, 0.7)  # 0.9 first: it carries the speedup goal
 BATCH_SIZES = (1, 8, 32)
+# The n-gram run of batches of at least 8 (their lookups run together on the device).
+NGRAM = f"ngram k={K}"
+NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                "adaptive_draft_length": False}
+NGRAM_MIN_BATCH = 8
 SEEDED = {"temperature": 0.8, "seed": 7}
 GOALS = {"itl_over_bound_max": 1.6, "batch32_over_batch1_min": 12.0, "speedup_a09_k4_batch1_min": 3.0}
 # Seconds kept for the peer (model init, compile, warm-up and batch 1) while specrs runs, and the
@@ -258,23 +265,44 @@ def part_batches(specrs, engine, dtype: str, vocab: int, num_tokens: int, clock:
                 replays[tuple(prompt)] = gpu_check.SyntheticProposer(ref, PROMPT_LEN, a, vocab, seed=seed)
             proposer = ReplayByPrompt(replays)
             run = run_batch(specrs, engine, prompts, greedy, speculative_config=spec_config(K), proposer=proposer)
-            r = {key: v for key, v in run.items() if key != "tokens"}
-            r["speedup"] = run["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
-            r["num_identical"], r["near_ties"], r["mismatches"] = 0, [], []
-            for i, (prompt, ref, got) in enumerate(zip(prompts, recorded["tokens"], run["tokens"], strict=True)):
-                if got == ref:
-                    r["num_identical"] += 1
-                    continue
-                d = gpu_check.divergence(engine, prompt, ref, got, gpu_check.NEAR_TIE[dtype])
-                (r["near_ties"] if d["near_tie"] else r["mismatches"]).append({"request": i, **d})
-            r["ok"] = run["num_drafts"] > 0 and not r["mismatches"]
-            row[name] = r
-            print(f"(5) batch {batch} {name}: {run['tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x), acceptance "
-                  f"{run['acceptance_rate']:.2f}, verify share {run['verify_share'] * 100:.2f}%, "
-                  f"{r['num_identical']}/{batch} = plain, {len(r['near_ties'])} near-ties", flush=True)
+            row[name] = against_plain(engine, dtype, prompts, recorded, plain, run)
+            row[name]["ok"] = run["num_drafts"] > 0 and not row[name]["mismatches"]
+            print_run(batch, name, row[name])
+        # n-gram drafts of a batch are looked up together on the device (at least 8 requests,
+        # step_together::draft_ngrams); a random model drafts only where its output repeats.
+        if batch >= NGRAM_MIN_BATCH:
+            if not clock.fits(need, reserve_s):
+                row[NGRAM] = {"skipped": "time budget"}
+                continue
+            run = run_batch(specrs, engine, prompts, greedy, speculative_config=NGRAM_CONFIG)
+            row[NGRAM] = against_plain(engine, dtype, prompts, recorded, plain, run)
+            row[NGRAM]["ok"] = not row[NGRAM]["mismatches"]
+            print_run(batch, NGRAM, row[NGRAM])
     for row in out.values():
         row.pop("request0_tokens", None)
     return out
+
+
+def against_plain(engine, dtype: str, prompts, recorded: dict, plain: dict, run: dict) -> dict:
+    """A speculative batch run's numbers, its speedup over the plain run, and each request's
+    tokens against its recorded plain greedy output (equal, a near-tie, or a mismatch)."""
+    r = {key: v for key, v in run.items() if key != "tokens"}
+    r["speedup"] = run["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
+    r["num_identical"], r["near_ties"], r["mismatches"] = 0, [], []
+    for i, (prompt, ref, got) in enumerate(zip(prompts, recorded["tokens"], run["tokens"], strict=True)):
+        if got == ref:
+            r["num_identical"] += 1
+            continue
+        d = gpu_check.divergence(engine, prompt, ref, got, gpu_check.NEAR_TIE[dtype])
+        (r["near_ties"] if d["near_tie"] else r["mismatches"]).append({"request": i, **d})
+    return r
+
+
+def print_run(batch: int, name: str, r: dict) -> None:
+    print(f"(5) batch {batch} {name}: {r['tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x), {r['num_drafts']} drafts, "
+          f"acceptance {r['acceptance_rate']:.2f}, verify share {r['verify_share'] * 100:.2f}%, "
+          f"{r['num_identical']}/{len(r['near_ties']) + len(r['mismatches']) + r['num_identical']} = plain, "
+          f"{len(r['near_ties'])} near-ties", flush=True)
 
 
 class TokenClock:
@@ -452,10 +480,10 @@ def failures(report: dict) -> list[str]:
             continue
         if not row["plain"]["repeatable"]:
             out.append(f"(5) batch {batch}: plain greedy run twice gave other tokens")
-        for a in ACCEPTANCES:
-            r = row.get(f"a={a} k={K}", {})
+        for name in [f"a={a} k={K}" for a in ACCEPTANCES] + [NGRAM]:
+            r = row.get(name, {})
             if "ok" in r and not r["ok"]:
-                out.append(f"(5) batch {batch} a={a} k={K}: " + ("no draft was made" if not r["num_drafts"] else
+                out.append(f"(5) batch {batch} {name}: " + ("no draft was made" if not r["mismatches"] else
                            f"{len(r['mismatches'])} requests diverged from plain greedy beyond a near-tie "
                            f"(first: {r['mismatches'][0]})"))
     return out
@@ -505,7 +533,7 @@ def table(report: dict) -> str:
     lines.append(f"| ITL batch 1 | {fmt(itl_s, '.3f', 1e3)} ms = {fmt(ratio, '.2f')}x the bound{not_run(itl)} | "
                  f"<= {GOALS['itl_over_bound_max']}x{missed} |")
     batches = report.get("batches", {})
-    columns = ["plain"] + [f"a={a} k={K}" for a in sorted(ACCEPTANCES)]
+    columns = ["plain"] + [f"a={a} k={K}" for a in sorted(ACCEPTANCES)] + [NGRAM]
     if not_run(batches):
         lines.append(f"| batches |{not_run(batches)} | - |")
     for batch in BATCH_SIZES if not not_run(batches) else ():
@@ -516,6 +544,8 @@ def table(report: dict) -> str:
         cells = []
         for c in columns:
             r = row.get(c, {})
+            if c == NGRAM and batch < NGRAM_MIN_BATCH:
+                continue
             if "tokens_per_s" not in r:
                 cells.append(f"{c} {r.get('skipped', 'not run')}")
                 continue

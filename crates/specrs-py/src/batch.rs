@@ -142,7 +142,7 @@ pub fn batch_ngram(
     let ordinal = cuda_ordinal(device)?;
     run_detached(py, move || {
         let input = NgramInput { histories: &histories, max_len, lengths: &lengths, min_n, max_n, k };
-        input.check().map_err(caller_error)?;
+        input.step().map_err(caller_error)?;
         match ordinal {
             None => ngram_lookup(&input),
             Some(ordinal) => on_cuda_ngram(ordinal, &input),

@@ -9,11 +9,11 @@
 //! an H200, 7 of 400 sampled chain sequences at vocabulary 32000, each within 2e-5 of the mass of
 //! a boundary: scripts/gpu_check.py measures each such case's distance from its boundary).
 
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use candle_core::{Device, Storage, Tensor};
 
 use super::accept::{AcceptInput, AcceptOutput};
-use super::ngram::NgramInput;
+use super::ngram::{NgramInput, NgramStep};
 use super::tree_accept::{PackedTrees, TreeAcceptInput, TreeAcceptOutput};
 use crate::error::{Error, Result};
 use crate::nvrtc::{cuda_device, device_error, function, open, ACCEPT, BLOCK, NGRAM};
@@ -118,32 +118,50 @@ pub fn tree_accept_packed_on_device(logits: &Tensor, packed: &PackedTrees) -> Re
     stream.clone_dtoh(&out).map_err(|e| device_error("copying the verdicts back", e))
 }
 
-/// `ngram::ngram_lookup` on `device` (inputs from the host): the drafts `[batch, k]` and their lengths.
-pub fn ngram_lookup_on_device(device: &Device, input: &NgramInput) -> Result<(Vec<u32>, Vec<u32>)> {
-    input.check()?;
-    let (batch, k) = (input.lengths.len(), input.k);
+/// `ngram::ngram_step` on the device: `pool` `[rows * max_len]` (the histories) stays there
+/// between steps; ONE upload (the step's descriptor), ONE launch (appends and lookups), ONE
+/// download (the drafts, `[B, 1 + max_k]`).
+pub fn ngram_step_on_device(
+    device: &Device,
+    pool: &mut CudaSlice<u32>,
+    max_len: usize,
+    step: &NgramStep,
+) -> Result<Vec<u32>> {
+    step.check_pool(pool.len() / max_len.max(1), max_len)?;
+    if step.num_seqs() == 0 {
+        return Ok(Vec::new());
+    }
     let device = cuda_device(device)?;
     let func = function(device, &NGRAM, "ngram_kernel")?;
     let stream = device.cuda_stream();
-    let copy = |e| device_error("copying n-gram inputs to the device", e);
-    let histories = stream.clone_htod(input.histories).map_err(copy)?;
-    let lengths = stream.clone_htod(input.lengths).map_err(copy)?;
-    let mut drafts = stream.alloc_zeros::<u32>(batch * k.max(1)).map_err(copy)?;
-    let mut draft_lengths = stream.alloc_zeros::<u32>(batch).map_err(copy)?;
-    let scalars = [input.max_len, input.min_n, input.max_n, k].map(|x| x as u32);
+    crate::model::candle::count_upload();
+    let descriptor =
+        stream.clone_htod(&step.words()).map_err(|e| device_error("copying the n-gram step to the device", e))?;
+    // SAFETY: every sequence's block writes its whole output row.
+    let mut out = unsafe { stream.alloc::<u32>(step.output_words()) }
+        .map_err(|e| device_error("allocating the n-gram drafts", e))?;
+    let max_len32 = max_len as u32;
     let mut launch = stream.launch_builder(&func);
-    launch.arg(&histories).arg(&lengths);
-    for scalar in &scalars {
-        launch.arg(scalar);
-    }
-    launch.arg(&mut drafts).arg(&mut draft_lengths);
-    let config = LaunchConfig { grid_dim: (batch as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
-    // SAFETY: the arguments match ngram_kernel's signature and the buffer sizes were checked.
+    launch.arg(pool).arg(&max_len32).arg(&descriptor).arg(&mut out);
+    let config =
+        LaunchConfig { grid_dim: (step.num_seqs() as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match ngram_kernel's signature; check_pool verified every row and
+    // history fits the pool and no two sequences share a row.
     unsafe { launch.launch(config) }.map_err(|e| device_error("launching ngram_kernel", e))?;
-    let back = |e| device_error("copying the drafts back", e);
-    let mut drafts = stream.clone_dtoh(&drafts).map_err(back)?;
-    drafts.truncate(batch * k);
-    Ok((drafts, stream.clone_dtoh(&draft_lengths).map_err(back)?))
+    stream.clone_dtoh(&out).map_err(|e| device_error("copying the drafts back", e))
+}
+
+/// A zeroed history pool of `len` tokens on `device`.
+pub fn history_pool(device: &Device, len: usize) -> Result<CudaSlice<u32>> {
+    let device = cuda_device(device)?;
+    device.cuda_stream().alloc_zeros::<u32>(len.max(1)).map_err(|e| device_error("allocating the n-gram histories", e))
+}
+
+/// `ngram::ngram_lookup` on `device` (inputs from the host): a fresh pool, one step.
+pub fn ngram_lookup_on_device(device: &Device, input: &NgramInput) -> Result<(Vec<u32>, Vec<u32>)> {
+    let step = input.step()?;
+    let mut pool = history_pool(device, input.lengths.len() * input.max_len)?;
+    Ok(input.drafts_of(&ngram_step_on_device(device, &mut pool, input.max_len, &step)?))
 }
 
 /// `accept_on_device` with the logits copied from the host to GPU `ordinal` first (for the device

@@ -44,6 +44,7 @@ use crate::kv_cache::KvCache;
 use crate::metrics::{EngineMetrics, IdleReason, RequestMetrics, RequestTimer, SpecDecodeMetrics};
 use crate::model::{CausalLm, LogitRows, SeqRows, Tap};
 use crate::proposer::chains_together::ChainJob;
+use crate::proposer::ngram_together::NgramJob;
 use crate::proposer::tree::{path_tokens, rank_paths};
 use crate::proposer::{Draft, Feedback, ProposeInput, TreeLimits};
 use crate::sampler::Sampler;
@@ -785,6 +786,21 @@ impl Session {
         let context = &self.all_ids;
         let (drafter, max_tokens) = speculation.proposer.model_chain(context, max_tokens).ok().flatten()?;
         Some(ChainJob { drafter, context, max_tokens, propose_s: &mut self.spec_metrics.propose_s })
+    }
+
+    /// The n-gram chain the next `plan_with(limits)` will draft, for a scheduler to look it up
+    /// together with other sessions' on the device (`ngram_together.rs`); that plan's `propose`
+    /// then returns it. None where the next plan drafts no n-gram chain (as for `chain_job`).
+    pub(crate) fn ngram_job(&mut self, limits: PlanLimits) -> Option<NgramJob<'_>> {
+        let decodes = !self.is_finished() && self.all_ids.len() - self.cache.len() == 1;
+        if !decodes || self.drafts_after_forced_runs() {
+            return None;
+        }
+        let (_, own) = self.own_draft_lengths();
+        let max_tokens = limits.max_draft_tokens.map_or(own, |cap| own.min(cap));
+        let speculation = self.speculation.as_mut().filter(|s| !s.tree.is_on() && max_tokens > 0)?;
+        let proposer = speculation.proposer.ngram_chain()?;
+        Some(NgramJob { proposer, context: &self.all_ids, max_tokens, propose_s: &mut self.spec_metrics.propose_s })
     }
 
     /// Cuts `draft` where the grammar forbids it. A deterministic chain stops before the first

@@ -21,6 +21,7 @@ use crate::error::{guard, Error, Result};
 use crate::kv_cache::KvCache;
 use crate::model::{ForwardBatch, SeqRows, Tap};
 use crate::proposer::chains_together::{draft_chains_together, ChainsDrafted};
+use crate::proposer::ngram_together::{draft_ngrams_together, NgramJob, MIN_TOGETHER};
 use crate::verify::batch::VerifyBatchBuilder;
 use crate::verify::host::verify_batch;
 
@@ -35,6 +36,7 @@ pub fn step_together(sessions: &mut [&mut Session]) -> Result<Vec<Result<StepOut
     }
     let mut results: Vec<Option<Result<StepOutput>>> = (0..sessions.len()).map(|_| None).collect();
     draft_chains(sessions.iter_mut().map(|s| (&mut **s, PlanLimits::default())));
+    draft_ngrams(sessions.iter_mut().map(|s| (&mut **s, PlanLimits::default())));
     let mut plans: Vec<(usize, StepPlan)> = Vec::new();
     for (i, session) in sessions.iter_mut().enumerate() {
         match session.plan() {
@@ -55,6 +57,26 @@ pub fn step_together(sessions: &mut [&mut Session]) -> Result<Vec<Result<StepOut
 /// draft (`chains_together.rs`), so each draft model runs one forward per depth for all of them.
 pub(super) fn draft_chains<'a>(sessions: impl IntoIterator<Item = (&'a mut Session, PlanLimits)>) -> ChainsDrafted {
     draft_chains_together(sessions.into_iter().filter_map(|(session, limits)| session.chain_job(limits)).collect())
+}
+
+/// Looks up together, where the target runs, the n-gram chains the sessions' next plans (within
+/// their limits) will draft (`ngram_together.rs`): on CUDA, when at least `MIN_TOGETHER` do.
+/// Returns how many were looked up.
+pub(super) fn draft_ngrams<'a>(sessions: impl IntoIterator<Item = (&'a mut Session, PlanLimits)>) -> usize {
+    let mut device = None;
+    let jobs: Vec<NgramJob> = sessions
+        .into_iter()
+        .filter_map(|(session, limits)| {
+            device.get_or_insert_with(|| session.model().device().clone());
+            session.ngram_job(limits)
+        })
+        .collect();
+    let Some(device) = device else { return 0 };
+    let on_device = (device.is_cuda() && jobs.len() >= MIN_TOGETHER) || takes_the_device_path();
+    if !on_device {
+        return 0;
+    }
+    draft_ngrams_together(&device, jobs)
 }
 
 /// What `forward_and_commit` did: each planned session's step (by its index in `sessions`, in plan
@@ -199,8 +221,9 @@ fn verify_on_device_and_commit(
     Ok(Committed { outcomes, forward_s: forward.seconds, num_verifier_calls })
 }
 
-/// Whether this thread's CPU steps take the GPU's verification path (`cfg(test)` only: the tests of
-/// that path run it on the CPU, where `verify::device` runs the tree kernel's reference).
+/// Whether this thread's CPU steps take the GPU's path (`cfg(test)` only: the tests of that path
+/// run it on the CPU, where `verify::device` runs the tree kernel's reference and the n-gram
+/// lookups run together through theirs, whatever their number).
 fn takes_the_device_path() -> bool {
     #[cfg(test)]
     return tests::DEVICE_PATH.get();
@@ -334,6 +357,7 @@ pub(super) mod tests {
 
     use super::*;
     use crate::config::SamplingParams;
+    use crate::model::candle::UPLOADS;
     use crate::proposer::{Draft, Proposer, TreeLimits};
     use crate::spec_config::SpeculativeConfig;
     use crate::Engine;
@@ -427,6 +451,56 @@ pub(super) mod tests {
         }
         DEVICE_PATH.set(false);
         sessions.iter().map(|s| (s.generated_ids().to_vec(), s.metrics().spec.num_drafts)).collect()
+    }
+
+    /// N-gram requests stepped together on the GPU path look their chains up together (on the CPU
+    /// through the kernel's reference over the shared histories): every request emits the host
+    /// path's tokens with the same drafts, and each step uploads its lookup beside its
+    /// verification.
+    #[test]
+    fn ngram_chains_looked_up_together_draft_what_each_request_drafts_alone() {
+        let run = |device_path: bool| {
+            DEVICE_PATH.set(device_path);
+            let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden/hf/llama");
+            let engine = Engine::load(dir, "cpu").unwrap();
+            let json = r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                "prompt_lookup_max": 3, "adaptive_draft_length": false}"#;
+            let config = SpeculativeConfig::from_json(json).unwrap();
+            let mut sessions: Vec<Session> = (0..4u32)
+                .map(|i| {
+                    let prompt: Vec<u32> = (0..12).map(|t| 3 + (t * (i + 1)) % 5).collect();
+                    // Long enough for the random model's greedy output to fall into loops.
+                    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(96) };
+                    engine.start(prompt, params, Some(engine.speculation(&config, None).unwrap())).unwrap()
+                })
+                .collect();
+            let (uploads, mut steps) = (UPLOADS.with(Cell::get), 0);
+            while sessions.iter().any(|s| !s.is_finished()) {
+                let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
+                for result in step_together(&mut refs).unwrap() {
+                    result.unwrap();
+                }
+                steps += 1;
+            }
+            DEVICE_PATH.set(false);
+            let outputs: Vec<_> = sessions
+                .iter()
+                .map(|s| {
+                    let spec = &s.metrics().spec;
+                    (s.generated_ids().to_vec(), spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+                })
+                .collect();
+            (outputs, UPLOADS.with(Cell::get) - uploads, steps)
+        };
+        let (host, host_uploads, host_steps) = run(false);
+        let (together, uploads, steps) = run(true);
+        assert_eq!((together, steps), (host.clone(), host_steps));
+        // Beside the forwards' (the same on both paths): one verification and one lookup per
+        // decoding step (the prompt's step looks nothing up).
+        let extra = uploads - host_uploads;
+        assert!(extra >= 2 * (steps - 1), "{extra} more uploads in {steps} steps");
+        assert!(host.iter().all(|(_, drafts, ..)| *drafts > 3), "{host:?}");
+        assert!(host.iter().map(|(.., accepted)| accepted).sum::<usize>() > 0, "{host:?}");
     }
 
     /// The GPU step's split verification (one device batch, one host batch of the rest), run on

@@ -16,6 +16,7 @@ pub mod draft_model;
 pub mod heads;
 pub mod layer_skip;
 pub mod ngram;
+pub mod ngram_together;
 pub mod pard;
 pub mod suffix;
 pub mod suffix_store;
@@ -334,6 +335,13 @@ pub trait Proposer: Send {
         _max_tokens: usize,
     ) -> Result<Option<(&mut DraftModelProposer, usize)>> {
         Ok(None)
+    }
+
+    /// The n-gram proposer whose next chain a scheduler may look up together with other
+    /// requests' on the device (`ngram_together.rs`); the session then calls `propose(context,
+    /// max_tokens)`, which returns that chain. None (the default) for other proposers.
+    fn ngram_chain(&mut self) -> Option<&mut ngram::NgramProposer> {
+        None
     }
 
     /// Whether the session may ask it to continue a context extended by tokens nobody verified

@@ -78,6 +78,11 @@ pub struct NgramProposer {
     indexed_end: usize,
     /// The newest indexed tokens, to notice a context that took back tokens it showed.
     tail: IndexedTail,
+    /// Its rows in the device histories (`ngram_together.rs`).
+    id: u64,
+    /// The chain looked up ahead for `propose(context, max_tokens)`: (context length, max_tokens,
+    /// the chain), taken by the next `propose`, which uses it only if it is for that call.
+    pub(super) ahead: Option<(usize, usize, Vec<u32>)>,
 }
 
 /// The index for one n-gram length.
@@ -110,7 +115,32 @@ impl NgramProposer {
         for _ in 0..prompt_lookup_max {
             base_pow.push(base_pow[base_pow.len() - 1].wrapping_mul(base));
         }
-        Self { tables, base, base_pow, prefix_hash: vec![0], indexed_end: 0, tail: IndexedTail::default() }
+        Self {
+            tables,
+            base,
+            base_pow,
+            prefix_hash: vec![0],
+            indexed_end: 0,
+            tail: IndexedTail::default(),
+            id: super::ngram_together::next_id(),
+            ahead: None,
+        }
+    }
+
+    /// Its id in the device histories (`ngram_together.rs`).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// `[prompt_lookup_min, prompt_lookup_max]`.
+    pub fn lookup_lengths(&self) -> [usize; 2] {
+        [self.tables[0].n, self.tables[self.tables.len() - 1].n]
+    }
+
+    /// Keeps `chain`, looked up elsewhere by this proposer's rule (`ngram_together.rs`), for the
+    /// next `propose(context, max_tokens)`.
+    pub fn begin_chain(&mut self, context: &[u32], max_tokens: usize, chain: Vec<u32>) {
+        self.ahead = Some((context.len(), max_tokens, chain));
     }
 
     /// Brings the index up to date with `context`: hashes its new tokens and indexes the n-grams
@@ -246,12 +276,33 @@ impl Iterator for Occurrences<'_> {
     }
 }
 
+impl Drop for NgramProposer {
+    fn drop(&mut self) {
+        super::ngram_together::release(self.id);
+    }
+}
+
 impl Proposer for NgramProposer {
     fn drafts_after_unverified_tokens(&self) -> bool {
         true
     }
 
+    fn ngram_chain(&mut self) -> Option<&mut NgramProposer> {
+        Some(self)
+    }
+
+    fn finish(&mut self, _generated: &[u32]) {
+        self.ahead = None;
+        super::ngram_together::release(self.id);
+    }
+
     fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {
+        if let Some((len, max, chain)) = self.ahead.take() {
+            if (len, max) == (context.len(), max_tokens) {
+                // The index catches up with these tokens at the next call that reads it.
+                return Ok(Draft::tokens(chain));
+            }
+        }
         // Index even when no tokens are wanted, so the next call still only pays for its new tokens.
         self.index(context);
         if max_tokens == 0 {
@@ -267,6 +318,7 @@ impl Proposer for NgramProposer {
     /// Several earlier continuations of the matched n-gram as a tree whose rank-0 path starts
     /// with the chain `propose` returns (module docs).
     fn propose_tree(&mut self, context: &[u32], max_depth: usize, limits: TreeLimits) -> Result<Draft> {
+        self.ahead = None;
         self.index(context);
         if max_depth == 0 || limits.max_nodes == 0 || limits.max_children == 0 {
             return Ok(Draft::tokens(Vec::new()));

@@ -46,6 +46,8 @@ pub(crate) struct PagedStep {
     /// u32 words per row's ancestor mask: enough bits for the longest sequence's step rows.
     mask_words: usize,
     block_shift: u32,
+    /// The most keys a row sees: the longest sequence's past and step rows (before any window).
+    max_keys: usize,
 }
 
 impl PagedStep {
@@ -109,6 +111,7 @@ impl PagedStep {
             num_seqs,
             mask_words,
             block_shift,
+            max_keys: (0..num_seqs).map(|s| pasts[s] + batch.seq_range(s).len()).max().unwrap_or(0),
         })
     }
 
@@ -145,6 +148,7 @@ impl PagedStep {
             mask_words: self.mask_words,
             num_kv_heads,
             block_shift: self.block_shift,
+            max_keys: self.max_keys,
             scores,
         };
         if self.num_rows == 0 {
@@ -305,7 +309,26 @@ struct PagedAttention {
     mask_words: usize,
     num_kv_heads: usize,
     block_shift: u32,
+    /// `PagedStep::max_keys`: how many key ranges the GPU cuts a row into (`split_count`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    max_keys: usize,
     scores: Scores,
+}
+
+/// Key ranges (split-K) the GPU kernel cuts each (row, head) into, for `blocks` (row, head) pairs
+/// whose longest row sees `max_keys` keys, on a device of `multiprocessors` SMs: one when the
+/// pairs alone give every SM two blocks; otherwise enough ranges of at least `KEYS_PER_SPLIT`
+/// keys to come near that (a batch-1 step over a long context walks its keys in many blocks
+/// instead of one block per head), at most `MAX_SPLITS`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn split_count(blocks: usize, max_keys: usize, multiprocessors: usize) -> usize {
+    const KEYS_PER_SPLIT: usize = 64;
+    const MAX_SPLITS: usize = 32;
+    let wanted = 2 * multiprocessors;
+    if blocks == 0 || blocks >= wanted {
+        return 1;
+    }
+    max_keys.div_ceil(KEYS_PER_SPLIT).min(wanted.div_ceil(blocks)).clamp(1, MAX_SPLITS)
 }
 
 impl PagedAttention {
@@ -521,8 +544,21 @@ mod device {
         let q_view = q.0.as_cuda_slice::<f32>()?.slice(q.1..);
         let pool_view = pool.as_cuda_slice::<T>()?.slice(pool_start..);
         let desc_view = descriptor.0.as_cuda_slice::<u32>()?.slice(descriptor.1..);
-        // SAFETY: every element is written by the kernel (one block per row and head).
+        // SAFETY: every element is written by the kernel (one block per row and head, or the last
+        // of its splits).
         let mut out: CudaSlice<T> = unsafe { device.alloc::<T>(op.num_rows * num_heads * head_dim) }?;
+        let multiprocessors =
+            crate::nvrtc::multiprocessors(&device).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let splits = super::split_count(op.num_rows * num_heads, op.max_keys, multiprocessors);
+        // With one split the kernel reads neither buffer (one unread element each).
+        let (partial_len, counter_len) = if splits > 1 {
+            (op.num_rows * num_heads * splits * (head_dim + 2), op.num_rows * num_heads)
+        } else {
+            (1, 1)
+        };
+        // SAFETY: each split writes its partial before the last one reads them.
+        let mut partials: CudaSlice<f32> = unsafe { device.alloc::<f32>(partial_len) }?;
+        let mut counters: CudaSlice<u32> = device.alloc_zeros::<u32>(counter_len)?;
         let u32s = [op.num_rows, op.num_seqs, op.mask_words, num_heads, op.num_kv_heads, head_dim].map(|x| x as u32);
         let slots = slots as u64;
         let cap = op.scores.logit_softcap.unwrap_or(0.0);
@@ -534,21 +570,23 @@ mod device {
             builder.arg(x);
         }
         builder.arg(&slots).arg(&op.block_shift).arg(&op.scores.scale).arg(&cap).arg(&window);
+        builder.arg(&mut partials).arg(&mut counters);
         let config = LaunchConfig {
-            grid_dim: (op.num_rows as u32, num_heads as u32, 1),
+            grid_dim: (op.num_rows as u32, num_heads as u32, splits as u32),
             block_dim: (ATTENTION_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: the arguments match paged_attention's signature; the host checked q's and the
         // pool's shapes (head_dim at most 256, the kernel's per-lane arrays), and
-        // the descriptor's tables and slots lie in the pool (PagedStep::new).
+        // the descriptor's tables and slots lie in the pool (PagedStep::new), and the partials
+        // and counters hold what `splits` asks for.
         unsafe { builder.launch(config) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, device))
     }
 }
 
 /// The paged ops on `device` against their CPU references on the same inputs (pools in f32 and
-/// bf16): two sequences (a chain after 40 positions, a tree after 17) in blocks of 16 whose
+/// bf16): two sequences (a chain after 300 positions, split-K on a GPU; a tree after 17) in blocks of 16 whose
 /// tables are out of order, plain, windowed and soft-capped. `(op and case, largest absolute
 /// difference, tolerance)`; on the CPU it compares the reference with itself, the device check
 /// (`scripts/gpu_bench.py`) runs it on a GPU.
@@ -556,11 +594,13 @@ pub fn check_against_reference(device: &Device) -> Result<Vec<(String, f32, f32)
     use crate::model::candle::fused::{max_abs_diff, seeded_values};
     use crate::model::forward::SeqRows;
 
-    let (heads, kv_heads, head_dim, block_size, num_blocks) = (8, 2, 128, 16, 12);
+    let (heads, kv_heads, head_dim, block_size, num_blocks) = (8, 2, 128, 16, 24);
     let slots = block_size * num_blocks;
     let seqs = [SeqRows::tree(vec![1, 2, 3], vec![-1, 0, 1]), SeqRows::tree(vec![4, 5, 6, 7, 8], vec![-1, 0, 0, 1, 1])];
-    let pasts = [40, 17];
-    let tables: [&[u32]; 2] = [&[7, 2, 9], &[11, 0]];
+    // The chain sees 303 keys: on a GPU its (row, head) pairs are few, so split-K cuts them.
+    let pasts = [300, 17];
+    let order: Vec<u32> = (0..num_blocks as u32).map(|i| (5 * i + 7) % num_blocks as u32).collect();
+    let tables: [&[u32]; 2] = [&order[..19], &order[19..21]];
     let batch = ForwardBatch::new(&seqs, &pasts, Vec::new())?;
     let n = batch.num_rows();
     let cpu = Device::Cpu;
@@ -625,6 +665,21 @@ mod tests {
     }
 
     /// A chain after a past and a tree after another, in one step: each sequence's rows equal
+    /// Split-K cuts only where the (row, head) pairs leave SMs idle, in ranges of at least 64 keys.
+    #[test]
+    fn split_k_fills_the_device_only_where_the_batch_does_not() {
+        // Llama-8B decode at batch 1 on an H200 (132 SMs): 32 heads, 1k keys -> 9 ranges.
+        assert_eq!(split_count(32, 1024, 132), 9);
+        // A short context cuts into fewer ranges of at least 64 keys, one below that.
+        assert_eq!(split_count(32, 200, 132), 4);
+        assert_eq!(split_count(32, 64, 132), 1);
+        // Batch 32 x 5 verify rows x 32 heads fills the device: no split.
+        assert_eq!(split_count(32 * 5 * 32, 4096, 132), 1);
+        // One pair over a huge context: at most 32 ranges.
+        assert_eq!(split_count(1, 1 << 20, 132), 32);
+        assert_eq!(split_count(0, 100, 132), 1);
+    }
+
     /// attention.rs's chain and tree attention over the same keys, with and without a window and
     /// soft-cap, for several block sizes.
     #[test]
