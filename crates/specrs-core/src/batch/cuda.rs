@@ -3,11 +3,12 @@
 //! so they order correctly after the forward pass that produced the logits.
 //!
 //! Invariant: same inputs, same outputs as the CPU references `accept::accept`,
-//! `tree_accept::tree_accept_packed` and `ngram::ngram_lookup`. The n-gram lookup and greedy acceptance
-//! (chain or tree) are exact; a sampled draw sums floats in another order, so a uniform lying within
-//! rounding of a CDF boundary can pick the neighbouring token (in a tree, and so another path; on
-//! an H200, 7 of 400 sampled chain sequences at vocabulary 32000, each within 2e-5 of the mass of
-//! a boundary: scripts/gpu_check.py measures each such case's distance from its boundary).
+//! `tree_accept::tree_accept_packed` and `ngram::ngram_step`. The n-gram lookup and greedy
+//! acceptance (chain or tree) are exact; a sampled draw sums floats in another order (the tree
+//! kernel's over vocabulary chunks), so a uniform lying within rounding of a CDF boundary can pick
+//! the neighbouring token (in a tree, and so another path; on an H200, 7 of 400 sampled chain
+//! sequences at vocabulary 32000, each within 2e-5 of the mass of a boundary: scripts/gpu_check.py
+//! measures each such case's distance from its boundary).
 
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use candle_core::{Device, Storage, Tensor};
@@ -176,11 +177,11 @@ pub fn accept_from_host(ordinal: usize, input: &AcceptInput) -> Result<AcceptOut
 /// `tree_accept::tree_accept` on GPU `ordinal`: the padded batch packed, its logits copied from
 /// the host (for the device check, which compares the kernel with the CPU reference).
 pub fn tree_accept_from_host(ordinal: usize, input: &TreeAcceptInput) -> Result<TreeAcceptOutput> {
-    input.check()?;
+    let packed = input.packed()?;
     let device = open(ordinal)?;
     let shape = (input.batch * (input.max_nodes + 1), input.vocab_size);
     let logits = Tensor::from_slice(input.target_logits, shape, &device)?;
-    let words = tree_accept_packed_on_device(&logits, &input.packed()?)?;
+    let words = tree_accept_packed_on_device(&logits, &packed)?;
     Ok(TreeAcceptOutput::from_words(&words, input.max_nodes))
 }
 

@@ -291,9 +291,9 @@ impl TreeAcceptOutput {
 }
 
 impl TreeAcceptInput<'_> {
-    /// This padded batch packed: sequence s's rows start at logit row s * (n + 1).
+    /// This padded batch packed (checked first): sequence s's rows start at logit row s * (n + 1).
     pub fn packed(&self) -> Result<PackedTrees> {
-        self.check_with_logits(self.batch * (self.max_nodes + 1) * self.vocab_size)?;
+        self.check()?;
         let (n, mut packed) = (self.max_nodes, PackedTrees::new(self.max_nodes, self.vocab_size));
         for s in 0..self.batch {
             let count = self.num_nodes[s] as usize;
@@ -311,7 +311,6 @@ impl TreeAcceptInput<'_> {
 
 /// The batch's acceptance on the CPU: `tree_accept_packed` of the padded batch packed.
 pub fn tree_accept(input: &TreeAcceptInput) -> Result<TreeAcceptOutput> {
-    input.check()?;
     let packed = input.packed()?;
     let words = tree_accept_packed(&packed.words(), input.target_logits, input.vocab_size);
     Ok(TreeAcceptOutput::from_words(&words, input.max_nodes))

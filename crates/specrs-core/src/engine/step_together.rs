@@ -14,6 +14,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaStream};
 use candle_core::Tensor;
 
 use super::session::{ForwardTiming, PlanLimits, Session, StepOutput, StepPlan};
@@ -111,10 +113,9 @@ pub(super) fn forward_and_commit(sessions: &mut [&mut Session], plans: Vec<(usiz
         .collect();
     let lens: Vec<usize> = caches.iter().map(|cache| cache.len()).collect();
     let batch = ForwardBatch::new(&rows, &lens, taps.clone())?;
-    let t0 = Instant::now();
+    let clock = ForwardClock::start(model.device())?;
     let out = model.forward_batch(&batch, &mut caches)?;
-    out.logits.device().synchronize()?;
-    let forward = ForwardTiming { seconds: t0.elapsed().as_secs_f64(), rows: batch.num_rows() };
+    let forward = clock.stop(batch.num_rows())?;
 
     // Each session's taps over its own rows.
     let hidden: Vec<Result<Vec<(Tap, Tensor)>>> = session_taps
@@ -148,7 +149,7 @@ fn verify_on_device_and_commit(
     plans: Vec<(usize, StepPlan)>,
     logits: &Tensor,
     hidden: Vec<Result<Vec<(Tap, Tensor)>>>,
-    forward: ForwardTiming,
+    forward: ForwardClock,
 ) -> Result<Committed> {
     let verify_started = Instant::now();
     // The forward's logit rows of the sessions the host verifies, and those sessions.
@@ -189,9 +190,11 @@ fn verify_on_device_and_commit(
     let mut num_verifier_calls = 0;
     if !together.is_empty() {
         num_verifier_calls += 1;
-        match crate::verify::device::verify_batch_at(&builder.batch(), logits, &root_rows) {
-            Ok(verdicts) => {
-                let verify_s = verify_started.elapsed().as_secs_f64();
+        // The verdicts' download waits for the forward: its time is known from here on.
+        let verified = crate::verify::device::verify_batch_at(&builder.batch(), logits, &root_rows)
+            .and_then(|verdicts| Ok((verdicts, forward.timing()?, forward.seconds_after_forward(verify_started)?)));
+        match verified {
+            Ok((verdicts, forward, verify_s)) => {
                 for (s, (i, plan, hidden)) in together.into_iter().enumerate() {
                     let (accepted, next_token) = (verdicts.accepted(s), verdicts.next_tokens[s]);
                     // No host logits: these sessions neither process them nor report logprobs.
@@ -214,11 +217,11 @@ fn verify_on_device_and_commit(
         } else {
             logits.index_select(&Tensor::new(host_rows.as_slice(), logits.device())?, 0)?
         };
-        let host = verify_once_and_commit(sessions, host_plans, &host_logits, host_hidden, forward)?;
+        let host = verify_once_and_commit(sessions, host_plans, &host_logits, host_hidden, forward.clone())?;
         outcomes.extend(host.outcomes);
         num_verifier_calls += host.num_verifier_calls;
     }
-    Ok(Committed { outcomes, forward_s: forward.seconds, num_verifier_calls })
+    Ok(Committed { outcomes, forward_s: forward.timing()?.seconds, num_verifier_calls })
 }
 
 /// Whether this thread's CPU steps take the GPU's path (`cfg(test)` only: the tests of that path
@@ -240,7 +243,7 @@ fn verify_once_and_commit(
     plans: Vec<(usize, StepPlan)>,
     logits: &Tensor,
     hidden: Vec<Result<Vec<(Tap, Tensor)>>>,
-    forward: ForwardTiming,
+    forward: ForwardClock,
 ) -> Result<Committed> {
     let verify_started = Instant::now();
     let vocab = logits.dim(1)?;
@@ -275,6 +278,9 @@ fn verify_once_and_commit(
             &on_host
         }
     };
+    // The copy above waited for the forward: its time is known from here on.
+    let clock = forward;
+    let forward = clock.timing()?;
     let processing = verifying.iter().any(|(_, i, ..)| sessions[*i].processes_logits());
     let mut processed = HOST_LOGITS.with_borrow_mut(std::mem::take);
     if processing {
@@ -310,7 +316,7 @@ fn verify_once_and_commit(
         };
         match verify_batch(&builder.batch(), batch_logits) {
             Ok(verdicts) => {
-                let verify_s = verify_started.elapsed().as_secs_f64();
+                let verify_s = clock.seconds_after_forward(verify_started)?;
                 for (s, (p, i, plan, values, hidden)) in verifying.into_iter().enumerate() {
                     let session = &mut *sessions[i];
                     let (accepted, next_token) = (verdicts.accepted(s), verdicts.next_tokens[s]);
@@ -340,6 +346,96 @@ fn verify_once_and_commit(
     HOST_LOGITS.with_borrow_mut(|buffer| *buffer = processed);
     let outcomes = outcomes.into_iter().map(|o| o.expect("every plan has an outcome")).collect();
     Ok(Committed { outcomes, forward_s: forward.seconds, num_verifier_calls })
+}
+
+/// How long a step's forward ran, without a wait of its own: on CUDA two events around its
+/// launches on candle's stream, read once the step has waited for the device anyway (the
+/// verdicts' download, the logits' copy); on the CPU the forward returns done and the wall clock
+/// says it.
+#[derive(Clone)]
+pub(super) struct ForwardClock {
+    /// When the forward's launches began.
+    started: Instant,
+    rows: usize,
+    /// On the CPU: the forward's seconds, known when it returned.
+    seconds: f64,
+    /// On CUDA: the events recorded before and after the forward's launches.
+    #[cfg(feature = "cuda")]
+    events: Option<Arc<(CudaEvent, CudaEvent)>>,
+}
+
+/// A forward's clock, running (`ForwardClock::start` .. `stop`).
+pub(super) struct RunningClock {
+    started: Instant,
+    #[cfg(feature = "cuda")]
+    start_event: Option<(Arc<CudaStream>, CudaEvent)>,
+}
+
+/// A timing event recorded on `stream` (cudarc's default flags disable timing).
+#[cfg(feature = "cuda")]
+fn timing_event(stream: &CudaStream) -> Result<CudaEvent> {
+    let flags = Some(candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    stream.record_event(flags).map_err(|e| crate::nvrtc::device_error("recording a timing event", e))
+}
+
+impl ForwardClock {
+    /// Starts timing the forward about to be launched on `device`.
+    fn start(device: &candle_core::Device) -> Result<RunningClock> {
+        #[cfg(feature = "cuda")]
+        let start_event = match device {
+            candle_core::Device::Cuda(cuda) => {
+                let stream = cuda.cuda_stream();
+                let event = timing_event(&stream)?;
+                Some((stream, event))
+            }
+            _ => None,
+        };
+        #[cfg(not(feature = "cuda"))]
+        let _ = device;
+        Ok(RunningClock {
+            started: Instant::now(),
+            #[cfg(feature = "cuda")]
+            start_event,
+        })
+    }
+
+    /// The forward's timing: on CUDA, once the step has waited for the forward (reading the
+    /// events waits for them otherwise).
+    fn timing(&self) -> Result<ForwardTiming> {
+        #[cfg(feature = "cuda")]
+        if let Some(events) = &self.events {
+            let ms = events
+                .0
+                .elapsed_ms(&events.1)
+                .map_err(|e| crate::nvrtc::device_error("reading the forward's events", e))?;
+            return Ok(ForwardTiming { seconds: f64::from(ms) / 1e3, rows: self.rows });
+        }
+        Ok(ForwardTiming { seconds: self.seconds, rows: self.rows })
+    }
+
+    /// The seconds since `since` that came after the forward ended: a verification started
+    /// while the device still ran the forward is not charged for waiting on it (on the CPU the
+    /// forward ended before any verification began: all of them).
+    fn seconds_after_forward(&self, since: Instant) -> Result<f64> {
+        let after = self.started.elapsed().as_secs_f64() - self.timing()?.seconds;
+        Ok(since.elapsed().as_secs_f64().min(after).max(0.0))
+    }
+}
+
+impl RunningClock {
+    /// Stops the clock after the launches of a forward over `rows` rows.
+    fn stop(self, rows: usize) -> Result<ForwardClock> {
+        Ok(ForwardClock {
+            started: self.started,
+            rows,
+            seconds: self.started.elapsed().as_secs_f64(),
+            #[cfg(feature = "cuda")]
+            events: match self.start_event {
+                Some((stream, start)) => Some(Arc::new((start, timing_event(&stream)?))),
+                None => None,
+            },
+        })
+    }
 }
 
 thread_local! {
