@@ -84,6 +84,35 @@ __device__ float draw_weight(const float* row, const float* q_row, int rejected,
     return (int)j == rejected ? 0.0f : p;
 }
 
+// One BLOCK-wide piece of an inverse-CDF scan, thread i holding weight w of index j: the first
+// index whose running weight sum (from *offset) passes `goal` with a nonzero weight, or 0xffffffff
+// when none in this piece does; then *offset gains the piece's weight and *last_nonzero rises to
+// its last index with a nonzero weight.
+__device__ unsigned int scan_piece(float w, unsigned int j, float* offset, float goal, unsigned int* last_nonzero,
+                                   float* fscratch, unsigned int* uscratch) {
+    // Inclusive scan of the piece (Hillis-Steele).
+    fscratch[threadIdx.x] = w;
+    __syncthreads();
+    for (int stride = 1; stride < BLOCK; stride <<= 1) {
+        float add = threadIdx.x >= stride ? fscratch[threadIdx.x - stride] : 0.0f;
+        __syncthreads();
+        fscratch[threadIdx.x] += add;
+        __syncthreads();
+    }
+    float cumulative = *offset + fscratch[threadIdx.x];
+    float piece_total = fscratch[BLOCK - 1];
+    __syncthreads();
+    unsigned int hit = (w > 0.0f && cumulative > goal) ? j : 0xffffffffu;
+    hit = block_min_index(hit, uscratch);
+    if (hit != 0xffffffffu) return hit;
+    unsigned int nonzero = (w > 0.0f) ? j : 0u;
+    // block max of `nonzero` through the min reduction on its complement
+    unsigned int last = 0xffffffffu - block_min_index(0xffffffffu - nonzero, uscratch);
+    if (last > *last_nonzero) *last_nonzero = last;
+    *offset += piece_total;
+    return 0xffffffffu;
+}
+
 // Inverse-CDF draw (sampler::draw_with): the first index whose running weight sum passes
 // uniform * total weight, skipping zero weights; the last nonzero index if rounding runs past it.
 __device__ unsigned int block_draw(const float* row, const float* q_row, int rejected, unsigned int v,
@@ -99,26 +128,8 @@ __device__ unsigned int block_draw(const float* row, const float* q_row, int rej
     for (unsigned int base = 0; base < v; base += BLOCK) {
         unsigned int j = base + threadIdx.x;
         float w = j < v ? draw_weight(row, q_row, rejected, j, max, inv_t, total, residual) : 0.0f;
-        // Inclusive scan of this chunk (Hillis-Steele).
-        fscratch[threadIdx.x] = w;
-        __syncthreads();
-        for (int stride = 1; stride < BLOCK; stride <<= 1) {
-            float add = threadIdx.x >= stride ? fscratch[threadIdx.x - stride] : 0.0f;
-            __syncthreads();
-            fscratch[threadIdx.x] += add;
-            __syncthreads();
-        }
-        float cumulative = offset + fscratch[threadIdx.x];
-        float chunk_total = fscratch[BLOCK - 1];
-        __syncthreads();
-        unsigned int hit = (w > 0.0f && cumulative > target) ? j : 0xffffffffu;
-        hit = block_min_index(hit, uscratch);
+        unsigned int hit = scan_piece(w, j, &offset, target, &last_nonzero, fscratch, uscratch);
         if (hit != 0xffffffffu) return hit;
-        unsigned int nonzero = (w > 0.0f) ? j : 0u;
-        // block max of `nonzero` through the min reduction on its complement
-        unsigned int last = 0xffffffffu - block_min_index(0xffffffffu - nonzero, uscratch);
-        if (last > last_nonzero) last_nonzero = last;
-        offset += chunk_total;
     }
     return last_nonzero;
 }
@@ -227,25 +238,8 @@ __device__ unsigned int chunk_draw(const float* row, unsigned int lo, unsigned i
     for (unsigned int base = lo; base < hi; base += BLOCK) {
         unsigned int j = base + threadIdx.x;
         float w = j < hi ? expf((row[j] - max) * inv_t) : 0.0f;
-        // Inclusive scan of this piece (Hillis-Steele).
-        fscratch[threadIdx.x] = w;
-        __syncthreads();
-        for (int stride = 1; stride < BLOCK; stride <<= 1) {
-            float add = threadIdx.x >= stride ? fscratch[threadIdx.x - stride] : 0.0f;
-            __syncthreads();
-            fscratch[threadIdx.x] += add;
-            __syncthreads();
-        }
-        float cumulative = offset + fscratch[threadIdx.x];
-        float piece_total = fscratch[BLOCK - 1];
-        __syncthreads();
-        unsigned int hit = (w > 0.0f && cumulative > goal) ? j : NO_NODE;
-        hit = block_min_index(hit, uscratch);
+        unsigned int hit = scan_piece(w, j, &offset, goal, &last_nonzero, fscratch, uscratch);
         if (hit != NO_NODE) return hit;
-        unsigned int nonzero = (w > 0.0f) ? j : 0u;
-        unsigned int last = 0xffffffffu - block_min_index(0xffffffffu - nonzero, uscratch);
-        if (last > last_nonzero) last_nonzero = last;
-        offset += piece_total;
     }
     return last_nonzero;
 }

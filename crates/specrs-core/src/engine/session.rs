@@ -776,13 +776,8 @@ impl Session {
     /// returns it. None where the next plan drafts no model chain: it feeds context, drafts a
     /// tree or after a forced run, or its proposer drafts no model chain or nothing this step.
     pub(crate) fn chain_job(&mut self, limits: PlanLimits) -> Option<ChainJob<'_>> {
-        let decodes = !self.is_finished() && self.all_ids.len() - self.cache.len() == 1;
-        if !decodes || self.drafts_after_forced_runs() {
-            return None;
-        }
-        let (_, own) = self.own_draft_lengths();
-        let max_tokens = limits.max_draft_tokens.map_or(own, |cap| own.min(cap));
-        let speculation = self.speculation.as_mut().filter(|s| !s.tree.is_on() && max_tokens > 0)?;
+        let max_tokens = self.next_chain_length(limits)?;
+        let speculation = self.speculation.as_mut()?;
         let context = &self.all_ids;
         let (drafter, max_tokens) = speculation.proposer.model_chain(context, max_tokens).ok().flatten()?;
         Some(ChainJob { drafter, context, max_tokens, propose_s: &mut self.spec_metrics.propose_s })
@@ -792,15 +787,21 @@ impl Session {
     /// together with other sessions' on the device (`ngram_together.rs`); that plan's `propose`
     /// then returns it. None where the next plan drafts no n-gram chain (as for `chain_job`).
     pub(crate) fn ngram_job(&mut self, limits: PlanLimits) -> Option<NgramJob<'_>> {
+        let max_tokens = self.next_chain_length(limits)?;
+        let proposer = self.speculation.as_mut()?.proposer.ngram_chain()?;
+        Some(NgramJob { proposer, context: &self.all_ids, max_tokens, propose_s: &mut self.spec_metrics.propose_s })
+    }
+
+    /// The length of the chain the next `plan_with(limits)` asks its proposer for; None where it
+    /// asks for none: it feeds context, drafts a tree or after a forced run, or nothing this step.
+    fn next_chain_length(&self, limits: PlanLimits) -> Option<usize> {
         let decodes = !self.is_finished() && self.all_ids.len() - self.cache.len() == 1;
         if !decodes || self.drafts_after_forced_runs() {
             return None;
         }
         let (_, own) = self.own_draft_lengths();
         let max_tokens = limits.max_draft_tokens.map_or(own, |cap| own.min(cap));
-        let speculation = self.speculation.as_mut().filter(|s| !s.tree.is_on() && max_tokens > 0)?;
-        let proposer = speculation.proposer.ngram_chain()?;
-        Some(NgramJob { proposer, context: &self.all_ids, max_tokens, propose_s: &mut self.spec_metrics.propose_s })
+        self.speculation.as_ref().filter(|s| !s.tree.is_on() && max_tokens > 0).map(|_| max_tokens)
     }
 
     /// Cuts `draft` where the grammar forbids it. A deterministic chain stops before the first
