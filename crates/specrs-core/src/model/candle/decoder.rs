@@ -38,6 +38,7 @@ use crate::model::block::{self, load_block, BlockReader, Need, Projections};
 use crate::model::candle::attention::{attention, softcap, tree_attention, Scores};
 use crate::model::candle::fused::{act_mul, add_rms_norm, qkv_heads, HeadsSpec};
 use crate::model::candle::paged_attention::PagedStep;
+use crate::model::candle::step_buffer::StepBuffers;
 use crate::model::candle::upload;
 use crate::model::config::DecoderConfig;
 use crate::model::forward::check_token_ids;
@@ -241,6 +242,8 @@ pub struct Decoder {
     /// Bytes of weights a single-row step reads (`CausalLm::step_weight_bytes`): the blocks, the
     /// final norm and the LM head, not the embedding table (a step looks up one of its rows).
     step_weight_bytes: usize,
+    /// The static buffers paged steps write their descriptors into.
+    step_buffers: Arc<StepBuffers>,
 }
 
 impl GgufWeights<'_> {
@@ -519,6 +522,7 @@ impl Decoder {
             device: device.clone(),
             weight_bytes,
             step_weight_bytes,
+            step_buffers: Arc::default(),
             config,
         })
     }
@@ -696,7 +700,7 @@ impl Decoder {
                 _ => return Err(mixed()),
             }
         }
-        let step = PagedStep::new(batch, pasts, &tables, pool.block_size(), &self.device)?;
+        let step = PagedStep::new(batch, pasts, &tables, pool.block_size(), &self.step_buffers, &self.device)?;
         Ok(Some((step, Arc::clone(pool))))
     }
 

@@ -17,6 +17,7 @@ pub mod fused;
 #[cfg(test)]
 mod launches;
 pub mod paged_attention;
+pub(crate) mod step_buffer;
 
 use candle_core::{Device, Tensor};
 

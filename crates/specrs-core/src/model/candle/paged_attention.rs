@@ -18,6 +18,8 @@
 //! reads); the device kernel sums in another order (an online softmax over eight warps), within
 //! `check_against_reference`'s tolerance.
 
+use std::sync::Arc;
+
 use candle_core::{CpuStorage, CustomOp3, DType, Device, InplaceOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -25,7 +27,7 @@ use crate::error::{Error, Result};
 use crate::kv_cache::slot_of;
 use crate::model::candle::attention::Scores;
 use crate::model::candle::fused::{op_error, Elem};
-use crate::model::candle::upload;
+use crate::model::candle::step_buffer::{StepBuffers, StepDescriptor};
 use crate::model::forward::ForwardBatch;
 
 /// The most dims a head may have here (a warp's 32 lanes hold up to 8 each on the device).
@@ -36,8 +38,10 @@ pub const MAX_HEAD_DIM: usize = 256;
 pub(crate) struct PagedStep {
     /// `row_seq[n] | row_pos[n] | row_slot[n] | seqs[4 S] | masks[n W] | tables[T] | tokens[n] |
     /// logit_rows[L]` u32: the forward's one upload (the kernels read up to the tables; the
-    /// decoder's token gather, rotations and logit rows read their sections).
+    /// decoder's token gather, rotations and logit rows read their sections), a view of `held`.
     descriptor: Tensor,
+    /// The static buffer the descriptor was written into, given back when the step ends.
+    _held: StepDescriptor,
     /// Where the tokens section starts (`3 n + 4 S + n W + T`).
     tokens_start: usize,
     num_logit_rows: usize,
@@ -59,6 +63,7 @@ impl PagedStep {
         pasts: &[usize],
         tables: &[&[u32]],
         block_size: usize,
+        buffers: &Arc<StepBuffers>,
         device: &Device,
     ) -> Result<Self> {
         let (n, num_seqs) = (batch.num_rows(), batch.num_seqs());
@@ -103,8 +108,10 @@ impl PagedStep {
         let tokens_start = 3 * n + seqs.len() + masks.len() + flat_tables.len();
         let descriptor: Vec<u32> =
             [&row_seq[..], &row_pos, &row_slot, &seqs, &masks, &flat_tables, &batch.tokens, &logit_rows].concat();
+        let held = buffers.write(&descriptor, device)?;
         Ok(Self {
-            descriptor: upload(&descriptor, device)?,
+            descriptor: held.words()?,
+            _held: held,
             tokens_start,
             num_logit_rows: batch.logit_rows.len(),
             num_rows: n,
@@ -616,8 +623,9 @@ pub fn check_against_reference(device: &Device) -> Result<Vec<(String, f32, f32)
     for (dtype, tolerance) in [(DType::F32, 1e-4f32), (DType::BF16, 1e-2)] {
         let pool = (draw(&[2, slots, kv_heads * head_dim], 3)? * 0.25)?.to_dtype(dtype)?;
         let dev_pool = pool.to_device(device)?;
-        let step = PagedStep::new(&batch, &pasts, &tables, block_size, &cpu)?;
-        let dev_step = PagedStep::new(&batch, &pasts, &tables, block_size, device)?;
+        let buffers = Arc::new(StepBuffers::default());
+        let step = PagedStep::new(&batch, &pasts, &tables, block_size, &buffers, &cpu)?;
+        let dev_step = PagedStep::new(&batch, &pasts, &tables, block_size, &buffers, device)?;
         step.write_kv(&pool, &rows)?;
         dev_step.write_kv(&dev_pool, &rows.to_device(device)?)?;
         report.push((format!("write_kv {dtype:?}"), max_abs_diff(&pool, &dev_pool)?, 0.0));
@@ -718,6 +726,7 @@ mod tests {
                 &[chain_past, tree_past],
                 &[&chain_table, &tree_table],
                 block_size,
+                &Arc::default(),
                 &Device::Cpu,
             )
             .unwrap();
@@ -749,7 +758,7 @@ mod tests {
         let other: Vec<u32> = vec![0, 1, 2];
         let seqs = [SeqRows::tree(vec![0; 4], vec![-1, 0, 0, 2]), SeqRows::tree(vec![0; 3], vec![-1, 0, 1])];
         let batch = ForwardBatch::new(&seqs, &[11, 5], Vec::new()).unwrap();
-        let together = PagedStep::new(&batch, &[11, 5], &[&table, &other], 4, &Device::Cpu).unwrap();
+        let together = PagedStep::new(&batch, &[11, 5], &[&table, &other], 4, &Arc::default(), &Device::Cpu).unwrap();
         let together = together.attention(&q, &pool, KV_HEADS, scores).unwrap();
         let bits = |t: &Tensor| {
             t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>()
@@ -757,7 +766,9 @@ mod tests {
         // Each sequence alone, and the tree's last row as the step's only row but its path.
         for (s, rows) in [(0, 0..4), (1, 4..7)] {
             let alone = ForwardBatch::new(&seqs[s..s + 1], &[[11, 5][s]], Vec::new()).unwrap();
-            let alone = PagedStep::new(&alone, &[[11, 5][s]], &[[&table[..], &other[..]][s]], 4, &Device::Cpu).unwrap();
+            let alone =
+                PagedStep::new(&alone, &[[11, 5][s]], &[[&table[..], &other[..]][s]], 4, &Arc::default(), &Device::Cpu)
+                    .unwrap();
             let alone =
                 alone.attention(&q.narrow(1, rows.start, rows.len()).unwrap(), &pool, KV_HEADS, scores).unwrap();
             assert_eq!(bits(&together.narrow(0, rows.start, rows.len()).unwrap()), bits(&alone), "sequence {s}");
@@ -771,7 +782,7 @@ mod tests {
         let table: Vec<u32> = vec![3, 1];
         let pool = Tensor::zeros((2, 16, KV_HEADS * HEAD_DIM), DType::BF16, &Device::Cpu).unwrap();
         let batch = ForwardBatch::new(&[SeqRows::tree(vec![0; 3], vec![-1, 0, 1])], &[3], Vec::new()).unwrap();
-        let step = PagedStep::new(&batch, &[3], &[&table], 4, &Device::Cpu).unwrap();
+        let step = PagedStep::new(&batch, &[3], &[&table], 4, &Arc::default(), &Device::Cpu).unwrap();
         let rows = tensor(&[2 * KV_HEADS, 3, HEAD_DIM], 9);
         step.write_kv(&pool, &rows).unwrap();
         // Positions 3, 4, 5: block 3 row 3 (slot 15), block 1 rows 0 and 1 (slots 4, 5).
@@ -798,7 +809,7 @@ mod tests {
             .unwrap();
         assert!((written - expected).abs() < 1e-2, "nothing else written");
         let long = ForwardBatch::new(&[SeqRows::tree(vec![0; 6], vec![-1, 0, 1, 2, 3, 4])], &[3], Vec::new()).unwrap();
-        let e = PagedStep::new(&long, &[3], &[&table], 4, &Device::Cpu).err().unwrap().to_string();
+        let e = PagedStep::new(&long, &[3], &[&table], 4, &Arc::default(), &Device::Cpu).err().unwrap().to_string();
         assert!(e.contains("no block"), "{e}");
     }
 }
