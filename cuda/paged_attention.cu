@@ -19,19 +19,22 @@
 //                      rows its mask names (within the window, by their positions); scores are
 //                      scale * q.k, soft-capped where cap > 0, softmax over them. Blocks of
 //                      WARPS warps, grid (row, head, split): a row's keys (its past, then its step
-//                      rows) are cut into `splits` consecutive ranges (split-K: at small batches
-//                      a long context is walked by many blocks instead of one); in a block each
-//                      warp runs an online softmax over every WARPS-th key of its range, lane l
-//                      holding dims l, l + 32, ... (head_dim at most 256, checked by the host),
-//                      and the warps combine. With one split the block writes the row; with more,
-//                      each writes its (max, sum, unnormalized output) to `partials` and the last
-//                      of a (row, head)'s splits to finish combines them and sets its counter back
-//                      to zero. A row's result depends on its own keys only, never on its
-//                      batch-mates (the split count does: it is chosen per step by the host).
+//                      rows) are cut into consecutive ranges of KEYS_PER_SPLIT (split-K: a long
+//                      context is walked by many blocks instead of one; a block past its row's
+//                      last range returns at once); in a block each warp runs an online softmax
+//                      over every WARPS-th key of its range, lane l holding dims l, l + 32, ...
+//                      (head_dim at most 256, checked by the host), and the warps combine. A row
+//                      of one range writes its output; with more, each range writes its (max,
+//                      sum, unnormalized output) to `partials` and the last of a (row, head)'s
+//                      ranges to finish combines them in range order and sets its counter back
+//                      to zero. A row's result depends on its own keys only (how they are cut
+//                      depends on their number alone), never on its batch-mates.
 // Compiled at run time with NVRTC after cuda/dtype.cuh.
 
 #define WARPS 8
 #define MAX_PER_LANE 8
+// Keys per split-K range (`model/candle/paged_attention.rs` sizes the grid with the same number).
+#define KEYS_PER_SPLIT 128
 
 template <typename T>
 __device__ void write_kv(T* pool, const float* rows, const unsigned int* row_slot, unsigned int n,
@@ -56,7 +59,7 @@ __device__ void paged_attention(const float* q, const T* pool, const unsigned in
                                 float cap, unsigned int window, float* partials, unsigned int* counters) {
     __shared__ float warp_max[WARPS], warp_sum[WARPS];
     __shared__ float warp_acc[WARPS][32 * MAX_PER_LANE];
-    const unsigned int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const unsigned int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
     const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const unsigned int* row_seq = desc;
     const unsigned int* row_pos = desc + n;
@@ -90,9 +93,11 @@ __device__ void paged_attention(const float* q, const T* pool, const unsigned in
     float m = neg_inf, l = 0.0f;
     const unsigned int block_mask = (1u << block_shift) - 1;
     // This block's range of the row's keys (t indexes its past keys, then its step rows).
-    const unsigned int num_keys = num_past + rows, per_split = (num_keys + splits - 1) / splits;
-    const unsigned int t_end = min(num_keys, (split + 1) * per_split);
-    for (unsigned int t = split * per_split + warp; t < t_end; t += WARPS) {
+    const unsigned int num_keys = num_past + rows;
+    const unsigned int splits = (num_keys + KEYS_PER_SPLIT - 1) / KEYS_PER_SPLIT;
+    if (split >= splits) return;  // the whole block: its row has fewer ranges than the grid
+    const unsigned int t_end = min(num_keys, (split + 1) * KEYS_PER_SPLIT);
+    for (unsigned int t = split * KEYS_PER_SPLIT + warp; t < t_end; t += WARPS) {
         unsigned long long slot;
         if (t < num_past) {
             const unsigned int c = first_key + t;
@@ -156,7 +161,7 @@ __device__ void paged_attention(const float* q, const T* pool, const unsigned in
     // no key has sum 0 and is skipped below), then the last split of (r, h) combines them all.
     const unsigned long long head_index = (unsigned long long)r * num_heads + h;
     const unsigned int stride = head_dim + 2;
-    float* mine = partials + (head_index * splits + split) * stride;
+    float* mine = partials + (head_index * gridDim.z + split) * stride;
     if (lane == 0) {
         mine[0] = total_max;
         mine[1] = total;
@@ -173,7 +178,7 @@ __device__ void paged_attention(const float* q, const T* pool, const unsigned in
     ticket = __shfl_sync(0xffffffffu, ticket, 0);
     if (ticket != splits - 1) return;
     if (lane == 0) counters[head_index] = 0;  // ready for the next layer's launch
-    const volatile float* all = partials + head_index * splits * stride;
+    const volatile float* all = partials + head_index * gridDim.z * stride;
     float best = neg_inf;
     for (unsigned int z = 0; z < splits; z++) {
         if (all[z * stride + 1] > 0.0f) best = fmaxf(best, all[z * stride]);

@@ -138,15 +138,6 @@ pub fn function(device: &CudaDevice, source: &Source, entry: &str) -> Result<Cud
     Ok(device.get_or_load_custom_func(entry, &module, ptx)?.into_cuda_function())
 }
 
-/// The device's streaming multiprocessors (how many blocks it runs side by side).
-pub fn multiprocessors(device: &CudaDevice) -> Result<usize> {
-    let context = device.cuda_stream().context().clone();
-    let count = context
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .map_err(|e| device_error("reading the multiprocessor count", e))?;
-    Ok(count.max(1) as usize)
-}
-
 /// PTX of `source` for an architecture such as "compute_90", without a device.
 pub fn compile(source: &Source, arch: &str) -> Result<String> {
     let options = CompileOptions {

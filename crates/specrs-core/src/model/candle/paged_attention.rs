@@ -322,20 +322,16 @@ struct PagedAttention {
     scores: Scores,
 }
 
-/// Key ranges (split-K) the GPU kernel cuts each (row, head) into, for `blocks` (row, head) pairs
-/// whose longest row sees `max_keys` keys, on a device of `multiprocessors` SMs: one when the
-/// pairs alone give every SM two blocks; otherwise enough ranges of at least `KEYS_PER_SPLIT`
-/// keys to come near that (a batch-1 step over a long context walks its keys in many blocks
-/// instead of one block per head), at most `MAX_SPLITS`.
+/// Keys per split-K range of the GPU kernel (`KEYS_PER_SPLIT` in `cuda/paged_attention.cu`): a
+/// row's keys are cut into ranges of this many, walked by blocks of their own and combined, so a
+/// batch-1 step over a long context keeps many blocks busy; how a row is cut depends on its own
+/// key count alone, never on its batch-mates.
+const KEYS_PER_SPLIT: usize = 128;
+
+/// The grid's split dimension: the most ranges a row of the step has (`max_keys` keys).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn split_count(blocks: usize, max_keys: usize, multiprocessors: usize) -> usize {
-    const KEYS_PER_SPLIT: usize = 64;
-    const MAX_SPLITS: usize = 32;
-    let wanted = 2 * multiprocessors;
-    if blocks == 0 || blocks >= wanted {
-        return 1;
-    }
-    max_keys.div_ceil(KEYS_PER_SPLIT).min(wanted.div_ceil(blocks)).clamp(1, MAX_SPLITS)
+pub(crate) fn split_count(max_keys: usize) -> usize {
+    max_keys.div_ceil(KEYS_PER_SPLIT).max(1)
 }
 
 impl PagedAttention {
@@ -554,9 +550,7 @@ mod device {
         // SAFETY: every element is written by the kernel (one block per row and head, or the last
         // of its splits).
         let mut out: CudaSlice<T> = unsafe { device.alloc::<T>(op.num_rows * num_heads * head_dim) }?;
-        let multiprocessors =
-            crate::nvrtc::multiprocessors(&device).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-        let splits = super::split_count(op.num_rows * num_heads, op.max_keys, multiprocessors);
+        let splits = super::split_count(op.max_keys);
         // With one split the kernel reads neither buffer (one unread element each).
         let (partial_len, counter_len) = if splits > 1 {
             (op.num_rows * num_heads * splits * (head_dim + 2), op.num_rows * num_heads)
@@ -593,8 +587,8 @@ mod device {
 }
 
 /// The paged ops on `device` against their CPU references on the same inputs (pools in f32 and
-/// bf16): two sequences (a chain after 300 positions, split-K on a GPU; a tree after 17) in blocks of 16 whose
-/// tables are out of order, plain, windowed and soft-capped. `(op and case, largest absolute
+/// bf16): two sequences (a chain after 300 positions, three split-K ranges on a GPU; a tree
+/// after 17) in blocks of 16 whose tables are out of order, plain, windowed and soft-capped. `(op and case, largest absolute
 /// difference, tolerance)`; on the CPU it compares the reference with itself, the device check
 /// (`scripts/gpu_bench.py`) runs it on a GPU.
 pub fn check_against_reference(device: &Device) -> Result<Vec<(String, f32, f32)>> {
@@ -604,7 +598,7 @@ pub fn check_against_reference(device: &Device) -> Result<Vec<(String, f32, f32)
     let (heads, kv_heads, head_dim, block_size, num_blocks) = (8, 2, 128, 16, 24);
     let slots = block_size * num_blocks;
     let seqs = [SeqRows::tree(vec![1, 2, 3], vec![-1, 0, 1]), SeqRows::tree(vec![4, 5, 6, 7, 8], vec![-1, 0, 0, 1, 1])];
-    // The chain sees 303 keys: on a GPU its (row, head) pairs are few, so split-K cuts them.
+    // The chain's rows see 301-303 keys: three split-K ranges on a GPU (the tree's one).
     let pasts = [300, 17];
     let order: Vec<u32> = (0..num_blocks as u32).map(|i| (5 * i + 7) % num_blocks as u32).collect();
     let tables: [&[u32]; 2] = [&order[..19], &order[19..21]];
@@ -673,19 +667,14 @@ mod tests {
     }
 
     /// A chain after a past and a tree after another, in one step: each sequence's rows equal
-    /// Split-K cuts only where the (row, head) pairs leave SMs idle, in ranges of at least 64 keys.
+    /// The grid has as many split-K ranges as the step's longest row: 128 keys each.
     #[test]
-    fn split_k_fills_the_device_only_where_the_batch_does_not() {
-        // Llama-8B decode at batch 1 on an H200 (132 SMs): 32 heads, 1k keys -> 9 ranges.
-        assert_eq!(split_count(32, 1024, 132), 9);
-        // A short context cuts into fewer ranges of at least 64 keys, one below that.
-        assert_eq!(split_count(32, 200, 132), 4);
-        assert_eq!(split_count(32, 64, 132), 1);
-        // Batch 32 x 5 verify rows x 32 heads fills the device: no split.
-        assert_eq!(split_count(32 * 5 * 32, 4096, 132), 1);
-        // One pair over a huge context: at most 32 ranges.
-        assert_eq!(split_count(1, 1 << 20, 132), 32);
-        assert_eq!(split_count(0, 100, 132), 1);
+    fn split_k_ranges_follow_the_longest_rows_keys() {
+        assert_eq!(split_count(0), 1);
+        assert_eq!(split_count(128), 1);
+        assert_eq!(split_count(129), 2);
+        // Llama-8B decode over 1k keys: 8 ranges per (row, head), 256 blocks at batch 1.
+        assert_eq!(split_count(1024), 8);
     }
 
     /// attention.rs's chain and tree attention over the same keys, with and without a window and
