@@ -76,7 +76,8 @@ impl NgramStep {
             let (row, len) = (entry[0] as usize, entry[1] as usize + entry[2] as usize);
             if row >= rows || len > max_len || !seen.insert(row) {
                 return Err(Error::Internal(format!(
-                    "n-gram step: row {row} (a history of {len} tokens) does not fit a pool of {rows} x {max_len},                      or two sequences share it"
+                    "n-gram step: row {row} (a history of {len} tokens) does not fit a pool of {rows} x {max_len}, \
+                     or two sequences share it"
                 )));
             }
         }
@@ -129,7 +130,8 @@ impl NgramInput<'_> {
         let (batch, max_len) = (self.lengths.len(), self.max_len);
         if self.histories.len() != batch * max_len || self.lengths.iter().any(|&l| l as usize > max_len) {
             return Err(Error::Internal(format!(
-                "batched n-gram lookup: histories has {} values for {batch} x {max_len}, and lengths must be <=                  {max_len}",
+                "batched n-gram lookup: histories has {} values for {batch} x {max_len}, and lengths must be \
+                 <= {max_len}",
                 self.histories.len()
             )));
         }

@@ -233,7 +233,11 @@ mod tests {
                 proposers[s].begin_chain(&contexts[s], 4, draft.clone());
                 assert_eq!(proposers[s].propose(&contexts[s], 4).unwrap().token_ids, draft);
                 let row = &histories.held[&proposers[s].id()];
-                let Pool::Host(pool) = &histories.pool else { unreachable!() };
+                let pool = match &histories.pool {
+                    Pool::Host(pool) => pool,
+                    #[cfg(feature = "cuda")]
+                    Pool::Cuda(_) => unreachable!("the histories of the CPU device"),
+                };
                 assert_eq!(&pool[row.row * histories.max_len..][..contexts[s].len()], &contexts[s][..]);
             }
         }
