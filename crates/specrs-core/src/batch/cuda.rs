@@ -162,7 +162,7 @@ pub fn history_pool(device: &Device, len: usize) -> Result<CudaSlice<u32>> {
 pub fn ngram_lookup_on_device(device: &Device, input: &NgramInput) -> Result<(Vec<u32>, Vec<u32>)> {
     let step = input.step()?;
     let mut pool = history_pool(device, input.lengths.len() * input.max_len)?;
-    Ok(input.drafts_of(&ngram_step_on_device(device, &mut pool, input.max_len, &step)?))
+    Ok(input.padded(step.drafts(&ngram_step_on_device(device, &mut pool, input.max_len, &step)?)))
 }
 
 /// `accept_on_device` with the logits copied from the host to GPU `ordinal` first (for the device

@@ -143,15 +143,13 @@ impl NgramInput<'_> {
         Ok(step)
     }
 
-    /// The drafts `[b, k]` (0-padded) and their lengths `[b]` from the step's output words.
-    pub fn drafts_of(&self, out: &[u32]) -> (Vec<u32>, Vec<u32>) {
-        let (mut drafts, mut lengths) = (vec![0u32; self.lengths.len() * self.k], Vec::new());
-        for (s, seq) in out.chunks(1 + self.k).enumerate() {
-            let len = seq[0] as usize;
-            drafts[s * self.k..s * self.k + len].copy_from_slice(&seq[1..1 + len]);
-            lengths.push(len as u32);
+    /// `drafts` (the step's, `NgramStep::drafts`) as `[b, k]` (0-padded) and their lengths `[b]`.
+    pub fn padded(&self, drafts: Vec<Vec<u32>>) -> (Vec<u32>, Vec<u32>) {
+        let mut padded = vec![0u32; self.lengths.len() * self.k];
+        for (s, draft) in drafts.iter().enumerate() {
+            padded[s * self.k..s * self.k + draft.len()].copy_from_slice(draft);
         }
-        (drafts, lengths)
+        (padded, drafts.iter().map(|draft| draft.len() as u32).collect())
     }
 }
 
@@ -159,7 +157,7 @@ impl NgramInput<'_> {
 pub fn ngram_lookup(input: &NgramInput) -> Result<(Vec<u32>, Vec<u32>)> {
     let step = input.step()?;
     let mut pool = vec![0u32; input.lengths.len() * input.max_len];
-    Ok(input.drafts_of(&ngram_step(&mut pool, input.max_len, &step.words())))
+    Ok(input.padded(step.drafts(&ngram_step(&mut pool, input.max_len, &step.words()))))
 }
 
 fn lookup_one(history: &[u32], min_n: usize, max_n: usize, k: usize) -> &[u32] {

@@ -65,17 +65,15 @@ pub(super) fn draft_chains<'a>(sessions: impl IntoIterator<Item = (&'a mut Sessi
 /// their limits) will draft (`ngram_together.rs`): on CUDA, when at least `MIN_TOGETHER` do.
 /// Returns how many were looked up.
 pub(super) fn draft_ngrams<'a>(sessions: impl IntoIterator<Item = (&'a mut Session, PlanLimits)>) -> usize {
-    let mut device = None;
-    let jobs: Vec<NgramJob> = sessions
-        .into_iter()
-        .filter_map(|(session, limits)| {
-            device.get_or_insert_with(|| session.model().device().clone());
-            session.ngram_job(limits)
-        })
-        .collect();
-    let Some(device) = device else { return 0 };
-    let on_device = (device.is_cuda() && jobs.len() >= MIN_TOGETHER) || takes_the_device_path();
-    if !on_device {
+    let mut sessions = sessions.into_iter().peekable();
+    let Some((first, _)) = sessions.peek() else { return 0 };
+    let device = first.model().device().clone();
+    // On the CPU (outside the GPU path's tests) no job is gathered: each request drafts alone.
+    if !device.is_cuda() && !takes_the_device_path() {
+        return 0;
+    }
+    let jobs: Vec<NgramJob> = sessions.filter_map(|(session, limits)| session.ngram_job(limits)).collect();
+    if jobs.len() < MIN_TOGETHER && !takes_the_device_path() {
         return 0;
     }
     draft_ngrams_together(&device, jobs)
@@ -191,8 +189,11 @@ fn verify_on_device_and_commit(
     if !together.is_empty() {
         num_verifier_calls += 1;
         // The verdicts' download waits for the forward: its time is known from here on.
-        let verified = crate::verify::device::verify_batch_at(&builder.batch(), logits, &root_rows)
-            .and_then(|verdicts| Ok((verdicts, forward.timing()?, forward.seconds_after_forward(verify_started)?)));
+        let verified =
+            crate::verify::device::verify_batch_at(&builder.batch(), logits, &root_rows).and_then(|verdicts| {
+                let timing = forward.timing()?;
+                Ok((verdicts, timing, forward.seconds_after(timing, verify_started)))
+            });
         match verified {
             Ok((verdicts, forward, verify_s)) => {
                 for (s, (i, plan, hidden)) in together.into_iter().enumerate() {
@@ -316,7 +317,7 @@ fn verify_once_and_commit(
         };
         match verify_batch(&builder.batch(), batch_logits) {
             Ok(verdicts) => {
-                let verify_s = clock.seconds_after_forward(verify_started)?;
+                let verify_s = clock.seconds_after(forward, verify_started);
                 for (s, (p, i, plan, values, hidden)) in verifying.into_iter().enumerate() {
                     let session = &mut *sessions[i];
                     let (accepted, next_token) = (verdicts.accepted(s), verdicts.next_tokens[s]);
@@ -416,9 +417,9 @@ impl ForwardClock {
     /// The seconds since `since` that came after the forward ended: a verification started
     /// while the device still ran the forward is not charged for waiting on it (on the CPU the
     /// forward ended before any verification began: all of them).
-    fn seconds_after_forward(&self, since: Instant) -> Result<f64> {
-        let after = self.started.elapsed().as_secs_f64() - self.timing()?.seconds;
-        Ok(since.elapsed().as_secs_f64().min(after).max(0.0))
+    fn seconds_after(&self, forward: ForwardTiming, since: Instant) -> f64 {
+        let after = self.started.elapsed().as_secs_f64() - forward.seconds;
+        since.elapsed().as_secs_f64().min(after).max(0.0)
     }
 }
 
