@@ -6,14 +6,13 @@
 //   qkv_heads_*:    the q/k/v projection's output [n, (H + 2 KV) * hd] -> heads [H + 2 KV, n, hd] in
 //                   f32: q and k heads RMS-normed per head where the family has q/k norms, then
 //                   rotated (RoPE, halves or interleaved pairs, the first rope_dims of a head) at the
-//                   row's position read on the device; v heads copied. One block per (head, row).
+//                   row's position read on the device (heads.cuh); v heads copied. One block per
+//                   (head, row).
 //   act_mul_*:      act(gate) * up with act = SiLU or GELU (tanh form), the activation rounded to the
 //                   dtype first (as candle stores it between its two ops); gate and up are row-strided
 //                   views (the halves of a fused gate/up matmul's output). A grid-stride loop.
-// Compiled at run time with NVRTC after cuda/dtype.cuh (load/store per dtype). blockDim.x must be
-// BLOCK.
-
-#define BLOCK 256
+// Compiled at run time with NVRTC after cuda/dtype.cuh (load/store per dtype) and cuda/heads.cuh
+// (one head normed and rotated: qkv_heads' arithmetic). blockDim.x must be BLOCK.
 
 template <typename T>
 __device__ void add_rms_norm(const T* x, const T* delta, const T* weight, T* out,
@@ -70,42 +69,10 @@ __device__ void qkv_heads(const T* qkv, unsigned long long row_stride, const uns
     const unsigned int head = blockIdx.x / n, r = blockIdx.x % n;
     const bool is_q = head < num_heads, is_k = !is_q && head < num_heads + num_kv_heads;
     const T* src = qkv + (unsigned long long)r * row_stride + (unsigned long long)head * head_dim;
-    for (unsigned int j = threadIdx.x; j < head_dim; j += BLOCK) row[j] = load(src, j);
-    __syncthreads();
     const float* norm = is_q && has_q_norm ? q_norm : (is_k && has_k_norm ? k_norm : 0);
-    if (norm) {
-        float squares = 0.0f;
-        for (unsigned int j = threadIdx.x; j < head_dim; j += BLOCK) squares += row[j] * row[j];
-        scratch[threadIdx.x] = squares;
-        __syncthreads();
-        for (int s = BLOCK / 2; s > 0; s >>= 1) {
-            if (threadIdx.x < s) scratch[threadIdx.x] += scratch[threadIdx.x + s];
-            __syncthreads();
-        }
-        const float m = sqrtf(scratch[0] / (float)head_dim + eps);
-        __syncthreads();
-        for (unsigned int j = threadIdx.x; j < head_dim; j += BLOCK) row[j] = row[j] / m * norm[j];
-        __syncthreads();
-    }
     float* dst = out + ((unsigned long long)head * n + r) * head_dim;
-    const unsigned int half = rope_dims / 2;
-    const unsigned long long table = (unsigned long long)positions[r] * half;
-    for (unsigned int j = threadIdx.x; j < head_dim; j += BLOCK) {
-        float v = row[j];
-        if ((is_q || is_k) && j < rope_dims) {
-            // candle's rope / rope_i, term for term.
-            if (interleaved) {
-                const unsigned int i = j / 2;
-                const float c = cos[table + i], s = sin[table + i];
-                v = (j % 2 == 0) ? row[j] * c - row[j + 1] * s : row[j - 1] * s + row[j] * c;
-            } else {
-                const unsigned int i = j % half;
-                const float c = cos[table + i], s = sin[table + i];
-                v = (j < half) ? row[j] * c - row[j + half] * s : row[j - half] * s + row[j] * c;
-            }
-        }
-        dst[j] = v;
-    }
+    head_values(src, norm, is_q || is_k, positions[r], cos, sin, head_dim, rope_dims, interleaved, eps, row, scratch,
+                dst);
 }
 
 #define INSTANTIATE(SUFFIX, T)                                                                      \

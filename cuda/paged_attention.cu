@@ -11,9 +11,16 @@
 // where bit j of row r's mask says r sees its sequence's step row j (its ancestors and itself:
 // a chain's row i sees rows 0..=i).
 //   write_kv_*:        rows [2 * kv_heads, n, head_dim] f32 (k heads, then v heads) into the
-//                      slots row_slot[n] (the descriptor's section), rounded to the pool's dtype.
+//                      slots `slots[n]`, rounded to the pool's dtype (a sequence's appended rows).
 //                      A grid-stride loop.
-//   paged_attention_*: q [num_heads, n, head_dim] f32 -> out [n, num_heads * head_dim] in the
+//   write_kv_heads_*:  a step's keys and values straight from the q/k/v projection's output qkv
+//                      [n, (num_heads + 2 kv_heads) * head_dim] (row stride row_stride, the pool's
+//                      dtype): each k head normed (k_norm, where the family has one) and rotated at
+//                      its row's position (heads.cuh), each v head as it is, rounded to the pool's
+//                      dtype into its row's slot. One block per (k or v head, row).
+//   paged_attention_*: the step's q heads, read from the same qkv and normed (q_norm) and rotated
+//                      at the row's position as each block loads its head (heads.cuh: what
+//                      qkv_heads computes) -> out [n, num_heads * head_dim] in the
 //                      pool's dtype (what the output projection reads: no cast after). Row r
 //                      sees its sequence's past positions (those within the window) and the step
 //                      rows its mask names (within the window, by their positions); scores are
@@ -29,15 +36,17 @@
 //                      ranges to finish combines them in range order and sets its counter back
 //                      to zero. A row's result depends on its own keys only (how they are cut
 //                      depends on their number alone), never on its batch-mates.
-// Compiled at run time with NVRTC after cuda/dtype.cuh.
+// Compiled at run time with NVRTC after cuda/dtype.cuh and cuda/heads.cuh; blocks of BLOCK threads.
 
 #define WARPS 8
+// The most dims a head may have (the host checks: `MAX_HEAD_DIM` in paged_attention.rs).
+#define MAX_HEAD_DIM 256
 #define MAX_PER_LANE 8
 // Keys per split-K range (`model/candle/paged_attention.rs` sizes the grid with the same number).
 #define KEYS_PER_SPLIT 128
 
 template <typename T>
-__device__ void write_kv(T* pool, const float* rows, const unsigned int* row_slot, unsigned int n,
+__device__ void write_kv(T* pool, const float* rows, const unsigned int* slots, unsigned int n,
                          unsigned int kv_heads, unsigned int head_dim, unsigned long long num_slots) {
     const unsigned long long row_len = (unsigned long long)kv_heads * head_dim;
     const unsigned long long total = 2ull * n * row_len;
@@ -47,17 +56,46 @@ __device__ void write_kv(T* pool, const float* rows, const unsigned int* row_slo
         const unsigned long long r = (e / head_dim) % n;
         const unsigned long long head = e / ((unsigned long long)head_dim * n);  // which * kv_heads + g
         const unsigned long long which = head / kv_heads, g = head % kv_heads;
-        store(pool, (which * num_slots + row_slot[r]) * row_len + g * head_dim + d, rows[e]);
+        store(pool, (which * num_slots + slots[r]) * row_len + g * head_dim + d, rows[e]);
     }
 }
 
+// The rotary tables and q/k norms of a layer, as heads.cuh reads them.
+struct HeadArgs {
+    const float* cos;
+    const float* sin;
+    const float* norm;  // null: the family has no norm for these heads
+    unsigned int rope_dims, interleaved;
+    float eps;
+};
+
 template <typename T>
-__device__ void paged_attention(const float* q, const T* pool, const unsigned int* desc, T* out,
+__device__ void write_kv_heads(T* pool, const T* qkv, unsigned long long row_stride, const unsigned int* desc,
+                               HeadArgs k_args, unsigned int n, unsigned int num_heads, unsigned int kv_heads,
+                               unsigned int head_dim, unsigned long long num_slots) {
+    __shared__ float row[MAX_HEAD_DIM];
+    __shared__ float scratch[BLOCK];
+    const unsigned int head = blockIdx.x / n, r = blockIdx.x % n;  // k heads, then v heads
+    const unsigned int* row_pos = desc + n;
+    const unsigned int* row_slot = desc + 2 * n;
+    const bool is_k = head < kv_heads;
+    const unsigned int which = is_k ? 0 : 1, g = head % kv_heads;
+    const unsigned long long row_len = (unsigned long long)kv_heads * head_dim;
+    const T* src = qkv + (unsigned long long)r * row_stride + (unsigned long long)(num_heads + head) * head_dim;
+    T* dst = pool + (which * num_slots + row_slot[r]) * row_len + (unsigned long long)g * head_dim;
+    head_values(src, is_k ? k_args.norm : 0, is_k, row_pos[r], k_args.cos, k_args.sin, head_dim, k_args.rope_dims,
+                k_args.interleaved, k_args.eps, row, scratch, dst);
+}
+
+template <typename T>
+__device__ void paged_attention(const T* qkv, unsigned long long row_stride, HeadArgs q_args, const T* pool,
+                                const unsigned int* desc, T* out,
                                 unsigned int n, unsigned int num_seqs, unsigned int mask_words,
                                 unsigned int num_heads, unsigned int kv_heads, unsigned int head_dim,
                                 unsigned long long num_slots, unsigned int block_shift, float scale,
                                 float cap, unsigned int window, float* partials, unsigned int* counters) {
     __shared__ float warp_max[WARPS], warp_sum[WARPS];
+    __shared__ float q_row[MAX_HEAD_DIM], q_head[MAX_HEAD_DIM], q_scratch[BLOCK];
     __shared__ float warp_acc[WARPS][32 * MAX_PER_LANE];
     const unsigned int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
     const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -81,21 +119,25 @@ __device__ void paged_attention(const float* q, const T* pool, const unsigned in
     const unsigned int per = (head_dim + 31) / 32;
     const T* keys = pool + g * head_dim + lane;
     const T* values = pool + num_slots * row_len + g * head_dim + lane;
+    // This block's range of the row's keys (t indexes its past keys, then its step rows).
+    const unsigned int num_keys = num_past + rows;
+    const unsigned int splits = (num_keys + KEYS_PER_SPLIT - 1) / KEYS_PER_SPLIT;
+    if (split >= splits) return;  // the whole block: its row has fewer ranges than the grid
+    // The row's q head, normed and rotated as qkv_heads does it, into shared memory.
+    head_values(qkv + (unsigned long long)r * row_stride + (unsigned long long)h * head_dim, q_args.norm, true, p,
+                q_args.cos, q_args.sin, head_dim, q_args.rope_dims, q_args.interleaved, q_args.eps, q_row, q_scratch,
+                q_head);
+    __syncthreads();
     float qv[MAX_PER_LANE], acc[MAX_PER_LANE];
-    const float* qrow = q + ((unsigned long long)h * n + r) * head_dim + lane;
     // Loops over the per-lane arrays run to MAX_PER_LANE, unrolled, so the arrays stay in registers.
 #pragma unroll
     for (unsigned int i = 0; i < MAX_PER_LANE; i++) {
-        qv[i] = i < per && lane + 32 * i < head_dim ? qrow[32 * i] : 0.0f;
+        qv[i] = i < per && lane + 32 * i < head_dim ? q_head[lane + 32 * i] : 0.0f;
         acc[i] = 0.0f;
     }
     const float neg_inf = __int_as_float(0xff800000);
     float m = neg_inf, l = 0.0f;
     const unsigned int block_mask = (1u << block_shift) - 1;
-    // This block's range of the row's keys (t indexes its past keys, then its step rows).
-    const unsigned int num_keys = num_past + rows;
-    const unsigned int splits = (num_keys + KEYS_PER_SPLIT - 1) / KEYS_PER_SPLIT;
-    if (split >= splits) return;  // the whole block: its row has fewer ranges than the grid
     const unsigned int t_end = min(num_keys, (split + 1) * KEYS_PER_SPLIT);
     for (unsigned int t = split * KEYS_PER_SPLIT + warp; t < t_end; t += WARPS) {
         unsigned long long slot;
@@ -198,17 +240,29 @@ __device__ void paged_attention(const float* q, const T* pool, const unsigned in
 }
 
 #define INSTANTIATE(SUFFIX, T)                                                                        \
-extern "C" __global__ void write_kv_##SUFFIX(T* pool, const float* rows, const unsigned int* row_slot,  \
+extern "C" __global__ void write_kv_##SUFFIX(T* pool, const float* rows, const unsigned int* slots,     \
         unsigned int n, unsigned int kv_heads, unsigned int head_dim, unsigned long long num_slots) {  \
-    write_kv<T>(pool, rows, row_slot, n, kv_heads, head_dim, num_slots);                              \
+    write_kv<T>(pool, rows, slots, n, kv_heads, head_dim, num_slots);                                 \
 }                                                                                                     \
-extern "C" __global__ void paged_attention_##SUFFIX(const float* q, const T* pool,                      \
+extern "C" __global__ void write_kv_heads_##SUFFIX(T* pool, const T* qkv, unsigned long long row_stride, \
+        const unsigned int* desc, const float* k_norm, unsigned int has_k_norm, const float* cos,      \
+        const float* sin, unsigned int rope_dims, unsigned int interleaved, float eps, unsigned int n, \
+        unsigned int num_heads, unsigned int kv_heads, unsigned int head_dim,                          \
+        unsigned long long num_slots) {                                                               \
+    const HeadArgs k_args = {cos, sin, has_k_norm ? k_norm : 0, rope_dims, interleaved, eps};          \
+    write_kv_heads<T>(pool, qkv, row_stride, desc, k_args, n, num_heads, kv_heads, head_dim, num_slots); \
+}                                                                                                     \
+extern "C" __global__ void paged_attention_##SUFFIX(const T* qkv, unsigned long long row_stride,        \
+        const float* q_norm, unsigned int has_q_norm, const float* cos, const float* sin,              \
+        unsigned int rope_dims, unsigned int interleaved, float eps, const T* pool,                    \
         const unsigned int* desc, T* out, unsigned int n, unsigned int num_seqs,                       \
         unsigned int mask_words, unsigned int num_heads, unsigned int kv_heads, unsigned int head_dim, \
         unsigned long long num_slots, unsigned int block_shift, float scale, float cap,              \
         unsigned int window, float* partials, unsigned int* counters) {                               \
-    paged_attention<T>(q, pool, desc, out, n, num_seqs, mask_words, num_heads, kv_heads, head_dim,    \
-                       num_slots, block_shift, scale, cap, window, partials, counters);               \
+    const HeadArgs q_args = {cos, sin, has_q_norm ? q_norm : 0, rope_dims, interleaved, eps};          \
+    paged_attention<T>(qkv, row_stride, q_args, pool, desc, out, n, num_seqs, mask_words, num_heads,   \
+                       kv_heads, head_dim, num_slots, block_shift, scale, cap, window, partials,      \
+                       counters);                                                                     \
 }
 
 INSTANTIATE(f32, float)

@@ -2,8 +2,8 @@
 //! device's architecture on first use (once per process), and the helpers the kernels' hosts share
 //! (`batch/cuda.rs`, `model/candle/fused.rs`, `bandwidth.rs`).
 //!
-//! A source's text may begin with `cuda/dtype.cuh` (load/store per dtype), prepended here: NVRTC
-//! compiles one string with no includes.
+//! A source's text may begin with `cuda/dtype.cuh` (load/store per dtype) and `cuda/heads.cuh` (one
+//! head normed and rotated), prepended here: NVRTC compiles one string with no includes.
 //!
 //! Invariant: `SOURCES` lists every kernel source with its entry points, so the CPU suite compiles
 //! all of them for every architecture we ship for (`compile_for`) without a GPU.
@@ -37,7 +37,11 @@ pub const NGRAM: Source =
     Source { file: "ngram.cu", text: include_str!("../../../cuda/ngram.cu"), entries: &["ngram_kernel"] };
 pub const FUSED: Source = Source {
     file: "fused.cu",
-    text: concat!(include_str!("../../../cuda/dtype.cuh"), include_str!("../../../cuda/fused.cu")),
+    text: concat!(
+        include_str!("../../../cuda/dtype.cuh"),
+        include_str!("../../../cuda/heads.cuh"),
+        include_str!("../../../cuda/fused.cu")
+    ),
     entries: &[
         "add_rms_norm_f32",
         "add_rms_norm_bf16",
@@ -52,11 +56,18 @@ pub const FUSED: Source = Source {
 };
 pub const PAGED_ATTENTION: Source = Source {
     file: "paged_attention.cu",
-    text: concat!(include_str!("../../../cuda/dtype.cuh"), include_str!("../../../cuda/paged_attention.cu")),
+    text: concat!(
+        include_str!("../../../cuda/dtype.cuh"),
+        include_str!("../../../cuda/heads.cuh"),
+        include_str!("../../../cuda/paged_attention.cu")
+    ),
     entries: &[
         "write_kv_f32",
         "write_kv_bf16",
         "write_kv_f16",
+        "write_kv_heads_f32",
+        "write_kv_heads_bf16",
+        "write_kv_heads_f16",
         "paged_attention_f32",
         "paged_attention_bf16",
         "paged_attention_f16",

@@ -36,7 +36,7 @@ use crate::gguf::GgufFile;
 use crate::kv_cache::{KvCache, PagedPool};
 use crate::model::block::{self, load_block, BlockReader, Need, Projections};
 use crate::model::candle::attention::{attention, softcap, tree_attention, Scores};
-use crate::model::candle::fused::{act_mul, add_rms_norm, qkv_heads, HeadsSpec};
+use crate::model::candle::fused::{act_mul, add_rms_norm, qkv_heads, HeadsSpec, QkvHeads};
 use crate::model::candle::paged_attention::PagedStep;
 use crate::model::candle::step_buffer::StepBuffers;
 use crate::model::candle::upload;
@@ -593,22 +593,26 @@ impl Decoder {
                 k_norm: block.k_norm.as_ref(),
                 eps,
             };
-            // [heads + 2 kv_heads, n, hd] f32: q normed and rotated, then k, then v.
-            let heads = qkv_heads(&block.qkv.forward_joined(&h)?, &positions, &spec)?;
-            let q = heads.narrow(0, 0, c.num_heads)?; // [heads, n, hd]
-            let k = heads.narrow(0, c.num_heads, c.num_kv_heads)?; // [kv_heads, n, hd]
-            let v = heads.narrow(0, c.num_heads + c.num_kv_heads, c.num_kv_heads)?; // [kv_heads, n, hd]
+            let qkv = block.qkv.forward_joined(&h)?; // [n, (heads + 2 kv_heads) * hd]
             let window = c.sliding_window.filter(|_| c.sliding_layers[layer]);
             let scores = Scores { scale: c.attention_scale, logit_softcap: c.attn_logit_softcap, window };
             let attn = match &paged {
-                // Every sequence's rows written and attended at once; the result comes in the
-                // pool's dtype, the model's, so the cast below is a no-op.
+                // Every sequence's rows written and attended at once, in two launches: k and v
+                // normed, rotated and written into their slots; attention, normalizing and
+                // rotating each q head as it loads it. The result comes in the pool's dtype, the
+                // model's, so the cast below is a no-op.
                 Some((step, pool)) => {
                     let pool = pool.device_layer(layer).ok_or_else(|| shape_bug("paged pool layer"))?;
-                    step.write_kv(pool, &heads.narrow(0, c.num_heads, 2 * c.num_kv_heads)?)?;
-                    step.attention(&q, pool, c.num_kv_heads, scores)?
+                    let heads = QkvHeads::new(&spec)?;
+                    step.write_kv_heads(pool, &qkv, &heads)?;
+                    step.attention(&qkv, &heads, pool, scores)?
                 }
                 None => {
+                    // [heads + 2 kv_heads, n, hd] f32: q normed and rotated, then k, then v.
+                    let heads = qkv_heads(&qkv, &positions, &spec)?;
+                    let q = heads.narrow(0, 0, c.num_heads)?; // [heads, n, hd]
+                    let k = heads.narrow(0, c.num_heads, c.num_kv_heads)?; // [kv_heads, n, hd]
+                    let v = heads.narrow(0, c.num_heads + c.num_kv_heads, c.num_kv_heads)?; // [kv_heads, n, hd]
                     let mut attns = Vec::with_capacity(batch.num_seqs());
                     for (s, cache) in caches.iter_mut().enumerate() {
                         let rows = batch.seq_range(s);

@@ -69,19 +69,7 @@ pub fn qkv_heads(qkv: &Tensor, positions: &Tensor, spec: &HeadsSpec) -> Result<T
         let heads = spec.num_heads + 2 * spec.num_kv_heads;
         return Ok(Tensor::zeros((heads, 0, spec.head_dim), DType::F32, qkv.device())?);
     }
-    let op = QkvHeads {
-        num_heads: spec.num_heads,
-        num_kv_heads: spec.num_kv_heads,
-        head_dim: spec.head_dim,
-        rope_dims: spec.rope_dims,
-        interleaved: spec.interleaved,
-        cos: spec.cos.contiguous()?,
-        sin: spec.sin.contiguous()?,
-        q_norm: spec.q_norm.map(|t| t.to_dtype(DType::F32)).transpose()?,
-        k_norm: spec.k_norm.map(|t| t.to_dtype(DType::F32)).transpose()?,
-        eps: spec.eps,
-    };
-    Ok(qkv.apply_op2_no_bwd(positions, &op)?)
+    Ok(qkv.apply_op2_no_bwd(positions, &QkvHeads::new(spec)?)?)
 }
 
 /// Element access in f32 for the dtypes activations take.
@@ -119,7 +107,7 @@ pub(crate) fn op_error(op: &str, what: String) -> candle_core::Error {
 }
 
 /// A 2-D layout's (rows, columns, row stride, start offset); columns must be unit-strided.
-fn rows_of(op: &str, layout: &Layout) -> candle_core::Result<(usize, usize, usize, usize)> {
+pub(crate) fn rows_of(op: &str, layout: &Layout) -> candle_core::Result<(usize, usize, usize, usize)> {
     match (layout.dims(), layout.stride()) {
         ([rows, cols], [row_stride, 1]) => Ok((*rows, *cols, *row_stride, layout.start_offset())),
         ([rows, 1], [row_stride, _]) => Ok((*rows, 1, *row_stride, layout.start_offset())),
@@ -315,17 +303,20 @@ impl CustomOp2 for ActMul {
     }
 }
 
-struct QkvHeads {
-    num_heads: usize,
-    num_kv_heads: usize,
-    head_dim: usize,
-    rope_dims: usize,
-    interleaved: bool,
+/// How the q/k/v projection's heads are normed and rotated: `qkv_heads`' op, and the paged step's
+/// (`paged_attention.rs`), which apply it to k and v as they write them and to q as attention
+/// reads it.
+pub(crate) struct QkvHeads {
+    pub(crate) num_heads: usize,
+    pub(crate) num_kv_heads: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) rope_dims: usize,
+    pub(crate) interleaved: bool,
     cos: Tensor,
     sin: Tensor,
     q_norm: Option<Tensor>,
     k_norm: Option<Tensor>,
-    eps: f32,
+    pub(crate) eps: f32,
 }
 
 /// The f32 values of a contiguous CPU tensor's storage, read in place (the rotary tables span the
@@ -337,29 +328,143 @@ fn cpu_f32<'a>(storage: &'a candle_core::Storage, layout: &Layout) -> candle_cor
     }
 }
 
+/// Which third of the q/k/v projection a head is: q and k are normed (where the family norms them)
+/// and rotated, v is taken as it is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HeadKind {
+    Q,
+    K,
+    V,
+}
+
+/// A [`QkvHeads`]' tables and norms as f32 slices on the CPU: the reference of `cuda/heads.cuh`.
+pub(crate) struct HeadTables<'a> {
+    cos: &'a [f32],
+    sin: &'a [f32],
+    q_norm: Option<&'a [f32]>,
+    k_norm: Option<&'a [f32]>,
+    half: usize,
+    interleaved: bool,
+    eps: f32,
+}
+
+impl HeadTables<'_> {
+    /// Refuses a position past the rotary tables (the context they were built for).
+    pub(crate) fn check_positions(&self, positions: &[u32]) -> candle_core::Result<()> {
+        let context = self.cos.len() / self.half.max(1);
+        match positions.iter().find(|&&p| p as usize >= context) {
+            Some(p) => Err(op_error("qkv_heads", format!("position {p} is past the rotary tables' {context}"))),
+            None => Ok(()),
+        }
+    }
+
+    /// One head, `src [head_dim]` -> `dst [head_dim]` in f32: a q or k head normed per head (where
+    /// the family norms it) and rotated at `position` (checked by `check_positions`), a v head as it
+    /// is.
+    pub(crate) fn head<T: Elem>(&self, src: &[T], kind: HeadKind, position: u32, dst: &mut [f32]) {
+        let (hd, half) = (dst.len(), self.half);
+        let norm = match kind {
+            HeadKind::Q => self.q_norm,
+            HeadKind::K => self.k_norm,
+            HeadKind::V => None,
+        };
+        let mut row: Vec<f32> = src[..hd].iter().map(|v| v.get()).collect();
+        if let Some(weight) = norm {
+            // candle_nn's rms_norm over the head, term for term.
+            let sum2 = row.iter().map(|&v| v * v).sum::<f32>();
+            let m = (sum2 / hd as f32 + self.eps).sqrt();
+            row.iter_mut().zip(weight).for_each(|(v, w)| *v = *v / m * w);
+        }
+        dst.copy_from_slice(&row);
+        if kind == HeadKind::V {
+            return;
+        }
+        // candle's rope (halves) and rope_i (interleaved pairs), term for term.
+        let table = position as usize * half;
+        for i in 0..half {
+            let (c, s) = (self.cos[table + i], self.sin[table + i]);
+            let (a, b) = if self.interleaved { (2 * i, 2 * i + 1) } else { (i, i + half) };
+            dst[a] = row[a] * c - row[b] * s;
+            dst[b] = row[a] * s + row[b] * c;
+        }
+    }
+}
+
 impl QkvHeads {
-    fn total_heads(&self) -> usize {
+    pub(crate) fn new(spec: &HeadsSpec) -> Result<Self> {
+        Ok(Self {
+            num_heads: spec.num_heads,
+            num_kv_heads: spec.num_kv_heads,
+            head_dim: spec.head_dim,
+            rope_dims: spec.rope_dims,
+            interleaved: spec.interleaved,
+            cos: spec.cos.contiguous()?,
+            sin: spec.sin.contiguous()?,
+            q_norm: spec.q_norm.map(|t| t.to_dtype(DType::F32)).transpose()?,
+            k_norm: spec.k_norm.map(|t| t.to_dtype(DType::F32)).transpose()?,
+            eps: spec.eps,
+        })
+    }
+
+    pub(crate) fn total_heads(&self) -> usize {
         self.num_heads + 2 * self.num_kv_heads
     }
 
-    /// (rows, qkv's row stride and start offset), after checking the shapes.
-    fn check(&self, l1: &Layout, l2: &Layout) -> candle_core::Result<(usize, usize, usize)> {
-        let (rows, cols, row_stride, start) = rows_of("qkv_heads", l1)?;
+    /// The head of `kind` at `index` among its kind's heads: its offset in a row of the projection.
+    pub(crate) fn offset(&self, kind: HeadKind, index: usize) -> usize {
+        let first = match kind {
+            HeadKind::Q => 0,
+            HeadKind::K => self.num_heads,
+            HeadKind::V => self.num_heads + self.num_kv_heads,
+        };
+        (first + index) * self.head_dim
+    }
+
+    /// The projection `qkv` layout's (rows, row stride, start offset), after checking it is `[n,
+    /// (H + 2 KV) * head_dim]` with unit column stride and the head sizes are ones the kernels take.
+    pub(crate) fn check_qkv(&self, op: &str, qkv: &Layout) -> candle_core::Result<(usize, usize, usize)> {
+        let (rows, cols, row_stride, start) = rows_of(op, qkv)?;
         let width = self.total_heads() * self.head_dim;
-        if cols != width || l2.dims() != [rows] || l2.contiguous_offsets().is_none() {
-            return Err(op_error(
-                "qkv_heads",
-                format!("qkv is {:?} and positions {:?}, need [n, {width}] and [n]", l1.dims(), l2.dims()),
-            ));
+        if cols != width {
+            return Err(op_error(op, format!("qkv is {:?}, need [n, {width}]", qkv.dims())));
         }
         if self.head_dim > 1024 || self.rope_dims > self.head_dim || self.rope_dims % 2 == 1 {
             return Err(op_error(
-                "qkv_heads",
+                op,
                 format!(
                     "head_dim {} (at most 1024) and rope_dims {} (even, at most head_dim)",
                     self.head_dim, self.rope_dims
                 ),
             ));
+        }
+        Ok((rows, row_stride, start))
+    }
+
+    /// Runs `f` over the tables and norms as f32 slices (read guards held meanwhile; CPU tensors).
+    pub(crate) fn with_tables<R>(
+        &self,
+        f: impl FnOnce(&HeadTables) -> candle_core::Result<R>,
+    ) -> candle_core::Result<R> {
+        let guards = [Some(&self.cos), Some(&self.sin), self.q_norm.as_ref(), self.k_norm.as_ref()]
+            .map(|t| t.map(Tensor::storage_and_layout));
+        let slice = |i: usize| guards[i].as_ref().map(|(storage, layout)| cpu_f32(storage, layout)).transpose();
+        let tables = HeadTables {
+            cos: slice(0)?.expect("cos is given"),
+            sin: slice(1)?.expect("sin is given"),
+            q_norm: slice(2)?,
+            k_norm: slice(3)?,
+            half: self.rope_dims / 2,
+            interleaved: self.interleaved,
+            eps: self.eps,
+        };
+        f(&tables)
+    }
+
+    /// (rows, qkv's row stride and start offset), after checking the shapes.
+    fn check(&self, l1: &Layout, l2: &Layout) -> candle_core::Result<(usize, usize, usize)> {
+        let (rows, row_stride, start) = self.check_qkv("qkv_heads", l1)?;
+        if l2.dims() != [rows] || l2.contiguous_offsets().is_none() {
+            return Err(op_error("qkv_heads", format!("positions are {:?}, need [{rows}]", l2.dims())));
         }
         Ok((rows, row_stride, start))
     }
@@ -371,52 +476,24 @@ impl QkvHeads {
         rows: usize,
         row_stride: usize,
     ) -> candle_core::Result<Vec<f32>> {
-        let (hd, half) = (self.head_dim, self.rope_dims / 2);
-        // Read guards on the op's tables and norms, held while the slices are in use.
-        let guards = [Some(&self.cos), Some(&self.sin), self.q_norm.as_ref(), self.k_norm.as_ref()]
-            .map(|t| t.map(Tensor::storage_and_layout));
-        let slice = |i: usize| guards[i].as_ref().map(|(storage, layout)| cpu_f32(storage, layout)).transpose();
-        let (cos, sin) = (slice(0)?.expect("cos is given"), slice(1)?.expect("sin is given"));
-        let (q_norm, k_norm) = (slice(2)?, slice(3)?);
-        let context = cos.len() / half.max(1);
-        if let Some(p) = positions.iter().find(|&&p| p as usize >= context) {
-            return Err(op_error("qkv_heads", format!("position {p} is past the rotary tables' {context}")));
-        }
-        let mut out = vec![0f32; self.total_heads() * rows * hd];
-        out.par_chunks_mut(rows * hd).enumerate().for_each(|(head, block)| {
-            let (is_q, is_k) =
-                (head < self.num_heads, head >= self.num_heads && head < self.num_heads + self.num_kv_heads);
-            let norm = if is_q {
-                q_norm
-            } else if is_k {
-                k_norm
-            } else {
-                None
-            };
-            for (r, dst) in block.chunks_mut(hd).enumerate() {
-                let src = &qkv[r * row_stride + head * hd..][..hd];
-                let mut row: Vec<f32> = src.iter().map(|v| v.get()).collect();
-                if let Some(weight) = norm {
-                    // candle_nn's rms_norm over the head, term for term.
-                    let sum2 = row.iter().map(|&v| v * v).sum::<f32>();
-                    let m = (sum2 / hd as f32 + self.eps).sqrt();
-                    row.iter_mut().zip(weight).for_each(|(v, w)| *v = *v / m * w);
+        let hd = self.head_dim;
+        self.with_tables(|tables| {
+            tables.check_positions(positions)?;
+            let mut out = vec![0f32; self.total_heads() * rows * hd];
+            out.par_chunks_mut(rows * hd).enumerate().for_each(|(head, block)| {
+                let kind = if head < self.num_heads {
+                    HeadKind::Q
+                } else if head < self.num_heads + self.num_kv_heads {
+                    HeadKind::K
+                } else {
+                    HeadKind::V
+                };
+                for (r, dst) in block.chunks_mut(hd).enumerate() {
+                    tables.head(&qkv[r * row_stride + head * hd..], kind, positions[r], dst);
                 }
-                dst.copy_from_slice(&row);
-                if !(is_q || is_k) {
-                    continue;
-                }
-                // candle's rope (halves) and rope_i (interleaved pairs), term for term.
-                let table = positions[r] as usize * half;
-                for i in 0..half {
-                    let (c, s) = (cos[table + i], sin[table + i]);
-                    let (a, b) = if self.interleaved { (2 * i, 2 * i + 1) } else { (i, i + half) };
-                    dst[a] = row[a] * c - row[b] * s;
-                    dst[b] = row[a] * s + row[b] * c;
-                }
-            }
-        });
-        Ok(out)
+            });
+            Ok(out)
+        })
     }
 }
 
@@ -462,9 +539,9 @@ impl CustomOp2 for QkvHeads {
 
 /// Launching `cuda/fused.cu`'s kernels on the inputs' device, in the inputs' dtype.
 #[cfg(feature = "cuda")]
-mod device {
+pub(crate) mod device {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::CudaStorage;
 
@@ -510,18 +587,27 @@ mod device {
         by_dtype!(qkv.dtype(), T => qkv_heads_typed::<T>(op, qkv, start, row_stride, positions, positions_start, rows))
     }
 
-    fn qkv_heads_typed<T: CudaDType + DeviceRepr + candle_core::WithDType>(
+    /// A [`super::QkvHeads`]' f32 tables and norms on the device, read in place.
+    pub struct DeviceTables<'a> {
+        pub cos: CudaView<'a, f32>,
+        pub sin: CudaView<'a, f32>,
+        pub q_norm: Option<CudaView<'a, f32>>,
+        pub k_norm: Option<CudaView<'a, f32>>,
+    }
+
+    impl DeviceTables<'_> {
+        /// A norm's pointer for a kernel, and whether there is one: an absent norm passes the cos
+        /// table, a valid pointer the kernel never reads.
+        pub fn norm_arg<'b>(&'b self, norm: &'b Option<CudaView<'b, f32>>) -> (&'b CudaView<'b, f32>, u32) {
+            (norm.as_ref().unwrap_or(&self.cos), u32::from(norm.is_some()))
+        }
+    }
+
+    /// Runs `f` over `op`'s tables and norms on the device (their read guards held meanwhile).
+    pub fn with_device_tables<R>(
         op: &super::QkvHeads,
-        qkv: &CudaStorage,
-        start: usize,
-        row_stride: usize,
-        positions: &CudaStorage,
-        positions_start: usize,
-        rows: usize,
-    ) -> candle_core::Result<CudaStorage> {
-        let device = qkv.device().clone();
-        let func = function(&device, &FUSED, &format!("qkv_heads_{}", suffix(T::DTYPE)?)).map_err(err)?;
-        // The op's f32 tables and norms, read in place (their guards held until the launch).
+        f: impl FnOnce(&DeviceTables) -> candle_core::Result<R>,
+    ) -> candle_core::Result<R> {
         let guards: Vec<_> = [Some(&op.cos), Some(&op.sin), op.q_norm.as_ref(), op.k_norm.as_ref()]
             .map(|t| t.map(|t| t.storage_and_layout()))
             .into_iter()
@@ -535,34 +621,53 @@ mod device {
                 None => Ok(None),
             }
         };
-        let (cos, sin) = (slice(0)?.expect("cos"), slice(1)?.expect("sin"));
-        let (q_norm, k_norm) = (slice(2)?, slice(3)?);
-        let qkv_view = qkv.as_cuda_slice::<T>()?.slice(start..);
-        let positions_view = positions.as_cuda_slice::<u32>()?.slice(positions_start..);
-        let total = op.num_heads + 2 * op.num_kv_heads;
-        // SAFETY: every element is written by the kernel (one block per head and row).
-        let mut out: CudaSlice<f32> = unsafe { device.alloc::<f32>(total * rows * op.head_dim) }?;
-        let u32s = [rows, op.num_heads, op.num_kv_heads, op.head_dim, op.rope_dims, usize::from(op.interleaved)]
-            .map(|x| x as u32);
-        let (has_q, has_k) = (u32::from(q_norm.is_some()), u32::from(k_norm.is_some()));
-        let stride = row_stride as u64;
-        let stream = device.cuda_stream();
-        let mut builder = stream.launch_builder(&func);
-        builder.arg(&qkv_view).arg(&stride).arg(&positions_view);
-        // An absent norm passes the cos table: a valid pointer the kernel never reads.
-        builder.arg(q_norm.as_ref().unwrap_or(&cos)).arg(k_norm.as_ref().unwrap_or(&cos)).arg(&has_q).arg(&has_k);
-        builder.arg(&cos).arg(&sin).arg(&mut out);
-        for x in &u32s {
-            builder.arg(x);
-        }
-        builder.arg(&op.eps);
-        let config =
-            LaunchConfig { grid_dim: ((total * rows) as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: the arguments match qkv_heads' signature in cuda/fused.cu; `check` verified the
-        // shapes (head_dim <= 1024 for its shared row), positions index the tables the engine
-        // sized to the context, and the kernel writes only `out`.
-        unsafe { builder.launch(config) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, device))
+        let tables = DeviceTables {
+            cos: slice(0)?.expect("cos"),
+            sin: slice(1)?.expect("sin"),
+            q_norm: slice(2)?,
+            k_norm: slice(3)?,
+        };
+        f(&tables)
+    }
+
+    fn qkv_heads_typed<T: CudaDType + DeviceRepr + candle_core::WithDType>(
+        op: &super::QkvHeads,
+        qkv: &CudaStorage,
+        start: usize,
+        row_stride: usize,
+        positions: &CudaStorage,
+        positions_start: usize,
+        rows: usize,
+    ) -> candle_core::Result<CudaStorage> {
+        let device = qkv.device().clone();
+        let func = function(&device, &FUSED, &format!("qkv_heads_{}", suffix(T::DTYPE)?)).map_err(err)?;
+        with_device_tables(op, |tables| {
+            let qkv_view = qkv.as_cuda_slice::<T>()?.slice(start..);
+            let positions_view = positions.as_cuda_slice::<u32>()?.slice(positions_start..);
+            let total = op.total_heads();
+            // SAFETY: every element is written by the kernel (one block per head and row).
+            let mut out: CudaSlice<f32> = unsafe { device.alloc::<f32>(total * rows * op.head_dim) }?;
+            let u32s = [rows, op.num_heads, op.num_kv_heads, op.head_dim, op.rope_dims, usize::from(op.interleaved)]
+                .map(|x| x as u32);
+            let ((q_norm, has_q), (k_norm, has_k)) = (tables.norm_arg(&tables.q_norm), tables.norm_arg(&tables.k_norm));
+            let stride = row_stride as u64;
+            let stream = device.cuda_stream();
+            let mut builder = stream.launch_builder(&func);
+            builder.arg(&qkv_view).arg(&stride).arg(&positions_view);
+            builder.arg(q_norm).arg(k_norm).arg(&has_q).arg(&has_k);
+            builder.arg(&tables.cos).arg(&tables.sin).arg(&mut out);
+            for x in &u32s {
+                builder.arg(x);
+            }
+            builder.arg(&op.eps);
+            let config =
+                LaunchConfig { grid_dim: ((total * rows) as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: the arguments match qkv_heads' signature in cuda/fused.cu; `check` verified the
+            // shapes (head_dim <= 1024 for its shared row), positions index the tables the engine
+            // sized to the context, and the kernel writes only `out`.
+            unsafe { builder.launch(config) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(out, device.clone()))
+        })
     }
 
     fn typed<T: CudaDType + DeviceRepr + candle_core::WithDType, const N: usize>(

@@ -26,7 +26,7 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::kv_cache::slot_of;
 use crate::model::candle::attention::Scores;
-use crate::model::candle::fused::{op_error, Elem};
+use crate::model::candle::fused::{op_error, Elem, HeadKind, HeadsSpec, QkvHeads};
 use crate::model::candle::step_buffer::{StepBuffers, StepDescriptor};
 use crate::model::forward::ForwardBatch;
 
@@ -137,32 +137,45 @@ impl PagedStep {
         Ok(self.descriptor.narrow(0, self.tokens_start + self.num_rows, self.num_logit_rows)?)
     }
 
-    /// Writes the step's new keys and values, `rows [2 * num_kv_heads, n, head_dim]` f32 (k heads,
-    /// then v heads: the tail of `qkv_heads`' output), into their slots of one layer's `pool`
-    /// (`[2, num_slots, num_kv_heads * head_dim]`), rounded to its dtype.
-    pub(crate) fn write_kv(&self, pool: &Tensor, rows: &Tensor) -> Result<()> {
-        let n = self.num_rows;
-        write_rows(pool, rows, &self.descriptor.narrow(0, 2 * n, n)?) // the row_slot section
+    /// Writes the step's keys and values into their slots of one layer's `pool` (`[2, num_slots,
+    /// num_kv_heads * head_dim]`) straight from the q/k/v projection's output `qkv [n, (H + 2 KV) *
+    /// head_dim]` (unit column stride, the pool's dtype): k heads normed and rotated as `heads` says
+    /// (what `qkv_heads` computes), v heads as they are, rounded to the pool's dtype. One launch.
+    pub(crate) fn write_kv_heads(&self, pool: &Tensor, qkv: &Tensor, heads: &QkvHeads) -> Result<()> {
+        if self.num_rows == 0 {
+            return Ok(());
+        }
+        let write = || pool.inplace_op3(qkv, &self.descriptor, &WriteKvHeads { heads, num_rows: self.num_rows });
+        // In place, so no output buffer shows its launch to the launch count (`launches.rs`).
+        #[cfg(test)]
+        let write = || crate::constraint::call_memory::count_as(1, write);
+        write()?;
+        Ok(())
     }
 
-    /// Attention of the step's rows: `q [num_heads, n, head_dim]` f32 over one layer's `pool`
-    /// (`[2, num_slots, num_kv_heads * head_dim]`, this step's rows already written) -> `[n,
-    /// num_heads * head_dim]` in the pool's dtype (computed in f32, rounded once).
-    pub(crate) fn attention(&self, q: &Tensor, pool: &Tensor, num_kv_heads: usize, scores: Scores) -> Result<Tensor> {
+    /// Attention of the step's rows over one layer's `pool` (`[2, num_slots, num_kv_heads *
+    /// head_dim]`, this step's rows already written): the q heads are read from the projection's
+    /// output `qkv [n, (H + 2 KV) * head_dim]` and normed and rotated as `heads` says while they
+    /// load (in f32, what `qkv_heads` computes) -> `[n, num_heads * head_dim]` in the pool's dtype
+    /// (computed in f32, rounded once).
+    pub(crate) fn attention(&self, qkv: &Tensor, heads: &QkvHeads, pool: &Tensor, scores: Scores) -> Result<Tensor> {
+        if self.num_rows == 0 {
+            return Ok(Tensor::zeros((0, heads.num_heads * heads.head_dim), pool.dtype(), qkv.device())?);
+        }
         let op = PagedAttention {
             num_rows: self.num_rows,
             num_seqs: self.num_seqs,
             mask_words: self.mask_words,
-            num_kv_heads,
+            heads,
             block_shift: self.block_shift,
             max_keys: self.max_keys,
             scores,
         };
-        if self.num_rows == 0 {
-            let (num_heads, _, head_dim) = q.dims3()?;
-            return Ok(Tensor::zeros((0, num_heads * head_dim), pool.dtype(), q.device())?);
-        }
-        Ok(q.contiguous()?.apply_op3_no_bwd(pool, &self.descriptor, &op)?)
+        let attend = || qkv.apply_op3_no_bwd(pool, &self.descriptor, &op);
+        // The reference builds its q heads in a buffer of its own; the kernel, in shared memory.
+        #[cfg(test)]
+        let attend = || crate::constraint::call_memory::count_as(1, attend);
+        Ok(attend()?)
     }
 }
 
@@ -310,11 +323,143 @@ impl InplaceOp3 for WriteKv {
     }
 }
 
-struct PagedAttention {
+/// Checks that the projection `qkv` and the pool share a dtype and fit each other: (rows, row
+/// stride, start of qkv; the pool's slots, row_len and start).
+fn qkv_and_pool(
+    op: &str,
+    heads: &QkvHeads,
+    num_rows: usize,
+    qkv: &Layout,
+    pool: &Layout,
+) -> candle_core::Result<(usize, usize, [usize; 3])> {
+    let (slots, row_len, pool_start) = pool_shape(op, pool)?;
+    let (rows, row_stride, start) = heads.check_qkv(op, qkv)?;
+    if rows != num_rows
+        || heads.num_kv_heads == 0
+        || !heads.num_heads.is_multiple_of(heads.num_kv_heads)
+        || heads.num_kv_heads * heads.head_dim != row_len
+        || heads.head_dim > MAX_HEAD_DIM
+    {
+        return Err(op_error(
+            op,
+            format!(
+                "qkv has {rows} rows of {} heads ({} kv heads) of {}: need {num_rows} rows, heads a multiple of the kv \
+                 heads, head_dim at most {MAX_HEAD_DIM} and kv heads * head_dim = the pool's {row_len}",
+                heads.num_heads, heads.num_kv_heads, heads.head_dim
+            ),
+        ));
+    }
+    Ok((row_stride, start, [slots, row_len, pool_start]))
+}
+
+/// The projection's values on the CPU from `start` (the dtype of `pool`, which the caller matched).
+fn qkv_values<'a, T: candle_core::WithDType>(
+    op: &str,
+    qkv: &'a CpuStorage,
+    start: usize,
+) -> candle_core::Result<&'a [T]> {
+    match T::cpu_storage_as_slice(qkv) {
+        Ok(values) => Ok(&values[start..]),
+        Err(_) => Err(op_error(
+            op,
+            format!(
+                "qkv is {:?}, the pool {:?}: they must share a dtype",
+                candle_core::backend::BackendStorage::dtype(qkv),
+                T::DTYPE
+            ),
+        )),
+    }
+}
+
+struct WriteKvHeads<'a> {
+    heads: &'a QkvHeads,
+    num_rows: usize,
+}
+
+impl WriteKvHeads<'_> {
+    fn reference<T: Elem>(
+        &self,
+        pool: &mut [T],
+        qkv: &[T],
+        d: &Sections,
+        shape: (usize, [usize; 3]),
+    ) -> candle_core::Result<()> {
+        let (row_stride, [slots, row_len, _]) = shape;
+        let (hd, kv_heads) = (self.heads.head_dim, self.heads.num_kv_heads);
+        if let Some(bad) = d.row_slot.iter().find(|&&slot| slot as usize >= slots) {
+            return Err(op_error("write_kv_heads", format!("slot {bad} is past the pool's {slots}")));
+        }
+        self.heads.with_tables(|tables| {
+            tables.check_positions(d.row_pos)?;
+            let mut values = vec![0f32; hd];
+            for (which, kind) in [(0, HeadKind::K), (1, HeadKind::V)] {
+                for g in 0..kv_heads {
+                    for r in 0..self.num_rows {
+                        let src = &qkv[r * row_stride + self.heads.offset(kind, g)..];
+                        tables.head(src, kind, d.row_pos[r], &mut values);
+                        let slot = d.row_slot[r] as usize;
+                        let dst = &mut pool[(which * slots + slot) * row_len + g * hd..][..hd];
+                        dst.iter_mut().zip(&values).for_each(|(o, &v)| *o = T::of(v));
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+impl InplaceOp3 for WriteKvHeads<'_> {
+    fn name(&self) -> &'static str {
+        "paged-write-kv-heads"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<()> {
+        let (row_stride, start, pool) = qkv_and_pool("write_kv_heads", self.heads, self.num_rows, l2, l1)?;
+        let d = Sections::of(descriptor_of("write_kv_heads", s3, l3)?, self.num_rows, 0, 0)?;
+        let shape = (row_stride, pool);
+        match s1 {
+            CpuStorage::F32(p) => {
+                self.reference(&mut p[pool[2]..], qkv_values("write_kv_heads", s2, start)?, &d, shape)
+            }
+            CpuStorage::BF16(p) => {
+                self.reference(&mut p[pool[2]..], qkv_values("write_kv_heads", s2, start)?, &d, shape)
+            }
+            CpuStorage::F16(p) => {
+                self.reference(&mut p[pool[2]..], qkv_values("write_kv_heads", s2, start)?, &d, shape)
+            }
+            _ => Err(op_error("write_kv_heads", "the pool must be f32, bf16 or f16".into())),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &mut candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<()> {
+        let (row_stride, start, pool) = qkv_and_pool("write_kv_heads", self.heads, self.num_rows, l2, l1)?;
+        device::write_kv_heads(self, s1, pool, (s2, start, row_stride), (s3, l3.start_offset()))
+    }
+}
+
+struct PagedAttention<'a> {
     num_rows: usize,
     num_seqs: usize,
     mask_words: usize,
-    num_kv_heads: usize,
+    /// How the q heads are read from the projection's output (normed and rotated as they load).
+    heads: &'a QkvHeads,
     block_shift: u32,
     /// `PagedStep::max_keys`: how many key ranges the GPU cuts a row into (`split_count`).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -334,31 +479,7 @@ pub(crate) fn split_count(max_keys: usize) -> usize {
     max_keys.div_ceil(KEYS_PER_SPLIT).max(1)
 }
 
-impl PagedAttention {
-    /// (num_heads, head_dim, q's start, pool's slots, row_len and start).
-    fn check(&self, q: &Layout, pool: &Layout) -> candle_core::Result<(usize, usize, usize, [usize; 3])> {
-        let (slots, row_len, pool_start) = pool_shape("paged_attention", pool)?;
-        match (q.dims(), q.contiguous_offsets()) {
-            ([heads, n, head_dim], Some((start, _)))
-                if *n == self.num_rows
-                    && self.num_kv_heads > 0
-                    && heads % self.num_kv_heads == 0
-                    && self.num_kv_heads * head_dim == row_len
-                    && *head_dim <= MAX_HEAD_DIM =>
-            {
-                Ok((*heads, *head_dim, start, [slots, row_len, pool_start]))
-            }
-            (dims, _) => Err(op_error(
-                "paged_attention",
-                format!(
-                    "q is {dims:?}: need [heads, {}, head_dim] contiguous f32, heads a multiple of {} kv heads, \
-                     head_dim at most {MAX_HEAD_DIM}, {} kv heads * head_dim = the pool's {row_len}",
-                    self.num_rows, self.num_kv_heads, self.num_kv_heads
-                ),
-            )),
-        }
-    }
-
+impl PagedAttention<'_> {
     /// The slots row `r` sees, past positions ascending then step rows ascending; None where a
     /// past position lies past its table.
     fn keys_of(&self, d: &Sections, r: usize) -> Option<Vec<usize>> {
@@ -375,16 +496,35 @@ impl PagedAttention {
         past_slots.chain(step_slots).collect()
     }
 
+    /// The step's q heads `[num_heads, n, head_dim]` f32 from the projection `qkv` (row stride
+    /// `row_stride`): what `qkv_heads` computes, each row at its position.
+    fn queries<T: Elem>(&self, qkv: &[T], row_stride: usize, d: &Sections) -> candle_core::Result<Vec<f32>> {
+        let (n, hd) = (self.num_rows, self.heads.head_dim);
+        self.heads.with_tables(|tables| {
+            tables.check_positions(d.row_pos)?;
+            let mut q = vec![0f32; self.heads.num_heads * n * hd];
+            q.par_chunks_mut(n * hd).enumerate().for_each(|(h, block)| {
+                for (r, dst) in block.chunks_mut(hd).enumerate() {
+                    let src = &qkv[r * row_stride + self.heads.offset(HeadKind::Q, h)..];
+                    tables.head(src, HeadKind::Q, d.row_pos[r], dst);
+                }
+            });
+            Ok(q)
+        })
+    }
+
     fn reference<T: Elem>(
         &self,
-        q: &[f32],
+        qkv: &[T],
         pool: &[T],
         d: &Sections,
-        shape: (usize, usize, [usize; 3]),
+        shape: (usize, [usize; 3]),
     ) -> candle_core::Result<Vec<T>> {
-        let (num_heads, head_dim, [slots, row_len, _]) = shape;
+        let (row_stride, [slots, row_len, _]) = shape;
+        let q = self.queries(qkv, row_stride, d)?;
+        let (num_heads, head_dim) = (self.heads.num_heads, self.heads.head_dim);
         let n = self.num_rows;
-        let group = num_heads / self.num_kv_heads;
+        let group = num_heads / self.heads.num_kv_heads;
         let Scores { scale, logit_softcap, .. } = self.scores;
         let keys: Vec<Option<Vec<usize>>> = (0..n).map(|r| self.keys_of(d, r)).collect();
         let bad =
@@ -425,7 +565,7 @@ impl PagedAttention {
     }
 }
 
-impl CustomOp3 for PagedAttention {
+impl CustomOp3 for PagedAttention<'_> {
     fn name(&self) -> &'static str {
         "paged-attention"
     }
@@ -439,18 +579,23 @@ impl CustomOp3 for PagedAttention {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (num_heads, head_dim, q_start, pool) = self.check(l1, l2)?;
+        let (row_stride, start, pool) = qkv_and_pool("paged_attention", self.heads, self.num_rows, l1, l2)?;
         let d = Sections::of(descriptor_of("paged_attention", s3, l3)?, self.num_rows, self.num_seqs, self.mask_words)?;
-        let CpuStorage::F32(q) = s1 else { return Err(op_error("paged_attention", "q must be f32".into())) };
-        let q = &q[q_start..];
-        let shape = (num_heads, head_dim, pool);
+        let shape = (row_stride, pool);
+        let op = "paged_attention";
         let out = match s2 {
-            CpuStorage::F32(p) => CpuStorage::F32(self.reference(q, &p[pool[2]..], &d, shape)?),
-            CpuStorage::BF16(p) => CpuStorage::BF16(self.reference(q, &p[pool[2]..], &d, shape)?),
-            CpuStorage::F16(p) => CpuStorage::F16(self.reference(q, &p[pool[2]..], &d, shape)?),
-            _ => return Err(op_error("paged_attention", "the pool must be f32, bf16 or f16".into())),
+            CpuStorage::F32(p) => {
+                CpuStorage::F32(self.reference(qkv_values(op, s1, start)?, &p[pool[2]..], &d, shape)?)
+            }
+            CpuStorage::BF16(p) => {
+                CpuStorage::BF16(self.reference(qkv_values(op, s1, start)?, &p[pool[2]..], &d, shape)?)
+            }
+            CpuStorage::F16(p) => {
+                CpuStorage::F16(self.reference(qkv_values(op, s1, start)?, &p[pool[2]..], &d, shape)?)
+            }
+            _ => return Err(op_error(op, "the pool must be f32, bf16 or f16".into())),
         };
-        Ok((out, Shape::from((self.num_rows, num_heads * head_dim))))
+        Ok((out, Shape::from((self.num_rows, self.heads.num_heads * self.heads.head_dim))))
     }
 
     #[cfg(feature = "cuda")]
@@ -463,10 +608,9 @@ impl CustomOp3 for PagedAttention {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let (num_heads, head_dim, q_start, pool) = self.check(l1, l2)?;
-        let out =
-            device::paged_attention(self, (s1, q_start), s2, pool, (s3, l3.start_offset()), [num_heads, head_dim])?;
-        Ok((out, Shape::from((self.num_rows, num_heads * head_dim))))
+        let (row_stride, start, pool) = qkv_and_pool("paged_attention", self.heads, self.num_rows, l1, l2)?;
+        let out = device::paged_attention(self, (s1, start, row_stride), s2, pool, (s3, l3.start_offset()))?;
+        Ok((out, Shape::from((self.num_rows, self.heads.num_heads * self.heads.head_dim))))
     }
 }
 
@@ -478,9 +622,11 @@ mod device {
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::CudaStorage;
 
+    use crate::model::candle::fused::device::{with_device_tables, DeviceTables};
     use crate::nvrtc::{by_dtype, dtype_suffix, function, BLOCK, PAGED_ATTENTION};
 
-    /// Threads per attention block: the kernel's WARPS warps.
+    /// Threads per attention block: the kernel's WARPS warps (BLOCK, which heads.cuh's reduction
+    /// over a head reads).
     const ATTENTION_THREADS: u32 = 8 * 32;
 
     fn load(
@@ -522,29 +668,78 @@ mod device {
         })
     }
 
-    /// `paged_attention_<dtype>`: one block per (row, head).
+    /// `write_kv_heads_<dtype>`: one block per (k or v head, row).
+    pub fn write_kv_heads(
+        op: &super::WriteKvHeads,
+        pool: &mut CudaStorage,
+        [slots, _, pool_start]: [usize; 3],
+        (qkv, qkv_start, row_stride): (&CudaStorage, usize, usize),
+        descriptor: (&CudaStorage, usize),
+    ) -> candle_core::Result<()> {
+        let dtype = pool.dtype();
+        if qkv.dtype() != dtype {
+            candle_core::bail!("write_kv_heads: qkv and the pool must share a dtype");
+        }
+        let heads = op.heads;
+        by_dtype!(dtype, T => with_device_tables(heads, |tables| {
+            let device = pool.device().clone();
+            let func = load(&device, "write_kv_heads", dtype)?;
+            let qkv_view = qkv.as_cuda_slice::<T>()?.slice(qkv_start..);
+            let desc_view = descriptor.0.as_cuda_slice::<u32>()?.slice(descriptor.1..);
+            let mut pool_view = pool.as_cuda_slice_mut::<T>()?.slice_mut(pool_start..);
+            let (k_norm, has_k) = tables.norm_arg(&tables.k_norm);
+            let rope = [heads.rope_dims, usize::from(heads.interleaved)].map(|x| x as u32);
+            let sizes = [op.num_rows, heads.num_heads, heads.num_kv_heads, heads.head_dim].map(|x| x as u32);
+            let (row_stride, slots) = (row_stride as u64, slots as u64);
+            let stream = device.cuda_stream();
+            let mut builder = stream.launch_builder(&func);
+            builder.arg(&mut pool_view).arg(&qkv_view).arg(&row_stride).arg(&desc_view);
+            builder.arg(k_norm).arg(&has_k).arg(&tables.cos).arg(&tables.sin);
+            builder.arg(&rope[0]).arg(&rope[1]).arg(&heads.eps);
+            for x in &sizes {
+                builder.arg(x);
+            }
+            builder.arg(&slots);
+            let grid = (2 * heads.num_kv_heads * op.num_rows) as u32;
+            let config = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: the arguments match write_kv_heads' signature; the host checked qkv's and the
+            // pool's shapes (head_dim at most the kernel's shared row), the positions against the
+            // rotary tables' context (on the CPU path; the engine sizes them to the context), and
+            // the slots lie in blocks the step's sequences hold (PagedStep::new).
+            unsafe { builder.launch(config) }.w()?;
+            Ok(())
+        }))
+    }
+
+    /// `paged_attention_<dtype>`: one block per (row, head, split).
     pub fn paged_attention(
         op: &super::PagedAttention,
-        q: (&CudaStorage, usize),
+        qkv: (&CudaStorage, usize, usize),
         pool: &CudaStorage,
         [slots, _, pool_start]: [usize; 3],
         descriptor: (&CudaStorage, usize),
-        [num_heads, head_dim]: [usize; 2],
     ) -> candle_core::Result<CudaStorage> {
-        by_dtype!(pool.dtype(), T => typed::<T>(op, q, pool, [slots, pool_start], descriptor, [num_heads, head_dim]))
+        if qkv.0.dtype() != pool.dtype() {
+            candle_core::bail!("paged_attention: qkv and the pool must share a dtype");
+        }
+        by_dtype!(pool.dtype(), T => with_device_tables(op.heads, |tables| {
+            typed::<T>(op, qkv, tables, pool, [slots, pool_start], descriptor)
+        }))
     }
 
     fn typed<T: CudaDType + DeviceRepr>(
         op: &super::PagedAttention,
-        q: (&CudaStorage, usize),
+        (qkv, qkv_start, row_stride): (&CudaStorage, usize, usize),
+        tables: &DeviceTables,
         pool: &CudaStorage,
         [slots, pool_start]: [usize; 2],
         descriptor: (&CudaStorage, usize),
-        [num_heads, head_dim]: [usize; 2],
     ) -> candle_core::Result<CudaStorage> {
         let device = pool.device().clone();
         let func = load(&device, "paged_attention", pool.dtype())?;
-        let q_view = q.0.as_cuda_slice::<f32>()?.slice(q.1..);
+        let heads = op.heads;
+        let (num_heads, head_dim) = (heads.num_heads, heads.head_dim);
+        let qkv_view = qkv.as_cuda_slice::<T>()?.slice(qkv_start..);
         let pool_view = pool.as_cuda_slice::<T>()?.slice(pool_start..);
         let desc_view = descriptor.0.as_cuda_slice::<u32>()?.slice(descriptor.1..);
         // SAFETY: every element is written by the kernel (one block per row and head, or the last
@@ -560,13 +755,17 @@ mod device {
         // SAFETY: each split writes its partial before the last one reads them.
         let mut partials: CudaSlice<f32> = unsafe { device.alloc::<f32>(partial_len) }?;
         let mut counters: CudaSlice<u32> = device.alloc_zeros::<u32>(counter_len)?;
-        let u32s = [op.num_rows, op.num_seqs, op.mask_words, num_heads, op.num_kv_heads, head_dim].map(|x| x as u32);
-        let slots = slots as u64;
+        let (q_norm, has_q) = tables.norm_arg(&tables.q_norm);
+        let rope = [heads.rope_dims, usize::from(heads.interleaved)].map(|x| x as u32);
+        let u32s = [op.num_rows, op.num_seqs, op.mask_words, num_heads, heads.num_kv_heads, head_dim].map(|x| x as u32);
+        let (row_stride, slots) = (row_stride as u64, slots as u64);
         let cap = op.scores.logit_softcap.unwrap_or(0.0);
         let window = op.scores.window.map_or(0, |w| w.min(u32::MAX as usize) as u32);
         let stream = device.cuda_stream();
         let mut builder = stream.launch_builder(&func);
-        builder.arg(&q_view).arg(&pool_view).arg(&desc_view).arg(&mut out);
+        builder.arg(&qkv_view).arg(&row_stride).arg(q_norm).arg(&has_q).arg(&tables.cos).arg(&tables.sin);
+        builder.arg(&rope[0]).arg(&rope[1]).arg(&heads.eps);
+        builder.arg(&pool_view).arg(&desc_view).arg(&mut out);
         for x in &u32s {
             builder.arg(x);
         }
@@ -577,8 +776,8 @@ mod device {
             block_dim: (ATTENTION_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the arguments match paged_attention's signature; the host checked q's and the
-        // pool's shapes (head_dim at most 256, the kernel's per-lane arrays), and
+        // SAFETY: the arguments match paged_attention's signature; the host checked qkv's and the
+        // pool's shapes (head_dim at most 256, the kernel's per-lane arrays and shared head), and
         // the descriptor's tables and slots lie in the pool (PagedStep::new), and the partials
         // and counters hold what `splits` asks for.
         unsafe { builder.launch(config) }.w()?;
@@ -592,7 +791,7 @@ mod device {
 /// difference, tolerance)`; on the CPU it compares the reference with itself, the device check
 /// (`scripts/gpu_bench.py`) runs it on a GPU.
 pub fn check_against_reference(device: &Device) -> Result<Vec<(String, f32, f32)>> {
-    use crate::model::candle::fused::{max_abs_diff, seeded_values};
+    use crate::model::candle::fused::max_abs_diff;
     use crate::model::forward::SeqRows;
 
     let (heads, kv_heads, head_dim, block_size, num_blocks) = (8, 2, 128, 16, 24);
@@ -605,34 +804,97 @@ pub fn check_against_reference(device: &Device) -> Result<Vec<(String, f32, f32)
     let batch = ForwardBatch::new(&seqs, &pasts, Vec::new())?;
     let n = batch.num_rows();
     let cpu = Device::Cpu;
-    let draw = |shape: &[usize], seed: u64| -> Result<Tensor> {
-        let values = seeded_values(shape.iter().product(), seed);
-        Ok(Tensor::from_vec(values, shape, &cpu)?)
-    };
-    let q = (draw(&[heads, n, head_dim], 1)? * 0.25)?;
-    let rows = draw(&[2 * kv_heads, n, head_dim], 2)?;
+    let layer = LayerHeads::draw(heads, kv_heads, head_dim, 320, 1)?;
+    let dev_layer = layer.to_device(device)?;
+    let qkv = (draw(&[n, (heads + 2 * kv_heads) * head_dim], 2)? * 0.25)?;
     let mut report = Vec::new();
     // bf16 outputs: one rounding of results that differ in their last f32 bits may land a bf16
-    // step (2^-8 of the value) apart.
-    for (dtype, tolerance) in [(DType::F32, 1e-4f32), (DType::BF16, 1e-2)] {
+    // step (2^-8 of the value) apart; the written keys reach ~4 (2^-6 apart).
+    for (dtype, tolerance, write_tolerance) in [(DType::F32, 1e-4f32, 1e-4f32), (DType::BF16, 1e-2, 3e-2)] {
         let pool = (draw(&[2, slots, kv_heads * head_dim], 3)? * 0.25)?.to_dtype(dtype)?;
         let dev_pool = pool.to_device(device)?;
+        let (qkv, dev_qkv) = (qkv.to_dtype(dtype)?, qkv.to_dtype(dtype)?.to_device(device)?);
         let buffers = Arc::new(StepBuffers::default());
         let step = PagedStep::new(&batch, &pasts, &tables, block_size, &buffers, &cpu)?;
         let dev_step = PagedStep::new(&batch, &pasts, &tables, block_size, &buffers, device)?;
-        step.write_kv(&pool, &rows)?;
-        dev_step.write_kv(&dev_pool, &rows.to_device(device)?)?;
-        report.push((format!("write_kv {dtype:?}"), max_abs_diff(&pool, &dev_pool)?, 0.0));
-        for (case, logit_softcap, window) in
-            [("plain", None, None), ("window 8", None, Some(8)), ("softcap", Some(2.0), None)]
-        {
-            let scores = Scores { scale: 1.0 / (head_dim as f32).sqrt(), logit_softcap, window };
-            let want = step.attention(&q, &pool, kv_heads, scores)?;
-            let got = dev_step.attention(&q.to_device(device)?, &dev_pool, kv_heads, scores)?;
-            report.push((format!("paged_attention {case} {dtype:?}"), max_abs_diff(&want, &got)?, tolerance));
+        for normed in [false, true] {
+            let (op, dev_op) = (layer.op(normed)?, dev_layer.op(normed)?);
+            let name = if normed { "normed " } else { "" };
+            step.write_kv_heads(&pool, &qkv, &op)?;
+            dev_step.write_kv_heads(&dev_pool, &dev_qkv, &dev_op)?;
+            report.push((format!("write_kv_heads {name}{dtype:?}"), max_abs_diff(&pool, &dev_pool)?, write_tolerance));
+            for (case, logit_softcap, window) in
+                [("plain", None, None), ("window 8", None, Some(8)), ("softcap", Some(2.0), None)]
+            {
+                let scores = Scores { scale: 1.0 / (head_dim as f32).sqrt(), logit_softcap, window };
+                let want = step.attention(&qkv, &op, &pool, scores)?;
+                let got = dev_step.attention(&dev_qkv, &dev_op, &dev_pool, scores)?;
+                report.push((format!("paged_attention {case} {name}{dtype:?}"), max_abs_diff(&want, &got)?, tolerance));
+            }
         }
     }
     Ok(report)
+}
+
+/// Seeded values in [-4, 4) of `shape` on the CPU (f32).
+fn draw(shape: &[usize], seed: u64) -> Result<Tensor> {
+    let values = crate::model::candle::fused::seeded_values(shape.iter().product(), seed);
+    Ok(Tensor::from_vec(values, shape, &Device::Cpu)?)
+}
+
+/// A layer's head arithmetic drawn at random, for the checks and tests: rotary tables over a
+/// `context` (halves, every dim rotating) and q/k norms.
+struct LayerHeads {
+    sizes: [usize; 3],
+    cos: Tensor,
+    sin: Tensor,
+    q_norm: Tensor,
+    k_norm: Tensor,
+}
+
+impl LayerHeads {
+    fn draw(heads: usize, kv_heads: usize, head_dim: usize, context: usize, seed: u64) -> Result<Self> {
+        let table = |s| -> Result<Tensor> { Ok((draw(&[context, head_dim / 2], s)? * 0.25)?) };
+        let norm = |s| -> Result<Tensor> { Ok((draw(&[head_dim], s)? * 0.25)?) };
+        Ok(Self {
+            sizes: [heads, kv_heads, head_dim],
+            cos: table(seed)?,
+            sin: table(seed + 1)?,
+            q_norm: norm(seed + 2)?,
+            k_norm: norm(seed + 3)?,
+        })
+    }
+
+    fn to_device(&self, device: &Device) -> Result<Self> {
+        let on = |t: &Tensor| t.to_device(device);
+        Ok(Self {
+            sizes: self.sizes,
+            cos: on(&self.cos)?,
+            sin: on(&self.sin)?,
+            q_norm: on(&self.q_norm)?,
+            k_norm: on(&self.k_norm)?,
+        })
+    }
+
+    fn spec(&self, normed: bool) -> HeadsSpec<'_> {
+        let [num_heads, num_kv_heads, head_dim] = self.sizes;
+        HeadsSpec {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rope_dims: head_dim,
+            interleaved: false,
+            cos: &self.cos,
+            sin: &self.sin,
+            q_norm: normed.then_some(&self.q_norm),
+            k_norm: normed.then_some(&self.k_norm),
+            eps: 1e-6,
+        }
+    }
+
+    fn op(&self, normed: bool) -> Result<QkvHeads> {
+        QkvHeads::new(&self.spec(normed))
+    }
 }
 
 #[cfg(test)]
@@ -649,6 +911,19 @@ mod tests {
     fn tensor(shape: &[usize], seed: u64) -> Tensor {
         let values = seeded_values(shape.iter().product(), seed);
         (Tensor::from_vec(values, shape, &Device::Cpu).unwrap() * 0.3).unwrap()
+    }
+
+    /// The q/k/v projection's output of `n` rows (f32) and a layer's heads over a context of 64.
+    fn projection(n: usize, seed: u64) -> (Tensor, LayerHeads) {
+        let layer = LayerHeads::draw(HEADS, KV_HEADS, HEAD_DIM, 64, seed).unwrap();
+        (tensor(&[n, (HEADS + 2 * KV_HEADS) * HEAD_DIM], seed + 10), layer)
+    }
+
+    /// `qkv_heads` of the projection at the batch's positions: `[HEADS + 2 KV_HEADS, n, hd]` f32.
+    fn heads_of(qkv: &Tensor, batch: &ForwardBatch, spec: &HeadsSpec) -> Tensor {
+        let positions: Vec<u32> = batch.positions.iter().map(|&p| p as u32).collect();
+        let positions = Tensor::new(positions.as_slice(), &Device::Cpu).unwrap();
+        crate::model::candle::fused::qkv_heads(qkv, &positions, spec).unwrap()
     }
 
     /// `(pool, k, v)` for `positions` of one sequence laid out through `table`: the pool holds the
@@ -678,7 +953,8 @@ mod tests {
     }
 
     /// attention.rs's chain and tree attention over the same keys, with and without a window and
-    /// soft-cap, for several block sizes.
+    /// soft-cap, for several block sizes, of the q heads `qkv_heads` computes (normed and rotated:
+    /// what the paged kernel does to each q head as it loads it).
     #[test]
     fn the_reference_is_attention_rs_on_chains_and_trees() {
         let parents = vec![-1, 0, 0, 1, 2, 4];
@@ -709,7 +985,9 @@ mod tests {
                 };
                 (pick(0), pick(1))
             };
-            let q = tensor(&[HEADS, n, HEAD_DIM], 8);
+            let (qkv, layer) = projection(n, 8);
+            let spec = layer.spec(true);
+            let q = heads_of(&qkv, &batch, &spec).narrow(0, 0, HEADS).unwrap(); // [HEADS, n, hd]
             let step = PagedStep::new(
                 &batch,
                 &[chain_past, tree_past],
@@ -721,7 +999,7 @@ mod tests {
             .unwrap();
             for (logit_softcap, window) in [(None, None), (Some(1.5), None), (None, Some(5)), (Some(1.5), Some(12))] {
                 let scores = Scores { scale: 0.4, logit_softcap, window };
-                let got = step.attention(&q, &pool, KV_HEADS, scores).unwrap(); // [n, heads * hd]
+                let got = step.attention(&qkv, &QkvHeads::new(&spec).unwrap(), &pool, scores).unwrap(); // [n, heads * hd]
                 let (k, v) = keys_of(&chain_table, chain_past + 3);
                 let chain = attention(&q.narrow(1, 0, 3).unwrap(), &k, &v, chain_past, scores).unwrap();
                 let (k, v) = keys_of(&tree_table, tree_past + 6);
@@ -741,14 +1019,15 @@ mod tests {
     fn a_rows_output_does_not_depend_on_its_batch_mates() {
         let table: Vec<u32> = (0..8).rev().collect();
         let (pool, _, _) = laid_out(&table, 4, 32, 3);
-        let q = tensor(&[HEADS, 7, HEAD_DIM], 4);
+        let (qkv, layer) = projection(7, 4);
+        let heads = layer.op(true).unwrap();
         let scores = Scores { scale: 0.3, logit_softcap: None, window: None };
         // Together: a 4-row tree (rows 1 and 2 siblings) and a 3-row chain on another table.
         let other: Vec<u32> = vec![0, 1, 2];
         let seqs = [SeqRows::tree(vec![0; 4], vec![-1, 0, 0, 2]), SeqRows::tree(vec![0; 3], vec![-1, 0, 1])];
         let batch = ForwardBatch::new(&seqs, &[11, 5], Vec::new()).unwrap();
         let together = PagedStep::new(&batch, &[11, 5], &[&table, &other], 4, &Arc::default(), &Device::Cpu).unwrap();
-        let together = together.attention(&q, &pool, KV_HEADS, scores).unwrap();
+        let together = together.attention(&qkv, &heads, &pool, scores).unwrap();
         let bits = |t: &Tensor| {
             t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>()
         };
@@ -759,46 +1038,61 @@ mod tests {
                 PagedStep::new(&alone, &[[11, 5][s]], &[[&table[..], &other[..]][s]], 4, &Arc::default(), &Device::Cpu)
                     .unwrap();
             let alone =
-                alone.attention(&q.narrow(1, rows.start, rows.len()).unwrap(), &pool, KV_HEADS, scores).unwrap();
+                alone.attention(&qkv.narrow(0, rows.start, rows.len()).unwrap(), &heads, &pool, scores).unwrap();
             assert_eq!(bits(&together.narrow(0, rows.start, rows.len()).unwrap()), bits(&alone), "sequence {s}");
         }
     }
 
-    /// The step's rows land in their slots (through out-of-order blocks) in the pool's dtype;
-    /// other slots are untouched; a row without a block is refused before any write.
+    /// The step's keys and values land in their slots (through out-of-order blocks) in the pool's
+    /// dtype, each what `qkv_heads` computes (k normed and rotated at its position, v as it is),
+    /// rounded once; other slots are untouched; a row without a block is refused before any write.
     #[test]
-    fn write_kv_puts_each_row_in_its_slot() {
+    fn write_kv_heads_puts_each_rows_keys_and_values_in_its_slot() {
         let table: Vec<u32> = vec![3, 1];
         let pool = Tensor::zeros((2, 16, KV_HEADS * HEAD_DIM), DType::BF16, &Device::Cpu).unwrap();
         let batch = ForwardBatch::new(&[SeqRows::tree(vec![0; 3], vec![-1, 0, 1])], &[3], Vec::new()).unwrap();
         let step = PagedStep::new(&batch, &[3], &[&table], 4, &Arc::default(), &Device::Cpu).unwrap();
-        let rows = tensor(&[2 * KV_HEADS, 3, HEAD_DIM], 9);
-        step.write_kv(&pool, &rows).unwrap();
+        let (qkv, layer) = projection(3, 9);
+        let qkv = qkv.to_dtype(DType::BF16).unwrap();
+        let spec = layer.spec(true);
+        step.write_kv_heads(&pool, &qkv, &QkvHeads::new(&spec).unwrap()).unwrap();
+        // [2 KV_HEADS, 3, hd]: k heads, then v heads, rounded as the pool stores them.
+        let rows = heads_of(&qkv, &batch, &spec).narrow(0, HEADS, 2 * KV_HEADS).unwrap();
+        let rows = rows.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
         // Positions 3, 4, 5: block 3 row 3 (slot 15), block 1 rows 0 and 1 (slots 4, 5).
         let pool = pool.to_dtype(DType::F32).unwrap();
         for (r, slot) in [(0, 15), (1, 4), (2, 5)] {
             for which in 0..2 {
                 let stored = pool.get(which).unwrap().get(slot).unwrap();
                 let heads = rows.narrow(0, which * KV_HEADS, KV_HEADS).unwrap().narrow(1, r, 1).unwrap();
-                let want = heads.flatten_all().unwrap().to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
-                assert_eq!(max_abs_diff(&stored, &want).unwrap(), 0.0, "row {r} slot {slot}");
+                assert_eq!(max_abs_diff(&stored, &heads.flatten_all().unwrap()).unwrap(), 0.0, "row {r} slot {slot}");
             }
         }
-        let written: f32 = pool.abs().unwrap().sum_all().unwrap().to_scalar().unwrap();
-        let expected: f32 = rows
-            .to_dtype(DType::BF16)
-            .unwrap()
-            .to_dtype(DType::F32)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar()
-            .unwrap();
-        assert!((written - expected).abs() < 1e-2, "nothing else written");
+        let sum = |t: &Tensor| -> f32 { t.abs().unwrap().sum_all().unwrap().to_scalar().unwrap() };
+        assert!((sum(&pool) - sum(&rows)).abs() < 1e-2, "nothing else written");
         let long = ForwardBatch::new(&[SeqRows::tree(vec![0; 6], vec![-1, 0, 1, 2, 3, 4])], &[3], Vec::new()).unwrap();
         let e = PagedStep::new(&long, &[3], &[&table], 4, &Arc::default(), &Device::Cpu).err().unwrap().to_string();
         assert!(e.contains("no block"), "{e}");
+    }
+
+    /// The paged ops refuse a projection of another dtype than the pool's, or of other head sizes,
+    /// by name.
+    #[test]
+    fn a_projection_unlike_the_pool_is_refused_by_name() {
+        let table: Vec<u32> = vec![0];
+        let pool = Tensor::zeros((2, 4, KV_HEADS * HEAD_DIM), DType::BF16, &Device::Cpu).unwrap();
+        let batch =
+            ForwardBatch::new(&[SeqRows::chain(vec![0; 2], crate::model::LogitRows::All)], &[0], Vec::new()).unwrap();
+        let step = PagedStep::new(&batch, &[0], &[&table], 4, &Arc::default(), &Device::Cpu).unwrap();
+        let (qkv, layer) = projection(2, 5);
+        let heads = layer.op(false).unwrap();
+        let e = step.write_kv_heads(&pool, &qkv, &heads).unwrap_err().to_string();
+        assert!(e.contains("write_kv_heads") && e.contains("share a dtype"), "{e}");
+        let scores = Scores { scale: 1.0, logit_softcap: None, window: None };
+        let e = step.attention(&qkv, &heads, &pool, scores).unwrap_err().to_string();
+        assert!(e.contains("paged_attention") && e.contains("share a dtype"), "{e}");
+        let narrow = qkv.narrow(1, 0, HEAD_DIM).unwrap().to_dtype(DType::BF16).unwrap();
+        let e = step.write_kv_heads(&pool, &narrow, &heads).unwrap_err().to_string();
+        assert!(e.contains("need [n, "), "{e}");
     }
 }
