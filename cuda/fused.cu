@@ -12,7 +12,7 @@
 //                   dtype first (as candle stores it between its two ops); gate and up are row-strided
 //                   views (the halves of a fused gate/up matmul's output). A grid-stride loop.
 // Compiled at run time with NVRTC after cuda/dtype.cuh (load/store per dtype) and cuda/heads.cuh
-// (one head normed and rotated: qkv_heads' arithmetic). blockDim.x must be BLOCK.
+// (a block's sum; one head normed and rotated: qkv_heads' arithmetic). blockDim.x must be BLOCK.
 
 template <typename T>
 __device__ void add_rms_norm(const T* x, const T* delta, const T* weight, T* out,
@@ -28,13 +28,7 @@ __device__ void add_rms_norm(const T* x, const T* delta, const T* weight, T* out
         float v = load(sum_out, base + j);  // the stored (rounded) value, as the residual holds it
         squares += v * v;
     }
-    scratch[threadIdx.x] = squares;
-    __syncthreads();
-    for (int s = BLOCK / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s) scratch[threadIdx.x] += scratch[threadIdx.x + s];
-        __syncthreads();
-    }
-    const float m = sqrtf(scratch[0] / (float)hidden + eps);
+    const float m = sqrtf(block_sum(squares, scratch) / (float)hidden + eps);
     for (unsigned int j = threadIdx.x; j < hidden; j += BLOCK) {
         store(norm_out, base + j, load(sum_out, base + j) / m * load(weight, j));
     }

@@ -1,10 +1,24 @@
-// One q or k head of the q/k/v projection's output normed and rotated, shared by the kernels
-// that read heads (cuda/fused.cu's qkv_heads, cuda/paged_attention.cu's write_kv_heads and
-// paged_attention). The CPU reference is `HeadTables::head` in
-// crates/specrs-core/src/model/candle/fused.rs: the same f32 arithmetic.
+// A block's sum (the RMS norms' reduction), and one q or k head of the q/k/v projection's output
+// normed and rotated, shared by the kernels that read heads (cuda/fused.cu's qkv_heads,
+// cuda/paged_attention.cu's write_kv_heads and paged_attention). The CPU reference of a head is
+// `HeadTables::head` in crates/specrs-core/src/model/candle/fused.rs: the same f32 arithmetic.
 // Compiled at run time with NVRTC after cuda/dtype.cuh; blockDim.x must be BLOCK.
 
 #define BLOCK 256
+
+// The sum of every thread's `v` over the block (BLOCK threads), returned to each of them.
+// `scratch` is shared, BLOCK floats, free again when it returns. Every thread must call it.
+__device__ float block_sum(float v, float* scratch) {
+    scratch[threadIdx.x] = v;
+    __syncthreads();
+    for (int s = BLOCK / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) scratch[threadIdx.x] += scratch[threadIdx.x + s];
+        __syncthreads();
+    }
+    const float total = scratch[0];
+    __syncthreads();
+    return total;
+}
 
 // The block loads the head_dim values at `src` into `row` (shared, head_dim floats), RMS-norms
 // them with `norm` where it is not null, rotates the first rope_dims dims at `position` where
@@ -19,14 +33,7 @@ __device__ void head_values(const T* src, const float* norm, bool rotate, unsign
     if (norm) {
         float squares = 0.0f;
         for (unsigned int j = threadIdx.x; j < head_dim; j += BLOCK) squares += row[j] * row[j];
-        scratch[threadIdx.x] = squares;
-        __syncthreads();
-        for (int s = BLOCK / 2; s > 0; s >>= 1) {
-            if (threadIdx.x < s) scratch[threadIdx.x] += scratch[threadIdx.x + s];
-            __syncthreads();
-        }
-        const float m = sqrtf(scratch[0] / (float)head_dim + eps);
-        __syncthreads();
+        const float m = sqrtf(block_sum(squares, scratch) / (float)head_dim + eps);
         for (unsigned int j = threadIdx.x; j < head_dim; j += BLOCK) row[j] = row[j] / m * norm[j];
         __syncthreads();
     }
