@@ -40,8 +40,9 @@ pub(crate) struct PagedStep {
     /// logit_rows[L]` u32: the forward's one upload (the kernels read up to the tables; the
     /// decoder's token gather, rotations and logit rows read their sections), a view of `held`.
     descriptor: Tensor,
-    /// The static buffer the descriptor was written into, given back when the step ends.
-    _held: StepDescriptor,
+    /// The static buffer the descriptor was written into (with the split-K scratch the attention
+    /// of every layer reuses), given back when the step ends.
+    held: StepDescriptor,
     /// Where the tokens section starts (`3 n + 4 S + n W + T`).
     tokens_start: usize,
     num_logit_rows: usize,
@@ -111,7 +112,7 @@ impl PagedStep {
         let held = buffers.write(&descriptor, device)?;
         Ok(Self {
             descriptor: held.words()?,
-            _held: held,
+            held,
             tokens_start,
             num_logit_rows: batch.logit_rows.len(),
             num_rows: n,
@@ -167,6 +168,7 @@ impl PagedStep {
             num_seqs: self.num_seqs,
             mask_words: self.mask_words,
             heads,
+            held: &self.held,
             block_shift: self.block_shift,
             max_keys: self.max_keys,
             scores,
@@ -460,6 +462,9 @@ struct PagedAttention<'a> {
     mask_words: usize,
     /// How the q heads are read from the projection's output (normed and rotated as they load).
     heads: &'a QkvHeads,
+    /// The step's buffer, whose split-K scratch the GPU kernel uses (the reference needs none).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    held: &'a StepDescriptor,
     block_shift: u32,
     /// `PagedStep::max_keys`: how many key ranges the GPU cuts a row into (`split_count`).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -746,15 +751,24 @@ mod device {
         // of its splits).
         let mut out: CudaSlice<T> = unsafe { device.alloc::<T>(op.num_rows * num_heads * head_dim) }?;
         let splits = super::split_count(op.max_keys);
-        // With one split the kernel reads neither buffer (one unread element each).
+        // With one split the kernel reads neither buffer (one unread element each). The step's
+        // kept scratch: no allocation and no zeroing per layer (the counters are zero between
+        // launches: the last split of each (row, head) sets its counter back).
         let (partial_len, counter_len) = if splits > 1 {
             (op.num_rows * num_heads * splits * (head_dim + 2), op.num_rows * num_heads)
         } else {
             (1, 1)
         };
-        // SAFETY: each split writes its partial before the last one reads them.
-        let mut partials: CudaSlice<f32> = unsafe { device.alloc::<f32>(partial_len) }?;
-        let mut counters: CudaSlice<u32> = device.alloc_zeros::<u32>(counter_len)?;
+        let scratch =
+            op.held.split_scratch(partial_len, counter_len).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let (partials, partials_layout) = scratch.partials.storage_and_layout();
+        let (counters, counters_layout) = scratch.counters.storage_and_layout();
+        let (candle_core::Storage::Cuda(partials), candle_core::Storage::Cuda(counters)) = (&*partials, &*counters)
+        else {
+            candle_core::bail!("paged_attention: the split-K scratch must be on the device");
+        };
+        let partials = partials.as_cuda_slice::<f32>()?.slice(partials_layout.start_offset()..);
+        let counters = counters.as_cuda_slice::<u32>()?.slice(counters_layout.start_offset()..);
         let (q_norm, has_q) = tables.norm_arg(&tables.q_norm);
         let rope = [heads.rope_dims, usize::from(heads.interleaved)].map(|x| x as u32);
         let u32s = [op.num_rows, op.num_seqs, op.mask_words, num_heads, heads.num_kv_heads, head_dim].map(|x| x as u32);
@@ -770,7 +784,9 @@ mod device {
             builder.arg(x);
         }
         builder.arg(&slots).arg(&op.block_shift).arg(&op.scores.scale).arg(&cap).arg(&window);
-        builder.arg(&mut partials).arg(&mut counters);
+        // The kernel writes both through these views: the step holds the scratch alone (its
+        // buffer is taken from the free list) and the layers' launches run in turn on one stream.
+        builder.arg(&partials).arg(&counters);
         let config = LaunchConfig {
             grid_dim: (op.num_rows as u32, num_heads as u32, splits as u32),
             block_dim: (ATTENTION_THREADS, 1, 1),

@@ -1,12 +1,15 @@
-//! Static buffers for a step's descriptor: a forward writes its one upload into a device buffer it
-//! takes from a small free list (in place, one host-to-device copy) and gives back when the step
-//! ends, so in steady state every step's descriptor lives at the same device address, as a
-//! captured CUDA graph's inputs must (issue 43), and no step allocates a descriptor.
+//! Static buffers for a step: a forward writes its one upload into a device buffer it takes from a
+//! small free list (in place, one host-to-device copy) and gives back when the step ends, so in
+//! steady state every step's descriptor lives at the same device address, as a captured CUDA
+//! graph's inputs must (issue 43), and no step allocates a descriptor. The split-K attention's
+//! scratch (partial results and per-(row, head) counters) lives beside it, grown when a step needs
+//! more and kept for the next, so no layer allocates it or zeroes its counters.
 //!
 //! Invariant: a buffer is held by one step at a time (taken under the lock, given back on drop),
 //! so forwards running at once (a request's step beside the cost worker's timing) never share one;
 //! a step's words are written before any op of its forward reads them (the copy is ordered before
-//! them on the device's stream).
+//! them on the device's stream); the scratch's counters are zero between launches (zeroed when
+//! allocated; the attention kernel's last split of a (row, head) sets its counter back).
 
 use std::sync::{Arc, Mutex};
 
@@ -19,16 +22,33 @@ const MAX_FREE: usize = 4;
 /// The smallest buffer, in u32 words (a decode step of a few sequences fits).
 const MIN_WORDS: usize = 1024;
 
-/// One model's free descriptor buffers (`[capacity]` u32 tensors on its device).
+/// One model's free step buffers.
 #[derive(Default)]
 pub(crate) struct StepBuffers {
-    free: Mutex<Vec<Tensor>>,
+    free: Mutex<Vec<Held>>,
+}
+
+/// A buffer of the free list: the descriptor's words (`[capacity]` u32 on the model's device) and
+/// the split-K scratch kept with them.
+struct Held {
+    words: Tensor,
+    scratch: Option<SplitScratch>,
+}
+
+/// The split-K attention's scratch: `partials [len]` f32 (each range's max, sum and unnormalized
+/// output) and `counters [len]` u32 (ranges finished per (row, head), zero between launches).
+#[derive(Clone)]
+pub(crate) struct SplitScratch {
+    pub(crate) partials: Tensor,
+    pub(crate) counters: Tensor,
 }
 
 /// A step's descriptor in a taken buffer; the buffer goes back to its free list when dropped.
 pub(crate) struct StepDescriptor {
     /// The whole buffer; the words are its first `len`.
-    buffer: Option<Tensor>,
+    words: Option<Tensor>,
+    /// The scratch this buffer kept, grown by `split_scratch` (layers of one forward run in turn).
+    scratch: Mutex<Option<SplitScratch>>,
     len: usize,
     owner: Arc<StepBuffers>,
 }
@@ -39,32 +59,61 @@ impl StepBuffers {
     pub(crate) fn write(self: &Arc<Self>, words: &[u32], device: &Device) -> Result<StepDescriptor> {
         let taken = {
             let mut free = self.free.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            let fits = free.iter().position(|b| b.elem_count() >= words.len() && b.device().same_device(device));
+            let fits =
+                free.iter().position(|b| b.words.elem_count() >= words.len() && b.words.device().same_device(device));
             fits.map(|at| free.swap_remove(at))
         };
-        let buffer = match taken {
-            Some(buffer) => buffer,
-            None => Tensor::zeros(words.len().max(MIN_WORDS).next_power_of_two(), DType::U32, device)?,
+        let held = match taken {
+            Some(held) => held,
+            None => Held {
+                words: Tensor::zeros(words.len().max(MIN_WORDS).next_power_of_two(), DType::U32, device)?,
+                scratch: None,
+            },
         };
         super::count_upload();
-        buffer.inplace_op1(&WriteWords(words))?;
-        Ok(StepDescriptor { buffer: Some(buffer), len: words.len(), owner: Arc::clone(self) })
+        held.words.inplace_op1(&WriteWords(words))?;
+        Ok(StepDescriptor {
+            words: Some(held.words),
+            scratch: Mutex::new(held.scratch),
+            len: words.len(),
+            owner: Arc::clone(self),
+        })
     }
 }
 
 impl StepDescriptor {
     /// The words `[len]` u32, a view of the buffer.
     pub(crate) fn words(&self) -> Result<Tensor> {
-        Ok(self.buffer.as_ref().expect("held until dropped").narrow(0, 0, self.len)?)
+        Ok(self.words.as_ref().expect("held until dropped").narrow(0, 0, self.len)?)
+    }
+
+    /// Split-K scratch of at least `partials` f32 and `counters` u32 on the step's device: what
+    /// this buffer kept from earlier steps, or (too small) new buffers of the next power of two,
+    /// their counters zeroed. Every layer of the forward gets the same buffers.
+    #[cfg_attr(not(any(test, feature = "cuda")), allow(dead_code))]
+    pub(crate) fn split_scratch(&self, partials: usize, counters: usize) -> Result<SplitScratch> {
+        let mut scratch = self.scratch.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let fits = |s: &SplitScratch| s.partials.elem_count() >= partials && s.counters.elem_count() >= counters;
+        if let Some(held) = scratch.as_ref().filter(|s| fits(s)) {
+            return Ok(held.clone());
+        }
+        let device = self.words.as_ref().expect("held until dropped").device();
+        let grown = SplitScratch {
+            partials: Tensor::zeros(partials.max(1).next_power_of_two(), DType::F32, device)?,
+            counters: Tensor::zeros(counters.max(1).next_power_of_two(), DType::U32, device)?,
+        };
+        *scratch = Some(grown.clone());
+        Ok(grown)
     }
 }
 
 impl Drop for StepDescriptor {
     fn drop(&mut self) {
-        let Some(buffer) = self.buffer.take() else { return };
+        let Some(words) = self.words.take() else { return };
+        let scratch = self.scratch.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
         let mut free = self.owner.free.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if free.len() < MAX_FREE {
-            free.push(buffer);
+            free.push(Held { words, scratch });
         }
     }
 }
@@ -103,11 +152,45 @@ mod tests {
     use super::*;
     use std::cell::Cell;
 
-    /// The address of a CPU tensor's first word.
+    /// The address of a CPU tensor's first element.
     fn address(tensor: &Tensor) -> usize {
         let (storage, layout) = tensor.storage_and_layout();
-        let candle_core::Storage::Cpu(CpuStorage::U32(values)) = &*storage else { panic!("a CPU u32 tensor") };
-        values[layout.start_offset()..].as_ptr() as usize
+        match &*storage {
+            candle_core::Storage::Cpu(CpuStorage::U32(values)) => values[layout.start_offset()..].as_ptr() as usize,
+            candle_core::Storage::Cpu(CpuStorage::F32(values)) => values[layout.start_offset()..].as_ptr() as usize,
+            _ => panic!("a CPU u32 or f32 tensor"),
+        }
+    }
+
+    /// The split-K scratch stays with its buffer: every layer of a step and every later step get
+    /// the same addresses; a step needing more grows it once (counters zeroed) and keeps the
+    /// larger; a step held beside another has its own.
+    #[test]
+    fn the_split_scratch_is_kept_with_its_buffer_and_grown_once() {
+        let buffers = Arc::new(StepBuffers::default());
+        let device = Device::Cpu;
+        let addresses = |s: &SplitScratch| (address(&s.partials), address(&s.counters));
+        let step = buffers.write(&[1], &device).unwrap();
+        let first = step.split_scratch(100, 10).unwrap();
+        assert_eq!((first.partials.elem_count(), first.counters.elem_count()), (128, 16));
+        assert_eq!(first.counters.to_vec1::<u32>().unwrap(), vec![0; 16], "counters start at zero");
+        for _layer in 0..3 {
+            assert_eq!(addresses(&step.split_scratch(100, 10).unwrap()), addresses(&first), "every layer");
+        }
+        drop(step);
+        let next = buffers.write(&[2, 3], &device).unwrap();
+        assert_eq!(addresses(&next.split_scratch(64, 16).unwrap()), addresses(&first), "the next step");
+        let grown = next.split_scratch(300, 16).unwrap();
+        assert_eq!(grown.partials.elem_count(), 512);
+        assert_ne!(addresses(&grown), addresses(&first));
+        let beside = buffers.write(&[4], &device).unwrap();
+        let beside_scratch = addresses(&beside.split_scratch(300, 16).unwrap());
+        assert_ne!(beside_scratch, addresses(&grown), "a step at once");
+        drop((next, beside));
+        // Either freed buffer comes back with the scratch it grew: nothing is allocated again.
+        let later = buffers.write(&[5], &device).unwrap();
+        let kept = addresses(&later.split_scratch(300, 16).unwrap());
+        assert!(kept == addresses(&grown) || kept == beside_scratch, "a kept scratch, not a new one");
     }
 
     /// Successive steps write into the same buffer (one upload each); steps at once hold their
