@@ -82,7 +82,9 @@ impl PagedPool {
     }
 
     /// A pool on `device` (any candle device, the CPU included) for the candle decoder, holding
-    /// keys and values in `dtype`: one `[2, slots, row_len]` tensor per layer, allocated now.
+    /// keys and values in `dtype`: one `[2, slots, row_len]` tensor per layer, allocated now, with
+    /// one block past the `num_blocks` no sequence is given: the dummy block padding rows write
+    /// into (`dummy_slot`).
     pub fn on_device(
         num_layers: usize,
         row_len: usize,
@@ -92,7 +94,7 @@ impl PagedPool {
         device: &Device,
     ) -> Result<Arc<Self>> {
         check_blocks(block_size, num_blocks)?;
-        let slots = num_blocks * block_size;
+        let slots = (num_blocks + 1) * block_size;
         if slots > u32::MAX as usize {
             return Err(Error::config(format!(
                 "a paged KV pool of {slots} positions is past the 2^32 slots a step addresses"
@@ -131,6 +133,16 @@ impl PagedPool {
 
     pub fn block_size(&self) -> usize {
         self.block_size
+    }
+
+    /// The first slot of a device pool's dummy block (past its `num_blocks`, held by no sequence):
+    /// where a step padded to a fixed shape writes its padding rows (`model/candle/step_shape.rs`).
+    /// None on the host.
+    pub fn dummy_slot(&self) -> Option<u32> {
+        match &self.rows {
+            Rows::Device { .. } => Some((self.num_blocks * self.block_size) as u32),
+            Rows::Host { .. } => None,
+        }
     }
 
     pub fn num_blocks(&self) -> usize {

@@ -39,6 +39,7 @@ use crate::model::candle::attention::{attention, softcap, tree_attention, Scores
 use crate::model::candle::fused::{act_mul, add_rms_norm, qkv_heads, HeadsSpec, QkvHeads};
 use crate::model::candle::paged_attention::PagedStep;
 use crate::model::candle::step_buffer::StepBuffers;
+use crate::model::candle::step_shape::{Padding, StepShape};
 use crate::model::candle::upload;
 use crate::model::config::DecoderConfig;
 use crate::model::forward::check_token_ids;
@@ -244,6 +245,9 @@ pub struct Decoder {
     step_weight_bytes: usize,
     /// The static buffers paged steps write their descriptors into.
     step_buffers: Arc<StepBuffers>,
+    /// Whether paged steps are padded to the captured shapes (`step_shape.rs`). Off: nothing
+    /// captures CUDA graphs yet, and eagerly the padding rows are work for nothing.
+    pad_steps: std::sync::atomic::AtomicBool,
 }
 
 impl GgufWeights<'_> {
@@ -523,6 +527,7 @@ impl Decoder {
             weight_bytes,
             step_weight_bytes,
             step_buffers: Arc::default(),
+            pad_steps: std::sync::atomic::AtomicBool::new(false),
             config,
         })
     }
@@ -569,7 +574,9 @@ impl Decoder {
             }
             Ok(())
         };
-        capture(&mut taps, 0, &x)?;
+        // Of a step padded to a captured shape, the batch's rows are the first.
+        let batch_rows = |x: &Tensor| x.narrow(0, 0, batch.num_rows());
+        capture(&mut taps, 0, &batch_rows(&x)?)?;
         // The attention norm of the layer about to run: the first layer's here, each later one's
         // fused with the residual add that ends the layer before it.
         let mut h = match self.blocks.first() {
@@ -648,14 +655,17 @@ impl Decoder {
                 Some(next) => (x, h) = add_rms_norm(&x, &mlp, &next.attn_norm, eps)?,
                 None => x = (x + mlp)?, // the final norm runs on the logit rows only
             }
-            capture(&mut taps, layer + 1, &x)?;
+            capture(&mut taps, layer + 1, &batch_rows(&x)?)?;
         }
         for (s, cache) in caches.iter_mut().enumerate() {
             cache.commit(batch.seq_range(s).len());
         }
 
-        let final_normed =
-            if batch.taps.contains(&Tap::FinalNorm) { Some(rms_norm(&x, &self.final_norm, eps)?) } else { None };
+        let final_normed = if batch.taps.contains(&Tap::FinalNorm) {
+            Some(rms_norm(&batch_rows(&x)?, &self.final_norm, eps)?)
+        } else {
+            None
+        };
         let logits = if batch.logit_rows.is_empty() {
             Tensor::zeros((0, c.vocab_size), DType::F32, &self.device)?
         } else {
@@ -670,7 +680,8 @@ impl Decoder {
                 Some(normed) => normed.index_select(&rows, 0)?,
                 None => rms_norm(&x.index_select(&rows, 0)?, &self.final_norm, eps)?,
             };
-            self.logits(&normed)?
+            // A padded step's logit rows run to its shape's rows: the batch's come first.
+            self.logits(&normed)?.narrow(0, 0, batch.logit_rows.len())?
         };
         let hidden = taps
             .into_iter()
@@ -704,8 +715,27 @@ impl Decoder {
                 _ => return Err(mixed()),
             }
         }
-        let step = PagedStep::new(batch, pasts, &tables, pool.block_size(), &self.step_buffers, &self.device)?;
+        let padding = match (self.pad_steps.load(std::sync::atomic::Ordering::Relaxed), pool.dummy_slot()) {
+            (true, Some(dummy_slot)) => StepShape::of(batch).map(|shape| Padding::new(shape, dummy_slot, &tables)),
+            _ => None,
+        };
+        let step = PagedStep::new(
+            batch,
+            pasts,
+            &tables,
+            pool.block_size(),
+            &self.step_buffers,
+            &self.device,
+            padding.as_ref(),
+        )?;
         Ok(Some((step, Arc::clone(pool))))
+    }
+
+    /// Pads paged steps to the captured shapes (`step_shape.rs`) when `on`; batches past the
+    /// largest shape run as they are.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn pad_steps_to_shapes(&self, on: bool) {
+        self.pad_steps.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The LM head and the final soft-cap: `[rows, hidden]` final-normed -> `[rows, vocab]` f32.

@@ -52,7 +52,7 @@ pub(crate) fn one_launch<T>(gemm: impl FnOnce() -> T) -> T {
 
 /// A bf16 model of `family`'s graph whose every op output is at least [`MIN_BUFFER`] bytes at 4
 /// rows (Gemma 3 with its sliding window, soft-caps and scaled embedding).
-fn model(family: &str) -> Decoder {
+pub(super) fn model(family: &str) -> Decoder {
     let config = LlamaConfig::from_json(
         r#"{"vocab_size": 97, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3,
             "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 256}"#,

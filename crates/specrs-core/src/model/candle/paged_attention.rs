@@ -28,6 +28,7 @@ use crate::kv_cache::slot_of;
 use crate::model::candle::attention::Scores;
 use crate::model::candle::fused::{op_error, Elem, HeadKind, HeadsSpec, QkvHeads};
 use crate::model::candle::step_buffer::{StepBuffers, StepDescriptor};
+use crate::model::candle::step_shape::Padding;
 use crate::model::forward::ForwardBatch;
 
 /// The most dims a head may have here (a warp's 32 lanes hold up to 8 each on the device).
@@ -46,19 +47,25 @@ pub(crate) struct PagedStep {
     /// Where the tokens section starts (`3 n + 4 S + n W + T`).
     tokens_start: usize,
     num_logit_rows: usize,
+    /// The step's rows, padding included (the batch's are the first).
     num_rows: usize,
+    /// Sequence entries of the descriptor (the padded shape's and the padding rows' one).
     num_seqs: usize,
     /// u32 words per row's ancestor mask: enough bits for the longest sequence's step rows.
     mask_words: usize,
     block_shift: u32,
-    /// The most keys a row sees: the longest sequence's past and step rows (before any window).
+    /// The most keys a row sees: the longest sequence's past and step rows (before any window);
+    /// padded, what the table width holds (the grid's size follows the shape, not the step).
     max_keys: usize,
 }
 
 impl PagedStep {
     /// The step of `batch`, whose sequence s has `pasts[s]` positions held and block table
     /// `tables[s]` (blocks of `block_size` positions, a power of two), already reserved for the
-    /// step's rows; the step's rows are written at positions `pasts[s]..` in row order.
+    /// step's rows; the step's rows are written at positions `pasts[s]..` in row order. With
+    /// `padding` the step has the padded shape's rows (`step_shape.rs`): the batch's first, then
+    /// padding rows, each seeing the dummy slot alone and writing its keys there, in a
+    /// descriptor laid out by the shape and table width alone.
     pub(crate) fn new(
         batch: &ForwardBatch,
         pasts: &[usize],
@@ -66,6 +73,7 @@ impl PagedStep {
         block_size: usize,
         buffers: &Arc<StepBuffers>,
         device: &Device,
+        padding: Option<&Padding>,
     ) -> Result<Self> {
         let (n, num_seqs) = (batch.num_rows(), batch.num_seqs());
         if pasts.len() != num_seqs || tables.len() != num_seqs || !block_size.is_power_of_two() {
@@ -77,21 +85,44 @@ impl PagedStep {
         }
         let block_shift = block_size.trailing_zeros();
         let longest = (0..num_seqs).map(|s| batch.seq_range(s).len()).max().unwrap_or(0);
-        let mask_words = longest.div_ceil(32).max(1);
         let u32_of = |x: usize, what: &str| {
             u32::try_from(x).map_err(|_| Error::Internal(format!("paged step: {what} {x} is past u32")))
         };
-        let (mut row_seq, mut row_pos, mut row_slot) = (vec![0u32; n], vec![0u32; n], vec![0u32; n]);
-        let mut seqs = Vec::with_capacity(4 * num_seqs);
-        let mut masks = vec![0u32; n * mask_words];
+        // The layout's sizes: the batch's own, or the padded shape's (one more sequence: the
+        // padding rows').
+        let (rows, seq_entries, mask_words, table_width) = match padding {
+            None => (n, num_seqs, longest.div_ceil(32).max(1), None),
+            Some(p) => {
+                let fits = p.shape.num_seqs >= num_seqs
+                    && p.shape.rows_per_seq >= longest
+                    && tables.iter().all(|t| t.len() <= p.table_width);
+                if !fits {
+                    return Err(Error::Internal(format!(
+                        "paged step: {num_seqs} sequences of up to {longest} rows do not fit the padded {p:?}"
+                    )));
+                }
+                (
+                    p.shape.num_rows(),
+                    p.shape.num_seqs + 1,
+                    p.shape.rows_per_seq.div_ceil(32).max(1),
+                    Some(p.table_width),
+                )
+            }
+        };
+        let (mut row_seq, mut row_pos, mut row_slot) = (vec![0u32; rows], vec![0u32; rows], vec![0u32; rows]);
+        let mut seqs = Vec::with_capacity(4 * seq_entries);
+        let mut masks = vec![0u32; rows * mask_words];
         let mut flat_tables = Vec::new();
         for (s, (&past, table)) in pasts.iter().zip(tables).enumerate() {
-            let rows = batch.seq_range(s);
-            seqs.extend([u32_of(past, "past")?, u32_of(rows.start, "row")?, u32_of(rows.len(), "rows")?]);
+            let seq_rows = batch.seq_range(s);
+            seqs.extend([u32_of(past, "past")?, u32_of(seq_rows.start, "row")?, u32_of(seq_rows.len(), "rows")?]);
             seqs.push(u32_of(flat_tables.len(), "table start")?);
             flat_tables.extend_from_slice(table);
-            for row in rows.clone() {
-                let position = past + row - rows.start;
+            if let Some(width) = table_width {
+                flat_tables.resize(flat_tables.len() + width - table.len(), 0);
+            }
+            for row in seq_rows.clone() {
+                let position = past + row - seq_rows.start;
                 let Some(slot) = slot_of(table, position, block_shift) else {
                     return Err(Error::Internal(format!(
                         "paged step: position {position} of sequence {s} has no block (reserve before the forward)"
@@ -105,21 +136,46 @@ impl PagedStep {
                 }
             }
         }
-        let logit_rows = batch.logit_rows.iter().map(|&r| u32_of(r, "logit row")).collect::<Result<Vec<_>>>()?;
-        let tokens_start = 3 * n + seqs.len() + masks.len() + flat_tables.len();
+        let mut logit_rows = batch.logit_rows.iter().map(|&r| u32_of(r, "logit row")).collect::<Result<Vec<_>>>()?;
+        let mut tokens = batch.tokens.clone();
+        if let (Some(p), Some(width)) = (padding, table_width) {
+            // Empty entries up to the shape's sequences, then the padding rows' sequence: one past
+            // position (the dummy slot, the one key each padding row sees: their masks are empty),
+            // its rows at position 1, each writing its keys into the dummy slot.
+            for _ in num_seqs..p.shape.num_seqs {
+                seqs.extend([0, u32_of(n, "row")?, 0, u32_of(flat_tables.len(), "table start")?]);
+                flat_tables.resize(flat_tables.len() + width, 0);
+            }
+            seqs.extend([1, u32_of(n, "row")?, u32_of(rows - n, "rows")?, u32_of(flat_tables.len(), "table start")?]);
+            flat_tables.push(p.dummy_slot >> block_shift);
+            flat_tables.resize(flat_tables.len() + width - 1, 0);
+            row_seq[n..].fill(p.shape.num_seqs as u32);
+            row_pos[n..].fill(1);
+            row_slot[n..].fill(p.dummy_slot);
+            // Every row gets logits; the decoder keeps the batch's.
+            logit_rows.resize(rows, 0);
+            tokens.resize(rows, 0);
+        }
+        let tokens_start = 3 * rows + seqs.len() + masks.len() + flat_tables.len();
         let descriptor: Vec<u32> =
-            [&row_seq[..], &row_pos, &row_slot, &seqs, &masks, &flat_tables, &batch.tokens, &logit_rows].concat();
+            [&row_seq[..], &row_pos, &row_slot, &seqs, &masks, &flat_tables, &tokens, &logit_rows].concat();
         let held = buffers.write(&descriptor, device)?;
+        let max_keys = match table_width {
+            // Every row's keys lie in its table's blocks: the grid's split ranges follow the table
+            // width, the same every step of the shape.
+            Some(width) => width * block_size,
+            None => (0..num_seqs).map(|s| pasts[s] + batch.seq_range(s).len()).max().unwrap_or(0),
+        };
         Ok(Self {
             descriptor: held.words()?,
             held,
             tokens_start,
-            num_logit_rows: batch.logit_rows.len(),
-            num_rows: n,
-            num_seqs,
+            num_logit_rows: logit_rows.len(),
+            num_rows: rows,
+            num_seqs: seq_entries,
             mask_words,
             block_shift,
-            max_keys: (0..num_seqs).map(|s| pasts[s] + batch.seq_range(s).len()).max().unwrap_or(0),
+            max_keys,
         })
     }
 
@@ -831,8 +887,8 @@ pub fn check_against_reference(device: &Device) -> Result<Vec<(String, f32, f32)
         let dev_pool = pool.to_device(device)?;
         let (qkv, dev_qkv) = (qkv.to_dtype(dtype)?, qkv.to_dtype(dtype)?.to_device(device)?);
         let buffers = Arc::new(StepBuffers::default());
-        let step = PagedStep::new(&batch, &pasts, &tables, block_size, &buffers, &cpu)?;
-        let dev_step = PagedStep::new(&batch, &pasts, &tables, block_size, &buffers, device)?;
+        let step = PagedStep::new(&batch, &pasts, &tables, block_size, &buffers, &cpu, None)?;
+        let dev_step = PagedStep::new(&batch, &pasts, &tables, block_size, &buffers, device, None)?;
         for normed in [false, true] {
             let (op, dev_op) = (layer.op(normed)?, dev_layer.op(normed)?);
             let name = if normed { "normed " } else { "" };
@@ -1011,6 +1067,7 @@ mod tests {
                 block_size,
                 &Arc::default(),
                 &Device::Cpu,
+                None,
             )
             .unwrap();
             for (logit_softcap, window) in [(None, None), (Some(1.5), None), (None, Some(5)), (Some(1.5), Some(12))] {
@@ -1042,7 +1099,8 @@ mod tests {
         let other: Vec<u32> = vec![0, 1, 2];
         let seqs = [SeqRows::tree(vec![0; 4], vec![-1, 0, 0, 2]), SeqRows::tree(vec![0; 3], vec![-1, 0, 1])];
         let batch = ForwardBatch::new(&seqs, &[11, 5], Vec::new()).unwrap();
-        let together = PagedStep::new(&batch, &[11, 5], &[&table, &other], 4, &Arc::default(), &Device::Cpu).unwrap();
+        let together =
+            PagedStep::new(&batch, &[11, 5], &[&table, &other], 4, &Arc::default(), &Device::Cpu, None).unwrap();
         let together = together.attention(&qkv, &heads, &pool, scores).unwrap();
         let bits = |t: &Tensor| {
             t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>()
@@ -1050,9 +1108,16 @@ mod tests {
         // Each sequence alone, and the tree's last row as the step's only row but its path.
         for (s, rows) in [(0, 0..4), (1, 4..7)] {
             let alone = ForwardBatch::new(&seqs[s..s + 1], &[[11, 5][s]], Vec::new()).unwrap();
-            let alone =
-                PagedStep::new(&alone, &[[11, 5][s]], &[[&table[..], &other[..]][s]], 4, &Arc::default(), &Device::Cpu)
-                    .unwrap();
+            let alone = PagedStep::new(
+                &alone,
+                &[[11, 5][s]],
+                &[[&table[..], &other[..]][s]],
+                4,
+                &Arc::default(),
+                &Device::Cpu,
+                None,
+            )
+            .unwrap();
             let alone =
                 alone.attention(&qkv.narrow(0, rows.start, rows.len()).unwrap(), &heads, &pool, scores).unwrap();
             assert_eq!(bits(&together.narrow(0, rows.start, rows.len()).unwrap()), bits(&alone), "sequence {s}");
@@ -1067,7 +1132,7 @@ mod tests {
         let table: Vec<u32> = vec![3, 1];
         let pool = Tensor::zeros((2, 16, KV_HEADS * HEAD_DIM), DType::BF16, &Device::Cpu).unwrap();
         let batch = ForwardBatch::new(&[SeqRows::tree(vec![0; 3], vec![-1, 0, 1])], &[3], Vec::new()).unwrap();
-        let step = PagedStep::new(&batch, &[3], &[&table], 4, &Arc::default(), &Device::Cpu).unwrap();
+        let step = PagedStep::new(&batch, &[3], &[&table], 4, &Arc::default(), &Device::Cpu, None).unwrap();
         let (qkv, layer) = projection(3, 9);
         let qkv = qkv.to_dtype(DType::BF16).unwrap();
         let spec = layer.spec(true);
@@ -1087,8 +1152,41 @@ mod tests {
         let sum = |t: &Tensor| -> f32 { t.abs().unwrap().sum_all().unwrap().to_scalar().unwrap() };
         assert!((sum(&pool) - sum(&rows)).abs() < 1e-2, "nothing else written");
         let long = ForwardBatch::new(&[SeqRows::tree(vec![0; 6], vec![-1, 0, 1, 2, 3, 4])], &[3], Vec::new()).unwrap();
-        let e = PagedStep::new(&long, &[3], &[&table], 4, &Arc::default(), &Device::Cpu).err().unwrap().to_string();
+        let e =
+            PagedStep::new(&long, &[3], &[&table], 4, &Arc::default(), &Device::Cpu, None).err().unwrap().to_string();
         assert!(e.contains("no block"), "{e}");
+    }
+
+    /// A padded step's descriptor is laid out by its shape and table width alone: two batches of
+    /// other pasts, row counts and sequence counts but one shape share its length and every
+    /// section's offset; a batch that does not fit the shape is refused.
+    #[test]
+    fn a_padded_descriptor_is_laid_out_by_its_shape_alone() {
+        use crate::model::candle::step_shape::StepShape;
+        let shape = StepShape { num_seqs: 4, rows_per_seq: 5 };
+        let layout = |seqs: &[SeqRows], pasts: &[usize], tables: &[&[u32]]| {
+            let batch = ForwardBatch::new(seqs, pasts, Vec::new()).unwrap();
+            let padding = Padding::new(shape, 60, tables);
+            let step = PagedStep::new(&batch, pasts, tables, 4, &Arc::default(), &Device::Cpu, Some(&padding)).unwrap();
+            (step.descriptor.elem_count(), step.tokens_start, step.num_rows, step.num_seqs, step.max_keys)
+        };
+        let chain = |n: usize| SeqRows::chain(vec![1; n], crate::model::LogitRows::All);
+        let a = layout(&[chain(5), chain(1)], &[3, 9], &[&[0, 1], &[2, 3, 4]]);
+        let b = layout(
+            &[SeqRows::tree(vec![0; 4], vec![-1, 0, 0, 1]), chain(2), chain(3)],
+            &[0, 6, 1],
+            &[&[5], &[6, 7, 9], &[8]],
+        );
+        assert_eq!(a, b);
+        assert_eq!(
+            (a.2, a.3, a.4),
+            (20, 5, 16),
+            "20 rows, 4 sequence entries and the padding rows', 4 blocks of 4 keys"
+        );
+        let batch = ForwardBatch::new(&[chain(6)], &[0], Vec::new()).unwrap();
+        let padding = Padding::new(shape, 60, &[&[0, 1]]);
+        let e = PagedStep::new(&batch, &[0], &[&[0, 1]], 4, &Arc::default(), &Device::Cpu, Some(&padding));
+        assert!(e.err().unwrap().to_string().contains("do not fit the padded"));
     }
 
     /// The paged ops refuse a projection of another dtype than the pool's, or of other head sizes,
@@ -1099,7 +1197,7 @@ mod tests {
         let pool = Tensor::zeros((2, 4, KV_HEADS * HEAD_DIM), DType::BF16, &Device::Cpu).unwrap();
         let batch =
             ForwardBatch::new(&[SeqRows::chain(vec![0; 2], crate::model::LogitRows::All)], &[0], Vec::new()).unwrap();
-        let step = PagedStep::new(&batch, &[0], &[&table], 4, &Arc::default(), &Device::Cpu).unwrap();
+        let step = PagedStep::new(&batch, &[0], &[&table], 4, &Arc::default(), &Device::Cpu, None).unwrap();
         let (qkv, layer) = projection(2, 5);
         let heads = layer.op(false).unwrap();
         let e = step.write_kv_heads(&pool, &qkv, &heads).unwrap_err().to_string();
