@@ -140,13 +140,14 @@ impl PagedStep {
         let mut tokens = batch.tokens.clone();
         if let (Some(p), Some(width)) = (padding, table_width) {
             // Empty entries up to the shape's sequences, then the padding rows' sequence: one past
-            // position (the dummy slot, the one key each padding row sees: their masks are empty),
-            // its rows at position 1, each writing its keys into the dummy slot.
+            // position (the dummy slot, the one key each padding row sees) and no step rows of its
+            // own to see (however many padding rows there are, none is another's key); its rows at
+            // position 1, each writing its keys into the dummy slot.
             for _ in num_seqs..p.shape.num_seqs {
                 seqs.extend([0, u32_of(n, "row")?, 0, u32_of(flat_tables.len(), "table start")?]);
                 flat_tables.resize(flat_tables.len() + width, 0);
             }
-            seqs.extend([1, u32_of(n, "row")?, u32_of(rows - n, "rows")?, u32_of(flat_tables.len(), "table start")?]);
+            seqs.extend([1, u32_of(n, "row")?, 0, u32_of(flat_tables.len(), "table start")?]);
             flat_tables.push(p.dummy_slot >> block_shift);
             flat_tables.resize(flat_tables.len() + width - 1, 0);
             row_seq[n..].fill(p.shape.num_seqs as u32);
@@ -1187,6 +1188,44 @@ mod tests {
         let padding = Padding::new(shape, 60, &[&[0, 1]]);
         let e = PagedStep::new(&batch, &[0], &[&[0, 1]], 4, &Arc::default(), &Device::Cpu, Some(&padding));
         assert!(e.err().unwrap().to_string().contains("do not fit the padded"));
+    }
+
+    /// Past 32 padding rows (more than a mask word holds), attention of a padded step gives the
+    /// batch's rows the eager step's bits, and each padding row sees the dummy slot alone.
+    #[test]
+    fn many_padding_rows_leave_the_batchs_rows_alone() {
+        use crate::model::candle::step_shape::StepShape;
+        use crate::model::LogitRows;
+        let blocks: Vec<u32> = (0..11).collect();
+        let (pool, _, _) = laid_out(&blocks, 4, 44, 2); // block 10 (slots 40..44): the dummy
+        let seqs = [
+            SeqRows::chain(vec![1; 17], LogitRows::All),
+            SeqRows::chain(vec![2], LogitRows::All),
+            SeqRows::chain(vec![3], LogitRows::All),
+        ];
+        let pasts = [6, 9, 3];
+        let tables: [&[u32]; 3] = [&blocks[..6], &blocks[6..9], &blocks[9..10]];
+        let batch = ForwardBatch::new(&seqs, &pasts, Vec::new()).unwrap();
+        let shape = StepShape::of(&batch).unwrap();
+        assert_eq!(shape.num_rows() - batch.num_rows(), 49, "4 sequences x 17 rows, 19 of them the batch's");
+        let padding = Padding::new(shape, 40, &tables);
+        let (qkv, layer) = projection(shape.num_rows(), 3);
+        let heads = layer.op(true).unwrap();
+        let scores = Scores { scale: 0.3, logit_softcap: None, window: None };
+        let attend = |padding: Option<&Padding>, rows: usize| {
+            let step = PagedStep::new(&batch, &pasts, &tables, 4, &Arc::default(), &Device::Cpu, padding).unwrap();
+            step.attention(&qkv.narrow(0, 0, rows).unwrap(), &heads, &pool, scores).unwrap()
+        };
+        let eager = attend(None, batch.num_rows());
+        let padded = attend(Some(&padding), shape.num_rows());
+        let bits = |t: &Tensor| {
+            t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        };
+        assert!(bits(&padded.narrow(0, 0, batch.num_rows()).unwrap()) == bits(&eager), "the batch's rows");
+        // A padding row sees one key: its output is the dummy slot's value head.
+        let value = pool.get(1).unwrap().get(40).unwrap().narrow(0, 0, HEAD_DIM).unwrap();
+        let last = padded.get(shape.num_rows() - 1).unwrap().narrow(0, 0, HEAD_DIM).unwrap();
+        assert!(max_abs_diff(&last, &value).unwrap() < 1e-6);
     }
 
     /// The paged ops refuse a projection of another dtype than the pool's, or of other head sizes,
