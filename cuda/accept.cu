@@ -2,36 +2,11 @@
 // The CPU reference, with the full contract, is crates/specrs-core/src/batch/accept.rs; this kernel
 // computes the same function: greedy (temperature 0) or rejection sampling against
 // softmax(logits / temperature), with the random draws passed in as `uniforms`.
-// Compiled at run time with NVRTC, so it uses no headers. blockDim.x must be BLOCK.
+// Compiled at run time with NVRTC after cuda/block.cuh (BLOCK, block_max, block_sum). blockDim.x
+// must be BLOCK.
 
-#define BLOCK 256
 // -inf without math.h (NVRTC compiles without headers).
 #define NEG_INF __int_as_float(0xff800000)
-
-// Block-wide reductions through shared memory; every thread gets the result.
-__device__ float block_max(float x, float* scratch) {
-    scratch[threadIdx.x] = x;
-    __syncthreads();
-    for (int stride = BLOCK / 2; stride > 0; stride >>= 1) {
-        if (threadIdx.x < stride) scratch[threadIdx.x] = fmaxf(scratch[threadIdx.x], scratch[threadIdx.x + stride]);
-        __syncthreads();
-    }
-    float result = scratch[0];
-    __syncthreads();
-    return result;
-}
-
-__device__ float block_sum(float x, float* scratch) {
-    scratch[threadIdx.x] = x;
-    __syncthreads();
-    for (int stride = BLOCK / 2; stride > 0; stride >>= 1) {
-        if (threadIdx.x < stride) scratch[threadIdx.x] += scratch[threadIdx.x + stride];
-        __syncthreads();
-    }
-    float result = scratch[0];
-    __syncthreads();
-    return result;
-}
 
 __device__ unsigned int block_min_index(unsigned int i, unsigned int* scratch) {
     scratch[threadIdx.x] = i;

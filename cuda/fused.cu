@@ -11,8 +11,9 @@
 //   act_mul_*:      act(gate) * up with act = SiLU or GELU (tanh form), the activation rounded to the
 //                   dtype first (as candle stores it between its two ops); gate and up are row-strided
 //                   views (the halves of a fused gate/up matmul's output). A grid-stride loop.
-// Compiled at run time with NVRTC after cuda/dtype.cuh (load/store per dtype) and cuda/heads.cuh
-// (a block's sum; one head normed and rotated: qkv_heads' arithmetic). blockDim.x must be BLOCK.
+// Compiled at run time with NVRTC after cuda/block.cuh (BLOCK, block_sum), cuda/dtype.cuh
+// (load/store per dtype) and cuda/heads.cuh (one head normed and rotated: qkv_heads' arithmetic).
+// blockDim.x must be BLOCK.
 
 template <typename T>
 __device__ void add_rms_norm(const T* x, const T* delta, const T* weight, T* out,

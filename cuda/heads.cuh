@@ -1,24 +1,9 @@
-// A block's sum (the RMS norms' reduction), and one q or k head of the q/k/v projection's output
-// normed and rotated, shared by the kernels that read heads (cuda/fused.cu's qkv_heads,
-// cuda/paged_attention.cu's write_kv_heads and paged_attention). The CPU reference of a head is
+// One q or k head of the q/k/v projection's output normed and rotated, shared by the kernels that
+// read heads (cuda/fused.cu's qkv_heads, cuda/paged_attention.cu's write_kv_heads and
+// paged_attention). The CPU reference of a head is
 // `HeadTables::head` in crates/specrs-core/src/model/candle/fused.rs: the same f32 arithmetic.
-// Compiled at run time with NVRTC after cuda/dtype.cuh; blockDim.x must be BLOCK.
-
-#define BLOCK 256
-
-// The sum of every thread's `v` over the block (BLOCK threads), returned to each of them.
-// `scratch` is shared, BLOCK floats, free again when it returns. Every thread must call it.
-__device__ float block_sum(float v, float* scratch) {
-    scratch[threadIdx.x] = v;
-    __syncthreads();
-    for (int s = BLOCK / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s) scratch[threadIdx.x] += scratch[threadIdx.x + s];
-        __syncthreads();
-    }
-    const float total = scratch[0];
-    __syncthreads();
-    return total;
-}
+// Compiled at run time with NVRTC after cuda/block.cuh and cuda/dtype.cuh; blockDim.x must be
+// BLOCK.
 
 // The block loads the head_dim values at `src` into `row` (shared, head_dim floats), RMS-norms
 // them with `norm` where it is not null, rotates the first rope_dims dims at `position` where

@@ -36,7 +36,8 @@
 //                      ranges to finish combines them in range order and sets its counter back
 //                      to zero. A row's result depends on its own keys only (how they are cut
 //                      depends on their number alone), never on its batch-mates.
-// Compiled at run time with NVRTC after cuda/dtype.cuh and cuda/heads.cuh; blocks of BLOCK threads.
+// Compiled at run time with NVRTC after cuda/block.cuh, cuda/dtype.cuh and cuda/heads.cuh; blocks
+// of BLOCK threads.
 
 #define WARPS 8
 // The most dims a head may have (the host checks: `MAX_HEAD_DIM` in paged_attention.rs).

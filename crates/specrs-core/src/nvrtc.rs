@@ -2,8 +2,9 @@
 //! device's architecture on first use (once per process), and the helpers the kernels' hosts share
 //! (`batch/cuda.rs`, `model/candle/fused.rs`, `bandwidth.rs`).
 //!
-//! A source's text may begin with `cuda/dtype.cuh` (load/store per dtype) and `cuda/heads.cuh` (one
-//! head normed and rotated), prepended here: NVRTC compiles one string with no includes.
+//! A source's text may begin with `cuda/block.cuh` (BLOCK and block-wide reductions),
+//! `cuda/dtype.cuh` (load/store per dtype) and `cuda/heads.cuh` (one head normed and rotated),
+//! prepended here: NVRTC compiles one string with no includes.
 //!
 //! Invariant: `SOURCES` lists every kernel source with its entry points, so the CPU suite compiles
 //! all of them for every architecture we ship for (`compile_for`) without a GPU.
@@ -30,7 +31,7 @@ pub struct Source {
 
 pub const ACCEPT: Source = Source {
     file: "accept.cu",
-    text: include_str!("../../../cuda/accept.cu"),
+    text: concat!(include_str!("../../../cuda/block.cuh"), include_str!("../../../cuda/accept.cu")),
     entries: &["accept_kernel", "tree_accept_kernel"],
 };
 pub const NGRAM: Source =
@@ -38,6 +39,7 @@ pub const NGRAM: Source =
 pub const FUSED: Source = Source {
     file: "fused.cu",
     text: concat!(
+        include_str!("../../../cuda/block.cuh"),
         include_str!("../../../cuda/dtype.cuh"),
         include_str!("../../../cuda/heads.cuh"),
         include_str!("../../../cuda/fused.cu")
@@ -57,6 +59,7 @@ pub const FUSED: Source = Source {
 pub const PAGED_ATTENTION: Source = Source {
     file: "paged_attention.cu",
     text: concat!(
+        include_str!("../../../cuda/block.cuh"),
         include_str!("../../../cuda/dtype.cuh"),
         include_str!("../../../cuda/heads.cuh"),
         include_str!("../../../cuda/paged_attention.cu")
