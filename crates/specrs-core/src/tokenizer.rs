@@ -412,8 +412,16 @@ impl TextTokenizer {
         Ok(if add_special_tokens { self.with_bos(ids) } else { ids })
     }
 
+    /// `encode(text, false)` with each token's first byte in `text` (a token of byte fallback
+    /// starts where its character does), for re-encoding a text's tail alone.
+    pub fn encode_with_starts(&self, text: &str) -> Result<(Vec<u32>, Vec<usize>)> {
+        let encoding =
+            self.inner.encode(text, false).map_err(|e| Error::Internal(format!("tokenization failed: {e}")))?;
+        Ok((encoding.get_ids().to_vec(), encoding.get_offsets().iter().map(|&(start, _)| start).collect()))
+    }
+
     /// `ids` with BOS in front when the model asks for it and they do not already start with it.
-    fn with_bos(&self, mut ids: Vec<u32>) -> Vec<u32> {
+    pub(crate) fn with_bos(&self, mut ids: Vec<u32>) -> Vec<u32> {
         if let (true, Some(bos)) = (self.add_bos, self.bos_token_id) {
             if ids.first() != Some(&bos) {
                 ids.insert(0, bos);
