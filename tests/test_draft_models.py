@@ -122,6 +122,35 @@ def test_pard_drafts_are_costed_per_draft(model_path, draft_path, monkeypatch):
     assert any(what.startswith("draft cost of pard:") and what.endswith(":k=4:per_draft") for what in figures), figures
 
 
+def test_a_costly_drafts_acceptance_is_measured_from_its_first_requests(model_path, draft_path, baselines):
+    """Costs pinned as Qwen2.5-Coder-0.5B drafting for 1.5B measured on this CPU (c = 0.37 per
+    token): at the uninformed a = 0.5 no draft length pays, so before the engine knew better a
+    request never drafted and the draft's acceptance was never learned. Now each request tries
+    its first draft until the engine has seen 32 of this draft's; their acceptance (the Q8_0 copy
+    agrees with its target almost always) is then where every later request starts: drafting
+    from its first step. Output stays the plain output throughout."""
+    engine = specrs.Engine(model_path)
+    costly = config("draft_model", 4, draft_path, adaptive_draft_length=True,
+                    verify_cost_ratios=[1.0, 1.14, 1.22, 1.33, 1.57], draft_cost=0.37)
+    assert engine.prepare(costly)["draft_acceptance"] is None
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    seen = 0
+    for name in PROMPTS:
+        r = engine.generate(chat(PROMPTS[name]), greedy, speculative_config=costly)
+        assert r.token_ids == baselines[name], name
+        assert r.metrics["num_drafts"] > 0, f"{name}: the unmeasured draft was not tried"
+        seen += r.metrics["num_drafts"]
+        if engine.prepare(costly)["draft_acceptance"] is not None:
+            break
+    acceptance = engine.prepare(costly)["draft_acceptance"]
+    assert seen >= 32 and acceptance is not None and acceptance > 0.8, (seen, acceptance)
+    # A later request starts from it (a = 0.9 pays at these costs: draft_length.rs's test) and drafts.
+    r = engine.generate(chat(PROMPTS["writing"]), greedy, speculative_config=costly)
+    assert r.token_ids == baselines["writing"] and r.metrics["num_drafts"] > 0
+    # Another engine has its own figure.
+    assert specrs.Engine(model_path).prepare(costly)["draft_acceptance"] is None
+
+
 def test_draft_of_the_target_itself_accepts_everything(engine, model_path):
     """The target as its own draft: every greedy draft token must pass, so any slip in the draft
     cache (a missed rollback, an off-by-one position) shows up as a rejection."""

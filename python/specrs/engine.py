@@ -384,8 +384,11 @@ class Engine:
         `cached`: from `$SPECRS_CACHE_DIR/costs/`, keyed by model file, device and thread count;
         `config`, `extrapolated`, `prior`) and its spread (`{"ratio": median try / fastest,
         "tries"}`). Figures nobody measured are measured by a background thread while no request
-        runs (`cost_status`, `wait_for_costs`); never inside a request. The engine's own
-        `speculative_config` is prepared when it is built."""
+        runs (`cost_status`, `wait_for_costs`); never inside a request. `draft_acceptance` is a
+        costly draft's per-token acceptance as this engine measured it from the first 32 drafts of
+        its requests, where each later request's draft length starts (None until then: requests
+        try their first draft). The engine's own `speculative_config` is prepared when it is
+        built."""
         return self._prepare_logged(self.parse_config(speculative_config))
 
     def prepare_batch_costs(self, max_rows: int) -> dict:

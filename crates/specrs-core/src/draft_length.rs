@@ -19,8 +19,10 @@
 //! whose text turns repetitive later gets drafts again after a run of rejections. Before a
 //! request's first verified draft the estimate is the prior alone, which knows nothing of this
 //! request's text: a proposer that costs nothing to run (c = 0: ngram, suffix) then tries its best
-//! positive length whatever the verification costs say, while a draft model, whose first draft
-//! would read the whole prompt, drafts only if the prior says it pays.
+//! positive length whatever the verification costs say, and so does a draft whose acceptance its
+//! engine has not measured yet (`AcceptancePrior::exploring`, `engine/acceptance_prior.rs`); once
+//! it has, a draft model, whose first draft would read the whole prompt, drafts only if the prior
+//! (the engine's measured acceptance) says it pays.
 //!
 //! Invariant: this only shortens drafts, so it changes speed, never output.
 
@@ -39,11 +41,39 @@ pub struct DraftLengthPolicy {
     draft_cost: DraftCost,
     /// Whether a draft of this request has been verified yet.
     observed: bool,
+    prior: AcceptancePrior,
 }
 
-/// Beta prior pseudo-counts on the per-token acceptance: a = 0.5 until the request has data.
-const PRIOR_ACCEPTED: f64 = 1.0;
-const PRIOR_REJECTED: f64 = 1.0;
+/// What the policy assumes of the per-token acceptance before the request's own drafts say.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AcceptancePrior {
+    /// Beta pseudo-counts: accepted tokens and rejections.
+    accepted: f64,
+    rejected: f64,
+    /// Try the first draft whatever the prior predicts (nobody has measured this draft yet).
+    explore: bool,
+}
+
+/// The pseudo-counts' total: as much evidence as two drafts.
+const PRIOR_WEIGHT: f64 = 2.0;
+
+impl AcceptancePrior {
+    /// a = 0.5, knowing nothing (model-free proposers, whose first draft is free to try anyway).
+    pub fn uninformed() -> Self {
+        Self { accepted: PRIOR_WEIGHT / 2.0, rejected: PRIOR_WEIGHT / 2.0, explore: false }
+    }
+
+    /// a = 0.5, and the first draft is tried: the draft's acceptance is not measured yet.
+    pub fn exploring() -> Self {
+        Self { explore: true, ..Self::uninformed() }
+    }
+
+    /// The per-token acceptance its engine measured for this draft.
+    pub fn measured(acceptance: f64) -> Self {
+        let a = acceptance.clamp(0.0, 1.0);
+        Self { accepted: a * PRIOR_WEIGHT, rejected: (1.0 - a) * PRIOR_WEIGHT, explore: false }
+    }
+}
 /// Weight kept by old evidence at each draft or skipped draft: an effective memory of ~10.
 const DISCOUNT: f64 = 0.9;
 
@@ -51,12 +81,18 @@ impl DraftLengthPolicy {
     /// `verify_costs_s`: `[t(1), t(2), ..., t(k+1)]`, seconds of one forward over n tokens;
     /// `draft_cost`: c, drafting time over t(1) (`DraftCost::FREE` for model-free proposers).
     pub fn new(verify_costs_s: &[f64], draft_cost: DraftCost) -> Self {
+        Self::with_prior(verify_costs_s, draft_cost, AcceptancePrior::uninformed())
+    }
+
+    /// `new` with what the policy assumes of the acceptance before this request's first draft.
+    pub fn with_prior(verify_costs_s: &[f64], draft_cost: DraftCost, prior: AcceptancePrior) -> Self {
         Self {
             verify_cost_ratios: verify_costs_s.iter().map(|t| t / verify_costs_s[0]).collect(),
             accepted: 0.0,
             rejections: 0.0,
             draft_cost,
             observed: false,
+            prior,
         }
     }
 
@@ -84,7 +120,8 @@ impl DraftLengthPolicy {
     /// Posterior mean of the per-token acceptance: accepted tokens over accepted tokens plus
     /// rejections (the maximum-likelihood estimate for drafts cut short by a rejection).
     pub fn acceptance(&self) -> f64 {
-        (self.accepted + PRIOR_ACCEPTED) / (self.accepted + self.rejections + PRIOR_ACCEPTED + PRIOR_REJECTED)
+        let prior = &self.prior;
+        (self.accepted + prior.accepted) / (self.accepted + self.rejections + prior.accepted + prior.rejected)
     }
 
     /// c: drafting time over t(1), per token or per draft.
@@ -107,7 +144,7 @@ impl DraftLengthPolicy {
     /// model catching up on context it has not read: "auto", `proposer/auto.rs`).
     pub fn plan_with_overhead(&self, max_len: usize, overhead: f64) -> Verdict {
         let (best, best_drafting) = self.best_rates(max_len, overhead);
-        if self.observed || !self.draft_cost.is_free() {
+        if self.observed || !(self.draft_cost.is_free() || self.prior.explore) {
             best
         } else {
             best_drafting
@@ -256,6 +293,33 @@ mod tests {
         assert_eq!(policy.best_length(2), 0);
         // A draft model's first draft reads the prompt: the prior decides.
         assert_eq!(DraftLengthPolicy::new(&[1.0, 1.6, 1.9], DraftCost::per_token(0.01)).best_length(2), 0);
+    }
+
+    /// Qwen2.5-Coder-0.5B drafting for 1.5B on this CPU (benches/README.md): c = 0.37 per token,
+    /// v(2..5) = 1.14, 1.22, 1.33, 1.57, a = 0.9. At a = 0.5 no length pays, so a request that
+    /// starts from the uninformed prior never drafts and never learns; exploring, it drafts once,
+    /// and its own drafts keep it drafting; once the engine measured a = 0.9, requests start there.
+    #[test]
+    fn a_costly_draft_whose_acceptance_is_unmeasured_is_tried_once() {
+        let curve = [1.0, 1.14, 1.22, 1.33, 1.57];
+        let c = DraftCost::per_token(0.37);
+        assert_eq!(DraftLengthPolicy::new(&curve, c).best_length(4), 0);
+        let mut exploring = DraftLengthPolicy::with_prior(&curve, c, AcceptancePrior::exploring());
+        assert_eq!(exploring.best_length(4), 1, "the best positive length at a = 0.5");
+        exploring.observe(1, 1);
+        for _ in 0..4 {
+            exploring.observe(4, 4);
+        }
+        // a ~ 0.94: m = 3 gives 3.65 / 2.44 = 1.50, m = 4 4.43 / 3.05 = 1.45.
+        assert_eq!(exploring.best_length(4), 3);
+        // A request that explored and saw nothing accepted stops.
+        let mut failing = DraftLengthPolicy::with_prior(&curve, c, AcceptancePrior::exploring());
+        failing.observe(1, 0);
+        assert_eq!(failing.best_length(4), 0);
+        // The engine's measured acceptance as the prior: 0.9 drafts from the start (m = 3: 3.44 /
+        // 2.44 = 1.41), 0.3 does not.
+        assert_eq!(DraftLengthPolicy::with_prior(&curve, c, AcceptancePrior::measured(0.9)).best_length(4), 3);
+        assert_eq!(DraftLengthPolicy::with_prior(&curve, c, AcceptancePrior::measured(0.3)).best_length(4), 0);
     }
 
     #[test]

@@ -169,6 +169,7 @@ fn speculation(head: Head, engine: &Engine, tree: bool) -> Speculation {
         verification: Verification::Coupled,
         verify_cost_source: None,
         draft_cost_source: None,
+        acceptance_recorder: None,
     }
 }
 

@@ -1035,7 +1035,8 @@ impl PyEngine {
     /// queues its adaptive-length costs for the background thread unless known (the disk cache),
     /// so its first request pays for neither: a dict of the costs a request reads now
     /// (`verify_cost_ratios`, `draft_cost` and its unit: per "token" or per "draft"), their
-    /// sources and spreads.
+    /// sources and spreads, and `draft_acceptance`: a costly draft's per-token acceptance as this
+    /// engine measured it from its first requests (None until then).
     fn prepare<'py>(&self, py: Python<'py>, config: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
         let config = config_arg(config)?;
         let engine = self.inner.clone();
@@ -1048,6 +1049,7 @@ impl PyEngine {
         d.set_item("draft_cost_unit", costs.draft_cost.unit.as_str())?;
         d.set_item("draft_cost_source", costs.draft_cost_source.map(|s| s.as_str()))?;
         d.set_item("draft_cost_spread", spread_dict(py, costs.draft_cost_spread)?)?;
+        d.set_item("draft_acceptance", costs.draft_acceptance)?;
         Ok(d)
     }
 

@@ -44,6 +44,10 @@ pub struct PolicyCosts {
     pub draft_cost: DraftCost,
     pub draft_cost_source: Option<CostSource>,
     pub draft_cost_spread: Option<Spread>,
+    /// The per-token acceptance this engine measured for a costly draft from its first requests
+    /// (`acceptance_prior.rs`): where a request's policy starts. None until measured (requests
+    /// then try their first draft) and for drafts that cost nothing.
+    pub draft_acceptance: Option<f64>,
 }
 
 /// The context length the draft-length policy's curve is measured at (or less, for a model whose
@@ -111,6 +115,10 @@ impl Engine {
                 None => (DraftCost::FREE, None, None),
             },
         };
+        let draft_acceptance = match self.draft_identity(config)? {
+            Some(draft) if !draft_cost.is_free() => self.acceptance.landed(&draft)?,
+            _ => None,
+        };
         Ok(PolicyCosts {
             verify_cost_ratios,
             verify_cost_source,
@@ -118,6 +126,7 @@ impl Engine {
             draft_cost,
             draft_cost_source,
             draft_cost_spread,
+            draft_acceptance,
         })
     }
 
@@ -159,7 +168,7 @@ impl Engine {
     /// What a draft's cost depends on (the draft's weights, how many layers, PARD's k, and the
     /// unit it is measured in), so every config drafting alike shares one figure; None for
     /// model-free methods.
-    fn draft_identity(&self, config: &SpeculativeConfig) -> Result<Option<String>> {
+    pub(super) fn draft_identity(&self, config: &SpeculativeConfig) -> Result<Option<String>> {
         let file = |path: &Path| {
             let meta = std::fs::metadata(path).ok();
             let mtime = meta

@@ -24,6 +24,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::DType;
 
+use self::acceptance_prior::AcceptanceFigures;
 use self::cost_worker::CostBook;
 use crate::chat_template::ChatMessage;
 use crate::constraint::{Constraint, ConstraintCompiler, GrammarCache, GrammarSource, GrammarSpec};
@@ -41,6 +42,7 @@ use crate::quantize::parse_quant_type;
 use crate::spec_config::HeadMethod;
 use crate::tokenizer::TextTokenizer;
 
+pub mod acceptance_prior;
 pub mod cost_model;
 pub mod cost_worker;
 pub mod device;
@@ -98,6 +100,9 @@ pub struct Engine {
     /// across processes, and measured by a background thread while no request runs
     /// (cost_worker.rs).
     costs: Arc<CostBook>,
+    /// Each model-based draft's per-token acceptance, measured once from its first requests
+    /// (acceptance_prior.rs).
+    acceptance: Arc<AcceptanceFigures>,
     /// Draft models by file path, loaded once and shared by every request.
     drafts: Mutex<HashMap<PathBuf, proposers::LoadedDraft>>,
     /// Hidden-state heads by method, path and quantization, loaded once and shared by every request.
@@ -187,6 +192,7 @@ impl Engine {
             suffix_caches: Mutex::default(),
             pinned_suffix_config: Mutex::default(),
             costs,
+            acceptance: Arc::default(),
             drafts: Mutex::default(),
             heads: Mutex::default(),
             target_kv,

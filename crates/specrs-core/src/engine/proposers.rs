@@ -7,10 +7,11 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use super::acceptance_prior::AcceptanceRecorder;
 use super::tree_chooser::TreeChooser;
 use super::{cache_dir, lock, Engine, PolicyCosts};
 use crate::costs::CostSource;
-use crate::draft_length::{DraftLengthPolicy, HeuristicSchedule};
+use crate::draft_length::{AcceptancePrior, DraftLengthPolicy, HeuristicSchedule};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::model::{self, CausalLm};
@@ -59,6 +60,9 @@ pub struct Speculation {
     /// without the policy; no draft cost source for model-free proposers, whose c is 0).
     pub verify_cost_source: Option<CostSource>,
     pub draft_cost_source: Option<CostSource>,
+    /// Where the draft-length policy's verified drafts go while its draft's acceptance is not
+    /// measured in this engine (`acceptance_prior.rs`).
+    pub acceptance_recorder: Option<AcceptanceRecorder>,
 }
 
 /// A draft model file as loaded: the model, its tokenizer, and why that tokenizer is not the
@@ -180,6 +184,16 @@ impl Engine {
     pub fn speculation(&self, config: &SpeculativeConfig, custom: Option<Box<dyn Proposer>>) -> Result<Speculation> {
         let proposer = self.proposer(config, custom)?;
         let costs = if config.adaptive_draft_length { Some(self.policy_costs(config)?) } else { None };
+        // A costly draft's acceptance prior: this engine's measured figure, or exploring until
+        // there is one. ("auto" keeps its drafters' policies; model-free drafts are tried anyway.)
+        let policy_draft = costs.as_ref().filter(|c| {
+            !c.draft_cost.is_free() && !config.tree.is_on() && !matches!(config.method, Method::Auto { .. })
+        });
+        let (acceptance_prior, acceptance_recorder) = match policy_draft.map(|_| self.draft_identity(config)) {
+            Some(Ok(Some(draft))) => self.acceptance.prior(&draft)?,
+            Some(Err(error)) => return Err(error),
+            _ => (AcceptancePrior::uninformed(), None),
+        };
         Ok(Speculation {
             method: config.method_name(),
             num_speculative_tokens: config.num_speculative_tokens,
@@ -188,7 +202,7 @@ impl Engine {
             draft_length: costs
                 .as_ref()
                 .filter(|_| !config.tree.is_on() && !matches!(config.method, Method::Auto { .. }))
-                .map(|c| DraftLengthPolicy::new(&c.verify_cost_ratios, c.draft_cost)),
+                .map(|c| DraftLengthPolicy::with_prior(&c.verify_cost_ratios, c.draft_cost, acceptance_prior)),
             tree: config.tree.clone(),
             tree_chooser: costs
                 .as_ref()
@@ -209,6 +223,7 @@ impl Engine {
             verification: config.verification,
             verify_cost_source: costs.as_ref().map(|c| c.verify_cost_source),
             draft_cost_source: costs.and_then(|c| c.draft_cost_source),
+            acceptance_recorder,
         })
     }
 

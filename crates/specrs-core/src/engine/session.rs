@@ -618,6 +618,9 @@ impl Session {
             if let Some(speculation) = self.speculation.as_mut() {
                 if let Some((policy, (drafted, accepted))) = speculation.draft_length.as_mut().zip(own_observation) {
                     policy.observe(drafted, accepted);
+                    if let Some(recorder) = &speculation.acceptance_recorder {
+                        recorder.record(drafted, accepted)?;
+                    }
                 }
                 if let Some((chooser, (parents, accepted_path))) = speculation.tree_chooser.as_mut().zip(own_tree) {
                     chooser.observe(&parents, &accepted_path);

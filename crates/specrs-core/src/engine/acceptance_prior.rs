@@ -1,0 +1,115 @@
+//! The acceptance a model-based draft's policy assumes before a request has verified a draft:
+//! measured once per engine and draft, from its first requests' drafts.
+//!
+//! Why: the draft-length policy starts each request at a = 0.5 (`draft_length.rs`), and a draft
+//! model's first draft, which reads the whole prompt, is made only if that prior says it pays. For
+//! a costly draft that accepts well (Qwen2.5-Coder-0.5B under 1.5B: c = 0.37, a = 0.9) the prior
+//! never says so, no request drafts, and nothing is ever learned. So until this engine has seen
+//! `DRAFTS_TO_LAND` verified drafts of a draft, its requests try their first draft whatever the
+//! prior says (`AcceptancePrior::exploring`); then the per-token acceptance of those drafts lands
+//! as the prior of every later request (`AcceptancePrior::measured`), which may say not to draft.
+//!
+//! Invariant: a request reads its prior once, at its start, and a draft's figure changes at most
+//! once per engine (when it lands), as the cost figures do (`cost_model.rs`); it changes which
+//! drafts are made, never output.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use super::lock;
+use crate::draft_length::AcceptancePrior;
+use crate::error::Result;
+
+/// Verified drafts of a draft that make its engine figure.
+pub const DRAFTS_TO_LAND: usize = 32;
+
+/// Per-token acceptance of each model-based draft (by `Engine::draft_identity`) in this engine.
+#[derive(Default)]
+pub struct AcceptanceFigures {
+    figures: Mutex<HashMap<String, Figure>>,
+}
+
+#[derive(Default)]
+struct Figure {
+    num_drafts: usize,
+    num_accepted_tokens: usize,
+    /// Drafts that ended in a rejection.
+    num_rejections: usize,
+    /// The per-token acceptance, once `DRAFTS_TO_LAND` drafts were seen.
+    landed: Option<f64>,
+}
+
+impl AcceptanceFigures {
+    /// The prior a new request of `draft` starts with, and where its drafts go while the figure
+    /// is not measured (None once it is).
+    pub fn prior(self: &Arc<Self>, draft: &str) -> Result<(AcceptancePrior, Option<AcceptanceRecorder>)> {
+        Ok(match lock(&self.figures)?.get(draft).and_then(|f| f.landed) {
+            Some(acceptance) => (AcceptancePrior::measured(acceptance), None),
+            None => (
+                AcceptancePrior::exploring(),
+                Some(AcceptanceRecorder { figures: self.clone(), draft: draft.to_string() }),
+            ),
+        })
+    }
+
+    /// The landed per-token acceptance of `draft`, if any.
+    pub fn landed(&self, draft: &str) -> Result<Option<f64>> {
+        Ok(lock(&self.figures)?.get(draft).and_then(|f| f.landed))
+    }
+
+    fn record(&self, draft: &str, num_draft_tokens: usize, num_accepted_tokens: usize) -> Result<()> {
+        let mut figures = lock(&self.figures)?;
+        let figure = figures.entry(draft.to_string()).or_default();
+        if figure.landed.is_some() || num_draft_tokens == 0 {
+            return Ok(());
+        }
+        figure.num_drafts += 1;
+        figure.num_accepted_tokens += num_accepted_tokens;
+        figure.num_rejections += usize::from(num_accepted_tokens < num_draft_tokens);
+        if figure.num_drafts >= DRAFTS_TO_LAND {
+            // The policy's estimator (accepted tokens over accepted tokens plus rejections).
+            let seen = (figure.num_accepted_tokens + figure.num_rejections).max(1);
+            figure.landed = Some(figure.num_accepted_tokens as f64 / seen as f64);
+        }
+        Ok(())
+    }
+}
+
+/// Where a request that started before its draft's figure landed reports its verified drafts.
+pub struct AcceptanceRecorder {
+    figures: Arc<AcceptanceFigures>,
+    draft: String,
+}
+
+impl AcceptanceRecorder {
+    pub fn record(&self, num_draft_tokens: usize, num_accepted_tokens: usize) -> Result<()> {
+        self.figures.record(&self.draft, num_draft_tokens, num_accepted_tokens)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_draft_explores_until_its_figure_lands_once() {
+        let figures = Arc::new(AcceptanceFigures::default());
+        let (prior, recorder) = figures.prior("draft_model:a").unwrap();
+        assert_eq!(prior, AcceptancePrior::exploring());
+        let recorder = recorder.unwrap();
+        for i in 0..DRAFTS_TO_LAND - 1 {
+            // 3 of 4 accepted, a rejection every time: 3 / (3 + 1) per token.
+            recorder.record(4, 3).unwrap();
+            recorder.record(0, 0).unwrap(); // no draft: not counted
+            assert_eq!(figures.landed("draft_model:a").unwrap(), None, "after {} drafts", i + 1);
+        }
+        recorder.record(4, 3).unwrap();
+        assert_eq!(figures.landed("draft_model:a").unwrap(), Some(0.75));
+        // Later drafts of requests that started exploring do not move it.
+        recorder.record(4, 0).unwrap();
+        let (prior, recorder) = figures.prior("draft_model:a").unwrap();
+        assert_eq!((prior, recorder.is_none()), (AcceptancePrior::measured(0.75), true));
+        // Another draft has its own figure.
+        assert_eq!(figures.prior("draft_model:b").unwrap().0, AcceptancePrior::exploring());
+    }
+}
