@@ -9,9 +9,13 @@
 //! prior says (`AcceptancePrior::exploring`); then the per-token acceptance of those drafts lands
 //! as the prior of every later request (`AcceptancePrior::measured`), which may say not to draft.
 //!
+//! Not for configs with "verification": "rejection": there a seeded request's sampled tokens
+//! depend on its draft lengths, so its policy keeps the uninformed prior and its output does not
+//! depend on what the engine ran before.
+//!
 //! Invariant: a request reads its prior once, at its start, and a draft's figure changes at most
 //! once per engine (when it lands), as the cost figures do (`cost_model.rs`); it changes which
-//! drafts are made, never output.
+//! drafts are made, never output (greedy or coupled).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -45,8 +45,9 @@ pub struct PolicyCosts {
     pub draft_cost_source: Option<CostSource>,
     pub draft_cost_spread: Option<Spread>,
     /// The per-token acceptance this engine measured for a costly draft from its first requests
-    /// (`acceptance_prior.rs`): where a request's policy starts. None until measured (requests
-    /// then try their first draft) and for drafts that cost nothing.
+    /// (`acceptance_prior.rs`): where a request's policy starts (unless "verification" is
+    /// "rejection"). None until measured (requests then try their first draft) and for drafts
+    /// that cost nothing.
     pub draft_acceptance: Option<f64>,
 }
 

@@ -184,24 +184,33 @@ impl Engine {
     pub fn speculation(&self, config: &SpeculativeConfig, custom: Option<Box<dyn Proposer>>) -> Result<Speculation> {
         let proposer = self.proposer(config, custom)?;
         let costs = if config.adaptive_draft_length { Some(self.policy_costs(config)?) } else { None };
-        // A costly draft's acceptance prior: this engine's measured figure, or exploring until
-        // there is one. ("auto" keeps its drafters' policies; model-free drafts are tried anyway.)
-        let policy_draft = costs.as_ref().filter(|c| {
-            !c.draft_cost.is_free() && !config.tree.is_on() && !matches!(config.method, Method::Auto { .. })
-        });
-        let (acceptance_prior, acceptance_recorder) = match policy_draft.map(|_| self.draft_identity(config)) {
-            Some(Ok(Some(draft))) => self.acceptance.prior(&draft)?,
-            Some(Err(error)) => return Err(error),
+        // Whether a seeded request's drafts carry no probabilities (ngram, suffix, the trees of
+        // heads and draft models, model drafts unless "verification" is "rejection"), so they are
+        // verified in coupled form and its tokens do not depend on its draft lengths (verify.rs).
+        // A custom proposer may return probabilities, so it counts as not. "auto" couples exactly
+        // the seeded requests, whose output can depend on anything.
+        let model_free =
+            matches!(config.method, Method::Ngram { .. } | Method::Suffix(_) | Method::Auto { model: None });
+        let top_k_tree = config.tree.is_on()
+            && matches!(config.method, Method::Head { .. } | Method::DraftModel(_) | Method::QuantizedSelf { .. });
+        let coupled = config.verification != Verification::Rejection && !matches!(config.method, Method::Custom);
+        let one_hot_drafts = model_free || top_k_tree || coupled;
+        // "auto" keeps one policy per drafter (`proposer/auto.rs`); trees are sized by the chooser.
+        let chain_costs =
+            costs.as_ref().filter(|_| !config.tree.is_on() && !matches!(config.method, Method::Auto { .. }));
+        // A costly draft's policy starts from this engine's measured acceptance, exploring until
+        // there is one; not where draft lengths choose a seeded request's tokens, which must not
+        // depend on what the engine ran before.
+        let explored = chain_costs.filter(|c| !c.draft_cost.is_free() && one_hot_drafts);
+        let (acceptance_prior, acceptance_recorder) = match explored.map(|_| self.draft_identity(config)).transpose()? {
+            Some(Some(draft)) => self.acceptance.prior(&draft)?,
             _ => (AcceptancePrior::uninformed(), None),
         };
         Ok(Speculation {
             method: config.method_name(),
             num_speculative_tokens: config.num_speculative_tokens,
             proposer,
-            // "auto" keeps one policy per drafter (`proposer/auto.rs`).
-            draft_length: costs
-                .as_ref()
-                .filter(|_| !config.tree.is_on() && !matches!(config.method, Method::Auto { .. }))
+            draft_length: chain_costs
                 .map(|c| DraftLengthPolicy::with_prior(&c.verify_cost_ratios, c.draft_cost, acceptance_prior)),
             tree: config.tree.clone(),
             tree_chooser: costs
@@ -212,14 +221,7 @@ impl Engine {
                 .then(|| HeuristicSchedule::new(config.num_speculative_tokens)),
             draft_confidence_threshold: config.draft_confidence_threshold,
             grammar_drafts: config.grammar_drafts,
-            // Heads and draft models draft deterministic top-k trees in tree mode.
-            one_hot_drafts: matches!(
-                config.method,
-                Method::Ngram { .. } | Method::Suffix(_) | Method::Auto { model: None }
-            ) || (config.tree.is_on()
-                && matches!(config.method, Method::Head { .. } | Method::DraftModel(_) | Method::QuantizedSelf { .. }))
-                // Auto couples exactly the seeded requests, whose output can depend on anything.
-                || (config.verification != Verification::Rejection && !matches!(config.method, Method::Custom)),
+            one_hot_drafts,
             verification: config.verification,
             verify_cost_source: costs.as_ref().map(|c| c.verify_cost_source),
             draft_cost_source: costs.and_then(|c| c.draft_cost_source),
