@@ -74,6 +74,7 @@ impl AcceptancePrior {
         Self { accepted: a * PRIOR_WEIGHT, rejected: (1.0 - a) * PRIOR_WEIGHT, explore: false }
     }
 }
+
 /// Weight kept by old evidence at each draft or skipped draft: an effective memory of ~10.
 const DISCOUNT: f64 = 0.9;
 
