@@ -53,6 +53,19 @@ fn whole_step(target: &TextTokenizer, draft: &TextTokenizer, context: &[u32], dr
     new
 }
 
+/// The proposer's path for one step: the context's draft ids from what `encoding` kept, then the
+/// target tokens the draft's continuation determines.
+fn kept_step(
+    encoding: &mut DraftEncoding,
+    target: &TextTokenizer,
+    draft: &TextTokenizer,
+    context: &[u32],
+    drafted: &[u32],
+) -> Vec<u32> {
+    let draft_context = encoding.update(context).unwrap();
+    drafted_target_tokens(target, draft, context, &draft_context, drafted).unwrap()
+}
+
 /// Context lengths of the steps from `start` (1 to 5 tokens a step) and each step's draft: the
 /// draft's ids of the next target tokens' text, as a draft that agrees with the target writes.
 fn steps(target: &TextTokenizer, draft: &TextTokenizer, body: &[u32], start: usize) -> Vec<(usize, Vec<u32>)> {
@@ -103,14 +116,10 @@ fn main() {
             let plan = steps(target, draft, &body, start);
             // Both paths draft the same target tokens at every step.
             let mut encoding = DraftEncoding::new(target.clone(), draft.clone());
-            let mut kept_step = |len: usize, drafted: &[u32]| {
-                let draft_context = encoding.update(&body[..len]).unwrap();
-                drafted_target_tokens(target, draft, &body[..len], &draft_context, drafted).unwrap()
-            };
-            kept_step(start, &[]);
+            kept_step(&mut encoding, target, draft, &body[..start], &[]);
             let mut drafting_steps = 0;
             for (len, drafted) in &plan {
-                let kept = kept_step(*len, drafted);
+                let kept = kept_step(&mut encoding, target, draft, &body[..*len], drafted);
                 assert_eq!(kept, whole_step(target, draft, &body[..*len], drafted), "{name}: step at {len} tokens");
                 drafting_steps += usize::from(!kept.is_empty());
             }
@@ -119,10 +128,7 @@ fn main() {
                 let mut encoding = DraftEncoding::new(target.clone(), draft.clone());
                 encoding.update(&body[..start]).unwrap();
                 plan.iter()
-                    .map(|(len, drafted)| {
-                        let draft_context = encoding.update(&body[..*len]).unwrap();
-                        drafted_target_tokens(target, draft, &body[..*len], &draft_context, drafted).unwrap().len()
-                    })
+                    .map(|(len, drafted)| kept_step(&mut encoding, target, draft, &body[..*len], drafted).len())
                     .sum()
             });
             let whole = time_steps(|| {

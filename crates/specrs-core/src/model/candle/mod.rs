@@ -4,7 +4,8 @@
 //! decoder; `attention.rs` the attention it and the heads' layers (`proposer/heads/layer.rs`) run;
 //! `fused.rs` the fused ops (residual add + norm, activation * up) with their CUDA kernels;
 //! `paged_attention.rs` the KV write and attention of a whole step over a paged device pool;
-//! `step_shape.rs` the fixed shapes a paged step is padded to for CUDA graphs; `launches.rs` (tests) holds the paged step to its budget of launches and its one upload.
+//! `step_shape.rs` the fixed shapes a paged step is padded to for CUDA graphs; `launches.rs`
+//! (tests) holds the paged step to its budget of launches and its one upload.
 //!
 //! Invariant: it reads the same weights by the same names and loader (`model/layout.rs`,
 //! `model/block.rs`) and keeps the forward contract (`model/forward.rs`): bitwise on the CPU, where
