@@ -15,7 +15,7 @@ use candle_core::{Device, Storage, Tensor};
 
 use super::accept::{AcceptInput, AcceptOutput};
 use super::ngram::{NgramInput, NgramStep};
-use super::tree_accept::{PackedTrees, TreeAcceptInput, TreeAcceptOutput};
+use super::tree_accept::{tree_accept_in, upload_packed, PackedTrees, TreeAcceptInput, TreeAcceptOutput};
 use crate::error::{Error, Result};
 use crate::nvrtc::{cuda_device, device_error, function, open, ACCEPT, BLOCK, NGRAM};
 
@@ -79,44 +79,42 @@ pub fn accept_on_device(target_logits: &Tensor, input: &AcceptInput) -> Result<A
     })
 }
 
-/// `tree_accept::tree_accept_packed` on the device, in one launch: `logits` `[rows, vocab]` on a
-/// CUDA device (the forward's, read in place), `packed` the step's trees over them. ONE upload
-/// (the descriptor) and ONE download (the output words `[B, 2 + N]`).
-pub fn tree_accept_packed_on_device(logits: &Tensor, packed: &PackedTrees) -> Result<Vec<u32>> {
-    packed.check_logits(logits.dims2()?)?;
-    if packed.num_seqs() == 0 {
-        // No block to launch (a grid of zero blocks is a launch error).
-        return Ok(Vec::new());
-    }
-    let logits = logits.to_dtype(candle_core::DType::F32)?.contiguous()?;
-    let device = cuda_device(logits.device())?;
-    let func = function(device, &ACCEPT, "tree_accept_kernel")?;
+/// `tree_accept::tree_accept_packed` on the device, in one launch and in place: `storage` holds,
+/// from word `start`, the packed descriptor (`words_len` words, its counters zero), then the
+/// kernel's scratch and its output (`PackedTrees::room`); `logits` `[rows, vocab]` f32 on the same
+/// device (the forward's, contiguous, read in place). No upload, no allocation, no download
+/// (`tree_accept::tree_accept_in` reads the output back).
+pub(super) fn tree_accept_in_place(
+    storage: &mut candle_core::CudaStorage,
+    start: usize,
+    words_len: usize,
+    logits: &Tensor,
+    packed: &PackedTrees,
+) -> Result<()> {
+    use candle_core::backend::BackendStorage;
+    let device = storage.device().clone();
+    let func = function(&device, &ACCEPT, "tree_accept_kernel")?;
     let stream = device.cuda_stream();
-    crate::model::candle::count_upload();
-    let mut descriptor =
-        stream.clone_htod(&packed.words()).map_err(|e| device_error("copying the packed trees to the device", e))?;
-    let alloc = |e| device_error("allocating the acceptance's scratch", e);
-    // SAFETY: the kernel writes every scratch word before it reads it (partials, then targets).
-    let mut scratch = unsafe { stream.alloc::<u32>(packed.scratch_words()) }.map_err(alloc)?;
-    // SAFETY: the walk writes every output word.
-    let mut out = unsafe { stream.alloc::<u32>(packed.output_words()) }.map_err(alloc)?;
-    let v32 = packed.vocab_size as u32;
-
-    let (storage, layout) = logits.storage_and_layout();
-    let Storage::Cuda(cuda_storage) = &*storage else {
+    let (logit_storage, layout) = logits.storage_and_layout();
+    let Storage::Cuda(cuda_storage) = &*logit_storage else {
         return Err(Error::Device("the logits are not stored on a CUDA device".into()));
     };
     let logits_view = cuda_storage.as_cuda_slice::<f32>()?.slice(layout.start_offset()..);
+    let mut buffer = storage.as_cuda_slice_mut::<u32>()?.slice_mut(start..);
+    let (mut descriptor, mut after) = buffer.split_at_mut(words_len);
+    let (mut scratch, mut out) = after.split_at_mut(packed.scratch_words());
+    let v32 = packed.vocab_size as u32;
     let mut launch = stream.launch_builder(&func);
     // The kernel counts in the descriptor's counters, so it is passed as written to.
     launch.arg(&logits_view).arg(&mut descriptor).arg(&mut scratch).arg(&v32).arg(&mut out);
     let grid = (packed.num_rows() as u32, packed.num_chunks() as u32, 1);
     let config = LaunchConfig { grid_dim: grid, block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: the argument list matches tree_accept_kernel's signature; `PackedTrees::push`
-    // checked every parent and token, the rows lie inside the logits (checked above), and the
-    // scratch and output have the sizes the descriptor implies.
+    // checked every parent and token, `tree_accept_in` checked that the rows lie inside the
+    // logits and that the buffer holds the descriptor, scratch and output the descriptor implies;
+    // the kernel writes every scratch word before it reads it, and every output word.
     unsafe { launch.launch(config) }.map_err(|e| device_error("launching tree_accept_kernel", e))?;
-    stream.clone_dtoh(&out).map_err(|e| device_error("copying the verdicts back", e))
+    Ok(())
 }
 
 /// `ngram::ngram_step` on the device: `pool` `[rows * max_len]` (the histories) stays there
@@ -181,7 +179,7 @@ pub fn tree_accept_from_host(ordinal: usize, input: &TreeAcceptInput) -> Result<
     let device = open(ordinal)?;
     let shape = (input.batch * (input.max_nodes + 1), input.vocab_size);
     let logits = Tensor::from_slice(input.target_logits, shape, &device)?;
-    let words = tree_accept_packed_on_device(&logits, &packed)?;
+    let words = tree_accept_in(&upload_packed(&packed, &device)?, &logits, &packed)?;
     Ok(TreeAcceptOutput::from_words(&words, input.max_nodes))
 }
 

@@ -25,6 +25,8 @@
 //! parameters, driven by `sampler` at `position` (its coupled form draws depth d with
 //! `draw_at(.., position + d)`, which is `draw_with(.., uniform_at(position + d))`).
 
+use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor};
+
 use crate::config::SamplingParams;
 use crate::error::{Error, Result};
 use crate::sampler::{argmax, draw_with, probabilities};
@@ -198,12 +200,17 @@ impl PackedTrees {
     pub fn words(&self) -> Vec<u32> {
         let (b, r) = (self.num_seqs(), self.num_rows());
         let header = [b, self.max_nodes, r, self.num_chunks()].map(|x| x as u32);
-        let mut words = Vec::with_capacity(HEADER_WORDS + self.seqs.len() + self.rows.len() + r + 1);
+        let mut words = Vec::with_capacity(self.num_words());
         words.extend(header);
         words.extend(&self.seqs);
         words.extend(&self.rows);
         words.resize(words.len() + r + 1, 0);
         words
+    }
+
+    /// The descriptor's length in words.
+    pub fn num_words(&self) -> usize {
+        HEADER_WORDS + self.seqs.len() + self.rows.len() + self.num_rows() + 1
     }
 
     /// The kernel's scratch: 2 words per (row, chunk), then one target per row.
@@ -214,6 +221,12 @@ impl PackedTrees {
     /// The kernel's output words: `[B, 2 + N]`.
     pub fn output_words(&self) -> usize {
         self.num_seqs() * (2 + self.max_nodes)
+    }
+
+    /// Words the kernel needs after the descriptor in its buffer (`tree_accept_in`): its scratch,
+    /// then its output.
+    pub fn room(&self) -> usize {
+        self.scratch_words() + self.output_words()
     }
 
     /// Refuses logits `[rows, vocab]` that do not hold every row the trees read.
@@ -276,6 +289,72 @@ pub fn tree_accept_packed(words: &[u32], logits: &[f32], vocab_size: usize) -> V
         out[1] = next;
     }
     out
+}
+
+/// The acceptance of `packed` over `logits` `[rows, vocab]` (f32, where the forward left them),
+/// run in `buffer`: `[words + room]` u32 on the logits' device, holding `packed.words()` first
+/// (the step's one upload put them there, or `upload_packed` did), then the kernel's scratch and
+/// its output (`PackedTrees::room`). One launch on CUDA, the reference on the same words on the
+/// CPU; nothing uploaded or allocated; one download, the output words `[B, 2 + N]`.
+pub fn tree_accept_in(buffer: &Tensor, logits: &Tensor, packed: &PackedTrees) -> Result<Vec<u32>> {
+    packed.check_logits(logits.dims2()?)?;
+    let words_len = packed.num_words();
+    if buffer.dims1()? < words_len + packed.room() || buffer.dtype() != DType::U32 {
+        return Err(Error::Internal(format!(
+            "tree acceptance: a buffer of {:?} {:?} for {words_len} descriptor words and {} of room",
+            buffer.dims(),
+            buffer.dtype(),
+            packed.room()
+        )));
+    }
+    if packed.num_seqs() == 0 {
+        // No block to launch (a grid of zero blocks is a launch error).
+        return Ok(Vec::new());
+    }
+    let logits = logits.to_dtype(DType::F32)?.contiguous()?;
+    buffer.inplace_op1(&InBuffer { packed, logits: &logits, words_len })?;
+    Ok(buffer.narrow(0, words_len + packed.scratch_words(), packed.output_words())?.to_vec1()?)
+}
+
+/// `packed`'s descriptor and zeroed room on `device`, for `tree_accept_in` where no step's upload
+/// carried them: ONE upload.
+pub fn upload_packed(packed: &PackedTrees, device: &Device) -> Result<Tensor> {
+    let mut words = packed.words();
+    words.resize(words.len() + packed.room(), 0);
+    crate::model::candle::upload(&words, device)
+}
+
+/// `tree_accept_in`'s launch, in place over the buffer: the kernel on CUDA (`batch/cuda.rs`),
+/// `tree_accept_packed` on the CPU, each writing the output words where the other does.
+struct InBuffer<'a> {
+    packed: &'a PackedTrees,
+    /// `[rows, vocab]` f32, contiguous.
+    logits: &'a Tensor,
+    words_len: usize,
+}
+
+impl InplaceOp1 for InBuffer<'_> {
+    fn name(&self) -> &'static str {
+        "tree-accept"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let CpuStorage::U32(values) = storage else {
+            return Err(candle_core::Error::Msg("a tree acceptance buffer holds u32 words".into()));
+        };
+        let logits: Vec<f32> = self.logits.flatten_all()?.to_vec1()?;
+        let buffer = &mut values[layout.start_offset()..];
+        let out = tree_accept_packed(&buffer[..self.words_len], &logits, self.packed.vocab_size);
+        buffer[self.words_len + self.packed.scratch_words()..][..out.len()].copy_from_slice(&out);
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, storage: &mut candle_core::CudaStorage, layout: &Layout) -> candle_core::Result<()> {
+        let (start, packed) = (layout.start_offset(), self.packed);
+        super::cuda::tree_accept_in_place(storage, start, self.words_len, self.logits, packed)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))
+    }
 }
 
 impl TreeAcceptOutput {

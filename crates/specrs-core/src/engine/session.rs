@@ -331,6 +331,11 @@ pub struct StepPlan {
 }
 
 impl StepPlan {
+    /// Whether the plan's forward yields a token to verify (every plan but a prompt chunk's).
+    pub(super) fn yields_a_token(&self) -> bool {
+        self.kind != PlanKind::PrefillChunk
+    }
+
     /// Draft tokens this plan verifies.
     pub fn num_draft_tokens(&self) -> usize {
         self.draft.token_ids.len()
@@ -497,7 +502,7 @@ impl Session {
             )));
         }
         self.num_forward_passes += 1;
-        if plan.kind == PlanKind::PrefillChunk {
+        if !plan.yields_a_token() {
             self.observe_hidden(plan.cache_len, plan.rows.tokens.len(), hidden)?;
             return Ok(true);
         }

@@ -3,7 +3,9 @@
 //! them become one `ForwardBatch` over their caches, every session's draft is verified in one
 //! call on the host (`verify_once_and_commit`) or, on a GPU, one device call for every session
 //! whose verdict needs its logits alone and one host call for the rest
-//! (`verify_on_device_and_commit`), and each session commits its verdict and hidden rows.
+//! (`verify_on_device_and_commit`; the device call's parts are prepared before the forward, so
+//! its descriptor rides the forward's one upload: `DeviceVerify`), and each session commits its
+//! verdict and hidden rows.
 //!
 //! Invariant: because a row's logits do not depend on what else is in the forward (model/forward.rs;
 //! bitwise on the CPU backend), a session stepped here yields exactly the tokens it yields stepped
@@ -19,9 +21,10 @@ use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaStream};
 use candle_core::Tensor;
 
 use super::session::{ForwardTiming, PlanLimits, Session, StepOutput, StepPlan};
+use crate::batch::tree_accept::PackedTrees;
 use crate::error::{guard, Error, Result};
 use crate::kv_cache::KvCache;
-use crate::model::{ForwardBatch, SeqRows, Tap};
+use crate::model::{CarriedWords, ForwardBatch, ForwardOutput, SeqRows, Tap};
 use crate::proposer::chains_together::{draft_chains_together, ChainsDrafted};
 use crate::proposer::ngram_together::{draft_ngrams_together, NgramJob, MIN_TOGETHER};
 use crate::verify::batch::VerifyBatchBuilder;
@@ -103,6 +106,10 @@ pub(super) fn forward_and_commit(sessions: &mut [&mut Session], plans: Vec<(usiz
     let rows: Vec<SeqRows> = plans.iter().map(|(_, plan)| plan.rows.clone()).collect();
     let planned: Vec<usize> = plans.iter().map(|(i, _)| *i).collect();
     let model = sessions[planned[0]].model().clone();
+    // On a GPU the device's verification is prepared before the forward, so its descriptor rides
+    // the forward's upload.
+    let device_verify = (model.device().is_cuda() || takes_the_device_path())
+        .then(|| DeviceVerify::prepare(sessions, &plans, model.info().vocab_size));
     let mut caches: Vec<&mut KvCache> = sessions
         .iter_mut()
         .enumerate()
@@ -110,7 +117,8 @@ pub(super) fn forward_and_commit(sessions: &mut [&mut Session], plans: Vec<(usiz
         .map(|(_, session)| session.cache_mut())
         .collect();
     let lens: Vec<usize> = caches.iter().map(|cache| cache.len()).collect();
-    let batch = ForwardBatch::new(&rows, &lens, taps.clone())?;
+    let mut batch = ForwardBatch::new(&rows, &lens, taps.clone())?;
+    batch.carried = device_verify.as_ref().and_then(DeviceVerify::carried);
     let clock = ForwardClock::start(model.device())?;
     let out = model.forward_batch(&batch, &mut caches)?;
     let forward = clock.stop(batch.num_rows())?;
@@ -130,73 +138,131 @@ pub(super) fn forward_and_commit(sessions: &mut [&mut Session], plans: Vec<(usiz
                 .collect()
         })
         .collect();
-    if out.logits.device().is_cuda() || takes_the_device_path() {
-        return verify_on_device_and_commit(sessions, plans, &out.logits, hidden, forward);
+    if let Some(device_verify) = device_verify {
+        return verify_on_device_and_commit(sessions, plans, device_verify, &out, hidden, forward);
     }
     verify_once_and_commit(sessions, plans, &out.logits, hidden, forward)
 }
 
+/// A GPU step's device verification, prepared before its forward (a session's part reads its
+/// plan and random streams, never the forward's outputs): which verifier takes each plan, and
+/// the packed trees of those the device decides.
+struct DeviceVerify {
+    /// One per plan, in plan order.
+    verifiers: Vec<Verifier>,
+    /// The forward's logit rows of the sessions the host verifies, in order.
+    host_rows: Vec<u32>,
+    /// The device's sequences packed (`verify::device::packed`), or why they could not be.
+    packed: Result<PackedTrees>,
+}
+
+/// Who decides a plan's draft in a GPU step.
+enum Verifier {
+    /// The host's one verification (`Session::needs_only_its_logits` is false).
+    Host,
+    /// The device's: sequence s of the packed trees, or why the session's part failed.
+    Device(Result<usize>),
+    /// Nobody: a prompt chunk's plan yields no token.
+    NoVerdict,
+}
+
+impl DeviceVerify {
+    fn prepare(sessions: &[&mut Session], plans: &[(usize, StepPlan)], vocab_size: usize) -> Self {
+        let mut builder = VerifyBatchBuilder::new(vocab_size);
+        let (mut verifiers, mut root_rows, mut host_rows) = (Vec::with_capacity(plans.len()), Vec::new(), Vec::new());
+        let mut logit_start = 0;
+        for (i, plan) in plans {
+            let root_row = logit_start;
+            logit_start += plan.rows.logit_rows.len();
+            let session = &*sessions[*i];
+            verifiers.push(if !session.needs_only_its_logits(plan) {
+                host_rows.extend(root_row as u32..logit_start as u32);
+                Verifier::Host
+            } else if !plan.yields_a_token() {
+                Verifier::NoVerdict
+            } else {
+                Verifier::Device(guard(|| session.verify_part(plan, &mut builder)).map(|()| {
+                    root_rows.push(root_row);
+                    root_rows.len() - 1
+                }))
+            });
+        }
+        Self { verifiers, host_rows, packed: crate::verify::device::packed(&builder.batch(), &root_rows) }
+    }
+
+    /// What the forward's upload carries: the host's logit rows, then the packed trees and the
+    /// kernel's room (`verify::device::carried`).
+    fn carried(&self) -> Option<CarriedWords> {
+        let packed = self.packed.as_ref().ok().filter(|packed| packed.num_seqs() > 0);
+        let trees = packed.map(crate::verify::device::carried).unwrap_or_default();
+        if self.host_rows.is_empty() && trees.words.is_empty() {
+            return None;
+        }
+        Some(CarriedWords { words: [&self.host_rows[..], &trees.words].concat(), room: trees.room })
+    }
+}
+
 /// The CUDA path of `forward_and_commit`: every session whose verdict needs its logits alone
 /// (`Session::needs_only_its_logits`: greedy or temperature-only, one-hot drafts, no logprobs) in ONE
-/// device verification where the logits are (`verify::device`: one gather, one kernel launch, the
-/// verdicts back); the others (processed logits, logprobs, top-k/top-p/min-p, draft
-/// probabilities) in ONE host verification of their rows, gathered on the device and copied once
+/// device verification where the logits are (`verify::device`: one kernel launch over the
+/// logits in place, its descriptor carried by the forward's upload, the verdicts back in one
+/// download); the others (processed logits, logprobs, top-k/top-p/min-p, draft probabilities) in
+/// ONE host verification of their rows, gathered on the device and copied once
 /// (`verify_once_and_commit`). Each implementation of the contract runs at most once per step.
 fn verify_on_device_and_commit(
     sessions: &mut [&mut Session],
     plans: Vec<(usize, StepPlan)>,
-    logits: &Tensor,
+    prepared: DeviceVerify,
+    out: &ForwardOutput,
     hidden: Vec<Result<Vec<(Tap, Tensor)>>>,
     forward: ForwardClock,
 ) -> Result<Committed> {
-    let verify_started = Instant::now();
-    // The forward's logit rows of the sessions the host verifies, and those sessions.
-    let (mut host_rows, mut host_plans, mut host_hidden) = (Vec::new(), Vec::new(), Vec::new());
+    let (logits, verify_started) = (&out.logits, Instant::now());
+    // The sessions the host verifies.
+    let (mut host_plans, mut host_hidden) = (Vec::new(), Vec::new());
+    // The carried words: the host's logit rows, then the device verification's buffer.
+    let num_host_rows = prepared.host_rows.len();
+    let carried = |start: usize, len: Option<usize>| -> Result<Option<Tensor>> {
+        let Some(carried) = &out.carried else { return Ok(None) };
+        let len = len.unwrap_or(carried.words.dim(0)? - start);
+        Ok(Some(carried.words.narrow(0, start, len)?))
+    };
     let mut outcomes: Vec<(usize, Result<StepOutput>)> = Vec::with_capacity(plans.len());
-    let mut builder = VerifyBatchBuilder::new(logits.dim(1)?);
-    // (session index, plan, its taps) of the sessions verified on the device, and the forward's
-    // logit row of each one's root.
-    let (mut together, mut root_rows) = (Vec::new(), Vec::new());
-    let mut logit_start = 0;
-    for ((i, plan), hidden) in plans.into_iter().zip(hidden) {
-        let rows = logit_start..logit_start + plan.rows.logit_rows.len();
-        logit_start = rows.end;
-        let session = &mut *sessions[i];
-        if !session.needs_only_its_logits(&plan) {
-            host_rows.extend(rows.map(|row| row as u32));
+    // (session index, plan, its taps, its sequence among the packed trees) of the sessions
+    // verified on the device.
+    let mut together = Vec::new();
+    for (((i, plan), hidden), verifier) in plans.into_iter().zip(hidden).zip(prepared.verifiers) {
+        if let Verifier::Host = verifier {
             host_plans.push((i, plan));
             host_hidden.push(hidden);
             continue;
         }
+        let session = &mut *sessions[i];
         let context =
             hidden.and_then(|hidden| guard(|| session.commit_context(&plan, &hidden)).map(|done| (done, hidden)));
-        let part = context.and_then(|(done, hidden)| {
-            if !done {
-                guard(|| session.verify_part(&plan, &mut builder))?;
-            }
-            Ok((done, hidden))
-        });
-        match part {
-            Ok((false, hidden)) => {
-                root_rows.push(rows.start);
-                together.push((i, plan, hidden));
-            }
-            Ok((true, _)) => outcomes.push((i, Ok(StepOutput::default()))),
-            Err(error) => outcomes.push((i, Err(error))),
+        match (context, verifier) {
+            (Ok((false, hidden)), Verifier::Device(Ok(s))) => together.push((i, plan, hidden, s)),
+            (Ok((false, _)), Verifier::Device(Err(error))) => outcomes.push((i, Err(error))),
+            (Ok(_), _) => outcomes.push((i, Ok(StepOutput::default()))),
+            (Err(error), _) => outcomes.push((i, Err(error))),
         }
     }
     let mut num_verifier_calls = 0;
     if !together.is_empty() {
         num_verifier_calls += 1;
         // The verdicts' download waits for the forward: its time is known from here on.
-        let verified =
-            crate::verify::device::verify_batch_at(&builder.batch(), logits, &root_rows).and_then(|verdicts| {
+        let verified = prepared
+            .packed
+            .and_then(|packed| {
+                crate::verify::device::verify_packed(&packed, logits, carried(num_host_rows, None)?.as_ref())
+            })
+            .and_then(|verdicts| {
                 let timing = forward.timing()?;
                 Ok((verdicts, timing, forward.seconds_after(timing, verify_started)))
             });
         match verified {
             Ok((verdicts, forward, verify_s)) => {
-                for (s, (i, plan, hidden)) in together.into_iter().enumerate() {
+                for (i, plan, hidden, s) in together {
                     let (accepted, next_token) = (verdicts.accepted(s), verdicts.next_tokens[s]);
                     // No host logits: these sessions neither process them nor report logprobs.
                     let outcome = guard(|| {
@@ -213,10 +279,14 @@ fn verify_on_device_and_commit(
         }
     }
     if !host_plans.is_empty() {
-        let host_logits = if host_rows.is_empty() {
+        let host_logits = if num_host_rows == 0 {
             logits.narrow(0, 0, 0)? // prompt chunks only: nothing to verify
         } else {
-            logits.index_select(&Tensor::new(host_rows.as_slice(), logits.device())?, 0)?
+            let rows = match carried(0, Some(num_host_rows))? {
+                Some(rows) => rows,
+                None => crate::model::candle::upload(&prepared.host_rows, logits.device())?,
+            };
+            logits.index_select(&rows, 0)?
         };
         let host = verify_once_and_commit(sessions, host_plans, &host_logits, host_hidden, forward.clone())?;
         outcomes.extend(host.outcomes);
@@ -454,6 +524,7 @@ pub(super) mod tests {
 
     use super::*;
     use crate::config::SamplingParams;
+    use crate::kv_cache::KvLayout;
     use crate::model::candle::UPLOADS;
     use crate::proposer::{Draft, Proposer, TreeLimits};
     use crate::spec_config::SpeculativeConfig;
@@ -508,12 +579,26 @@ pub(super) mod tests {
 
     /// Requests of every kind the GPU step splits: greedy and seeded coupled chains and trees and
     /// plain decoding (its device verification), top-k and logprobs ones (its host verification),
-    /// each drafting its own plain output (`expected`, None: plain), stepped together to the end.
+    /// each drafting its own plain output (`expected`, None: plain), stepped together to the end,
+    /// on a paged pool (the candle decoder's device pool, on the CPU) when `paged`.
     /// Returns each request's tokens and drafts.
     fn run(device_path: bool, expected: Option<&[Vec<u32>]>) -> Vec<(Vec<u32>, usize)> {
+        run_counting_uploads(device_path, expected, false).0
+    }
+
+    /// `run`, on a paged pool when `paged`, and per step `(uploads, whether a request the host
+    /// verifies took part)`.
+    fn run_counting_uploads(
+        device_path: bool,
+        expected: Option<&[Vec<u32>]>,
+        paged: bool,
+    ) -> (Vec<(Vec<u32>, usize)>, Vec<(usize, bool)>) {
         DEVICE_PATH.set(device_path);
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden/hf/llama");
-        let engine = Engine::load(dir, "cpu").unwrap();
+        let mut engine = Engine::load(dir, "cpu").unwrap();
+        if paged {
+            engine = engine.with_kv_layout(KvLayout::Paged { block_size: 16, num_blocks: 64 }).unwrap();
+        }
         let seeded = |seed| SamplingParams { temperature: 0.8, seed: Some(seed), ..SamplingParams::greedy(MAX_TOKENS) };
         let requests = [
             (SamplingParams::greedy(MAX_TOKENS), false),
@@ -540,14 +625,19 @@ pub(super) mod tests {
             })
             .collect();
         sessions[5].set_prefill_chunk(Some(4)).unwrap();
+        let mut steps = Vec::new();
         while sessions.iter().any(|s| !s.is_finished()) {
+            // Requests 3 (top-k) and 4 (logprobs) are the host's.
+            let host_verified = !sessions[3].is_finished() || !sessions[4].is_finished();
+            let uploads = UPLOADS.with(Cell::get);
             let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
             for result in step_together(&mut refs).unwrap() {
                 result.unwrap();
             }
+            steps.push((UPLOADS.with(Cell::get) - uploads, host_verified));
         }
         DEVICE_PATH.set(false);
-        sessions.iter().map(|s| (s.generated_ids().to_vec(), s.metrics().spec.num_drafts)).collect()
+        (sessions.iter().map(|s| (s.generated_ids().to_vec(), s.metrics().spec.num_drafts)).collect(), steps)
     }
 
     /// N-gram requests stepped together on the GPU path look their chains up together (on the CPU
@@ -598,6 +688,28 @@ pub(super) mod tests {
         assert!(extra >= 2 * (steps - 1), "{extra} more uploads in {steps} steps");
         assert!(host.iter().all(|(_, drafts, ..)| *drafts > 3), "{host:?}");
         assert!(host.iter().map(|(.., accepted)| accepted).sum::<usize>() > 0, "{host:?}");
+    }
+
+    /// On a paged pool a GPU step uploads once: the forward's descriptor carries the device
+    /// verification's packed trees (and room for its scratch and output) and the logit rows the
+    /// host's verification gathers. Every request emits the host path's tokens with the same
+    /// drafts; on contiguous caches the forward carries nothing and each verification uploads
+    /// its own.
+    #[test]
+    fn a_paged_gpu_step_carries_its_verification_in_its_one_upload() {
+        let plain: Vec<Vec<u32>> = run(false, None).into_iter().map(|(ids, _)| ids).collect();
+        let host = run(false, Some(&plain));
+        let (paged, steps) = run_counting_uploads(true, Some(&plain), true);
+        assert_eq!(paged, host);
+        assert!(steps.iter().any(|&(_, host_verified)| host_verified), "steps with the host's requests");
+        assert!(steps.iter().any(|&(_, host_verified)| !host_verified), "steps without them");
+        for (step, &(uploads, _)) in steps.iter().enumerate() {
+            assert_eq!(uploads, 1, "step {step}");
+        }
+        let (contiguous, steps) = run_counting_uploads(true, Some(&plain), false);
+        assert_eq!(contiguous, host);
+        // The forward's tokens, positions and logit rows, the device's trees, the host's rows.
+        assert_eq!(steps[1].0, 5, "{steps:?}");
     }
 
     /// The GPU step's split verification (one device batch, one host batch of the rest), run on

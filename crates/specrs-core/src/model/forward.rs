@@ -24,6 +24,10 @@
 //! where vLLM captures `Residual(k)`: checkpoints trained with SGLang's ids need them plus one. `Residual(num_layers)` is the last
 //! hidden state before the final norm; `Tap::FinalNorm` is the one after it (what the LM head
 //! reads, and transformers' last `output_hidden_states` entry).
+//!
+//! A batch may carry words for the work that follows the forward (the step's acceptance:
+//! `CarriedWords`); a forward that uploads a step buffer writes them beside its own and returns
+//! where they are (`Carried`), so a step uploads once.
 
 use crate::error::{Error, Result};
 
@@ -111,6 +115,19 @@ pub struct ForwardBatch {
     /// Run only the first this-many blocks (early exit: the layer-skip draft); `None` = all.
     /// Keys and values are written to those layers only.
     pub exit_layer: Option<usize>,
+    /// Words for work after the forward on its outputs (the step's acceptance), carried by the
+    /// forward's own upload where the forward makes one (a paged step on the candle decoder:
+    /// `ForwardOutput::carried`); `None`: nothing to carry.
+    pub carried: Option<CarriedWords>,
+}
+
+/// Words a step's one upload carries beside the forward's own, and `room` words left after them
+/// for the work that reads them (its scratch and output), so that work neither uploads nor
+/// allocates.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CarriedWords {
+    pub words: Vec<u32>,
+    pub room: usize,
 }
 
 impl ForwardBatch {
@@ -274,6 +291,22 @@ pub struct ForwardOutput {
     pub logits: candle_core::Tensor,
     /// One per requested tap, `[num_rows, hidden_size]` f32.
     pub hidden: Vec<candle_core::Tensor>,
+    /// The batch's `carried` words where the forward's upload put them; `None` where the forward
+    /// carried nothing (the caller uploads them itself).
+    pub carried: Option<Carried>,
+}
+
+/// Carried words on the forward's device: `words` `[words + room]` u32, a view of the step's
+/// buffer, which stays the step's (out of its free list) until this is dropped.
+pub struct Carried {
+    pub words: candle_core::Tensor,
+    pub(crate) _buffer: Box<dyn std::any::Any + Send + Sync>,
+}
+
+impl std::fmt::Debug for Carried {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Carried").field("words", &self.words).finish_non_exhaustive()
+    }
 }
 
 #[cfg(test)]

@@ -44,7 +44,7 @@ use crate::kv_cache::{KvCache, PagedPool};
 use block::Need;
 pub use config::DecoderConfig;
 use forward::check_token_ids;
-pub use forward::{ForwardBatch, ForwardOutput, LogitRows, SeqRows, Tap};
+pub use forward::{Carried, CarriedWords, ForwardBatch, ForwardOutput, LogitRows, SeqRows, Tap};
 use gguf_layout::GgufLayout;
 
 /// Shape facts every caller needs (cache sizing, context checks, vocabulary size).

@@ -1,10 +1,12 @@
 //! The device verifier: a step's `VerifyBatch` sequences that need nothing but their logits (greedy,
 //! or coupled with temperature alone; one-hot drafts: chains, trees, plain decoding's empty draft)
 //! decided where the logits are, all of them in ONE launch of `cuda/accept.cu`'s tree kernel
-//! (`batch/cuda.rs`) that reads the forward's logit rows in place, with ONE upload (the packed
-//! trees, `batch::tree_accept::PackedTrees`) and ONE download (the accepted paths and next
-//! tokens). On the CPU the same descriptor, uploaded to the CPU device, runs through the kernel's
-//! reference, so the GPU step's path is tested here.
+//! (`batch/cuda.rs`) that reads the forward's logit rows in place, and ONE download (the accepted
+//! paths and next tokens). Its descriptor (the packed trees, `batch::tree_accept::PackedTrees`)
+//! and the room for the kernel's scratch and output ride the forward's own upload where the
+//! forward carries them (`carried`: a paged step's buffer), so the whole step uploads once and
+//! allocates nothing for its acceptance; elsewhere they take one upload of their own. On the CPU
+//! the same words run through the kernel's reference, so the GPU step's path is tested here.
 //!
 //! The contract is the host verifier's (`host.rs`); the kernel reads one uniform per row, that of
 //! the row's depth: a coupled row's noise is its position's uniform, so it is the row's own noise.
@@ -16,8 +18,9 @@
 //! (`batch/cuda.rs`).
 
 use super::batch::{Mode, RowNoise, Verdicts, VerifyBatch};
-use crate::batch::tree_accept::{tree_accept_packed, PackedTrees, TreeAcceptOutput};
+use crate::batch::tree_accept::{tree_accept_in, upload_packed, PackedTrees, TreeAcceptOutput};
 use crate::error::{Error, Result};
+use crate::model::CarriedWords;
 
 /// Whether a sequence with `rule` and no q rows is decided by the device verifier.
 pub fn takes(rule: &super::batch::SeqRule, has_probs: bool) -> bool {
@@ -76,23 +79,38 @@ fn verdicts(words: &[u32], max_nodes: usize) -> Verdicts {
 }
 
 /// `host::verify_batch` of `batch` (every sequence one `takes`) where `logits` `[rows, V]` are (the
-/// forward's, sequence s's root at row `root_rows[s]`): on CUDA one upload, one kernel launch over
-/// the logits in place and one download for the whole batch; on the CPU (the GPU path's tests) the
-/// kernel's reference on the same descriptor, uploaded to the CPU device.
+/// forward's, sequence s's root at row `root_rows[s]`): `verify_packed` with its own upload.
 pub fn verify_batch_at(batch: &VerifyBatch, logits: &candle_core::Tensor, root_rows: &[usize]) -> Result<Verdicts> {
-    let packed = packed(batch, root_rows)?;
+    verify_packed(&packed(batch, root_rows)?, logits, None)
+}
+
+/// What a step's one upload carries for `verify_packed` of `packed`: its descriptor, and room for
+/// the kernel's scratch and output.
+pub fn carried(packed: &PackedTrees) -> CarriedWords {
+    CarriedWords { words: packed.words(), room: packed.room() }
+}
+
+/// The verdicts of `packed` (`packed`'s sequences) over `logits` `[rows, V]` where they are: one
+/// kernel launch over the logits in place (on the CPU, the GPU path's tests: the kernel's
+/// reference on the same words) and one download, in `carried` (`[words + room]`, the step's
+/// upload of `carried(packed)`), or else after one upload of its own.
+pub fn verify_packed(
+    packed: &PackedTrees,
+    logits: &candle_core::Tensor,
+    carried: Option<&candle_core::Tensor>,
+) -> Result<Verdicts> {
     if packed.num_seqs() == 0 {
         return Ok(verdicts(&[], packed.max_nodes));
     }
-    #[cfg(feature = "cuda")]
-    if logits.device().is_cuda() {
-        let words = crate::batch::cuda::tree_accept_packed_on_device(logits, &packed)?;
-        return Ok(verdicts(&words, packed.max_nodes));
-    }
-    let descriptor: Vec<u32> = crate::model::candle::upload(&packed.words(), logits.device())?.to_vec1()?;
-    packed.check_logits(logits.dims2()?)?;
-    let values: Vec<f32> = logits.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1()?;
-    Ok(verdicts(&tree_accept_packed(&descriptor, &values, packed.vocab_size), packed.max_nodes))
+    let uploaded;
+    let buffer = match carried {
+        Some(buffer) => buffer,
+        None => {
+            uploaded = upload_packed(packed, logits.device())?;
+            &uploaded
+        }
+    };
+    Ok(verdicts(&tree_accept_in(buffer, logits, packed)?, packed.max_nodes))
 }
 
 #[cfg(test)]

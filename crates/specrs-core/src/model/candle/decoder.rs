@@ -691,7 +691,11 @@ impl Decoder {
                 Tap::Residual(_) => captured.ok_or_else(|| Error::Internal(format!("tap {tap:?} was not captured"))),
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(ForwardOutput { logits, hidden })
+        let carried = match paged {
+            Some((step, _)) => step.into_carried()?,
+            None => None,
+        };
+        Ok(ForwardOutput { logits, hidden, carried })
     }
 
     /// The step over a device paged pool when every sequence's cache is on one (`None`: contiguous

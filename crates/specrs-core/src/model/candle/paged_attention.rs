@@ -5,7 +5,8 @@
 //! per-tree-row gathers of `attention.rs`.
 //!
 //! A [`PagedStep`] describes the step once per forward (one u32 upload every layer reads, and the
-//! forward's only one: the rows' tokens and logit rows ride along): each row's sequence, position
+//! forward's only one: the rows' tokens and logit rows ride along, and so do the words the batch
+//! carries for after the forward, the step's acceptance): each row's sequence, position
 //! and slot, each sequence's past and block table, and each row's ancestor mask over its
 //! sequence's step rows (a chain's row i sees rows 0..=i; a tree row its
 //! path). Row r sees its sequence's past positions and the step rows its mask names, each within
@@ -29,7 +30,7 @@ use crate::model::candle::attention::Scores;
 use crate::model::candle::fused::{op_error, Elem, HeadKind, HeadsSpec, QkvHeads};
 use crate::model::candle::step_buffer::{StepBuffers, StepDescriptor};
 use crate::model::candle::step_shape::Padding;
-use crate::model::forward::ForwardBatch;
+use crate::model::forward::{Carried, ForwardBatch};
 
 /// The most dims a head may have here (a warp's 32 lanes hold up to 8 each on the device).
 pub const MAX_HEAD_DIM: usize = 256;
@@ -38,12 +39,16 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// the model's device, laid out as `cuda/paged_attention.cu` names it.
 pub(crate) struct PagedStep {
     /// `row_seq[n] | row_pos[n] | row_slot[n] | seqs[4 S] | masks[n W] | tables[T] | tokens[n] |
-    /// logit_rows[L]` u32: the forward's one upload (the kernels read up to the tables; the
-    /// decoder's token gather, rotations and logit rows read their sections), a view of `held`.
+    /// logit_rows[L] | carried` u32: the forward's one upload (the kernels read up to the tables;
+    /// the decoder's token gather, rotations and logit rows read their sections; the batch's
+    /// carried words are for after the forward), a view of `held`.
     descriptor: Tensor,
     /// The static buffer the descriptor was written into (with the split-K scratch the attention
     /// of every layer reuses), given back when the step ends.
     held: StepDescriptor,
+    /// Where the batch's carried words start in the buffer, and their words with the room after
+    /// them.
+    carried: Option<(usize, usize)>,
     /// Where the tokens section starts (`3 n + 4 S + n W + T`).
     tokens_start: usize,
     num_logit_rows: usize,
@@ -158,9 +163,16 @@ impl PagedStep {
             tokens.resize(rows, 0);
         }
         let tokens_start = 3 * rows + seqs.len() + masks.len() + flat_tables.len();
-        let descriptor: Vec<u32> =
+        let mut descriptor: Vec<u32> =
             [&row_seq[..], &row_pos, &row_slot, &seqs, &masks, &flat_tables, &tokens, &logit_rows].concat();
-        let held = buffers.write(&descriptor, device)?;
+        // The batch's carried words ride the same upload, after every section the forward reads.
+        let carried = batch.carried.as_ref().map(|carried| {
+            let section = (descriptor.len(), carried.words.len() + carried.room);
+            descriptor.extend_from_slice(&carried.words);
+            section
+        });
+        let room = batch.carried.as_ref().map_or(0, |carried| carried.room);
+        let held = buffers.write(&descriptor, room, device)?;
         let max_keys = match table_width {
             // Every row's keys lie in its table's blocks: the grid's split ranges follow the table
             // width, the same every step of the shape.
@@ -170,6 +182,7 @@ impl PagedStep {
         Ok(Self {
             descriptor: held.words()?,
             held,
+            carried,
             tokens_start,
             num_logit_rows: logit_rows.len(),
             num_rows: rows,
@@ -178,6 +191,13 @@ impl PagedStep {
             block_shift,
             max_keys,
         })
+    }
+
+    /// The batch's carried words and their room `[words + room]` on the device, holding the
+    /// step's buffer until the returned value is dropped; `None` when the batch carried nothing.
+    pub(crate) fn into_carried(self) -> Result<Option<Carried>> {
+        let Some((start, len)) = self.carried else { return Ok(None) };
+        Ok(Some(Carried { words: self.held.section(start, len)?, _buffer: Box::new(self.held) }))
     }
 
     /// The rows' tokens `[n]` u32, on the device.
@@ -1016,6 +1036,35 @@ mod tests {
 
     /// A chain after a past and a tree after another, in one step: each sequence's rows equal
     /// The grid has as many split-K ranges as the step's longest row: 128 keys each.
+    /// The batch's carried words ride the step's one upload, after every section the forward
+    /// reads, with their room after them, in the step's static buffer: the same address step
+    /// after step. A batch that carries nothing gets none back.
+    #[test]
+    fn carried_words_ride_the_one_upload_in_a_static_buffer() {
+        use crate::model::candle::step_buffer::address;
+        use crate::model::candle::UPLOADS;
+        use crate::model::forward::{CarriedWords, LogitRows};
+        let buffers = Arc::new(StepBuffers::default());
+        let seqs = [SeqRows::chain(vec![1, 2, 3], LogitRows::All)];
+        let step = |carried: Option<CarriedWords>| {
+            let batch = ForwardBatch { carried, ..ForwardBatch::new(&seqs, &[0], vec![]).unwrap() };
+            PagedStep::new(&batch, &[0], &[&[0]], 16, &buffers, &Device::Cpu, None).unwrap()
+        };
+        let mut first_address = None;
+        for i in 0..3u32 {
+            let uploads = UPLOADS.get();
+            let paged = step(Some(CarriedWords { words: vec![7 + i, 8, 9], room: 100 }));
+            assert_eq!(UPLOADS.get() - uploads, 1, "step {i}");
+            let tokens = paged.tokens().unwrap().to_vec1::<u32>().unwrap();
+            let carried = paged.into_carried().unwrap().expect("carried words");
+            assert_eq!((tokens, carried.words.dims1().unwrap()), (vec![1, 2, 3], 103));
+            assert_eq!(carried.words.narrow(0, 0, 3).unwrap().to_vec1::<u32>().unwrap(), [7 + i, 8, 9]);
+            let at = address(&carried.words);
+            assert_eq!(*first_address.get_or_insert(at), at, "step {i}: the same buffer");
+        }
+        assert!(step(None).into_carried().unwrap().is_none());
+    }
+
     #[test]
     fn split_k_ranges_follow_the_longest_rows_keys() {
         assert_eq!(split_count(0), 1);

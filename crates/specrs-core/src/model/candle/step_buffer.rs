@@ -54,19 +54,19 @@ pub(crate) struct StepDescriptor {
 }
 
 impl StepBuffers {
-    /// `words` written into a free buffer of at least their length on `device` (or a new one):
-    /// ONE upload.
-    pub(crate) fn write(self: &Arc<Self>, words: &[u32], device: &Device) -> Result<StepDescriptor> {
+    /// `words` written into a free buffer on `device` (or a new one) that holds them and `room`
+    /// words after them (for work after the forward: `section`): ONE upload.
+    pub(crate) fn write(self: &Arc<Self>, words: &[u32], room: usize, device: &Device) -> Result<StepDescriptor> {
+        let needed = words.len() + room;
         let taken = {
             let mut free = self.free.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            let fits =
-                free.iter().position(|b| b.words.elem_count() >= words.len() && b.words.device().same_device(device));
+            let fits = free.iter().position(|b| b.words.elem_count() >= needed && b.words.device().same_device(device));
             fits.map(|at| free.swap_remove(at))
         };
         let held = match taken {
             Some(held) => held,
             None => Held {
-                words: Tensor::zeros(words.len().max(MIN_WORDS).next_power_of_two(), DType::U32, device)?,
+                words: Tensor::zeros(needed.max(MIN_WORDS).next_power_of_two(), DType::U32, device)?,
                 scratch: None,
             },
         };
@@ -84,7 +84,12 @@ impl StepBuffers {
 impl StepDescriptor {
     /// The words `[len]` u32, a view of the buffer.
     pub(crate) fn words(&self) -> Result<Tensor> {
-        Ok(self.words.as_ref().expect("held until dropped").narrow(0, 0, self.len)?)
+        self.section(0, self.len)
+    }
+
+    /// Words `start..start + len` of the buffer (past the written words: the room `write` kept).
+    pub(crate) fn section(&self, start: usize, len: usize) -> Result<Tensor> {
+        Ok(self.words.as_ref().expect("held until dropped").narrow(0, start, len)?)
     }
 
     /// Split-K scratch of at least `partials` f32 and `counters` u32 on the step's device: what
@@ -147,20 +152,21 @@ impl InplaceOp1 for WriteWords<'_> {
     }
 }
 
+/// The address of a CPU tensor's first element (tests of static buffers).
+#[cfg(test)]
+pub(crate) fn address(tensor: &Tensor) -> usize {
+    let (storage, layout) = tensor.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cpu(CpuStorage::U32(values)) => values[layout.start_offset()..].as_ptr() as usize,
+        candle_core::Storage::Cpu(CpuStorage::F32(values)) => values[layout.start_offset()..].as_ptr() as usize,
+        _ => panic!("a CPU u32 or f32 tensor"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::cell::Cell;
-
-    /// The address of a CPU tensor's first element.
-    fn address(tensor: &Tensor) -> usize {
-        let (storage, layout) = tensor.storage_and_layout();
-        match &*storage {
-            candle_core::Storage::Cpu(CpuStorage::U32(values)) => values[layout.start_offset()..].as_ptr() as usize,
-            candle_core::Storage::Cpu(CpuStorage::F32(values)) => values[layout.start_offset()..].as_ptr() as usize,
-            _ => panic!("a CPU u32 or f32 tensor"),
-        }
-    }
 
     /// The split-K scratch stays with its buffer: every layer of a step and every later step get
     /// the same addresses; a step needing more grows it once (counters zeroed) and keeps the
@@ -170,7 +176,7 @@ mod tests {
         let buffers = Arc::new(StepBuffers::default());
         let device = Device::Cpu;
         let addresses = |s: &SplitScratch| (address(&s.partials), address(&s.counters));
-        let step = buffers.write(&[1], &device).unwrap();
+        let step = buffers.write(&[1], 0, &device).unwrap();
         let first = step.split_scratch(100, 10).unwrap();
         assert_eq!((first.partials.elem_count(), first.counters.elem_count()), (128, 16));
         assert_eq!(first.counters.to_vec1::<u32>().unwrap(), vec![0; 16], "counters start at zero");
@@ -178,17 +184,17 @@ mod tests {
             assert_eq!(addresses(&step.split_scratch(100, 10).unwrap()), addresses(&first), "every layer");
         }
         drop(step);
-        let next = buffers.write(&[2, 3], &device).unwrap();
+        let next = buffers.write(&[2, 3], 0, &device).unwrap();
         assert_eq!(addresses(&next.split_scratch(64, 16).unwrap()), addresses(&first), "the next step");
         let grown = next.split_scratch(300, 16).unwrap();
         assert_eq!(grown.partials.elem_count(), 512);
         assert_ne!(addresses(&grown), addresses(&first));
-        let beside = buffers.write(&[4], &device).unwrap();
+        let beside = buffers.write(&[4], 0, &device).unwrap();
         let beside_scratch = addresses(&beside.split_scratch(300, 16).unwrap());
         assert_ne!(beside_scratch, addresses(&grown), "a step at once");
         drop((next, beside));
         // Either freed buffer comes back with the scratch it grew: nothing is allocated again.
-        let later = buffers.write(&[5], &device).unwrap();
+        let later = buffers.write(&[5], 0, &device).unwrap();
         let kept = addresses(&later.split_scratch(300, 16).unwrap());
         assert!(kept == addresses(&grown) || kept == beside_scratch, "a kept scratch, not a new one");
     }
@@ -200,19 +206,19 @@ mod tests {
         let buffers = Arc::new(StepBuffers::default());
         let device = Device::Cpu;
         let uploads = super::super::UPLOADS.with(Cell::get);
-        let first = buffers.write(&[1, 2, 3], &device).unwrap();
+        let first = buffers.write(&[1, 2, 3], 0, &device).unwrap();
         let at = address(&first.words().unwrap());
         assert_eq!(first.words().unwrap().to_vec1::<u32>().unwrap(), [1, 2, 3]);
         drop(first);
         for step in 0..3u32 {
             let words: Vec<u32> = (0..10 + step).collect();
-            let descriptor = buffers.write(&words, &device).unwrap();
+            let descriptor = buffers.write(&words, 0, &device).unwrap();
             assert_eq!(address(&descriptor.words().unwrap()), at, "step {step}: the same address");
             assert_eq!(descriptor.words().unwrap().to_vec1::<u32>().unwrap(), words);
         }
         assert_eq!(super::super::UPLOADS.with(Cell::get) - uploads, 4, "one upload per step");
-        let held = buffers.write(&[7], &device).unwrap();
-        let beside = buffers.write(&[8], &device).unwrap();
+        let held = buffers.write(&[7], 0, &device).unwrap();
+        let beside = buffers.write(&[8], 0, &device).unwrap();
         assert_ne!(address(&held.words().unwrap()), address(&beside.words().unwrap()));
         assert_eq!(
             (held.words().unwrap().to_vec1::<u32>().unwrap(), beside.words().unwrap().to_vec1::<u32>().unwrap()),
@@ -220,7 +226,7 @@ mod tests {
         );
         drop((held, beside));
         let long: Vec<u32> = (0..5000).collect();
-        let grown = buffers.write(&long, &device).unwrap();
+        let grown = buffers.write(&long, 0, &device).unwrap();
         assert_eq!(grown.words().unwrap().to_vec1::<u32>().unwrap(), long);
         assert!(buffers.free.lock().unwrap().len() <= MAX_FREE);
     }

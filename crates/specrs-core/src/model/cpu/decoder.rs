@@ -406,7 +406,7 @@ impl CausalLm for CpuDecoder {
                 Ok(Tensor::from_vec(values, (n, hidden), &self.device)?)
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(ForwardOutput { logits, hidden: hidden_states })
+        Ok(ForwardOutput { logits, hidden: hidden_states, carried: None })
     }
 
     fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
