@@ -147,6 +147,19 @@ def test_a_costly_drafts_acceptance_is_measured_from_its_first_requests(model_pa
     # A later request starts from it (a = 0.9 pays at these costs: draft_length.rs's test) and drafts.
     r = engine.generate(chat(PROMPTS["writing"]), greedy, speculative_config=costly)
     assert r.token_ids == baselines["writing"] and r.metrics["num_drafts"] > 0
+    # Before its first draft the draft reads the prompt: 0.37 x 0.1425 (the curve's slope) = 0.053
+    # target steps a token, 21 for 400. At a >= 0.8 a token left saves 0.2-0.39 steps, so 16
+    # tokens never win that back and 200 always do.
+    long_prompt = chat("Summarize: " + "The quick brown fox jumps over the lazy dog. " * 40)
+    assert 380 <= len(engine.prompt_token_ids(long_prompt)) <= 480
+    short = engine.generate(long_prompt, SamplingParams(temperature=0, max_tokens=16), speculative_config=costly)
+    m = short.metrics
+    assert m["num_drafts"] == 0 and m["idle_steps"]["cost"] > 0, m
+    assert "would not win back" in m["idle_reason"] and "context tokens it has not read" in m["idle_reason"], m
+    plain = engine.generate(long_prompt, SamplingParams(temperature=0, max_tokens=16), speculative_config=False)
+    assert short.token_ids == plain.token_ids
+    long = engine.generate(long_prompt, SamplingParams(temperature=0, max_tokens=200), speculative_config=costly)
+    assert long.metrics["num_drafts"] > 0 and long.token_ids[:16] == plain.token_ids
     # Another engine has its own figure.
     assert specrs.Engine(model_path).prepare(costly)["draft_acceptance"] is None
 

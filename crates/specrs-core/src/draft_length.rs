@@ -24,6 +24,12 @@
 //! it has, a draft model, whose first draft would read the whole prompt, drafts only if the prior
 //! (the engine's measured acceptance) says it pays.
 //!
+//! A draft with a cache of its own first reads the context it has not read (the whole prompt
+//! before its first draft: `catch_up_steps` target steps, tens for a 0.5B draft on a CPU), once,
+//! not per token. A request pays that only where its speedup over the tokens max_tokens leaves
+//! wins it back (`pays_back`), judged before its first draft at the engine's acceptance by depth,
+//! since a draft's first tokens pass more often than one per-token figure says.
+//!
 //! Invariant: this only shortens drafts, so it changes speed, never output.
 
 use crate::costs::DraftCost;
@@ -45,13 +51,18 @@ pub struct DraftLengthPolicy {
 }
 
 /// What the policy assumes of the per-token acceptance before the request's own drafts say.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct AcceptancePrior {
     /// Beta pseudo-counts: accepted tokens and rejections.
     accepted: f64,
     rejected: f64,
     /// Try the first draft whatever the prior predicts (nobody has measured this draft yet).
     explore: bool,
+    /// The engine's measured acceptance at draft depths 1, 2, ... (of the drafts that reached a
+    /// depth, those whose token there passed), as deep as it saw enough drafts: what a request's
+    /// catch-up is weighed with (`pays_back`). A draft's first tokens pass more often than its
+    /// later ones, which one per-token figure spreads evenly, underrating short drafts.
+    by_depth: Vec<f64>,
 }
 
 /// The pseudo-counts' total: as much evidence as two drafts.
@@ -60,7 +71,7 @@ const PRIOR_WEIGHT: f64 = 2.0;
 impl AcceptancePrior {
     /// a = 0.5, knowing nothing (model-free proposers, whose first draft is free to try anyway).
     pub fn uninformed() -> Self {
-        Self { accepted: PRIOR_WEIGHT / 2.0, rejected: PRIOR_WEIGHT / 2.0, explore: false }
+        Self { accepted: PRIOR_WEIGHT / 2.0, rejected: PRIOR_WEIGHT / 2.0, explore: false, by_depth: Vec::new() }
     }
 
     /// a = 0.5, and the first draft is tried: the draft's acceptance is not measured yet.
@@ -68,10 +79,11 @@ impl AcceptancePrior {
         Self { explore: true, ..Self::uninformed() }
     }
 
-    /// The per-token acceptance its engine measured for this draft.
-    pub fn measured(acceptance: f64) -> Self {
+    /// The per-token acceptance its engine measured for this draft, and its acceptance at the
+    /// first depths (`by_depth`; empty: the per-token figure at every depth).
+    pub fn measured(acceptance: f64, by_depth: Vec<f64>) -> Self {
         let a = acceptance.clamp(0.0, 1.0);
-        Self { accepted: a * PRIOR_WEIGHT, rejected: (1.0 - a) * PRIOR_WEIGHT, explore: false }
+        Self { accepted: a * PRIOR_WEIGHT, rejected: (1.0 - a) * PRIOR_WEIGHT, explore: false, by_depth }
     }
 }
 
@@ -152,6 +164,28 @@ impl DraftLengthPolicy {
         }
     }
 
+    /// Target steps a draft spends reading `unseen` context rows it has not read (the prompt
+    /// before its first draft, the tokens of the steps it sat out) before its next draft: its
+    /// first drafted token's forward covers one row, each other row costs `row_share` of c times
+    /// what a row adds to a forward (the verification curve's slope).
+    pub fn catch_up_steps(&self, unseen: usize, row_share: f64) -> f64 {
+        self.draft_cost.value * row_share * unseen.saturating_sub(1) as f64 * self.cost_per_row()
+    }
+
+    /// Whether drafting (at most `max_len` tokens a draft), over the `remaining` tokens the
+    /// request may still yield (at most that many), wins back `catch_up` target steps spent before
+    /// its next draft: plain decoding takes R steps for them, drafting `catch_up + R / speedup`;
+    /// with the speedup weighed. Before the request's first draft the speedup is the best at the
+    /// engine's acceptance by depth (`AcceptancePrior::by_depth`), after it the request's own
+    /// (`plan`). A first draft tried to measure the draft's acceptance
+    /// (`AcceptancePrior::exploring`) is not judged: what it would win is what is being measured.
+    pub fn pays_back(&self, max_len: usize, catch_up: f64, remaining: usize) -> (bool, f64) {
+        let by_depth: &[f64] = if self.observed { &[] } else { &self.prior.by_depth };
+        let speedup = self.rates(max_len, 0.0, by_depth).0.predicted_speedup;
+        let exploring = !self.observed && self.prior.explore;
+        (exploring || catch_up <= 0.0 || catch_up < remaining as f64 * (1.0 - 1.0 / speedup), speedup)
+    }
+
     /// What one more row adds to a forward, in single-row steps: the verification curve's mean
     /// slope, (v(n) - 1) / (n - 1) over the curve it holds (0 for a one-point curve).
     pub fn cost_per_row(&self) -> f64 {
@@ -172,6 +206,12 @@ impl DraftLengthPolicy {
     /// (the best length, 0 included; the best positive length), each with its predicted speedup:
     /// expected tokens per unit of cost over plain decoding's one token per step.
     fn best_rates(&self, max_len: usize, overhead: f64) -> (Verdict, Verdict) {
+        self.rates(max_len, overhead, &[])
+    }
+
+    /// `best_rates` with the acceptance at depth d + 1 `by_depth[d]` where it has one (the
+    /// per-token estimate past it).
+    fn rates(&self, max_len: usize, overhead: f64, by_depth: &[f64]) -> (Verdict, Verdict) {
         let a = self.acceptance();
         let c = self.draft_cost;
         let max_len = max_len.min(self.verify_cost_ratios.len().saturating_sub(1));
@@ -188,7 +228,7 @@ impl DraftLengthPolicy {
         let mut expected_tokens = 1.0;
         let mut pass_all = 1.0;
         for m in 1..=max_len {
-            pass_all *= a;
+            pass_all *= by_depth.get(m - 1).copied().unwrap_or(a);
             expected_tokens += pass_all;
             let rate = expected_tokens / (self.verify_cost_ratios[m] + c.of(m) + overhead);
             if rate > best.predicted_speedup {
@@ -319,8 +359,45 @@ mod tests {
         assert_eq!(failing.best_length(4), 0);
         // The engine's measured acceptance as the prior: 0.9 drafts from the start (m = 3: 3.44 /
         // 2.44 = 1.41), 0.3 does not.
-        assert_eq!(DraftLengthPolicy::with_prior(&curve, c, AcceptancePrior::measured(0.9)).best_length(4), 3);
-        assert_eq!(DraftLengthPolicy::with_prior(&curve, c, AcceptancePrior::measured(0.3)).best_length(4), 0);
+        assert_eq!(DraftLengthPolicy::with_prior(&curve, c, AcceptancePrior::measured(0.9, vec![])).best_length(4), 3);
+        assert_eq!(DraftLengthPolicy::with_prior(&curve, c, AcceptancePrior::measured(0.3, vec![])).best_length(4), 0);
+    }
+
+    /// A draft that must first read what it has not (a prompt) drafts only where its speedup over
+    /// the tokens left wins that reading back; a first draft tried to measure the draft's
+    /// acceptance is not judged.
+    #[test]
+    fn a_draft_reads_a_long_prompt_only_where_the_tokens_left_win_it_back() {
+        let curve = [1.0, 1.14, 1.22, 1.33, 1.57];
+        let c = DraftCost::per_token(0.37);
+        let measured = DraftLengthPolicy::with_prior(&curve, c, AcceptancePrior::measured(0.9, vec![]));
+        // A row adds (1.57 - 1) / 4 = 0.1425 of a step: 401 unseen rows, 0.37 * 400 * 0.1425.
+        let steps = measured.catch_up_steps(401, 1.0);
+        assert!((steps - 21.09).abs() < 1e-9, "{steps}");
+        assert_eq!(measured.catch_up_steps(1, 1.0), 0.0, "the draft's own forward reads the newest token");
+        assert!((measured.catch_up_steps(401, 0.25) - steps / 4.0).abs() < 1e-9, "a head's cheaper rows");
+        // m = 3 at 3.439 / 2.44 = 1.4094x saves 0.2905 of a step per token: 72.6 tokens pay 21.09.
+        assert_eq!(measured.plan(4).length, 3);
+        let (pays, speedup) = measured.pays_back(4, steps, 72);
+        assert!(!pays && (speedup - 3.439 / 2.44).abs() < 1e-9, "{speedup}");
+        assert!(measured.pays_back(4, steps, 73).0);
+        assert!(measured.pays_back(4, 0.0, 1).0, "nothing to read");
+        let exploring = DraftLengthPolicy::with_prior(&curve, c, AcceptancePrior::exploring());
+        assert!(exploring.pays_back(4, steps, 1).0, "an unmeasured draft is tried");
+        // The same per-token 0.72 with the first depths as a draft's pass (0.89, then 0.64): 1.14x
+        // spread evenly; by depth, m = 2 at (1 + 0.89 + 0.5696) / 1.96 = 1.2549x, which 128 tokens
+        // left win 26.0 steps with (21.09 needs 104 of them).
+        let even = DraftLengthPolicy::with_prior(&curve, c, AcceptancePrior::measured(0.72, vec![]));
+        let (pays, speedup) = even.pays_back(4, steps, 128);
+        assert!(!pays && (speedup - (1.0 + 0.72 + 0.72 * 0.72) / 1.96).abs() < 1e-9, "{speedup}");
+        let by_depth = DraftLengthPolicy::with_prior(&curve, c, AcceptancePrior::measured(0.72, vec![0.89, 0.64]));
+        let (pays, speedup) = by_depth.pays_back(4, steps, 128);
+        assert!(pays && (speedup - (1.0 + 0.89 + 0.89 * 0.64) / 1.96).abs() < 1e-9, "{speedup}");
+        assert!(!by_depth.pays_back(4, steps, 100).0);
+        // Once the request has drafted, its own acceptance decides.
+        let mut observed = by_depth.clone();
+        observed.observe(4, 1);
+        assert_eq!(observed.pays_back(4, steps, 128).1, observed.plan(4).predicted_speedup.max(1.0));
     }
 
     #[test]

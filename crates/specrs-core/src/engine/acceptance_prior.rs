@@ -7,7 +7,9 @@
 //! never says so, no request drafts, and nothing is ever learned. So until this engine has seen
 //! `DRAFTS_TO_LAND` verified drafts of a draft, its requests try their first draft whatever the
 //! prior says (`AcceptancePrior::exploring`); then the per-token acceptance of those drafts lands
-//! as the prior of every later request (`AcceptancePrior::measured`), which may say not to draft.
+//! as the prior of every later request (`AcceptancePrior::measured`), which may say not to draft,
+//! with their acceptance at each depth that `MIN_REACHED` of them reached (what a request's
+//! reading of its prompt is weighed with: `DraftLengthPolicy::pays_back`).
 //!
 //! Not for configs with "verification": "rejection": there a seeded request's sampled tokens
 //! depend on its draft lengths, so its policy keeps the uninformed prior and its output does not
@@ -26,6 +28,9 @@ use crate::error::Result;
 
 /// Verified drafts of a draft that make its engine figure.
 pub const DRAFTS_TO_LAND: usize = 32;
+/// Drafts that must reach a depth for its acceptance to land (past the first such depth, the
+/// per-token figure stands for every depth).
+pub const MIN_REACHED: usize = 8;
 
 /// Per-token acceptance of each model-based draft (by `Engine::draft_identity`) in this engine.
 #[derive(Default)]
@@ -39,16 +44,21 @@ struct Figure {
     num_accepted_tokens: usize,
     /// Drafts that ended in a rejection.
     num_rejections: usize,
-    /// The per-token acceptance, once `DRAFTS_TO_LAND` drafts were seen.
-    landed: Option<f64>,
+    /// Per depth d + 1: drafts with a token there whose earlier tokens all passed, and those
+    /// whose token there passed too.
+    reached: Vec<usize>,
+    passed: Vec<usize>,
+    /// The per-token acceptance and the acceptance by depth, once `DRAFTS_TO_LAND` drafts were
+    /// seen.
+    landed: Option<(f64, Vec<f64>)>,
 }
 
 impl AcceptanceFigures {
     /// The prior a new request of `draft` starts with, and where its drafts go while the figure
     /// is not measured (None once it is).
     pub fn prior(self: &Arc<Self>, draft: &str) -> Result<(AcceptancePrior, Option<AcceptanceRecorder>)> {
-        Ok(match lock(&self.figures)?.get(draft).and_then(|f| f.landed) {
-            Some(acceptance) => (AcceptancePrior::measured(acceptance), None),
+        Ok(match lock(&self.figures)?.get(draft).and_then(|f| f.landed.clone()) {
+            Some((acceptance, by_depth)) => (AcceptancePrior::measured(acceptance, by_depth), None),
             None => (
                 AcceptancePrior::exploring(),
                 Some(AcceptanceRecorder { figures: self.clone(), draft: draft.to_string() }),
@@ -58,7 +68,7 @@ impl AcceptanceFigures {
 
     /// The landed per-token acceptance of `draft`, if any.
     pub fn landed(&self, draft: &str) -> Result<Option<f64>> {
-        Ok(lock(&self.figures)?.get(draft).and_then(|f| f.landed))
+        Ok(lock(&self.figures)?.get(draft).and_then(|f| f.landed.as_ref().map(|(a, _)| *a)))
     }
 
     fn record(&self, draft: &str, num_draft_tokens: usize, num_accepted_tokens: usize) -> Result<()> {
@@ -70,10 +80,23 @@ impl AcceptanceFigures {
         figure.num_drafts += 1;
         figure.num_accepted_tokens += num_accepted_tokens;
         figure.num_rejections += usize::from(num_accepted_tokens < num_draft_tokens);
+        let reached_depths = num_draft_tokens.min(num_accepted_tokens + 1);
+        if figure.reached.len() < reached_depths {
+            figure.reached.resize(reached_depths, 0);
+            figure.passed.resize(reached_depths, 0);
+        }
+        for depth in 0..reached_depths {
+            figure.reached[depth] += 1;
+            figure.passed[depth] += usize::from(depth < num_accepted_tokens);
+        }
         if figure.num_drafts >= DRAFTS_TO_LAND {
             // The policy's estimator (accepted tokens over accepted tokens plus rejections).
             let seen = (figure.num_accepted_tokens + figure.num_rejections).max(1);
-            figure.landed = Some(figure.num_accepted_tokens as f64 / seen as f64);
+            let by_depth = (figure.reached.iter().zip(&figure.passed))
+                .take_while(|(&reached, _)| reached >= MIN_REACHED)
+                .map(|(&reached, &passed)| passed as f64 / reached as f64)
+                .collect();
+            figure.landed = Some((figure.num_accepted_tokens as f64 / seen as f64, by_depth));
         }
         Ok(())
     }
@@ -112,8 +135,34 @@ mod tests {
         // Later drafts of requests that started exploring do not move it.
         recorder.record(4, 0).unwrap();
         let (prior, recorder) = figures.prior("draft_model:a").unwrap();
-        assert_eq!((prior, recorder.is_none()), (AcceptancePrior::measured(0.75), true));
+        // Every draft passed depths 1-3 and failed at 4.
+        assert_eq!((prior, recorder.is_none()), (AcceptancePrior::measured(0.75, vec![1.0, 1.0, 1.0, 0.0]), true));
         // Another draft has its own figure.
         assert_eq!(figures.prior("draft_model:b").unwrap().0, AcceptancePrior::exploring());
+    }
+
+    /// A depth's acceptance counts the drafts that reached it (their earlier tokens passed) and
+    /// lands only as deep as `MIN_REACHED` drafts got.
+    #[test]
+    fn the_acceptance_by_depth_counts_the_drafts_that_reached_each_depth() {
+        let figures = Arc::new(AcceptanceFigures::default());
+        let recorder = figures.prior("draft_model:a").unwrap().1.unwrap();
+        for i in 0..DRAFTS_TO_LAND {
+            // 24 one-token drafts, 18 of them passed; then 8 three-token drafts: 6 pass depth 1
+            // (of those, 3 pass depth 2 and 1 of those depth 3).
+            let (tokens, accepted) = match i {
+                0..18 => (1, 1),
+                18..24 => (1, 0),
+                24..26 => (3, 0),
+                26..29 => (3, 1),
+                29..31 => (3, 2),
+                _ => (3, 3),
+            };
+            recorder.record(tokens, accepted).unwrap();
+        }
+        // Depth 1: 24 of 32 passed; depth 2: 3 of 6 (fewer than MIN_REACHED: not landed).
+        let (prior, _) = figures.prior("draft_model:a").unwrap();
+        let (accepted, rejections) = (18 + 3 + 4 + 3, 6 + 2 + 3 + 2);
+        assert_eq!(prior, AcceptancePrior::measured(accepted as f64 / (accepted + rejections) as f64, vec![0.75]));
     }
 }

@@ -379,8 +379,31 @@ pub struct Session {
 enum CostIdle {
     /// The chain policy's best length and its predicted speedup.
     Chain(Verdict),
+    /// The chain policy's best length pays per step, but over the tokens left it would not win
+    /// back the draft's catching up on the context it has not read (`OwnLengths::catch_up`).
+    CatchUp(Verdict, CatchUp),
     /// The tree chooser planned no level (its estimates are per depth and sibling rank).
     Tree,
+}
+
+/// A draft's reading of context it has not read before its next draft, which its best length
+/// did not win back over the request's remaining tokens (`DraftLengthPolicy::pays_back`).
+#[derive(Debug, Clone, Copy)]
+struct CatchUp {
+    unseen: usize,
+    steps: f64,
+    remaining: usize,
+    /// The speedup weighed.
+    speedup: f64,
+}
+
+/// A request's next draft length: what its settings allow (k, max_tokens, the heuristic
+/// schedule) and what it would draft alone (that, cut by its cost-aware policy), with the
+/// catch-up that cut it to nothing, if one did. Both 0 without speculation.
+struct OwnLengths {
+    settings_max: usize,
+    own: usize,
+    catch_up: Option<CatchUp>,
 }
 
 impl Session {
@@ -807,7 +830,7 @@ impl Session {
         if !decodes || self.drafts_after_forced_runs() {
             return None;
         }
-        let (_, own) = self.own_draft_lengths();
+        let own = self.own_draft_lengths().own;
         let max_tokens = limits.max_draft_tokens.map_or(own, |cap| own.min(cap));
         self.speculation.as_ref().filter(|s| !s.tree.is_on() && max_tokens > 0).map(|_| max_tokens)
     }
@@ -844,12 +867,15 @@ impl Session {
     /// proposer continues the context extended by them, and its draft grows from their end); an
     /// empty one comes with why.
     fn propose_own(&mut self, cap: Option<usize>, forced: &[u32]) -> Result<(Draft, Option<IdleReason>)> {
-        let (settings_max, own) = self.own_draft_lengths();
+        let OwnLengths { settings_max, own, catch_up } = self.own_draft_lengths();
         let depth_room = self.depth_room().saturating_sub(forced.len());
         let Some(speculation) = self.speculation.as_mut() else { return Ok((Draft::default(), None)) };
         if let Some(policy) = speculation.draft_length.as_mut().filter(|_| settings_max > 0 && own == 0) {
             if let Some(verdict) = policy.verdict(settings_max) {
-                self.cost_idle = Some(CostIdle::Chain(verdict));
+                self.cost_idle = Some(match catch_up {
+                    Some(catch_up) => CostIdle::CatchUp(verdict, catch_up),
+                    None => CostIdle::Chain(verdict),
+                });
             }
             policy.skipped();
         }
@@ -957,10 +983,13 @@ impl Session {
         (self.params.max_tokens - self.generated_ids().len()).saturating_sub(1)
     }
 
-    /// (what the request's settings allow: k, max_tokens, the heuristic schedule; what it would
-    /// draft alone: that, cut by its cost-aware policy). Both 0 without speculation.
-    fn own_draft_lengths(&self) -> (usize, usize) {
-        let Some(speculation) = self.speculation.as_ref() else { return (0, 0) };
+    /// The next draft's lengths (`OwnLengths`). A draft with a cache of its own that must first
+    /// read context it has not read (its first draft reads the whole prompt) drafts only where
+    /// its best length's speedup, over the tokens max_tokens leaves, wins that reading back.
+    fn own_draft_lengths(&self) -> OwnLengths {
+        let Some(speculation) = self.speculation.as_ref() else {
+            return OwnLengths { settings_max: 0, own: 0, catch_up: None };
+        };
         // A chain's length is its depth; a tree keeps its node budget while any depth fits
         // (`propose` caps the depth).
         let depth_room = self.depth_room();
@@ -972,11 +1001,22 @@ impl Session {
         if let Some(schedule) = &speculation.schedule {
             settings_max = settings_max.min(schedule.current());
         }
-        let own = match &speculation.draft_length {
-            Some(policy) if settings_max > 0 => policy.best_length(settings_max),
-            _ => settings_max,
+        let Some(policy) = speculation.draft_length.as_ref().filter(|_| settings_max > 0) else {
+            return OwnLengths { settings_max, own: settings_max, catch_up: None };
         };
-        (settings_max, own)
+        let plan = policy.plan(settings_max);
+        let proposer = &speculation.proposer;
+        let unseen = proposer.kv_len().map_or(0, |kv_len| self.all_ids.len().saturating_sub(kv_len));
+        let steps = policy.catch_up_steps(unseen, proposer.context_row_share());
+        let remaining = self.params.max_tokens - self.generated_ids().len();
+        match policy.pays_back(settings_max, steps, remaining) {
+            (false, speedup) if plan.length > 0 => {
+                let catch_up = CatchUp { unseen, steps, remaining, speedup };
+                return OwnLengths { settings_max, own: 0, catch_up: Some(catch_up) };
+            }
+            _ => {}
+        }
+        OwnLengths { settings_max, own: plan.length, catch_up: None }
     }
 
     /// What this request would draft alone next step, for a scheduler budgeting drafts by load
@@ -985,7 +1025,7 @@ impl Session {
         if self.is_finished() || self.all_ids.len() - self.cache.len() != 1 || self.all_ids.len() == self.prompt_len {
             return None;
         }
-        let (_, own) = self.own_draft_lengths();
+        let own = self.own_draft_lengths().own;
         let policy = self.speculation.as_ref().and_then(|s| s.draft_length.as_ref());
         let acceptance = match policy {
             Some(policy) => policy.acceptance(),
@@ -1159,6 +1199,15 @@ impl Session {
                 v.length + 1,
                 v.verify_cost_ratio,
                 v.draft_cost
+            ),
+            (IdleReason::Cost, Some(CostIdle::CatchUp(v, catch_up))) => format!(
+                "predicted speedup {:.2}x at {} over the {} tokens left would not win back the {:.1} target \
+                 steps the draft takes to read the {} context tokens it has not read ({sources})",
+                catch_up.speedup,
+                if v.observed { "its measured acceptance" } else { "the engine's acceptance by draft depth" },
+                catch_up.remaining,
+                catch_up.steps,
+                catch_up.unseen
             ),
             (IdleReason::Cost, _) => {
                 format!(

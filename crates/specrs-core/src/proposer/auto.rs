@@ -77,10 +77,7 @@ impl Drafter {
     /// parallel head keeps none (`kv_len` None: nothing to read).
     fn plan_model(&self, max_len: usize, context_len: usize) -> Verdict {
         let unseen = context_len.saturating_sub(self.proposer.kv_len().unwrap_or(context_len)).max(1);
-        let overhead = self.policy.draft_cost().value
-            * self.proposer.context_row_share()
-            * (unseen - 1) as f64
-            * self.policy.cost_per_row();
+        let overhead = self.policy.catch_up_steps(unseen, self.proposer.context_row_share());
         self.policy.plan_with_overhead(max_len.min(self.max_tokens), overhead)
     }
 }
