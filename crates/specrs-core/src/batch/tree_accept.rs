@@ -14,7 +14,8 @@
 //! the next token and the walk ends. A tree of n nodes is at most n deep, so the walk reads at most
 //! uniforms 0..=n.
 //!
-//! The kernel reads one packed descriptor (`PackedTrees`: one upload per step) and the rows where
+//! The kernel reads one packed descriptor (`PackedTrees`: one upload per step, or a section of the
+//! forward's own: `tree_accept_in`) and the rows where
 //! the logits already are (the forward's, not a padded copy). Because a row's target token depends
 //! only on the row, its temperature and the uniform of its depth (never on the walk), the kernel
 //! computes every row's target at once, the vocabulary split across blocks, and walks the trees

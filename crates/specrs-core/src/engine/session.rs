@@ -381,7 +381,7 @@ enum CostIdle {
     Chain(Verdict),
     /// The chain policy's best length pays per step, but over the tokens left it would not win
     /// back the draft's catching up on the context it has not read (`OwnLengths::catch_up`).
-    CatchUp(Verdict, CatchUp),
+    CatchUp(CatchUp),
     /// The tree chooser planned no level (its estimates are per depth and sibling rank).
     Tree,
 }
@@ -393,8 +393,9 @@ struct CatchUp {
     unseen: usize,
     steps: f64,
     remaining: usize,
-    /// The speedup weighed.
+    /// The speedup weighed, and whether at the request's own acceptance (else the engine's).
     speedup: f64,
+    observed: bool,
 }
 
 /// A request's next draft length: what its settings allow (k, max_tokens, the heuristic
@@ -871,11 +872,12 @@ impl Session {
         let depth_room = self.depth_room().saturating_sub(forced.len());
         let Some(speculation) = self.speculation.as_mut() else { return Ok((Draft::default(), None)) };
         if let Some(policy) = speculation.draft_length.as_mut().filter(|_| settings_max > 0 && own == 0) {
-            if let Some(verdict) = policy.verdict(settings_max) {
-                self.cost_idle = Some(match catch_up {
-                    Some(catch_up) => CostIdle::CatchUp(verdict, catch_up),
-                    None => CostIdle::Chain(verdict),
-                });
+            let judged = match catch_up {
+                Some(catch_up) => Some(CostIdle::CatchUp(catch_up)),
+                None => policy.verdict(settings_max).map(CostIdle::Chain),
+            };
+            if judged.is_some() {
+                self.cost_idle = judged;
             }
             policy.skipped();
         }
@@ -1011,7 +1013,7 @@ impl Session {
         let remaining = self.params.max_tokens - self.generated_ids().len();
         match policy.pays_back(settings_max, steps, remaining) {
             (false, speedup) if plan.length > 0 => {
-                let catch_up = CatchUp { unseen, steps, remaining, speedup };
+                let catch_up = CatchUp { unseen, steps, remaining, speedup, observed: plan.observed };
                 return OwnLengths { settings_max, own: 0, catch_up: Some(catch_up) };
             }
             _ => {}
@@ -1200,11 +1202,11 @@ impl Session {
                 v.verify_cost_ratio,
                 v.draft_cost
             ),
-            (IdleReason::Cost, Some(CostIdle::CatchUp(v, catch_up))) => format!(
+            (IdleReason::Cost, Some(CostIdle::CatchUp(catch_up))) => format!(
                 "predicted speedup {:.2}x at {} over the {} tokens left would not win back the {:.1} target \
                  steps the draft takes to read the {} context tokens it has not read ({sources})",
                 catch_up.speedup,
-                if v.observed { "its measured acceptance" } else { "the engine's acceptance by draft depth" },
+                if catch_up.observed { "its measured acceptance" } else { "the engine's acceptance by draft depth" },
                 catch_up.remaining,
                 catch_up.steps,
                 catch_up.unseen

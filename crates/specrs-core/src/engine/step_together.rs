@@ -579,15 +579,14 @@ pub(super) mod tests {
 
     /// Requests of every kind the GPU step splits: greedy and seeded coupled chains and trees and
     /// plain decoding (its device verification), top-k and logprobs ones (its host verification),
-    /// each drafting its own plain output (`expected`, None: plain), stepped together to the end,
-    /// on a paged pool (the candle decoder's device pool, on the CPU) when `paged`.
+    /// each drafting its own plain output (`expected`, None: plain), stepped together to the end.
     /// Returns each request's tokens and drafts.
     fn run(device_path: bool, expected: Option<&[Vec<u32>]>) -> Vec<(Vec<u32>, usize)> {
         run_counting_uploads(device_path, expected, false).0
     }
 
-    /// `run`, on a paged pool when `paged`, and per step `(uploads, whether a request the host
-    /// verifies took part)`.
+    /// `run`, on a paged pool (the candle decoder's device pool, on the CPU) when `paged`, and per
+    /// step `(uploads, whether a request the host verifies took part)`.
     fn run_counting_uploads(
         device_path: bool,
         expected: Option<&[Vec<u32>]>,
