@@ -156,7 +156,7 @@ impl DraftLengthPolicy {
     /// `plan` for a draft that first costs `overhead` target steps whatever its length (a draft
     /// model catching up on context it has not read: "auto", `proposer/auto.rs`).
     pub fn plan_with_overhead(&self, max_len: usize, overhead: f64) -> Verdict {
-        let (best, best_drafting) = self.best_rates(max_len, overhead);
+        let (best, best_drafting) = self.best_rates(max_len, overhead, &[]);
         if self.observed || !(self.draft_cost.is_free() || self.prior.explore) {
             best
         } else {
@@ -181,7 +181,7 @@ impl DraftLengthPolicy {
     /// (`AcceptancePrior::exploring`) is not judged: what it would win is what is being measured.
     pub fn pays_back(&self, max_len: usize, catch_up: f64, remaining: usize) -> (bool, f64) {
         let by_depth: &[f64] = if self.observed { &[] } else { &self.prior.by_depth };
-        let speedup = self.rates(max_len, 0.0, by_depth).0.predicted_speedup;
+        let speedup = self.best_rates(max_len, 0.0, by_depth).0.predicted_speedup;
         let exploring = !self.observed && self.prior.explore;
         (exploring || catch_up <= 0.0 || catch_up < remaining as f64 * (1.0 - 1.0 / speedup), speedup)
     }
@@ -199,19 +199,14 @@ impl DraftLengthPolicy {
     /// Why `best_length(max_len)` is 0: the best draft length's predicted speedup and what it
     /// rests on (None when max_len allows no draft).
     pub fn verdict(&self, max_len: usize) -> Option<Verdict> {
-        let (_, best_drafting) = self.best_rates(max_len, 0.0);
+        let (_, best_drafting) = self.best_rates(max_len, 0.0, &[]);
         (best_drafting.length > 0).then_some(best_drafting)
     }
 
     /// (the best length, 0 included; the best positive length), each with its predicted speedup:
-    /// expected tokens per unit of cost over plain decoding's one token per step.
-    fn best_rates(&self, max_len: usize, overhead: f64) -> (Verdict, Verdict) {
-        self.rates(max_len, overhead, &[])
-    }
-
-    /// `best_rates` with the acceptance at depth d + 1 `by_depth[d]` where it has one (the
-    /// per-token estimate past it).
-    fn rates(&self, max_len: usize, overhead: f64, by_depth: &[f64]) -> (Verdict, Verdict) {
+    /// expected tokens per unit of cost over plain decoding's one token per step. The acceptance
+    /// at depth d + 1 is `by_depth[d]` where it has one, the per-token estimate past it.
+    fn best_rates(&self, max_len: usize, overhead: f64, by_depth: &[f64]) -> (Verdict, Verdict) {
         let a = self.acceptance();
         let c = self.draft_cost;
         let max_len = max_len.min(self.verify_cost_ratios.len().saturating_sub(1));

@@ -41,11 +41,10 @@ pub struct AcceptanceFigures {
 #[derive(Default)]
 struct Figure {
     num_drafts: usize,
-    num_accepted_tokens: usize,
-    /// Drafts that ended in a rejection.
-    num_rejections: usize,
     /// Per depth d + 1: drafts with a token there whose earlier tokens all passed, and those
-    /// whose token there passed too.
+    /// whose token there passed too. `passed` sums to the drafts' accepted tokens, `reached` to
+    /// those plus the drafts' rejections (a draft reaches a depth it does not pass exactly when
+    /// it ends in a rejection).
     reached: Vec<usize>,
     passed: Vec<usize>,
     /// The per-token acceptance and the acceptance by depth, once `DRAFTS_TO_LAND` drafts were
@@ -78,8 +77,6 @@ impl AcceptanceFigures {
             return Ok(());
         }
         figure.num_drafts += 1;
-        figure.num_accepted_tokens += num_accepted_tokens;
-        figure.num_rejections += usize::from(num_accepted_tokens < num_draft_tokens);
         let reached_depths = num_draft_tokens.min(num_accepted_tokens + 1);
         if figure.reached.len() < reached_depths {
             figure.reached.resize(reached_depths, 0);
@@ -90,13 +87,14 @@ impl AcceptanceFigures {
             figure.passed[depth] += usize::from(depth < num_accepted_tokens);
         }
         if figure.num_drafts >= DRAFTS_TO_LAND {
-            // The policy's estimator (accepted tokens over accepted tokens plus rejections).
-            let seen = (figure.num_accepted_tokens + figure.num_rejections).max(1);
+            // The policy's estimator: accepted tokens over accepted tokens plus rejections, that
+            // is over every depth a draft reached.
+            let (accepted, reached) = (figure.passed.iter().sum::<usize>(), figure.reached.iter().sum::<usize>());
             let by_depth = (figure.reached.iter().zip(&figure.passed))
                 .take_while(|(&reached, _)| reached >= MIN_REACHED)
                 .map(|(&reached, &passed)| passed as f64 / reached as f64)
                 .collect();
-            figure.landed = Some((figure.num_accepted_tokens as f64 / seen as f64, by_depth));
+            figure.landed = Some((accepted as f64 / reached.max(1) as f64, by_depth));
         }
         Ok(())
     }

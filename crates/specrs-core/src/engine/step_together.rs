@@ -191,7 +191,7 @@ impl DeviceVerify {
     }
 
     /// What the forward's upload carries: the host's logit rows, then the packed trees and the
-    /// kernel's room (`verify::device::carried`).
+    /// kernel's room (`verify::device::carried`); `sections` reads them back.
     fn carried(&self) -> Option<CarriedWords> {
         let packed = self.packed.as_ref().ok().filter(|packed| packed.num_seqs() > 0);
         let trees = packed.map(crate::verify::device::carried).unwrap_or_default();
@@ -199,6 +199,15 @@ impl DeviceVerify {
             return None;
         }
         Some(CarriedWords { words: [&self.host_rows[..], &trees.words].concat(), room: trees.room })
+    }
+
+    /// Where `out`'s upload put what `carried` laid out: the host's logit rows `[host rows]` and
+    /// the trees' buffer `[words + room]`; None where the forward carried nothing.
+    fn sections(&self, out: &ForwardOutput) -> Result<Option<(Tensor, Tensor)>> {
+        let Some(carried) = &out.carried else { return Ok(None) };
+        let (num_host_rows, len) = (self.host_rows.len(), carried.words.dim(0)?);
+        let host_rows = carried.words.narrow(0, 0, num_host_rows)?;
+        Ok(Some((host_rows, carried.words.narrow(0, num_host_rows, len - num_host_rows)?)))
     }
 }
 
@@ -220,13 +229,7 @@ fn verify_on_device_and_commit(
     let (logits, verify_started) = (&out.logits, Instant::now());
     // The sessions the host verifies.
     let (mut host_plans, mut host_hidden) = (Vec::new(), Vec::new());
-    // The carried words: the host's logit rows, then the device verification's buffer.
-    let num_host_rows = prepared.host_rows.len();
-    let carried = |start: usize, len: Option<usize>| -> Result<Option<Tensor>> {
-        let Some(carried) = &out.carried else { return Ok(None) };
-        let len = len.unwrap_or(carried.words.dim(0)? - start);
-        Ok(Some(carried.words.narrow(0, start, len)?))
-    };
+    let (carried_host_rows, carried_trees) = prepared.sections(out)?.unzip();
     let mut outcomes: Vec<(usize, Result<StepOutput>)> = Vec::with_capacity(plans.len());
     // (session index, plan, its taps, its sequence among the packed trees) of the sessions
     // verified on the device.
@@ -253,9 +256,7 @@ fn verify_on_device_and_commit(
         // The verdicts' download waits for the forward: its time is known from here on.
         let verified = prepared
             .packed
-            .and_then(|packed| {
-                crate::verify::device::verify_packed(&packed, logits, carried(num_host_rows, None)?.as_ref())
-            })
+            .and_then(|packed| crate::verify::device::verify_packed(&packed, logits, carried_trees.as_ref()))
             .and_then(|verdicts| {
                 let timing = forward.timing()?;
                 Ok((verdicts, timing, forward.seconds_after(timing, verify_started)))
@@ -279,10 +280,10 @@ fn verify_on_device_and_commit(
         }
     }
     if !host_plans.is_empty() {
-        let host_logits = if num_host_rows == 0 {
+        let host_logits = if prepared.host_rows.is_empty() {
             logits.narrow(0, 0, 0)? // prompt chunks only: nothing to verify
         } else {
-            let rows = match carried(0, Some(num_host_rows))? {
+            let rows = match carried_host_rows {
                 Some(rows) => rows,
                 None => crate::model::candle::upload(&prepared.host_rows, logits.device())?,
             };
