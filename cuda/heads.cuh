@@ -1,6 +1,6 @@
 // One q or k head of the q/k/v projection's output normed and rotated, shared by the kernels that
-// read heads (cuda/fused.cu's qkv_heads, cuda/paged_attention.cu's write_kv_heads and
-// paged_attention). The CPU reference of a head is
+// read heads (cuda/fused.cu's qkv_heads; cuda/paged_attention.cu's paged_attention, for its q heads
+// and the step's k heads it writes and reads). The CPU reference of a head is
 // `HeadTables::head` in crates/specrs-core/src/model/candle/fused.rs: the same f32 arithmetic.
 // Compiled at run time with NVRTC after cuda/block.cuh and cuda/dtype.cuh; blockDim.x must be
 // BLOCK.

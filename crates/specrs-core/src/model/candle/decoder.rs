@@ -604,15 +604,13 @@ impl Decoder {
             let window = c.sliding_window.filter(|_| c.sliding_layers[layer]);
             let scores = Scores { scale: c.attention_scale, logit_softcap: c.attn_logit_softcap, window };
             let attn = match &paged {
-                // Every sequence's rows written and attended at once, in two launches: k and v
-                // normed, rotated and written into their slots; attention, normalizing and
+                // Every sequence's rows written and attended at once, in one launch: k and v
+                // normed, rotated and written into their slots, and attention, normalizing and
                 // rotating each q head as it loads it. The result comes in the pool's dtype, the
                 // model's, so the cast below is a no-op.
                 Some((step, pool)) => {
                     let pool = pool.device_layer(layer).ok_or_else(|| shape_bug("paged pool layer"))?;
-                    let heads = QkvHeads::new(&spec)?;
-                    step.write_kv_heads(pool, &qkv, &heads)?;
-                    step.attention(&qkv, &heads, pool, scores)?
+                    step.write_and_attend(pool, &qkv, &QkvHeads::new(&spec)?, scores)?
                 }
                 None => {
                     // [heads + 2 kv_heads, n, hd] f32: q normed and rotated, then k, then v.

@@ -30,13 +30,13 @@ use crate::model::{CausalLm, LogitRows};
 const MIN_BUFFER: usize = 1024;
 
 /// `(family, launches per layer, launches outside the layers)` of a decode or verify step over a
-/// paged device pool (issue 42's goal is 8 per layer). A layer: 4 GEMMs (q/k/v, o, gate/up,
-/// down), the KV write (k normed where the family norms it, and rotated, straight from the
-/// projection), the attention (normalizing and rotating each q head as it loads it), `act_mul`
-/// and two `add_rms_norm`s; Gemma 3 adds its two sandwich norms. Outside: the embedding
+/// paged device pool (issue 42's goal: 8 per layer). A layer: 4 GEMMs (q/k/v, o, gate/up,
+/// down), the attention (writing the step's keys and values into their slots, k normed where the
+/// family norms it and rotated, straight from the projection, and normalizing and rotating each q
+/// head as it loads it), `act_mul` and two `add_rms_norm`s; Gemma 3 adds its two sandwich norms. Outside: the embedding
 /// gather, the first layer's norm, the logit rows' gather and final norm, the LM head and its
 /// cast to f32; Gemma 3 adds its embedding scale and the final soft-cap's three ops.
-const PAGED_BUDGET: [(&str, usize, usize); 3] = [("llama", 9, 6), ("qwen3", 9, 6), ("gemma3", 11, 10)];
+const PAGED_BUDGET: [(&str, usize, usize); 3] = [("llama", 8, 6), ("qwen3", 8, 6), ("gemma3", 10, 10)];
 
 thread_local! {
     /// Dense weights run candle's matmul on the CPU as on CUDA, not specrs' CPU kernels (whose

@@ -1,7 +1,9 @@
 //! One step's keys and values written into a block-paged device pool and attention over it for
-//! every row of every sequence at once (chains and trees alike), in two ops per layer: candle
-//! custom ops whose `cpu_fwd` is the reference and whose `cuda_fwd` runs `cuda/paged_attention.cu`
-//! (NVRTC). This replaces, on a paged cache, the per-sequence appends, whole-cache f32 casts and
+//! every row of every sequence at once (chains and trees alike), in ONE op per layer: a candle
+//! in-place op on the pool whose `cpu_fwd` is the reference (the write, then attention over the
+//! written pool) and whose `cuda_fwd` runs `cuda/paged_attention.cu` (NVRTC: one launch that
+//! writes the keys and attends, reading the step's own keys from the projection as it writes
+//! them). This replaces, on a paged cache, the per-sequence appends, whole-cache f32 casts and
 //! per-tree-row gathers of `attention.rs`.
 //!
 //! A [`PagedStep`] describes the step once per forward (one u32 upload every layer reads, and the
@@ -19,9 +21,11 @@
 //! reads); the device kernel sums in another order (an online softmax over eight warps), within
 //! `check_against_reference`'s tolerance.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, CustomOp3, DType, Device, InplaceOp3, Layout, Shape, Tensor};
+use candle_core::op::BackpropOp;
+use candle_core::{CpuStorage, DType, Device, InplaceOp3, Layout, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
@@ -217,30 +221,23 @@ impl PagedStep {
 
     /// Writes the step's keys and values into their slots of one layer's `pool` (`[2, num_slots,
     /// num_kv_heads * head_dim]`) straight from the q/k/v projection's output `qkv [n, (H + 2 KV) *
-    /// head_dim]` (unit column stride, the pool's dtype): k heads normed and rotated as `heads` says
-    /// (what `qkv_heads` computes), v heads as they are, rounded to the pool's dtype. One launch.
-    pub(crate) fn write_kv_heads(&self, pool: &Tensor, qkv: &Tensor, heads: &QkvHeads) -> Result<()> {
+    /// head_dim]` (unit column stride, the pool's dtype) — k heads normed and rotated as `heads`
+    /// says (what `qkv_heads` computes), v heads as they are, rounded to the pool's dtype — and
+    /// attends with the step's rows over the pool so written: the q heads are read from `qkv`
+    /// and normed and rotated as they load (in f32) -> `[n, num_heads * head_dim]` in the pool's
+    /// dtype (computed in f32, rounded once). One launch.
+    pub(crate) fn write_and_attend(
+        &self,
+        pool: &Tensor,
+        qkv: &Tensor,
+        heads: &QkvHeads,
+        scores: Scores,
+    ) -> Result<Tensor> {
+        let shape = Shape::from((self.num_rows, heads.num_heads * heads.head_dim));
         if self.num_rows == 0 {
-            return Ok(());
+            return Ok(Tensor::zeros(shape, pool.dtype(), qkv.device())?);
         }
-        let write = || pool.inplace_op3(qkv, &self.descriptor, &WriteKvHeads { heads, num_rows: self.num_rows });
-        // In place, so no output buffer shows its launch to the launch count (`launches.rs`).
-        #[cfg(test)]
-        let write = || crate::constraint::call_memory::count_as(1, write);
-        write()?;
-        Ok(())
-    }
-
-    /// Attention of the step's rows over one layer's `pool` (`[2, num_slots, num_kv_heads *
-    /// head_dim]`, this step's rows already written): the q heads are read from the projection's
-    /// output `qkv [n, (H + 2 KV) * head_dim]` and normed and rotated as `heads` says while they
-    /// load (in f32, what `qkv_heads` computes) -> `[n, num_heads * head_dim]` in the pool's dtype
-    /// (computed in f32, rounded once).
-    pub(crate) fn attention(&self, qkv: &Tensor, heads: &QkvHeads, pool: &Tensor, scores: Scores) -> Result<Tensor> {
-        if self.num_rows == 0 {
-            return Ok(Tensor::zeros((0, heads.num_heads * heads.head_dim), pool.dtype(), qkv.device())?);
-        }
-        let op = PagedAttention {
+        let op = WriteAndAttend {
             num_rows: self.num_rows,
             num_seqs: self.num_seqs,
             mask_words: self.mask_words,
@@ -249,12 +246,16 @@ impl PagedStep {
             block_shift: self.block_shift,
             max_keys: self.max_keys,
             scores,
+            out: RefCell::new(None),
         };
-        let attend = || qkv.apply_op3_no_bwd(pool, &self.descriptor, &op);
-        // The reference builds its q heads in a buffer of its own; the kernel, in shared memory.
+        let run = || pool.inplace_op3(qkv, &self.descriptor, &op);
+        // In place, with the output its own: the reference also builds its q heads in a buffer of
+        // its own (the kernel, in shared memory).
         #[cfg(test)]
-        let attend = || crate::constraint::call_memory::count_as(1, attend);
-        Ok(attend()?)
+        let run = || crate::constraint::call_memory::count_as(1, run);
+        run()?;
+        let out = op.out.into_inner().ok_or_else(|| Error::Internal("paged attention: no output".into()))?;
+        Ok(Tensor::from_storage(out, shape, BackpropOp::none(), false))
     }
 }
 
@@ -450,13 +451,41 @@ fn qkv_values<'a, T: candle_core::WithDType>(
     }
 }
 
-struct WriteKvHeads<'a> {
-    heads: &'a QkvHeads,
+/// The step's write and attention of one layer, in place on its pool; the attention's output,
+/// which an in-place op cannot return, is left in `out`.
+struct WriteAndAttend<'a> {
     num_rows: usize,
+    num_seqs: usize,
+    mask_words: usize,
+    /// How the q heads are read from the projection's output (normed and rotated as they load).
+    heads: &'a QkvHeads,
+    /// The step's buffer, whose split-K scratch the GPU kernel uses (the reference needs none).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    held: &'a StepDescriptor,
+    block_shift: u32,
+    /// `PagedStep::max_keys`: how many key ranges the GPU cuts a row into (`split_count`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    max_keys: usize,
+    scores: Scores,
+    out: RefCell<Option<Storage>>,
 }
 
-impl WriteKvHeads<'_> {
-    fn reference<T: Elem>(
+/// Keys per split-K range of the GPU kernel (`KEYS_PER_SPLIT` in `cuda/paged_attention.cu`): a
+/// row's keys are cut into ranges of this many, walked by blocks of their own and combined, so a
+/// batch-1 step over a long context keeps many blocks busy; how a row is cut depends on its own
+/// key count alone, never on its batch-mates.
+const KEYS_PER_SPLIT: usize = 128;
+
+/// The grid's split dimension: the most ranges a row of the step has (`max_keys` keys).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn split_count(max_keys: usize) -> usize {
+    max_keys.div_ceil(KEYS_PER_SPLIT).max(1)
+}
+
+impl WriteAndAttend<'_> {
+    /// The step's keys and values into their slots of `pool`: each row's k heads normed and
+    /// rotated at its position, v heads as they are, rounded to the pool's dtype.
+    fn write_reference<T: Elem>(
         &self,
         pool: &mut [T],
         qkv: &[T],
@@ -466,7 +495,7 @@ impl WriteKvHeads<'_> {
         let (row_stride, [slots, row_len, _]) = shape;
         let (hd, kv_heads) = (self.heads.head_dim, self.heads.num_kv_heads);
         if let Some(bad) = d.row_slot.iter().find(|&&slot| slot as usize >= slots) {
-            return Err(op_error("write_kv_heads", format!("slot {bad} is past the pool's {slots}")));
+            return Err(op_error(NAME, format!("slot {bad} is past the pool's {slots}")));
         }
         self.heads.with_tables(|tables| {
             tables.check_positions(d.row_pos)?;
@@ -485,83 +514,19 @@ impl WriteKvHeads<'_> {
             Ok(())
         })
     }
-}
 
-impl InplaceOp3 for WriteKvHeads<'_> {
-    fn name(&self) -> &'static str {
-        "paged-write-kv-heads"
-    }
-
-    fn cpu_fwd(
+    /// The write, then attention over the written pool.
+    fn reference<T: Elem>(
         &self,
-        s1: &mut CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<()> {
-        let (row_stride, start, pool) = qkv_and_pool("write_kv_heads", self.heads, self.num_rows, l2, l1)?;
-        let d = Sections::of(descriptor_of("write_kv_heads", s3, l3)?, self.num_rows, 0, 0)?;
-        let shape = (row_stride, pool);
-        match s1 {
-            CpuStorage::F32(p) => {
-                self.reference(&mut p[pool[2]..], qkv_values("write_kv_heads", s2, start)?, &d, shape)
-            }
-            CpuStorage::BF16(p) => {
-                self.reference(&mut p[pool[2]..], qkv_values("write_kv_heads", s2, start)?, &d, shape)
-            }
-            CpuStorage::F16(p) => {
-                self.reference(&mut p[pool[2]..], qkv_values("write_kv_heads", s2, start)?, &d, shape)
-            }
-            _ => Err(op_error("write_kv_heads", "the pool must be f32, bf16 or f16".into())),
-        }
+        pool: &mut [T],
+        qkv: &[T],
+        d: &Sections,
+        shape: (usize, [usize; 3]),
+    ) -> candle_core::Result<Vec<T>> {
+        self.write_reference(pool, qkv, d, shape)?;
+        self.attention_reference(qkv, pool, d, shape)
     }
 
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &mut candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<()> {
-        let (row_stride, start, pool) = qkv_and_pool("write_kv_heads", self.heads, self.num_rows, l2, l1)?;
-        device::write_kv_heads(self, s1, pool, (s2, start, row_stride), (s3, l3.start_offset()))
-    }
-}
-
-struct PagedAttention<'a> {
-    num_rows: usize,
-    num_seqs: usize,
-    mask_words: usize,
-    /// How the q heads are read from the projection's output (normed and rotated as they load).
-    heads: &'a QkvHeads,
-    /// The step's buffer, whose split-K scratch the GPU kernel uses (the reference needs none).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    held: &'a StepDescriptor,
-    block_shift: u32,
-    /// `PagedStep::max_keys`: how many key ranges the GPU cuts a row into (`split_count`).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    max_keys: usize,
-    scores: Scores,
-}
-
-/// Keys per split-K range of the GPU kernel (`KEYS_PER_SPLIT` in `cuda/paged_attention.cu`): a
-/// row's keys are cut into ranges of this many, walked by blocks of their own and combined, so a
-/// batch-1 step over a long context keeps many blocks busy; how a row is cut depends on its own
-/// key count alone, never on its batch-mates.
-const KEYS_PER_SPLIT: usize = 128;
-
-/// The grid's split dimension: the most ranges a row of the step has (`max_keys` keys).
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn split_count(max_keys: usize) -> usize {
-    max_keys.div_ceil(KEYS_PER_SPLIT).max(1)
-}
-
-impl PagedAttention<'_> {
     /// The slots row `r` sees, past positions ascending then step rows ascending; None where a
     /// past position lies past its table.
     fn keys_of(&self, d: &Sections, r: usize) -> Option<Vec<usize>> {
@@ -595,7 +560,7 @@ impl PagedAttention<'_> {
         })
     }
 
-    fn reference<T: Elem>(
+    fn attention_reference<T: Elem>(
         &self,
         qkv: &[T],
         pool: &[T],
@@ -613,7 +578,7 @@ impl PagedAttention<'_> {
             |k: &Option<Vec<usize>>| k.as_ref().is_none_or(|k| k.is_empty() || k.iter().any(|&slot| slot >= slots));
         if let Some(r) = keys.iter().position(bad) {
             return Err(op_error(
-                "paged_attention",
+                NAME,
                 format!("row {r} sees no key, or a position past its table, or a slot past the pool's {slots}"),
             ));
         }
@@ -647,52 +612,56 @@ impl PagedAttention<'_> {
     }
 }
 
-impl CustomOp3 for PagedAttention<'_> {
+/// The fused op's name in errors (and the kernel's).
+const NAME: &str = "paged_attention";
+
+impl InplaceOp3 for WriteAndAttend<'_> {
     fn name(&self) -> &'static str {
-        "paged-attention"
+        "paged-write-and-attend"
     }
 
     fn cpu_fwd(
         &self,
-        s1: &CpuStorage,
+        s1: &mut CpuStorage,
         l1: &Layout,
         s2: &CpuStorage,
         l2: &Layout,
         s3: &CpuStorage,
         l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (row_stride, start, pool) = qkv_and_pool("paged_attention", self.heads, self.num_rows, l1, l2)?;
-        let d = Sections::of(descriptor_of("paged_attention", s3, l3)?, self.num_rows, self.num_seqs, self.mask_words)?;
+    ) -> candle_core::Result<()> {
+        let (row_stride, start, pool) = qkv_and_pool(NAME, self.heads, self.num_rows, l2, l1)?;
+        let d = Sections::of(descriptor_of(NAME, s3, l3)?, self.num_rows, self.num_seqs, self.mask_words)?;
         let shape = (row_stride, pool);
-        let op = "paged_attention";
-        let out = match s2 {
+        let out = match s1 {
             CpuStorage::F32(p) => {
-                CpuStorage::F32(self.reference(qkv_values(op, s1, start)?, &p[pool[2]..], &d, shape)?)
+                CpuStorage::F32(self.reference(&mut p[pool[2]..], qkv_values(NAME, s2, start)?, &d, shape)?)
             }
             CpuStorage::BF16(p) => {
-                CpuStorage::BF16(self.reference(qkv_values(op, s1, start)?, &p[pool[2]..], &d, shape)?)
+                CpuStorage::BF16(self.reference(&mut p[pool[2]..], qkv_values(NAME, s2, start)?, &d, shape)?)
             }
             CpuStorage::F16(p) => {
-                CpuStorage::F16(self.reference(qkv_values(op, s1, start)?, &p[pool[2]..], &d, shape)?)
+                CpuStorage::F16(self.reference(&mut p[pool[2]..], qkv_values(NAME, s2, start)?, &d, shape)?)
             }
-            _ => return Err(op_error(op, "the pool must be f32, bf16 or f16".into())),
+            _ => return Err(op_error(NAME, "the pool must be f32, bf16 or f16".into())),
         };
-        Ok((out, Shape::from((self.num_rows, self.heads.num_heads * self.heads.head_dim))))
+        *self.out.borrow_mut() = Some(Storage::Cpu(out));
+        Ok(())
     }
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        s1: &candle_core::CudaStorage,
+        s1: &mut candle_core::CudaStorage,
         l1: &Layout,
         s2: &candle_core::CudaStorage,
         l2: &Layout,
         s3: &candle_core::CudaStorage,
         l3: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let (row_stride, start, pool) = qkv_and_pool("paged_attention", self.heads, self.num_rows, l1, l2)?;
-        let out = device::paged_attention(self, (s1, start, row_stride), s2, pool, (s3, l3.start_offset()))?;
-        Ok((out, Shape::from((self.num_rows, self.heads.num_heads * self.heads.head_dim))))
+    ) -> candle_core::Result<()> {
+        let (row_stride, start, pool) = qkv_and_pool(NAME, self.heads, self.num_rows, l2, l1)?;
+        let out = device::paged_attention(self, (s2, start, row_stride), s1, pool, (s3, l3.start_offset()))?;
+        *self.out.borrow_mut() = Some(Storage::Cuda(out));
+        Ok(())
     }
 }
 
@@ -750,54 +719,12 @@ mod device {
         })
     }
 
-    /// `write_kv_heads_<dtype>`: one block per (k or v head, row).
-    pub fn write_kv_heads(
-        op: &super::WriteKvHeads,
-        pool: &mut CudaStorage,
-        [slots, _, pool_start]: [usize; 3],
-        (qkv, qkv_start, row_stride): (&CudaStorage, usize, usize),
-        descriptor: (&CudaStorage, usize),
-    ) -> candle_core::Result<()> {
-        let dtype = pool.dtype();
-        if qkv.dtype() != dtype {
-            candle_core::bail!("write_kv_heads: qkv and the pool must share a dtype");
-        }
-        let heads = op.heads;
-        by_dtype!(dtype, T => with_device_tables(heads, |tables| {
-            let device = pool.device().clone();
-            let func = load(&device, "write_kv_heads", dtype)?;
-            let qkv_view = qkv.as_cuda_slice::<T>()?.slice(qkv_start..);
-            let desc_view = descriptor.0.as_cuda_slice::<u32>()?.slice(descriptor.1..);
-            let mut pool_view = pool.as_cuda_slice_mut::<T>()?.slice_mut(pool_start..);
-            let (k_norm, has_k) = tables.norm_arg(&tables.k_norm);
-            let rope = [heads.rope_dims, usize::from(heads.interleaved)].map(|x| x as u32);
-            let sizes = [op.num_rows, heads.num_heads, heads.num_kv_heads, heads.head_dim].map(|x| x as u32);
-            let (row_stride, slots) = (row_stride as u64, slots as u64);
-            let stream = device.cuda_stream();
-            let mut builder = stream.launch_builder(&func);
-            builder.arg(&mut pool_view).arg(&qkv_view).arg(&row_stride).arg(&desc_view);
-            builder.arg(k_norm).arg(&has_k).arg(&tables.cos).arg(&tables.sin);
-            builder.arg(&rope[0]).arg(&rope[1]).arg(&heads.eps);
-            for x in &sizes {
-                builder.arg(x);
-            }
-            builder.arg(&slots);
-            let grid = (2 * heads.num_kv_heads * op.num_rows) as u32;
-            let config = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
-            // SAFETY: the arguments match write_kv_heads' signature; the host checked qkv's and the
-            // pool's shapes (head_dim at most the kernel's shared row), the positions against the
-            // rotary tables' context (on the CPU path; the engine sizes them to the context), and
-            // the slots lie in blocks the step's sequences hold (PagedStep::new).
-            unsafe { builder.launch(config) }.w()?;
-            Ok(())
-        }))
-    }
-
-    /// `paged_attention_<dtype>`: one block per (row, head, split).
+    /// `paged_attention_<dtype>`: one block per (row, head, split), writing the step's keys and
+    /// values into the pool as it attends.
     pub fn paged_attention(
-        op: &super::PagedAttention,
+        op: &super::WriteAndAttend,
         qkv: (&CudaStorage, usize, usize),
-        pool: &CudaStorage,
+        pool: &mut CudaStorage,
         [slots, _, pool_start]: [usize; 3],
         descriptor: (&CudaStorage, usize),
     ) -> candle_core::Result<CudaStorage> {
@@ -810,10 +737,10 @@ mod device {
     }
 
     fn typed<T: CudaDType + DeviceRepr>(
-        op: &super::PagedAttention,
+        op: &super::WriteAndAttend,
         (qkv, qkv_start, row_stride): (&CudaStorage, usize, usize),
         tables: &DeviceTables,
-        pool: &CudaStorage,
+        pool: &mut CudaStorage,
         [slots, pool_start]: [usize; 2],
         descriptor: (&CudaStorage, usize),
     ) -> candle_core::Result<CudaStorage> {
@@ -822,7 +749,7 @@ mod device {
         let heads = op.heads;
         let (num_heads, head_dim) = (heads.num_heads, heads.head_dim);
         let qkv_view = qkv.as_cuda_slice::<T>()?.slice(qkv_start..);
-        let pool_view = pool.as_cuda_slice::<T>()?.slice(pool_start..);
+        let mut pool_view = pool.as_cuda_slice_mut::<T>()?.slice_mut(pool_start..);
         let desc_view = descriptor.0.as_cuda_slice::<u32>()?.slice(descriptor.1..);
         // SAFETY: every element is written by the kernel (one block per row and head, or the last
         // of its splits).
@@ -847,6 +774,7 @@ mod device {
         let partials = partials.as_cuda_slice::<f32>()?.slice(partials_layout.start_offset()..);
         let counters = counters.as_cuda_slice::<u32>()?.slice(counters_layout.start_offset()..);
         let (q_norm, has_q) = tables.norm_arg(&tables.q_norm);
+        let (k_norm, has_k) = tables.norm_arg(&tables.k_norm);
         let rope = [heads.rope_dims, usize::from(heads.interleaved)].map(|x| x as u32);
         let u32s = [op.num_rows, op.num_seqs, op.mask_words, num_heads, heads.num_kv_heads, head_dim].map(|x| x as u32);
         let (row_stride, slots) = (row_stride as u64, slots as u64);
@@ -854,9 +782,9 @@ mod device {
         let window = op.scores.window.map_or(0, |w| w.min(u32::MAX as usize) as u32);
         let stream = device.cuda_stream();
         let mut builder = stream.launch_builder(&func);
-        builder.arg(&qkv_view).arg(&row_stride).arg(q_norm).arg(&has_q).arg(&tables.cos).arg(&tables.sin);
-        builder.arg(&rope[0]).arg(&rope[1]).arg(&heads.eps);
-        builder.arg(&pool_view).arg(&desc_view).arg(&mut out);
+        builder.arg(&qkv_view).arg(&row_stride).arg(q_norm).arg(&has_q).arg(k_norm).arg(&has_k);
+        builder.arg(&tables.cos).arg(&tables.sin).arg(&rope[0]).arg(&rope[1]).arg(&heads.eps);
+        builder.arg(&mut pool_view).arg(&desc_view).arg(&mut out);
         for x in &u32s {
             builder.arg(x);
         }
@@ -870,9 +798,10 @@ mod device {
             shared_mem_bytes: 0,
         };
         // SAFETY: the arguments match paged_attention's signature; the host checked qkv's and the
-        // pool's shapes (head_dim at most 256, the kernel's per-lane arrays and shared head), and
-        // the descriptor's tables and slots lie in the pool (PagedStep::new), and the partials
-        // and counters hold what `splits` asks for.
+        // pool's shapes (head_dim at most 256, the kernel's per-lane arrays and shared heads), the
+        // positions against the rotary tables' context (on the CPU path; the engine sizes them
+        // to the context), and the descriptor's tables and slots lie in the pool
+        // (PagedStep::new), and the partials and counters hold what `splits` asks for.
         unsafe { builder.launch(config) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, device))
     }
@@ -913,17 +842,20 @@ pub fn check_against_reference(device: &Device) -> Result<Vec<(String, f32, f32)
         for normed in [false, true] {
             let (op, dev_op) = (layer.op(normed)?, dev_layer.op(normed)?);
             let name = if normed { "normed " } else { "" };
-            step.write_kv_heads(&pool, &qkv, &op)?;
-            dev_step.write_kv_heads(&dev_pool, &dev_qkv, &dev_op)?;
-            report.push((format!("write_kv_heads {name}{dtype:?}"), max_abs_diff(&pool, &dev_pool)?, write_tolerance));
             for (case, logit_softcap, window) in
                 [("plain", None, None), ("window 8", None, Some(8)), ("softcap", Some(2.0), None)]
             {
                 let scores = Scores { scale: 1.0 / (head_dim as f32).sqrt(), logit_softcap, window };
-                let want = step.attention(&qkv, &op, &pool, scores)?;
-                let got = dev_step.attention(&dev_qkv, &dev_op, &dev_pool, scores)?;
+                let want = step.write_and_attend(&pool, &qkv, &op, scores)?;
+                let got = dev_step.write_and_attend(&dev_pool, &dev_qkv, &dev_op, scores)?;
                 report.push((format!("paged_attention {case} {name}{dtype:?}"), max_abs_diff(&want, &got)?, tolerance));
             }
+            // The keys and values the launches wrote (the same each time).
+            report.push((
+                format!("paged_attention write {name}{dtype:?}"),
+                max_abs_diff(&pool, &dev_pool)?,
+                write_tolerance,
+            ));
         }
     }
     Ok(report)
@@ -1122,7 +1054,8 @@ mod tests {
             .unwrap();
             for (logit_softcap, window) in [(None, None), (Some(1.5), None), (None, Some(5)), (Some(1.5), Some(12))] {
                 let scores = Scores { scale: 0.4, logit_softcap, window };
-                let got = step.attention(&qkv, &QkvHeads::new(&spec).unwrap(), &pool, scores).unwrap(); // [n, heads * hd]
+                // [n, heads * hd]; the step's keys and values land in the pool the reference reads below.
+                let got = step.write_and_attend(&pool, &qkv, &QkvHeads::new(&spec).unwrap(), scores).unwrap();
                 let (k, v) = keys_of(&chain_table, chain_past + 3);
                 let chain = attention(&q.narrow(1, 0, 3).unwrap(), &k, &v, chain_past, scores).unwrap();
                 let (k, v) = keys_of(&tree_table, tree_past + 6);
@@ -1151,7 +1084,7 @@ mod tests {
         let batch = ForwardBatch::new(&seqs, &[11, 5], Vec::new()).unwrap();
         let together =
             PagedStep::new(&batch, &[11, 5], &[&table, &other], 4, &Arc::default(), &Device::Cpu, None).unwrap();
-        let together = together.attention(&qkv, &heads, &pool, scores).unwrap();
+        let together = together.write_and_attend(&pool, &qkv, &heads, scores).unwrap();
         let bits = |t: &Tensor| {
             t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>()
         };
@@ -1169,7 +1102,7 @@ mod tests {
             )
             .unwrap();
             let alone =
-                alone.attention(&qkv.narrow(0, rows.start, rows.len()).unwrap(), &heads, &pool, scores).unwrap();
+                alone.write_and_attend(&pool, &qkv.narrow(0, rows.start, rows.len()).unwrap(), &heads, scores).unwrap();
             assert_eq!(bits(&together.narrow(0, rows.start, rows.len()).unwrap()), bits(&alone), "sequence {s}");
         }
     }
@@ -1178,7 +1111,7 @@ mod tests {
     /// dtype, each what `qkv_heads` computes (k normed and rotated at its position, v as it is),
     /// rounded once; other slots are untouched; a row without a block is refused before any write.
     #[test]
-    fn write_kv_heads_puts_each_rows_keys_and_values_in_its_slot() {
+    fn the_step_writes_each_rows_keys_and_values_in_its_slot() {
         let table: Vec<u32> = vec![3, 1];
         let pool = Tensor::zeros((2, 16, KV_HEADS * HEAD_DIM), DType::BF16, &Device::Cpu).unwrap();
         let batch = ForwardBatch::new(&[SeqRows::tree(vec![0; 3], vec![-1, 0, 1])], &[3], Vec::new()).unwrap();
@@ -1186,7 +1119,8 @@ mod tests {
         let (qkv, layer) = projection(3, 9);
         let qkv = qkv.to_dtype(DType::BF16).unwrap();
         let spec = layer.spec(true);
-        step.write_kv_heads(&pool, &qkv, &QkvHeads::new(&spec).unwrap()).unwrap();
+        let scores = Scores { scale: 0.3, logit_softcap: None, window: None };
+        step.write_and_attend(&pool, &qkv, &QkvHeads::new(&spec).unwrap(), scores).unwrap();
         // [2 KV_HEADS, 3, hd]: k heads, then v heads, rounded as the pool stores them.
         let rows = heads_of(&qkv, &batch, &spec).narrow(0, HEADS, 2 * KV_HEADS).unwrap();
         let rows = rows.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
@@ -1263,7 +1197,7 @@ mod tests {
         let scores = Scores { scale: 0.3, logit_softcap: None, window: None };
         let attend = |padding: Option<&Padding>, rows: usize| {
             let step = PagedStep::new(&batch, &pasts, &tables, 4, &Arc::default(), &Device::Cpu, padding).unwrap();
-            step.attention(&qkv.narrow(0, 0, rows).unwrap(), &heads, &pool, scores).unwrap()
+            step.write_and_attend(&pool, &qkv.narrow(0, 0, rows).unwrap(), &heads, scores).unwrap()
         };
         let eager = attend(None, batch.num_rows());
         let padded = attend(Some(&padding), shape.num_rows());
@@ -1288,13 +1222,11 @@ mod tests {
         let step = PagedStep::new(&batch, &[0], &[&table], 4, &Arc::default(), &Device::Cpu, None).unwrap();
         let (qkv, layer) = projection(2, 5);
         let heads = layer.op(false).unwrap();
-        let e = step.write_kv_heads(&pool, &qkv, &heads).unwrap_err().to_string();
-        assert!(e.contains("write_kv_heads") && e.contains("share a dtype"), "{e}");
         let scores = Scores { scale: 1.0, logit_softcap: None, window: None };
-        let e = step.attention(&qkv, &heads, &pool, scores).unwrap_err().to_string();
+        let e = step.write_and_attend(&pool, &qkv, &heads, scores).unwrap_err().to_string();
         assert!(e.contains("paged_attention") && e.contains("share a dtype"), "{e}");
         let narrow = qkv.narrow(1, 0, HEAD_DIM).unwrap().to_dtype(DType::BF16).unwrap();
-        let e = step.write_kv_heads(&pool, &narrow, &heads).unwrap_err().to_string();
+        let e = step.write_and_attend(&pool, &narrow, &heads, scores).unwrap_err().to_string();
         assert!(e.contains("need [n, "), "{e}");
     }
 }
