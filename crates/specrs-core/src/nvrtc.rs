@@ -194,4 +194,45 @@ mod tests {
             }
         }
     }
+
+    /// What the GPU would run, assembled here: ptxas (the toolkit's assembler, on PATH under
+    /// `make test-cuda-build`, from scripts/cuda-env.sh) turns each source's PTX into machine code
+    /// for sm_80 and sm_90, and no kernel spills registers to local memory (a spill is a memory
+    /// round trip per use in a step bound by memory bandwidth: the per-lane arrays of
+    /// paged_attention, say, must stay in registers).
+    #[test]
+    fn every_kernel_assembles_without_register_spills() {
+        let dir = std::env::temp_dir().join(format!("specrs-ptxas-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for arch in ARCHITECTURES {
+            let sm = arch.replace("compute_", "sm_");
+            for source in SOURCES {
+                let path = dir.join(format!("{}.{sm}.ptx", source.file));
+                std::fs::write(&path, compile(source, arch).unwrap()).unwrap();
+                let run = std::process::Command::new("ptxas")
+                    .args(["-arch", &sm, "-v", "-o", "/dev/null"])
+                    .arg(&path)
+                    .output()
+                    .expect("ptxas on PATH (eval \"$(scripts/cuda-env.sh)\", as make test-cuda-build does)");
+                let log = String::from_utf8_lossy(&run.stderr);
+                assert!(run.status.success(), "ptxas on {} for {sm}: {log}", source.file);
+                // "Function properties for NAME" then "N bytes stack frame, S bytes spill stores, L
+                // bytes spill loads".
+                let mut checked = 0;
+                let mut lines = log.lines();
+                while let Some(line) = lines.next() {
+                    let Some((_, name)) = line.split_once("Function properties for ") else { continue };
+                    let properties = lines.next().unwrap_or_default();
+                    assert!(
+                        properties.contains(" 0 bytes spill stores, 0 bytes spill loads"),
+                        "{} for {sm}: {name} spills: {properties}",
+                        source.file
+                    );
+                    checked += usize::from(source.entries.contains(&name.trim()));
+                }
+                assert_eq!(checked, source.entries.len(), "{} for {sm}: every entry reported: {log}", source.file);
+            }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
