@@ -93,7 +93,7 @@ wheel-cuda: setup
 test-cuda-build: setup
 	eval "$$(scripts/cuda-env.sh)" && CARGO_TARGET_DIR=$(CUDA_TARGET_DIR) \
 		LD_LIBRARY_PATH="$$SPECRS_CUDA_LIBS:$$SPECRS_CUDA_STUB_RUN" \
-		cargo test --release -p specrs-core --features cuda --lib -- batch:: model:: kv_cache:: nvrtc:: bandwidth:: verify:: engine::step_together:: proposer::ngram
+		cargo test --release -p specrs-core --features cuda --lib -- batch:: model:: kv_cache:: nvrtc:: bandwidth:: verify:: engine::step_together:: proposer::ngram proposer::suffix
 
 # Coverage-guided fuzzing (fuzz/README.md): each target for FUZZ_SECONDS, one core at a time,
 # then executions, coverage and crashes per target. fuzz/run.sh installs cargo-fuzz (crates.io)

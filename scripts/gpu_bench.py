@@ -27,8 +27,9 @@ every request's rows in one kernel each, cuda/paged_attention.cu), or the contig
 (5) tokens/s (generated tokens over wall time, prefill included) at batch 1, 8 and 32, plain and
     with k = 4 drafts from the replay proposer at a = 0.7 and 0.9 (fixed k, no adaptive length,
     draft budget off), each request replaying its own recorded plain greedy output at that batch,
-    and at batches 8 and 32 with n-gram drafts (looked up together on the device; identity with
-    plain greedy, its drafts counted; a random model drafts only where its output repeats);
+    and at batches 8 and 32 with n-gram drafts and with suffix-decoding drafts (each looked up
+    together on the device, cuda/ngram.cu and cuda/suffix.cu; identity with plain greedy, its
+    drafts counted; a random model drafts only where its output repeats);
     goals: batch 32 / batch 1 >= 12x, the a = 0.9 speedup >= 3x at batch 1. Batches run through
     `Engine.generate` over a list of prompts (continuous batching, max_num_seqs = batch size);
 (6) the peer on the same device, shape and call: transformers' LlamaForCausalLM with random bf16
@@ -73,11 +74,14 @@ PROMPT_LEN = 32
 K = 4
 ACCEPTANCES = (0.9, 0.7)  # 0.9 first: it carries the speedup goal
 BATCH_SIZES = (1, 8, 32)
-# The n-gram run of batches of at least 8 (their lookups run together on the device).
-NGRAM = f"ngram k={K}"
-NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-                "adaptive_draft_length": False}
-NGRAM_MIN_BATCH = 8
+# The n-gram and suffix-decoding runs of batches of at least 8 (their lookups run together on the
+# device: step_together::draft_lookups).
+LOOKUPS = {
+    f"ngram k={K}": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                     "adaptive_draft_length": False},
+    f"suffix k={K}": {"method": "suffix", "num_speculative_tokens": K, "adaptive_draft_length": False},
+}
+LOOKUP_MIN_BATCH = 8
 SEEDED = {"temperature": 0.8, "seed": 7}
 GOALS = {"itl_over_bound_max": 1.6, "batch32_over_batch1_min": 12.0, "speedup_a09_k4_batch1_min": 3.0}
 # Seconds kept for the peer (model init, compile, warm-up and batch 1) while specrs runs, and the
@@ -268,16 +272,19 @@ def part_batches(specrs, engine, dtype: str, vocab: int, num_tokens: int, clock:
             row[name] = against_plain(engine, dtype, prompts, recorded, plain, run)
             row[name]["ok"] = run["num_drafts"] > 0 and not row[name]["mismatches"]
             print_run(batch, name, row[name])
-        # n-gram drafts of a batch are looked up together on the device (at least 8 requests,
-        # step_together::draft_ngrams); a random model drafts only where its output repeats.
-        if batch >= NGRAM_MIN_BATCH:
-            if not clock.fits(need, reserve_s):
-                row[NGRAM] = {"skipped": "time budget"}
+        # n-gram and suffix drafts of a batch are looked up together on the device (at least 8
+        # requests each, step_together::draft_lookups); a random model drafts only where its output
+        # repeats.
+        for name, config in LOOKUPS.items():
+            if batch < LOOKUP_MIN_BATCH:
                 continue
-            run = run_batch(specrs, engine, prompts, greedy, speculative_config=NGRAM_CONFIG)
-            row[NGRAM] = against_plain(engine, dtype, prompts, recorded, plain, run)
-            row[NGRAM]["ok"] = not row[NGRAM]["mismatches"]
-            print_run(batch, NGRAM, row[NGRAM])
+            if not clock.fits(need, reserve_s):
+                row[name] = {"skipped": "time budget"}
+                continue
+            run = run_batch(specrs, engine, prompts, greedy, speculative_config=config)
+            row[name] = against_plain(engine, dtype, prompts, recorded, plain, run)
+            row[name]["ok"] = not row[name]["mismatches"]
+            print_run(batch, name, row[name])
     for row in out.values():
         row.pop("request0_tokens", None)
     return out
@@ -480,7 +487,7 @@ def failures(report: dict) -> list[str]:
             continue
         if not row["plain"]["repeatable"]:
             out.append(f"(5) batch {batch}: plain greedy run twice gave other tokens")
-        for name in [f"a={a} k={K}" for a in ACCEPTANCES] + [NGRAM]:
+        for name in [f"a={a} k={K}" for a in ACCEPTANCES] + list(LOOKUPS):
             r = row.get(name, {})
             if "ok" in r and not r["ok"]:
                 out.append(f"(5) batch {batch} {name}: " + ("no draft was made" if not r["mismatches"] else
@@ -533,7 +540,7 @@ def table(report: dict) -> str:
     lines.append(f"| ITL batch 1 | {fmt(itl_s, '.3f', 1e3)} ms = {fmt(ratio, '.2f')}x the bound{not_run(itl)} | "
                  f"<= {GOALS['itl_over_bound_max']}x{missed} |")
     batches = report.get("batches", {})
-    columns = ["plain"] + [f"a={a} k={K}" for a in sorted(ACCEPTANCES)] + [NGRAM]
+    columns = ["plain"] + [f"a={a} k={K}" for a in sorted(ACCEPTANCES)] + list(LOOKUPS)
     if not_run(batches):
         lines.append(f"| batches |{not_run(batches)} | - |")
     for batch in BATCH_SIZES if not not_run(batches) else ():
@@ -544,7 +551,7 @@ def table(report: dict) -> str:
         cells = []
         for c in columns:
             r = row.get(c, {})
-            if c == NGRAM and batch < NGRAM_MIN_BATCH:
+            if c in LOOKUPS and batch < LOOKUP_MIN_BATCH:
                 continue
             if "tokens_per_s" not in r:
                 cells.append(f"{c} {r.get('skipped', 'not run')}")

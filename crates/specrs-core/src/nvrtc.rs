@@ -73,10 +73,12 @@ pub const PAGED_ATTENTION: Source = Source {
         "paged_attention_f16",
     ],
 };
+pub const SUFFIX: Source =
+    Source { file: "suffix.cu", text: include_str!("../../../cuda/suffix.cu"), entries: &["suffix_kernel"] };
 pub const BANDWIDTH: Source =
     Source { file: "bandwidth.cu", text: include_str!("../../../cuda/bandwidth.cu"), entries: &["read_sum_kernel"] };
 
-pub const SOURCES: [&Source; 5] = [&ACCEPT, &NGRAM, &FUSED, &PAGED_ATTENTION, &BANDWIDTH];
+pub const SOURCES: [&Source; 6] = [&ACCEPT, &NGRAM, &SUFFIX, &FUSED, &PAGED_ATTENTION, &BANDWIDTH];
 /// The architectures CI compiles every source for: Ampere (A100) and Hopper (H100, H200).
 pub const ARCHITECTURES: [&str; 2] = ["compute_80", "compute_90"];
 

@@ -1,9 +1,11 @@
-//! The batched kernels on a CUDA device (`--features cuda`): `cuda/accept.cu` and `cuda/ngram.cu`,
+//! The batched kernels on a CUDA device (`--features cuda`): `cuda/accept.cu`, `cuda/ngram.cu` and
+//! `cuda/suffix.cu`,
 //! compiled with NVRTC for the device's architecture on first use and launched on candle's stream,
 //! so they order correctly after the forward pass that produced the logits.
 //!
 //! Invariant: same inputs, same outputs as the CPU references `accept::accept`,
-//! `tree_accept::tree_accept_packed` and `ngram::ngram_step`. The n-gram lookup and greedy
+//! `tree_accept::tree_accept_packed`, `ngram::ngram_step` and `suffix::suffix_step`. The n-gram
+//! and suffix lookups and greedy
 //! acceptance (chain or tree) are exact; a sampled draw sums floats in another order (the tree
 //! kernel's over vocabulary chunks), so a uniform lying within rounding of a CDF boundary can pick
 //! the neighbouring token (in a tree, and so another path; on an H200, 7 of 400 sampled chain
@@ -15,9 +17,10 @@ use candle_core::{Device, Storage, Tensor};
 
 use super::accept::{AcceptInput, AcceptOutput};
 use super::ngram::{NgramInput, NgramStep};
+use super::suffix::{SuffixStep, MAX_MATCHES, NODE_WORDS};
 use super::tree_accept::{tree_accept_in, upload_packed, PackedTrees, TreeAcceptInput, TreeAcceptOutput};
 use crate::error::{Error, Result};
-use crate::nvrtc::{cuda_device, device_error, function, open, ACCEPT, BLOCK, NGRAM};
+use crate::nvrtc::{cuda_device, device_error, function, open, ACCEPT, BLOCK, NGRAM, SUFFIX};
 
 /// Refuses target logits that are not `[batch, rows, vocab]`.
 fn check_dims(target_logits: &Tensor, expected: [usize; 3]) -> Result<()> {
@@ -150,16 +153,43 @@ pub fn ngram_step_on_device(
     stream.clone_dtoh(&out).map_err(|e| device_error("copying the drafts back", e))
 }
 
-/// A zeroed history pool of `len` tokens on `device`.
-pub fn history_pool(device: &Device, len: usize) -> Result<CudaSlice<u32>> {
+/// `suffix::suffix_step` on the device: the step's ONE upload, ONE launch writing its node entries
+/// into `pool` (`[slots, 3]`) and drafting, ONE download of `[B, 1 + max_k]`.
+pub fn suffix_step_on_device(device: &Device, pool: &mut CudaSlice<u32>, step: &SuffixStep) -> Result<Vec<u32>> {
+    step.check_pool(pool.len() / NODE_WORDS)?;
+    if step.num_seqs() == 0 {
+        return Ok(Vec::new());
+    }
     let device = cuda_device(device)?;
-    device.cuda_stream().alloc_zeros::<u32>(len.max(1)).map_err(|e| device_error("allocating the n-gram histories", e))
+    let func = function(device, &SUFFIX, "suffix_kernel")?;
+    let stream = device.cuda_stream();
+    crate::model::candle::count_upload();
+    let descriptor =
+        stream.clone_htod(&step.words()).map_err(|e| device_error("copying the suffix step to the device", e))?;
+    // SAFETY: every sequence's block writes its length and that many tokens, all the host reads.
+    let mut out = unsafe { stream.alloc::<u32>(step.output_words()) }
+        .map_err(|e| device_error("allocating the suffix drafts", e))?;
+    let mut launch = stream.launch_builder(&func);
+    launch.arg(pool).arg(&descriptor).arg(&mut out);
+    let threads = 2 * MAX_MATCHES as u32;
+    let config =
+        LaunchConfig { grid_dim: (step.num_seqs() as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match suffix_kernel's signature; check_pool verified every entry,
+    // match and best child lies in the pool and every limit within its row of the output.
+    unsafe { launch.launch(config) }.map_err(|e| device_error("launching suffix_kernel", e))?;
+    stream.clone_dtoh(&out).map_err(|e| device_error("copying the suffix drafts back", e))
+}
+
+/// A zeroed pool of `len` words on `device` (the n-gram histories, the suffix trees' nodes).
+pub fn zeroed_pool(device: &Device, len: usize) -> Result<CudaSlice<u32>> {
+    let device = cuda_device(device)?;
+    device.cuda_stream().alloc_zeros::<u32>(len.max(1)).map_err(|e| device_error("allocating a lookup pool", e))
 }
 
 /// `ngram::ngram_lookup` on `device` (inputs from the host): a fresh pool, one step.
 pub fn ngram_lookup_on_device(device: &Device, input: &NgramInput) -> Result<(Vec<u32>, Vec<u32>)> {
     let step = input.step()?;
-    let mut pool = history_pool(device, input.lengths.len() * input.max_len)?;
+    let mut pool = zeroed_pool(device, input.lengths.len() * input.max_len)?;
     Ok(input.padded(step.drafts(&ngram_step_on_device(device, &mut pool, input.max_len, &step)?)))
 }
 

@@ -1,5 +1,5 @@
-//! Batched kernels: many sequences' acceptance (of a draft chain or a token tree) or n-gram lookup in
-//! one call.
+//! Batched kernels: many sequences' acceptance (of a draft chain or a token tree) or n-gram or
+//! suffix-tree lookup in one call.
 //!
 //! Each concept has a CPU reference here, written as plainly as possible and tested in CI; the CUDA
 //! kernels in `cuda/` compute the same function on the device (`cuda.rs`, with the `cuda` feature),
@@ -9,6 +9,7 @@ pub mod accept;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod ngram;
+pub mod suffix;
 pub mod tree_accept;
 
 /// What is wrong with a batched input's arrays: each `(name, values, expected)` whose length is

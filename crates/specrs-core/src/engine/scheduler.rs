@@ -24,7 +24,8 @@
 //!    with `DraftBudget::Off`, each request's own length in arrival order, as a fixed-k server).
 //! 4. **Draft** the draft-model chains of every request together, one draft forward per depth
 //!    (`step_together::draft_chains`), and on CUDA the n-gram chains together in one device
-//!    lookup (`step_together::draft_ngrams`); the other proposers draft as each request plans.
+//!    lookup and the suffix-tree chains in another (`step_together::draft_lookups`); the other
+//!    proposers draft as each request plans.
 //! 5. **Forward, verify and commit** (`step_together::forward_and_commit`): one forward, one
 //!    verifier call for every request's draft (on the host), then each request's commit; its
 //!    tokens, its end or its error come back as a `RequestOutput`.
@@ -44,7 +45,7 @@ use std::sync::Arc;
 
 use super::kv_account::KvAccount;
 use super::session::{Generation, PlanLimits, Session, StepPlan, TokenLogprobs};
-use super::step_together::{draft_chains, draft_ngrams, forward_and_commit};
+use super::step_together::{draft_chains, draft_lookups, forward_and_commit};
 use super::{Engine, FinishReason, Speculation};
 use crate::config::SamplingParams;
 use crate::costs::CostSource;
@@ -444,7 +445,9 @@ impl Scheduler {
             ),
             false => ChainsDrafted::default(),
         };
-        draft_ngrams(self.running.iter_mut().zip(&limits).filter_map(|(r, limits)| Some((&mut r.session, (*limits)?))));
+        draft_lookups(
+            self.running.iter_mut().zip(&limits).filter_map(|(r, limits)| Some((&mut r.session, (*limits)?))),
+        );
         report.num_chains_drafted_together = chains.num_chains;
         report.num_shared_draft_forwards = chains.num_forwards;
         let mut plans: Vec<(usize, StepPlan)> = Vec::new();

@@ -45,6 +45,7 @@ use crate::metrics::{EngineMetrics, IdleReason, RequestMetrics, RequestTimer, Sp
 use crate::model::{CausalLm, LogitRows, SeqRows, Tap};
 use crate::proposer::chains_together::ChainJob;
 use crate::proposer::ngram_together::NgramJob;
+use crate::proposer::suffix_together::SuffixJob;
 use crate::proposer::tree::{path_tokens, rank_paths};
 use crate::proposer::{Draft, Feedback, ProposeInput, TreeLimits};
 use crate::sampler::Sampler;
@@ -340,6 +341,12 @@ impl StepPlan {
     pub fn num_draft_tokens(&self) -> usize {
         self.draft.token_ids.len()
     }
+}
+
+/// A chain a scheduler looks up together with other sessions' on the device (`Session::lookup_job`).
+pub(crate) enum LookupJob<'a> {
+    Ngram(NgramJob<'a>),
+    Suffix(SuffixJob<'a>),
 }
 
 pub struct Session {
@@ -815,13 +822,20 @@ impl Session {
         Some(ChainJob { drafter, context, max_tokens, propose_s: &mut self.spec_metrics.propose_s })
     }
 
-    /// The n-gram chain the next `plan_with(limits)` will draft, for a scheduler to look it up
-    /// together with other sessions' on the device (`ngram_together.rs`); that plan's `propose`
-    /// then returns it. None where the next plan drafts no n-gram chain (as for `chain_job`).
-    pub(crate) fn ngram_job(&mut self, limits: PlanLimits) -> Option<NgramJob<'_>> {
+    /// The n-gram or suffix-tree chain the next `plan_with(limits)` will draft, for a scheduler to
+    /// look it up together with other sessions' on the device (`ngram_together.rs`,
+    /// `suffix_together.rs`); that plan's `propose` then returns it. None where the next plan
+    /// drafts no such chain (as for `chain_job`).
+    pub(crate) fn lookup_job(&mut self, limits: PlanLimits) -> Option<LookupJob<'_>> {
         let max_tokens = self.next_chain_length(limits)?;
-        let proposer = self.speculation.as_mut()?.proposer.ngram_chain()?;
-        Some(NgramJob { proposer, context: &self.all_ids, max_tokens, propose_s: &mut self.spec_metrics.propose_s })
+        let proposer = &mut self.speculation.as_mut()?.proposer;
+        let (context, propose_s) = (&self.all_ids[..], &mut self.spec_metrics.propose_s);
+        if proposer.ngram_chain().is_some() {
+            let proposer = proposer.ngram_chain()?;
+            return Some(LookupJob::Ngram(NgramJob { proposer, context, max_tokens, propose_s }));
+        }
+        let proposer = proposer.suffix_chain()?;
+        Some(LookupJob::Suffix(SuffixJob { proposer, context, max_tokens, propose_s }))
     }
 
     /// The length of the chain the next `plan_with(limits)` asks its proposer for; None where it

@@ -20,13 +20,14 @@ use std::time::Instant;
 use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaStream};
 use candle_core::Tensor;
 
-use super::session::{ForwardTiming, PlanLimits, Session, StepOutput, StepPlan};
+use super::session::{ForwardTiming, LookupJob, PlanLimits, Session, StepOutput, StepPlan};
 use crate::batch::tree_accept::PackedTrees;
 use crate::error::{guard, Error, Result};
 use crate::kv_cache::KvCache;
 use crate::model::{CarriedWords, ForwardBatch, ForwardOutput, SeqRows, Tap};
 use crate::proposer::chains_together::{draft_chains_together, ChainsDrafted};
-use crate::proposer::ngram_together::{draft_ngrams_together, NgramJob, MIN_TOGETHER};
+use crate::proposer::ngram_together::{draft_ngrams_together, MIN_TOGETHER};
+use crate::proposer::suffix_together::draft_suffixes_together;
 use crate::verify::batch::VerifyBatchBuilder;
 use crate::verify::host::verify_batch;
 
@@ -41,7 +42,7 @@ pub fn step_together(sessions: &mut [&mut Session]) -> Result<Vec<Result<StepOut
     }
     let mut results: Vec<Option<Result<StepOutput>>> = (0..sessions.len()).map(|_| None).collect();
     draft_chains(sessions.iter_mut().map(|s| (&mut **s, PlanLimits::default())));
-    draft_ngrams(sessions.iter_mut().map(|s| (&mut **s, PlanLimits::default())));
+    draft_lookups(sessions.iter_mut().map(|s| (&mut **s, PlanLimits::default())));
     let mut plans: Vec<(usize, StepPlan)> = Vec::new();
     for (i, session) in sessions.iter_mut().enumerate() {
         match session.plan() {
@@ -64,10 +65,11 @@ pub(super) fn draft_chains<'a>(sessions: impl IntoIterator<Item = (&'a mut Sessi
     draft_chains_together(sessions.into_iter().filter_map(|(session, limits)| session.chain_job(limits)).collect())
 }
 
-/// Looks up together, where the target runs, the n-gram chains the sessions' next plans (within
-/// their limits) will draft (`ngram_together.rs`): on CUDA, when at least `MIN_TOGETHER` do.
-/// Returns how many were looked up.
-pub(super) fn draft_ngrams<'a>(sessions: impl IntoIterator<Item = (&'a mut Session, PlanLimits)>) -> usize {
+/// Looks up together, where the target runs, the n-gram chains and the suffix-tree chains the
+/// sessions' next plans (within their limits) will draft (`ngram_together.rs`,
+/// `suffix_together.rs`): on CUDA, each kind when at least `MIN_TOGETHER` draft by it. Returns how
+/// many were looked up.
+pub(super) fn draft_lookups<'a>(sessions: impl IntoIterator<Item = (&'a mut Session, PlanLimits)>) -> usize {
     let mut sessions = sessions.into_iter().peekable();
     let Some((first, _)) = sessions.peek() else { return 0 };
     let device = first.model().device().clone();
@@ -75,11 +77,17 @@ pub(super) fn draft_ngrams<'a>(sessions: impl IntoIterator<Item = (&'a mut Sessi
     if !device.is_cuda() && !takes_the_device_path() {
         return 0;
     }
-    let jobs: Vec<NgramJob> = sessions.filter_map(|(session, limits)| session.ngram_job(limits)).collect();
-    if jobs.len() < MIN_TOGETHER && !takes_the_device_path() {
-        return 0;
+    let (mut ngrams, mut suffixes) = (Vec::new(), Vec::new());
+    for (session, limits) in sessions {
+        match session.lookup_job(limits) {
+            Some(LookupJob::Ngram(job)) => ngrams.push(job),
+            Some(LookupJob::Suffix(job)) => suffixes.push(job),
+            None => {}
+        }
     }
-    draft_ngrams_together(&device, jobs)
+    let together = |jobs: usize| jobs >= MIN_TOGETHER || takes_the_device_path();
+    let ngrams = if together(ngrams.len()) { draft_ngrams_together(&device, ngrams) } else { 0 };
+    ngrams + if together(suffixes.len()) { draft_suffixes_together(&device, suffixes) } else { 0 }
 }
 
 /// What `forward_and_commit` did: each planned session's step (by its index in `sessions`, in plan
@@ -646,19 +654,41 @@ pub(super) mod tests {
     /// verification.
     #[test]
     fn ngram_chains_looked_up_together_draft_what_each_request_drafts_alone() {
+        let json = r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3, "adaptive_draft_length": false}"#;
+        lookups_together_draft_what_each_request_drafts_alone(json, 0);
+    }
+
+    /// The same for suffix decoding, after two requests whose responses the global tree holds.
+    #[test]
+    fn suffix_chains_looked_up_together_draft_what_each_request_drafts_alone() {
+        let json = r#"{"method": "suffix", "num_speculative_tokens": 4, "adaptive_draft_length": false}"#;
+        lookups_together_draft_what_each_request_drafts_alone(json, 2);
+    }
+
+    /// Four greedy requests of `json`'s lookup method (after `finished_before` requests run to
+    /// their end on the same engine), stepped together on the host path and on the device path
+    /// (each step's lookups together through the kernel's reference): the same tokens and
+    /// drafts, and one lookup upload per decoding step beside the verification's.
+    fn lookups_together_draft_what_each_request_drafts_alone(json: &str, finished_before: u32) {
         let run = |device_path: bool| {
-            DEVICE_PATH.set(device_path);
             let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden/hf/llama");
             let engine = Engine::load(dir, "cpu").unwrap();
-            let json = r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-                "prompt_lookup_max": 3, "adaptive_draft_length": false}"#;
             let config = SpeculativeConfig::from_json(json).unwrap();
+            let prompt = |i: u32| -> Vec<u32> { (0..12).map(|t| 3 + (t * (i + 1)) % 5).collect() };
+            // Long enough for the random model's greedy output to fall into loops.
+            let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(96) };
+            for i in 0..finished_before {
+                let mut session =
+                    engine.start(prompt(i), params.clone(), Some(engine.speculation(&config, None).unwrap())).unwrap();
+                while !session.is_finished() {
+                    session.step().unwrap();
+                }
+            }
+            DEVICE_PATH.set(device_path);
             let mut sessions: Vec<Session> = (0..4u32)
                 .map(|i| {
-                    let prompt: Vec<u32> = (0..12).map(|t| 3 + (t * (i + 1)) % 5).collect();
-                    // Long enough for the random model's greedy output to fall into loops.
-                    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(96) };
-                    engine.start(prompt, params, Some(engine.speculation(&config, None).unwrap())).unwrap()
+                    engine.start(prompt(i), params.clone(), Some(engine.speculation(&config, None).unwrap())).unwrap()
                 })
                 .collect();
             let (uploads, mut steps) = (UPLOADS.with(Cell::get), 0);

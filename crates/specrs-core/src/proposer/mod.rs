@@ -20,6 +20,7 @@ pub mod ngram_together;
 pub mod pard;
 pub mod suffix;
 pub mod suffix_store;
+pub mod suffix_together;
 pub mod tree;
 
 use crate::config::SamplingParams;
@@ -341,6 +342,13 @@ pub trait Proposer: Send {
     /// requests' on the device (`ngram_together.rs`); the session then calls `propose(context,
     /// max_tokens)`, which returns that chain. None (the default) for other proposers.
     fn ngram_chain(&mut self) -> Option<&mut ngram::NgramProposer> {
+        None
+    }
+
+    /// The suffix-decoding proposer whose next chain a scheduler may look up together with other
+    /// requests' on the device (`suffix_together.rs`), as `ngram_chain`. None (the default) for
+    /// other proposers.
+    fn suffix_chain(&mut self) -> Option<&mut suffix::SuffixProposer> {
         None
     }
 

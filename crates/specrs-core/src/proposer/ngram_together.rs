@@ -88,7 +88,7 @@ impl NgramHistories {
         let max_len = max_len.max(self.max_len).next_multiple_of(1024);
         #[cfg(feature = "cuda")]
         if self.device.is_cuda() {
-            self.pool = Pool::Cuda(crate::batch::cuda::history_pool(&self.device, rows * max_len)?);
+            self.pool = Pool::Cuda(crate::batch::cuda::zeroed_pool(&self.device, rows * max_len)?);
         }
         if !self.device.is_cuda() {
             self.pool = Pool::Host(vec![0; rows * max_len]);

@@ -9,6 +9,10 @@
 //! (`csrc/suffix_decoding/suffix_tree.cc`, `arctic_inference/suffix_decoding/cache.py`), which
 //! vLLM's `vllm/v1/spec_decode/suffix_decoding.py` calls; see [`SuffixProposer`] for the rules.
 //!
+//! On CUDA a batch's chains are looked up together on the device (`suffix_together.rs`) over a
+//! mirror of these trees: a mirrored tree logs the nodes whose count, token or best child change,
+//! so a step uploads only those.
+//!
 //! Tree drafts (`propose_tree`) are SuffixDecoding's tree speculation: from the winning chain's
 //! match node, the continuations most likely under the counts, best first by cumulative
 //! probability, with the chain itself as the rank-0 path.
@@ -97,20 +101,57 @@ struct NodeArena {
     nodes: Vec<Node>,
     /// Released slots, reused before the arena grows.
     free: Vec<u32>,
+    /// The nodes whose count, token or best child changed since a device mirror last read them
+    /// (`suffix_together.rs`); None until a mirror reads the tree, so a tree no device mirrors
+    /// logs nothing.
+    log: Option<ChangeLog>,
+}
+
+/// What a device mirror has not read yet: each changed node once.
+#[derive(Debug, Default)]
+struct ChangeLog {
+    /// The mirror that read the tree last (a mirror of another device must read it whole).
+    owner: u64,
+    changed: Vec<u32>,
+    marked: Vec<bool>,
 }
 
 impl NodeArena {
     fn new() -> Self {
-        Self { nodes: vec![Node::new(0)], free: Vec::new() }
+        Self { nodes: vec![Node::new(0)], free: Vec::new(), log: None }
+    }
+
+    /// Notes that node `id`'s mirror entry changed (where a mirror reads this tree).
+    fn mark(&mut self, id: u32) {
+        if let Some(log) = &mut self.log {
+            let i = id as usize;
+            if i >= log.marked.len() {
+                log.marked.resize(i + 1, false);
+            }
+            if !log.marked[i] {
+                log.marked[i] = true;
+                log.changed.push(id);
+            }
+        }
+    }
+
+    /// Node `id` as a device mirror holds it: `[count, token, best child or NONE]` (a free slot,
+    /// count 0, has no child a walk could reach).
+    fn mirror_entry(&mut self, id: u32) -> [u32; 3] {
+        let node = self.nodes[id as usize];
+        let best = if node.count == 0 { NONE } else { self.best_child(id) };
+        [node.count, node.token, best]
     }
 
     fn live(&self) -> usize {
         self.nodes.len() - self.free.len()
     }
 
-    /// Bytes the arena holds (capacity, free slots included: they are not returned to the OS).
+    /// Bytes the arena holds (capacity, free slots included: they are not returned to the OS), and
+    /// its change log where a mirror reads it.
     fn memory_bytes(&self) -> usize {
-        self.nodes.capacity() * std::mem::size_of::<Node>() + self.free.capacity() * std::mem::size_of::<u32>()
+        let log = self.log.as_ref().map_or(0, |log| log.changed.capacity() * 4 + log.marked.capacity());
+        self.nodes.capacity() * std::mem::size_of::<Node>() + self.free.capacity() * std::mem::size_of::<u32>() + log
     }
 
     /// A fresh node for `token`, linked first among `parent`'s children, with count 0.
@@ -135,6 +176,8 @@ impl NodeArena {
         }
         self.nodes[id as usize].next_sibling = old_first;
         self.nodes[parent as usize].first_child = id;
+        self.mark(id);
+        self.mark(parent);
         id
     }
 
@@ -155,6 +198,8 @@ impl NodeArena {
     /// One more occurrence of `child`; a count only rises here, so the best child can only become
     /// `child` itself.
     fn increment(&mut self, parent: u32, child: u32) {
+        self.mark(child);
+        self.mark(parent);
         self.nodes[child as usize].count += 1;
         let best = self.nodes[parent as usize].best_child;
         if best != NONE && best != child && beats(&self.nodes[child as usize], &self.nodes[best as usize]) {
@@ -164,6 +209,8 @@ impl NodeArena {
 
     /// One fewer occurrence of `child`; returns whether it reached 0 (the caller prunes it).
     fn decrement(&mut self, parent: u32, child: u32) -> bool {
+        self.mark(child);
+        self.mark(parent);
         let node = &mut self.nodes[child as usize];
         node.count -= 1;
         let emptied = node.count == 0;
@@ -456,11 +503,15 @@ pub struct SuffixTree {
     next_suffixes: Vec<u32>,
     /// Tokens of all held sequences (the root's count, as u64).
     num_tokens: u64,
+    /// Unique per tree: a device mirror's key for it.
+    mirror_id: u64,
 }
 
 impl SuffixTree {
     pub fn new(max_depth: usize) -> Self {
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         Self {
+            mirror_id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             max_depth,
             arena: NodeArena::new(),
             edges: EdgeMap::default(),
@@ -472,6 +523,42 @@ impl SuffixTree {
 
     pub fn max_depth(&self) -> usize {
         self.max_depth
+    }
+
+    /// Its key in a device mirror (`suffix_together.rs`): unique per tree, so a tree built anew
+    /// (a rewritten context, a replaced cache) is mirrored anew.
+    pub(crate) fn mirror_id(&self) -> u64 {
+        self.mirror_id
+    }
+
+    /// Node slots a mirror holds for it (free ones included: the arena's length).
+    pub(crate) fn num_slots(&self) -> usize {
+        self.arena.nodes.len()
+    }
+
+    /// Node `id` as a mirror holds it (`[count, token, best child or NONE]`).
+    #[cfg(test)]
+    pub(crate) fn mirror_entry(&mut self, id: u32) -> [u32; 3] {
+        self.arena.mirror_entry(id)
+    }
+
+    /// The nodes mirror `owner` must write to hold this tree, each `(slot, [count, token, best
+    /// child or NONE])`: every slot when `whole` or when another mirror (or none) read it last,
+    /// else the nodes changed since `owner` read it. Logs changes from here on for `owner`.
+    pub(crate) fn mirror_changes(&mut self, owner: u64, whole: bool) -> Vec<(u32, [u32; 3])> {
+        let arena = &mut self.arena;
+        let whole = whole || arena.log.as_ref().is_none_or(|log| log.owner != owner);
+        let ids: Vec<u32> = if whole {
+            arena.log = Some(ChangeLog { owner, ..ChangeLog::default() });
+            (0..arena.nodes.len() as u32).collect()
+        } else {
+            let log = arena.log.as_mut().expect("read by owner");
+            for &id in &log.changed {
+                log.marked[id as usize] = false;
+            }
+            std::mem::take(&mut log.changed)
+        };
+        ids.into_iter().map(|id| (id, arena.mirror_entry(id))).collect()
     }
 
     /// Distinct non-empty substrings (of at most `max_depth` tokens) in the held sequences: the
@@ -668,6 +755,12 @@ impl SuffixCache {
         self.generation += 1;
     }
 
+    /// Its tree and whether it holds any response (a proposer reads it only then), for the
+    /// device lookup.
+    pub(crate) fn tree_if_used(&mut self) -> Option<&mut SuffixTree> {
+        (!self.responses.is_empty()).then_some(&mut self.tree)
+    }
+
     pub fn num_cached_requests(&self) -> usize {
         self.responses.len()
     }
@@ -773,6 +866,9 @@ pub struct SuffixProposer {
     global_draft: Vec<u32>,
     scratch: Vec<u32>,
     finished: bool,
+    /// The chain looked up ahead on the device for `propose(context, max_tokens)`: (context
+    /// length, max_tokens, chain); `suffix_together.rs`.
+    pub(super) ahead: Option<(usize, usize, Vec<u32>)>,
 }
 
 impl SuffixProposer {
@@ -790,6 +886,7 @@ impl SuffixProposer {
             global_draft: Vec::new(),
             scratch: Vec::new(),
             finished: false,
+            ahead: None,
         }
     }
 
@@ -833,10 +930,12 @@ impl SuffixProposer {
 
     /// The draft for `context`: the chain of at most `max_tokens` tokens, or with `tree`, the tree
     /// at most `max_tokens` deep grown from the chain's match (see [`SuffixProposer`]).
-    fn speculate(&mut self, context: &[u32], max_tokens: usize, tree: Option<TreeLimits>) -> Draft {
+    /// Brings this request's tree up to date with `context`.
+    fn index(&mut self, context: &[u32]) {
         if context.len() < self.indexed || !self.tail.agrees(context) {
             // The context grows, or takes back tokens it showed unverified (a grammar's forced
             // run the target rejected): then this request's tree starts over.
+            super::suffix_together::release(self.local.mirror_id());
             self.local = SuffixTree::new(self.params.max_tree_depth);
             self.indexed = 0;
             self.global_matches = GlobalMatches::default();
@@ -844,7 +943,10 @@ impl SuffixProposer {
         self.local.extend(&context[self.indexed..]);
         self.indexed = context.len();
         self.tail.record(context);
+    }
 
+    fn speculate(&mut self, context: &[u32], max_tokens: usize, tree: Option<TreeLimits>) -> Draft {
+        self.index(context);
         let pattern_len = context.len().min(self.params.max_tree_depth);
         // A tree's chain is what `propose` would draft within the node budget, so the tree chooser
         // cutting the tree to its rank-0 path gets exactly the chain.
@@ -883,6 +985,67 @@ impl SuffixProposer {
     }
 }
 
+/// What the device lookup of one request's chain reads (`suffix_together.rs`).
+pub(crate) struct ChainLookup {
+    /// The chain's most tokens per match length (`[pattern_len]`; index 0, the root, unused).
+    pub limits: Vec<u32>,
+    /// The request tree's match nodes (`[pattern_len]`, index 0 the root).
+    pub local: Vec<u32>,
+    /// The global tree's (at most `pattern_len`), None where the proposer does not read it.
+    pub global: Option<Vec<u32>>,
+    pub min_token_prob: f32,
+}
+
+impl SuffixProposer {
+    /// Keeps `chain`, looked up on the device by this proposer's rule (`suffix_together.rs`),
+    /// for the next `propose(context, max_tokens)`.
+    pub(crate) fn begin_chain(&mut self, context: &[u32], max_tokens: usize, chain: Vec<u32>) {
+        self.ahead = Some((context.len(), max_tokens, chain));
+    }
+
+    /// For the device lookup of `propose(context, max_tokens)`: brings this request's tree up to
+    /// date with `context` and returns what the lookup reads, the global tree's match nodes
+    /// through `global` (this proposer's cache, locked by the caller: None where it holds no
+    /// response); None where the rule drafts nothing.
+    pub(crate) fn chain_lookup(
+        &mut self,
+        context: &[u32],
+        max_tokens: usize,
+        global: Option<&SuffixCache>,
+    ) -> Option<ChainLookup> {
+        self.index(context);
+        let pattern_len = context.len().min(self.params.max_tree_depth);
+        if max_tokens == 0 || pattern_len < 2 {
+            return None;
+        }
+        let limits = DraftLimits {
+            max_tokens,
+            max_spec_factor: self.params.max_spec_factor,
+            min_token_prob: self.params.min_token_prob,
+        };
+        let global = global.filter(|cache| !cache.responses.is_empty()).map(|cache| {
+            let matches = Self::global_matches(&mut self.global_matches, cache, context);
+            matches[..pattern_len.min(matches.len())].to_vec()
+        });
+        Some(ChainLookup {
+            limits: (0..pattern_len).map(|m| limits.for_match(m) as u32).collect(),
+            local: self.local.open_suffixes[..pattern_len].to_vec(),
+            global,
+            min_token_prob: self.params.min_token_prob,
+        })
+    }
+
+    /// This request's tree (the device lookup mirrors it).
+    pub(crate) fn local_tree(&mut self) -> &mut SuffixTree {
+        &mut self.local
+    }
+
+    /// The engine's shared cache, None where this proposer reads none.
+    pub(crate) fn global_cache(&self) -> Option<&Arc<Mutex<SuffixCache>>> {
+        (self.params.max_cached_requests > 0).then_some(&self.global)
+    }
+}
+
 /// The winning tree's draft: its chain as is, or with `tree`, the tree grown from the chain's
 /// match, at most `depth_limits.for_match(match length)` deep.
 fn shape_draft(
@@ -904,25 +1067,44 @@ fn shape_draft(
     Draft::tree(token_ids, parents)
 }
 
+impl Drop for SuffixProposer {
+    fn drop(&mut self) {
+        super::suffix_together::release(self.local.mirror_id());
+    }
+}
+
 impl Proposer for SuffixProposer {
     fn drafts_after_unverified_tokens(&self) -> bool {
         true
     }
 
+    fn suffix_chain(&mut self) -> Option<&mut SuffixProposer> {
+        Some(self)
+    }
+
     fn propose(&mut self, context: &[u32], max_tokens: usize) -> Result<Draft> {
+        if let Some((len, max, chain)) = self.ahead.take() {
+            if (len, max) == (context.len(), max_tokens) {
+                // The lookup indexed this context.
+                return Ok(Draft::tokens(chain));
+            }
+        }
         Ok(self.speculate(context, max_tokens, None))
     }
 
     /// SuffixDecoding's tree speculation; see [`SuffixProposer`].
     fn propose_tree(&mut self, context: &[u32], max_depth: usize, limits: TreeLimits) -> Result<Draft> {
+        self.ahead = None;
         Ok(self.speculate(context, max_depth, Some(limits)))
     }
 
     fn finish(&mut self, generated: &[u32]) {
+        self.ahead = None;
         if self.finished {
             return;
         }
         self.finished = true;
+        super::suffix_together::release(self.local.mirror_id());
         if self.params.max_cached_requests > 0 {
             Self::lock_global(&self.global).insert_response(generated);
         }
