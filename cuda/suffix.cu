@@ -8,7 +8,9 @@
 //   lists   [...]   per sequence: limits [L], local match slots [L], global match slots [G]
 // The pool is [slots, 3] u32 (count, token, best child's slot). Every block first writes every
 // entry (blocks write the same values to the same slots, so none reads a half-written tree: each
-// has written them all itself before it walks), then thread m of the first (second) half walks
+// has written them all itself before it walks; where a step writes many, a tree written whole,
+// suffix_write_kernel writes them once, grid-stride, in a launch before, and suffix_kernel is told
+// not to), then thread m of the first (second) half walks
 // the greedy path from the local (global) match of length m (m >= 1) for its score; thread 0
 // picks each tree's best (ties to the longer match; the global one only if strictly higher) and
 // walks it again to write [length, tokens] into its row of out [B, 1 + max_k]. The walk's f32
@@ -42,21 +44,35 @@ __device__ float walk(const unsigned int* pool, unsigned int node, unsigned int 
     return score;
 }
 
-extern "C" __global__ void suffix_kernel(
-    unsigned int* pool,          // [slots, 3]: every mirrored tree's nodes
-    const unsigned int* desc,    // the step descriptor above
-    unsigned int* out)           // [B, 1 + max_k] out
-{
-    __shared__ float scores[2 * MAX_MATCHES];
-    const unsigned int num_seqs = desc[0], num_entries = desc[1], max_k = desc[2];
+// Entries first..num_entries of the descriptor, every `stride`-th from `first` (each into its slot).
+__device__ void write_entries(unsigned int* pool, const unsigned int* desc, unsigned long long first,
+                              unsigned long long stride) {
+    const unsigned long long num_entries = desc[1];
     const unsigned int* entries = desc + HEADER_WORDS;
-    for (unsigned int e = threadIdx.x; e < num_entries; e += blockDim.x) {
-        const unsigned int* entry = entries + (unsigned long long)e * ENTRY_WORDS;
+    for (unsigned long long e = first; e < num_entries; e += stride) {
+        const unsigned int* entry = entries + e * ENTRY_WORDS;
         unsigned int* node = pool + 3ull * entry[0];
         node[0] = entry[1];
         node[1] = entry[2];
         node[2] = entry[3];
     }
+}
+
+extern "C" __global__ void suffix_write_kernel(unsigned int* pool, const unsigned int* desc) {
+    write_entries(pool, desc, (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x,
+                  (unsigned long long)gridDim.x * blockDim.x);
+}
+
+extern "C" __global__ void suffix_kernel(
+    unsigned int* pool,          // [slots, 3]: every mirrored tree's nodes
+    const unsigned int* desc,    // the step descriptor above
+    unsigned int* out,           // [B, 1 + max_k] out
+    unsigned int entries_written)  // 1: suffix_write_kernel wrote the entries before
+{
+    __shared__ float scores[2 * MAX_MATCHES];
+    const unsigned int num_seqs = desc[0], num_entries = desc[1], max_k = desc[2];
+    const unsigned int* entries = desc + HEADER_WORDS;
+    if (!entries_written) write_entries(pool, desc, threadIdx.x, blockDim.x);
     __syncthreads();
     const unsigned int* seqs = entries + (unsigned long long)num_entries * ENTRY_WORDS;
     const unsigned int* seq = seqs + SEQ_WORDS * blockIdx.x;

@@ -350,6 +350,7 @@ def test_gpu_bench_script_runs_its_cpu_mode(tmp_path):
     for batch in ("1", "8", "32"):
         row = report["batches"][batch]
         assert row["plain"]["repeatable"] and all(row[f"a={a} k=4"]["ok"] for a in (0.9, 0.7)), row
-        # n-gram drafts from batch 8 on (looked up together on a GPU): plain greedy's tokens.
-        assert ("ngram k=4" in row) == (batch != "1") and row.get("ngram k=4", {"ok": True})["ok"], row
+        # n-gram and suffix drafts from batch 8 on (looked up together on a GPU): plain greedy's tokens.
+        for lookup in ("ngram k=4", "suffix k=4"):
+            assert (lookup in row) == (batch != "1") and row.get(lookup, {"ok": True})["ok"], row
     assert run.stdout.rstrip().splitlines()[-1].startswith("gpu_bench PASS on cpu: 0 failures")

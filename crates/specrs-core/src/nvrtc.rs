@@ -73,8 +73,11 @@ pub const PAGED_ATTENTION: Source = Source {
         "paged_attention_f16",
     ],
 };
-pub const SUFFIX: Source =
-    Source { file: "suffix.cu", text: include_str!("../../../cuda/suffix.cu"), entries: &["suffix_kernel"] };
+pub const SUFFIX: Source = Source {
+    file: "suffix.cu",
+    text: include_str!("../../../cuda/suffix.cu"),
+    entries: &["suffix_write_kernel", "suffix_kernel"],
+};
 pub const BANDWIDTH: Source =
     Source { file: "bandwidth.cu", text: include_str!("../../../cuda/bandwidth.cu"), entries: &["read_sum_kernel"] };
 

@@ -153,8 +153,13 @@ pub fn ngram_step_on_device(
     stream.clone_dtoh(&out).map_err(|e| device_error("copying the drafts back", e))
 }
 
+/// Node entries past which a step writes them in a launch of their own (once, across the grid)
+/// rather than in every sequence's block: a tree written whole (a new or laid-out mirror).
+const SUFFIX_ENTRIES_APART: usize = 4096;
+
 /// `suffix::suffix_step` on the device: the step's ONE upload, ONE launch writing its node entries
-/// into `pool` (`[slots, 3]`) and drafting, ONE download of `[B, 1 + max_k]`.
+/// into `pool` (`[slots, 3]`) and drafting (two where it writes more than `SUFFIX_ENTRIES_APART`
+/// entries), ONE download of `[B, 1 + max_k]`.
 pub fn suffix_step_on_device(device: &Device, pool: &mut CudaSlice<u32>, step: &SuffixStep) -> Result<Vec<u32>> {
     step.check_pool(pool.len() / NODE_WORDS)?;
     if step.num_seqs() == 0 {
@@ -169,8 +174,20 @@ pub fn suffix_step_on_device(device: &Device, pool: &mut CudaSlice<u32>, step: &
     // SAFETY: every sequence's block writes its length and that many tokens, all the host reads.
     let mut out = unsafe { stream.alloc::<u32>(step.output_words()) }
         .map_err(|e| device_error("allocating the suffix drafts", e))?;
+    let apart = step.num_entries() > SUFFIX_ENTRIES_APART;
+    if apart {
+        let write = function(device, &SUFFIX, "suffix_write_kernel")?;
+        let mut launch = stream.launch_builder(&write);
+        launch.arg(&mut *pool).arg(&descriptor);
+        let grid = step.num_entries().div_ceil(BLOCK as usize).min(4096) as u32;
+        let config = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the arguments match suffix_write_kernel's signature; check_pool verified every
+        // entry's slot lies in the pool.
+        unsafe { launch.launch(config) }.map_err(|e| device_error("launching suffix_write_kernel", e))?;
+    }
+    let entries_written = u32::from(apart);
     let mut launch = stream.launch_builder(&func);
-    launch.arg(pool).arg(&descriptor).arg(&mut out);
+    launch.arg(pool).arg(&descriptor).arg(&mut out).arg(&entries_written);
     let threads = 2 * MAX_MATCHES as u32;
     let config =
         LaunchConfig { grid_dim: (step.num_seqs() as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };

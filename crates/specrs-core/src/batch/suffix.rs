@@ -6,8 +6,8 @@
 //! A step is ONE packed upload (`SuffixStep`): the node entries that changed since the last step
 //! (every slot of a tree the pool did not hold), then per sequence its chain's limits and the
 //! match nodes of its request's tree and of the global tree; ONE launch writes the entries and
-//! drafts (`cuda/suffix.cu`); ONE download brings back `[B, 1 + max_k]`: each draft's length, then
-//! the draft.
+//! drafts (`cuda/suffix.cu`; a step writing a tree whole writes its entries in a launch before);
+//! ONE download brings back `[B, 1 + max_k]`: each draft's length, then the draft.
 //!
 //! The rule is `SuffixProposer`'s (its docs): for every match length m >= 1 of each tree, the
 //! greedy path from the match node, at most `limits[m]` tokens: to the best child while the
