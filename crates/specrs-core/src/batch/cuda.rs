@@ -120,6 +120,21 @@ pub(super) fn tree_accept_in_place(
     Ok(())
 }
 
+/// A lookup step's descriptor `words` on the device (its ONE upload, counted) and room for its
+/// `output_words` drafts (each kernel writes every draft's length and that many tokens: all the
+/// host reads).
+fn upload_lookup_step(
+    stream: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+    words: &[u32],
+    output_words: usize,
+) -> Result<(CudaSlice<u32>, CudaSlice<u32>)> {
+    crate::model::candle::count_upload();
+    let descriptor = stream.clone_htod(words).map_err(|e| device_error("copying a lookup step to the device", e))?;
+    // SAFETY: see above; nothing reads past what the kernel writes.
+    let out = unsafe { stream.alloc::<u32>(output_words) }.map_err(|e| device_error("allocating the drafts", e))?;
+    Ok((descriptor, out))
+}
+
 /// `ngram::ngram_step` on the device: `pool` `[rows * max_len]` (the histories) stays there
 /// between steps; ONE upload (the step's descriptor), ONE launch (appends and lookups), ONE
 /// download (the drafts, `[B, 1 + max_k]`).
@@ -136,12 +151,7 @@ pub fn ngram_step_on_device(
     let device = cuda_device(device)?;
     let func = function(device, &NGRAM, "ngram_kernel")?;
     let stream = device.cuda_stream();
-    crate::model::candle::count_upload();
-    let descriptor =
-        stream.clone_htod(&step.words()).map_err(|e| device_error("copying the n-gram step to the device", e))?;
-    // SAFETY: every sequence's block writes its whole output row.
-    let mut out = unsafe { stream.alloc::<u32>(step.output_words()) }
-        .map_err(|e| device_error("allocating the n-gram drafts", e))?;
+    let (descriptor, mut out) = upload_lookup_step(&stream, &step.words(), step.output_words())?;
     let max_len32 = max_len as u32;
     let mut launch = stream.launch_builder(&func);
     launch.arg(pool).arg(&max_len32).arg(&descriptor).arg(&mut out);
@@ -168,12 +178,7 @@ pub fn suffix_step_on_device(device: &Device, pool: &mut CudaSlice<u32>, step: &
     let device = cuda_device(device)?;
     let func = function(device, &SUFFIX, "suffix_kernel")?;
     let stream = device.cuda_stream();
-    crate::model::candle::count_upload();
-    let descriptor =
-        stream.clone_htod(&step.words()).map_err(|e| device_error("copying the suffix step to the device", e))?;
-    // SAFETY: every sequence's block writes its length and that many tokens, all the host reads.
-    let mut out = unsafe { stream.alloc::<u32>(step.output_words()) }
-        .map_err(|e| device_error("allocating the suffix drafts", e))?;
+    let (descriptor, mut out) = upload_lookup_step(&stream, &step.words(), step.output_words())?;
     let apart = step.num_entries() > SUFFIX_ENTRIES_APART;
     if apart {
         let write = function(device, &SUFFIX, "suffix_write_kernel")?;
