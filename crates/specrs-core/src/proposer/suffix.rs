@@ -928,8 +928,6 @@ impl SuffixProposer {
         &state.nodes
     }
 
-    /// The draft for `context`: the chain of at most `max_tokens` tokens, or with `tree`, the tree
-    /// at most `max_tokens` deep grown from the chain's match (see [`SuffixProposer`]).
     /// Brings this request's tree up to date with `context`.
     fn index(&mut self, context: &[u32]) {
         if context.len() < self.indexed || !self.tail.agrees(context) {
@@ -945,6 +943,17 @@ impl SuffixProposer {
         self.tail.record(context);
     }
 
+    /// How far a chain of at most `max_tokens` tokens may go from each match.
+    fn draft_limits(&self, max_tokens: usize) -> DraftLimits {
+        DraftLimits {
+            max_tokens,
+            max_spec_factor: self.params.max_spec_factor,
+            min_token_prob: self.params.min_token_prob,
+        }
+    }
+
+    /// The draft for `context`: the chain of at most `max_tokens` tokens, or with `tree`, the tree
+    /// at most `max_tokens` deep grown from the chain's match (see [`SuffixProposer`]).
     fn speculate(&mut self, context: &[u32], max_tokens: usize, tree: Option<TreeLimits>) -> Draft {
         self.index(context);
         let pattern_len = context.len().min(self.params.max_tree_depth);
@@ -954,11 +963,7 @@ impl SuffixProposer {
         if chain_tokens == 0 || pattern_len < 2 || tree.is_some_and(|limits| limits.max_children == 0) {
             return Draft::tokens(Vec::new());
         }
-        let limits = DraftLimits {
-            max_tokens: chain_tokens,
-            max_spec_factor: self.params.max_spec_factor,
-            min_token_prob: self.params.min_token_prob,
-        };
+        let limits = self.draft_limits(chain_tokens);
         // Depth bound of the tree's other branches: the chain's rule without the node budget.
         let depth_limits = DraftLimits { max_tokens, ..limits };
         // The local tree holds exactly the context, so its open suffixes are the match nodes for
@@ -1018,11 +1023,7 @@ impl SuffixProposer {
         if max_tokens == 0 || pattern_len < 2 {
             return None;
         }
-        let limits = DraftLimits {
-            max_tokens,
-            max_spec_factor: self.params.max_spec_factor,
-            min_token_prob: self.params.min_token_prob,
-        };
+        let limits = self.draft_limits(max_tokens);
         let global = global.filter(|cache| !cache.responses.is_empty()).map(|cache| {
             let matches = Self::global_matches(&mut self.global_matches, cache, context);
             matches[..pattern_len.min(matches.len())].to_vec()
