@@ -31,8 +31,9 @@ use super::{Draft, IndexedTail, Proposer, TreeLimits};
 use crate::error::Result;
 pub use crate::spec_config::SuffixParams;
 
-/// "No node": the end of a sibling list, a missing child, or a best child not yet known.
-const NONE: u32 = u32::MAX;
+// "No node": the end of a sibling list, a missing child, or a best child not yet known (the
+// device mirror's pool means the same by it: its entries carry the arena's links as they are).
+use crate::batch::suffix::NONE;
 /// The root (the empty string) is always node 0.
 const ROOT: u32 = 0;
 
@@ -998,6 +999,7 @@ pub(crate) struct ChainLookup {
     pub local: Vec<u32>,
     /// The global tree's (at most `pattern_len`), None where the proposer does not read it.
     pub global: Option<Vec<u32>>,
+    pub max_tokens: usize,
     pub min_token_prob: f32,
 }
 
@@ -1032,6 +1034,7 @@ impl SuffixProposer {
             limits: (0..pattern_len).map(|m| limits.for_match(m) as u32).collect(),
             local: self.local.open_suffixes[..pattern_len].to_vec(),
             global,
+            max_tokens,
             min_token_prob: self.params.min_token_prob,
         })
     }

@@ -69,7 +69,6 @@ enum Pool {
 struct Lookup {
     local: usize,
     global: Option<usize>,
-    max_tokens: usize,
     chain: super::suffix::ChainLookup,
 }
 
@@ -134,7 +133,8 @@ impl SuffixMirror {
                 (Some(tree), Some(ids)) => slots(tree, ids),
                 _ => Vec::new(),
             };
-            step.push(lookup.max_tokens, lookup.chain.min_token_prob, &lookup.chain.limits, &local, &global)?;
+            let chain = &lookup.chain;
+            step.push(chain.max_tokens, chain.min_token_prob, &chain.limits, &local, &global)?;
         }
         // Last, as nothing after it but the launch may fail: reading a tree's changes clears its log.
         for (tree, &(region, fresh)) in trees.iter_mut().zip(&placed) {
@@ -200,10 +200,11 @@ pub fn draft_suffixes_together(device: &Device, mut jobs: Vec<SuffixJob<'_>>) ->
                 .global_cache()
                 .map(|cache| caches.iter().position(|c| Arc::ptr_eq(c, cache)).expect("collected above"));
             let chain = job.proposer.chain_lookup(job.context, job.max_tokens, cache.map(|at| &*guards[at]))?;
-            Some((cache.filter(|_| chain.global.is_some()), chain))
+            Some((cache, chain))
         })
         .collect();
-    // The lookup's trees: the global ones that hold responses, then the requests' own.
+    // The lookup's trees: the global ones that hold responses (those a chain reads the matches
+    // of), then the requests' own.
     let mut trees: Vec<&mut SuffixTree> = Vec::new();
     let mut tree_of_cache: Vec<Option<usize>> = Vec::new();
     for guard in guards.iter_mut() {
@@ -221,7 +222,7 @@ pub fn draft_suffixes_together(device: &Device, mut jobs: Vec<SuffixJob<'_>>) ->
         };
         drafted_by.push(Some(lookups.len()));
         let global = global.and_then(|cache| tree_of_cache[cache]);
-        lookups.push(Lookup { local: trees.len(), global, max_tokens: job.max_tokens, chain });
+        lookups.push(Lookup { local: trees.len(), global, chain });
         trees.push(job.proposer.local_tree());
     }
     let drafts = {
@@ -365,7 +366,11 @@ mod tests {
             let uploads = UPLOADS.with(Cell::get);
             mirror.lookup(&mut [&mut global, &mut local], &[]).unwrap();
             assert_eq!(UPLOADS.with(Cell::get) - uploads, 1);
-            let Pool::Host(pool) = &mirror.pool else { unreachable!("the CPU's mirror") };
+            let pool = match &mirror.pool {
+                Pool::Host(pool) => pool,
+                #[cfg(feature = "cuda")]
+                Pool::Cuda(_) => unreachable!("the CPU's mirror"),
+            };
             for tree in [&mut global, &mut local] {
                 let base = mirror.regions[&tree.mirror_id()].base;
                 for id in 0..tree.num_slots() as u32 {
