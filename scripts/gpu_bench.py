@@ -23,7 +23,14 @@ every request's rows in one kernel each, cuda/paged_attention.cu), or the contig
     tokens; the same request speculative against plain (a divergence is a failure unless the draw
     fell on the CDF boundary between neighbouring ids: gpu_check.draw_near_tie);
 (4) ITL at batch 1 (plain greedy, N tokens, time per token after the first) against the bound
-    (goal <= 1.6x: printed, not a failure);
+    (goal <= 1.6x: printed, not a failure), with the engine's steps replayed from CUDA graphs (a
+    paged engine on CUDA captures them: model/candle/step_graphs.rs) and, beside it, run eagerly;
+(7) captured steps: for every (batch, rows) shape steps are padded to (model/candle/step_shape.rs),
+    one `forward_batch` of that many sequences (each after a 4-token prefix) run three times: its
+    key's first step eager, its second captured (run eagerly over the graph's own buffer), its
+    third replayed; the replay's logits against the first run's (bitwise, or within
+    GRAPH_TOLERANCE of the largest logit: a failure past it, as is a step that did not replay or
+    a capture that failed), and the graphs' node count per layer and memory estimate;
 (5) tokens/s (generated tokens over wall time, prefill included) at batch 1, 8 and 32, plain and
     with k = 4 drafts from the replay proposer at a = 0.7 and 0.9 (fixed k, no adaptive length,
     draft budget off), each request replaying its own recorded plain greedy output at that batch,
@@ -83,6 +90,15 @@ LOOKUPS = {
 }
 LOOKUP_MIN_BATCH = 8
 SEEDED = {"temperature": 0.8, "seed": 7}
+# The captured shapes (model/candle/step_shape.rs: BATCH_BUCKETS x ROW_BUCKETS), the prefix each
+# sequence's cache holds first, and how far a replay's logits may lie from the eager run's (a
+# fraction of the largest |logit|: the same kernels on the same shapes, so bitwise is expected).
+GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+GRAPH_ROWS = (1, 2, 3, 5, 9, 17)
+GRAPH_PREFIX = 4
+GRAPH_TOLERANCE = 1e-3
+# Graph memory for every shape above (their activation estimates sum to about 4.3 GB at this shape).
+GRAPH_MEMORY_MB = 16384
 GOALS = {"itl_over_bound_max": 1.6, "batch32_over_batch1_min": 12.0, "speedup_a09_k4_batch1_min": 3.0}
 # Seconds kept for the peer (model init, compile, warm-up and batch 1) while specrs runs, and the
 # least left for it to start at all.
@@ -190,11 +206,65 @@ def part_identity(specrs, engine, dtype: str, vocab: int, num_tokens: int) -> di
 
 def part_itl(specrs, engine, vocab: int, num_tokens: int) -> dict:
     prompt = gpu_check.fixed_ids(PROMPT_LEN, vocab, salt=2)
-    engine.generate(prompt, specrs.SamplingParams(max_tokens=16, temperature=0.0))  # warm-up
-    run = gpu_check.timed_run(engine, prompt, specrs.SamplingParams(max_tokens=num_tokens, temperature=0.0))
+    greedy = specrs.SamplingParams(max_tokens=num_tokens, temperature=0.0)
+    status = engine.step_graph_status()
+    graphs_on = status is not None and status["mode"] == "device"
+    eager = None
+    if graphs_on:
+        # Eagerly first (set_step_graphs drops what was captured), then with graphs as the engine runs.
+        engine._inner.set_step_graphs(True, GRAPH_MEMORY_MB << 20)
+        engine.generate(prompt, specrs.SamplingParams(max_tokens=16, temperature=0.0))  # warm-up
+        eager = gpu_check.timed_run(engine, prompt, greedy)
+        engine._inner.set_step_graphs(False, GRAPH_MEMORY_MB << 20)
+    engine.generate(prompt, specrs.SamplingParams(max_tokens=16, temperature=0.0))  # warm-up (and captures)
+    run = gpu_check.timed_run(engine, prompt, greedy)
     out = {"itl_s": run["itl_s"], "tokens_per_s": run["tokens_per_s"], "timed_tokens": run["timed_tokens"],
-           "num_tokens": len(run["tokens"]), "mean_context_len": PROMPT_LEN + num_tokens // 2}
-    print(f"(4) batch 1 plain greedy: ITL {out['itl_s'] * 1e3:.3f} ms over {out['timed_tokens']} tokens", flush=True)
+           "num_tokens": len(run["tokens"]), "mean_context_len": PROMPT_LEN + num_tokens // 2, "graphs": graphs_on,
+           "step_graphs": engine.step_graph_status()}
+    if eager is not None:
+        out["eager_itl_s"] = eager["itl_s"]
+        out["eager_same_tokens"] = eager["tokens"] == run["tokens"]
+    print(f"(4) batch 1 plain greedy: ITL {out['itl_s'] * 1e3:.3f} ms over {out['timed_tokens']} tokens "
+          f"({'graphs' if graphs_on else 'eager'}"
+          + (f"; eager {eager['itl_s'] * 1e3:.3f} ms)" if eager else ")"), flush=True)
+    return out
+
+
+def part_graphs(engine, vocab: int, clock: Clock, reserve_s: float) -> dict:
+    """(7) every captured shape's replay against its eager run (see the module header)."""
+    import numpy as np
+
+    status = engine.step_graph_status()
+    if status is None or status["mode"] != "device":
+        return {"skipped": f"steps are not captured here (mode {status and status['mode']}: paged KV on CUDA)"}
+    out: dict = {"buckets": {}}
+    for batch in GRAPH_BATCHES:
+        for rows in GRAPH_ROWS:
+            name = f"{batch}x{rows}"
+            if not clock.fits(5.0, reserve_s):
+                out["buckets"][name] = {"skipped": "time budget"}
+                continue
+            seqs = [{"prefix": gpu_check.fixed_ids(GRAPH_PREFIX, vocab, salt=100 + i),
+                     "tokens": gpu_check.fixed_ids(rows, vocab, salt=300 + i), "logits": "all"} for i in range(batch)]
+            first = engine.forward_batch(seqs)  # the key's first step: eager
+            engine.forward_batch(seqs)  # captured (run eagerly over the graph's own buffer)
+            before = engine.step_graph_status()
+            third = engine.forward_batch(seqs)  # replayed (so are the prefixes' steps)
+            after = engine.step_graph_status()
+            eager = np.concatenate([s.logits for s in first])
+            replay = np.concatenate([s.logits for s in third])
+            diff, scale = float(np.max(np.abs(eager - replay))), float(np.max(np.abs(eager)))
+            replays = after["num_replays"] - before["num_replays"]
+            out["buckets"][name] = {"max_abs_diff": diff, "tolerance": GRAPH_TOLERANCE * scale,
+                                    "bitwise": bool(np.array_equal(eager, replay)), "replays": replays,
+                                    "ok": diff <= GRAPH_TOLERANCE * scale and replays == batch + 1}
+        done = [b for k, b in out["buckets"].items() if k.startswith(f"{batch}x") and "ok" in b]
+        print(f"(7) batch {batch}: {sum(b['ok'] for b in done)}/{len(done)} shapes replay their eager logits "
+              f"({sum(b['bitwise'] for b in done)} bitwise)", flush=True)
+    status = engine.step_graph_status()
+    layers = engine.info()["num_layers"]
+    out["status"] = status
+    out["nodes_per_layer"] = status["num_graph_nodes"] / max(1, status["num_graphs"]) / layers
     return out
 
 
@@ -459,8 +529,17 @@ def part_peer(device: str, num_tokens: int, clock: Clock, save) -> dict:
 def failures(report: dict) -> list[str]:
     """Everything that decides the exit status, one line each (the peer never does)."""
     out = [f"({part}) raised {report[part]['error']}" for part in ("engine", "bound", "kernels", "identity", "itl",
-                                                                    "batches")
+                                                                    "graphs", "batches")
            if isinstance(report.get(part), dict) and "error" in report[part]]
+    graphs = report.get("graphs", {})
+    for name, b in graphs.get("buckets", {}).items():
+        if "ok" in b and not b["ok"]:
+            out.append(f"(7) shape {name}: " + (f"{b['replays']} steps replayed, not {name.split('x')[0]} + 1"
+                       if b["max_abs_diff"] <= b["tolerance"] else
+                       f"the replay's logits lie {b['max_abs_diff']:.3g} from the eager run's (> {b['tolerance']:.3g})"))
+    error = graphs.get("status", {}).get("capture_error")
+    if error:
+        out.append(f"(7) a capture failed: {error}")
     kernels = report.get("kernels", {})
     for half in ("reference", "decoder"):
         rows = kernels.get(half, {})
@@ -539,6 +618,19 @@ def table(report: dict) -> str:
     missed = "" if ratio is None or ratio <= GOALS["itl_over_bound_max"] else " MISSED"
     lines.append(f"| ITL batch 1 | {fmt(itl_s, '.3f', 1e3)} ms = {fmt(ratio, '.2f')}x the bound{not_run(itl)} | "
                  f"<= {GOALS['itl_over_bound_max']}x{missed} |")
+    if itl.get("eager_itl_s"):
+        eager_ratio = itl["eager_itl_s"] / bound_s if bound_s else None
+        lines.append(f"| ITL batch 1, eager (graphs' gain {itl['eager_itl_s'] / itl_s:.2f}x) | "
+                     f"{itl['eager_itl_s'] * 1e3:.3f} ms = {fmt(eager_ratio, '.2f')}x the bound | - |")
+    graphs = report.get("graphs", {})
+    if graphs:
+        done = [b for b in graphs.get("buckets", {}).values() if "ok" in b]
+        status = graphs.get("status", {})
+        text = (f"{sum(b['ok'] for b in done)}/{len(done)} shapes replay their eager logits "
+                f"({sum(b['bitwise'] for b in done)} bitwise); {status.get('num_graphs', 0)} graphs, "
+                f"{fmt(graphs.get('nodes_per_layer'), '.1f')} nodes per layer, "
+                f"{fmt(status.get('used_bytes'), '.2f', 1e-9)} GB estimated{not_run(graphs)}")
+        lines.append(f"| captured steps | {text} | all replay |")
     batches = report.get("batches", {})
     columns = ["plain"] + [f"a={a} k={K}" for a in sorted(ACCEPTANCES)] + list(LOOKUPS)
     if not_run(batches):
@@ -682,8 +774,8 @@ def main() -> int:
     try:
         t0 = time.perf_counter()
         # A paged pool holds every request of the largest batch at once (its drafts included).
-        layout = {"kv_layout": "paged", "max_kv_tokens": max(BATCH_SIZES) * (PROMPT_LEN + args.tokens + 4 * K)} \
-            if args.kv_layout == "paged" else {}
+        layout = {"kv_layout": "paged", "max_kv_tokens": max(BATCH_SIZES) * (PROMPT_LEN + args.tokens + 4 * K),
+                  "cuda_graph_memory_mb": GRAPH_MEMORY_MB} if args.kv_layout == "paged" else {}
         engine = specrs.Engine.random(shape, seed=gpu_check.SEED, dtype=dtype, device=device, **layout)
         # Fixed k and no draft budget read no cost figure: no background measurement between runs.
         engine.set_measure_on_demand(False)
@@ -704,6 +796,7 @@ def main() -> int:
             ("kernels", lambda: part_kernels(specrs, device)),
             ("identity", lambda: part_identity(specrs, engine, dtype, vocab, args.tokens)),
             ("itl", lambda: part_itl(specrs, engine, vocab, args.tokens)),
+            ("graphs", lambda: part_graphs(engine, vocab, clock, reserve_s)),
             ("batches", lambda: part_batches(specrs, engine, dtype, vocab, args.tokens, clock, reserve_s,
                                              report.get("itl", {}).get("itl_s"))),
         )

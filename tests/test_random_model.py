@@ -354,3 +354,45 @@ def test_gpu_bench_script_runs_its_cpu_mode(tmp_path):
         for lookup in ("ngram k=4", "suffix k=4"):
             assert (lookup in row) == (batch != "1") and row.get(lookup, {"ok": True})["ok"], row
     assert run.stdout.rstrip().splitlines()[-1].startswith("gpu_bench PASS on cpu: 0 failures")
+
+
+def test_step_graphs_are_off_on_the_cpu_and_their_settings_are_checked():
+    # A paged engine captures its steps as CUDA graphs on CUDA only: here the candle model says
+    # its graphs are off and ran every step eagerly without counting it; the CPU decoder has none.
+    paged = specrs.Engine.random(TINY, seed=7, dtype="bf16", kv_layout="paged", kv_block_size=8, max_kv_tokens=256,
+                                 cuda_graph_memory_mb=64)
+    paged.generate(PROMPT, specrs.SamplingParams(max_tokens=4, temperature=0.0))
+    status = paged.step_graph_status()
+    assert status["mode"] == "off" and status["budget_bytes"] == 64 << 20
+    assert set(status["num_eager"]) == {"warmup", "shape", "budget", "busy", "room", "capture_failed"}
+    counts = [status[k] for k in ("num_graphs", "num_captures", "num_replays", "used_bytes")]
+    assert counts == [0, 0, 0, 0] and sum(status["num_eager"].values()) == 0
+    assert specrs.Engine.random(TINY, enforce_eager=True).step_graph_status()["mode"] == "off"
+    for bad in ({"enforce_eager": 1}, {"cuda_graph_memory_mb": -1}, {"cuda_graph_memory_mb": 1.5},
+                {"cuda_graph_memory_mb": True}):
+        with pytest.raises(specrs.ConfigError, match=next(iter(bad))):
+            specrs.Engine.random(TINY, **bad)
+
+
+def test_metrics_report_the_captured_steps():
+    from specrs.serve.metrics import ServerMetrics
+
+    status = {"mode": "device", "budget_bytes": 4 << 30, "used_bytes": 123_456, "num_graphs": 2,
+              "num_graph_nodes": 70, "num_captures": 2, "num_replays": 40, "capture_error": None,
+              "num_eager": {"warmup": 2, "shape": 1, "budget": 0, "busy": 0, "room": 0, "capture_failed": 0}}
+    metrics = ServerMetrics("m")
+    metrics.report_step_graphs(lambda: status)
+    text = metrics.render().decode()
+    for line in ('specrs:cuda_graph_replays_total{model_name="m"} 40.0',
+                 'specrs:cuda_graph_captures_total{model_name="m"} 2.0',
+                 'specrs:cuda_graph_eager_steps_total{model_name="m",reason="shape"} 1.0',
+                 'specrs:cuda_graph_eager_steps_total{model_name="m",reason="capture_failed"} 0.0',
+                 'specrs:cuda_graphs{model_name="m"} 2.0',
+                 'specrs:cuda_graph_memory_bytes{model_name="m"} 123456.0',
+                 'specrs:cuda_graph_memory_budget_bytes{model_name="m"} 4.294967296e+09'):
+        assert line in text, line
+    status["num_replays"] = 41  # read at every scrape
+    assert 'specrs:cuda_graph_replays_total{model_name="m"} 41.0' in metrics.render().decode()
+    none = ServerMetrics("n")
+    none.report_step_graphs(lambda: None)  # a model that captures nothing (the CPU decoder)
+    assert "cuda_graph" not in none.render().decode()

@@ -22,7 +22,7 @@ import sys
 from collections import Counter
 
 from . import __version__, advise, bench, models, selftest, serve
-from .engine import DEFAULT_KV_BLOCK_SIZE, Engine, SamplingParams, requantize
+from .engine import DEFAULT_CUDA_GRAPH_MEMORY_MB, DEFAULT_KV_BLOCK_SIZE, Engine, SamplingParams, requantize
 from .errors import ConfigError, SpecrsError
 from .speedup import Speedup
 from .train import STAGES
@@ -136,7 +136,8 @@ def _serve(args: argparse.Namespace) -> int:
                 body_timeout_s=args.body_timeout if args.body_timeout is not None else serve.DEFAULT_BODY_TIMEOUT_S,
                 generation_config=args.generation_config, override_generation_config=args.override_generation_config,
                 allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-                kv_layout=args.kv_layout, kv_block_size=args.kv_block_size, **_connection_limits(args))
+                kv_layout=args.kv_layout, kv_block_size=args.kv_block_size, enforce_eager=args.enforce_eager,
+                cuda_graph_memory_mb=args.cuda_graph_memory_mb, **_connection_limits(args))
     return 0
 
 
@@ -176,7 +177,8 @@ def _serve_ray(args: argparse.Namespace) -> int:
         api_key=resolve_api_key(args.api_key), metrics_public=args.metrics_public,
         body_timeout_s=args.body_timeout if args.body_timeout is not None else serve.DEFAULT_BODY_TIMEOUT_S,
         allow_special_tokens_in_content=args.allow_special_tokens_in_content, kv_layout=args.kv_layout,
-        kv_block_size=args.kv_block_size)
+        kv_block_size=args.kv_block_size, enforce_eager=args.enforce_eager,
+        cuda_graph_memory_mb=args.cuda_graph_memory_mb)
     if settings.share_interval_s <= 0:
         raise ConfigError(f"--suffix-share-interval must be positive seconds (got {settings.share_interval_s})")
     if args.record_traffic is not None:
@@ -310,9 +312,17 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--kv-layout", choices=("contiguous", "paged"), default="contiguous",
                      help="contiguous: each request's KV cache grows as it needs; paged: one pool of "
                           "--max-kv-tokens positions (default: one full context) allocated at startup, in blocks "
-                          "of --kv-block-size, budgeted by the scheduler in blocks (CPU decoder only)")
+                          "of --kv-block-size, budgeted by the scheduler in blocks (the CPU decoder's, or on CUDA the model's "
+                          "device, where steps are captured as CUDA graphs)")
     srv.add_argument("--kv-block-size", type=int, default=DEFAULT_KV_BLOCK_SIZE,
                      help=f"positions per block of the paged KV layout (default: {DEFAULT_KV_BLOCK_SIZE})")
+    srv.add_argument("--enforce-eager", action="store_true",
+                     help="run every step eagerly; by default a paged engine on CUDA captures its decode and "
+                          "verify steps as CUDA graphs, one per padded shape (vLLM's flag)")
+    srv.add_argument("--cuda-graph-memory-mb", type=int, default=DEFAULT_CUDA_GRAPH_MEMORY_MB,
+                     help="the most memory the captured steps' graphs may hold, by their activation estimates "
+                          f"(default: {DEFAULT_CUDA_GRAPH_MEMORY_MB}); shapes past it run eagerly, counted in "
+                          "/metrics")
     srv.add_argument("--draft-budget", choices=serve.DRAFT_BUDGETS, default=serve.DEFAULT_DRAFT_BUDGET,
                      help="load: grant draft tokens where they pay at the current batch size, from the measured "
                           "batch cost curve and each request's acceptance (a request alone drafts as it would "

@@ -50,6 +50,7 @@ DEFAULT_MAX_NUM_SEQS: int = _specrs.SCHEDULER_DEFAULTS["max_num_seqs"]
 DEFAULT_MAX_NUM_BATCHED_TOKENS: int = _specrs.SCHEDULER_DEFAULTS["max_num_batched_tokens"]
 DEFAULT_DRAFT_BUDGET: str = _specrs.SCHEDULER_DEFAULTS["draft_budget"]
 DEFAULT_KV_BLOCK_SIZE: int = _specrs.DEFAULT_KV_BLOCK_SIZE
+DEFAULT_CUDA_GRAPH_MEMORY_MB: int = _specrs.DEFAULT_CUDA_GRAPH_MEMORY_MB
 
 
 def _config_json(config: SpecConfig, target_info: Mapping[str, Any] | None = None) -> str:
@@ -254,6 +255,14 @@ def _check_token_counts(*settings: tuple[str, Any, str | None]) -> None:
                               + (f"; leave it None {none_means}" if none_means else ""))
 
 
+def _check_graph_settings(enforce_eager: Any, cuda_graph_memory_mb: Any) -> None:
+    """`enforce_eager` a bool and `cuda_graph_memory_mb` a whole number of MiB >= 0."""
+    _flag(enforce_eager, "enforce_eager")
+    if isinstance(cuda_graph_memory_mb, bool) or not isinstance(cuda_graph_memory_mb, int) or cuda_graph_memory_mb < 0:
+        raise ConfigError(f"cuda_graph_memory_mb must be a whole number of MiB >= 0 (got {cuda_graph_memory_mb!r}); "
+                          "0 captures nothing")
+
+
 class Engine:
     """A loaded model.
 
@@ -268,6 +277,9 @@ class Engine:
     `max_kv_tokens` positions allocated at load, by default one full context, as llama.cpp's
     `-c` sizes its cache; samples of one prompt share its blocks, and a scheduler over this
     engine budgets KV in the pool's blocks). Paged runs on the CPU decoder (GGUF on "cpu").
+    On CUDA a paged engine captures its decode and verify steps as CUDA graphs, one per padded
+    shape, within `cuda_graph_memory_mb` (their activation estimates summed); `enforce_eager`
+    (vLLM's name) runs every step eagerly. `step_graph_status()` says what was captured.
     `speculative_config`: the default speculation of every request, as `vllm serve
     --speculative-config` takes it (a dict or JSON text), e.g. {"method": "suffix"} or
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}, or a model-based
@@ -303,7 +315,10 @@ class Engine:
         kv_layout: str = "contiguous",
         kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
         max_kv_tokens: int | None = None,
+        enforce_eager: bool = False,
+        cuda_graph_memory_mb: int = DEFAULT_CUDA_GRAPH_MEMORY_MB,
     ):
+        _check_graph_settings(enforce_eager, cuda_graph_memory_mb)
         _check_token_counts(("max_model_len", max_model_len, "for the model's own context"),
                             ("kv_block_size", kv_block_size, None),
                             ("max_kv_tokens", max_kv_tokens, "for one full context"))
@@ -313,6 +328,7 @@ class Engine:
         start_s = time.perf_counter()
         logger.info("loading %s on %s", self.model_path, device)
         self._inner = _specrs.Engine(self.model_path, device, max_model_len, kv_layout, kv_block_size, max_kv_tokens)
+        self._inner.set_step_graphs(enforce_eager, cuda_graph_memory_mb << 20)
         logger.info("loaded %s in %.1f s", os.path.basename(self.model_path), time.perf_counter() - start_s)
         self.device = device
         self.allow_special_tokens_in_content = _flag(allow_special_tokens_in_content,
@@ -333,6 +349,8 @@ class Engine:
         kv_layout: str = "contiguous",
         kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
         max_kv_tokens: int | None = None,
+        enforce_eager: bool = False,
+        cuda_graph_memory_mb: int = DEFAULT_CUDA_GRAPH_MEMORY_MB,
     ) -> "Engine":
         """A Llama with seeded random weights, for speed and numerics checks without a model
         file. `config`: transformers' LlamaConfig fields as a dict (vocab_size, hidden_size,
@@ -340,8 +358,9 @@ class Engine:
         max_position_embeddings, rope_theta, rms_norm_eps, tie_word_embeddings), or "llama3-8b".
         `dtype`: "bf16", "f16" or "f32". The same seed gives the same weights on every device.
         Its tokenizer is the numbered vocabulary "t0 t1 ...", with no EOS, so every request runs
-        to max_tokens; pass prompts as token ids. `kv_layout`, `kv_block_size`, `max_kv_tokens`:
-        as `Engine`'s."""
+        to max_tokens; pass prompts as token ids. `kv_layout`, `kv_block_size`, `max_kv_tokens`,
+        `enforce_eager`, `cuda_graph_memory_mb`: as `Engine`'s."""
+        _check_graph_settings(enforce_eager, cuda_graph_memory_mb)
         _check_token_counts(("kv_block_size", kv_block_size, None),
                             ("max_kv_tokens", max_kv_tokens, "for one full context"))
         if not isinstance(kv_layout, str):
@@ -354,6 +373,7 @@ class Engine:
                     dtype, device)
         engine._inner = _specrs.Engine.random_llama(config_json, seed, dtype, device, kv_layout, kv_block_size,
                                                     max_kv_tokens)
+        engine._inner.set_step_graphs(enforce_eager, cuda_graph_memory_mb << 20)
         logger.info("built in %.1f s", time.perf_counter() - start_s)
         engine.device = device
         engine.allow_special_tokens_in_content = False  # its numbered vocabulary has no chat template
@@ -414,6 +434,15 @@ class Engine:
         if config.adaptive_draft_length:
             logger.info("%s: %s", label, _describe_costs(costs, self.cost_status()["pending"]))
         return costs
+
+    def step_graph_status(self) -> dict | None:
+        """The target's captured steps (CUDA graphs, see `Engine`): `mode` ("device" or "off"),
+        `budget_bytes`, `used_bytes` (the graphs' activation estimates), `num_graphs`,
+        `num_graph_nodes`, `num_captures`, `num_replays`, `num_eager` (steps run eagerly, by reason:
+        warmup (a shape's first step), shape (past the largest captured shape: prompt chunks,
+        batches over 64), budget, busy, room, capture_failed) and `capture_error`; None for a model
+        that captures none (the CPU decoder)."""
+        return self._inner.step_graph_status()
 
     def cost_status(self) -> dict:
         """The engine's cost measurements: `num_foreground_measurements` (run in a caller's thread:

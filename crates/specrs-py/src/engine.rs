@@ -1072,6 +1072,37 @@ impl PyEngine {
         .map_err(to_py)
     }
 
+    /// Captures the target's paged steps as CUDA graphs within `budget_bytes`, or runs them
+    /// eagerly (`Engine::set_step_graphs`).
+    fn set_step_graphs(&self, enforce_eager: bool, budget_bytes: usize) -> PyResult<()> {
+        guard(|| {
+            self.inner.set_step_graphs(enforce_eager, budget_bytes);
+            Ok(())
+        })
+        .map_err(to_py)
+    }
+
+    /// Where the target's captured steps stand (`GraphStatus`); None for a model that captures
+    /// none (the CPU decoder).
+    fn step_graph_status<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(status) = guard(|| Ok(self.inner.step_graph_status())).map_err(to_py)? else { return Ok(None) };
+        let d = PyDict::new(py);
+        d.set_item("mode", status.mode.label())?;
+        d.set_item("budget_bytes", status.budget_bytes)?;
+        d.set_item("used_bytes", status.used_bytes)?;
+        d.set_item("num_graphs", status.num_graphs)?;
+        d.set_item("num_graph_nodes", status.num_graph_nodes)?;
+        d.set_item("num_captures", status.num_captures)?;
+        d.set_item("num_replays", status.num_replays)?;
+        let eager = PyDict::new(py);
+        for (reason, n) in &status.num_eager {
+            eager.set_item(reason.label(), n)?;
+        }
+        d.set_item("num_eager", eager)?;
+        d.set_item("capture_error", status.capture_error)?;
+        Ok(Some(d))
+    }
+
     /// The engine's cost measurements: how many ran in a caller's thread and in the background,
     /// how many failed, what is still queued, and every figure with its source and spread.
     fn cost_status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

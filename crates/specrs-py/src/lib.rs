@@ -29,6 +29,7 @@ fn _specrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(facts::shipped_heads, m)?)?;
     m.add("SCHEDULER_DEFAULTS", facts::scheduler_defaults(m.py())?)?;
     m.add("DEFAULT_KV_BLOCK_SIZE", specrs_core::kv_cache::KvLayout::DEFAULT_BLOCK_SIZE)?;
+    m.add("DEFAULT_CUDA_GRAPH_MEMORY_MB", specrs_core::engine::DEFAULT_GRAPH_MEMORY >> 20)?;
     m.add_function(wrap_pyfunction!(batch::batch_accept, m)?)?;
     m.add_function(wrap_pyfunction!(batch::batch_ngram, m)?)?;
     m.add_function(wrap_pyfunction!(batch::batch_tree_accept, m)?)?;

@@ -40,7 +40,8 @@ import sys
 import time
 
 from .. import extras
-from ..engine import DEFAULT_DRAFT_BUDGET, DEFAULT_KV_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from ..engine import (DEFAULT_CUDA_GRAPH_MEMORY_MB, DEFAULT_DRAFT_BUDGET, DEFAULT_KV_BLOCK_SIZE,
+                      DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS)
 from ..errors import ConfigError
 from . import generation_config as generation
 from .auth import resolve_api_key
@@ -171,7 +172,8 @@ def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 
 
 def load_engine(model: str | None, speculative_config, device: str, max_model_len: int | None = None,
                 allow_special_tokens_in_content: bool = False, kv_layout: str = "contiguous",
-                kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, max_kv_tokens: int | None = None):
+                kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, max_kv_tokens: int | None = None,
+                enforce_eager: bool = False, cuda_graph_memory_mb: int = DEFAULT_CUDA_GRAPH_MEMORY_MB):
     """The engine a server runs: loaded (its context capped at `max_model_len`), warmed up with the
     default speculation (so a bad draft fails now, not at the first request), with the
     verification curves its requests and draft budget read queued for the engine's background
@@ -180,13 +182,16 @@ def load_engine(model: str | None, speculative_config, device: str, max_model_le
     named in the log. `specrs serve` and each replica of `specrs serve --ray` start with it.
     `allow_special_tokens_in_content`: the engine's setting (`Engine.prompt_token_ids`).
     `kv_layout`, `kv_block_size`: the engine's; a paged pool holds `max_kv_tokens` positions (the
-    scheduler's bound; None: one full context), which the scheduler then budgets in blocks."""
+    scheduler's bound; None: one full context), which the scheduler then budgets in blocks.
+    `enforce_eager`, `cuda_graph_memory_mb`: whether a paged engine on CUDA captures its steps as
+    CUDA graphs, and within what memory (`Engine`)."""
     from ..engine import Engine, SamplingParams
     from ..log import logger
 
     engine = Engine(model, device=device, speculative_config=speculative_config, max_model_len=max_model_len,
                     allow_special_tokens_in_content=allow_special_tokens_in_content, kv_layout=kv_layout,
-                    kv_block_size=kv_block_size, max_kv_tokens=max_kv_tokens if kv_layout == "paged" else None)
+                    kv_block_size=kv_block_size, max_kv_tokens=max_kv_tokens if kv_layout == "paged" else None,
+                    enforce_eager=enforce_eager, cuda_graph_memory_mb=cuda_graph_memory_mb)
     # One short request through the default speculation runs its proposer once before the first
     # client arrives (the weights themselves were loaded above).
     start_s = time.perf_counter()
@@ -220,7 +225,8 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
           metrics_public: bool = False, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
           body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS,
           keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S, kv_layout: str = "contiguous",
-          kv_block_size: int = DEFAULT_KV_BLOCK_SIZE) -> None:
+          kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, enforce_eager: bool = False,
+          cuda_graph_memory_mb: int = DEFAULT_CUDA_GRAPH_MEMORY_MB) -> None:
     """Loads the model (its context capped at `max_model_len` tokens, vLLM's --max-model-len), warms
     it up with the default speculation (so a bad draft fails now, not at the first request), queues
     the cost measurements for the engine's background thread, loads the suffix cache file if one is
@@ -228,7 +234,8 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
     chat messages' special-token text becomes special tokens (vLLM's behaviour) instead of plain
     text (`Engine.prompt_token_ids`). `api_key` None reads `$SPECRS_API_KEY` (still None: no
     authentication). `kv_layout` "paged": the KV cache is one pool of `max_kv_tokens` positions
-    (None: one full context) in blocks of `kv_block_size` (`load_engine`)."""
+    (None: one full context) in blocks of `kv_block_size`; on CUDA its steps are captured as CUDA
+    graphs within `cuda_graph_memory_mb` unless `enforce_eager` (`load_engine`)."""
     extras.require("serve", "specrs serve")  # before the model loads: minutes, on a big one
     import uvicorn
 
@@ -237,7 +244,7 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
     _check_connection_settings(header_timeout_s, body_timeout_s, max_connections, keep_alive_timeout_s)
     api_key = resolve_api_key(api_key)
     engine = load_engine(model, speculative_config, device, max_model_len, allow_special_tokens_in_content,
-                         kv_layout, kv_block_size, max_kv_tokens)
+                         kv_layout, kv_block_size, max_kv_tokens, enforce_eager, cuda_graph_memory_mb)
     name = served_model_name or served_name(model, engine.model_path)
     # The warm-up's response went into the suffix cache; a loaded file replaces it.
     app = build_app(engine, name, max_num_seqs, prefill_chunk, max_request_body_bytes, default_max_tokens,

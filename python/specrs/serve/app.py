@@ -139,6 +139,7 @@ def build_app(engine: Engine, served_model_name: str, max_num_seqs: int, prefill
                           draft_budget=draft_budget)
     metrics.report_queue(lambda: scheduler.num_running, lambda: scheduler.num_waiting)
     metrics.report_costs(engine.cost_status)
+    metrics.report_step_graphs(engine.step_graph_status)
     context_length = engine.info()["context_length"]
 
     def cancel(samples: list[Job]) -> None:

@@ -17,6 +17,7 @@ import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .vllm_metrics import VllmMetrics
 
@@ -116,6 +117,11 @@ class ServerMetrics:
             self.cost_measurements.labels(self.model_name, thread).set_function(lambda key=key: cost_status()[key])
         self.cost_measurements_pending.set_function(lambda: len(cost_status()["pending"]))
 
+    def report_step_graphs(self, step_graph_status: Callable[[], dict | None]) -> None:
+        """The captured steps' series (CUDA graphs: `Engine.step_graph_status()`), read whenever
+        /metrics is scraped; none for a model that captures none (the CPU decoder)."""
+        self.registry.register(_StepGraphCollector(self.model_name, step_graph_status))
+
     def report_queue(self, num_running: Callable[[], int], num_waiting: Callable[[], int]) -> None:
         """The gauges read the scheduler's queue whenever /metrics is scraped."""
         self.num_running.set_function(num_running)
@@ -178,3 +184,39 @@ class ServerMetrics:
             self.drafter_num_drafts.labels(name, method, drafter).inc(counts["num_drafts"])
             self.drafter_num_draft_tokens.labels(name, method, drafter).inc(counts["num_draft_tokens"])
             self.drafter_num_accepted_tokens.labels(name, method, drafter).inc(counts["num_accepted_tokens"])
+
+
+class _StepGraphCollector:
+    """`specrs:cuda_graph_*`: steps replayed, captured and run eagerly (by reason), and the graphs'
+    memory against its budget, from the engine's counts at scrape time."""
+
+    def __init__(self, model_name: str, status: Callable[[], dict | None]):
+        self.model_name, self.status = model_name, status
+
+    def collect(self):
+        status = self.status()
+        if status is None:
+            return
+        name = [self.model_name]
+        replays = CounterMetricFamily("specrs:cuda_graph_replays", "Steps replayed from a captured CUDA graph.",
+                                      labels=["model_name"])
+        replays.add_metric(name, status["num_replays"])
+        captures = CounterMetricFamily("specrs:cuda_graph_captures", "Steps captured as a CUDA graph (one per "
+                                       "padded shape).", labels=["model_name"])
+        captures.add_metric(name, status["num_captures"])
+        eager = CounterMetricFamily("specrs:cuda_graph_eager_steps", "Steps of an engine capturing graphs that ran "
+                                    "eagerly, by reason: warmup (a shape's first step), shape (past the largest "
+                                    "captured shape: prompt chunks, batches over 64), budget, busy, room, "
+                                    "capture_failed.", labels=["model_name", "reason"])
+        for reason, n in status["num_eager"].items():
+            eager.add_metric(name + [reason], n)
+        graphs = GaugeMetricFamily("specrs:cuda_graphs", "Captured CUDA graphs.", labels=["model_name"])
+        graphs.add_metric(name, status["num_graphs"])
+        used = GaugeMetricFamily("specrs:cuda_graph_memory_bytes", "The captured graphs' activation estimates, "
+                                 "summed.", labels=["model_name"])
+        used.add_metric(name, status["used_bytes"])
+        budget = GaugeMetricFamily("specrs:cuda_graph_memory_budget_bytes", "The most the captured graphs may hold "
+                                   "(--cuda-graph-memory-mb).", labels=["model_name"])
+        budget.add_metric(name, status["budget_bytes"])
+        yield from (replays, captures, eager, graphs, used, budget)
+

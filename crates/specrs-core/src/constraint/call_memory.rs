@@ -219,7 +219,8 @@ mod tests {
         let outer = arm(outer_handle.clone());
         let inner_handle = CancellationHandle::default();
         let inner = arm(inner_handle.clone());
-        let kept = vec![0u8; 4 << 20];
+        // black_box: an allocation nothing reads may be elided by the optimizer.
+        let kept = std::hint::black_box(vec![0u8; 4 << 20]);
         assert!(inner.kept() >= 4 << 20 && outer.kept() < 64 << 10);
         drop(inner);
         drop(kept);

@@ -70,9 +70,10 @@ impl Engine {
         Ok(out.remove(0).hidden)
     }
 
-    /// One forward over several sequences: each `(prefix, rows)` gets a fresh cache holding
-    /// `prefix` (run by a forward of its own), then every sequence's `rows` (a chain or a tree)
-    /// run in ONE forward. Returns each sequence's logits and hidden rows.
+    /// One forward over several sequences: each `(prefix, rows)` gets a fresh cache in the
+    /// engine's KV layout holding `prefix` (run by a forward of its own), then every sequence's
+    /// `rows` (a chain or a tree) run in ONE forward (on a paged pool, captured or replayed as
+    /// the engine's steps are). Returns each sequence's logits and hidden rows.
     pub fn forward_batch(&self, seqs: &[(Vec<u32>, SeqRows)], taps: &[Tap]) -> Result<Vec<SeqForward>> {
         if seqs.is_empty() {
             return Err(Error::config("forward_batch() needs at least one sequence"));
@@ -86,7 +87,7 @@ impl Engine {
                     "sequence {s} needs {needed} positions but the model's context is {context} tokens; shorten it"
                 )));
             }
-            let mut cache = self.model.new_cache(needed)?;
+            let mut cache = self.new_target_cache(needed)?;
             if !prefix.is_empty() {
                 self.model.forward_rows(prefix, &mut cache, LogitRows::None)?;
             }

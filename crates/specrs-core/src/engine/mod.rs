@@ -35,7 +35,7 @@ use crate::kv_cache::{KvBytes, KvCache, KvLayout, PagedPool};
 use crate::metrics::EngineMetrics;
 use crate::model::candle::decoder::{Decoder, WeightFormat};
 use crate::model::llama_config::LlamaConfig;
-use crate::model::{self, CausalLm};
+use crate::model::{self, CausalLm, GraphMode, GraphStatus};
 use crate::proposer::heads::load::LoadedHead;
 use crate::proposer::suffix::SuffixCache;
 use crate::quantize::parse_quant_type;
@@ -63,6 +63,10 @@ pub use cost_worker::CostStatus;
 pub use device::{cache_dir, parse_device};
 pub use proposers::{Speculation, MAX_SUFFIX_CACHES};
 pub use session::{FinishReason, Generation, PlanLimits, Session, StepOutput, StepPlan, StopReason, TokenLogprobs};
+
+/// Bytes the target's captured steps may hold by default (`Engine::with_step_graphs`): their
+/// activation estimates summed.
+pub const DEFAULT_GRAPH_MEMORY: usize = 4 << 30;
 
 /// Bytes of weights and KV caches, for `Engine::memory`. KV figures count the caches of requests
 /// in flight now, and the most held at once since the engine loaded.
@@ -211,7 +215,23 @@ impl Engine {
             KvLayout::Contiguous => None,
             KvLayout::Paged { block_size, num_blocks } => Some(self.model.new_paged_pool(block_size, num_blocks)?),
         };
+        self.set_step_graphs(false, DEFAULT_GRAPH_MEMORY);
         Ok(self)
+    }
+
+    /// Captures the target's paged steps as CUDA graphs within `budget_bytes` (their
+    /// activation estimates summed: `model/candle/step_graphs.rs`), or runs them eagerly
+    /// (`enforce_eager`, vLLM's name). Graphs need the paged layout on a CUDA device: elsewhere
+    /// steps run eagerly whatever this says. On by default there (`DEFAULT_GRAPH_MEMORY`).
+    /// Graphs captured before are dropped.
+    pub fn set_step_graphs(&self, enforce_eager: bool, budget_bytes: usize) {
+        let on = !enforce_eager && self.kv_pool.is_some() && self.model.device().is_cuda();
+        self.model.capture_steps(if on { GraphMode::Device } else { GraphMode::Off }, budget_bytes);
+    }
+
+    /// Where the target's captured steps stand (None for a model that captures none).
+    pub fn step_graph_status(&self) -> Option<GraphStatus> {
+        self.model.step_graph_status()
     }
 
     /// The target's block pool, when its KV layout is paged.

@@ -535,6 +535,7 @@ pub(super) mod tests {
     use crate::config::SamplingParams;
     use crate::kv_cache::KvLayout;
     use crate::model::candle::UPLOADS;
+    use crate::model::{EagerReason, GraphMode, GraphStatus};
     use crate::proposer::{Draft, Proposer, TreeLimits};
     use crate::spec_config::SpeculativeConfig;
     use crate::Engine;
@@ -591,22 +592,25 @@ pub(super) mod tests {
     /// each drafting its own plain output (`expected`, None: plain), stepped together to the end.
     /// Returns each request's tokens and drafts.
     fn run(device_path: bool, expected: Option<&[Vec<u32>]>) -> Vec<(Vec<u32>, usize)> {
-        run_counting_uploads(device_path, expected, false).0
+        run_counting_uploads(device_path, expected, false, GraphMode::Off).0
     }
 
-    /// `run`, on a paged pool (the candle decoder's device pool, on the CPU) when `paged`, and per
-    /// step `(uploads, whether a request the host verifies took part)`.
+    /// `run`, on a paged pool (the candle decoder's device pool, on the CPU) when `paged`, its
+    /// steps captured in `graphs` mode; per step `(uploads, whether a request the host verifies
+    /// took part)`, and where the captured steps stood at the end.
     fn run_counting_uploads(
         device_path: bool,
         expected: Option<&[Vec<u32>]>,
         paged: bool,
-    ) -> (Vec<(Vec<u32>, usize)>, Vec<(usize, bool)>) {
+        graphs: GraphMode,
+    ) -> (Vec<(Vec<u32>, usize)>, Vec<(usize, bool)>, Option<GraphStatus>) {
         DEVICE_PATH.set(device_path);
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden/hf/llama");
         let mut engine = Engine::load(dir, "cpu").unwrap();
         if paged {
             engine = engine.with_kv_layout(KvLayout::Paged { block_size: 16, num_blocks: 64 }).unwrap();
         }
+        engine.model().capture_steps(graphs, usize::MAX);
         let seeded = |seed| SamplingParams { temperature: 0.8, seed: Some(seed), ..SamplingParams::greedy(MAX_TOKENS) };
         let requests = [
             (SamplingParams::greedy(MAX_TOKENS), false),
@@ -645,7 +649,8 @@ pub(super) mod tests {
             steps.push((UPLOADS.with(Cell::get) - uploads, host_verified));
         }
         DEVICE_PATH.set(false);
-        (sessions.iter().map(|s| (s.generated_ids().to_vec(), s.metrics().spec.num_drafts)).collect(), steps)
+        let outputs = sessions.iter().map(|s| (s.generated_ids().to_vec(), s.metrics().spec.num_drafts)).collect();
+        (outputs, steps, engine.step_graph_status())
     }
 
     /// N-gram requests stepped together on the GPU path look their chains up together (on the CPU
@@ -729,17 +734,37 @@ pub(super) mod tests {
     fn a_paged_gpu_step_carries_its_verification_in_its_one_upload() {
         let plain: Vec<Vec<u32>> = run(false, None).into_iter().map(|(ids, _)| ids).collect();
         let host = run(false, Some(&plain));
-        let (paged, steps) = run_counting_uploads(true, Some(&plain), true);
+        let (paged, steps, _) = run_counting_uploads(true, Some(&plain), true, GraphMode::Off);
         assert_eq!(paged, host);
         assert!(steps.iter().any(|&(_, host_verified)| host_verified), "steps with the host's requests");
         assert!(steps.iter().any(|&(_, host_verified)| !host_verified), "steps without them");
         for (step, &(uploads, _)) in steps.iter().enumerate() {
             assert_eq!(uploads, 1, "step {step}");
         }
-        let (contiguous, steps) = run_counting_uploads(true, Some(&plain), false);
+        let (contiguous, steps, _) = run_counting_uploads(true, Some(&plain), false, GraphMode::Off);
         assert_eq!(contiguous, host);
         // The forward's tokens, positions and logit rows, the device's trees, the host's rows.
         assert_eq!(steps[1].0, 5, "{steps:?}");
+    }
+
+    /// The same steps captured and replayed (`step_graphs.rs`, emulated on the CPU: each replay
+    /// runs the capture's launches again over its entry's buffer, rewritten): every request emits
+    /// the host path's tokens with the same drafts, each step still uploads once (its carried
+    /// verification read from the entry's buffer), and most steps replay a captured one.
+    #[test]
+    fn a_replayed_gpu_step_emits_the_eager_steps_tokens() {
+        let plain: Vec<Vec<u32>> = run(false, None).into_iter().map(|(ids, _)| ids).collect();
+        let host = run(false, Some(&plain));
+        let (replayed, steps, status) = run_counting_uploads(true, Some(&plain), true, GraphMode::Emulated);
+        assert_eq!(replayed, host);
+        for (step, &(uploads, _)) in steps.iter().enumerate() {
+            assert_eq!(uploads, 1, "step {step}");
+        }
+        let status = status.expect("the candle decoder captures steps");
+        let eager: u64 = status.num_eager.values().sum();
+        assert!(status.num_captures >= 2 && status.num_replays > eager, "{status:?} over {} steps", steps.len());
+        assert_eq!(status.num_eager[&EagerReason::Busy], 0, "each step's carried words are read before the next");
+        assert_eq!(status.num_captures + status.num_replays + eager, steps.len() as u64, "{status:?}");
     }
 
     /// The GPU step's split verification (one device batch, one host batch of the rest), run on

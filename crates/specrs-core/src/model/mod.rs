@@ -42,6 +42,7 @@ use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::{KvCache, PagedPool};
 use block::Need;
+pub use candle::step_graphs::{EagerReason, GraphMode, GraphStatus};
 pub use config::DecoderConfig;
 use forward::check_token_ids;
 pub use forward::{Carried, CarriedWords, ForwardBatch, ForwardOutput, LogitRows, SeqRows, Tap};
@@ -116,6 +117,15 @@ pub trait CausalLm: Send + Sync {
     /// sequence `s`'s past. Every new row is appended to its cache; logits come back for
     /// `batch.logit_rows`, hidden states for `batch.taps`.
     fn forward_batch(&self, batch: &ForwardBatch, caches: &mut [&mut KvCache]) -> Result<ForwardOutput>;
+
+    /// Captures this model's paged steps in `mode` (CUDA graphs) within `budget_bytes`
+    /// (`candle/step_graphs.rs`); a model that captures nothing (the CPU decoder) runs eagerly.
+    fn capture_steps(&self, _mode: GraphMode, _budget_bytes: usize) {}
+
+    /// Where this model's captured steps stand; None for a model that captures none.
+    fn step_graph_status(&self) -> Option<GraphStatus> {
+        None
+    }
 
     /// The token embedding rows `[tokens.len(), hidden_size]` f32, shared with heads (EAGLE's
     /// input). Unscaled: `ModelInfo::embed_scale` says what the model itself multiplies by.

@@ -129,7 +129,8 @@ class EngineReplica:
         self.engine = await asyncio.to_thread(load_engine, settings.model, settings.speculative_config,
                                               settings.device, settings.max_model_len,
                                               settings.allow_special_tokens_in_content, settings.kv_layout,
-                                              settings.kv_block_size, settings.max_kv_tokens)
+                                              settings.kv_block_size, settings.max_kv_tokens,
+                                              settings.enforce_eager, settings.cuda_graph_memory_mb)
         name = settings.served_model_name or served_name(settings.model, self.engine.model_path)
         self.share = None
         role = "seed"  # without sharing, the replica loads its own file as `specrs serve` does

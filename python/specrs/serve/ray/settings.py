@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...engine import DEFAULT_DRAFT_BUDGET, DEFAULT_KV_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from ...engine import (DEFAULT_CUDA_GRAPH_MEMORY_MB, DEFAULT_DRAFT_BUDGET, DEFAULT_KV_BLOCK_SIZE,
+                       DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS)
 from ..connections import DEFAULT_BODY_TIMEOUT_S
 from ..protocol import DEFAULT_CHAT_MAX_TOKENS
 
@@ -49,6 +50,8 @@ class ReplicaSettings:
     allow_special_tokens_in_content: bool = False
     kv_layout: str = "contiguous"
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
+    enforce_eager: bool = False
+    cuda_graph_memory_mb: int = DEFAULT_CUDA_GRAPH_MEMORY_MB
 
 
 __all__ = ["DEFAULT_REPORT_INTERVAL_S", "DEFAULT_SHARE_INTERVAL_S", "ReplicaSettings"]

@@ -37,12 +37,16 @@ use crate::kv_cache::{KvCache, PagedPool};
 use crate::model::block::{self, load_block, BlockReader, Need, Projections};
 use crate::model::candle::attention::{attention, softcap, tree_attention, Scores};
 use crate::model::candle::fused::{act_mul, add_rms_norm, qkv_heads, HeadsSpec, QkvHeads};
-use crate::model::candle::paged_attention::PagedStep;
+use crate::model::candle::paged_attention::{PagedStep, StepWords};
 use crate::model::candle::step_buffer::StepBuffers;
+use crate::model::candle::step_graphs::{
+    activation_bytes, ActivationDims, GraphKey, GraphMode, GraphStatus, LaunchPlan, StepGraphs, StepTensors,
+};
 use crate::model::candle::step_shape::{Padding, StepShape};
 use crate::model::candle::upload;
 use crate::model::config::DecoderConfig;
 use crate::model::forward::check_token_ids;
+use crate::model::forward::Carried;
 use crate::model::hf_dir::HfWeights;
 use crate::model::kernels::qlinear::QLinear;
 use crate::model::kernels::{self, dense};
@@ -51,6 +55,9 @@ use crate::model::llama_config::LlamaConfig;
 use crate::model::random;
 use crate::model::rope::{Pairing, Rope};
 use crate::model::{select_vocab, CausalLm, ForwardBatch, ForwardOutput, GgufWeights, ModelInfo, Tap};
+
+/// The paged pool a forward's caches are on, and each sequence's block table.
+type PagedCaches<'c> = (Arc<PagedPool>, Vec<&'c [u32]>);
 
 /// How `Decoder::random` stores its weights.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -245,9 +252,11 @@ pub struct Decoder {
     step_weight_bytes: usize,
     /// The static buffers paged steps write their descriptors into.
     step_buffers: Arc<StepBuffers>,
-    /// Whether paged steps are padded to the captured shapes (`step_shape.rs`). Off: nothing
-    /// captures CUDA graphs yet, and eagerly the padding rows are work for nothing.
+    /// Whether paged steps are padded to the captured shapes (`step_shape.rs`): with graphs on
+    /// (eagerly the padding rows are work for nothing).
     pad_steps: std::sync::atomic::AtomicBool,
+    /// The captured steps (`step_graphs.rs`).
+    step_graphs: StepGraphs,
 }
 
 impl GgufWeights<'_> {
@@ -528,6 +537,7 @@ impl Decoder {
             step_weight_bytes,
             step_buffers: Arc::default(),
             pad_steps: std::sync::atomic::AtomicBool::new(false),
+            step_graphs: StepGraphs::default(),
             config,
         })
     }
@@ -539,44 +549,55 @@ impl Decoder {
         for (s, cache) in caches.iter_mut().enumerate() {
             cache.reserve(batch.seq_range(s).len())?;
         }
-        let eps = c.rms_eps;
-        let num_blocks = batch.exit_layer.unwrap_or(self.blocks.len());
-        let paged = self.paged_step(batch, caches, &pasts)?;
-        // The rows' tokens and positions on the device: the paged step's one upload holds them.
-        let (ids, positions) = match &paged {
-            Some((step, _)) => (step.tokens()?, step.positions()?),
-            None => {
-                let positions: Vec<u32> = batch.positions.iter().map(|&p| p as u32).collect();
-                (upload(&batch.tokens, &self.device)?, upload(&positions, &self.device)?)
-            }
+        let plan = LaunchPlan {
+            num_blocks: batch.exit_layer.unwrap_or(self.blocks.len()),
+            taps: batch.taps.clone(),
+            logits: !batch.logit_rows.is_empty(),
         };
-        // Tree sequences on contiguous caches: the cache cells each row sees, its sequence's past,
-        // then its path within the new rows (root first, itself last). The paged step has masks.
-        let tree_sees: Vec<Option<Vec<Vec<usize>>>> = (0..batch.num_seqs())
-            .filter(|_| paged.is_none())
-            .map(|s| {
-                let past = pasts[s];
-                let sees = |row| (0..past).chain(batch.path(s, row).iter().map(|a| past + a)).collect();
-                (!batch.is_chain(s)).then(|| batch.seq_range(s).map(sees).collect())
-            })
-            .collect();
+        let (tensors, carried) = match self.paged_pool(caches)? {
+            Some((pool, tables)) => self.paged_forward(batch, &pasts, &pool, &tables, &plan)?,
+            None => (self.contiguous_forward(batch, caches, &pasts, &plan)?, None),
+        };
+        for (s, cache) in caches.iter_mut().enumerate() {
+            cache.commit(batch.seq_range(s).len());
+        }
+        // Of a step padded to a captured shape, the batch's rows (and logit rows) are the first.
+        let hidden =
+            tensors.hidden.into_iter().map(|h| Ok(h.narrow(0, 0, batch.num_rows())?)).collect::<Result<Vec<_>>>()?;
+        let logits = match tensors.logits {
+            Some(logits) => logits.narrow(0, 0, batch.logit_rows.len())?,
+            None => Tensor::zeros((0, c.vocab_size), DType::F32, &self.device)?,
+        };
+        Ok(ForwardOutput { logits, hidden, carried })
+    }
 
-        let mut x = self.embed.index_select(&ids, 0)?; // [n, hidden]
+    /// The embedding of `ids [n]` and the plan's layers: the residual stream after them
+    /// `[n, hidden]` and the residuals the plan taps (`[n, hidden]` f32, every row), each layer's
+    /// attention by `attend(layer, qkv [n, (heads + 2 kv_heads) * hd], spec, scores)` ->
+    /// `[n, heads * hd]`.
+    fn run_layers(
+        &self,
+        ids: &Tensor,
+        plan: &LaunchPlan,
+        mut attend: impl FnMut(usize, &Tensor, &HeadsSpec, Scores) -> Result<Tensor>,
+    ) -> Result<(Tensor, Vec<Option<Tensor>>)> {
+        let c = &self.config;
+        let eps = c.rms_eps;
+        let num_blocks = plan.num_blocks;
+        let mut x = self.embed.index_select(ids, 0)?; // [n, hidden]
         if let Some(scale) = c.embed_scale {
             x = (x * scale as f64)?;
         }
-        let mut taps: Vec<Option<Tensor>> = vec![None; batch.taps.len()];
+        let mut taps: Vec<Option<Tensor>> = vec![None; plan.taps.len()];
         let capture = |taps: &mut Vec<Option<Tensor>>, after: usize, x: &Tensor| -> Result<()> {
-            for (slot, tap) in taps.iter_mut().zip(&batch.taps) {
+            for (slot, tap) in taps.iter_mut().zip(&plan.taps) {
                 if *tap == Tap::Residual(after) {
                     *slot = Some(x.to_dtype(DType::F32)?);
                 }
             }
             Ok(())
         };
-        // Of a step padded to a captured shape, the batch's rows are the first.
-        let batch_rows = |x: &Tensor| x.narrow(0, 0, batch.num_rows());
-        capture(&mut taps, 0, &batch_rows(&x)?)?;
+        capture(&mut taps, 0, &x)?;
         // The attention norm of the layer about to run: the first layer's here, each later one's
         // fused with the residual add that ends the layer before it.
         let mut h = match self.blocks.first() {
@@ -603,38 +624,7 @@ impl Decoder {
             let qkv = block.qkv.forward_joined(&h)?; // [n, (heads + 2 kv_heads) * hd]
             let window = c.sliding_window.filter(|_| c.sliding_layers[layer]);
             let scores = Scores { scale: c.attention_scale, logit_softcap: c.attn_logit_softcap, window };
-            let attn = match &paged {
-                // Every sequence's rows written and attended at once, in one launch: k and v
-                // normed, rotated and written into their slots, and attention, normalizing and
-                // rotating each q head as it loads it. The result comes in the pool's dtype, the
-                // model's, so the cast below is a no-op.
-                Some((step, pool)) => {
-                    let pool = pool.device_layer(layer).ok_or_else(|| shape_bug("paged pool layer"))?;
-                    step.write_and_attend(pool, &qkv, &QkvHeads::new(&spec)?, scores)?
-                }
-                None => {
-                    // [heads + 2 kv_heads, n, hd] f32: q normed and rotated, then k, then v.
-                    let heads = qkv_heads(&qkv, &positions, &spec)?;
-                    let q = heads.narrow(0, 0, c.num_heads)?; // [heads, n, hd]
-                    let k = heads.narrow(0, c.num_heads, c.num_kv_heads)?; // [kv_heads, n, hd]
-                    let v = heads.narrow(0, c.num_heads + c.num_kv_heads, c.num_kv_heads)?; // [kv_heads, n, hd]
-                    let mut attns = Vec::with_capacity(batch.num_seqs());
-                    for (s, cache) in caches.iter_mut().enumerate() {
-                        let rows = batch.seq_range(s);
-                        let (start, len, past) = (rows.start, rows.len(), pasts[s]);
-                        cache.append_tensors(layer, &k.narrow(1, start, len)?, &v.narrow(1, start, len)?)?;
-                        let (k_all, v_all) = cache.layer_tensors(layer, past + len)?; // [kv_heads, past + len, hd]
-                                                                                      // Attention runs in f32 over what the cache holds in the model's dtype.
-                        let (k_all, v_all) = (k_all.to_dtype(DType::F32)?, v_all.to_dtype(DType::F32)?);
-                        let q_seq = q.narrow(1, start, len)?;
-                        attns.push(match &tree_sees[s] {
-                            None => attention(&q_seq, &k_all, &v_all, past, scores)?,
-                            Some(sees) => tree_attention(&q_seq, &k_all, &v_all, sees, scores)?,
-                        });
-                    }
-                    Tensor::cat(&attns, 0)? // [n, heads * hd]
-                }
-            };
+            let attn = attend(layer, &qkv, &spec, scores)?; // [n, heads * hd]
             let mut out = block.wo.forward(&attn.to_dtype(self.dtype)?)?; // [n, hidden]
             if let Some(norm) = &block.post_attn_norm {
                 out = rms_norm(&out, norm, eps)?;
@@ -653,57 +643,147 @@ impl Decoder {
                 Some(next) => (x, h) = add_rms_norm(&x, &mlp, &next.attn_norm, eps)?,
                 None => x = (x + mlp)?, // the final norm runs on the logit rows only
             }
-            capture(&mut taps, layer + 1, &batch_rows(&x)?)?;
+            capture(&mut taps, layer + 1, &x)?;
         }
-        for (s, cache) in caches.iter_mut().enumerate() {
-            cache.commit(batch.seq_range(s).len());
-        }
+        Ok((x, taps))
+    }
 
-        let final_normed = if batch.taps.contains(&Tap::FinalNorm) {
-            Some(rms_norm(&batch_rows(&x)?, &self.final_norm, eps)?)
-        } else {
-            None
+    /// The step's outputs from the residual stream `x [n, hidden]` after its layers and the
+    /// residuals `captured` for the plan's taps: the final norm where the plan taps it, and the LM
+    /// head over the final norm of the rows `logit_rows` (`[L]` u32 on the device; None: no logits).
+    fn finish(
+        &self,
+        x: &Tensor,
+        captured: Vec<Option<Tensor>>,
+        plan: &LaunchPlan,
+        logit_rows: Option<Tensor>,
+    ) -> Result<StepTensors> {
+        let eps = self.config.rms_eps;
+        let final_normed =
+            if plan.taps.contains(&Tap::FinalNorm) { Some(rms_norm(x, &self.final_norm, eps)?) } else { None };
+        let logits = match logit_rows {
+            Some(rows) => {
+                let normed = match &final_normed {
+                    Some(normed) => normed.index_select(&rows, 0)?,
+                    None => rms_norm(&x.index_select(&rows, 0)?, &self.final_norm, eps)?,
+                };
+                Some(self.logits(&normed)?)
+            }
+            None => None,
         };
-        let logits = if batch.logit_rows.is_empty() {
-            Tensor::zeros((0, c.vocab_size), DType::F32, &self.device)?
-        } else {
-            let rows = match &paged {
-                Some((step, _)) => step.logit_rows()?,
-                None => {
-                    let rows: Vec<u32> = batch.logit_rows.iter().map(|&r| r as u32).collect();
-                    upload(&rows, &self.device)?
-                }
-            };
-            let normed = match &final_normed {
-                Some(normed) => normed.index_select(&rows, 0)?,
-                None => rms_norm(&x.index_select(&rows, 0)?, &self.final_norm, eps)?,
-            };
-            // A padded step's logit rows run to its shape's rows: the batch's come first.
-            self.logits(&normed)?.narrow(0, 0, batch.logit_rows.len())?
-        };
-        let hidden = taps
+        let hidden = captured
             .into_iter()
-            .zip(&batch.taps)
+            .zip(&plan.taps)
             .map(|(captured, tap)| match tap {
                 Tap::FinalNorm => Ok(final_normed.as_ref().expect("computed above").to_dtype(DType::F32)?),
                 Tap::Residual(_) => captured.ok_or_else(|| Error::Internal(format!("tap {tap:?} was not captured"))),
             })
             .collect::<Result<Vec<_>>>()?;
-        let carried = match paged {
-            Some((step, _)) => step.into_carried()?,
-            None => None,
-        };
-        Ok(ForwardOutput { logits, hidden, carried })
+        Ok(StepTensors { hidden, logits })
     }
 
-    /// The step over a device paged pool when every sequence's cache is on one (`None`: contiguous
-    /// caches, attended per sequence); a forward mixing the two is refused.
-    fn paged_step(
+    /// A forward over contiguous caches: each sequence's keys and values appended to its cache and
+    /// attended per sequence (a tree's rows through their paths).
+    fn contiguous_forward(
         &self,
         batch: &ForwardBatch,
-        caches: &[&mut KvCache],
+        caches: &mut [&mut KvCache],
         pasts: &[usize],
-    ) -> Result<Option<(PagedStep, Arc<PagedPool>)>> {
+        plan: &LaunchPlan,
+    ) -> Result<StepTensors> {
+        let c = &self.config;
+        let positions: Vec<u32> = batch.positions.iter().map(|&p| p as u32).collect();
+        let (ids, positions) = (upload(&batch.tokens, &self.device)?, upload(&positions, &self.device)?);
+        // Tree sequences: the cache cells each row sees, its sequence's past, then its path within
+        // the new rows (root first, itself last).
+        let tree_sees: Vec<Option<Vec<Vec<usize>>>> = (0..batch.num_seqs())
+            .map(|s| {
+                let past = pasts[s];
+                let sees = |row| (0..past).chain(batch.path(s, row).iter().map(|a| past + a)).collect();
+                (!batch.is_chain(s)).then(|| batch.seq_range(s).map(sees).collect())
+            })
+            .collect();
+        let (x, captured) = self.run_layers(&ids, plan, |layer, qkv, spec, scores| {
+            // [heads + 2 kv_heads, n, hd] f32: q normed and rotated, then k, then v.
+            let heads = qkv_heads(qkv, &positions, spec)?;
+            let q = heads.narrow(0, 0, c.num_heads)?; // [heads, n, hd]
+            let k = heads.narrow(0, c.num_heads, c.num_kv_heads)?; // [kv_heads, n, hd]
+            let v = heads.narrow(0, c.num_heads + c.num_kv_heads, c.num_kv_heads)?; // [kv_heads, n, hd]
+            let mut attns = Vec::with_capacity(batch.num_seqs());
+            for (s, cache) in caches.iter_mut().enumerate() {
+                let rows = batch.seq_range(s);
+                let (start, len, past) = (rows.start, rows.len(), pasts[s]);
+                cache.append_tensors(layer, &k.narrow(1, start, len)?, &v.narrow(1, start, len)?)?;
+                let (k_all, v_all) = cache.layer_tensors(layer, past + len)?; // [kv_heads, past + len, hd]
+                                                                              // Attention runs in f32 over what the cache holds in the model's dtype.
+                let (k_all, v_all) = (k_all.to_dtype(DType::F32)?, v_all.to_dtype(DType::F32)?);
+                let q_seq = q.narrow(1, start, len)?;
+                attns.push(match &tree_sees[s] {
+                    None => attention(&q_seq, &k_all, &v_all, past, scores)?,
+                    Some(sees) => tree_attention(&q_seq, &k_all, &v_all, sees, scores)?,
+                });
+            }
+            Ok(Tensor::cat(&attns, 0)?) // [n, heads * hd]
+        })?;
+        let logit_rows = match plan.logits {
+            true => Some(upload(&batch.logit_rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), &self.device)?),
+            false => None,
+        };
+        self.finish(&x, captured, plan, logit_rows)
+    }
+
+    /// A forward over a device paged pool: the step's words written (ONE upload) and its launches
+    /// run eagerly, captured or replayed (`step_graphs.rs`), padded to its captured shape when
+    /// steps are padded.
+    fn paged_forward(
+        &self,
+        batch: &ForwardBatch,
+        pasts: &[usize],
+        pool: &PagedPool,
+        tables: &[&[u32]],
+        plan: &LaunchPlan,
+    ) -> Result<(StepTensors, Option<Carried>)> {
+        let padding = match (self.pad_steps.load(std::sync::atomic::Ordering::Relaxed), pool.dummy_slot()) {
+            (true, Some(dummy_slot)) => StepShape::of(batch).map(|shape| Padding::new(shape, dummy_slot, tables)),
+            _ => None,
+        };
+        let words = StepWords::of(batch, pasts, tables, pool.block_size(), padding.as_ref())?;
+        let key = padding.map(|p| GraphKey { shape: p.shape, table_width: p.table_width, plan: plan.clone() });
+        let estimate = key.as_ref().map_or(0, |key| self.activation_bytes(key.shape.num_rows(), plan));
+        self.step_graphs
+            .run(key, &words, estimate, &self.step_buffers, &self.device, |step| self.step_launches(step, pool, plan))
+    }
+
+    /// A written paged step's launches (what a captured graph holds): every sequence's rows
+    /// written and attended at once per layer, in one launch (k and v normed, rotated and written
+    /// into their slots; each q head normed and rotated as it loads), the result in the pool's
+    /// dtype, the model's.
+    fn step_launches(&self, step: &PagedStep, pool: &PagedPool, plan: &LaunchPlan) -> Result<StepTensors> {
+        let (x, captured) = self.run_layers(&step.tokens()?, plan, |layer, qkv, spec, scores| {
+            let pool = pool.device_layer(layer).ok_or_else(|| shape_bug("paged pool layer"))?;
+            step.write_and_attend(pool, qkv, &QkvHeads::new(spec)?, scores)
+        })?;
+        let logit_rows = if plan.logits { Some(step.logit_rows()?) } else { None };
+        self.finish(&x, captured, plan, logit_rows)
+    }
+
+    /// [`activation_bytes`] of a captured step of `rows` rows under `plan`.
+    fn activation_bytes(&self, rows: usize, plan: &LaunchPlan) -> usize {
+        let c = &self.config;
+        let dims = ActivationDims {
+            hidden: c.hidden_size,
+            qkv: (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
+            attention: c.num_heads * c.head_dim,
+            ffn: c.intermediate_size,
+            vocab: c.vocab_size,
+        };
+        let logit_rows = if plan.logits { rows } else { 0 };
+        activation_bytes(rows, logit_rows, plan.taps.len(), dims, self.dtype.size_in_bytes())
+    }
+
+    /// The device paged pool every sequence's cache is on, and their block tables (`None`:
+    /// contiguous caches, attended per sequence); a forward mixing the two is refused.
+    fn paged_pool<'c>(&self, caches: &'c [&mut KvCache]) -> Result<Option<PagedCaches<'c>>> {
         let blocks: Vec<_> = caches.iter().map(|cache| cache.device_blocks()).collect();
         if blocks.iter().all(Option::is_none) {
             return Ok(None);
@@ -717,25 +797,17 @@ impl Decoder {
                 _ => return Err(mixed()),
             }
         }
-        let padding = match (self.pad_steps.load(std::sync::atomic::Ordering::Relaxed), pool.dummy_slot()) {
-            (true, Some(dummy_slot)) => StepShape::of(batch).map(|shape| Padding::new(shape, dummy_slot, &tables)),
-            _ => None,
-        };
-        let step = PagedStep::new(
-            batch,
-            pasts,
-            &tables,
-            pool.block_size(),
-            &self.step_buffers,
-            &self.device,
-            padding.as_ref(),
-        )?;
-        Ok(Some((step, Arc::clone(pool))))
+        Ok(Some((Arc::clone(pool), tables)))
+    }
+
+    /// Each captured step's buffer address (tests of static buffers).
+    #[cfg(test)]
+    pub(crate) fn graph_buffer_addresses(&self) -> Vec<usize> {
+        self.step_graphs.buffer_addresses()
     }
 
     /// Pads paged steps to the captured shapes (`step_shape.rs`) when `on`; batches past the
     /// largest shape run as they are.
-    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn pad_steps_to_shapes(&self, on: bool) {
         self.pad_steps.store(on, std::sync::atomic::Ordering::Relaxed);
     }
@@ -798,6 +870,15 @@ impl CausalLm for Decoder {
             self.dtype,
             &self.device,
         )
+    }
+
+    fn capture_steps(&self, mode: GraphMode, budget_bytes: usize) {
+        self.step_graphs.set(mode, budget_bytes);
+        self.pad_steps_to_shapes(mode != GraphMode::Off);
+    }
+
+    fn step_graph_status(&self) -> Option<GraphStatus> {
+        Some(self.step_graphs.status())
     }
 
     fn forward_batch(&self, batch: &ForwardBatch, caches: &mut [&mut KvCache]) -> Result<ForwardOutput> {

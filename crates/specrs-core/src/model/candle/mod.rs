@@ -4,7 +4,8 @@
 //! decoder; `attention.rs` the attention it and the heads' layers (`proposer/heads/layer.rs`) run;
 //! `fused.rs` the fused ops (residual add + norm, activation * up) with their CUDA kernels;
 //! `paged_attention.rs` the KV write and attention of a whole step over a paged device pool;
-//! `step_shape.rs` the fixed shapes a paged step is padded to for CUDA graphs; `launches.rs`
+//! `step_shape.rs` the fixed shapes a paged step is padded to for CUDA graphs; `step_graphs.rs`
+//! those steps captured and replayed; `step_buffer.rs` the static buffers they write; `launches.rs`
 //! (tests) holds the paged step to its budget of launches and its one upload.
 //!
 //! Invariant: it reads the same weights by the same names and loader (`model/layout.rs`,
@@ -19,6 +20,7 @@ pub mod fused;
 mod launches;
 pub mod paged_attention;
 pub(crate) mod step_buffer;
+pub mod step_graphs;
 pub mod step_shape;
 
 use candle_core::{Device, Tensor};

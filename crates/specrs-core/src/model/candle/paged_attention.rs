@@ -39,20 +39,28 @@ use crate::model::forward::{Carried, ForwardBatch};
 /// The most dims a head may have here (a warp's 32 lanes hold up to 8 each on the device).
 pub const MAX_HEAD_DIM: usize = 256;
 
-/// A forward's rows as the paged ops read them (see the module header); `descriptor` lives on
-/// the model's device, laid out as `cuda/paged_attention.cu` names it.
+/// A forward's rows as the paged ops read them (see the module header): the step's words written
+/// into a static buffer on the model's device, laid out as `cuda/paged_attention.cu` names them.
 pub(crate) struct PagedStep {
     /// `row_seq[n] | row_pos[n] | row_slot[n] | seqs[4 S] | masks[n W] | tables[T] | tokens[n] |
-    /// logit_rows[L] | carried` u32: the forward's one upload (the kernels read up to the tables;
-    /// the decoder's token gather, rotations and logit rows read their sections; the batch's
-    /// carried words are for after the forward), a view of `held`.
+    /// logit_rows[L]` u32: the sections the forward reads (the kernels up to the tables; the
+    /// decoder's token gather, rotations and logit rows their own), a view of `held`.
     descriptor: Tensor,
-    /// The static buffer the descriptor was written into (with the split-K scratch the attention
-    /// of every layer reuses), given back when the step ends.
+    /// The static buffer the step's words were written into (the batch's carried words after the
+    /// forward's, for after the forward), with the split-K scratch the attention of every layer
+    /// reuses; given back when the step ends.
     held: StepDescriptor,
+    layout: StepLayout,
     /// Where the batch's carried words start in the buffer, and their words with the room after
     /// them.
     carried: Option<(usize, usize)>,
+}
+
+/// Where a descriptor's sections lie and the sizes the step's launches take: for a padded step a
+/// function of its shape, table width and block size alone, so a captured step's launches fit
+/// every later step of its key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct StepLayout {
     /// Where the tokens section starts (`3 n + 4 S + n W + T`).
     tokens_start: usize,
     num_logit_rows: usize,
@@ -68,20 +76,35 @@ pub(crate) struct PagedStep {
     max_keys: usize,
 }
 
-impl PagedStep {
-    /// The step of `batch`, whose sequence s has `pasts[s]` positions held and block table
-    /// `tables[s]` (blocks of `block_size` positions, a power of two), already reserved for the
-    /// step's rows; the step's rows are written at positions `pasts[s]..` in row order. With
+impl StepLayout {
+    /// Words of the sections the forward reads.
+    fn forward_words(&self) -> usize {
+        self.tokens_start + self.num_rows + self.num_logit_rows
+    }
+}
+
+/// A step's words on the host, before their one upload.
+pub(crate) struct StepWords {
+    words: Vec<u32>,
+    layout: StepLayout,
+    /// Where the batch's carried words start, and their words with the room after them.
+    carried: Option<(usize, usize)>,
+    /// Words kept after the written ones (the carried words' room).
+    room: usize,
+}
+
+impl StepWords {
+    /// The words of a step of `batch`, whose sequence s has `pasts[s]` positions held and block
+    /// table `tables[s]` (blocks of `block_size` positions, a power of two), already reserved for
+    /// the step's rows; the step's rows are written at positions `pasts[s]..` in row order. With
     /// `padding` the step has the padded shape's rows (`step_shape.rs`): the batch's first, then
     /// padding rows, each seeing the dummy slot alone and writing its keys there, in a
     /// descriptor laid out by the shape and table width alone.
-    pub(crate) fn new(
+    pub(crate) fn of(
         batch: &ForwardBatch,
         pasts: &[usize],
         tables: &[&[u32]],
         block_size: usize,
-        buffers: &Arc<StepBuffers>,
-        device: &Device,
         padding: Option<&Padding>,
     ) -> Result<Self> {
         let (n, num_seqs) = (batch.num_rows(), batch.num_seqs());
@@ -175,18 +198,13 @@ impl PagedStep {
             descriptor.extend_from_slice(&carried.words);
             section
         });
-        let room = batch.carried.as_ref().map_or(0, |carried| carried.room);
-        let held = buffers.write(&descriptor, room, device)?;
         let max_keys = match table_width {
             // Every row's keys lie in its table's blocks: the grid's split ranges follow the table
             // width, the same every step of the shape.
             Some(width) => width * block_size,
             None => (0..num_seqs).map(|s| pasts[s] + batch.seq_range(s).len()).max().unwrap_or(0),
         };
-        Ok(Self {
-            descriptor: held.words()?,
-            held,
-            carried,
+        let layout = StepLayout {
             tokens_start,
             num_logit_rows: logit_rows.len(),
             num_rows: rows,
@@ -194,7 +212,77 @@ impl PagedStep {
             mask_words,
             block_shift,
             max_keys,
+        };
+        let room = batch.carried.as_ref().map_or(0, |carried| carried.room);
+        Ok(Self { words: descriptor, layout, carried, room })
+    }
+
+    /// Words the step's buffer must hold: its words and the room after them.
+    pub(crate) fn needed(&self) -> usize {
+        self.words.len() + self.room
+    }
+}
+
+impl PagedStep {
+    /// The step of `batch` (see [`StepWords::of`]) written into a buffer of `buffers` on `device`.
+    pub(crate) fn new(
+        batch: &ForwardBatch,
+        pasts: &[usize],
+        tables: &[&[u32]],
+        block_size: usize,
+        buffers: &Arc<StepBuffers>,
+        device: &Device,
+        padding: Option<&Padding>,
+    ) -> Result<Self> {
+        Self::write(&StepWords::of(batch, pasts, tables, block_size, padding)?, 0, buffers, device)
+    }
+
+    /// `words` written into a buffer of `buffers` on `device` (ONE upload) holding `extra_room`
+    /// words past what they need.
+    pub(crate) fn write(
+        words: &StepWords,
+        extra_room: usize,
+        buffers: &Arc<StepBuffers>,
+        device: &Device,
+    ) -> Result<Self> {
+        let held = buffers.write(&words.words, words.room + extra_room, device)?;
+        Ok(Self {
+            descriptor: held.section(0, words.layout.forward_words())?,
+            held,
+            layout: words.layout,
+            carried: words.carried,
         })
+    }
+
+    /// A later step's `words` written into this step's buffer, at the same address (a captured
+    /// step's): laid out as this step's, within its capacity.
+    pub(crate) fn rewrite(&self, words: &StepWords) -> Result<()> {
+        if words.layout != self.layout || words.needed() > self.capacity() {
+            return Err(Error::Internal(format!(
+                "a step of {:?} ({} words) rewritten into one of {:?} ({} words)",
+                words.layout,
+                words.needed(),
+                self.layout,
+                self.capacity()
+            )));
+        }
+        self.held.rewrite(&words.words)
+    }
+
+    /// The address of the step's words (a CPU step's; tests of static buffers).
+    #[cfg(test)]
+    pub(crate) fn buffer_address(&self) -> usize {
+        crate::model::candle::step_buffer::address(&self.descriptor)
+    }
+
+    /// Words the step's buffer holds.
+    pub(crate) fn capacity(&self) -> usize {
+        self.held.capacity()
+    }
+
+    /// The carried words `words` wrote into this step's buffer (a captured step's, rewritten).
+    pub(crate) fn carried_section(&self, words: &StepWords) -> Result<Option<Tensor>> {
+        words.carried.map(|(start, len)| self.held.section(start, len)).transpose()
     }
 
     /// The batch's carried words and their room `[words + room]` on the device, holding the
@@ -206,17 +294,12 @@ impl PagedStep {
 
     /// The rows' tokens `[n]` u32, on the device.
     pub(crate) fn tokens(&self) -> Result<Tensor> {
-        Ok(self.descriptor.narrow(0, self.tokens_start, self.num_rows)?)
-    }
-
-    /// The rows' positions `[n]` u32, on the device.
-    pub(crate) fn positions(&self) -> Result<Tensor> {
-        Ok(self.descriptor.narrow(0, self.num_rows, self.num_rows)?)
+        Ok(self.descriptor.narrow(0, self.layout.tokens_start, self.layout.num_rows)?)
     }
 
     /// The rows that get logits `[L]` u32 (batch-wide, increasing), on the device.
     pub(crate) fn logit_rows(&self) -> Result<Tensor> {
-        Ok(self.descriptor.narrow(0, self.tokens_start + self.num_rows, self.num_logit_rows)?)
+        Ok(self.descriptor.narrow(0, self.layout.tokens_start + self.layout.num_rows, self.layout.num_logit_rows)?)
     }
 
     /// Writes the step's keys and values into their slots of one layer's `pool` (`[2, num_slots,
@@ -233,18 +316,18 @@ impl PagedStep {
         heads: &QkvHeads,
         scores: Scores,
     ) -> Result<Tensor> {
-        let shape = Shape::from((self.num_rows, heads.num_heads * heads.head_dim));
-        if self.num_rows == 0 {
+        let shape = Shape::from((self.layout.num_rows, heads.num_heads * heads.head_dim));
+        if self.layout.num_rows == 0 {
             return Ok(Tensor::zeros(shape, pool.dtype(), qkv.device())?);
         }
         let op = WriteAndAttend {
-            num_rows: self.num_rows,
-            num_seqs: self.num_seqs,
-            mask_words: self.mask_words,
+            num_rows: self.layout.num_rows,
+            num_seqs: self.layout.num_seqs,
+            mask_words: self.layout.mask_words,
             heads,
             held: &self.held,
-            block_shift: self.block_shift,
-            max_keys: self.max_keys,
+            block_shift: self.layout.block_shift,
+            max_keys: self.layout.max_keys,
             scores,
             out: RefCell::new(None),
         };
@@ -463,8 +546,8 @@ struct WriteAndAttend<'a> {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     held: &'a StepDescriptor,
     block_shift: u32,
-    /// `PagedStep::max_keys`: how many key ranges the GPU cuts a row into (`split_count`).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// `StepLayout::max_keys`: how many key ranges the GPU cuts a row into (`split_count`); the
+    /// reference refuses a row whose sequence holds more.
     max_keys: usize,
     scores: Scores,
     out: RefCell<Option<Storage>>,
@@ -580,6 +663,18 @@ impl WriteAndAttend<'_> {
             return Err(op_error(
                 NAME,
                 format!("row {r} sees no key, or a position past its table, or a slot past the pool's {slots}"),
+            ));
+        }
+        // The device grid cuts `max_keys` keys into splits: a row whose sequence holds more would
+        // lose keys there (a captured step's grid is its key's, so its layout must cover it).
+        let held = |r: usize| {
+            let s = d.row_seq[r] as usize;
+            d.seqs[4 * s] as usize + d.seqs[4 * s + 2] as usize
+        };
+        if let Some(r) = (0..n).find(|&r| held(r) > self.max_keys) {
+            return Err(op_error(
+                NAME,
+                format!("row {r}'s sequence holds {} keys, past the {} the grid covers", held(r), self.max_keys),
             ));
         }
         let keys: Vec<Vec<usize>> = keys.into_iter().flatten().collect();
@@ -1152,7 +1247,8 @@ mod tests {
             let batch = ForwardBatch::new(seqs, pasts, Vec::new()).unwrap();
             let padding = Padding::new(shape, 60, tables);
             let step = PagedStep::new(&batch, pasts, tables, 4, &Arc::default(), &Device::Cpu, Some(&padding)).unwrap();
-            (step.descriptor.elem_count(), step.tokens_start, step.num_rows, step.num_seqs, step.max_keys)
+            let l = step.layout;
+            (step.descriptor.elem_count(), l.tokens_start, l.num_rows, l.num_seqs, l.max_keys)
         };
         let chain = |n: usize| SeqRows::chain(vec![1; n], crate::model::LogitRows::All);
         let a = layout(&[chain(5), chain(1)], &[3, 9], &[&[0, 1], &[2, 3, 4]]);

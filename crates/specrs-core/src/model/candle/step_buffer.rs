@@ -1,9 +1,10 @@
 //! Static buffers for a step: a forward writes its one upload into a device buffer it takes from a
 //! small free list (in place, one host-to-device copy) and gives back when the step ends, so in
 //! steady state every step's descriptor lives at the same device address, as a captured CUDA
-//! graph's inputs must (issue 43), and no step allocates a descriptor. The split-K attention's
-//! scratch (partial results and per-(row, head) counters) lives beside it, grown when a step needs
-//! more and kept for the next, so no layer allocates it or zeroes its counters.
+//! graph's inputs must (issue 43), and no step allocates a descriptor; a captured step's entry
+//! (`step_graphs.rs`) holds its buffer for good and rewrites it for every replay. The split-K
+//! attention's scratch (partial results and per-(row, head) counters) lives beside it, grown when
+//! a step needs more and kept for the next, so no layer allocates it or zeroes its counters.
 //!
 //! Invariant: a buffer is held by one step at a time (taken under the lock, given back on drop),
 //! so forwards running at once (a request's step beside the cost worker's timing) never share one;
@@ -45,11 +46,10 @@ pub(crate) struct SplitScratch {
 
 /// A step's descriptor in a taken buffer; the buffer goes back to its free list when dropped.
 pub(crate) struct StepDescriptor {
-    /// The whole buffer; the words are its first `len`.
+    /// The whole buffer; the step's words are its first.
     words: Option<Tensor>,
     /// The scratch this buffer kept, grown by `split_scratch` (layers of one forward run in turn).
     scratch: Mutex<Option<SplitScratch>>,
-    len: usize,
     owner: Arc<StepBuffers>,
 }
 
@@ -70,21 +70,33 @@ impl StepBuffers {
                 scratch: None,
             },
         };
-        super::count_upload();
-        held.words.inplace_op1(&WriteWords(words))?;
-        Ok(StepDescriptor {
-            words: Some(held.words),
-            scratch: Mutex::new(held.scratch),
-            len: words.len(),
-            owner: Arc::clone(self),
-        })
+        let descriptor =
+            StepDescriptor { words: Some(held.words), scratch: Mutex::new(held.scratch), owner: Arc::clone(self) };
+        descriptor.rewrite(words)?;
+        Ok(descriptor)
     }
 }
 
 impl StepDescriptor {
-    /// The words `[len]` u32, a view of the buffer.
-    pub(crate) fn words(&self) -> Result<Tensor> {
-        self.section(0, self.len)
+    /// Writes `words` at the start of the buffer (again, for a captured step's static buffer,
+    /// whose address its graph holds): one upload, nothing allocated.
+    pub(crate) fn rewrite(&self, words: &[u32]) -> Result<()> {
+        let buffer = self.words.as_ref().expect("held until dropped");
+        if words.len() > buffer.elem_count() {
+            return Err(crate::error::Error::Internal(format!(
+                "{} step words for a buffer of {}",
+                words.len(),
+                buffer.elem_count()
+            )));
+        }
+        super::count_upload();
+        buffer.inplace_op1(&WriteWords(words))?;
+        Ok(())
+    }
+
+    /// Words the buffer holds.
+    pub(crate) fn capacity(&self) -> usize {
+        self.words.as_ref().expect("held until dropped").elem_count()
     }
 
     /// Words `start..start + len` of the buffer (past the written words: the room `write` kept).
@@ -207,27 +219,30 @@ mod tests {
         let device = Device::Cpu;
         let uploads = super::super::UPLOADS.with(Cell::get);
         let first = buffers.write(&[1, 2, 3], 0, &device).unwrap();
-        let at = address(&first.words().unwrap());
-        assert_eq!(first.words().unwrap().to_vec1::<u32>().unwrap(), [1, 2, 3]);
+        let at = address(&first.section(0, 3).unwrap());
+        assert_eq!(first.section(0, 3).unwrap().to_vec1::<u32>().unwrap(), [1, 2, 3]);
         drop(first);
         for step in 0..3u32 {
             let words: Vec<u32> = (0..10 + step).collect();
             let descriptor = buffers.write(&words, 0, &device).unwrap();
-            assert_eq!(address(&descriptor.words().unwrap()), at, "step {step}: the same address");
-            assert_eq!(descriptor.words().unwrap().to_vec1::<u32>().unwrap(), words);
+            assert_eq!(address(&descriptor.section(0, words.len()).unwrap()), at, "step {step}: the same address");
+            assert_eq!(descriptor.section(0, words.len()).unwrap().to_vec1::<u32>().unwrap(), words);
         }
         assert_eq!(super::super::UPLOADS.with(Cell::get) - uploads, 4, "one upload per step");
         let held = buffers.write(&[7], 0, &device).unwrap();
         let beside = buffers.write(&[8], 0, &device).unwrap();
-        assert_ne!(address(&held.words().unwrap()), address(&beside.words().unwrap()));
+        assert_ne!(address(&held.section(0, 1).unwrap()), address(&beside.section(0, 1).unwrap()));
         assert_eq!(
-            (held.words().unwrap().to_vec1::<u32>().unwrap(), beside.words().unwrap().to_vec1::<u32>().unwrap()),
+            (
+                held.section(0, 1).unwrap().to_vec1::<u32>().unwrap(),
+                beside.section(0, 1).unwrap().to_vec1::<u32>().unwrap()
+            ),
             (vec![7], vec![8])
         );
         drop((held, beside));
         let long: Vec<u32> = (0..5000).collect();
         let grown = buffers.write(&long, 0, &device).unwrap();
-        assert_eq!(grown.words().unwrap().to_vec1::<u32>().unwrap(), long);
+        assert_eq!(grown.section(0, long.len()).unwrap().to_vec1::<u32>().unwrap(), long);
         assert!(buffers.free.lock().unwrap().len() <= MAX_FREE);
     }
 }
