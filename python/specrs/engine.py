@@ -276,7 +276,8 @@ class Engine:
     growing as it needs) or "paged" (blocks of `kv_block_size` positions from one pool of
     `max_kv_tokens` positions allocated at load, by default one full context, as llama.cpp's
     `-c` sizes its cache; samples of one prompt share its blocks, and a scheduler over this
-    engine budgets KV in the pool's blocks). Paged runs on the CPU decoder (GGUF on "cpu").
+    engine budgets KV in the pool's blocks). Paged runs on the CPU decoder (GGUF on "cpu") and
+    on the candle decoder (HF directories, random models, CUDA).
     On CUDA a paged engine captures its decode and verify steps as CUDA graphs, one per padded
     shape, within `cuda_graph_memory_mb` (their activation estimates summed); `enforce_eager`
     (vLLM's name) runs every step eagerly. `step_graph_status()` says what was captured.

@@ -64,7 +64,7 @@ pub use device::{cache_dir, parse_device};
 pub use proposers::{Speculation, MAX_SUFFIX_CACHES};
 pub use session::{FinishReason, Generation, PlanLimits, Session, StepOutput, StepPlan, StopReason, TokenLogprobs};
 
-/// Bytes the target's captured steps may hold by default (`Engine::with_step_graphs`): their
+/// Bytes the target's captured steps may hold by default (`Engine::set_step_graphs`): their
 /// activation estimates summed.
 pub const DEFAULT_GRAPH_MEMORY: usize = 4 << 30;
 

@@ -162,7 +162,7 @@ struct State {
     entries: HashMap<GraphKey, Arc<Entry>>,
     /// Keys whose first step ran (the next is captured).
     warmed: HashSet<GraphKey>,
-    /// Keys that stay eager, and why.
+    /// Keys that stay eager, and why (`Busy` while another step captures the key).
     refused: HashMap<GraphKey, EagerReason>,
     num_captures: u64,
     num_replays: u64,
@@ -170,8 +170,8 @@ struct State {
     capture_error: Option<String>,
 }
 
-/// A captured key: its static buffer (a paged step laid out as the key), the estimate it counts
-/// against the budget, and its graph (device) with the outputs the graph writes.
+/// A captured key: its static buffer (a paged step laid out as the key), whether a step holds it,
+/// and its graph (device) with the outputs the graph writes.
 struct Entry {
     step: PagedStep,
     busy: AtomicBool,
@@ -230,7 +230,6 @@ impl StepGraphs {
     /// step's when it is padded to a captured shape (None: past the largest), `words` its
     /// descriptor, `estimate` its key's [`activation_bytes`], and `launches` its launches over a
     /// written step. Returns the launches' outputs (the caller's own) and the step's carried words.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn run(
         &self,
         key: Option<GraphKey>,
@@ -271,6 +270,7 @@ impl StepGraphs {
                 let mut state = self.state();
                 match recorded {
                     Ok(()) => {
+                        state.refused.remove(&key);
                         state.used_bytes += estimate;
                         state.num_captures += 1;
                         state.entries.insert(key, entry);
@@ -313,6 +313,8 @@ impl StepGraphs {
                     state.refused.insert(key, EagerReason::Budget);
                     (Plan::Eager, Some(EagerReason::Budget))
                 } else {
+                    // Steps of the key on other threads run eagerly until the capture ends.
+                    state.refused.insert(key.clone(), EagerReason::Busy);
                     (Plan::Capture(key), None)
                 }
             }
@@ -719,6 +721,23 @@ mod tests {
             "{status:?}"
         );
         assert_eq!((status.used_bytes, status.budget_bytes), (0, 1));
+    }
+
+    /// While one step captures a key, another step of it (another thread's) runs eagerly, counted
+    /// as busy; a key's first step is its warmup.
+    #[test]
+    fn a_key_being_captured_is_busy_for_other_steps() {
+        let graphs = StepGraphs::default();
+        graphs.set(GraphMode::Emulated, usize::MAX);
+        let batch = ForwardBatch::new(&[SeqRows::chain(vec![1], LogitRows::Last)], &[3], Vec::new()).unwrap();
+        let words = StepWords::of(&batch, &[3], &[&[0]], 16, None).unwrap();
+        let plan = LaunchPlan { num_blocks: 1, taps: Vec::new(), logits: true };
+        let key = GraphKey { shape: StepShape { num_seqs: 1, rows_per_seq: 1 }, table_width: 1, plan };
+        assert!(matches!(graphs.plan(Some(key.clone()), &words, 0), Plan::Eager));
+        assert!(matches!(graphs.plan(Some(key.clone()), &words, 0), Plan::Capture(_)));
+        assert!(matches!(graphs.plan(Some(key), &words, 0), Plan::Eager));
+        let status = graphs.status();
+        assert_eq!((status.num_eager[&EagerReason::Warmup], status.num_eager[&EagerReason::Busy]), (1, 1));
     }
 
     /// The estimate counts one layer's activations, the taps and the logits of every row.
