@@ -100,6 +100,44 @@ def test_affinity_keys_follow_conversations_not_shared_system_prompts():
     assert affinity_keys("/v1/models", {"messages": turn1}) == [] and affinity_keys("/v1/completions", []) == []
 
 
+def test_a_request_naming_a_replica_waits_for_it_alone(monkeypatch):
+    """A named replica is the only rank (never the load spread, which a slow queue-length probe on a
+    loaded machine would fall through to); a name the router has not seen yet is waited for, up to
+    PIN_WAIT_S; a replica that left is not waited for."""
+    pytest.importorskip("ray.serve")
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentID, ReplicaID
+    from ray.serve._private.request_router.common import RequestRoutingContext
+
+    from specrs.serve.ray import router as router_module
+
+    def replica(name):
+        return SimpleNamespace(replica_id=ReplicaID(name, DeploymentID("engine", "app")), max_ongoing_requests=4)
+
+    def ask(name, candidates):
+        request = SimpleNamespace(args=[SimpleNamespace(affinity_keys=[], replica=name)],
+                                  routing_context=RequestRoutingContext())
+        ranks = asyncio.run(router.choose_replicas(candidates, request))
+        assert request.routing_context.should_backoff  # Ray Serve sleeps between rounds
+        return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+    router = router_module.PrefixAffinityRouter.__new__(router_module.PrefixAffinityRouter)
+    router.initialize_state()
+    router._replica_queue_len_cache = {}
+    a, b, c = replica("a"), replica("b"), replica("c")
+    assert ask("b", [a, b]) == [["b"]]
+    now = [100.0]
+    monkeypatch.setattr(router_module.time, "monotonic", lambda: now[0])
+    assert ask("c", [a, b]) == []  # not seen yet: asked again after a backoff
+    now[0] += router_module.PIN_WAIT_S - 0.1
+    assert ask("c", [a, b, c]) == [["c"]]  # it arrived in time
+    assert sorted(ask("b", [a, c])[0]) == ["a", "c"]  # b left: spread at once
+    assert ask("d", [a, c]) == []
+    now[0] += router_module.PIN_WAIT_S
+    assert sorted(ask("d", [a, c])[0]) == ["a", "c"]  # never came: spread
+
+
 def _report(replica: str, healthy: bool = True, text: str = "") -> Report:
     return Report(replica, healthy, None if healthy else "stopped", text, 1, 2, 100, "node")
 

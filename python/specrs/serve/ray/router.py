@@ -11,7 +11,10 @@ longest known key when that replica has at most `max_imbalance` more requests in
 least loaded one; otherwise (and for a request with no known key) Ray Serve's power of two choices.
 A request with an `x-specrs-replica` header (the header every response carries) goes to that
 replica while it is alive, whatever its load: a client can stay on one replica, and tests can
-address one.
+address one. Such a request waits for its replica (Ray Serve retries with backoff while the replica
+is full or slow to answer its queue-length probe, as a loaded machine makes it); a replica this
+router has not seen yet (it learns the replica set a moment after the replicas report healthy) is
+waited for up to `PIN_WAIT_S`; one it saw leave is not waited for.
 
 Invariants: routing never changes what a request generates (every replica runs the same model and
 settings); a replica that died or left is never chosen from memory; the memory is bounded.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -30,6 +34,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 BLOCK_CHARS = 256
 DEFAULT_MAX_KEYS = 100_000
 DEFAULT_MAX_IMBALANCE = 4
+PIN_WAIT_S = 5.0  # how long a request waits for a named replica this router has never seen
 
 
 def _digest(text: str) -> str:
@@ -70,6 +75,8 @@ class PrefixAffinityRouter(RequestRouter):
         self.replica_of: OrderedDict[str, ReplicaID] = OrderedDict()
         self.num_affine = 0  # requests sent to their remembered replica
         self.num_spread = 0  # requests routed by load alone
+        self.seen_replicas: set[str] = set()  # unique ids of every replica ever a candidate
+        self.pin_waits: OrderedDict[str, float] = OrderedDict()  # unseen named replica -> first asked (monotonic)
 
     @staticmethod
     def _forwarded(pending_request: PendingRequest | None) -> Any:
@@ -90,12 +97,22 @@ class PrefixAffinityRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        if pending_request is not None:
+            # Every rank below considers all replicas (no locality pass), so Ray Serve backs off
+            # between rounds rather than retrying at once.
+            pending_request.routing_context.should_backoff = True
+        self.seen_replicas.update(r.replica_id.unique_id for r in candidate_replicas)
+        if len(self.seen_replicas) > self.max_keys:  # bounded: forget the departed
+            self.seen_replicas = {r.replica_id.unique_id for r in candidate_replicas}
         spread = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
-        forwarded = self._forwarded(pending_request)
-        pinned = getattr(forwarded, "replica", None)
-        for replica in candidate_replicas if pinned else []:
-            if replica.replica_id.unique_id == pinned:
-                return [[replica], spread]
+        pinned = getattr(self._forwarded(pending_request), "replica", None)
+        if pinned:
+            for replica in candidate_replicas:
+                if replica.replica_id.unique_id == pinned:
+                    self.pin_waits.pop(pinned, None)
+                    return [[replica]]  # that replica alone, whatever its load
+            if self._waits_for(pinned):
+                return []  # asked again after a backoff, with the replica set as it is then
         by_id = {r.replica_id: r for r in candidate_replicas}
         for key in reversed(self._keys(pending_request)):
             remembered = by_id.get(self.replica_of.get(key))  # type: ignore[arg-type]
@@ -111,6 +128,16 @@ class PrefixAffinityRouter(RequestRouter):
             return [[remembered], spread]
         self.num_spread += 1
         return [spread]
+
+    def _waits_for(self, pinned: str) -> bool:
+        """Whether a request naming a replica this router does not have waits for it: only one it
+        has never seen, and for at most PIN_WAIT_S from the first such request."""
+        if pinned in self.seen_replicas:
+            return False  # it left: the request goes by affinity and load
+        first = self.pin_waits.setdefault(pinned, time.monotonic())
+        while len(self.pin_waits) > self.max_keys:
+            self.pin_waits.popitem(last=False)
+        return time.monotonic() - first < PIN_WAIT_S
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         for key in self._keys(pending_request):
