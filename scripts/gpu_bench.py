@@ -31,6 +31,13 @@ every request's rows in one kernel each, cuda/paged_attention.cu), or the contig
     third replayed; the replay's logits against the first run's (bitwise, or within
     GRAPH_TOLERANCE of the largest logit: a failure past it, as is a step that did not replay or
     a capture that failed), and the graphs' node count per layer and memory estimate;
+(8) the asynchronous loop's timeline: batch 8 of plain greedy requests through the core scheduler's
+    launch/finish halves, the step before's outputs decoded to text between them (as the server's
+    loop sends them); per step the host's seconds in launch, between launch and finish (the work
+    done while the device runs the step), in finish (the wait for the step's one download, then
+    the commits; of them the download's), and the forward's device seconds from CUDA events; a
+    step's host work was hidden under the device when its download still waited for the step
+    (TIMELINE_WAIT_S or longer);
 (5) tokens/s (generated tokens over wall time, prefill included) at batch 1, 8 and 32, plain and
     with k = 4 drafts from the replay proposer at a = 0.7 and 0.9 (fixed k, no adaptive length,
     draft budget off), each request replaying its own recorded plain greedy output at that batch,
@@ -265,6 +272,52 @@ def part_graphs(engine, vocab: int, clock: Clock, reserve_s: float) -> dict:
     layers = engine.info()["num_layers"]
     out["status"] = status
     out["nodes_per_layer"] = status["num_graph_nodes"] / max(1, status["num_graphs"]) / layers
+    return out
+
+
+TIMELINE_BATCH = 8
+TIMELINE_TOKENS = 48
+# A download that waited at least this long waited for the device (a few words' copy alone takes
+# ~10-20 us over PCIe).
+TIMELINE_WAIT_S = 50e-6
+
+
+def part_timeline(specrs, engine, vocab: int) -> dict:
+    """(8) the asynchronous loop's timeline (see the module header)."""
+    scheduler = specrs._specrs.Scheduler(engine._inner, max_num_seqs=TIMELINE_BATCH, draft_budget="off")
+    params = specrs.SamplingParams(max_tokens=TIMELINE_TOKENS, temperature=0.0)
+    for i in range(TIMELINE_BATCH):
+        scheduler.add(i, gpu_check.fixed_ids(PROMPT_LEN, vocab, salt=500 + i), params)
+    steps, held, text = [], None, [""] * TIMELINE_BATCH
+    while scheduler.has_unfinished:
+        scheduler.launch()
+        if held is not None:  # the host's work on the step before, while the device runs this one
+            for output in held:
+                text[output["request_id"]] += engine.tokenizer.decode(output["token_ids"])
+        outputs, report = scheduler.finish()
+        held = outputs
+        steps.append({key: report[key] for key in ("num_sequences", "num_rows", "launch_s", "overlapped_host_s",
+                                                   "finish_s", "wait_s", "forward_s")})
+    # Decode steps of the whole batch (no prompt rows), past the first few (their shapes' captures).
+    decode = [st for st in steps if st["num_sequences"] == TIMELINE_BATCH
+              and st["num_rows"] == TIMELINE_BATCH][4:]
+
+    def median(key: str) -> float | None:
+        values = sorted(st[key] for st in decode)
+        return values[len(values) // 2] if values else None
+
+    # The host's work between launch and finish was hidden under the device when the finish's
+    # download still waited for the step (longer than a download of a few words alone takes).
+    hidden = sum(st["wait_s"] >= TIMELINE_WAIT_S for st in decode)
+    out = {"batch": TIMELINE_BATCH, "num_decode_steps": len(decode), "launch_s": median("launch_s"),
+           "overlapped_host_s": median("overlapped_host_s"), "finish_s": median("finish_s"),
+           "wait_s": median("wait_s"), "forward_s": median("forward_s"), "hidden_steps": hidden, "steps": steps}
+    if decode:
+        print(f"(8) async loop, batch {TIMELINE_BATCH}: median per decode step: launch {out['launch_s'] * 1e3:.3f} ms, "
+              f"host work while in flight {out['overlapped_host_s'] * 1e3:.3f} ms, finish "
+              f"{out['finish_s'] * 1e3:.3f} ms (its download {out['wait_s'] * 1e3:.3f} ms), device forward "
+              f"{out['forward_s'] * 1e3:.3f} ms; host work hidden under the device in {hidden}/{len(decode)} steps",
+              flush=True)
     return out
 
 
@@ -529,7 +582,7 @@ def part_peer(device: str, num_tokens: int, clock: Clock, save) -> dict:
 def failures(report: dict) -> list[str]:
     """Everything that decides the exit status, one line each (the peer never does)."""
     out = [f"({part}) raised {report[part]['error']}" for part in ("engine", "bound", "kernels", "identity", "itl",
-                                                                    "graphs", "batches")
+                                                                    "graphs", "timeline", "batches")
            if isinstance(report.get(part), dict) and "error" in report[part]]
     graphs = report.get("graphs", {})
     for name, b in graphs.get("buckets", {}).items():
@@ -631,6 +684,13 @@ def table(report: dict) -> str:
                 f"{fmt(graphs.get('nodes_per_layer'), '.1f')} nodes per layer, "
                 f"{fmt(status.get('used_bytes'), '.2f', 1e-9)} GB estimated{not_run(graphs)}")
         lines.append(f"| captured steps | {text} | all replay |")
+    timeline = report.get("timeline", {})
+    if timeline:
+        text = (f"launch {fmt(timeline.get('launch_s'), '.3f', 1e3)} ms, host work in flight "
+                f"{fmt(timeline.get('overlapped_host_s'), '.3f', 1e3)} ms, finish {fmt(timeline.get('finish_s'), '.3f', 1e3)} "
+                f"ms (download {fmt(timeline.get('wait_s'), '.3f', 1e3)} ms), device forward {fmt(timeline.get('forward_s'), '.3f', 1e3)} ms; hidden in "
+                f"{timeline.get('hidden_steps', '-')}/{timeline.get('num_decode_steps', '-')} steps{not_run(timeline)}")
+        lines.append(f"| async loop, batch {TIMELINE_BATCH} (median step) | {text} | host work hidden |")
     batches = report.get("batches", {})
     columns = ["plain"] + [f"a={a} k={K}" for a in sorted(ACCEPTANCES)] + list(LOOKUPS)
     if not_run(batches):
@@ -775,7 +835,7 @@ def main() -> int:
         t0 = time.perf_counter()
         # A paged pool holds every request of the largest batch at once (its drafts included).
         layout = {"kv_layout": "paged", "max_kv_tokens": max(BATCH_SIZES) * (PROMPT_LEN + args.tokens + 4 * K),
-                  "cuda_graph_memory_mb": GRAPH_MEMORY_MB} if args.kv_layout == "paged" else {}
+                  "cuda_graph_memory_mb": GRAPH_MEMORY_MB} if args.kv_layout == "paged" else {"kv_layout": "contiguous"}
         engine = specrs.Engine.random(shape, seed=gpu_check.SEED, dtype=dtype, device=device, **layout)
         # Fixed k and no draft budget read no cost figure: no background measurement between runs.
         engine.set_measure_on_demand(False)
@@ -797,6 +857,7 @@ def main() -> int:
             ("identity", lambda: part_identity(specrs, engine, dtype, vocab, args.tokens)),
             ("itl", lambda: part_itl(specrs, engine, vocab, args.tokens)),
             ("graphs", lambda: part_graphs(engine, vocab, clock, reserve_s)),
+            ("timeline", lambda: part_timeline(specrs, engine, vocab)),
             ("batches", lambda: part_batches(specrs, engine, dtype, vocab, args.tokens, clock, reserve_s,
                                              report.get("itl", {}).get("itl_s"))),
         )

@@ -241,6 +241,18 @@ def test_a_paged_pool_on_the_candle_decoder_generates_what_contiguous_does(famil
         assert paged.kv_pool["num_free"] == 24
 
 
+def test_the_default_kv_layout_is_paged_on_cuda_and_contiguous_on_the_cpu(engine):
+    """kv_layout "auto" (the default), named by Rust for the device: a CPU engine holds no pool, and
+    a server on the CPU given --max-kv-tokens budgets it in the scheduler (no pool to size)."""
+    from specrs.serve import load_engine
+
+    assert [_specrs.resolve_kv_layout("auto", d) for d in ("cpu", "cuda", "cuda:1")] == ["contiguous", "paged", "paged"]
+    assert _specrs.resolve_kv_layout("contiguous", "cuda") == "contiguous"
+    assert specrs.Engine(engine.model_path).kv_pool is None
+    served = load_engine(engine.model_path, None, "cpu", max_kv_tokens=512)
+    assert served._inner.kv_pool is None
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"kv_layout": "pages"}, "'contiguous' or 'paged'"),
     ({"kv_layout": None}, "'contiguous' or 'paged'"),

@@ -375,6 +375,51 @@ def test_metrics_exposition(server, client, model_name):
     assert _metric(server, "specrs:scheduler_draft_tokens_accepted_total") <= verified
 
 
+def test_a_server_overlapping_its_steps_answers_as_the_engine(engine):
+    """With `overlap` on (what a CUDA target turns on), each step's outputs go out while the next
+    step runs, and requests submitted meanwhile are added between a step's launch and its finish:
+    concurrent answers, streamed and not, are each the engine's alone; the loop sent every step's
+    report, and spent time between launches and finishes."""
+    from starlette.testclient import TestClient
+
+    from specrs.serve import build_app
+
+    app = build_app(engine, "m", max_num_seqs=MAX_NUM_SEQS)
+    app.state.scheduler.overlap = True
+    answers: dict[int, str] = {}
+    errors = []
+
+    def ask(http, i):
+        body = {"model": "m", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 20 + 4 * i, "temperature": 0,
+                "speculative": NGRAM if i % 2 else SERVER_SPEC}
+        try:
+            if i % 3 == 0:
+                with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+                    chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                              if line.startswith("data: ") and line != "data: [DONE]"]
+                answers[i] = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            else:
+                answers[i] = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        except Exception as e:  # reported below; a thread's exception would be lost
+            errors.append(repr(e))
+
+    with TestClient(app) as http:
+        threads = [threading.Thread(target=ask, args=(http, i)) for i in range(6)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)  # arrivals spread over the first steps
+        for t in threads:
+            t.join()
+        metrics = http.get("/metrics").text
+    assert not errors, errors
+    for i in range(6):
+        params = specrs.SamplingParams(temperature=0, max_tokens=20 + 4 * i)
+        assert answers[i] == engine.generate(PROMPTS[i % len(PROMPTS)], params).text, f"request {i}"
+    overlapped = [line for line in metrics.splitlines()
+                  if line.startswith("specrs:scheduler_overlapped_host_seconds_total")]
+    assert overlapped and float(overlapped[0].split()[-1]) > 0, overlapped
+
+
 def test_build_app_serves_a_custom_python_proposer(engine):
     """An Engine holding a Python proposer, served in process: requests use it by default."""
     from starlette.testclient import TestClient

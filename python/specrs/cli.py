@@ -309,11 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-kv-tokens", type=int, default=None,
                      help="KV cache positions held by all running requests together; past it the newest "
                           "request is preempted and recomputed later (default: no bound but each context)")
-    srv.add_argument("--kv-layout", choices=("contiguous", "paged"), default="contiguous",
+    srv.add_argument("--kv-layout", choices=("auto", "contiguous", "paged"), default="auto",
                      help="contiguous: each request's KV cache grows as it needs; paged: one pool of "
                           "--max-kv-tokens positions (default: one full context) allocated at startup, in blocks "
                           "of --kv-block-size, budgeted by the scheduler in blocks (the CPU decoder's, or on CUDA the model's "
-                          "device, where steps are captured as CUDA graphs)")
+                          "device, where steps are captured as CUDA graphs); auto (default): paged on CUDA, "
+                          "contiguous on the CPU")
     srv.add_argument("--kv-block-size", type=int, default=DEFAULT_KV_BLOCK_SIZE,
                      help=f"positions per block of the paged KV layout (default: {DEFAULT_KV_BLOCK_SIZE})")
     srv.add_argument("--enforce-eager", action="store_true",

@@ -273,10 +273,11 @@ class Engine:
     `device`: "cpu" (or "cuda[:N]" in a CUDA build). `max_model_len`: caps the context (prompt
     plus output) at that many tokens, as vLLM's `max_model_len` does (default: the model's own).
     `kv_layout`: how the target's KV cache is laid out: "contiguous" (a buffer per request,
-    growing as it needs) or "paged" (blocks of `kv_block_size` positions from one pool of
+    growing as it needs), "paged" (blocks of `kv_block_size` positions from one pool of
     `max_kv_tokens` positions allocated at load, by default one full context, as llama.cpp's
     `-c` sizes its cache; samples of one prompt share its blocks, and a scheduler over this
-    engine budgets KV in the pool's blocks). Paged runs on the CPU decoder (GGUF on "cpu") and
+    engine budgets KV in the pool's blocks), or "auto" (the default: paged on CUDA, contiguous
+    on the CPU; `kv_pool` is None under contiguous). Paged runs on the CPU decoder (GGUF on "cpu") and
     on the candle decoder (HF directories, random models, CUDA).
     On CUDA a paged engine captures its decode and verify steps as CUDA graphs, one per padded
     shape, within `cuda_graph_memory_mb` (their activation estimates summed); `enforce_eager`
@@ -313,7 +314,7 @@ class Engine:
         proposer: Any = None,
         max_model_len: int | None = None,
         allow_special_tokens_in_content: bool = False,
-        kv_layout: str = "contiguous",
+        kv_layout: str = "auto",
         kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
         max_kv_tokens: int | None = None,
         enforce_eager: bool = False,
@@ -324,7 +325,7 @@ class Engine:
                             ("kv_block_size", kv_block_size, None),
                             ("max_kv_tokens", max_kv_tokens, "for one full context"))
         if not isinstance(kv_layout, str):
-            raise ConfigError(f"kv_layout must be 'contiguous' or 'paged' (got {kv_layout!r})")
+            raise ConfigError(f"kv_layout must be 'auto', 'contiguous' or 'paged' (got {kv_layout!r})")
         self.model_path = resolve_model(model)
         start_s = time.perf_counter()
         logger.info("loading %s on %s", self.model_path, device)
@@ -347,7 +348,7 @@ class Engine:
         device: str = "cpu",
         speculative_config: SpecConfig | None = None,
         proposer: Any = None,
-        kv_layout: str = "contiguous",
+        kv_layout: str = "auto",
         kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
         max_kv_tokens: int | None = None,
         enforce_eager: bool = False,
@@ -365,7 +366,7 @@ class Engine:
         _check_token_counts(("kv_block_size", kv_block_size, None),
                             ("max_kv_tokens", max_kv_tokens, "for one full context"))
         if not isinstance(kv_layout, str):
-            raise ConfigError(f"kv_layout must be 'contiguous' or 'paged' (got {kv_layout!r})")
+            raise ConfigError(f"kv_layout must be 'auto', 'contiguous' or 'paged' (got {kv_layout!r})")
         config_json = config if isinstance(config, str) else json.dumps(dict(config))
         engine = cls.__new__(cls)
         engine.model_path = None
@@ -792,10 +793,11 @@ class Engine:
 def _run_to_the_end(scheduler: _specrs.Scheduler, num_requests: int,
                     bar: _ProgressBar | None) -> list[GenerationResult]:
     """Steps `scheduler` until it has nothing left; the results of its requests 0..num_requests in
-    id order (an error ends the call with that error)."""
+    id order (an error ends the call with that error). Where launches are asynchronous (CUDA),
+    a step's outputs are read while the next step runs on the device (the server's loop)."""
     results: list[GenerationResult | None] = [None] * num_requests
-    while scheduler.has_unfinished:
-        outputs, _ = scheduler.step()
+
+    def take(outputs: list[dict]) -> None:
         num_finished = 0
         for output in outputs:
             if output["error"] is not None:
@@ -805,6 +807,20 @@ def _run_to_the_end(scheduler: _specrs.Scheduler, num_requests: int,
                 num_finished += 1
         if bar is not None:
             bar.step(sum(len(output["token_ids"]) for output in outputs), num_finished)
+
+    overlap, held = scheduler.launches_asynchronously, None
+    while scheduler.has_unfinished:
+        scheduler.launch()
+        if held is not None:
+            take(held)
+            held = None
+        outputs, _ = scheduler.finish()
+        if overlap:
+            held = outputs
+        else:
+            take(outputs)
+    if held is not None:
+        take(held)
     missing = [i for i, r in enumerate(results) if r is None]
     if missing:
         raise SpecrsError(f"internal error: the scheduler ended without finishing requests {missing} "

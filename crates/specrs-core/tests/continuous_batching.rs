@@ -276,6 +276,62 @@ fn an_aborted_request_ends_alone() {
     assert!(scheduler.add(2, requests[0].prompt_ids.clone(), SamplingParams::greedy(2), None).is_err());
 }
 
+/// The launch/finish halves of a step, as an asynchronous loop drives them: requests added and
+/// aborted while a step is in flight (an abort of a running request then takes effect after the
+/// step, its end with the next), a second launch refused before the finish (no step plans from
+/// tokens the one before has not produced), a finish without a launch refused; every request
+/// yields what it yields alone.
+#[test]
+fn steps_launched_then_finished_take_requests_and_aborts_in_flight() {
+    let engine = load();
+    let requests = mixed_requests(&engine, 8);
+    let expected = alone(&engine, &requests);
+    let mut scheduler = Scheduler::new(engine.clone(), SchedulerConfig::default()).unwrap();
+    let error = scheduler.finish().unwrap_err().to_string();
+    assert!(error.contains("call launch before finish"), "{error}");
+    for (id, r) in requests.iter().enumerate().take(4) {
+        scheduler.add(id as u64, r.prompt_ids.clone(), r.params.clone(), speculation(&engine, r.config)).unwrap();
+    }
+    let mut run =
+        Batched { tokens: vec![Vec::new(); requests.len()], ends: vec![None; requests.len()], reports: Vec::new() };
+    let (mut step, mut aborted_at) = (0, None);
+    while scheduler.has_unfinished() {
+        assert!(scheduler.launch().unwrap(), "step {step} has a forward");
+        let error = scheduler.launch().unwrap_err().to_string();
+        assert!(error.contains("a step is in flight"), "{error}");
+        if step == 1 {
+            for (id, r) in requests.iter().enumerate().skip(4) {
+                let config = speculation(&engine, r.config);
+                scheduler.add(id as u64, r.prompt_ids.clone(), r.params.clone(), config).unwrap();
+            }
+        }
+        if step == 2 {
+            assert!(scheduler.abort(1), "request 1 runs");
+            assert!(!scheduler.abort(1), "aborted twice");
+            aborted_at = Some(run.tokens[1].len());
+        }
+        let (outputs, report) = scheduler.finish().unwrap();
+        for o in outputs {
+            assert!(o.error.is_none(), "request {} failed: {:?}", o.id, o.error);
+            run.tokens[o.id as usize].extend(&o.token_ids);
+            if let Some(end) = o.finished {
+                assert!(run.ends[o.id as usize].is_none(), "request {} ended twice", o.id);
+                run.ends[o.id as usize] = Some(end);
+            }
+        }
+        assert!(report.launch_s > 0.0 && report.wait_s <= report.finish_s, "{report:?}");
+        run.reports.push(report);
+        step += 1;
+        assert!(step < 10_000, "the scheduler does not finish");
+    }
+    assert_same(&expected, &run, &[1]);
+    // The step in flight when request 1 was aborted still committed its tokens; it ended after.
+    let end = run.ends[1].as_ref().expect("the aborted request ends");
+    assert_eq!(end.finish_reason, Some(FinishReason::Abort));
+    assert!(end.token_ids.len() > aborted_at.unwrap() && end.token_ids.len() < expected[1].token_ids.len());
+    assert_eq!(end.token_ids, expected[1].token_ids[..end.token_ids.len()]);
+}
+
 #[test]
 fn at_batch_one_the_budget_grants_what_the_request_asks() {
     let engine = load();

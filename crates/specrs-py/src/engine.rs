@@ -716,6 +716,13 @@ pub fn cache_dir() -> String {
     specrs_core::engine::cache_dir().display().to_string()
 }
 
+/// The KV layout `kv_layout` stands for on `device`: "auto" is "paged" on CUDA and "contiguous"
+/// on the CPU (`KvLayout::resolve_name`); other names as they are.
+#[pyfunction]
+pub fn resolve_kv_layout(kv_layout: &str, device: &str) -> String {
+    KvLayout::resolve_name(kv_layout, device).to_string()
+}
+
 /// Bytes read per second on `device`: the best of `repeats` passes of a read-only reduction over
 /// `num_bytes` (`bandwidth::read_bandwidth`; a decode step's roof).
 #[pyfunction]
@@ -757,10 +764,10 @@ pub struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    /// `kv_layout`: "contiguous" or "paged" (blocks of `kv_block_size` positions from a pool of
-    /// `max_kv_tokens` positions, by default the model's context; None: `DEFAULT_KV_BLOCK_SIZE`):
-    /// `KvLayout::named`.
-    #[pyo3(signature = (model_path, device="cpu", max_model_len=None, kv_layout="contiguous", kv_block_size=None, max_kv_tokens=None))]
+    /// `kv_layout`: "auto" (paged on CUDA, contiguous on the CPU), "contiguous" or "paged" (blocks
+    /// of `kv_block_size` positions from a pool of `max_kv_tokens` positions, by default the
+    /// model's context; None: `DEFAULT_KV_BLOCK_SIZE`): `KvLayout::named`.
+    #[pyo3(signature = (model_path, device="cpu", max_model_len=None, kv_layout="auto", kv_block_size=None, max_kv_tokens=None))]
     fn new(
         py: Python<'_>,
         model_path: String,
@@ -774,10 +781,10 @@ impl PyEngine {
         let kv_block_size = kv_block_size.unwrap_or(KvLayout::DEFAULT_BLOCK_SIZE);
         let engine = run_detached(py, move || {
             // Named before the weights load, so a bad layout fails fast.
-            KvLayout::named(&kv_layout, kv_block_size, max_kv_tokens, 1)?;
+            KvLayout::named(&kv_layout, &device, kv_block_size, max_kv_tokens, 1)?;
             let engine = Engine::load_capped(&model_path, &device, max_model_len)?;
             let context_length = engine.model().info().context_length;
-            engine.with_kv_layout(KvLayout::named(&kv_layout, kv_block_size, max_kv_tokens, context_length)?)
+            engine.with_kv_layout(KvLayout::named(&kv_layout, &device, kv_block_size, max_kv_tokens, context_length)?)
         })?;
         Ok(Self { inner: Arc::new(engine) })
     }
@@ -785,7 +792,7 @@ impl PyEngine {
     /// A Llama with seeded random weights: `config_json` uses transformers' LlamaConfig names
     /// ("llama3-8b" for Llama 3 8B's shape); dtype "bf16" | "f16" | "f32"; the KV layout as `new`'s.
     #[staticmethod]
-    #[pyo3(signature = (config_json, seed=0, dtype="bf16", device="cpu", kv_layout="contiguous", kv_block_size=None, max_kv_tokens=None))]
+    #[pyo3(signature = (config_json, seed=0, dtype="bf16", device="cpu", kv_layout="auto", kv_block_size=None, max_kv_tokens=None))]
     #[allow(clippy::too_many_arguments)] // the model's and the layout's settings, as `new`
     fn random_llama(
         py: Python<'_>,
@@ -800,7 +807,7 @@ impl PyEngine {
         let (dtype, device, kv_layout) = (dtype.to_string(), device.to_string(), kv_layout.to_string());
         let kv_block_size = kv_block_size.unwrap_or(KvLayout::DEFAULT_BLOCK_SIZE);
         let engine = run_detached(py, move || {
-            KvLayout::named(&kv_layout, kv_block_size, max_kv_tokens, 1)?;
+            KvLayout::named(&kv_layout, &device, kv_block_size, max_kv_tokens, 1)?;
             let config = if config_json == "llama3-8b" {
                 LlamaConfig::llama3_8b()
             } else {
@@ -808,7 +815,7 @@ impl PyEngine {
             };
             let engine = Engine::random_llama(config, seed, &dtype, &device)?;
             let context_length = engine.model().info().context_length;
-            engine.with_kv_layout(KvLayout::named(&kv_layout, kv_block_size, max_kv_tokens, context_length)?)
+            engine.with_kv_layout(KvLayout::named(&kv_layout, &device, kv_block_size, max_kv_tokens, context_length)?)
         })?;
         Ok(Self { inner: Arc::new(engine) })
     }

@@ -25,6 +25,7 @@ fn _specrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(engine::read_bandwidth, m)?)?;
     m.add_function(wrap_pyfunction!(engine::check_decoder_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(engine::cache_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(engine::resolve_kv_layout, m)?)?;
     m.add_function(wrap_pyfunction!(facts::method_facts, m)?)?;
     m.add_function(wrap_pyfunction!(facts::shipped_heads, m)?)?;
     m.add("SCHEDULER_DEFAULTS", facts::scheduler_defaults(m.py())?)?;

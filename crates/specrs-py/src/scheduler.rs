@@ -122,6 +122,30 @@ impl PyScheduler {
         Ok((outputs, report_dict(py, &report)?))
     }
 
+    /// `step`'s first half, with the GIL released: schedules, drafts and plans, then launches the
+    /// step's forward without waiting for it (on CUDA the device runs it while this returns).
+    /// `add` and `abort` may come before `finish` (a running request's abort ends it after the
+    /// step). True if the step has a forward. A second `launch` before `finish` raises.
+    fn launch(&self, py: Python<'_>) -> PyResult<bool> {
+        self.locked(py, |s| s.launch())
+    }
+
+    /// `step`'s second half, with the GIL released: waits for the launched step, commits it, and
+    /// returns `(outputs, report)` as `step` does.
+    fn finish<'py>(&self, py: Python<'py>) -> PyResult<(Vec<Bound<'py, PyDict>>, Bound<'py, PyDict>)> {
+        let (outputs, report) = self.locked(py, |s| s.finish())?;
+        let outputs = outputs.into_iter().map(|o| output_dict(py, o)).collect::<PyResult<Vec<_>>>()?;
+        Ok((outputs, report_dict(py, &report)?))
+    }
+
+    /// Whether a launched step runs on while the host goes on (the target runs on CUDA): the
+    /// server then handles the step before's outputs between `launch` and `finish`. On the CPU
+    /// the forward runs inside `launch`, so waiting to handle them would only delay them.
+    #[getter]
+    fn launches_asynchronously(&self) -> bool {
+        self.engine.get().inner.model().device().is_cuda()
+    }
+
     /// Sums of every step since the scheduler was made (draft tokens wanted, granted, verified and
     /// accepted; rows; preemptions; forward seconds).
     fn totals<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -203,6 +227,11 @@ fn report_dict<'py>(py: Python<'py>, r: &StepReport) -> PyResult<Bound<'py, PyDi
     d.set_item("num_preempted", r.num_preempted)?;
     d.set_item("num_waiting", r.num_waiting)?;
     d.set_item("num_running", r.num_running)?;
+    d.set_item("launch_s", r.launch_s)?;
+    d.set_item("overlapped_host_s", r.overlapped_host_s)?;
+    d.set_item("finish_s", r.finish_s)?;
+    d.set_item("wait_s", r.wait_s)?;
+    d.set_item("forward_s", r.forward_s)?;
     Ok(d)
 }
 

@@ -171,7 +171,7 @@ def build_app(engine, served_model_name: str | None = None, max_num_seqs: int = 
 
 
 def load_engine(model: str | None, speculative_config, device: str, max_model_len: int | None = None,
-                allow_special_tokens_in_content: bool = False, kv_layout: str = "contiguous",
+                allow_special_tokens_in_content: bool = False, kv_layout: str = "auto",
                 kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, max_kv_tokens: int | None = None,
                 enforce_eager: bool = False, cuda_graph_memory_mb: int = DEFAULT_CUDA_GRAPH_MEMORY_MB):
     """The engine a server runs: loaded (its context capped at `max_model_len`), warmed up with the
@@ -181,13 +181,16 @@ def load_engine(model: str | None, speculative_config, device: str, max_model_le
     the prior, and the background thread measures the rest while no request runs. Each wait is
     named in the log. `specrs serve` and each replica of `specrs serve --ray` start with it.
     `allow_special_tokens_in_content`: the engine's setting (`Engine.prompt_token_ids`).
-    `kv_layout`, `kv_block_size`: the engine's; a paged pool holds `max_kv_tokens` positions (the
+    `kv_layout`, `kv_block_size`: the engine's ("auto": paged on CUDA); a paged pool holds `max_kv_tokens` positions (the
     scheduler's bound; None: one full context), which the scheduler then budgets in blocks.
     `enforce_eager`, `cuda_graph_memory_mb`: whether a paged engine on CUDA captures its steps as
     CUDA graphs, and within what memory (`Engine`)."""
+    from .. import _specrs
     from ..engine import Engine, SamplingParams
     from ..log import logger
 
+    if isinstance(kv_layout, str):  # "auto" named for the device, so max_kv_tokens goes where a pool is
+        kv_layout = _specrs.resolve_kv_layout(kv_layout, device)
     engine = Engine(model, device=device, speculative_config=speculative_config, max_model_len=max_model_len,
                     allow_special_tokens_in_content=allow_special_tokens_in_content, kv_layout=kv_layout,
                     kv_block_size=kv_block_size, max_kv_tokens=max_kv_tokens if kv_layout == "paged" else None,
@@ -224,7 +227,7 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
           allow_special_tokens_in_content: bool = False, api_key: str | None = None,
           metrics_public: bool = False, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
           body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-          keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S, kv_layout: str = "contiguous",
+          keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S, kv_layout: str = "auto",
           kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, enforce_eager: bool = False,
           cuda_graph_memory_mb: int = DEFAULT_CUDA_GRAPH_MEMORY_MB) -> None:
     """Loads the model (its context capped at `max_model_len` tokens, vLLM's --max-model-len), warms
@@ -233,9 +236,10 @@ def serve(model: str | None = None, *, speculative_config=None, host: str = "127
     given (a bad one fails now), and serves until interrupted. `allow_special_tokens_in_content`:
     chat messages' special-token text becomes special tokens (vLLM's behaviour) instead of plain
     text (`Engine.prompt_token_ids`). `api_key` None reads `$SPECRS_API_KEY` (still None: no
-    authentication). `kv_layout` "paged": the KV cache is one pool of `max_kv_tokens` positions
-    (None: one full context) in blocks of `kv_block_size`; on CUDA its steps are captured as CUDA
-    graphs within `cuda_graph_memory_mb` unless `enforce_eager` (`load_engine`)."""
+    authentication). `kv_layout` "paged" (what "auto" is on CUDA): the KV cache is one pool of
+    `max_kv_tokens` positions (None: one full context) in blocks of `kv_block_size`; on CUDA its
+    steps are captured as CUDA graphs within `cuda_graph_memory_mb` unless `enforce_eager`
+    (`load_engine`)."""
     extras.require("serve", "specrs serve")  # before the model loads: minutes, on a big one
     import uvicorn
 

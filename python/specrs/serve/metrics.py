@@ -74,6 +74,11 @@ class ServerMetrics:
                              registry=r).labels(model_name)
         self.step_seconds = Counter("specrs:scheduler_step_seconds", "Time inside the scheduler's steps (the "
                                     "batched forward, drafting, verification).", labels, registry=r).labels(model_name)
+        self.overlapped_seconds = Counter("specrs:scheduler_overlapped_host_seconds", "Time the generation loop "
+                                          "spent between a step's launch and its finish (sending the step "
+                                          "before's outputs, adding requests) while the device ran the step; near 0 on "
+                                          "the CPU, where a step's forward runs inside its launch.", labels,
+                                          registry=r).labels(model_name)
         self.rows = Counter("specrs:scheduler_rows", "Rows (tokens) in the batched forwards: decode, draft and "
                             "prompt.", labels, registry=r).labels(model_name)
         self.draft_wanted = Counter("specrs:scheduler_draft_tokens_wanted", "Draft tokens requests would have "
@@ -134,6 +139,7 @@ class ServerMetrics:
     def scheduler_step(self, report: dict, seconds: float) -> None:
         """One step's report from the core scheduler, and the step's time."""
         self.step_seconds.inc(seconds)
+        self.overlapped_seconds.inc(report["overlapped_host_s"])
         if report["num_sequences"]:
             self.steps.inc()
             self.batch_size.observe(report["num_sequences"])

@@ -136,6 +136,10 @@ class Scheduler:
         self._stopping = False
         # Why the loop died ("ExceptionType: message"); None while it runs.
         self.failure: str | None = None
+        # On CUDA a launched step runs on the device while the loop turns the step before's
+        # outputs into events and adds new requests (`_steps`); on the CPU the forward runs
+        # inside `launch`, so the outputs go out at once.
+        self.overlap = self.core.launches_asynchronously
         self._thread = threading.Thread(target=self._loop, name="specrs-scheduler", daemon=True)
 
     def start(self) -> None:
@@ -188,26 +192,55 @@ class Scheduler:
                 self._fail(job, e, status=503)
 
     def _steps(self) -> None:
+        """The generation loop. Each step is the core's `launch`, then its `finish`; with `overlap`
+        a finished step's outputs are held and sent while the next step runs on the device, and
+        requests submitted or cancelled meanwhile are taken then too. Nothing the step in flight
+        has not produced is read: the core plans a step only after the one before finished."""
+        held: tuple | None = None  # a finished step's (outputs, report, seconds), sent during the next
         while True:
-            submitted = self._next_submissions()
+            submitted = self._next_submissions(block=held is None)
             if submitted is None:
+                if held is not None:
+                    self._emit(*held)
                 for job in list(self._jobs.values()):
                     self._abort(job, "abort")
                 while self.core.has_unfinished:  # returns the aborted requests' ends
-                    self._step()
+                    self._emit(*self._step())
                 return
-            for samples in submitted:
-                self._guarded(samples[0], lambda _: self._add(samples))
-            for job in list(self._jobs.values()):
-                if job.cancelled:
-                    self._guarded(job, lambda j: self._abort(j, "abort"))
-            if self.core.has_unfinished:
-                self._step()
+            self._take(submitted)
+            if not self.core.has_unfinished:
+                if held is not None:
+                    self._emit(*held)
+                    held = None
+                continue
+            start_s = time.perf_counter()
+            self.core.launch()
+            launch_s = time.perf_counter() - start_s
+            if held is not None:  # while the device runs the launched step
+                self._emit(*held)
+                held = None
+                self._take(self._next_submissions(block=False) or [])
+            finish_start_s = time.perf_counter()
+            outputs, report = self.core.finish()
+            step = (outputs, report, launch_s + time.perf_counter() - finish_start_s)
+            if self.overlap:
+                held = step
+            else:
+                self._emit(*step)
 
-    def _next_submissions(self) -> list[list[Job]] | None:
-        """Waits for work; the jobs submitted since the last step (None: the server is stopping)."""
+    def _take(self, submitted: list[list[Job]]) -> None:
+        """Adds the submitted requests to the core and aborts the cancelled ones."""
+        for samples in submitted:
+            self._guarded(samples[0], lambda _: self._add(samples))
+        for job in list(self._jobs.values()):
+            if job.cancelled:
+                self._guarded(job, lambda j: self._abort(j, "abort"))
+
+    def _next_submissions(self, block: bool = True) -> list[list[Job]] | None:
+        """The jobs submitted since the last call, waiting for work first if `block` (None: the
+        server is stopping)."""
         with self._wake:
-            while not self._submitted and not self._jobs and not self._stopping:
+            while block and not self._submitted and not self._jobs and not self._stopping:
                 self._wake.wait()
             if self._stopping:
                 return None
@@ -273,17 +306,21 @@ class Scheduler:
         first.send(Started())
 
     def _abort(self, job: Job, reason: str) -> None:
-        """Asks the core to end `job`; its end (with its metrics) comes back from the next step."""
-        if job.ending is None:
+        """Asks the core to end `job`; its end (with its metrics) comes back from the next step. A
+        job the core already ended (its end held for sending) keeps its own finish reason."""
+        if job.ending is None and self.core.abort(job.request_id):
             job.ending = reason
-            self.core.abort(job.request_id)
 
-    def _step(self) -> None:
-        """One core step (the batched forward, GIL released); its outputs become events."""
+    def _step(self) -> tuple:
+        """One whole core step (the batched forward, GIL released): (outputs, report, seconds)."""
         start_s = time.perf_counter()
         outputs, report = self.core.step()
+        return outputs, report, time.perf_counter() - start_s
+
+    def _emit(self, outputs: list[dict], report: dict, seconds: float) -> None:
+        """A step's report into the metrics, and its outputs into their jobs' events."""
         self._num_running, self._num_waiting = report["num_running"], report["num_waiting"]
-        self.metrics.scheduler_step(report, time.perf_counter() - start_s)
+        self.metrics.scheduler_step(report, seconds)
         now = time.perf_counter()
         for output in outputs:
             job = self._jobs.get(output["request_id"])

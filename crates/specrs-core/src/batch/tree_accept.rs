@@ -298,6 +298,15 @@ pub fn tree_accept_packed(words: &[u32], logits: &[f32], vocab_size: usize) -> V
 /// its output (`PackedTrees::room`). One launch on CUDA, the reference on the same words on the
 /// CPU; nothing uploaded or allocated; one download, the output words `[B, 2 + N]`.
 pub fn tree_accept_in(buffer: &Tensor, logits: &Tensor, packed: &PackedTrees) -> Result<Vec<u32>> {
+    if packed.num_seqs() == 0 {
+        return Ok(Vec::new());
+    }
+    Ok(tree_accept_launch(buffer, logits, packed)?.to_vec1()?)
+}
+
+/// `tree_accept_in`'s launch: the output words `[B * (2 + N)]` u32 as a view of `buffer`, not
+/// downloaded (a step downloads them once the host has done what it can meanwhile).
+pub fn tree_accept_launch(buffer: &Tensor, logits: &Tensor, packed: &PackedTrees) -> Result<Tensor> {
     packed.check_logits(logits.dims2()?)?;
     let words_len = packed.num_words();
     if buffer.dims1()? < words_len + packed.room() || buffer.dtype() != DType::U32 {
@@ -310,11 +319,11 @@ pub fn tree_accept_in(buffer: &Tensor, logits: &Tensor, packed: &PackedTrees) ->
     }
     if packed.num_seqs() == 0 {
         // No block to launch (a grid of zero blocks is a launch error).
-        return Ok(Vec::new());
+        return Err(Error::Internal("tree acceptance launched for no sequence".into()));
     }
     let logits = logits.to_dtype(DType::F32)?.contiguous()?;
     buffer.inplace_op1(&InBuffer { packed, logits: &logits, words_len })?;
-    Ok(buffer.narrow(0, words_len + packed.scratch_words(), packed.output_words())?.to_vec1()?)
+    Ok(buffer.narrow(0, words_len + packed.scratch_words(), packed.output_words())?)
 }
 
 /// `packed`'s descriptor and zeroed room on `device`, for `tree_accept_in` where no step's upload

@@ -26,9 +26,15 @@
 //!    (`step_together::draft_chains`), and on CUDA the n-gram chains together in one device
 //!    lookup and the suffix-tree chains in another (`step_together::draft_lookups`); the other
 //!    proposers draft as each request plans.
-//! 5. **Forward, verify and commit** (`step_together::forward_and_commit`): one forward, one
-//!    verifier call for every request's draft (on the host), then each request's commit; its
-//!    tokens, its end or its error come back as a `RequestOutput`.
+//! 5. **Forward, verify and commit** (`step_together::launch_step`, `Launched::commit`): one
+//!    forward, one verifier call for every request's draft (on the host), then each request's
+//!    commit; its tokens, its end or its error come back as a `RequestOutput`.
+//!
+//! `step` is `launch` (1-4 and the launches of 5) then `finish` (the step's one download and the
+//! commits). Between them the caller does what needs no token of this step (the server turns the
+//! step before's outputs into client events and adds new requests) while the device runs it;
+//! a running request aborted then ends after the step. The next `launch` refuses to come
+//! before `finish`: no step plans from tokens the one before has not produced.
 //!
 //! Invariant (identical outputs): a request's tokens are exactly those it yields stepped alone.
 //! Rows are computed bitwise independently of what else is in the forward (model/forward.rs), so
@@ -42,10 +48,11 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::kv_account::KvAccount;
 use super::session::{Generation, PlanLimits, Session, StepPlan, TokenLogprobs};
-use super::step_together::{draft_chains, draft_lookups, forward_and_commit};
+use super::step_together::{draft_chains, draft_lookups, launch_step, Launched};
 use super::{Engine, FinishReason, Speculation};
 use crate::config::SamplingParams;
 use crate::costs::CostSource;
@@ -158,7 +165,7 @@ pub struct RequestOutput {
 }
 
 /// What one step did (`Scheduler::step`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepReport {
     /// Requests with rows in the forward.
     pub num_sequences: usize,
@@ -185,6 +192,18 @@ pub struct StepReport {
     pub num_preempted: usize,
     pub num_waiting: usize,
     pub num_running: usize,
+    /// The step's timeline on the host, and its forward on the device (`launch` .. `finish`):
+    /// seconds in `launch` (scheduling, drafting, planning, the launches), seconds between
+    /// `launch`'s return and `finish`'s call (the caller's work while the device ran the step),
+    /// seconds in `finish` (the step's downloads, then the commits), of which `wait_s` in the
+    /// downloads (where the device still ran the step, the host's work before was hidden under
+    /// it), and the forward's seconds (on CUDA from events around its launches; on the CPU,
+    /// where the forward runs inside `launch`, its wall time).
+    pub launch_s: f64,
+    pub overlapped_host_s: f64,
+    pub finish_s: f64,
+    pub wait_s: f64,
+    pub forward_s: f64,
 }
 
 /// Sums of every step's report since the scheduler was made.
@@ -256,7 +275,37 @@ pub struct Scheduler {
     running: Vec<Running>,
     /// Ends of requests aborted between steps, returned by the next step.
     aborted: Vec<RequestOutput>,
+    /// The step launched and not yet finished (`launch` .. `finish`).
+    in_flight: Option<InFlight>,
+    /// Running requests aborted while a step was in flight: they end once it is finished (the
+    /// step's forward holds rows of theirs, and its plans name running requests by index).
+    abort_after_step: Vec<u64>,
     totals: SchedulerTotals,
+}
+
+/// A step between `Scheduler::launch` and `Scheduler::finish`.
+struct InFlight {
+    outputs: Vec<RequestOutput>,
+    report: StepReport,
+    /// Requests (by running index) whose plan failed.
+    failed: Vec<(usize, Error)>,
+    /// Each running request's accepted tokens before the step.
+    accepted_before: Vec<usize>,
+    /// None: the step has no forward.
+    forward: Option<StepForward>,
+    /// When `launch` returned.
+    launched_at: Instant,
+}
+
+/// An in-flight step's forward.
+struct StepForward {
+    /// The planned requests (running indices).
+    planned: Vec<usize>,
+    /// The launched forward, or why it failed.
+    launched: Result<Launched>,
+    /// The KV account named should it fail: units held before the step, units planned.
+    kv_held: usize,
+    kv_planned: usize,
 }
 
 impl Scheduler {
@@ -286,6 +335,8 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             aborted: Vec::new(),
+            in_flight: None,
+            abort_after_step: Vec::new(),
             totals: SchedulerTotals::default(),
         })
     }
@@ -362,10 +413,19 @@ impl Scheduler {
         self.running.iter().any(|r| r.id == id) || self.waiting.iter().any(|w| w.id() == id)
     }
 
-    /// Stops request `id` (a cancelled client): its caches are freed now and the next step returns
-    /// its end with `FinishReason::Abort`. False if no unfinished request has that id.
+    /// Stops request `id` (a cancelled client): its caches are freed now (a running request's
+    /// once the step in flight, if any, is finished) and the next step returns its end with
+    /// `FinishReason::Abort`. False if no unfinished request has that id, or it is already aborted.
     pub fn abort(&mut self, id: u64) -> bool {
         if let Some(i) = self.running.iter().position(|r| r.id == id) {
+            if self.in_flight.is_some() {
+                // Its end comes once the step is finished; a second abort meanwhile finds none.
+                if self.abort_after_step.contains(&id) {
+                    return false;
+                }
+                self.abort_after_step.push(id);
+                return true;
+            }
             let Running { id, mut session } = self.running.remove(i);
             self.aborted.push(end_request(id, &mut session, None));
             return true;
@@ -432,6 +492,23 @@ impl Scheduler {
     /// One step of every running request in one forward (see the module header). Returns each
     /// request's tokens, ends and errors, and what the step did.
     pub fn step(&mut self) -> Result<(Vec<RequestOutput>, StepReport)> {
+        self.launch()?;
+        self.finish()
+    }
+
+    /// The first half of `step`: preempts, admits, plans and drafts, then launches the step's
+    /// forward (and on a GPU its verification) without waiting for it. Until `finish`, the
+    /// caller may add and abort requests (a running request's abort takes effect after the
+    /// step) and do its own work while the device runs the step; the next `launch` comes only
+    /// after `finish`, so no step plans from tokens the one before has not produced. Returns
+    /// whether the step has a forward (false: nothing to run; `finish` returns its outputs).
+    pub fn launch(&mut self) -> Result<bool> {
+        if self.in_flight.is_some() {
+            return Err(Error::Internal(
+                "a step is in flight: finish it before launching the next (its tokens plan the next)".into(),
+            ));
+        }
+        let started = Instant::now();
         self.follow_engine_costs();
         let mut outputs = std::mem::take(&mut self.aborted);
         let mut report = StepReport::default();
@@ -466,17 +543,41 @@ impl Scheduler {
         report.num_draft_tokens = plans.iter().map(|(_, p)| p.num_draft_tokens()).sum();
         let accepted_before: Vec<usize> = self.running.iter().map(|r| r.session.num_accepted_tokens()).collect();
 
-        let mut ended: Vec<usize> = Vec::new();
-        if !plans.is_empty() {
+        let forward = (!plans.is_empty()).then(|| {
             let planned: Vec<usize> = plans.iter().map(|(i, _)| *i).collect();
             // The KV account of the step, named should the forward fail for want of KV room.
             let lens: Vec<usize> = self.running.iter().map(|r| r.session.kv_lens().0).collect();
             let kv_held = self.kv.held(lens.iter().copied());
             let kv_planned: usize = plans.iter().map(|(i, p)| self.kv.growth(lens[*i], p.rows.tokens.len())).sum();
             let mut sessions: Vec<&mut Session> = self.running.iter_mut().map(|r| &mut r.session).collect();
-            match guard(|| forward_and_commit(&mut sessions, plans)) {
+            StepForward { planned, launched: guard(|| launch_step(&mut sessions, plans)), kv_held, kv_planned }
+        });
+        let has_forward = forward.is_some();
+        report.launch_s = started.elapsed().as_secs_f64();
+        self.in_flight =
+            Some(InFlight { outputs, report, failed, accepted_before, forward, launched_at: Instant::now() });
+        Ok(has_forward)
+    }
+
+    /// The second half of `step`: waits for the launched step (its one download), commits each
+    /// request's verdict, ends the finished and failed ones, then the running requests aborted
+    /// meanwhile (their ends come with the next step, as any abort's). Returns the step's outputs
+    /// and report.
+    pub fn finish(&mut self) -> Result<(Vec<RequestOutput>, StepReport)> {
+        let Some(in_flight) = self.in_flight.take() else {
+            return Err(Error::Internal("no step was launched: call launch before finish".into()));
+        };
+        let started = Instant::now();
+        let InFlight { mut outputs, mut report, mut failed, accepted_before, forward, launched_at } = in_flight;
+        report.overlapped_host_s = started.duration_since(launched_at).as_secs_f64();
+        let mut ended: Vec<usize> = Vec::new();
+        if let Some(StepForward { planned, launched, kv_held, kv_planned }) = forward {
+            let mut sessions: Vec<&mut Session> = self.running.iter_mut().map(|r| &mut r.session).collect();
+            match launched.and_then(|launched| guard(|| launched.commit(&mut sessions))) {
                 Ok(committed) => {
                     self.totals.forward_s += committed.forward_s;
+                    report.forward_s = committed.forward_s;
+                    report.wait_s = committed.wait_s;
                     report.num_verifier_calls = committed.num_verifier_calls;
                     for (i, outcome) in committed.outcomes {
                         let running = &self.running[i];
@@ -526,8 +627,12 @@ impl Scheduler {
         for i in ended.into_iter().rev() {
             self.running.remove(i);
         }
+        for id in std::mem::take(&mut self.abort_after_step) {
+            self.abort(id); // false for a request that ended in the step
+        }
         report.num_running = self.running.len();
         report.num_waiting = self.waiting.len();
+        report.finish_s = started.elapsed().as_secs_f64();
         self.count(&report);
         Ok((outputs, report))
     }

@@ -29,6 +29,7 @@ use crate::proposer::chains_together::{draft_chains_together, ChainsDrafted};
 use crate::proposer::ngram_together::{draft_ngrams_together, MIN_TOGETHER};
 use crate::proposer::suffix_together::draft_suffixes_together;
 use crate::verify::batch::VerifyBatchBuilder;
+use crate::verify::device::LaunchedVerdicts;
 use crate::verify::host::verify_batch;
 
 /// One step of every session in `sessions` (finished ones yield nothing), their forwards run as
@@ -96,14 +97,40 @@ pub(super) struct Committed {
     pub outcomes: Vec<(usize, Result<StepOutput>)>,
     pub forward_s: f64,
     pub num_verifier_calls: usize,
+    /// Seconds the host spent in the step's downloads (the verdicts, the host's logit rows):
+    /// waiting for the device, where it still ran the step, and the copies themselves.
+    pub wait_s: f64,
 }
 
 /// The shared forward over `plans` (session index, plan), then the step's verification and each
-/// session's commit (a panic in one commit is that session's error alone). On the host, every
-/// session's draft is verified in ONE call (`verify::host::verify_batch` over the step's logits
-/// as the forward returned them); on a GPU, one device call for the sessions that need their
-/// logits alone and one host call for the rest (`verify_on_device_and_commit`).
+/// session's commit (a panic in one commit is that session's error alone): `launch_step`, then
+/// `Launched::commit`. On the host, every session's draft is verified in ONE call
+/// (`verify::host::verify_batch` over the step's logits as the forward returned them); on a GPU,
+/// one device call for the sessions that need their logits alone and one host call for the rest
+/// (`verify_on_device_and_commit`).
 pub(super) fn forward_and_commit(sessions: &mut [&mut Session], plans: Vec<(usize, StepPlan)>) -> Result<Committed> {
+    launch_step(sessions, plans)?.commit(sessions)
+}
+
+/// A step launched and not yet committed (`launch_step` .. `Launched::commit`): its forward, and
+/// on a GPU the device verification behind it, enqueued on the device; nothing downloaded yet.
+/// It holds no borrow of the sessions, so the caller may do other work (the step before's
+/// outputs, new requests) while the device runs it; the sessions in it must not step or change
+/// until it is committed (the scheduler defers their aborts).
+pub(super) struct Launched {
+    plans: Vec<(usize, StepPlan)>,
+    /// Each plan's taps over its own rows.
+    hidden: Vec<Result<Vec<(Tap, Tensor)>>>,
+    out: ForwardOutput,
+    forward: ForwardClock,
+    /// On a GPU: the prepared verification, the host's logit rows as the upload carried them,
+    /// and the device's verdicts launched (None: no sequence is the device's).
+    device: Option<(DeviceVerify, Option<Tensor>, Option<Result<LaunchedVerdicts>>)>,
+}
+
+/// Launches the shared forward over `plans` (session index, plan) and, on a GPU, the device's
+/// verification of the sessions that need their logits alone: no download, no host sync.
+pub(super) fn launch_step(sessions: &mut [&mut Session], plans: Vec<(usize, StepPlan)>) -> Result<Launched> {
     let session_taps: Vec<Vec<Tap>> = plans.iter().map(|(i, _)| sessions[*i].taps()).collect();
     let mut taps: Vec<Tap> = Vec::new();
     for tap in session_taps.iter().flatten() {
@@ -146,10 +173,41 @@ pub(super) fn forward_and_commit(sessions: &mut [&mut Session], plans: Vec<(usiz
                 .collect()
         })
         .collect();
-    if let Some(device_verify) = device_verify {
-        return verify_on_device_and_commit(sessions, plans, device_verify, &out, hidden, forward);
+    let device = match device_verify {
+        Some(prepared) => {
+            let (carried_host_rows, carried_trees) = prepared.sections(&out)?.unzip();
+            let verdicts = match &prepared.packed {
+                Ok(packed) if packed.num_seqs() > 0 => {
+                    Some(crate::verify::device::launch_packed(packed, &out.logits, carried_trees.as_ref()))
+                }
+                _ => None,
+            };
+            Some((prepared, carried_host_rows, verdicts))
+        }
+        None => None,
+    };
+    Ok(Launched { plans, hidden, out, forward, device })
+}
+
+impl Launched {
+    /// Waits for the step (the verdicts' download, or the logits' copy to the host), verifies
+    /// what the host verifies, and commits each session's verdict.
+    pub(super) fn commit(self, sessions: &mut [&mut Session]) -> Result<Committed> {
+        let Launched { plans, hidden, out, forward, device } = self;
+        match device {
+            Some((prepared, host_rows, verdicts)) => verify_on_device_and_commit(
+                sessions,
+                plans,
+                prepared,
+                host_rows,
+                verdicts,
+                &out.logits,
+                hidden,
+                forward,
+            ),
+            None => verify_once_and_commit(sessions, plans, &out.logits, hidden, forward),
+        }
     }
-    verify_once_and_commit(sessions, plans, &out.logits, hidden, forward)
 }
 
 /// A GPU step's device verification, prepared before its forward (a session's part reads its
@@ -226,18 +284,20 @@ impl DeviceVerify {
 /// download); the others (processed logits, logprobs, top-k/top-p/min-p, draft probabilities) in
 /// ONE host verification of their rows, gathered on the device and copied once
 /// (`verify_once_and_commit`). Each implementation of the contract runs at most once per step.
+#[allow(clippy::too_many_arguments)] // the launched step's parts (`Launched`), taken apart
 fn verify_on_device_and_commit(
     sessions: &mut [&mut Session],
     plans: Vec<(usize, StepPlan)>,
     prepared: DeviceVerify,
-    out: &ForwardOutput,
+    carried_host_rows: Option<Tensor>,
+    launched: Option<Result<LaunchedVerdicts>>,
+    logits: &Tensor,
     hidden: Vec<Result<Vec<(Tap, Tensor)>>>,
     forward: ForwardClock,
 ) -> Result<Committed> {
-    let (logits, verify_started) = (&out.logits, Instant::now());
+    let verify_started = Instant::now();
     // The sessions the host verifies.
     let (mut host_plans, mut host_hidden) = (Vec::new(), Vec::new());
-    let (carried_host_rows, carried_trees) = prepared.sections(out)?.unzip();
     let mut outcomes: Vec<(usize, Result<StepOutput>)> = Vec::with_capacity(plans.len());
     // (session index, plan, its taps, its sequence among the packed trees) of the sessions
     // verified on the device.
@@ -258,17 +318,17 @@ fn verify_on_device_and_commit(
             (Err(error), _) => outcomes.push((i, Err(error))),
         }
     }
-    let mut num_verifier_calls = 0;
+    let (mut num_verifier_calls, mut wait_s) = (0, 0.0);
     if !together.is_empty() {
         num_verifier_calls += 1;
+        let download_started = Instant::now();
         // The verdicts' download waits for the forward: its time is known from here on.
-        let verified = prepared
-            .packed
-            .and_then(|packed| crate::verify::device::verify_packed(&packed, logits, carried_trees.as_ref()))
-            .and_then(|verdicts| {
-                let timing = forward.timing()?;
-                Ok((verdicts, timing, forward.seconds_after(timing, verify_started)))
-            });
+        let launched = launched.unwrap_or_else(|| Err(Error::Internal("no device verification was launched".into())));
+        let verified = prepared.packed.and(launched).and_then(LaunchedVerdicts::download).and_then(|verdicts| {
+            let timing = forward.timing()?;
+            Ok((verdicts, timing, forward.seconds_after(timing, verify_started)))
+        });
+        wait_s += download_started.elapsed().as_secs_f64();
         match verified {
             Ok((verdicts, forward, verify_s)) => {
                 for (i, plan, hidden, s) in together {
@@ -300,8 +360,9 @@ fn verify_on_device_and_commit(
         let host = verify_once_and_commit(sessions, host_plans, &host_logits, host_hidden, forward.clone())?;
         outcomes.extend(host.outcomes);
         num_verifier_calls += host.num_verifier_calls;
+        wait_s += host.wait_s;
     }
-    Ok(Committed { outcomes, forward_s: forward.timing()?.seconds, num_verifier_calls })
+    Ok(Committed { outcomes, forward_s: forward.timing()?.seconds, num_verifier_calls, wait_s })
 }
 
 /// Whether this thread's CPU steps take the GPU's path (`cfg(test)` only: the tests of that path
@@ -347,6 +408,7 @@ fn verify_once_and_commit(
     // where some session processes its rows.
     let logits = logits.to_dtype(candle_core::DType::F32)?.contiguous()?;
     let (storage, layout) = logits.storage_and_layout();
+    let download_started = Instant::now();
     let on_host: Vec<f32>;
     let forward_logits: &[f32] = match &*storage {
         candle_core::Storage::Cpu(cpu) => {
@@ -358,6 +420,7 @@ fn verify_once_and_commit(
             &on_host
         }
     };
+    let wait_s = download_started.elapsed().as_secs_f64();
     // The copy above waited for the forward: its time is known from here on.
     let clock = forward;
     let forward = clock.timing()?;
@@ -425,7 +488,7 @@ fn verify_once_and_commit(
     }
     HOST_LOGITS.with_borrow_mut(|buffer| *buffer = processed);
     let outcomes = outcomes.into_iter().map(|o| o.expect("every plan has an outcome")).collect();
-    Ok(Committed { outcomes, forward_s: forward.seconds, num_verifier_calls })
+    Ok(Committed { outcomes, forward_s: forward.seconds, num_verifier_calls, wait_s })
 }
 
 /// How long a step's forward ran, without a wait of its own: on CUDA two events around its

@@ -157,11 +157,30 @@ impl KvLayout {
     /// Positions per block when a paged layout is named without one (vLLM's default).
     pub const DEFAULT_BLOCK_SIZE: usize = 16;
 
-    /// The layout a user names: "contiguous", or "paged" with blocks of `block_size` positions
-    /// and a pool of `max_kv_tokens` positions rounded up to whole blocks (None: `context_length`,
-    /// one full-length sequence, as llama.cpp's `n_ctx` sizes its cache).
-    pub fn named(name: &str, block_size: usize, max_kv_tokens: Option<usize>, context_length: usize) -> Result<Self> {
+    /// The name "auto" stands for on `device` ("cpu", "cuda[:N]"): "paged" on CUDA, where the
+    /// step's one attention kernel and its captured graphs run over the pool; "contiguous" on the
+    /// CPU, where a pool sized for a full context up front is memory a laptop should not give
+    /// (each request's buffer grows as it needs). Other names are returned as they are.
+    pub fn resolve_name<'a>(name: &'a str, device: &str) -> &'a str {
         match name {
+            "auto" if device.starts_with("cuda") => "paged",
+            "auto" => "contiguous",
+            other => other,
+        }
+    }
+
+    /// The layout a user names on `device`: "contiguous", or "paged" with blocks of `block_size`
+    /// positions and a pool of `max_kv_tokens` positions rounded up to whole blocks (None:
+    /// `context_length`, one full-length sequence, as llama.cpp's `n_ctx` sizes its cache), or
+    /// "auto" (`resolve_name`).
+    pub fn named(
+        name: &str,
+        device: &str,
+        block_size: usize,
+        max_kv_tokens: Option<usize>,
+        context_length: usize,
+    ) -> Result<Self> {
+        match Self::resolve_name(name, device) {
             "contiguous" if max_kv_tokens.is_none() => Ok(KvLayout::Contiguous),
             "contiguous" => Err(Error::config(
                 "max_kv_tokens sizes the pool of the paged KV layout; the contiguous layout grows per \
@@ -177,7 +196,7 @@ impl KvLayout {
                 let num_blocks = max_kv_tokens.unwrap_or(context_length).div_ceil(block_size);
                 Ok(KvLayout::Paged { block_size, num_blocks })
             }
-            other => Err(Error::config(format!("unknown KV layout {other:?}: use 'contiguous' or 'paged'"))),
+            other => Err(Error::config(format!("unknown KV layout {other:?}: use 'auto', 'contiguous' or 'paged'"))),
         }
     }
 }
@@ -466,6 +485,20 @@ mod tests {
     fn first_column(cache: &KvCache, layer: usize) -> Vec<f32> {
         let (k, _) = cache.layer(layer);
         (0..cache.len()).map(|row| k[row * cache.row_len].to_f32()).collect()
+    }
+
+    #[test]
+    fn auto_is_paged_on_cuda_and_contiguous_on_the_cpu() {
+        assert_eq!(KvLayout::named("auto", "cpu", 16, None, 100).unwrap(), KvLayout::Contiguous);
+        let paged = KvLayout::Paged { block_size: 16, num_blocks: 7 };
+        assert_eq!(KvLayout::named("auto", "cuda:1", 16, None, 100).unwrap(), paged);
+        assert_eq!(KvLayout::named("paged", "cpu", 16, None, 100).unwrap(), paged);
+        assert_eq!(KvLayout::named("contiguous", "cuda", 16, None, 100).unwrap(), KvLayout::Contiguous);
+        // A pool size is the paged layout's: on the CPU "auto" refuses it as "contiguous" does.
+        let error = KvLayout::named("auto", "cpu", 16, Some(64), 100).unwrap_err().to_string();
+        assert!(error.contains("kv_layout='paged'"), "{error}");
+        let error = KvLayout::named("pages", "cuda", 16, None, 100).unwrap_err().to_string();
+        assert!(error.contains("'auto', 'contiguous' or 'paged'"), "{error}");
     }
 
     #[test]

@@ -18,7 +18,7 @@
 //! (`batch/cuda.rs`).
 
 use super::batch::{Mode, RowNoise, Verdicts, VerifyBatch};
-use crate::batch::tree_accept::{tree_accept_in, upload_packed, PackedTrees, TreeAcceptOutput};
+use crate::batch::tree_accept::{tree_accept_launch, upload_packed, PackedTrees, TreeAcceptOutput};
 use crate::error::{Error, Result};
 use crate::model::CarriedWords;
 
@@ -99,18 +99,47 @@ pub fn verify_packed(
     logits: &candle_core::Tensor,
     carried: Option<&candle_core::Tensor>,
 ) -> Result<Verdicts> {
-    if packed.num_seqs() == 0 {
-        return Ok(verdicts(&[], packed.max_nodes));
-    }
-    let uploaded;
-    let buffer = match carried {
-        Some(buffer) => buffer,
-        None => {
-            uploaded = upload_packed(packed, logits.device())?;
-            &uploaded
-        }
+    launch_packed(packed, logits, carried)?.download()
+}
+
+/// `verify_packed`'s launch: the kernel enqueued behind the forward, its output words left on
+/// the device until `LaunchedVerdicts::download` (a step's only wait for the device).
+pub fn launch_packed(
+    packed: &PackedTrees,
+    logits: &candle_core::Tensor,
+    carried: Option<&candle_core::Tensor>,
+) -> Result<LaunchedVerdicts> {
+    let words = if packed.num_seqs() == 0 {
+        None
+    } else {
+        let uploaded;
+        let buffer = match carried {
+            Some(buffer) => buffer,
+            None => {
+                uploaded = upload_packed(packed, logits.device())?;
+                &uploaded
+            }
+        };
+        Some(tree_accept_launch(buffer, logits, packed)?)
     };
-    Ok(verdicts(&tree_accept_in(buffer, logits, packed)?, packed.max_nodes))
+    Ok(LaunchedVerdicts { words, max_nodes: packed.max_nodes })
+}
+
+/// A launched verification's output words `[output words]` u32 where the kernel wrote them.
+pub struct LaunchedVerdicts {
+    words: Option<candle_core::Tensor>,
+    max_nodes: usize,
+}
+
+impl LaunchedVerdicts {
+    /// The verdicts, in one download (it waits for the kernel, and so for the forward).
+    pub fn download(self) -> Result<Verdicts> {
+        let words = match self.words {
+            Some(words) => words.to_vec1()?,
+            None => Vec::new(),
+        };
+        Ok(verdicts(&words, self.max_nodes))
+    }
 }
 
 #[cfg(test)]

@@ -48,7 +48,7 @@ class ReplicaSettings:
     metrics_public: bool = False
     body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S
     allow_special_tokens_in_content: bool = False
-    kv_layout: str = "contiguous"
+    kv_layout: str = "auto"
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
     enforce_eager: bool = False
     cuda_graph_memory_mb: int = DEFAULT_CUDA_GRAPH_MEMORY_MB
