@@ -27,7 +27,7 @@
 
 use std::sync::Arc;
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::ops::rms_norm;
 
@@ -88,21 +88,30 @@ impl Linear {
         Self { weight, bias: None }
     }
 
-    /// `[n, in_features]` -> `[n, out_features]`.
+    /// `[n, in_features]` -> `[n, out_features]`, in `x`'s dtype.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match &self.weight {
-            Weight::Quantized(w) => w.forward(x)?,
+            Weight::Quantized(w) => quantized_forward(w, x)?,
             Weight::Dense(w) => dense_forward(w, x)?,
             Weight::Native(w) => {
                 let n = x.dim(0)?;
                 let rows = w.forward_rows(&x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, n)?;
-                Tensor::from_vec(rows, (n, w.out_features()), x.device())?
+                Tensor::from_vec(rows, (n, w.out_features()), x.device())?.to_dtype(x.dtype())?
             }
         };
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         })
+    }
+
+    /// Its bias, and a dense weight, in `dtype` (the model's activations').
+    fn cast(&mut self, dtype: DType) -> Result<()> {
+        if let Weight::Dense(w) = &mut self.weight {
+            *w = w.to_dtype(dtype)?;
+        }
+        self.bias = self.bias.take().map(|b| b.to_dtype(dtype)).transpose()?;
+        Ok(())
     }
 
     /// Bytes a forward reads from this layer: its weight as stored, and its bias.
@@ -149,9 +158,57 @@ fn block_bytes(block: &Block) -> usize {
     projections(&block.qkv) + block.wo.bytes() + projections(&block.gate_up) + block.w_down.bytes() + norm_bytes
 }
 
+/// `x [n, in_features]` times a quantized `w`, in `x`'s dtype: on CUDA candle's MMVQ / MMQ
+/// kernels read bf16 (or f16, f32) activations as they are, for the GGML types they run
+/// (`MMQ_TYPES`); elsewhere (the CPU's kernels, other types) through f32.
+fn quantized_forward(w: &QMatMul, x: &Tensor) -> Result<Tensor> {
+    let direct = match w {
+        QMatMul::QTensor(q) => x.dtype() == DType::F32 || (x.device().is_cuda() && MMQ_TYPES.contains(&q.dtype())),
+        QMatMul::Tensor(_) | QMatMul::TensorF16(_) => false,
+    };
+    if direct {
+        return Ok(w.forward(&x.contiguous()?)?);
+    }
+    Ok(w.forward(&x.to_dtype(DType::F32)?)?.to_dtype(x.dtype())?)
+}
+
+/// The GGML types candle's CUDA quantized matmuls take bf16 activations for (candle-core
+/// `quantized/fast_mmvq.rs` and `fast_mmq.rs`).
+const MMQ_TYPES: [GgmlDType; 10] = [
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q5_0,
+    GgmlDType::Q5_1,
+    GgmlDType::Q8_0,
+    GgmlDType::Q2K,
+    GgmlDType::Q3K,
+    GgmlDType::Q4K,
+    GgmlDType::Q5K,
+    GgmlDType::Q6K,
+];
+
+/// The activations (and KV cache) of a model with quantized weights on `device`: bf16 on CUDA,
+/// where the quantized matmuls read them as they are and the cache read per step halves; f32
+/// on the CPU, whose quantized kernels take f32.
+fn quantized_activations(device: &Device) -> DType {
+    #[cfg(test)]
+    if QUANTIZED_BF16.with(std::cell::Cell::get) {
+        return DType::BF16; // the CUDA path's dtypes, run on the CPU
+    }
+    if device.is_cuda() {
+        DType::BF16
+    } else {
+        DType::F32
+    }
+}
+
 /// A quantized weight: specrs' native kernel where it has one for this type on the CPU, candle's
-/// quantized matmul otherwise (other types, and CUDA).
+/// quantized matmul otherwise (other types, and CUDA); an unquantized GGML tensor (F32, F16,
+/// BF16) dense, cast to the activation dtype with the rest (`Decoder::assemble`).
 fn quantized_weight(t: Arc<QTensor>) -> Result<Weight> {
+    if matches!(t.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) {
+        return Ok(Weight::Dense(t.dequantize(&t.device())?));
+    }
     if t.device().is_cpu() {
         let native = QLinear::new(t.clone())?;
         if native.is_native() {
@@ -161,10 +218,20 @@ fn quantized_weight(t: Arc<QTensor>) -> Result<Weight> {
     Ok(Weight::Quantized(QMatMul::from_arc(t)?))
 }
 
-/// Stacks one input's separate dense projections (q/k/v, or gate/up) and their biases into one
+/// Stacks one input's separate projections (q/k/v, or gate/up) and their biases into one
 /// matrix, so they run as one matmul whose output is split: on a GPU a decode step is dozens of
-/// small launches per layer, and each one saved is time saved. Quantized ones stay separate.
-fn stack_dense(linears: Vec<Linear>) -> Result<Projections<Linear>> {
+/// small launches per layer, and each one saved is time saved. Dense weights stack in their
+/// dtype; quantized ones when they share one GGML type (a quantized row is whole blocks, so the
+/// stacked tensor's bytes are theirs end to end, and each output row is computed as before,
+/// bitwise); a Q4_K_M file's Q6_K v beside Q4_K q and k stays separate.
+fn stack_projections(linears: Vec<Linear>) -> Result<Projections<Linear>> {
+    #[cfg(test)]
+    let stacks = STACK_PROJECTIONS.with(std::cell::Cell::get);
+    #[cfg(not(test))]
+    let stacks = true;
+    if !stacks {
+        return Ok(Projections::Separate(linears));
+    }
     let dense: Option<Vec<&Tensor>> = linears
         .iter()
         .map(|l| match &l.weight {
@@ -172,23 +239,69 @@ fn stack_dense(linears: Vec<Linear>) -> Result<Projections<Linear>> {
             Weight::Quantized(_) | Weight::Native(_) => None,
         })
         .collect();
-    let Some(weights) = dense else { return Ok(Projections::Separate(linears)) };
-    let widths = weights.iter().map(|w| w.dim(0)).collect::<candle_core::Result<Vec<_>>>()?;
-    let weight = Weight::Dense(Tensor::cat(&weights, 0)?);
-    let bias = if linears.iter().any(|l| l.bias.is_some()) {
-        let parts = linears
-            .iter()
-            .zip(&widths)
-            .map(|(l, &width)| match &l.bias {
-                Some(b) => Ok(b.clone()),
-                None => Ok(Tensor::zeros(width, weights[0].dtype(), weights[0].device())?),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Some(Tensor::cat(&parts, 0)?)
-    } else {
-        None
+    let (weight, widths) = match dense {
+        Some(weights) => {
+            let widths = weights.iter().map(|w| w.dim(0)).collect::<candle_core::Result<Vec<_>>>()?;
+            (Weight::Dense(Tensor::cat(&weights, 0)?), widths)
+        }
+        None => match stack_quantized(&linears)? {
+            Some(stacked) => stacked,
+            None => return Ok(Projections::Separate(linears)),
+        },
+    };
+    // A projection without a bias gets zeros beside the others' (Qwen2's q/k/v all have one).
+    let bias = match linears.iter().find_map(|l| l.bias.as_ref()) {
+        Some(some) => {
+            let parts = linears
+                .iter()
+                .zip(&widths)
+                .map(|(l, &width)| match &l.bias {
+                    Some(b) => Ok(b.clone()),
+                    None => Ok(Tensor::zeros(width, some.dtype(), some.device())?),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Some(Tensor::cat(&parts, 0)?)
+        }
+        None => None,
     };
     Ok(Projections::Fused { linear: Linear { weight, bias }, widths })
+}
+
+/// `linears`' quantized weights stacked into one (and their widths), when every one keeps its
+/// tensor (`QLinear::qtensor`; a repacked CPU weight does not) and all share its GGML type and
+/// input width; None otherwise.
+fn stack_quantized(linears: &[Linear]) -> Result<Option<(Weight, Vec<usize>)>> {
+    let tensors: Option<Vec<Arc<QTensor>>> = linears
+        .iter()
+        .map(|l| match &l.weight {
+            Weight::Quantized(QMatMul::QTensor(q)) => Some(q.clone()),
+            Weight::Native(native) => native.qtensor(),
+            Weight::Quantized(_) | Weight::Dense(_) => None,
+        })
+        .collect();
+    let Some(tensors) = tensors else { return Ok(None) };
+    let dims = tensors.iter().map(|q| q.shape().dims2()).collect::<candle_core::Result<Vec<_>>>()?;
+    let (dtype, cols) = (tensors[0].dtype(), dims[0].1);
+    if tensors.iter().zip(&dims).any(|(q, &(_, c))| q.dtype() != dtype || c != cols) {
+        return Ok(None);
+    }
+    let mut bytes = Vec::with_capacity(tensors.iter().map(|q| q.storage_size_in_bytes()).sum());
+    for q in &tensors {
+        bytes.extend_from_slice(&q.data()?); // a download at load, on CUDA
+    }
+    let widths: Vec<usize> = dims.iter().map(|&(rows, _)| rows).collect();
+    let device = tensors[0].device();
+    let storage = QStorage::from_data(std::borrow::Cow::Owned(bytes), &device, dtype)?;
+    let stacked = QTensor::new(storage, (widths.iter().sum::<usize>(), cols))?;
+    Ok(Some((quantized_weight(Arc::new(stacked))?, widths)))
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Whether this thread's loads stack projections (tests load a model both ways).
+    pub(crate) static STACK_PROJECTIONS: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
+    /// Whether this thread's quantized models run bf16 activations on the CPU too.
+    pub(crate) static QUANTIZED_BF16: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 impl Projections<Linear> {
@@ -294,7 +407,7 @@ impl BlockReader for GgufReader<'_, '_> {
     }
 
     fn separate(&mut self, linears: Vec<Linear>) -> Result<Projections<Linear>> {
-        stack_dense(linears)
+        stack_projections(linears)
     }
 }
 
@@ -331,7 +444,7 @@ impl BlockReader for HfReader<'_> {
     }
 
     fn separate(&mut self, linears: Vec<Linear>) -> Result<Projections<Linear>> {
-        stack_dense(linears)
+        stack_projections(linears)
     }
 }
 
@@ -403,7 +516,7 @@ impl BlockReader for RandomReader<'_> {
     }
 
     fn separate(&mut self, linears: Vec<Linear>) -> Result<Projections<Linear>> {
-        stack_dense(linears)
+        stack_projections(linears)
     }
 }
 
@@ -427,7 +540,8 @@ impl Decoder {
             .map(|i| load_block(&mut reader, Naming::Gguf, &config, i))
             .collect::<Result<Vec<_>>>()?;
         let weight_bytes = w.num_bytes;
-        Self::assemble(config, DType::F32, embed, blocks, final_norm, lm_head, device, weight_bytes)
+        let dtype = quantized_activations(device);
+        Self::assemble(config, dtype, embed, blocks, final_norm, lm_head, device, weight_bytes)
     }
 
     /// A Hugging Face safetensors model (`hf_dir::open`), with transformers' tensor names.
@@ -465,7 +579,7 @@ impl Decoder {
             WeightFormat::Dense(other) => {
                 return Err(Error::config(format!("dense random weights come in bf16, f16 or f32, not {other:?}")))
             }
-            WeightFormat::Quantized(_) => DType::F32,
+            WeightFormat::Quantized(_) => quantized_activations(device),
         };
         let mut reader = RandomReader { seed, stream: 0, format, dtype, device, num_bytes: 0 };
         // The blocks draw first, then the LM head, then the embedding: the seeded models' order.
@@ -491,11 +605,29 @@ impl Decoder {
         device: &Device,
         weight_bytes: usize,
     ) -> Result<Self> {
-        // `qkv_heads` norms q and k in f32: cast their weights once here, not in every forward.
+        // Norms, biases and dense matrices in the activation dtype (a GGUF file's are f32 or
+        // f16; casts of tensors already in it are free), but q and k's norms: `qkv_heads` norms
+        // them in f32, so their weights are cast once here, not in every forward.
+        let mut lm_head = lm_head;
+        lm_head.cast(dtype)?;
         for block in &mut blocks {
             for norm in [&mut block.q_norm, &mut block.k_norm] {
                 *norm = norm.take().map(|w| w.to_dtype(DType::F32)).transpose()?;
             }
+            for norm in [&mut block.attn_norm, &mut block.ffn_norm] {
+                *norm = norm.to_dtype(dtype)?;
+            }
+            for norm in [&mut block.post_attn_norm, &mut block.post_ffn_norm] {
+                *norm = norm.take().map(|w| w.to_dtype(dtype)).transpose()?;
+            }
+            for projections in [&mut block.qkv, &mut block.gate_up] {
+                match projections {
+                    Projections::Separate(linears) => linears.iter_mut().try_for_each(|l| l.cast(dtype))?,
+                    Projections::Fused { linear, .. } => linear.cast(dtype)?,
+                }
+            }
+            block.wo.cast(dtype)?;
+            block.w_down.cast(dtype)?;
         }
         let tables = |theta: f32, factor: f32| -> Result<RopeTables> {
             let half = config.rope_dims / 2;
@@ -991,6 +1123,70 @@ mod tests {
         let tokens: Vec<u32> = (0..12).collect();
         let logits = rebuilt.forward(&tokens, &mut rebuilt.new_cache(12).unwrap()).unwrap();
         assert!(logits.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap() <= 3.0);
+    }
+
+    /// Quantized q/k/v and gate/up load as one stacked tensor each where their GGML type allows
+    /// (Q5_K runs on candle's kernels here, which read it in place; Q8_0 and Q4_K may be
+    /// repacked into tiles for specrs' own, which stack only where they are not), and every
+    /// logit is the separate projections', bitwise.
+    #[test]
+    fn quantized_projections_stack_and_score_as_separate_ones() {
+        let config = LlamaConfig::from_json(
+            r#"{"vocab_size": 97, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+                "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 64}"#,
+        )
+        .unwrap();
+        let tokens: Vec<u32> = (0..9u32).map(|i| (i * 31 + 3) % 97).collect();
+        for q in [GgmlDType::Q5K, GgmlDType::Q8_0, GgmlDType::Q4K] {
+            let load = |stack: bool| {
+                STACK_PROJECTIONS.with(|s| s.set(stack));
+                let model = Decoder::random(&config, 13, WeightFormat::Quantized(q), &Device::Cpu).unwrap();
+                STACK_PROJECTIONS.with(|s| s.set(true));
+                let logits = model.forward(&tokens, &mut model.new_cache(9).unwrap()).unwrap();
+                let fused = matches!(model.blocks[0].qkv, Projections::Fused { .. })
+                    && matches!(model.blocks[0].gate_up, Projections::Fused { .. });
+                (logits.flatten_all().unwrap().to_vec1::<f32>().unwrap(), fused, model.weight_bytes())
+            };
+            let (stacked, fused, bytes) = load(true);
+            let (separate, unfused, separate_bytes) = load(false);
+            assert!(!unfused, "{q:?}");
+            if q == GgmlDType::Q5K {
+                assert!(fused, "Q5_K's projections stack");
+            }
+            assert_eq!(stacked, separate, "{q:?}: stacked projections score as separate ones");
+            assert_eq!(bytes, separate_bytes, "{q:?}");
+        }
+    }
+
+    /// The CUDA path's dtypes for quantized weights, run on the CPU: bf16 activations, norms and
+    /// KV over Q5_K (candle's kernels, through f32 here) and Q8_0 (specrs' own) weights. The
+    /// logits track the f32-activation model's to bf16's precision, and split forwards over the
+    /// cache score as one forward does.
+    #[test]
+    fn bf16_activations_over_quantized_weights_track_f32() {
+        let config = LlamaConfig::from_json(
+            r#"{"vocab_size": 97, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+                "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 64}"#,
+        )
+        .unwrap();
+        let tokens: Vec<u32> = (0..12u32).map(|i| (i * 37 + 5) % 97).collect();
+        for q in [GgmlDType::Q5K, GgmlDType::Q8_0] {
+            let load = |bf16: bool| {
+                QUANTIZED_BF16.with(|b| b.set(bf16));
+                let model = Decoder::random(&config, 17, WeightFormat::Quantized(q), &Device::Cpu).unwrap();
+                QUANTIZED_BF16.with(|b| b.set(false));
+                model
+            };
+            let (rounded, exact) = (load(true), load(false));
+            assert_eq!(rounded.dtype, DType::BF16);
+            assert_eq!(rounded.blocks[0].attn_norm.dtype(), DType::BF16);
+            let logits = |m: &Decoder| m.forward(&tokens, &mut m.new_cache(12).unwrap()).unwrap();
+            let f32_logits = logits(&exact);
+            let scale = f32_logits.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            let diff = max_abs_diff(&f32_logits, &logits(&rounded));
+            assert!(diff < 0.1 * scale, "{q:?}: max |difference| {diff} at logit scale {scale}");
+            check_cached_steps_match_one_forward(&rounded);
+        }
     }
 
     /// bf16 and q8_0 weights are the f32 model's rounded: the logits agree to their precision.

@@ -179,6 +179,15 @@ impl QLinear {
         Some(features.iter().flat_map(|&f| weight.dequantize_row(f as usize)).collect())
     }
 
+    /// The quantized tensor it reads in place, where it keeps one (not a repacked weight).
+    pub fn qtensor(&self) -> Option<Arc<QTensor>> {
+        match self {
+            QLinear::Native { weight, .. } => Some(weight.clone()),
+            QLinear::Candle { matmul: QMatMul::QTensor(weight), .. } => Some(weight.clone()),
+            QLinear::Repacked { .. } | QLinear::Candle { .. } => None,
+        }
+    }
+
     /// Whether specrs' own kernel runs it (else candle's `QMatMul`).
     pub fn is_native(&self) -> bool {
         !matches!(self, QLinear::Candle { .. })
