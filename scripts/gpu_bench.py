@@ -38,6 +38,10 @@ every request's rows in one kernel each, cuda/paged_attention.cu), or the contig
     the commits; of them the download's), and the forward's device seconds from CUDA events; a
     step's host work was hidden under the device when its download still waited for the step
     (TIMELINE_WAIT_S or longer);
+(9) the same shape with Q4_K weights (`Engine.random(dtype="q4_k")`: bf16 activations and KV on
+    CUDA, q/k/v and gate/up stacked, candle's MMVQ kernels at batch 1): its own bound (the
+    quantized weights' bytes a step reads over the read bandwidth) and its batch-1 ITL against it
+    (goal <= 1.3x: printed, not a failure), after the bf16 engine is freed, as time allows;
 (5) tokens/s (generated tokens over wall time, prefill included) at batch 1, 8 and 32, plain and
     with k = 4 drafts from the replay proposer at a = 0.7 and 0.9 (fixed k, no adaptive length,
     draft budget off), each request replaying its own recorded plain greedy output at that batch,
@@ -106,7 +110,12 @@ GRAPH_PREFIX = 4
 GRAPH_TOLERANCE = 1e-3
 # Graph memory for every shape above (their activation estimates sum to about 4.3 GB at this shape).
 GRAPH_MEMORY_MB = 16384
-GOALS = {"itl_over_bound_max": 1.6, "batch32_over_batch1_min": 12.0, "speedup_a09_k4_batch1_min": 3.0}
+GOALS = {"itl_over_bound_max": 1.6, "batch32_over_batch1_min": 12.0, "speedup_a09_k4_batch1_min": 3.0,
+         "q4k_itl_over_bound_max": 1.3}
+# The quantized engine of part (9): its GGML type, and the seconds it needs (its weights are drawn
+# and quantized on the host's cores, then placed on the device).
+QUANTIZED = "q4_k"
+QUANTIZED_NEED_S = {"gpu": 120.0, "cpu": 20.0}
 # Seconds kept for the peer (model init, compile, warm-up and batch 1) while specrs runs, and the
 # least left for it to start at all.
 PEER_RESERVE_S = {"gpu": 150.0, "cpu": 30.0}
@@ -272,6 +281,25 @@ def part_graphs(engine, vocab: int, clock: Clock, reserve_s: float) -> dict:
     layers = engine.info()["num_layers"]
     out["status"] = status
     out["nodes_per_layer"] = status["num_graph_nodes"] / max(1, status["num_graphs"]) / layers
+    return out
+
+
+def part_quantized(specrs, shape, device: str, num_tokens: int, layout: dict) -> dict:
+    """(9) the same shape with Q4_K weights (see the module header)."""
+    t0 = time.perf_counter()
+    engine = specrs.Engine.random(shape, seed=gpu_check.SEED, dtype=QUANTIZED, device=device, **layout)
+    engine.set_measure_on_demand(False)
+    build_s = time.perf_counter() - t0
+    vocab = engine.info()["vocab_size"]
+    bound = part_bound(specrs, engine, device, num_tokens)
+    prompt = gpu_check.fixed_ids(PROMPT_LEN, vocab, salt=2)
+    engine.generate(prompt, specrs.SamplingParams(max_tokens=16, temperature=0.0))  # warm-up (and captures)
+    run = gpu_check.timed_run(engine, prompt, specrs.SamplingParams(max_tokens=num_tokens, temperature=0.0))
+    out = {"dtype": QUANTIZED, "build_s": build_s, "weight_bytes": engine.info()["weight_bytes"], "bound": bound,
+           "itl_s": run["itl_s"], "timed_tokens": run["timed_tokens"], "itl_over_bound": run["itl_s"] / bound["bound_s"],
+           "step_graphs": engine.step_graph_status()}
+    print(f"(9) {QUANTIZED} batch 1 plain greedy: ITL {out['itl_s'] * 1e3:.3f} ms = {out['itl_over_bound']:.2f}x its "
+          f"bound ({bound['step_read_bytes'] / 1e9:.3f} GB a step; built in {build_s:.0f} s)", flush=True)
     return out
 
 
@@ -582,7 +610,7 @@ def part_peer(device: str, num_tokens: int, clock: Clock, save) -> dict:
 def failures(report: dict) -> list[str]:
     """Everything that decides the exit status, one line each (the peer never does)."""
     out = [f"({part}) raised {report[part]['error']}" for part in ("engine", "bound", "kernels", "identity", "itl",
-                                                                    "graphs", "timeline", "batches")
+                                                                    "graphs", "timeline", "batches", "quantized")
            if isinstance(report.get(part), dict) and "error" in report[part]]
     graphs = report.get("graphs", {})
     for name, b in graphs.get("buckets", {}).items():
@@ -684,6 +712,13 @@ def table(report: dict) -> str:
                 f"{fmt(graphs.get('nodes_per_layer'), '.1f')} nodes per layer, "
                 f"{fmt(status.get('used_bytes'), '.2f', 1e-9)} GB estimated{not_run(graphs)}")
         lines.append(f"| captured steps | {text} | all replay |")
+    quantized = report.get("quantized", {})
+    if quantized:
+        ratio = quantized.get("itl_over_bound")
+        missed = "" if ratio is None or ratio <= GOALS["q4k_itl_over_bound_max"] else " MISSED"
+        lines.append(f"| {QUANTIZED} ITL batch 1 | {fmt(quantized.get('itl_s'), '.3f', 1e3)} ms = {fmt(ratio, '.2f')}x "
+                     f"its bound ({fmt(quantized.get('bound', {}).get('bound_s'), '.3f', 1e3)} ms){not_run(quantized)} | "
+                     f"<= {GOALS['q4k_itl_over_bound_max']}x{missed} |")
     timeline = report.get("timeline", {})
     if timeline:
         text = (f"launch {fmt(timeline.get('launch_s'), '.3f', 1e3)} ms, host work in flight "
@@ -871,7 +906,16 @@ def main() -> int:
                 report[name] = error_dict(e)
                 print(f"({name}) raised {report[name]['error']}", flush=True)
         del engine
-        gc.collect()  # the engine's device memory goes back before the peer allocates its own
+        gc.collect()  # the engine's device memory goes back before the quantized one and the peer
+        if clock.fits(QUANTIZED_NEED_S["gpu" if on_gpu else "cpu"], reserve_s):
+            try:
+                report["quantized"] = part_quantized(specrs, shape, device, args.tokens, layout)
+            except Exception as e:
+                report["quantized"] = error_dict(e)
+                print(f"(quantized) raised {report['quantized']['error']}", flush=True)
+            gc.collect()
+        else:
+            report["quantized"] = {"skipped": "time budget"}
 
     report["peer"] = run_peer_child(device, args.tokens, clock)
 

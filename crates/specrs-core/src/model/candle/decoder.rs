@@ -455,7 +455,7 @@ struct RandomReader<'d> {
     /// The last stream drawn.
     stream: u64,
     format: WeightFormat,
-    /// Of dense weights and norms.
+    /// What weights are drawn in (dense ones stay in it; quantized ones are drawn in f32).
     dtype: DType,
     device: &'d Device,
     num_bytes: usize,
@@ -484,13 +484,38 @@ impl RandomReader<'_> {
                         q.block_size()
                     )));
                 }
-                let w = QTensor::quantize_onto(&self.draw(rows, cols, &Device::Cpu)?, q, self.device)?;
+                let w = quantize_rows_in_parallel(&self.draw(rows, cols, &Device::Cpu)?, q, self.device)?;
                 self.num_bytes += w.storage_size_in_bytes();
                 quantized_weight(Arc::new(w))?
             }
         };
         Ok(Linear::new(weight))
     }
+}
+
+/// `src` `[rows, cols]` (on the CPU) quantized to `q` on `device`: bands of rows quantized on
+/// the cores at once (candle's quantization runs on one; a quantized row is whole blocks, so the
+/// bands' bytes end to end are the whole tensor's, bitwise), then placed on `device` once. A
+/// random 8B model builds in a fraction of the time.
+fn quantize_rows_in_parallel(src: &Tensor, q: GgmlDType, device: &Device) -> Result<QTensor> {
+    use rayon::prelude::*;
+    let (rows, cols) = src.dims2()?;
+    let band = rows.div_ceil(rayon::current_num_threads().max(1)).max(1);
+    let bands = (0..rows)
+        .step_by(band)
+        .collect::<Vec<_>>()
+        .into_par_iter()
+        .map(|start| {
+            // A storage of its own: candle quantizes a tensor's whole storage, whatever the view
+            // (and `copy` keeps the view's offset into a clone of the whole).
+            let n = band.min(rows - start);
+            let values = src.narrow(0, start, n)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            let part = QTensor::quantize(&Tensor::from_vec(values, (n, cols), &Device::Cpu)?, q)?;
+            Ok(part.data()?.into_owned())
+        })
+        .collect::<Result<Vec<Vec<u8>>>>()?;
+    let storage = QStorage::from_data(std::borrow::Cow::Owned(bands.concat()), device, q)?;
+    Ok(QTensor::new(storage, (rows, cols))?)
 }
 
 impl BlockReader for RandomReader<'_> {
@@ -574,14 +599,16 @@ impl Decoder {
     /// [`Decoder::random`] of a decoder config: another family's graph (`config.architecture`)
     /// over the same random weights, where the family needs no weight they lack (a bias).
     pub(crate) fn random_of(config: DecoderConfig, seed: u64, format: WeightFormat, device: &Device) -> Result<Self> {
-        let dtype = match format {
-            WeightFormat::Dense(dtype @ (DType::BF16 | DType::F16 | DType::F32)) => dtype,
+        // Quantized weights and their embedding are drawn in f32 whatever the device's activation
+        // dtype, so one seed gives one model everywhere.
+        let (drawn, dtype) = match format {
+            WeightFormat::Dense(dtype @ (DType::BF16 | DType::F16 | DType::F32)) => (dtype, dtype),
             WeightFormat::Dense(other) => {
                 return Err(Error::config(format!("dense random weights come in bf16, f16 or f32, not {other:?}")))
             }
-            WeightFormat::Quantized(_) => quantized_activations(device),
+            WeightFormat::Quantized(_) => (DType::F32, quantized_activations(device)),
         };
-        let mut reader = RandomReader { seed, stream: 0, format, dtype, device, num_bytes: 0 };
+        let mut reader = RandomReader { seed, stream: 0, format, dtype: drawn, device, num_bytes: 0 };
         // The blocks draw first, then the LM head, then the embedding: the seeded models' order.
         let blocks = (0..config.num_layers)
             .map(|i| load_block(&mut reader, Naming::Hf, &config, i))
@@ -1155,6 +1182,18 @@ mod tests {
             }
             assert_eq!(stacked, separate, "{q:?}: stacked projections score as separate ones");
             assert_eq!(bytes, separate_bytes, "{q:?}");
+        }
+    }
+
+    /// Quantizing bands of rows at once gives candle's whole-tensor quantization, byte for byte.
+    #[test]
+    fn rows_quantized_in_parallel_are_the_whole_tensors_quantization() {
+        for (q, rows, cols) in [(GgmlDType::Q4K, 37, 512), (GgmlDType::Q8_0, 5, 64), (GgmlDType::Q6K, 1, 256)] {
+            let src = random::uniform((rows, cols), 1.0, 3, 1, DType::F32, &Device::Cpu).unwrap();
+            let whole = QTensor::quantize(&src, q).unwrap();
+            let parallel = quantize_rows_in_parallel(&src, q, &Device::Cpu).unwrap();
+            assert_eq!(parallel.shape(), whole.shape());
+            assert_eq!(parallel.data().unwrap(), whole.data().unwrap(), "{q:?} [{rows}, {cols}]");
         }
     }
 
