@@ -7,7 +7,8 @@
 use std::sync::Arc;
 
 use specrs_core::engine::FinishReason;
-use specrs_core::kv_cache::KvLayout;
+use specrs_core::kv_cache::{KvCache, KvLayout, PagedPool};
+use specrs_core::model::{CausalLm, ForwardBatch, ForwardOutput, ModelInfo};
 use specrs_core::{
     DraftBudget, Engine, Error, Generation, SamplingParams, Scheduler, SchedulerConfig, SpeculativeConfig, StepReport,
 };
@@ -330,6 +331,109 @@ fn steps_launched_then_finished_take_requests_and_aborts_in_flight() {
     assert_eq!(end.finish_reason, Some(FinishReason::Abort));
     assert!(end.token_ids.len() > aborted_at.unwrap() && end.token_ids.len() < expected[1].token_ids.len());
     assert_eq!(end.token_ids, expected[1].token_ids[..end.token_ids.len()]);
+}
+
+/// A device that records what each target forward reads: per sequence, its first row's position
+/// and token (the newest token it was given, or a prompt chunk's first), and the log of forwards
+/// and finished steps in order. Everything else is the wrapped model's.
+struct RecordingDevice {
+    inner: Arc<dyn CausalLm>,
+    log: std::sync::Mutex<Vec<Event>>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Event {
+    /// A target forward's sequences: (first row's position, its token).
+    Forward(Vec<(usize, u32)>),
+    Finished,
+}
+
+impl CausalLm for RecordingDevice {
+    fn info(&self) -> &ModelInfo {
+        self.inner.info()
+    }
+    fn device(&self) -> &candle_core::Device {
+        self.inner.device()
+    }
+    fn weight_bytes(&self) -> usize {
+        self.inner.weight_bytes()
+    }
+    fn step_weight_bytes(&self) -> usize {
+        self.inner.step_weight_bytes()
+    }
+    fn kv_read_bytes(&self, context: usize) -> usize {
+        self.inner.kv_read_bytes(context)
+    }
+    fn new_cache(&self, capacity: usize) -> specrs_core::Result<KvCache> {
+        self.inner.new_cache(capacity)
+    }
+    fn new_paged_pool(&self, block_size: usize, num_blocks: usize) -> specrs_core::Result<Arc<PagedPool>> {
+        self.inner.new_paged_pool(block_size, num_blocks)
+    }
+    fn forward_batch(&self, batch: &ForwardBatch, caches: &mut [&mut KvCache]) -> specrs_core::Result<ForwardOutput> {
+        if batch.exit_layer.is_none() {
+            let firsts = (0..batch.num_seqs()).map(|s| batch.seq_range(s).start);
+            let seqs = firsts.map(|row| (batch.positions[row], batch.tokens[row])).collect();
+            self.log.lock().unwrap().push(Event::Forward(seqs));
+        }
+        self.inner.forward_batch(batch, caches)
+    }
+    fn embed(&self, tokens: &[u32]) -> specrs_core::Result<candle_core::Tensor> {
+        self.inner.embed(tokens)
+    }
+    fn lm_head(
+        &self,
+        hidden: &candle_core::Tensor,
+        subset: Option<&[u32]>,
+    ) -> specrs_core::Result<candle_core::Tensor> {
+        self.inner.lm_head(hidden, subset)
+    }
+}
+
+/// The asynchronous loop's ordering on a recording device: each step's forward comes only after
+/// the step before finished, and every sequence's first row is a token the loop had already
+/// received (the newest of its request's tokens, or a prompt token), never one the step before
+/// had yet to produce.
+#[test]
+fn a_launched_step_reads_only_tokens_the_step_before_produced() {
+    let engine = load();
+    let recording = Arc::new(RecordingDevice { inner: engine.model().clone(), log: Default::default() });
+    let gguf = specrs_core::gguf::GgufFile::open(common::smollm2_path()).unwrap();
+    let tokenizer = specrs_core::tokenizer::TextTokenizer::from_gguf(&gguf).unwrap();
+    let device = Arc::new(Engine::from_model(recording.clone(), tokenizer, None).unwrap());
+    let requests: Vec<Request> =
+        mixed_requests(&engine, 8).into_iter().map(|r| Request { config: None, ..r }).collect();
+    let mut scheduler = Scheduler::new(device.clone(), SchedulerConfig::default()).unwrap();
+    let mut histories: Vec<Vec<u32>> = requests.iter().map(|r| r.prompt_ids.clone()).collect();
+    for (id, r) in requests.iter().enumerate() {
+        let config = METHODS[1 + id % 2].map(|c| device.speculation(&SpeculativeConfig::from_json(c).unwrap(), None));
+        scheduler.add(id as u64, r.prompt_ids.clone(), r.params.clone(), config.transpose().unwrap()).unwrap();
+    }
+    let mut num_steps = 0;
+    while scheduler.has_unfinished() {
+        let seen = recording.log.lock().unwrap().len();
+        scheduler.launch().unwrap();
+        let log = recording.log.lock().unwrap().clone();
+        assert!(seen == 0 || log[seen - 1] == Event::Finished, "a forward came before the step before finished");
+        for event in &log[seen..] {
+            let Event::Forward(seqs) = event else { panic!("a step finished inside a launch") };
+            for &(position, token) in seqs {
+                let known = requests.iter().zip(&histories).any(|(r, h)| {
+                    h.get(position) == Some(&token) && (position < r.prompt_ids.len() || position + 1 == h.len())
+                });
+                assert!(known, "step {num_steps} read token {token} at {position}, which no step had produced yet");
+            }
+        }
+        let (outputs, _) = scheduler.finish().unwrap();
+        recording.log.lock().unwrap().push(Event::Finished);
+        for o in outputs {
+            assert!(o.error.is_none(), "request {} failed: {:?}", o.id, o.error);
+            histories[o.id as usize].extend(&o.token_ids);
+        }
+        num_steps += 1;
+    }
+    let forwards = recording.log.lock().unwrap().iter().filter(|e| matches!(e, Event::Forward(_))).count();
+    assert!(forwards >= num_steps - 1 && num_steps > 8, "{forwards} forwards in {num_steps} steps");
 }
 
 #[test]
