@@ -49,6 +49,9 @@ pub struct PolicyCosts {
     /// "rejection"). None until measured (requests then try their first draft) and for drafts
     /// that cost nothing.
     pub draft_acceptance: Option<f64>,
+    /// What the draft's figures are kept under (`draft_identity`; None for model-free methods),
+    /// read once per config: it stats the draft's file.
+    pub draft_identity: Option<String>,
 }
 
 /// The context length the draft-length policy's curve is measured at (or less, for a model whose
@@ -109,15 +112,16 @@ impl Engine {
             }
         };
         let unit = config.method.draft_cost_unit();
+        let draft_identity = self.draft_identity(config)?;
         let (draft_cost, draft_cost_source, draft_cost_spread) = match config.costs.draft_cost {
             Some(c) => (DraftCost { value: c, unit }, Some(CostSource::Config), None),
-            None => match self.draft_cost(&table, config)? {
+            None => match self.draft_cost(&table, config, draft_identity.as_deref())? {
                 Some((c, source, spread)) => (DraftCost { value: c, unit }, Some(source), spread),
                 None => (DraftCost::FREE, None, None),
             },
         };
-        let draft_acceptance = match self.draft_identity(config)? {
-            Some(draft) if !draft_cost.is_free() => self.acceptance.landed(&draft)?,
+        let draft_acceptance = match &draft_identity {
+            Some(draft) if !draft_cost.is_free() => self.acceptance.landed(draft)?,
             _ => None,
         };
         Ok(PolicyCosts {
@@ -128,6 +132,7 @@ impl Engine {
             draft_cost_source,
             draft_cost_spread,
             draft_acceptance,
+            draft_identity,
         })
     }
 
@@ -142,17 +147,22 @@ impl Engine {
     /// model-based drafts (None for model-free ones, whose microseconds do not matter): the
     /// engine's figure, else a prior from the draft's size (decoding is memory-bound, so a draft
     /// forward costs about its weight bytes over the target's) while the background thread
-    /// measures it (on a 128-token context).
+    /// measures it (on a 128-token context). `identity`: `config`'s `draft_identity`.
     fn draft_cost(
         &self,
         table: &CostTable,
         config: &SpeculativeConfig,
+        identity: Option<&str>,
     ) -> Result<Option<(f64, CostSource, Option<Spread>)>> {
         // "auto"'s drafts cost what its model drafter's cost (so the background thread times that
         // drafter, not whichever drafter "auto" would pick).
         let drafter = self.auto_model_drafter(config)?;
+        let key = match &drafter {
+            Some(drafter) => self.draft_identity(drafter)?,
+            None => identity.map(str::to_string),
+        };
         let config = drafter.as_ref().unwrap_or(config);
-        let Some(key) = self.draft_identity(config)? else { return Ok(None) };
+        let Some(key) = key else { return Ok(None) };
         let probe = DraftProbe {
             k: config.num_speculative_tokens,
             policy_context_len: self.policy_context_len(),

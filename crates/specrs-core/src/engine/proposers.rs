@@ -202,9 +202,9 @@ impl Engine {
         // there is one; not where draft lengths choose a seeded request's tokens, which must not
         // depend on what the engine ran before.
         let explored = chain_costs.filter(|c| !c.draft_cost.is_free() && one_hot_drafts);
-        let (acceptance_prior, acceptance_recorder) = match explored.map(|_| self.draft_identity(config)).transpose()? {
-            Some(Some(draft)) => self.acceptance.prior(&draft)?,
-            _ => (AcceptancePrior::uninformed(), None),
+        let (acceptance_prior, acceptance_recorder) = match explored.and_then(|c| c.draft_identity.as_deref()) {
+            Some(draft) => self.acceptance.prior(draft)?,
+            None => (AcceptancePrior::uninformed(), None),
         };
         Ok(Speculation {
             method: config.method_name(),
