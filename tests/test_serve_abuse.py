@@ -492,7 +492,7 @@ def test_a_dead_generation_loop_makes_health_unhealthy(engine, caplog):
     app = build_app(engine, MODEL, max_num_seqs=2)
     scheduler = app.state.scheduler
 
-    def broken_submissions():
+    def broken_submissions(block: bool = True):
         while not scheduler._submitted:  # the bug strikes once a request is queued
             threading.Event().wait(0.01)
         raise RuntimeError("injected scheduler bug")

@@ -5,7 +5,9 @@
 //! whose verdict needs its logits alone and one host call for the rest
 //! (`verify_on_device_and_commit`; the device call's parts are prepared before the forward, so
 //! its descriptor rides the forward's one upload: `DeviceVerify`), and each session commits its
-//! verdict and hidden rows.
+//! verdict and hidden rows. The forward and the device's verification are launched first
+//! (`launch_step`), and nothing is downloaded until `Launched::commit`: the scheduler's caller
+//! works in between while the device runs the step.
 //!
 //! Invariant: because a row's logits do not depend on what else is in the forward (model/forward.rs;
 //! bitwise on the CPU backend), a session stepped here yields exactly the tokens it yields stepped
