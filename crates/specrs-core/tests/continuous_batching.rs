@@ -82,6 +82,21 @@ struct Batched {
     reports: Vec<StepReport>,
 }
 
+impl Batched {
+    /// A step's outputs and report: none failed, none ended twice.
+    fn take(&mut self, outputs: Vec<specrs_core::RequestOutput>, report: StepReport) {
+        for o in outputs {
+            assert!(o.error.is_none(), "request {} failed: {:?}", o.id, o.error);
+            self.tokens[o.id as usize].extend(&o.token_ids);
+            if let Some(end) = o.finished {
+                assert!(self.ends[o.id as usize].is_none(), "request {} ended twice", o.id);
+                self.ends[o.id as usize] = Some(end);
+            }
+        }
+        self.reports.push(report);
+    }
+}
+
 fn batched(
     scheduler: &mut Scheduler,
     engine: &Engine,
@@ -96,15 +111,7 @@ fn batched(
     let mut step = 0;
     while scheduler.has_unfinished() {
         let (outputs, report) = scheduler.step().unwrap();
-        for o in outputs {
-            assert!(o.error.is_none(), "request {} failed: {:?}", o.id, o.error);
-            out.tokens[o.id as usize].extend(&o.token_ids);
-            if let Some(end) = o.finished {
-                assert!(out.ends[o.id as usize].is_none(), "request {} ended twice", o.id);
-                out.ends[o.id as usize] = Some(end);
-            }
-        }
-        out.reports.push(report);
+        out.take(outputs, report);
         between(step, scheduler);
         step += 1;
         assert!(step < 10_000, "the scheduler does not finish");
@@ -312,16 +319,8 @@ fn steps_launched_then_finished_take_requests_and_aborts_in_flight() {
             aborted_at = Some(run.tokens[1].len());
         }
         let (outputs, report) = scheduler.finish().unwrap();
-        for o in outputs {
-            assert!(o.error.is_none(), "request {} failed: {:?}", o.id, o.error);
-            run.tokens[o.id as usize].extend(&o.token_ids);
-            if let Some(end) = o.finished {
-                assert!(run.ends[o.id as usize].is_none(), "request {} ended twice", o.id);
-                run.ends[o.id as usize] = Some(end);
-            }
-        }
         assert!(report.launch_s > 0.0 && report.wait_s <= report.finish_s, "{report:?}");
-        run.reports.push(report);
+        run.take(outputs, report);
         step += 1;
         assert!(step < 10_000, "the scheduler does not finish");
     }

@@ -1068,6 +1068,15 @@ mod tests {
         .unwrap()
     }
 
+    /// `tiny` with widths K-quants can pack (multiples of 256).
+    fn k_quant_sized() -> LlamaConfig {
+        LlamaConfig::from_json(
+            r#"{"vocab_size": 97, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+                "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 64}"#,
+        )
+        .unwrap()
+    }
+
     fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
         (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
     }
@@ -1158,11 +1167,7 @@ mod tests {
     /// logit is the separate projections', bitwise.
     #[test]
     fn quantized_projections_stack_and_score_as_separate_ones() {
-        let config = LlamaConfig::from_json(
-            r#"{"vocab_size": 97, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-                "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 64}"#,
-        )
-        .unwrap();
+        let config = k_quant_sized();
         let tokens: Vec<u32> = (0..9u32).map(|i| (i * 31 + 3) % 97).collect();
         for q in [GgmlDType::Q5K, GgmlDType::Q8_0, GgmlDType::Q4K] {
             let load = |stack: bool| {
@@ -1203,11 +1208,7 @@ mod tests {
     /// cache score as one forward does.
     #[test]
     fn bf16_activations_over_quantized_weights_track_f32() {
-        let config = LlamaConfig::from_json(
-            r#"{"vocab_size": 97, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-                "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 64}"#,
-        )
-        .unwrap();
+        let config = k_quant_sized();
         let tokens: Vec<u32> = (0..12u32).map(|i| (i * 37 + 5) % 97).collect();
         for q in [GgmlDType::Q5K, GgmlDType::Q8_0] {
             let load = |bf16: bool| {
