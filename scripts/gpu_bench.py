@@ -156,10 +156,12 @@ def error_dict(e: BaseException) -> dict:
     return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=4)}
 
 
-def part_bound(specrs, engine, device: str, num_tokens: int) -> dict:
+def part_bound(specrs, engine, device: str, num_tokens: int, bandwidth: float | None = None) -> dict:
+    """(1); `bandwidth`: the device's read bandwidth measured before (None: measured here)."""
     on_gpu = device != "cpu"
     num_bytes, repeats = ((2 << 30), 10) if on_gpu else ((256 << 20), 5)
-    bandwidth = float(specrs._specrs.read_bandwidth(device, num_bytes, repeats))
+    if bandwidth is None:
+        bandwidth = float(specrs._specrs.read_bandwidth(device, num_bytes, repeats))
     context = PROMPT_LEN + num_tokens // 2
     read_bytes = int(engine.step_read_bytes(context))  # weights but the embedding table, plus the KV cache
     out = {"read_bandwidth_bytes_per_s": bandwidth, "buffer_bytes": num_bytes, "repeats": repeats,
@@ -220,20 +222,24 @@ def part_identity(specrs, engine, dtype: str, vocab: int, num_tokens: int) -> di
     return out
 
 
-def part_itl(specrs, engine, vocab: int, num_tokens: int) -> dict:
+def timed_batch1(specrs, engine, vocab: int, num_tokens: int) -> dict:
+    """One greedy request of num_tokens after a 16-token warm-up (which also captures its steps'
+    graphs): gpu_check.timed_run's figures."""
     prompt = gpu_check.fixed_ids(PROMPT_LEN, vocab, salt=2)
-    greedy = specrs.SamplingParams(max_tokens=num_tokens, temperature=0.0)
+    engine.generate(prompt, specrs.SamplingParams(max_tokens=16, temperature=0.0))
+    return gpu_check.timed_run(engine, prompt, specrs.SamplingParams(max_tokens=num_tokens, temperature=0.0))
+
+
+def part_itl(specrs, engine, vocab: int, num_tokens: int) -> dict:
     status = engine.step_graph_status()
     graphs_on = status is not None and status["mode"] == "device"
     eager = None
     if graphs_on:
         # Eagerly first (set_step_graphs drops what was captured), then with graphs as the engine runs.
         engine._inner.set_step_graphs(True, GRAPH_MEMORY_MB << 20)
-        engine.generate(prompt, specrs.SamplingParams(max_tokens=16, temperature=0.0))  # warm-up
-        eager = gpu_check.timed_run(engine, prompt, greedy)
+        eager = timed_batch1(specrs, engine, vocab, num_tokens)
         engine._inner.set_step_graphs(False, GRAPH_MEMORY_MB << 20)
-    engine.generate(prompt, specrs.SamplingParams(max_tokens=16, temperature=0.0))  # warm-up (and captures)
-    run = gpu_check.timed_run(engine, prompt, greedy)
+    run = timed_batch1(specrs, engine, vocab, num_tokens)
     out = {"itl_s": run["itl_s"], "tokens_per_s": run["tokens_per_s"], "timed_tokens": run["timed_tokens"],
            "num_tokens": len(run["tokens"]), "mean_context_len": PROMPT_LEN + num_tokens // 2, "graphs": graphs_on,
            "step_graphs": engine.step_graph_status()}
@@ -284,17 +290,15 @@ def part_graphs(engine, vocab: int, clock: Clock, reserve_s: float) -> dict:
     return out
 
 
-def part_quantized(specrs, shape, device: str, num_tokens: int, layout: dict) -> dict:
-    """(9) the same shape with Q4_K weights (see the module header)."""
+def part_quantized(specrs, shape, device: str, num_tokens: int, layout: dict, bandwidth: float | None) -> dict:
+    """(9) the same shape with Q4_K weights (see the module header); `bandwidth`: part (1)'s."""
     t0 = time.perf_counter()
     engine = specrs.Engine.random(shape, seed=gpu_check.SEED, dtype=QUANTIZED, device=device, **layout)
     engine.set_measure_on_demand(False)
     build_s = time.perf_counter() - t0
     vocab = engine.info()["vocab_size"]
-    bound = part_bound(specrs, engine, device, num_tokens)
-    prompt = gpu_check.fixed_ids(PROMPT_LEN, vocab, salt=2)
-    engine.generate(prompt, specrs.SamplingParams(max_tokens=16, temperature=0.0))  # warm-up (and captures)
-    run = gpu_check.timed_run(engine, prompt, specrs.SamplingParams(max_tokens=num_tokens, temperature=0.0))
+    bound = part_bound(specrs, engine, device, num_tokens, bandwidth)
+    run = timed_batch1(specrs, engine, vocab, num_tokens)
     out = {"dtype": QUANTIZED, "build_s": build_s, "weight_bytes": engine.info()["weight_bytes"], "bound": bound,
            "itl_s": run["itl_s"], "timed_tokens": run["timed_tokens"], "itl_over_bound": run["itl_s"] / bound["bound_s"],
            "step_graphs": engine.step_graph_status()}
@@ -909,7 +913,8 @@ def main() -> int:
         gc.collect()  # the engine's device memory goes back before the quantized one and the peer
         if clock.fits(QUANTIZED_NEED_S["gpu" if on_gpu else "cpu"], reserve_s):
             try:
-                report["quantized"] = part_quantized(specrs, shape, device, args.tokens, layout)
+                bandwidth = report.get("bound", {}).get("read_bandwidth_bytes_per_s")
+                report["quantized"] = part_quantized(specrs, shape, device, args.tokens, layout, bandwidth)
             except Exception as e:
                 report["quantized"] = error_dict(e)
                 print(f"(quantized) raised {report['quantized']['error']}", flush=True)
